@@ -1,0 +1,24 @@
+# Two entry points: `make serve` (demo model server) and `make test` (the whole suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+.PHONY: install serve test bench
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/llmserve serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(BIN)/llmserve bench offline

@@ -1,0 +1,115 @@
+"""`llmserve bench offline`: the engine in-process on a fixed random workload, all submitted at once.
+
+Prints output tokens/s and the mean engine step split into scheduling (+ bookkeeping), input
+preparation, forward and sampling. `--baseline hf` runs the same workload through transformers'
+generate() in static batches, as the naive reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from llmserve.config import add_dataclass_args, dataclass_from_args
+
+
+@dataclass(frozen=True)
+class OfflineBenchConfig:
+    model: str | None = field(default=None, metadata={"help": "checkpoint dir (default: make --shape with make-model)"})
+    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint"})
+    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
+    num_requests: int = field(default=128, metadata={"help": "requests, all submitted at once"})
+    prompt_len: str = field(default="64-512", metadata={"help": "prompt length range MIN-MAX (uniform)"})
+    output_len: str = field(default="32-256", metadata={"help": "output length range MIN-MAX (uniform)"})
+    seed: int = field(default=0, metadata={"help": "workload seed"})
+    max_num_seqs: int = field(default=128, metadata={"help": "engine: most running requests"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "engine: token budget per step"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
+    baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
+    baseline_batch_size: int = field(default=16, metadata={"help": "static batch size of the hf baseline"})
+    out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def make_workload(cfg: OfflineBenchConfig, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(cfg.seed)
+    (p_lo, p_hi), (o_lo, o_hi) = _range(cfg.prompt_len), _range(cfg.output_len)
+    return [([rng.randrange(10, vocab_size) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(o_lo, o_hi))
+            for _ in range(cfg.num_requests)]
+
+
+def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
+    from llmserve import LLM, SamplingParams
+
+    llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching)
+    llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    runner, core = llm.engine.runner, llm.engine
+    runner.times.__init__()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in workload], params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    t = runner.times
+    steps = max(t.num_steps, 1)
+    other = elapsed - (t.prepare + t.forward + t.sample)
+    return {"engine": "llmserve", "device": str(core.device), "dtype": str(core.dtype), "elapsed_s": elapsed,
+            "num_output_tokens": num_out, "output_tok_s": num_out / elapsed, "num_steps": t.num_steps,
+            "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
+                             "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
+            "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions}
+
+
+def run(cfg: OfflineBenchConfig) -> dict:
+    from llmserve.model.loader import load_hf_config
+    from llmserve.model.maker import make_model
+
+    path = cfg.model or make_model(cfg.arch, cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
+    workload = make_workload(cfg, load_hf_config(path).vocab_size)
+    results = {"config": asdict(cfg), "model_path": path, "engine": run_engine(cfg, path, workload)}
+    if cfg.baseline == "hf":
+        from llmserve.bench.hf_baseline import run_hf_baseline
+
+        results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size, dtype=cfg.dtype))
+    return results
+
+
+def _print(results: dict) -> None:
+    e = results["engine"]
+    print(f"llmserve  {e['device']} {e['dtype']}: {e['num_output_tokens']} output tokens in {e['elapsed_s']:.1f} s"
+          f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} steps ({e['num_preemptions']} preemptions)")
+    split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
+    print(f"mean step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
+    if "hf" in results:
+        hf = results["hf"]
+        print(f"hf generate (static batches): {hf['output_throughput']:.1f} tok/s; "
+              f"ratio llmserve/hf = {e['output_tok_s'] / hf['output_throughput']:.2f}x")
+
+
+def add_bench_offline_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("offline", help="benchmark the engine in-process")
+    add_dataclass_args(parser, OfflineBenchConfig)
+    parser.set_defaults(func=_main)
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = dataclass_from_args(OfflineBenchConfig, args)
+    if cfg.baseline not in (None, "hf"):
+        raise SystemExit("--baseline must be hf")
+    results = run(cfg)
+    _print(results)
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

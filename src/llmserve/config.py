@@ -1,0 +1,103 @@
+"""Frozen configuration records. Each default is written once, here; the CLI is built from them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(default=None, metadata={"help": "HF directory or hub id (default: the embedded demo model)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory or hub id (default: the model's)"})
+    revision: str | None = field(default=None, metadata={"help": "hub revision"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16", "choices": ["auto", "float32", "bfloat16", "float16"]})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
+    seed: int = field(default=0, metadata={"help": "seed of the engine's sampler for unseeded requests"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache bytes, e.g. 4GiB (default: a fraction of free memory)"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "exact number of KV blocks (overrides --kv-cache-memory)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prefixes"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use"})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
+    policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"]})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB' -> 4294967296; '512MB' -> 512000000; '1000' -> 1000."""
+    s = text.strip().lower().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = s[len(num):].strip()
+    if not num or unit not in _UNITS:
+        raise ValueError(f"cannot parse a byte size from {text!r} (examples: 4GiB, 512MB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def _base_type(tp: typing.Any) -> type:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one --flag per field of a frozen config dataclass (bools become --x / --no-x)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(hints[f.name])
+        help_ = f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            parser.add_argument(flag, type=tp, default=f.default, help=f"{help_} (default: {f.default})",
+                                choices=f.metadata.get("choices"))
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace):
+    """Build a config dataclass from parsed args, taking the fields the parser has."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**values)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        add_dataclass_args(parser, cls)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=dataclass_from_args(ModelConfig, args),
+                        cache=dataclass_from_args(CacheConfig, args),
+                        scheduler=dataclass_from_args(SchedulerConfig, args))
+
+
+def cache_dir() -> str:
+    """Where llmserve keeps what it builds (the demo model)."""
+    root = os.environ.get("LLMSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmserve")
+    os.makedirs(root, exist_ok=True)
+    return root

@@ -1,0 +1,162 @@
+"""The pool of KV blocks: ref counts, an O(1) free list, and the prefix-cache hash index.
+
+A block is free when its ref count is 0. Free blocks sit in a doubly linked queue ordered for
+eviction (least recently freed first); a free block may still hold cached KV (it has a hash) and is
+"revived" by a prefix hit, which removes it from the middle of the queue in O(1).
+Block 0 is the null block: never handed out, used to pad block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BlockHash:
+    """Identity of a full block: hash of (parent hash, its token ids, salt), plus the tokens
+    themselves so that a hit is confirmed token by token (a hash collision is never served)."""
+
+    value: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove-from-middle."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        assert block is not self._tail, "no free blocks"
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, "block not in queue"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, "block already queued"
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def block_ids(self) -> list[int]:
+        ids, block = [], self._head.next_free
+        while block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+class BlockPool:
+    """All KV blocks; hands out free ones, evicting cached KV least-recently-used first."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        assert num_blocks >= 2, "need the null block and at least one more"
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # pinned forever
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[int, KVBlock] = {}  # hash value -> block holding that KV
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block holding exactly these tokens after this parent, or None."""
+        block = self.cached.get(block_hash.value)
+        if block is None or block.block_hash != block_hash:  # tokens differ: a collision
+            return None
+        return block
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on prefix-hit blocks, reviving the free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        assert num_blocks <= self.get_num_free_blocks(), "allocate beyond free blocks"
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the queue's tail in the given order."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Record that `block` holds the KV of `block_hash` (a full block). First writer wins."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash.value in self.cached:
+            return  # same content computed twice (or a collision): keep the first
+        block.block_hash = block_hash
+        self.cached[block_hash.value] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash.value) is block:
+            del self.cached[block.block_hash.value]
+        block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached KV; refused (False) while any block is in use."""
+        if self.get_num_free_blocks() != self.num_usable_blocks:
+            return False
+        for block in self.blocks[1:]:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        queued = self.free_queue.block_ids()
+        assert len(queued) == len(set(queued)), "a block is queued twice"
+        assert 0 not in queued, "the null block is in the free queue"
+        free_ids = {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
+        assert set(queued) == free_ids, "free queue differs from blocks with ref_cnt 0"
+        assert all(b.ref_cnt >= 0 for b in self.blocks)
+        for value, block in self.cached.items():
+            assert block.block_hash is not None and block.block_hash.value == value, "stale hash index"

@@ -1,0 +1,113 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, freeing.
+
+The scheduler asks `get_computed_blocks` once when a request is first scheduled, then
+`allocate_slots` each step for the tokens it schedules; `free` when the request ends or is preempted.
+"""
+
+from __future__ import annotations
+
+from llmserve.core.block_pool import BlockPool, KVBlock
+from llmserve.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already in the hash index
+        self.num_queried_tokens = 0  # prefix-cache statistics, drained by the scheduler
+        self.num_hit_tokens = 0
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest chain of cached full blocks that starts the request's tokens.
+
+        At least one token is always left to compute, so that the step produces logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` beyond the computed ones; None if blocks are short.
+
+        `new_computed_blocks` are prefix hits (first scheduling only); they are referenced, not copied.
+        """
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
+        num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(computed))
+        num_revived = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.get_num_free_blocks():
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(computed)
+        blocks.extend(computed)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the blocks that will be full once this step has run (their KV is written in it)."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so that eviction takes chain tails first."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_prefix_stats(self) -> tuple[int, int]:
+        stats = (self.num_queried_tokens, self.num_hit_tokens)
+        self.num_queried_tokens = self.num_hit_tokens = 0
+        return stats
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        owners: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for block in set(blocks):
+                owners[block.block_id] = owners.get(block.block_id, 0) + 1
+            assert len(blocks) == len(set(blocks)), "a request holds a block twice"
+        for block in self.pool.blocks[1:]:
+            assert block.ref_cnt == owners.get(block.block_id, 0), \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != owners {owners.get(block.block_id, 0)}"

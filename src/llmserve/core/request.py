@@ -1,0 +1,93 @@
+"""The scheduler's view of one request (one sequence; n > 1 is fanned out by the front)."""
+
+from __future__ import annotations
+
+import enum
+
+from llmserve.core.block_pool import BlockHash
+from llmserve.engine.messages import EngineCoreRequest, FinishReason
+from llmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    def finish_reason(self) -> FinishReason | None:
+        return {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+                RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}.get(self)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: list[int], arrival_time: float, max_tokens: int,
+                 priority: int = 0, parent_id: str | None = None, cache_salt: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.arrival_time = arrival_time
+        self.max_tokens = max_tokens  # resolved against the context length by the front
+        self.priority = priority
+        self.parent_id = parent_id
+        self.cache_salt = cache_salt
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
+        params = req.sampling_params
+        room = max_model_len - len(req.prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return cls(req.request_id, req.prompt_token_ids, params, req.eos_token_ids, req.arrival_time,
+                   max_tokens, req.priority, req.parent_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend the chained hashes to cover every full block of the tokens so far."""
+        num_full = len(self.all_token_ids) // block_size
+        while len(self.block_hashes) < num_full:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1].value if self.block_hashes else self.cache_salt
+            tokens = tuple(self.all_token_ids[i * block_size:(i + 1) * block_size])
+            self.block_hashes.append(BlockHash(hash((parent, tokens)), tokens))
+        return self.block_hashes
+
+    def __lt__(self, other: Request) -> bool:  # heap order for the priority policy
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)

@@ -1,0 +1,51 @@
+"""What the scheduler tells the model runner each step: new requests in full, the rest as diffs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids_for_min_tokens: list[int]
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in row order
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # finished or preempted since last step
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request (row order): the sampled token ids (empty for a partial prefill)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list] | None = None  # per row: a list of engine.messages.Logprobs, or None

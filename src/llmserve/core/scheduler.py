@@ -1,0 +1,260 @@
+"""The continuous-batching scheduler.
+
+There is no prefill or decode phase: each step, every request's `num_computed_tokens` catches up with
+its token count under one token budget (`max_num_batched_tokens`). Running requests go first (a long
+prompt is chunked to what the budget leaves), then waiting ones in queue order. When blocks run out,
+the lowest-priority running request is preempted by recompute: its blocks are freed and it returns to
+the front of the waiting queue, so no request is ever lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.request_queue import make_queue
+from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmserve.core.stop import check_stop
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.held_siblings: dict[str, list[Request]] = {}  # first sibling id -> siblings waiting for it
+        self.finished_req_ids: set[str] = set()  # since the last step, for the runner
+        self.seen_by_runner: set[str] = set()
+        self.aborted_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+        self.num_step_prompt_tokens = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        first = self._first_sibling_in_prefill(request)
+        if first is not None:
+            self.held_siblings.setdefault(first.request_id, []).append(request)
+        else:
+            self.waiting.add(request)
+
+    def _first_sibling_in_prefill(self, request: Request) -> Request | None:
+        """n > 1: later siblings wait for the first one's prompt blocks, then hit the prefix cache."""
+        if request.parent_id is None or not self.kv.enable_caching:
+            return None
+        for other in self.requests.values():
+            if other.parent_id == request.parent_id and other is not request:
+                return other if other.num_computed_tokens < other.num_prompt_tokens else None
+        return None
+
+    def _release_siblings(self, request: Request) -> None:
+        for sibling in reversed(self.held_siblings.pop(request.request_id, [])):
+            self.waiting.add_front(sibling)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif not self._unhold(request):
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self.aborted_outputs.append(EngineCoreOutput(req_id, [], finish_reason=request.status.finish_reason()))
+
+    def _unhold(self, request: Request) -> bool:
+        for siblings in self.held_siblings.values():
+            if request in siblings:
+                siblings.remove(request)
+                return True
+        return False
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._release_siblings(request)
+        del self.requests[request.request_id]
+        if request.request_id in self.seen_by_runner:
+            self.seen_by_runner.discard(request.request_id)
+            self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self.aborted_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget, has_preempted = self._schedule_running(out, budget)
+        if not has_preempted:
+            self._schedule_waiting(out, budget)
+        self.num_step_prompt_tokens = 0
+        for req_id, num in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            end = request.num_computed_tokens + num
+            self.num_step_prompt_tokens += max(0, min(end, request.num_prompt_tokens) - request.num_computed_tokens)
+            request.num_computed_tokens = end
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        has_preempted = False
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim(first_unscheduled=i)
+                self._preempt(victim)
+                has_preempted = True
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue  # the request itself was preempted: running[i] is now the next one
+            out.cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                                     request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+            i += 1
+        return budget, has_preempted
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """The lowest-priority request not yet scheduled in this step (the newest under FCFS)."""
+        if self.config.policy == "priority":
+            return max(self.running[first_unscheduled:], key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in self.seen_by_runner:
+            self.seen_by_runner.discard(request.request_id)
+            self.finished_req_ids.add(request.request_id)
+        self.waiting.add_front(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.pop()
+            self._start_running(request, num_hit_tokens)
+            out.new_reqs.append(self._new_request_data(request))
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+    def _start_running(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+            request.scheduled_time = time.time()
+        self.running.append(request)
+        self.seen_by_runner.add(request.request_id)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            stop_token_ids_for_min_tokens=sorted(request.eos_token_ids | request.stop_token_ids),
+        )
+
+    # ---- after the forward ----------------------------------------------------------------------
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs = self.aborted_outputs
+        self.aborted_outputs = []
+        now = time.time()
+        num_generated = 0
+        logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
+        for req_id, token_ids, row_logprobs in zip(runner_out.req_ids, runner_out.sampled_token_ids, logprobs):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted during the step
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                self._release_siblings(request)
+            if not token_ids:
+                continue  # a prefill chunk: nothing to report yet
+            num_generated += len(token_ids)
+            outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
+        return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
+
+    def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs, now: float) -> EngineCoreOutput:
+        accepted: list[int] = []
+        status = None
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            accepted.append(token_id)
+            status = check_stop(request, self.max_model_len)
+            if status is not None:
+                break
+        out = EngineCoreOutput(request.request_id, accepted, new_logprobs=row_logprobs,
+                               num_cached_tokens=max(request.num_cached_tokens, 0))
+        if request.first_token_time is None:
+            request.first_token_time = now
+            out.scheduled_time = request.scheduled_time
+            out.first_token_time = now
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+            out.finish_reason = status.finish_reason()
+            out.stop_reason = request.stop_reason
+        return out
+
+    def _stats(self, sched_out: SchedulerOutput, num_generated: int) -> SchedulerStats:
+        queries, hits = self.kv.take_prefix_stats()
+        num_preemptions, self.num_preemptions = self.num_preemptions, 0
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting) + self._num_held(),
+                              kv_cache_usage=self.kv.usage(), prefix_cache_queries=queries,
+                              prefix_cache_hits=hits, num_preemptions=num_preemptions,
+                              num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
+                              num_prompt_tokens=self.num_step_prompt_tokens, num_generation_tokens=num_generated,
+                              timestamp=time.time())
+
+    def _num_held(self) -> int:
+        return sum(len(s) for s in self.held_siblings.values())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            assert request.request_id in self.requests
+        owners = set(self.kv.req_to_blocks)
+        assert owners <= {r.request_id for r in self.running}, "a non-running request holds blocks"

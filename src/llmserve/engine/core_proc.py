@@ -1,0 +1,260 @@
+"""The engine-core process: a ZMQ loop around EngineCore.
+
+Wire (msgpack via msgspec, never pickle), each message two frames `[kind byte, payload]`:
+  front -> core (PUSH -> PULL):  ADD EngineCoreRequest | ABORT list[str] | UTILITY UtilityCall | SHUTDOWN
+  core -> front (PUSH -> PULL):  READY ReadyMessage | OUTPUTS EngineCoreOutputs | UTILITY UtilityResult
+                                 | FAILED str (the core is going down with this error)
+
+Threads: the input thread receives and decodes (and watches the parent), the main thread runs
+`step()` while there is work, the output thread encodes and sends, so socket IO overlaps the forward.
+The core follows its parent: it ignores SIGINT/SIGTERM (the front drains, then sends SHUTDOWN) and
+exits on its own when the front process is gone.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from llmserve.config import EngineConfig
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger("llmserve.engine.core_proc")
+
+PARENT_POLL_MS = 500  # how often the input thread checks that the front is alive
+IDLE_POLL_S = 1.0
+
+
+class InKind(enum.IntEnum):
+    ADD = 0
+    ABORT = 1
+    UTILITY = 2
+    SHUTDOWN = 3
+
+
+class OutKind(enum.IntEnum):
+    READY = 0
+    OUTPUTS = 1
+    UTILITY = 2
+    FAILED = 3
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct):
+    """Answer of the `get_stats` utility: the cache and queue state right now."""
+
+    num_kv_blocks: int  # usable blocks (without the null block)
+    num_free_kv_blocks: int  # free, including evictable prefix-cached ones
+    kv_cache_usage: float
+    num_unfinished_requests: int
+
+
+class ReadyMessage(msgspec.Struct):
+    model_info: dict[str, Any]  # llmserve.model.loader.ModelInfo as builtins
+    num_kv_blocks: int
+    pid: int
+
+
+def frames(kind: int, payload: Any) -> list[bytes]:
+    return [bytes((kind,)), msgspec.msgpack.encode(payload)]
+
+
+_DECODERS = {
+    InKind.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+    InKind.ABORT: msgspec.msgpack.Decoder(list[str]),
+    InKind.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+    InKind.SHUTDOWN: msgspec.msgpack.Decoder(),
+}
+
+
+def decode_input(kind_frame: bytes, payload: bytes) -> tuple[InKind, Any]:
+    kind = InKind(kind_frame[0])
+    return kind, _DECODERS[kind].decode(payload)
+
+
+# ---- the process entry ----------------------------------------------------------------------------
+
+
+def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """Entry of the spawned process. `config_bytes` is the msgpack of an EngineConfig."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.SNDHWM, 0)
+    out_sock.setsockopt(zmq.LINGER, 5000)
+    out_sock.connect(output_addr)
+    exit_code = 0
+    try:
+        core = _build_core(config)
+        proc = EngineCoreProc(core, ctx, input_addr, out_sock, parent_pid)
+        proc.run()
+    except Exception as e:  # noqa: BLE001 - report any startup or loop failure to the front, then die
+        logger.exception("engine core failed")
+        out_sock.send_multipart(frames(OutKind.FAILED, f"{type(e).__name__}: {e}"))
+        exit_code = 1
+    finally:
+        out_sock.close(linger=2000)
+        ctx.term()
+    os._exit(exit_code)  # skip interpreter teardown (torch threads); sockets are flushed above
+
+
+def _build_core(config: EngineConfig):
+    from llmserve.engine.engine_core import EngineCore
+
+    return EngineCore(config)
+
+
+class EngineCoreProc:
+    """The busy loop: drain inputs, step while there is work, block on inputs when idle."""
+
+    def __init__(self, core, ctx: zmq.Context, input_addr: str, out_sock: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.inputs: queue.Queue[tuple[InKind, Any]] = queue.Queue()
+        self.outputs: queue.Queue[list[bytes] | None] = queue.Queue()
+        self.parent_pid = parent_pid
+        self.is_stopping = False
+        self.is_integrity_checked = True
+        self._utilities = {
+            "reset_prefix_cache": core.reset_prefix_cache,
+            "check_integrity": self._check_integrity,
+            "get_stats": self._get_stats,
+            "ping": lambda: True,
+        }
+        self.input_thread = threading.Thread(target=self._input_loop, args=(ctx, input_addr), daemon=True,
+                                             name="core-input")
+        self.output_thread = threading.Thread(target=self._output_loop, args=(out_sock,), daemon=True,
+                                              name="core-output")
+
+    def run(self) -> None:
+        self.output_thread.start()
+        info = self.core.model_info
+        self.outputs.put(frames(OutKind.READY, ReadyMessage(msgspec.to_builtins(info), self.core.num_blocks,
+                                                            os.getpid())))
+        self.input_thread.start()
+        try:
+            while not self.is_stopping:
+                self._wait_for_work()
+                self._drain_inputs()
+                if self.core.has_unfinished_requests():
+                    self.is_integrity_checked = False
+                    self.outputs.put(frames(OutKind.OUTPUTS, self.core.step()))
+        finally:
+            self.outputs.put(None)
+            self.output_thread.join(timeout=5)
+
+    def _wait_for_work(self) -> None:
+        """Block on the input queue while idle (checking the cache's invariants once per idle period)."""
+        while not self.is_stopping and not self.core.has_unfinished_requests():
+            if not self.is_integrity_checked:
+                self._check_integrity()
+                self.is_integrity_checked = True
+            try:
+                self._handle(*self.inputs.get(timeout=IDLE_POLL_S))
+            except queue.Empty:
+                continue
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                self._handle(*self.inputs.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: InKind, payload: Any) -> None:
+        if kind == InKind.ADD:
+            self.core.add_request(payload)
+        elif kind == InKind.ABORT:
+            self.core.abort_requests(payload)
+        elif kind == InKind.UTILITY:
+            self.outputs.put(frames(OutKind.UTILITY, self._call_utility(payload)))
+        else:
+            self.is_stopping = True
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        method = self._utilities.get(call.method)
+        if method is None:
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, msgspec.to_builtins(method(*call.args)))
+        except Exception as e:  # noqa: BLE001 - the caller gets the error text
+            logger.exception("utility %s failed", call.method)
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _check_integrity(self) -> bool:
+        """Invariants broken mean corrupted outputs: fail loudly (the front sees the core die)."""
+        self.core.check_integrity()
+        return True
+
+    def _get_stats(self) -> EngineStats:
+        kv = self.core.scheduler.kv
+        return EngineStats(kv.pool.num_usable_blocks, self.core.num_free_blocks(), kv.usage(),
+                           self.core.scheduler.get_num_unfinished_requests())
+
+    # ---- IO threads -------------------------------------------------------------------------------
+
+    def _input_loop(self, ctx: zmq.Context, input_addr: str) -> None:
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(input_addr)
+        try:
+            self._receive_inputs(sock)
+        except zmq.ContextTerminated:
+            pass  # the process is going down
+        finally:
+            sock.close(linger=0)
+
+    def _receive_inputs(self, sock: zmq.Socket) -> None:
+        while True:
+            if sock.poll(PARENT_POLL_MS) == 0:
+                if os.getppid() != self.parent_pid:
+                    logger.error("the front process is gone; the engine core exits")
+                    self.inputs.put((InKind.SHUTDOWN, None))
+                    return
+                continue
+            kind_frame, payload = sock.recv_multipart()
+            kind, msg = decode_input(kind_frame, payload)
+            self.inputs.put((kind, msg))
+            if kind == InKind.SHUTDOWN:
+                return
+
+    def _output_loop(self, sock: zmq.Socket) -> None:
+        while True:
+            item = self.outputs.get()
+            if item is None:
+                return
+            sock.send_multipart(item, copy=False)
+
+
+def wait_for_exit(pid: int, timeout: float) -> bool:
+    """Poll until a (non-child) process is gone; True if it is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,97 @@
+"""The engine core: one step is schedule -> execute -> update_from_output.
+
+Owns the scheduler (what to run) and the model runner (running it). The front talks to it through
+EngineCoreRequest / abort lists and gets EngineCoreOutputs back, in-process (LLM) or over ZMQ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.core.request import Request
+from llmserve.core.sched_output import ModelRunnerOutput
+from llmserve.core.scheduler import Scheduler
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.model.attn_torch import select_attention_backend
+from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_dtype, resolve_model_path
+from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+from llmserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def model_source(config: EngineConfig) -> tuple[str, str]:
+    """(served name, local path) of the configured model; the demo model when none is given."""
+    if config.model.model is None:
+        from llmserve.model.demo import demo_model_path
+
+        return "llmserve-demo", demo_model_path()
+    return config.model.model, resolve_model_path(config.model.model, config.model.revision)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        name, path = model_source(config)
+        self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
+        model = load_model(path, self.dtype, self.device, self.model_info.max_model_len)
+        self.num_blocks = self._num_blocks(model)
+        kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
+                                       self.model_info.num_layers, self.dtype, self.device)
+        self.runner = ModelRunner(model, select_attention_backend(self.device), kv_caches, config.cache.block_size,
+                                  self.model_info.vocab_size, self.device, config.model.seed)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", name, self.device, self.dtype,
+                    self.num_blocks, config.cache.block_size)
+
+    def _num_blocks(self, model: torch.nn.Module) -> int:
+        info = self.model_info
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        block_bytes = bytes_per_block(info.num_layers, self.config.cache.block_size, info.num_kv_heads,
+                                      info.head_dim, self.dtype)
+        return num_kv_blocks(self.config.cache, self.device, block_bytes, weight_bytes, info.max_model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.model_info.max_model_len))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        start = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            self.runner.drop_finished(sched_out.finished_req_ids)
+            runner_out = ModelRunnerOutput([], [])
+        else:
+            runner_out = self.runner.execute(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if outputs.stats is not None:
+            outputs.stats.step_time = time.perf_counter() - start
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv.pool.get_num_free_blocks()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        pending = set(self.scheduler.requests) | self.scheduler.finished_req_ids
+        assert set(self.runner.states) <= pending, "runner holds finished requests"

@@ -1,0 +1,94 @@
+"""Offline inference: `LLM(model=...).generate(prompts, SamplingParams(...))`, the engine in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmserve.engine.engine_core import EngineCore
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.processor import Processor
+from llmserve.model.loader import load_generation_defaults, load_tokenizer
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+
+def build_engine_config(**kwargs) -> EngineConfig:
+    """An EngineConfig from flat keyword arguments (any field of the model, cache or scheduler config)."""
+    parts = {}
+    for key, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        names = {f.name for f in dataclasses.fields(cls)}
+        parts[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+    if kwargs:
+        raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
+    return EngineConfig(**parts)
+
+
+class LLM:
+    """The engine core driven in-process; outputs in input order."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        config = build_engine_config(model=model, **kwargs)
+        self.engine = EngineCore(config)
+        info = self.engine.model_info
+        self.tokenizer = load_tokenizer(config.model.tokenizer or info.path)
+        self.processor = Processor(self.tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids,
+                                   load_generation_defaults(info.path))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.num_preemptions = 0  # since construction: tests and benchmarks read it
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.processor.default_sampling_params()
+
+    def generate(self, prompts: Sequence[str] | Sequence[list[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(len(prompts), sampling_params)
+        request_ids = [self._add(p, sp, priority[i] if priority else 0) for i, (p, sp) in enumerate(zip(prompts, params))]
+        finished = self._run(len(request_ids), use_tqdm)
+        return [finished[r] for r in request_ids]
+
+    def _params_per_prompt(self, num_prompts: int, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {num_prompts} prompts")
+        return list(sampling_params)
+
+    def _add(self, prompt: str | list[int], params: SamplingParams, priority: int) -> str:
+        request_id = str(next(self._ids))
+        token_ids = self.processor.tokenize(prompt)
+        requests = self.processor.process(request_id, token_ids, params, priority)
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
+        for request in requests:
+            self.engine.add_request(request)
+        return request_id
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=num_requests, desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished_requests():
+            outputs = self.engine.step()
+            if outputs.stats is not None:
+                self.num_preemptions += outputs.stats.num_preemptions
+            processed = self.output_processor.process_outputs(outputs.outputs)
+            if processed.reqs_to_abort:
+                self.engine.abort_requests(processed.reqs_to_abort)
+            for out in processed.request_outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return finished

@@ -1,0 +1,73 @@
+"""Typed records that cross the engine-core boundary (in-process or over ZMQ, msgpack-encoded).
+
+The front (LLM / AsyncLLM) sends EngineCoreRequest and abort lists; the core answers with
+EngineCoreOutputs once per step. Never pickle: these are msgspec Structs.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from llmserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the context length
+    ABORT = 2  # client went away, shutdown, or an error
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+    # Siblings of an n > 1 request share this id; all but the first wait for the first's prefill
+    # so that they reuse its prompt blocks through the prefix cache.
+    parent_id: str | None = None
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one sampled position: the sampled token first, then the top-k (rank order)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # rank of the sampled token among all (1 = most likely)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it, if one did
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Engine-side timestamps (time.time()) for metrics.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0  # this step
+    num_scheduled_tokens: int = 0  # this step
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    step_time: float = 0.0  # seconds
+    timestamp: float = 0.0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None

@@ -1,0 +1,197 @@
+"""The front's output side: engine outputs -> RequestOutput per user request.
+
+Detokenizes incrementally, applies stop strings (a match finishes the sequence here and asks the core
+to abort it), gathers the n sequences of a request, and hands results to a collector (async serving)
+or returns them (offline). In delta mode each RequestOutput holds only what is new.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.messages import EngineCoreOutput, FinishReason
+from llmserve.engine.processor import child_request_id
+from llmserve.engine.stop import check_stop_strings, hold_back
+from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from llmserve.sampling_params import SamplingParams
+
+
+class OutputCollector(Protocol):
+    def put(self, output: RequestOutput) -> None: ...
+
+
+@dataclass
+class SequenceState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    text: str = ""  # final text so far (stop string cut off once matched)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_chars: int = 0  # delta mode: what earlier outputs already carried
+    num_sent_tokens: int = 0
+    is_final_sent: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: dict[str, SequenceState]  # engine request id -> sequence
+    is_delta: bool
+    collector: OutputCollector | None
+    arrival_time: float
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]  # for requests without a collector
+    reqs_to_abort: list[str]  # engine request ids that a stop string finished
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.engine_to_request: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    collector: OutputCollector | None = None, is_delta: bool = False,
+                    arrival_time: float | None = None) -> None:
+        engine_ids = [request_id] if params.n == 1 else [child_request_id(request_id, i) for i in range(params.n)]
+        sequences = {eid: SequenceState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                                   params.skip_special_tokens),
+                                        logprobs=[] if params.logprobs is not None else None)
+                     for i, eid in enumerate(engine_ids)}
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences, is_delta,
+                                                 collector, arrival_time or time.time())
+        for eid in engine_ids:
+            self.engine_to_request[eid] = request_id
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns the engine ids the core must abort."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for eid in state.sequences:
+            self.engine_to_request.pop(eid, None)
+        return [eid for eid, seq in state.sequences.items() if seq.finish_reason is None]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs([], [])
+        touched: dict[str, RequestState] = {}
+        for out in outputs:
+            request_id = self.engine_to_request.get(out.request_id)
+            if request_id is None:
+                continue  # already finished here (stop string) or aborted
+            state = self.requests[request_id]
+            if self._update_sequence(state, state.sequences[out.request_id], out):
+                result.reqs_to_abort.append(out.request_id)
+            touched[request_id] = state
+        for state in touched.values():
+            self._emit(state, result)
+        return result
+
+    def _update_sequence(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
+        """Apply one engine output; True if a stop string finished the sequence here."""
+        if seq.finish_reason is not None:
+            return False  # a stop string ended it; the core's abort is on its way
+        _record_times(state, out)
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
+        new_text = seq.detokenizer.add(out.new_token_ids) if out.new_token_ids else ""
+        seq.text += new_text
+        stops = state.params.stop
+        if stops and new_text:
+            match = check_stop_strings(seq.text, len(new_text), stops, state.params.include_stop_str_in_output)
+            if match is not None:
+                seq.stop_reason, cut = match
+                seq.text = seq.text[:cut]
+                seq.finish_reason = str(FinishReason.STOP)
+                return out.finish_reason is None
+        if out.finish_reason is not None:
+            seq.text += seq.detokenizer.flush()
+            seq.finish_reason = str(out.finish_reason)
+            seq.stop_reason = out.stop_reason
+        return False
+
+    def _emit(self, state: RequestState, result: ProcessedOutputs) -> None:
+        finished = state.is_finished
+        if finished:
+            state.metrics["finished_time"] = time.time()
+            self.abort_request(state.request_id)  # forget it (nothing left to abort in the core)
+        if not state.is_delta and not finished and state.collector is None:
+            return  # offline, non-streaming: only the final output matters
+        output = self._request_output(state, finished)
+        if output is None:
+            return
+        if state.collector is not None:
+            state.collector.put(output)
+        else:
+            result.request_outputs.append(output)
+
+    def _request_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
+        completions = []
+        for seq in state.sequences.values():
+            completion = _delta(seq, state.params.stop) if state.is_delta else _full(seq)
+            if completion is not None:
+                completions.append(completion)
+        if state.is_delta and not completions and not finished:
+            return None
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.num_cached_tokens, dict(state.metrics))
+
+
+def _full(seq: SequenceState) -> CompletionOutput:
+    return CompletionOutput(seq.index, seq.text, list(seq.token_ids),
+                            list(seq.logprobs) if seq.logprobs is not None else None,
+                            seq.finish_reason, seq.stop_reason)
+
+
+def _delta(seq: SequenceState, stops: list[str] | None) -> CompletionOutput | None:
+    """What is new since the last output; text that may be the start of a stop string is held back."""
+    if seq.is_final_sent:
+        return None
+    is_done = seq.finish_reason is not None
+    end = len(seq.text)
+    if stops and not is_done:
+        end = max(seq.num_sent_chars, end - hold_back(seq.text, stops))
+    new_tokens = seq.token_ids[seq.num_sent_tokens:]
+    if not is_done and end == seq.num_sent_chars and not new_tokens:
+        return None
+    completion = CompletionOutput(seq.index, seq.text[seq.num_sent_chars:end], new_tokens,
+                                  seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None,
+                                  seq.finish_reason, seq.stop_reason)
+    seq.num_sent_chars = end
+    seq.num_sent_tokens = len(seq.token_ids)
+    seq.is_final_sent = is_done
+    return completion
+
+
+def _token_logprob(lp) -> TokenLogprob:
+    return TokenLogprob(lp.token_ids[0], lp.logprobs[0], lp.sampled_rank,
+                        list(zip(lp.token_ids[1:], lp.logprobs[1:])))
+
+
+def _record_times(state: RequestState, out: EngineCoreOutput) -> None:
+    if out.first_token_time is not None and "first_token_time" not in state.metrics:
+        state.metrics["first_token_time"] = out.first_token_time
+        state.metrics["scheduled_time"] = out.scheduled_time or out.first_token_time
+        state.metrics["arrival_time"] = state.arrival_time

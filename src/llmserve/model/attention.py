@@ -1,0 +1,48 @@
+"""The attention backend interface: how a model layer reads and writes the paged KV cache.
+
+The model runner builds one AttentionInputs per step; the backend turns it into its own metadata once
+(`build_metadata`), and every layer calls `forward` with that metadata. A GPU backend (Triton,
+FlexAttention, CUDA graphs) slots in behind the same two calls.
+
+Layout of one layer's KV cache: kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = keys, 1 = values). Block 0 is the null block: never allocated, used to pad block tables.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionInputs:
+    """One step's batch, requests in row order; T = total scheduled tokens, B = requests."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32: row i's new tokens are q[start[i]:start[i+1]]
+    seq_lens: torch.Tensor  # [B] int32: tokens in the KV after this step (cached + new)
+    block_table: torch.Tensor  # [B, max_blocks] int32: block ids, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    query_lens_cpu: list[int]  # [B] host copy
+    seq_lens_cpu: list[int]  # [B] host copy
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and attends causally over each request's whole KV."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def build_metadata(self, inputs: AttentionInputs) -> object:
+        """Once per step, before the forward: precompute what every layer shares."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: object, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D].
+
+        Stores k/v at the step's slot mapping, then computes causal attention of each new token
+        over its request's previous tokens (from the cache) and the new ones.
+        """

@@ -1,0 +1,213 @@
+"""Paged attention in plain PyTorch: the CPU backend and the generic fallback.
+
+Per step, `build_metadata` splits the rows into groups and precomputes, once for all layers, each
+group's token indices, its block table truncated to the group's longest sequence and its boolean
+attention mask. Decode rows (query_len == 1) are sorted by length and cut into a few buckets so that
+short rows do not pay for the longest one's KV gather. Prefill rows (query_len > 1) form a few groups
+too; a group whose rows have no cached prefix attends over the step's own k/v and skips the cache.
+
+Per layer, `forward` writes the new K/V into the cache at the slot mapping, then for each group
+gathers the padded q (and K/V through the block table), runs one scaled_dot_product_attention and
+scatters the result back to [T, H, D]. The work per layer is a handful of batched calls, never a loop
+over requests. Decode folds the G query heads of a kv head into the query axis (q [Bg, Hkv, G, D]);
+prefill uses SDPA's enable_gqa. K/V are never repeated per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.model.attention import AttentionBackend, AttentionInputs
+
+_MAX_DECODE_BUCKETS = 4
+_BUCKET_OVERHEAD_BLOCKS = 32  # a bucket's fixed cost, in gathered blocks: split only when it pays
+_MAX_PREFILL_GROUPS = 4
+
+
+@dataclass
+class GroupMetadata:
+    """Bg rows attended together; Q = their longest query, K = keys (cache or the step's own k/v)."""
+
+    token_index: torch.Tensor  # [Bg * Q] int64: flat token of each padded query slot (pads -> 0)
+    valid_slots: torch.Tensor | None  # [n] int64: the real query slots; None when nothing is padded
+    valid_tokens: torch.Tensor  # [n] int64: their flat tokens (token_index[valid_slots])
+    block_table: torch.Tensor | None  # [Bg * nb] int64, K = nb * block_size; None: keys = new tokens
+    attn_mask: torch.Tensor | None  # [Bg, 1, Q, K] bool, True = attend; None: plain causal (1 row)
+    num_rows: int
+    max_query_len: int
+    is_in_token_order: bool  # decode rows 0..T-1 in order: q and out need no gather/scatter
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    groups: list[GroupMetadata]
+
+
+def _row_token_index(query_start: list[int], query_lens: list[int], max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' token indices padded to max_query_len -> (index [Bg, Q] int64, is_valid [Bg, Q] bool)."""
+    starts = torch.tensor(query_start, dtype=torch.int64)[:, None]  # [Bg, 1]
+    lens = torch.tensor(query_lens, dtype=torch.int64)[:, None]  # [Bg, 1]
+    offsets = torch.arange(max_query_len, dtype=torch.int64)[None, :]  # [1, Q]
+    is_valid = offsets < lens
+    return torch.where(is_valid, starts + offsets, 0), is_valid
+
+
+def _causal_mask(query_lens: list[int], seq_lens: list[int], max_query_len: int, max_kv_len: int) -> torch.Tensor:
+    """[Bg, 1, Q, K] bool: query j of a row sees key k iff k < seq_len and k <= seq_len - query_len + j."""
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)[:, None, None]  # [Bg, 1, 1]
+    s_lens = torch.tensor(seq_lens, dtype=torch.int64)[:, None, None]  # [Bg, 1, 1]
+    q_pos = torch.arange(max_query_len, dtype=torch.int64)[None, :, None]  # [1, Q, 1]
+    k_pos = torch.arange(max_kv_len, dtype=torch.int64)[None, None, :]  # [1, 1, K]
+    mask = (k_pos <= s_lens - q_lens + q_pos) & (k_pos < s_lens)  # [Bg, Q, K]
+    return mask[:, None]
+
+
+def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int]) -> GroupMetadata:
+    device = inputs.block_table.device
+    query_lens = [inputs.query_lens_cpu[i] for i in rows]
+    seq_lens = [inputs.seq_lens_cpu[i] for i in rows]
+    max_query_len = max(query_lens)
+    is_fresh = max_query_len > 1 and query_lens == seq_lens  # no cached prefix: keys = the new tokens
+    token_index, is_valid = _row_token_index([query_start[i] for i in rows], query_lens, max_query_len)
+    valid_slots = is_valid.flatten().nonzero().squeeze(1)
+    block_table = mask = None
+    if is_fresh:
+        if len(rows) > 1:
+            mask = _causal_mask(query_lens, seq_lens, max_query_len, max_query_len).to(device)
+    else:
+        num_blocks = -(-max(seq_lens) // inputs.block_size)
+        assert num_blocks <= inputs.block_table.shape[1], "block table narrower than the longest sequence"
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        block_table = inputs.block_table.index_select(0, row_index)[:, :num_blocks].long().flatten()
+        mask = _causal_mask(query_lens, seq_lens, max_query_len, num_blocks * inputs.block_size).to(device)
+    return GroupMetadata(
+        token_index=token_index.flatten().to(device),
+        valid_slots=None if bool(is_valid.all()) else valid_slots.to(device),
+        valid_tokens=token_index.flatten()[valid_slots].to(device), block_table=block_table,
+        attn_mask=mask, num_rows=len(rows), max_query_len=max_query_len,
+        is_in_token_order=max_query_len == 1 and rows == list(range(len(rows))) and query_start[0] == 0)
+
+
+def _padded_blocks(num_blocks: list[int], num_buckets: int) -> int:
+    """Blocks gathered when rows sorted by num_blocks are cut into num_buckets equal-count buckets."""
+    size = -(-len(num_blocks) // num_buckets)
+    return sum(len(num_blocks[i:i + size]) * num_blocks[i:i + size][-1] for i in range(0, len(num_blocks), size))
+
+
+def _decode_buckets(rows: list[int], inputs: AttentionInputs) -> list[list[int]]:
+    """Decode rows in a few buckets of similar length (rows kept in order when one bucket wins)."""
+    ordered = sorted(rows, key=lambda i: inputs.seq_lens_cpu[i])
+    num_blocks = [-(-inputs.seq_lens_cpu[i] // inputs.block_size) for i in ordered]
+    best, best_cost = 1, _padded_blocks(num_blocks, 1) + _BUCKET_OVERHEAD_BLOCKS
+    for n in range(2, min(_MAX_DECODE_BUCKETS, len(rows)) + 1):
+        cost = _padded_blocks(num_blocks, n) + n * _BUCKET_OVERHEAD_BLOCKS
+        if cost < best_cost:
+            best, best_cost = n, cost
+    if best == 1:
+        return [rows]
+    size = -(-len(ordered) // best)
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def _prefill_groups(rows: list[int], inputs: AttentionInputs) -> list[list[int]]:
+    """Prefill rows: fresh and continuing apart; one group per row when few, else length buckets."""
+    groups = []
+    for is_fresh in (True, False):
+        part = [i for i in rows if (inputs.query_lens_cpu[i] == inputs.seq_lens_cpu[i]) == is_fresh]
+        part.sort(key=lambda i: inputs.seq_lens_cpu[i])
+        size = max(1, -(-len(part) // _MAX_PREFILL_GROUPS))
+        groups += [part[i:i + size] for i in range(0, len(part), size)]
+    return groups
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache [2, N, bs, Hkv, D], block_table [Bg * nb] -> k, v [Bg, Hkv, nb * bs, D]."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    kv_len = block_table.numel() // num_rows * block_size
+    k = kv_cache[0].index_select(0, block_table).view(num_rows, kv_len, num_kv_heads, head_dim)
+    v = kv_cache[1].index_select(0, block_table).view(num_rows, kv_len, num_kv_heads, head_dim)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _new_kv(k: torch.Tensor, v: torch.Tensor, group: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's own k/v [T, Hkv, D] padded like q -> k, v [Bg, Hkv, Q, D]."""
+    shape = (group.num_rows, group.max_query_len, k.shape[1], k.shape[2])
+    k = k.index_select(0, group.token_index).view(shape)
+    v = v.index_select(0, group.token_index).view(shape)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Bg, H, D], k/v [Bg, Hkv, K, D], mask [Bg, 1, 1, K] -> [Bg, H, D]."""
+    num_rows, num_heads, head_dim = q.shape
+    qf = q.view(num_rows, k.shape[1], num_heads // k.shape[1], head_dim)  # [Bg, Hkv, G, D]
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # [Bg, Hkv, G, D]
+    return out.reshape(num_rows, num_heads, head_dim)
+
+
+def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: GroupMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [Bg * Q, H, D], k/v [Bg, Hkv, K, D] -> [Bg * Q, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    qb = q.view(group.num_rows, group.max_query_len, num_heads, head_dim).transpose(1, 2)  # [Bg, H, Q, D]
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=group.attn_mask, scale=scale,
+                                         is_causal=group.attn_mask is None, enable_gqa=True)  # [Bg, H, Q, D]
+    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+
+
+def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  group: GroupMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] -> the group's out [Bg * Q, H, D] (padded slots included)."""
+    qg = q[:group.num_rows] if group.is_in_token_order else q.index_select(0, group.token_index)
+    if group.block_table is None:
+        kg, vg = _new_kv(k, v, group)
+    else:
+        kg, vg = _gather_kv(kv_cache, group.block_table, group.num_rows)
+    if group.max_query_len == 1:
+        return _attend_decode(qg, kg, vg, group.attn_mask, scale)
+    return _attend_prefill(qg, kg, vg, group, scale)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Batched paged attention with torch SDPA: a few calls per layer, whatever the batch."""
+
+    name = "torch"
+
+    def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
+        query_lens = inputs.query_lens_cpu
+        query_start = [0] * len(query_lens)
+        for i in range(1, len(query_lens)):
+            query_start[i] = query_start[i - 1] + query_lens[i - 1]
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        prefill_rows = [i for i, n in enumerate(query_lens) if n > 1]
+        row_groups = (_decode_buckets(decode_rows, inputs) if decode_rows else [])
+        row_groups += _prefill_groups(prefill_rows, inputs)
+        return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping.long(),
+                                      groups=[_build_group(inputs, rows, query_start) for rows in row_groups])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        groups = metadata.groups
+        if len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == q.shape[0]:
+            return _attend_group(q, k, v, kv_cache, groups[0], scale)
+        out = q.new_empty(q.shape)
+        for group in groups:
+            group_out = _attend_group(q, k, v, kv_cache, group, scale)
+            if group.valid_slots is not None:
+                group_out = group_out.index_select(0, group.valid_slots)
+            out.index_copy_(0, group.valid_tokens, group_out)
+        return out
+
+
+def select_attention_backend(device: torch.device) -> AttentionBackend:
+    """The attention backend for a device; for now the torch backend everywhere."""
+    del device  # a GPU backend will be chosen here
+    return TorchAttentionBackend()

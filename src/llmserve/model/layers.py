@@ -1,0 +1,130 @@
+"""Building blocks of decoder-only transformers, on flattened tokens (no batch dim).
+
+RMSNorm (optionally fused with the residual add), rotary embedding driven by explicit positions
+[T] (default, linear and Llama-3 frequency scaling), and the SiLU-and-mul MLP with a fused
+gate/up projection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """HF-compatible RMSNorm: normalise in float32, scale by the weight in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., hidden] -> normed; with residual: (normed(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        normed = self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return normed if residual is None else (normed, residual)
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """Rotary settings read from an HF config; rope_type is 'default', 'linear' or 'llama3'."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_params_from_config(config) -> RopeParams:
+    """Handles transformers 5 `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return RopeParams(theta=float(theta))
+    keys = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    extra = {k: merged[k] for k in keys if rope_type == "llama3" and k in merged}
+    return RopeParams(theta=float(theta), rope_type=rope_type, factor=float(merged["factor"]), **extra)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: slow down low frequencies, keep high ones, blend in between."""
+    low_freq_wavelen = p.original_max_position_embeddings / p.low_freq_factor
+    high_freq_wavelen = p.original_max_position_embeddings / p.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / p.factor, inv_freq)
+    smooth = (p.original_max_position_embeddings / wavelen - p.low_freq_factor) / (
+        p.high_freq_factor - p.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / p.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, p: RopeParams) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, computed exactly like transformers does."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (p.theta ** exponents)
+    if p.rope_type == "linear":
+        return inv_freq / p.factor
+    if p.rope_type == "llama3":
+        return _llama3_scale(inv_freq, p)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding; cos/sin are computed once per forward."""
+
+    def __init__(self, head_dim: int, params: RopeParams):
+        super().__init__()
+        self.head_dim = head_dim
+        self.params = params
+        self._inv_freq_cpu = rope_inv_freq(head_dim, params)  # plain attribute: survives meta init
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, 1, head_dim // 2] in dtype."""
+        inv_freq = self._inv_freq_by_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_cpu.to(positions.device)
+            self._inv_freq_by_device[positions.device] = inv_freq
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2] float32
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, 1, D/2] -> rotated x [T, heads, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)

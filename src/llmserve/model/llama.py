@@ -1,0 +1,204 @@
+"""One decoder implementation for Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+
+Tokens of all requests of a step are flattened ([T], no batch dim); attention goes through an
+AttentionBackend and the paged KV cache. The variants differ only in flags read from the HF config:
+Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q and k per head, Llama may carry `attention_bias` and
+`mlp_bias`, and head_dim comes from the config when it has one.
+
+Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: a config
+whose window is shorter than the context length (max_model_len, default max_position_embeddings)
+is rejected with a ValueError. A window at least as long as the context is a no-op and is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.model.attention import AttentionBackend
+from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _check_sliding_window(config, max_model_len: int) -> None:
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False or window is None:
+        return
+    if window < max_model_len:
+        raise ValueError(f"sliding-window attention (window {window}) is not supported; "
+                         f"use max_model_len <= {window} to run this model without it")
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection."""
+
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim ** -0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = attn_backend.forward(q, k, v.contiguous(), kv_cache, attn_metadata, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias, o_bias, has_qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, kv_cache: torch.Tensor,
+                attn_metadata: object, attn_backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [T, hidden] -> (mlp output, residual before it); residual None on layer 0."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, kv_cache, attn_metadata, attn_backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, has_qk_norm)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM over flattened tokens and a paged KV cache.
+
+    Build it from an HF config (the architecture flags default from config.architectures[0]),
+    then `load_weights`. Tied embeddings reuse model.embed_tokens.weight for the logits.
+    """
+
+    def __init__(self, config, max_model_len: int | None = None):
+        super().__init__()
+        self.config = config
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        _check_sliding_window(config, self.max_model_len)
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        has_attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = arch == "Qwen2ForCausalLM" or has_attention_bias
+        o_bias = has_attention_bias and arch != "Qwen2ForCausalLM"
+        self.model = DecoderModel(config, qkv_bias, o_bias, has_qk_norm=arch == "Qwen3ForCausalLM")
+        self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
+        self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.is_tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> hidden [T, hidden] (after the final norm).
+
+        attn_metadata is what attn_backend.build_metadata returned for this step.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)  # 2 x [T, 1, D/2]
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos_sin, kv_cache, attn_metadata, attn_backend)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.is_tied else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (q/k/v and gate/up go into the fused projections).
+
+        Raises ValueError on an unknown name or when a parameter got no value.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_hf_name(hf_name, self.is_tied)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+            self._copy_shard(params[name], shard, tensor, hf_name)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        self._check_all_loaded(params, loaded)
+
+    def _copy_shard(self, param: nn.Parameter, shard: str | None, tensor: torch.Tensor, hf_name: str) -> None:
+        dest = param.data if shard is None else param.data.narrow(0, *self._shard_range(param, shard))
+        if dest.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(tensor)
+
+    def _shard_range(self, param: nn.Parameter, shard: str) -> tuple[int, int]:
+        q_size = self.config.num_attention_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        inter = self.config.intermediate_size
+        ranges = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size),
+                  "gate": (0, inter), "up": (inter, inter)}
+        return ranges[shard]
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            shards = _SHARDS_OF.get(name.rsplit(".", 2)[-2])
+            needed = [name] if shards is None else [f"{name}#{s}" for s in shards]
+            missing += [n for n in needed if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+_SHARDS_OF = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
+def _map_hf_name(hf_name: str, is_tied: bool) -> tuple[str, str | None] | None:
+    """HF name -> (our parameter name, shard or None); None for tensors we skip."""
+    if "rotary_emb.inv_freq" in hf_name or (is_tied and hf_name == "lm_head.weight"):
+        return None
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, shard = _FUSED[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+    return hf_name, None

@@ -1,0 +1,174 @@
+"""From a model name to a ready model: resolve the path (local dir or hub id), pick the dtype,
+build the model on the meta device and stream its safetensors in, load the tokenizer (with its chat
+template) and the generation defaults, and summarise the model in a ModelInfo record.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.model.registry import architecture_of, get_model_class
+
+HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "eos_token_id", "max_new_tokens")
+
+
+def _looks_local(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or os.path.exists(model)
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local directory as is; otherwise download the hub id's config, weights and tokenizer files.
+
+    ValueError (naming the id) when the directory is missing or the hub cannot provide the model.
+    """
+    if _looks_local(model):
+        path = os.path.expanduser(model)
+        if not os.path.isdir(path):
+            raise ValueError(f"model directory {model!r} does not exist")
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+    try:
+        return snapshot_download(model, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OSError) as e:
+        rev = f" at revision {revision!r}" if revision else ""
+        raise ValueError(f"cannot get model {model!r}{rev} from the Hugging Face hub "
+                         f"(not a local directory, and the hub failed: {type(e).__name__}: {e})") from e
+
+
+def _has_cpu_flag(*flags: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:
+        return False
+    return any(flag in words for flag in flags)
+
+
+def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA, bfloat16 on a CPU with AMX/AVX512-BF16, else float32."""
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if _has_cpu_flag("amx_bf16", "avx512_bf16") else torch.float32
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def _safetensors_files(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path!r} (other weight formats are not supported)")
+    return files
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of every *.safetensors file of a directory, one tensor at a time."""
+    from safetensors import safe_open
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
+               max_model_len: int | None = None):
+    """Build the config's architecture on `device` in `dtype` and load its safetensors weights."""
+    config = load_hf_config(path)
+    cls = get_model_class(architecture_of(config))
+    with torch.device("meta"):
+        model = cls(config, max_model_len=max_model_len)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights(iter_safetensors(path))
+    return model.eval().requires_grad_(False)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read_chat_template(path: str) -> str | None:
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            return f.read()
+    return _read_json(os.path.join(path, "tokenizer_config.json")).get("chat_template")
+
+
+def load_tokenizer(path: str):
+    """The transformers tokenizer of a directory, with its chat template when it has one."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        template = _read_chat_template(path)
+        if template:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def load_generation_defaults(path: str) -> dict:
+    """The sampling defaults of generation_config.json (only the keys it sets); {} without one."""
+    config = _read_json(os.path.join(path, "generation_config.json"))
+    return {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def eos_token_ids(config, path: str) -> list[int]:
+    """The config's eos ids, then generation_config.json's, without repeats."""
+    ids = _as_id_list(getattr(config, "eos_token_id", None))
+    ids += _as_id_list(load_generation_defaults(path).get("eos_token_id"))
+    return list(dict.fromkeys(ids))
+
+
+def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int | None = None) -> ModelInfo:
+    """Summarise a checkpoint directory; max_model_len defaults to max_position_embeddings."""
+    config = load_hf_config(path)
+    limit = config.max_position_embeddings
+    if max_model_len is not None and not 0 < max_model_len <= limit:
+        raise ValueError(f"max_model_len {max_model_len} must be in 1..{limit} (max_position_embeddings)")
+    return ModelInfo(
+        name=name, path=path, architecture=architecture_of(config), vocab_size=config.vocab_size,
+        max_model_len=max_model_len or limit, eos_token_ids=eos_token_ids(config, path),
+        num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        hidden_size=config.hidden_size, dtype=str(dtype).removeprefix("torch."))

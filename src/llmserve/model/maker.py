@@ -1,0 +1,188 @@
+"""Random-weight HF checkpoints for tests, demos and benchmarks (no download needed).
+
+`make_model(arch, shape, out_dir)` writes config.json (transformers' config classes),
+model.safetensors (sharded above 4 GB; seeded, deterministic), a byte-level BPE tokenizer whose vocab
+covers every id, a ChatML chat template and generation_config.json. Parameter names and shapes are
+those of transformers' *ForCausalLM, built on the meta device, so nothing big is ever initialised twice.
+`add_make_model_parser` provides the `llmserve make-model` sub-command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.model import toy_tokenizer
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+_SHARD_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+    is_tied: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    head_dim: int | None = None  # None: hidden_size // num_heads (qwen3 tiny uses a wider one)
+    init_std: float = 0.02
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(64, 2, 4, 2, 128, 512, 2048, init_std=0.1),
+    "tiny-llama3": Shape(64, 2, 4, 2, 128, 512, 2048, is_tied=True, rope_theta=500000.0, init_std=0.1,
+                         rope_scaling={**_LLAMA3_SCALING, "factor": 4.0, "original_max_position_embeddings": 256}),
+    "demo": Shape(256, 4, 4, 2, 512, 2048, 4096, init_std=0.05),
+    "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, 8192, is_tied=True, rope_theta=100000.0, init_std=0.04),
+    "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 128256, 131072, rope_theta=500000.0,
+                          rope_scaling=_LLAMA3_SCALING),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _config_class(arch: str):
+    import transformers
+    names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    return getattr(transformers, names[arch])
+
+
+def _model_class(arch: str):
+    import transformers
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}
+    return getattr(transformers, names[arch])
+
+
+def _head_dim(arch: str, shape: Shape) -> int:
+    if shape.head_dim is not None:
+        return shape.head_dim
+    default = shape.hidden_size // shape.num_heads
+    return 2 * default if arch == "qwen3" and shape.hidden_size <= 64 else default
+
+
+def _rope_parameters(shape: Shape) -> dict:
+    return {"rope_type": "default", "rope_theta": shape.rope_theta, **(shape.rope_scaling or {})}
+
+
+def build_config(arch: str, shape: Shape, dtype: str):
+    """The transformers config of a shape; sliding window off, eos = <|im_end|>."""
+    kwargs = dict(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_position,
+        tie_word_embeddings=shape.is_tied, rope_parameters=_rope_parameters(shape), rms_norm_eps=1e-5,
+        initializer_range=shape.init_std, head_dim=_head_dim(arch, shape), bos_token_id=None,
+        eos_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.EOS_TOKEN),
+        pad_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.PAD_TOKEN),
+        architectures=[_model_class(arch).__name__])
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    config = _config_class(arch)(**kwargs)
+    config.dtype = dtype
+    return config
+
+
+def _param_specs(arch: str, config) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor the checkpoint holds, in state-dict order."""
+    with torch.device("meta"):
+        model = _model_class(arch)(config)
+    names = [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
+    if config.tie_word_embeddings:
+        names = [(n, s) for n, s in names if n != "lm_head.weight"]
+    return names
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Norm weights near 1, everything else (weights, biases) normal(0, std)."""
+    mean, scale = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, std)
+    return torch.empty(shape, dtype=torch.float32).normal_(mean, scale, generator=gen).to(dtype)
+
+
+def _plan_shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards: list[list] = [[]]
+    size = 0
+    for name, shape in specs:
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        if shards[-1] and size + nbytes > _SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def _write_weights(out_dir: str, arch: str, config, shape: Shape, seed: int, dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+    shards = _plan_shards(_param_specs(arch, config), torch.finfo(dtype).bits // 8)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: _random_tensor(n, s, shape.init_std, gen, dtype) for n, s in shard}
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(shards) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _write_generation_config(out_dir: str) -> None:
+    ids = [toy_tokenizer.SPECIAL_TOKENS.index(t) for t in (toy_tokenizer.EOS_TOKEN, toy_tokenizer.PAD_TOKEN)]
+    config = {"eos_token_id": ids, "pad_token_id": ids[1], "do_sample": True, "temperature": 0.7,
+              "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
+    """Write a random checkpoint of an explicit Shape into out_dir (created if needed)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    os.makedirs(out_dir, exist_ok=True)
+    config = build_config(arch, shape, dtype)
+    config.save_pretrained(out_dir)
+    _write_weights(out_dir, arch, config, shape, seed, _DTYPES[dtype])
+    toy_tokenizer.save_tokenizer(out_dir, shape.vocab_size, shape.max_position)
+    _write_generation_config(out_dir)
+    return out_dir
+
+
+def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
+    """Write a random-weight HF checkpoint of a named shape (see SHAPES) into out_dir; returns out_dir."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    return write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype)
+
+
+def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `make-model`; the parsed args carry `func` (call it with the args; returns an exit code)."""
+    parser = subparsers.add_parser("make-model", help="write a random-weight checkpoint (no download)")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--shape", choices=list(SHAPES), default="tiny")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    parser.set_defaults(func=run_make_model)
+    return parser
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.arch} {args.shape} checkpoint to {path}")
+    return 0

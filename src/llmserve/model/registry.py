@@ -1,0 +1,36 @@
+"""Architecture registry: HF `architectures[0]` name -> model class.
+
+`SUPPORTED_ARCHITECTURES` feeds CLI `choices=` and error messages.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from llmserve.model.llama import CausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class implementing an HF architecture name; ValueError naming the supported ones."""
+    cls = _MODELS.get(architecture)
+    if cls is None:
+        raise ValueError(f"unsupported model architecture {architecture!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return cls
+
+
+def architecture_of(config) -> str:
+    """config.architectures[0], or a ValueError when the config names none."""
+    archs = getattr(config, "architectures", None)
+    if not archs:
+        raise ValueError(f"config.json names no architecture; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return archs[0]

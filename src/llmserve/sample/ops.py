@@ -1,0 +1,145 @@
+"""Batched logit processors and the draw: penalties, top-k / top-p / min-p filters, exponential race.
+
+Functions work in place on float32 logits [B, V] where they can. Branches are decided by host
+values carried in SamplingMetadata, so nothing syncs with the device, except the CPU-only top-p
+path (where a sync is free).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.sample.metadata import PenaltyMetadata
+
+_NEG_INF = float("-inf")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def apply_sparse_bias(logits: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """logits[row, token] += value for each (row, token) in indices [2, N]; values [N]."""
+    logits.index_put_((indices[0], indices[1]), values, accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyMetadata) -> None:
+    """Repetition (HF: prompt + output), then frequency and presence (OpenAI: output only)."""
+    num_tokens = logits.shape[1]
+    rows = penalties.row_indices
+    row_logits = logits.index_select(0, rows)  # [P, V]
+    output_counts = token_counts(penalties.output_token_ids, num_tokens)  # [P, V]
+    is_in_output = output_counts > 0  # [P, V]
+    if penalties.prompt_token_ids is not None:
+        is_seen = is_in_output | (token_counts(penalties.prompt_token_ids, num_tokens) > 0)
+        scale = torch.where(is_seen, penalties.repetition_penalties.unsqueeze(1), 1.0)  # [P, V]
+        # Divide positive logits, multiply negative ones: both make a seen token less likely.
+        row_logits = torch.where(row_logits > 0, row_logits / scale, row_logits * scale)
+    row_logits -= penalties.frequency_penalties.unsqueeze(1) * output_counts
+    row_logits -= penalties.presence_penalties.unsqueeze(1) * is_in_output
+    logits.index_copy_(0, rows, row_logits)
+
+
+def token_counts(padded_token_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[P, L] int64 ids padded with num_tokens -> [P, num_tokens] float32 occurrence counts."""
+    num_rows = padded_token_ids.shape[0]
+    counts = torch.zeros(num_rows, num_tokens + 1, dtype=torch.float32, device=padded_token_ids.device)
+    ones = torch.ones_like(padded_token_ids, dtype=torch.float32)
+    counts.scatter_add_(1, padded_token_ids, ones)
+    return counts[:, :num_tokens]
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask to -inf the tokens outside each row's top-k, then outside its top-p nucleus.
+
+    top_k [B] int64 (vocab_size where off), top_p [B] float32 (1.0 where off). Returns the
+    filtered logits (the input modified in place, except on the sorted path).
+    """
+    if top_p is None:
+        if top_k is not None:
+            apply_top_k_only(logits, top_k, max_top_k)
+        return logits
+    if logits.device.type != "cpu":
+        return apply_top_k_top_p_sorted(logits, top_k, top_p)
+    # CPU sorts are slow (~2 ms per 50k-token row): top-k with topk, then top-p sorting only the
+    # candidates. Their count is a host sync, free on CPU.
+    if top_k is not None:
+        apply_top_k_only(logits, top_k, max_top_k)
+    apply_top_p_on_candidates(logits, top_p)
+    return logits
+
+
+def apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Both filters with one full sort and no host sync (the GPU path)."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [B, V] each
+    if top_k is not None:
+        positions = torch.arange(logits.shape[1], device=logits.device)  # [V]
+        sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)  # [B, V]
+    sorted_logits.masked_fill_(_is_outside_nucleus(probs, top_p), _NEG_INF)
+    return logits.scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_top_p_on_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-p sorting only the tokens that can be in a nucleus (a host sync: for CPU).
+
+    Tokens below (1 - top_p) / V hold less than 1 - top_p together, so the tokens above them hold
+    more than top_p and each of them ranks below that mass: outside the nucleus.
+    """
+    num_tokens = logits.shape[1]
+    probs = logits.softmax(dim=-1)  # [B, V]
+    is_on = (top_p < 1.0).unsqueeze(1)  # [B, 1]
+    min_probs = torch.where(is_on, (1.0 - top_p.unsqueeze(1)) / num_tokens, 0.0)  # [B, 1]
+    is_dropped = probs < min_probs  # [B, V]; nothing in rows without top-p
+    num_candidates = num_tokens - torch.count_nonzero(is_dropped, dim=-1)  # [B]
+    num_candidates = int(num_candidates.masked_fill_(~is_on.squeeze(1), 0).max())
+    top_probs, top_ids = probs.topk(num_candidates, dim=-1)  # [B, num_candidates], descending
+    is_dropped.scatter_(1, top_ids, _is_outside_nucleus(top_probs, top_p))
+    logits.masked_fill_(is_dropped, _NEG_INF)
+
+
+def _is_outside_nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """sorted_probs [B, N] descending -> [B, N] bool: the tokens ranked above hold >= top_p.
+
+    The best token is always kept; rows with top_p >= 1 keep everything (despite rounding).
+    """
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, N]
+    threshold = top_p.masked_fill(top_p >= 1.0, float("inf")).unsqueeze(1)  # [B, 1]
+    return mass_above >= threshold
+
+
+def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
+    """Top-k without a full sort: one topk(max_top_k), then a per-row threshold. Ties at the
+    threshold are all kept."""
+    top_values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
+    is_off = top_k > max_top_k  # [B]: rows without top-k carry vocab_size
+    kth_index = (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)  # [B, 1]
+    threshold = top_values.gather(1, kth_index).masked_fill_(is_off.unsqueeze(1), _NEG_INF)  # [B, 1]
+    logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask tokens whose probability is below min_p [B] times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def exponential_race(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], generator: torch.Generator | None
+) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / E) with E ~ Exponential(1) i.i.d. per token.
+
+    Seeded rows draw their noise from their own generator (reproducible whatever the batch);
+    the other rows share one batched draw from `generator` (None: torch's default). probs [B, V]
+    is overwritten. Returns [B] int64.
+    """
+    # E = -log(U), U ~ Uniform[tiny, 1); keep log(U) < 0: argmax probs/E == argmin probs/log(U).
+    # (Faster than exponential_() on CPU. U >= tiny keeps log(U) finite and nonzero, so every
+    # token with probs > 0 scores strictly below the filtered ones, which score -0.0.)
+    log_u = torch.empty_like(probs)  # [B, V]
+    if len(generators) < probs.shape[0]:
+        log_u.uniform_(_TINY, 1.0, generator=generator)
+    for row, row_generator in generators.items():
+        log_u[row].uniform_(_TINY, 1.0, generator=row_generator)
+    log_u.log_()
+    return probs.div_(log_u).argmin(dim=-1)

@@ -1,0 +1,91 @@
+"""The sampler: processed logits -> one token per row, plus logprobs of the raw distribution.
+
+Order: logit_bias and min_tokens masking, penalties; greedy rows take the argmax of those
+processed logits; random rows apply temperature, top-k / top-p / min-p, then the exponential race.
+Logprobs come from log_softmax of the unprocessed logits (vLLM's default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.sample import ops
+from llmserve.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Per row: the sampled token first, then the top-k (k = the batch's largest `logprobs`).
+
+    Rows that asked for fewer (or none) are sliced by the caller.
+    """
+
+    token_ids: torch.Tensor  # [B, k + 1] int64
+    logprobs: torch.Tensor  # [B, k + 1] float32
+    sampled_ranks: torch.Tensor  # [B] int64, 1 = the most likely token
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Samples a batch in a few batched ops; only rows with their own generator loop (one draw each).
+
+    `generator` serves the unseeded rows (None: torch's default generator).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits [B, V] float32 are scratch: they are modified in place."""
+        assert logits.shape[1] == meta.vocab_size, "metadata built for another vocabulary size"
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)  # [B, V]
+        process_logits(logits, meta)
+        sampled = self._sample(logits, meta)  # [B]
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled))
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy = None if meta.all_random else logits.argmax(dim=-1)  # [B]
+        if meta.all_greedy:
+            return greedy
+        assert meta.temperature is not None
+        logits.div_(meta.temperature.unsqueeze(1))
+        logits = ops.apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
+        if meta.min_p is not None:
+            ops.apply_min_p(logits, meta.min_p)
+        probs = logits.softmax(dim=-1)  # [B, V]
+        sampled = ops.exponential_race(probs, meta.generators, self.generator)  # [B]
+        if greedy is None:
+            return sampled
+        return torch.where(meta.is_greedy, greedy, sampled)
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """In place: logit_bias and min_tokens masks (one sparse add), then penalties."""
+    if meta.sparse_bias_indices is not None:
+        ops.apply_sparse_bias(logits, meta.sparse_bias_indices, meta.sparse_bias_values)
+    if meta.penalties is not None:
+        ops.apply_penalties(logits, meta.penalties)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, num_logprobs: int, sampled: torch.Tensor) -> LogprobsTensors:
+    """raw_logprobs [B, V], sampled [B] -> the sampled token's logprob and rank, then the top-k."""
+    top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)  # [B, k] each
+    sampled_ids = sampled.unsqueeze(1)  # [B, 1]
+    sampled_logprobs = raw_logprobs.gather(1, sampled_ids)  # [B, 1]
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1  # [B]
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled_ids, top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        sampled_ranks=ranks,
+    )

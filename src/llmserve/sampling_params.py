@@ -1,0 +1,142 @@
+"""Per-request sampling parameters: what the user asked for, validated once at the boundary."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+MAX_LOGIT_BIAS = 100.0
+MIN_SEED = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64)
+MAX_SEED = 2**64 - 1
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Sampling parameters of one request (vLLM's names and meanings).
+
+    `top_k` <= 0 and `top_p` == 1 disable those filters; `temperature` == 0 is greedy.
+    `logprobs` = None returns none; k >= 0 returns the sampled token's logprob plus the top k.
+    Validation (`validate()`) raises ValueError naming the parameter.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid parameter."""
+        self._validate_counts()
+        self._validate_sampling()
+        self._validate_penalties()
+        self._validate_stops()
+        _check_logit_bias(self.logit_bias)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Check the token ids the user gave (logit_bias keys, stop_token_ids) against the vocabulary."""
+        for token_id in self.logit_bias or ():
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is out of the vocabulary (size {vocab_size})")
+        for token_id in self.stop_token_ids or ():
+            if token_id >= vocab_size:
+                raise ValueError(f"stop_token_ids: token id {token_id} is out of the vocabulary (size {vocab_size})")
+
+    def _validate_counts(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            _check_int("seed", self.seed, MIN_SEED, MAX_SEED)
+
+    def _validate_sampling(self) -> None:
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1, None)
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+
+    def _validate_stops(self) -> None:
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+            for stop_str in self.stop:
+                if not isinstance(stop_str, str) or not stop_str:
+                    raise ValueError(f"stop strings must be non-empty strings, got {stop_str!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list):
+                raise ValueError("stop_token_ids must be a list of token ids")
+            for token_id in self.stop_token_ids:
+                _check_int("stop_token_ids", token_id, 0, None)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    """ValueError unless `value` is an int (not a bool) in [low, high] (high None: unbounded)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_float(name: str, value: object) -> None:
+    """ValueError unless `value` is a finite real number (ints allowed, bools and NaN/inf not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _check_logit_bias(logit_bias: dict[int, float] | None) -> None:
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise ValueError("logit_bias must be a mapping of token id to bias")
+    for token_id, bias in logit_bias.items():
+        _check_int("logit_bias key (token id)", token_id, 0, None)
+        _check_float("logit_bias value", bias)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")

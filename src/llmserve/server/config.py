@@ -1,0 +1,54 @@
+"""The HTTP front's configuration: one frozen record, its CLI flags generated like the engine's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from llmserve.config import parse_bytes
+
+API_KEY_ENV = "LLMSERVE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default)"})
+    port: int = field(default=8000, metadata={"help": "TCP port (0: any free port, logged at startup)"})
+    api_key: str | None = field(default=None, metadata={
+        "help": f"require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
+                f"when not given, env {API_KEY_ENV}; neither: no key"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name clients send and see (default: the model's name)"})
+    max_queued_requests: int = field(default=2048, metadata={
+        "help": "engine requests allowed to wait beyond the running batch; more get 503 + Retry-After"})
+    max_body_size: str = field(default="4MiB", metadata={"help": "largest request body; larger get 413"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "seconds SIGTERM lets in-flight requests finish before aborting them"})
+    engine_startup_timeout: float = field(default=600.0, metadata={
+        "help": "seconds to wait for the engine process to load the model"})
+    health_stall_timeout: float = field(default=60.0, metadata={
+        "help": "/health turns 503 when the engine has work but sent nothing for this long"})
+    log_level: str = field(default="info", metadata={
+        "help": "debug | info | warning | error", "choices": ["debug", "info", "warning", "error"]})
+    access_log: bool = field(default=False, metadata={"help": "log one line per HTTP request"})
+    timeout_keep_alive: int = field(default=5, metadata={"help": "seconds an idle keep-alive connection stays open"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.num_max_body_bytes <= 0:
+            raise ValueError(f"--max-body-size must be positive, got {self.max_body_size!r}")
+
+    @property
+    def num_max_body_bytes(self) -> int:
+        return parse_bytes(self.max_body_size)
+
+
+def resolve_api_key(flag_value: str | None) -> str | None:
+    """The flag wins; else the environment; an empty string means no key."""
+    key = flag_value if flag_value is not None else os.environ.get(API_KEY_ENV)
+    return key or None

@@ -1,0 +1,115 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, never a traceback.
+
+User errors are ValueError (-> 400) or an APIError with its status; anything else is an internal
+fault: logged with its traceback here, answered 500 with a generic message.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmserve.engine.async_llm import EngineDeadError
+
+logger = logging.getLogger("llmserve.server")
+
+_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                   405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+_PARAM_RE = re.compile(r"at `\$\.?([^`]*)`")
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised anywhere below a route."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(self.message, _TYPE_BY_STATUS.get(self.status, "server_error"), self.param, self.code)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def service_unavailable(message: str, retry_after: int = 1) -> APIError:
+    return APIError(503, message, code="service_unavailable", headers={"Retry-After": str(retry_after)})
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal server error (see the server log)", code="internal_error")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Classify any exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, msgspec.ValidationError):
+        match = _PARAM_RE.search(str(exc))
+        return bad_request(f"invalid request: {exc}", param=match.group(1) if match else None)
+    if isinstance(exc, msgspec.DecodeError):
+        return bad_request(f"malformed JSON body: {exc}")
+    if isinstance(exc, EngineDeadError):
+        return service_unavailable(f"the engine is not running: {exc}", retry_after=30)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    logger.error("internal error while serving a request", exc_info=exc)
+    return internal_error()
+
+
+def error_payload(exc: BaseException) -> bytes:
+    return msgspec.json.encode(ErrorBody(to_api_error(exc).info()))
+
+
+def error_response(exc: BaseException) -> Response:
+    err = to_api_error(exc)
+    return Response(msgspec.json.encode(ErrorBody(err.info())), status_code=err.status,
+                    media_type="application/json", headers=err.headers)
+
+
+def status_error_response(status: int, message: str, **kwargs) -> Response:
+    return error_response(APIError(status, message, **kwargs))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_exception(_: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    async def on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return status_error_response(exc.status_code, message, headers=dict(exc.headers or {}))
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(bad_request(f"invalid request: {exc.errors()}"))
+
+    app.add_exception_handler(APIError, on_exception)
+    app.add_exception_handler(ValueError, on_exception)
+    app.add_exception_handler(msgspec.MsgspecError, on_exception)
+    app.add_exception_handler(EngineDeadError, on_exception)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(Exception, on_exception)

@@ -1,0 +1,137 @@
+"""Run the server: bind, start the engine process, serve with uvicorn, drain on SIGTERM, exit cleanly.
+
+Exit codes: 0 after a signal-initiated drain, 1 when the engine died or failed to start.
+SIGTERM/SIGINT: stop taking requests (503), let in-flight ones finish up to --shutdown-timeout, abort
+the rest (finish_reason abort), stop the engine process, exit 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+
+import uvicorn
+
+from llmserve.config import EngineConfig
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.server.api_server import build_app
+from llmserve.server.config import ServerConfig
+from llmserve.server.metrics import ServerMetrics
+from llmserve.server.serving_common import ServingContext, TokenTexts
+
+logger = logging.getLogger("llmserve.server")
+
+ABORT_GRACE_S = 3.0  # after aborting, how long responses get to carry finish_reason abort out
+DEAD_GRACE_S = 3.0  # after the engine died, how long in-flight requests get to receive their error
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains instead of closing connections."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServingContext) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.exit_code = 0
+        self.stopping: asyncio.Task | None = None
+        self.loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.stopping is None:
+            logger.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name,
+                        self.ctx.config.shutdown_timeout)
+            self.loop.call_soon_threadsafe(self._start, self._drain())
+        else:
+            logger.warning("second signal: exiting now")
+            self.force_exit = True
+            self.should_exit = True
+
+    def on_engine_dead(self, reason: str) -> None:
+        self.exit_code = 1
+        if self.stopping is None:
+            self._start(self._wait_then_exit(DEAD_GRACE_S))
+
+    def _start(self, coro) -> None:
+        if self.stopping is None:
+            self.stopping = self.loop.create_task(coro)
+        else:
+            coro.close()
+
+    async def _drain(self) -> None:
+        ctx = self.ctx
+        ctx.is_draining = True
+        deadline = time.monotonic() + ctx.config.shutdown_timeout
+        while self._is_busy() and time.monotonic() < deadline and not ctx.engine.is_dead:
+            await asyncio.sleep(0.05)
+        if ctx.engine.num_unfinished_requests and not ctx.engine.is_dead:
+            num = ctx.engine.abort_all()
+            logger.warning("shutdown timeout: aborted %d request(s)", num)
+        await self._wait_then_exit(ABORT_GRACE_S)
+
+    def _is_busy(self) -> bool:
+        return self.ctx.num_http_in_flight > 0 or self.ctx.engine.num_unfinished_requests > 0
+
+    async def _wait_then_exit(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while self.ctx.num_http_in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so that a taken port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot bind {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level=config.log_level, access_log=config.access_log,
+                          timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=5,
+                          backlog=4096, lifespan="off")
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    sock = bind_socket(config.host, config.port)
+    engine = await AsyncLLM.from_config(engine_config, startup_timeout=config.engine_startup_timeout)
+    try:
+        model_name = config.served_model_name or engine.model_info.name
+        metrics = ServerMetrics(model_name)
+        engine.stat_logger = metrics
+        ctx = ServingContext(engine, config, metrics, model_name, engine_config.scheduler.max_num_seqs,
+                             TokenTexts(engine.tokenizer))
+        server = DrainingServer(_uvicorn_config(build_app(ctx), config), ctx)
+        engine.dead_callbacks.append(server.on_engine_dead)
+        if engine.is_dead:
+            return 1
+        logger.info("serving %s on http://%s:%d", model_name, config.host, sock.getsockname()[1])
+        await server.serve(sockets=[sock])
+        return server.exit_code
+    finally:
+        sock.close()
+        await engine.shutdown()
+
+
+def run(engine_config: EngineConfig, config: ServerConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # uvloop is optional (uvicorn[standard] brings it)
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        try:
+            return runner.run(serve(engine_config, config))
+        except (RuntimeError, TimeoutError, ValueError) as e:
+            logger.error("%s", e)
+            return 1

@@ -1,0 +1,149 @@
+"""Prometheus metrics of one server (its own CollectorRegistry; names prefixed `llmserve:`).
+
+prometheus_client accepts ':' in metric names (vLLM's `vllm:` names use it too). docs/metrics.md lists
+each metric with its vLLM equivalent. Per-request latencies are measured here, on the front, from
+the engine outputs as they arrive (engine timestamps for queue time).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from llmserve.engine.core_proc import EngineStats
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    num_prompt_tokens: int
+    last_token_time: float = 0.0
+    num_generation_tokens: int = 0
+    finish_reason: str | None = None  # set here when the front finished it (a stop string)
+
+
+class ServerMetrics:
+    """Implements async_llm.StatLogger; `render()` is the /metrics body."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.requests: dict[str, _RequestTimes] = {}
+        self._make_gauges()
+        self._make_counters()
+        self._make_histograms()
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"llmserve:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(f"llmserve:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(f"llmserve:{name}", doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+    def _make_gauges(self) -> None:
+        self.num_running = self._gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1).")
+        self.num_free_blocks = self._gauge("kv_cache_free_blocks", "KV blocks free (refreshed at each scrape).")
+        self.num_blocks = self._gauge("kv_cache_blocks", "KV blocks in the cache.")
+        self.num_in_flight = self._gauge("num_requests_in_flight", "Engine requests the front is waiting on.")
+
+    def _make_counters(self) -> None:
+        self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = self._counter("num_preemptions", "Requests preempted (their KV freed, recomputed later).")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.request_success = Counter("llmserve:request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+
+    def _make_histograms(self) -> None:
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between output steps of a request.",
+                                   _LATENCY_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                          _LATENCY_BUCKETS)
+        self.prompt_len = self._histogram("request_prompt_tokens", "Prompt length of finished requests.",
+                                          _TOKEN_BUCKETS)
+        self.output_len = self._histogram("request_generation_tokens", "Output length of finished requests.",
+                                          _TOKEN_BUCKETS)
+        self.step_tokens = self._histogram("iteration_tokens_total", "Tokens scheduled per engine step.",
+                                           _TOKEN_BUCKETS)
+
+    # ---- StatLogger ----------------------------------------------------------------------------
+
+    def on_request_added(self, request: EngineCoreRequest) -> None:
+        self.requests[request.request_id] = _RequestTimes(request.arrival_time, len(request.prompt_token_ids))
+
+    def on_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.time()
+        for out in outputs.outputs:
+            times = self.requests.get(out.request_id)
+            if times is not None:
+                self._on_output(out, times, now)
+        if outputs.stats is not None:
+            self.on_scheduler_stats(outputs.stats)
+        self.num_in_flight.set(len(self.requests))
+
+    def on_finished_by_stop_string(self, engine_request_ids: list[str]) -> None:
+        for request_id in engine_request_ids:
+            times = self.requests.get(request_id)
+            if times is not None:
+                times.finish_reason = "stop"
+
+    def _on_output(self, out: EngineCoreOutput, times: _RequestTimes, now: float) -> None:
+        num_new = len(out.new_token_ids)
+        if num_new:
+            if times.num_generation_tokens == 0:
+                self.ttft.observe(now - times.arrival_time)
+                self.prompt_tokens.inc(times.num_prompt_tokens)
+                if out.scheduled_time is not None:
+                    self.queue_time.observe(max(0.0, out.scheduled_time - times.arrival_time))
+            else:
+                self.itl.observe(now - times.last_token_time)
+            times.last_token_time = now
+            times.num_generation_tokens += num_new
+            self.generation_tokens.inc(num_new)
+        if out.finish_reason is not None:
+            del self.requests[out.request_id]
+            reason = times.finish_reason or str(out.finish_reason)
+            self.request_success.labels(self.model_name, reason).inc()
+            self.e2e.observe(now - times.arrival_time)
+            self.prompt_len.observe(times.num_prompt_tokens)
+            self.output_len.observe(times.num_generation_tokens)
+
+    def on_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.preemptions.inc(stats.num_preemptions)
+        if stats.num_scheduled_tokens:
+            self.step_tokens.observe(stats.num_scheduled_tokens)
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        """Fresh cache state, asked of the engine at scrape time."""
+        self.num_blocks.set(stats.num_kv_blocks)
+        self.num_free_blocks.set(stats.num_free_kv_blocks)
+        self.kv_usage.set(stats.kv_cache_usage)
+        if stats.num_unfinished_requests == 0:
+            self.num_running.set(0)
+            self.num_waiting.set(0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,257 @@
+"""OpenAI-compatible request and response records (msgspec: strict JSON decoding, fast encoding).
+
+Decoding rejects malformed JSON, NaN/Infinity, out-of-range numbers and wrong types with a message
+naming the field (-> 400). Known OpenAI fields that we do not support are declared so that a request
+using them is refused (400) instead of silently ignored; unknown fields are ignored as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    best_of: int | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+PromptItem = str | int | list[int]
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[PromptItem] | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    # Declared to be refused while unsupported.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+    return Usage(num_prompt_tokens, num_completion_tokens, num_prompt_tokens + num_completion_tokens,
+                 PromptTokensDetails(num_cached_tokens))
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ResponseMessage(msgspec.Struct):
+    role: str
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+# ---- models, tokenizer, misc --------------------------------------------------------------------
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "llmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+def decode_json(body: bytes, cls: type):
+    """The request body as `cls`; msgspec errors become 400s (see errors.to_api_error)."""
+    if not body.strip():
+        raise ValueError("the request body is empty (send a JSON object)")
+    return msgspec.json.decode(body, type=cls)
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_json(obj: Any) -> bytes:
+    return _ENCODER.encode(obj)

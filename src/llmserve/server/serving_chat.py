@@ -1,0 +1,96 @@
+"""POST /v1/chat/completions: messages through the model's chat template; streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from llmserve.engine.async_llm import TokensPrompt
+from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.params import build_params, chat_overrides
+from llmserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob,
+                                      DeltaMessage, ResponseMessage, TopLogprob, decode_json, encode_json,
+                                      make_usage)
+from llmserve.server.serving_common import (ServingContext, TokenTexts, collect_final, created_now,
+                                            new_request_id, render_chat)
+from llmserve.server.streams import sse_event, sse_response, until_disconnect, with_error_event
+
+
+def chat_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], num_top: int) -> ChatLogprobs:
+    content = []
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        top = [TopLogprob(t, value, list(t.encode()))
+               for t, value in ((token_text(tid), value) for tid, value in lp.top[:num_top])]
+        content.append(ChatTokenLogprob(text, lp.logprob, list(text.encode()), top))
+    return ChatLogprobs(content)
+
+
+class ChatServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, request: Request, body: bytes) -> Response:
+        ctx = self.ctx
+        req: ChatCompletionRequest = decode_json(body, ChatCompletionRequest)
+        ctx.check_model(req.model)
+        params = build_params(ctx.engine.default_sampling_params, chat_overrides(req))
+        text = render_chat(ctx.engine.tokenizer, req.messages, req.add_generation_prompt)
+        prompt = TokensPrompt(ctx.engine.encode(text, add_special_tokens=False), text)
+        ctx.engine.check_request(len(prompt.token_ids), params)
+        ctx.admit(request, params.n)
+        request_id = new_request_id("chatcmpl")
+        gen = ctx.engine.generate(prompt, params, request_id, req.priority)
+        if req.stream:
+            return sse_response(with_error_event(self._stream(req, params, request_id, prompt, gen)))
+        final = await until_disconnect(request, collect_final(gen))
+        return Response(encode_json(self._response(params, request_id, prompt, final)),
+                        media_type="application/json")
+
+    def _logprobs(self, params: SamplingParams, out: CompletionOutput) -> ChatLogprobs | None:
+        if params.logprobs is None or out.logprobs is None:
+            return None
+        return chat_logprobs(self.ctx.token_text, out.logprobs, params.logprobs)
+
+    def _response(self, params: SamplingParams, request_id: str, prompt: TokensPrompt,
+                  final: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(out.index, ResponseMessage("assistant", out.text), self._logprobs(params, out),
+                              out.finish_reason, out.stop_reason) for out in final.outputs]
+        usage = make_usage(len(prompt.token_ids), sum(len(out.token_ids) for out in final.outputs),
+                           final.num_cached_tokens)
+        return ChatCompletionResponse(request_id, created_now(), self.ctx.model_name, choices, usage)
+
+    async def _stream(self, req: ChatCompletionRequest, params: SamplingParams, request_id: str,
+                      prompt: TokensPrompt, gen) -> AsyncIterator[bytes]:
+        created, model = created_now(), self.ctx.model_name
+        options = req.stream_options
+        is_usage = options is not None and options.include_usage
+        is_continuous = is_usage and options.continuous_usage_stats
+        num_prompt, num_completion, num_cached = len(prompt.token_ids), 0, 0
+
+        def chunk(choice: ChatStreamChoice | None):
+            usage = make_usage(num_prompt, num_completion, num_cached) if is_continuous else None
+            return sse_event(ChatCompletionChunk(request_id, created, model, [choice] if choice else [],
+                                                 usage=usage))
+
+        for i in range(params.n):
+            yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")))
+        async with aclosing(gen):
+            async for output in gen:
+                num_cached = output.num_cached_tokens
+                for out in output.outputs:
+                    num_completion += len(out.token_ids)
+                    logprobs = self._logprobs(params, out)
+                    if not out.text and out.finish_reason is None and logprobs is None:
+                        continue
+                    delta = DeltaMessage(content=out.text) if out.text or out.finish_reason is None else DeltaMessage()
+                    yield chunk(ChatStreamChoice(out.index, delta, logprobs, out.finish_reason))
+        if is_usage:
+            yield sse_event(ChatCompletionChunk(request_id, created, model, [],
+                                                usage=make_usage(num_prompt, num_completion, num_cached)))
+

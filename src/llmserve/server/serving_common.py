@@ -1,0 +1,160 @@
+"""What every generation route shares: the model-name check, admission (backpressure), request ids,
+chat templating, token strings for logprobs, and folding a request's delta outputs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from llmserve.engine.async_llm import AsyncLLM, merge_outputs
+from llmserve.outputs import RequestOutput
+from llmserve.server.config import ServerConfig
+from llmserve.server.errors import APIError, service_unavailable
+from llmserve.server.metrics import ServerMetrics
+from llmserve.server.protocol import ChatMessage
+
+ADMITTED_KEY = "llmserve.num_admitted"  # in the ASGI scope: sequences this request counts against the limit
+_CHAT_ROLES = {"system", "user", "assistant", "developer"}
+
+
+@dataclass
+class ServingContext:
+    """Per-app state the routes use (held on app.state.ctx)."""
+
+    engine: AsyncLLM
+    config: ServerConfig
+    metrics: ServerMetrics
+    model_name: str
+    max_num_seqs: int
+    token_text: TokenTexts
+    is_draining: bool = False
+    num_http_in_flight: int = 0  # generation/tokenizer requests being answered (not /health, /metrics)
+    num_admitted: int = 0  # engine sequences of the generation requests being answered
+
+    @property
+    def num_max_in_flight(self) -> int:
+        return self.max_num_seqs + self.config.max_queued_requests
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.engine.model_info.name):
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
+                           param="model", code="model_not_found")
+
+    def admit(self, request: Request, num_engine_requests: int) -> None:
+        """Count the request's sequences in (FrontDoor counts them out when its response ends).
+
+        503 + Retry-After when max_num_seqs + max_queued_requests sequences are in flight already;
+        400 when the request alone can never fit.
+        """
+        if self.is_draining:
+            raise service_unavailable("the server is shutting down", retry_after=5)
+        self.engine.check_health()
+        if num_engine_requests > self.num_max_in_flight:
+            raise ValueError(f"this request needs {num_engine_requests} sequences (prompts x n); "
+                             f"the server takes at most {self.num_max_in_flight} at once")
+        if self.num_admitted + num_engine_requests > self.num_max_in_flight:
+            raise service_unavailable(f"too many requests queued ({self.num_admitted} sequences in flight, "
+                                      f"limit {self.num_max_in_flight}); retry later", retry_after=1)
+        assert ADMITTED_KEY not in request.scope, "a request admitted twice"
+        request.scope[ADMITTED_KEY] = num_engine_requests
+        self.num_admitted += num_engine_requests
+
+    def release(self, scope: dict) -> None:
+        self.num_admitted -= scope.pop(ADMITTED_KEY, 0)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def created_now() -> int:
+    return int(time.time())
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+
+def _message_text(index: int, message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise ValueError(f"messages[{index}].content: only text parts are supported, got type {part.type!r}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_conversation(messages: list[ChatMessage] | None) -> list[dict]:
+    if not messages:
+        raise ValueError("messages must be a non-empty list")
+    conversation = []
+    for i, message in enumerate(messages):
+        if message.role not in _CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role {message.role!r} is not supported "
+                             f"(one of {', '.join(sorted(_CHAT_ROLES))})")
+        if message.tool_calls is not None or message.tool_call_id is not None:
+            raise ValueError(f"messages[{i}]: tool calls are not supported")
+        role = "system" if message.role == "developer" else message.role
+        entry = {"role": role, "content": _message_text(i, message)}
+        if message.name is not None:
+            entry["name"] = message.name
+        conversation.append(entry)
+    return conversation
+
+
+def render_chat(tokenizer, messages: list[ChatMessage] | None, add_generation_prompt: bool) -> str:
+    """The chat template applied (text; tokenize it without adding special tokens)."""
+    conversation = chat_conversation(messages)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use /v1/completions")
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except TemplateError as e:
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    if not isinstance(text, str):
+        raise ValueError("the chat template did not render to text")
+    return text
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+
+class TokenTexts:
+    """Token id -> its text (cached; logprobs ask for the same ids again and again)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self.cache) < 1_000_000:
+                self.cache[token_id] = text
+        return text
+
+
+def fold(outputs: RequestOutput | None, new: RequestOutput) -> RequestOutput:
+    return new if outputs is None else merge_outputs(outputs, new)
+
+
+async def collect_final(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """All deltas of one request folded into its final output."""
+    final = None
+    async with aclosing(gen):
+        async for output in gen:
+            final = fold(final, output)
+    assert final is not None and final.finished, "a request ended without a final output"
+    return final

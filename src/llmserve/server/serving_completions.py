@@ -1,0 +1,149 @@
+"""POST /v1/completions: prompts as text, token ids, or lists of either; streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from llmserve.engine.async_llm import TokensPrompt
+from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.params import build_params, completion_overrides
+from llmserve.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
+                                      CompletionResponse, Usage, decode_json, encode_json, make_usage)
+from llmserve.server.serving_common import ServingContext, TokenTexts, created_now, fold, new_request_id
+from llmserve.server.streams import merge_async_iterators, sse_event, sse_response, until_disconnect, \
+    with_error_event
+
+
+def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[TokensPrompt]:
+    prompt = req.prompt
+    if prompt is None:
+        raise ValueError("prompt is required")
+    if isinstance(prompt, str):
+        return [_text_prompt(ctx, prompt, req.add_special_tokens)]
+    if not prompt:
+        raise ValueError("prompt must not be an empty list")
+    if all(isinstance(p, int) for p in prompt):
+        return [TokensPrompt(list(prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [_text_prompt(ctx, p, req.add_special_tokens) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [TokensPrompt(p) for p in prompt]
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids, or a list of such lists")
+
+
+def _text_prompt(ctx: ServingContext, text: str, add_special_tokens: bool) -> TokensPrompt:
+    return TokensPrompt(ctx.engine.encode(text, add_special_tokens), text)
+
+
+@dataclass
+class _Choices:
+    """Running state of every choice of a request (indices prompt * n + sequence)."""
+
+    n: int
+    num_completion_tokens: int = 0
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)
+    text_offsets: dict[int, int] = field(default_factory=dict)
+    echoed: set[int] = field(default_factory=set)
+
+
+def completion_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], num_top: int,
+                        offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs([], [], [], [])
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        top = {token_text(tid): value for tid, value in lp.top[:num_top]}
+        top.setdefault(text, lp.logprob)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+class CompletionServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, request: Request, body: bytes) -> Response:
+        ctx = self.ctx
+        req: CompletionRequest = decode_json(body, CompletionRequest)
+        ctx.check_model(req.model)
+        params = build_params(ctx.engine.default_sampling_params, completion_overrides(req))
+        prompts = completion_prompts(ctx, req)
+        for prompt in prompts:
+            ctx.engine.check_request(len(prompt.token_ids), params)
+        if req.echo:
+            for prompt in prompts:
+                prompt.text = prompt.text if prompt.text is not None else ctx.engine.decode(prompt.token_ids)
+        ctx.admit(request, len(prompts) * params.n)
+        request_id = new_request_id("cmpl")
+        gens = [ctx.engine.generate(p, params, f"{request_id}-{i}", req.priority) for i, p in enumerate(prompts)]
+        if req.stream:
+            return sse_response(with_error_event(self._stream(req, params, request_id, prompts, gens)))
+        finals = await until_disconnect(request, _collect(gens))
+        return Response(encode_json(self._response(req, params, request_id, prompts, finals)),
+                        media_type="application/json")
+
+    def _choice(self, req: CompletionRequest, params: SamplingParams, state: _Choices, prompt_index: int,
+                prompt: TokensPrompt, out: CompletionOutput) -> CompletionChoice:
+        index = prompt_index * state.n + out.index
+        text = out.text
+        if req.echo and index not in state.echoed:
+            state.echoed.add(index)
+            text = (prompt.text or "") + text
+        logprobs = None
+        if params.logprobs is not None and out.logprobs is not None:
+            offset = state.text_offsets.get(index, 0)
+            logprobs = completion_logprobs(self.ctx.token_text, out.logprobs, params.logprobs, offset)
+            state.text_offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
+        state.num_completion_tokens += len(out.token_ids)
+        return CompletionChoice(index, text, logprobs, out.finish_reason, out.stop_reason)
+
+    def _usage(self, prompts: list[TokensPrompt], state: _Choices) -> Usage:
+        return make_usage(sum(len(p.token_ids) for p in prompts), state.num_completion_tokens,
+                          sum(state.num_cached_tokens.values()))
+
+    def _response(self, req: CompletionRequest, params: SamplingParams, request_id: str,
+                  prompts: list[TokensPrompt], finals: list[RequestOutput]) -> CompletionResponse:
+        state = _Choices(params.n)
+        choices = []
+        for i, (prompt, final) in enumerate(zip(prompts, finals)):
+            state.num_cached_tokens[i] = final.num_cached_tokens
+            choices.extend(self._choice(req, params, state, i, prompt, out) for out in final.outputs)
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(request_id, created_now(), self.ctx.model_name, choices,
+                                  self._usage(prompts, state))
+
+    async def _stream(self, req: CompletionRequest, params: SamplingParams, request_id: str,
+                      prompts: list[TokensPrompt], gens) -> AsyncIterator[bytes]:
+        state = _Choices(params.n)
+        created, model = created_now(), self.ctx.model_name
+        options = req.stream_options
+        is_continuous = options is not None and options.include_usage and options.continuous_usage_stats
+        async with aclosing(merge_async_iterators(gens)) as merged:
+            async for i, output in merged:
+                state.num_cached_tokens[i] = output.num_cached_tokens
+                for out in output.outputs:
+                    choice = self._choice(req, params, state, i, prompts[i], out)
+                    if not choice.text and choice.finish_reason is None and choice.logprobs is None:
+                        continue
+                    usage = self._usage(prompts, state) if is_continuous else None
+                    yield sse_event(CompletionChunk(request_id, created, model, [choice], usage=usage))
+        if options is not None and options.include_usage:
+            yield sse_event(CompletionChunk(request_id, created, model, [], usage=self._usage(prompts, state)))
+
+
+async def _collect(gens) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(gens)
+    async with aclosing(merge_async_iterators(gens)) as merged:
+        async for i, output in merged:
+            finals[i] = fold(finals[i], output)
+    assert all(f is not None and f.finished for f in finals), "a request ended without a final output"
+    return finals  # type: ignore[return-value]

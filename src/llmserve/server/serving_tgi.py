@@ -1,0 +1,217 @@
+"""Text Generation Inference's API: POST /generate, /generate_stream and the compat route POST /.
+
+Compatible with huggingface_hub.InferenceClient.text_generation (details, streaming). The stream is
+TGI's: one event per token, the last with `generated_text` and `details`, and no [DONE].
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from llmserve.engine.async_llm import TokensPrompt
+from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmserve.server.errors import to_api_error
+from llmserve.server.protocol import decode_json, encode_json
+from llmserve.server.serving_common import ServingContext, collect_final, new_request_id
+from llmserve.server.streams import sse_response, until_disconnect
+
+DEFAULT_MAX_NEW_TOKENS = 100
+
+
+class TGIParameters(msgspec.Struct, kw_only=True):
+    best_of: int | None = None
+    decoder_input_details: bool | None = None
+    details: bool | None = None
+    do_sample: bool | None = None
+    frequency_penalty: float | None = None
+    grammar: Any = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool | None = None
+    adapter_id: str | None = None
+
+
+class TGIRequest(msgspec.Struct, kw_only=True):
+    inputs: str
+    parameters: TGIParameters = msgspec.field(default_factory=TGIParameters)
+    stream: bool = False
+
+
+class TGIToken(msgspec.Struct):
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+class TGIDetails(msgspec.Struct):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[TGIToken] = []
+    tokens: list[TGIToken] = []
+    top_tokens: list[list[TGIToken]] | None = None
+
+
+class TGIResponse(msgspec.Struct, omit_defaults=True):
+    generated_text: str
+    details: TGIDetails | None = None
+
+
+class TGIStreamDetails(msgspec.Struct):
+    finish_reason: str
+    generated_tokens: int
+    input_length: int
+    seed: int | None = None
+
+
+class TGIStreamEvent(msgspec.Struct):
+    index: int
+    token: TGIToken
+    generated_text: str | None = None
+    details: TGIStreamDetails | None = None
+    top_tokens: list[TGIToken] | None = None
+
+
+def _check_unsupported(p: TGIParameters) -> None:
+    if p.grammar is not None:
+        raise ValueError("grammar is not supported")
+    if p.watermark:
+        raise ValueError("watermark is not supported")
+    if p.typical_p is not None and p.typical_p < 1.0:
+        raise ValueError("typical_p is not supported")
+    if p.adapter_id is not None:
+        raise ValueError("adapter_id is not supported")
+    if p.decoder_input_details:
+        raise ValueError("decoder_input_details (prompt logprobs) is not supported")
+    if p.best_of is not None and p.best_of > 1:
+        raise ValueError("best_of > 1 is not supported")
+    if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= MAX_LOGPROBS:
+        raise ValueError(f"top_n_tokens must be in [0, {MAX_LOGPROBS}], got {p.top_n_tokens}")
+
+
+def tgi_overrides(p: TGIParameters) -> dict:
+    """TGI parameters in SamplingParams' names; greedy unless sampling was asked for."""
+    _check_unsupported(p)
+    overrides: dict[str, Any] = {"max_tokens": DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None
+                                 else p.max_new_tokens, "logprobs": p.top_n_tokens or 0, "stop": p.stop}
+    for name in ("frequency_penalty", "repetition_penalty", "seed", "temperature", "top_k", "top_p"):
+        if getattr(p, name) is not None:
+            overrides[name] = getattr(p, name)
+    is_sampling = p.do_sample or any(getattr(p, k) is not None for k in ("temperature", "top_k", "top_p"))
+    if not is_sampling:
+        overrides["temperature"] = 0.0
+    return overrides
+
+
+def tgi_finish_reason(out: CompletionOutput, eos_token_ids: list[int]) -> str:
+    if out.finish_reason == "stop":
+        is_eos = out.stop_reason is None or out.stop_reason in eos_token_ids
+        return "eos_token" if is_eos else "stop_sequence"
+    return out.finish_reason or "length"
+
+
+class TGIServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.special_ids = set(ctx.engine.tokenizer.all_special_ids)
+
+    async def compat(self, request: Request, body: bytes) -> Response:
+        req: TGIRequest = decode_json(body, TGIRequest)
+        if req.stream:
+            return await self.generate_stream(request, body)
+        response = await self.generate(request, body)
+        return Response(b"[" + response.body + b"]", media_type="application/json")
+
+    def _start(self, request: Request, body: bytes) -> tuple[TGIRequest, SamplingParams, TokensPrompt, Any]:
+        ctx = self.ctx
+        req: TGIRequest = decode_json(body, TGIRequest)
+        params = ctx.engine.default_sampling_params(**tgi_overrides(req.parameters))
+        token_ids = ctx.engine.encode(req.inputs)
+        truncate = req.parameters.truncate
+        if truncate is not None:
+            if truncate <= 0:
+                raise ValueError(f"truncate must be positive, got {truncate}")
+            token_ids = token_ids[-truncate:]
+        prompt = TokensPrompt(token_ids, req.inputs)
+        ctx.engine.check_request(len(token_ids), params)
+        ctx.admit(request, 1)
+        gen = ctx.engine.generate(prompt, params, new_request_id("tgi"), 0)
+        return req, params, prompt, gen
+
+    async def generate(self, request: Request, body: bytes) -> Response:
+        req, params, prompt, gen = self._start(request, body)
+        final = await until_disconnect(request, collect_final(gen))
+        out = final.outputs[0]
+        text = (req.inputs + out.text) if req.parameters.return_full_text else out.text
+        details = self._details(req.parameters, out) if req.parameters.details else None
+        return Response(encode_json(TGIResponse(text, details)), media_type="application/json")
+
+    def _token(self, token_id: int, text: str, logprob: float) -> TGIToken:
+        return TGIToken(token_id, text, logprob, token_id in self.special_ids)
+
+    def _top(self, lp: TokenLogprob, num_top: int) -> list[TGIToken]:
+        return [self._token(tid, self.ctx.token_text(tid), value) for tid, value in lp.top[:num_top]]
+
+    def _details(self, p: TGIParameters, out: CompletionOutput) -> TGIDetails:
+        logprobs = out.logprobs or []
+        tokens = [self._token(lp.token_id, self.ctx.token_text(lp.token_id), lp.logprob) for lp in logprobs]
+        top = [self._top(lp, p.top_n_tokens) for lp in logprobs] if p.top_n_tokens else None
+        return TGIDetails(tgi_finish_reason(out, self.ctx.engine.model_info.eos_token_ids), len(out.token_ids),
+                          p.seed, [], tokens, top)
+
+    async def generate_stream(self, request: Request, body: bytes) -> Response:
+        req, params, prompt, gen = self._start(request, body)
+        return sse_response(self._stream(req, prompt, gen))
+
+    async def _stream(self, req: TGIRequest, prompt: TokensPrompt, gen) -> AsyncIterator[bytes]:
+        p = req.parameters
+        text, index = (req.inputs if p.return_full_text else ""), 0
+        try:
+            async with aclosing(gen):
+                async for output in gen:
+                    out = output.outputs[0]
+                    text += out.text
+                    events = self._events(p, out, index, text, len(prompt.token_ids))
+                    index += len(events)
+                    for event in events:
+                        yield b"data:" + encode_json(event) + b"\n\n"
+        except Exception as e:  # noqa: BLE001 - TGI's in-stream error shape
+            err = to_api_error(e)
+            yield b"data:" + encode_json({"error": err.message, "error_type": err.info().type}) + b"\n\n"
+
+    def _events(self, p: TGIParameters, out: CompletionOutput, index: int, text: str,
+                num_prompt_tokens: int) -> list[TGIStreamEvent]:
+        """One event per new token; a merged delta's text rides on its last token."""
+        logprobs = out.logprobs or []
+        events = []
+        for k, token_id in enumerate(out.token_ids):
+            is_last = k == len(out.token_ids) - 1
+            logprob = logprobs[k].logprob if k < len(logprobs) else 0.0
+            top = self._top(logprobs[k], p.top_n_tokens) if p.top_n_tokens and k < len(logprobs) else None
+            token = self._token(token_id, out.text if is_last else "", logprob)
+            events.append(TGIStreamEvent(index + k, token, top_tokens=top))
+        if out.finish_reason is not None:
+            if not events:  # finished without a new token (abort): TGI still ends on a token event
+                events.append(TGIStreamEvent(index, self._token(0, out.text, 0.0)))
+            events[-1].generated_text = text
+            events[-1].details = TGIStreamDetails(tgi_finish_reason(out, self.ctx.engine.model_info.eos_token_ids),
+                                                  index + len(out.token_ids), num_prompt_tokens, p.seed)
+        return events
+

@@ -1,0 +1,168 @@
+"""A real `llmserve serve` in a subprocess, for tests and benchmarks: free loopback port, waits for
+/health, finds the engine child, stops with a signal and reports the exit code."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+_PORT_RE = re.compile(r"serving .* on http://[^:\s]+:(\d+)")
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process (Linux /proc)."""
+    pids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                pids.extend(int(p) for p in f.read().split())
+    except FileNotFoundError:
+        pass
+    return pids
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class ServerProcess:
+    """`with ServerProcess([...flags]) as server:` -> server.url, server.base_url (…/v1)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout: float = 180.0) -> None:
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="llmserve-server-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        with open(self.log_file.name) as f:
+            return f.read()
+
+    def start(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "llmserve.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+               *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
+            if self.port is None:
+                match = _PORT_RE.search(self.log())
+                self.port = int(match.group(1)) if match else None
+            if self.port is not None and self._is_healthy():
+                return self
+            time.sleep(0.1)
+        self.stop(signal.SIGKILL)
+        raise TimeoutError(f"server not healthy within {self.startup_timeout} s:\n{self.log()}")
+
+    def _is_healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def engine_pid(self) -> int:
+        """The engine-core child (multiprocessing's resource tracker is a child too)."""
+        assert self.proc is not None
+        pids = [pid for pid in child_pids(self.proc.pid) if b"spawn_main" in _cmdline(pid)]
+        assert len(pids) == 1, f"expected one engine child, found {pids}"
+        return pids[0]
+
+    def children(self) -> list[int]:
+        assert self.proc is not None
+        return child_pids(self.proc.pid)
+
+    def send_signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        """Signal and wait; SIGKILL (the server and its children) if it does not exit in time."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            children = child_pids(self.proc.pid)
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for pid in children:
+                    _kill(pid)
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.log_file.close()
+        os.unlink(self.log_file.name)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+SMALL_ENGINE_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "512", "--max-num-seqs", "64")
+
+
+def tiny_model(out_dir: str) -> str:
+    """A tiny random llama checkpoint (byte-level tokenizer, ChatML template) written to out_dir."""
+    from llmserve.model.maker import make_model
+
+    return make_model("llama", "tiny", out_dir)
+
+
+def start_tiny_server(out_dir: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """A server on a fresh tiny model with small engine settings; later args override earlier ones."""
+    return ServerProcess(["--model", tiny_model(out_dir), *SMALL_ENGINE_ARGS, *args], env=env).start()
+
+
+def metric_value(metrics_text: str, name: str) -> float:
+    """The value of one unlabelled-or-single-series metric in Prometheus text (sum over its series)."""
+    total, found = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total

@@ -1,0 +1,89 @@
+"""Per-request state the model runner keeps across steps, and the step's flat input tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from llmserve.model.attention import AttentionInputs
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner knows of a request between steps (also a sample.SamplingRow)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids_for_min_tokens: list[int]
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionInputs
+    logits_indices: torch.Tensor  # [S] int64: the last new token of each row that samples
+    sample_rows: list[int]  # [S] row index of each sampling row
+
+
+def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
+                   device: torch.device) -> StepInputs:
+    """Flatten the step's rows into token, position, slot and block-table tensors (numpy, no per-token loop)."""
+    num_rows = len(states)
+    counts = np.asarray(num_scheduled, dtype=np.int64)  # [B]
+    starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)  # [B]
+    cu = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    num_tokens = int(cu[-1])
+    row_of_token = np.repeat(np.arange(num_rows), counts)  # [T]
+    positions = np.arange(num_tokens) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
+    input_ids = np.fromiter(_token_slices(states, starts, counts), dtype=np.int64, count=num_tokens)
+    block_table = _block_table(states)  # [B, max_blocks]
+    slots = block_table[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    seq_lens = starts + counts
+    sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+    attn = AttentionInputs(
+        query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_table=torch.from_numpy(block_table).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_lens_cpu=counts.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+        block_size=block_size,
+    )
+    return StepInputs(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        attn=attn,
+        logits_indices=torch.from_numpy(cu[1:][sample_rows] - 1).to(device),
+        sample_rows=sample_rows,
+    )
+
+
+def _token_slices(states: list[CachedRequestState], starts: np.ndarray, counts: np.ndarray):
+    for state, start, count in zip(states, starts.tolist(), counts.tolist()):
+        yield from state.token_ids[start:start + count]
+
+
+def _block_table(states: list[CachedRequestState]) -> np.ndarray:
+    max_blocks = max(len(s.block_ids) for s in states)
+    table = np.zeros((len(states), max_blocks), dtype=np.int32)  # 0 = the null block
+    for i, state in enumerate(states):
+        table[i, :len(state.block_ids)] = state.block_ids
+    return table

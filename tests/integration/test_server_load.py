@@ -1,0 +1,91 @@
+"""Many streams at once with half of them cancelled (queued or decoding), and non-streaming disconnects:
+the rest complete and every KV block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from llmserve.server.testing import metric_value, start_tiny_server
+
+NUM_STREAMS = 200
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--max-num-seqs", "64",
+                               "--num-kv-blocks", "1024")
+    yield server
+    assert server.stop() == 0
+
+
+def metrics(server) -> str:
+    return httpx.get(f"{server.url}/metrics", timeout=30).text
+
+
+def wait_for_baseline(server, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = metrics(server)
+        is_free = metric_value(text, "llmserve:kv_cache_free_blocks") == metric_value(text, "llmserve:kv_cache_blocks")
+        if is_free and metric_value(text, "llmserve:num_requests_in_flight") == 0:
+            return text
+        assert time.monotonic() < deadline, "KV blocks did not return to baseline"
+        time.sleep(0.1)
+
+
+def aborted(text: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("llmserve:request_success_total{") and 'finished_reason="abort"' in line)
+
+
+async def one_stream(http: httpx.AsyncClient, i: int) -> tuple[str, int]:
+    """Even i: read to the end. i % 4 == 1: leave after the role chunk (most are queued then).
+    i % 4 == 3: leave after 3 content chunks (decoding)."""
+    body = {"messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "stream": True}
+    num_content, finish = 0, None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            num_content += bool(choice["delta"].get("content"))
+            finish = choice["finish_reason"] or finish
+            if (i % 4 == 1) or (i % 4 == 3 and num_content >= 3):
+                return "cancelled", num_content
+    return finish, num_content
+
+
+def test_half_of_200_streams_cancelled(server):
+    before = aborted(wait_for_baseline(server))
+
+    async def main():
+        limits = httpx.Limits(max_connections=NUM_STREAMS + 10, max_keepalive_connections=NUM_STREAMS + 10)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(one_stream(http, i) for i in range(NUM_STREAMS)))
+
+    results = asyncio.run(main())
+    completed = [r for i, r in enumerate(results) if i % 2 == 0]
+    assert all(finish == "length" for finish, _ in completed), completed
+    assert sum(finish == "cancelled" for finish, _ in results) == NUM_STREAMS // 2
+    after = wait_for_baseline(server)
+    assert aborted(after) - before == NUM_STREAMS // 2
+
+
+def test_non_streaming_disconnect_aborts(server):
+    before = aborted(wait_for_baseline(server))
+    body = {"prompt": "long", "max_tokens": 450, "ignore_eos": True}
+    for _ in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    after = wait_for_baseline(server)
+    assert aborted(after) - before == 3
+    out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
+    assert out.status_code == 200

@@ -1,0 +1,38 @@
+"""Builders for core tests: requests and a scripted 'model' that samples fixed tokens."""
+
+from __future__ import annotations
+
+from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.core.request import Request
+from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from llmserve.core.scheduler import Scheduler
+from llmserve.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_request(req_id: str, prompt: list[int], max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,
+                 parent_id: str | None = None, **params) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(req_id, prompt, sp, [EOS], arrival, max_tokens, priority, parent_id)
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_num_seqs: int = 16,
+                   caching: bool = True, policy: str = "fcfs", max_model_len: int = 256) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks, max_model_len)
+
+
+def fake_runner_output(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """Sample `token` for every request whose computed tokens caught up with its tokens."""
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = sched.requests[req_id]
+        sampled.append([token] if request.num_computed_tokens >= request.num_tokens else [])
+    return ModelRunnerOutput(req_ids, sampled)
+
+
+def step(sched: Scheduler, token: int = 7):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, fake_runner_output(sched, out, token))

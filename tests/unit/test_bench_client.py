@@ -1,0 +1,253 @@
+"""The benchmark client and runner against a scripted fake OpenAI server (FastAPI on a loopback port).
+
+The fake serves /{server}/v1/... so that one process plays both sides of --compare; the request's model
+name picks the script: ok, slow, error500, hang, midstream_error, drop, garbage, strict (rejects ignore_eos).
+"""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from llmserve.bench import probe
+from llmserve.bench.client import Target, make_http_client, send_request
+from llmserve.bench.config import BenchServeConfig, DatasetConfig, LoadConfig, OutputConfig, TargetConfig
+from llmserve.bench.datasets import BenchRequest
+from llmserve.bench.runner import run_benchmark
+
+MODELS = ["ok", "slow", "error500", "hang", "midstream_error", "drop", "garbage", "strict", "flaky"]
+TOKEN_DELAY_S = 0.002
+
+
+def _chunk(endpoint, text):
+    if endpoint == "chat":
+        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
+
+
+def make_app(log):
+    app = FastAPI()
+
+    @app.get("/{server}/v1/models")
+    async def models(server: str):
+        return {"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]}
+
+    @app.post("/{server}/v1/completions")
+    async def completions(server: str, request: Request):
+        return await _answer(server, "completions", await request.json())
+
+    @app.post("/{server}/v1/chat/completions")
+    async def chat(server: str, request: Request):
+        return await _answer(server, "chat", await request.json())
+
+    async def _answer(server, endpoint, body):
+        model = body.get("model")
+        log.append((server, model, time.perf_counter(), body))
+        if model not in MODELS:
+            return JSONResponse({"error": {"message": f"The model `{model}` does not exist."}}, 404)
+        if model == "error500" or (model == "flaky" and len(log) % 3 == 0):
+            return JSONResponse({"error": {"message": "internal"}}, 500)
+        if model == "strict" and "ignore_eos" in body:
+            return JSONResponse({"error": {"message": "Unrecognized request argument: ignore_eos"}}, 400)
+        if model == "hang":
+            await asyncio.sleep(3)
+        n = body["max_tokens"]
+        if not body.get("stream"):
+            await asyncio.sleep(TOKEN_DELAY_S * n)
+            text = "x" * n
+            choice = {"message": {"role": "assistant", "content": text}} if endpoint == "chat" else {"text": text}
+            return {"choices": [choice], "usage": {"prompt_tokens": 11, "completion_tokens": n}}
+        return StreamingResponse(_stream(model, endpoint, body, n), media_type="text/event-stream")
+
+    async def _stream(model, endpoint, body, n):
+        if endpoint == "chat":
+            yield "data: " + json.dumps({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) + "\n\n"
+        for i in range(n):
+            await asyncio.sleep(TOKEN_DELAY_S * (5 if model == "slow" else 1))
+            if i == 2 and model == "midstream_error":
+                yield 'data: {"error": {"message": "engine died"}}\n\n'
+                return
+            if i == 2 and model == "drop":
+                raise RuntimeError("connection dropped")
+            if model == "garbage":
+                yield "data: not json\n\n"
+                return
+            yield "data: " + json.dumps(_chunk(endpoint, f"t{i}")) + "\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": n}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """(base URL without the server prefix, request log)."""
+    log = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(log), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", log
+    server.should_exit = server.force_exit = True
+    thread.join(timeout=5)
+
+
+REQ = BenchRequest([1, 2, 3], 3, 6)
+
+
+def _send(url, model, req=REQ, **kw):
+    async def go():
+        async with make_http_client() as client:
+            return await send_request(client, Target("A", url, model, **kw), req, 0)
+
+    return asyncio.run(go())
+
+
+def test_stream_completions(fake):
+    rec = _send(fake[0] + "/a", "ok")
+    assert rec.is_success and rec.error_kind is None
+    assert (rec.num_chunks, rec.num_output_tokens, rec.output_tokens_source) == (6, 6, "usage")
+    assert rec.num_prompt_tokens == 11  # the server's usage wins over the dataset's count
+    assert len(rec.itl_s) == 5 and 0 < rec.ttft_s <= rec.e2e_s
+    assert rec.e2e_s == pytest.approx(rec.ttft_s + sum(rec.itl_s))
+    body = fake[1][-1][3]
+    assert body["prompt"] == [1, 2, 3] and body["ignore_eos"] is True and body["max_tokens"] == 6
+    assert body["stream_options"] == {"include_usage": True}
+
+
+def test_stream_chat_skips_role_chunk(fake):
+    rec = _send(fake[0] + "/a", "ok", BenchRequest("hi", 1, 4, system="sys"), endpoint="chat")
+    assert rec.is_success and rec.num_chunks == 4 and len(rec.itl_s) == 3
+    assert fake[1][-1][3]["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+
+
+def test_counts_chunks_without_usage(fake):
+    rec = _send(fake[0] + "/a", "ok", is_usage_requested=False)
+    assert rec.is_success and (rec.num_output_tokens, rec.output_tokens_source) == (6, "chunks")
+    assert "stream_options" not in fake[1][-1][3]
+
+
+def test_no_stream(fake):
+    rec = _send(fake[0] + "/a", "ok", is_streaming=False, extra_body={"temperature": 0})
+    assert rec.is_success and rec.ttft_s is None and rec.itl_s == [] and rec.e2e_s > 0
+    assert (rec.num_output_tokens, rec.output_tokens_source) == (6, "usage")
+    body = fake[1][-1][3]
+    assert body["stream"] is False and "stream_options" not in body and body["temperature"] == 0
+
+
+@pytest.mark.parametrize("model, kind", [("error500", "http_500"), ("midstream_error", "stream_error"),
+                                         ("drop", "connection"), ("garbage", "protocol"), ("nope", "http_404")])
+def test_errors_are_recorded(fake, model, kind):
+    rec = _send(fake[0] + "/a", model)
+    assert not rec.is_success and rec.error_kind == kind and rec.error
+
+
+def test_timeout(fake):
+    t0 = time.perf_counter()
+    rec = _send(fake[0] + "/a", "hang", timeout_s=0.2)
+    assert rec.error_kind == "timeout" and time.perf_counter() - t0 < 2
+
+
+def test_unreachable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert _send(f"http://127.0.0.1:{port}", "ok").error_kind == "connection"
+
+
+def _connect(url, model, endpoint="completions", req=REQ):
+    async def go():
+        async with make_http_client() as client:
+            return await probe.connect(client, Target("A", url, model, endpoint), req)
+
+    return asyncio.run(go())
+
+
+def test_probe_finds_model_and_negotiates(fake):
+    target, notes = _connect(fake[0] + "/a", "")
+    assert target.model == "ok" and target.is_ignore_eos_sent and notes == []
+    target, notes = _connect(fake[0] + "/a", "strict")
+    assert not target.is_ignore_eos_sent and target.is_usage_requested and "ignore_eos" in notes[0]
+
+
+@pytest.mark.parametrize("model, endpoint, message", [
+    ("nope", "completions", "not among the served models"),
+    ("error500", "completions", "HTTP 500"),
+])
+def test_probe_errors(fake, model, endpoint, message):
+    with pytest.raises(ValueError, match=message):
+        _connect(fake[0] + "/a", model, endpoint)
+
+
+def test_probe_wrong_endpoint_and_unreachable(fake):
+    with pytest.raises(ValueError, match="try --endpoint"):
+        _connect(fake[0] + "/nowhere/x", "ok")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match="cannot reach"):
+        _connect(f"http://127.0.0.1:{port}", "ok")
+
+
+def _cfg(url, **load):
+    return BenchServeConfig(
+        target=TargetConfig(url=url + "/a", model="ok", compare=url + "/b", compare_model="slow", labels="fast,slow"),
+        dataset=DatasetConfig(input_len=4, output_len=5),
+        load=LoadConfig(**{"num_requests": 8, "warmup": 1, **load}),
+        output=OutputConfig(progress=False, slo="ttft=1000"),
+    )
+
+
+def test_compare_interleaves_same_requests(fake):
+    url, log = fake
+    start = len(log)
+    result = asyncio.run(run_benchmark(_cfg(url, concurrency="1,4", rounds=2), None, log=lambda m: None))
+    assert [t.label for t in result.servers] == ["fast", "slow"]
+    assert [lv.name for lv in result.levels] == ["c=1", "c=4"]
+    calls = log[start:]
+    # probe a, probe b, warm-up a, warm-up b, then per level: 4 on a, 4 on b, 4 on a, 4 on b
+    assert [c[0] for c in calls] == ["a", "b", "a", "b"] + (["a"] * 4 + ["b"] * 4) * 4
+    measured = calls[4:]
+    for level in range(2):
+        chunk = measured[16 * level: 16 * (level + 1)]
+        a = [c[3]["prompt"] for c in chunk if c[0] == "a"]
+        b = [c[3]["prompt"] for c in chunk if c[0] == "b"]
+        assert sorted(a) == sorted(b) and len(a) == 8
+    assert measured[0][3]["prompt"] != measured[16][3]["prompt"]  # fresh prompts per level
+    for run in result.runs:
+        m = run.metrics
+        assert m.num_completed == 8 and m.total_output_tokens == 40 and m.goodput is not None
+        assert [r.index for r in run.records] == list(range(8))
+    fast, slow = result.run("fast", result.levels[1]), result.run("slow", result.levels[1])
+    assert slow.metrics.tpot_ms.median > 2 * fast.metrics.tpot_ms.median
+
+
+def test_open_loop_and_errors_mid_run(fake):
+    url, _ = fake
+    cfg = BenchServeConfig(
+        target=TargetConfig(url=url + "/a", model="flaky", timeout=5),
+        dataset=DatasetConfig(input_len=4, output_len=3),
+        load=LoadConfig(request_rate="200", concurrency="2", num_requests=12, warmup=0),
+        output=OutputConfig(progress=False),
+    )
+    try:
+        result = asyncio.run(run_benchmark(cfg, None, log=lambda m: None))
+    except ValueError:  # the probe itself drew a 500 from the flaky script
+        result = asyncio.run(run_benchmark(cfg, None, log=lambda m: None))
+    (run,) = result.runs
+    assert run.level.name == "rate=200,cap=2"
+    m = run.metrics
+    assert m.num_completed + m.num_failed == 12 and m.num_failed >= 3 and set(m.errors) == {"http_500"}
+    starts = [r.start_s for r in run.records]
+    assert starts == sorted(starts) and all(r.queue_s >= 0 for r in run.records)  # the cap's queue is FIFO

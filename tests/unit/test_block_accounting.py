@@ -1,0 +1,46 @@
+"""Random add / abort / finish / preempt sequences never leak or double-own a block."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core_helpers import EOS, make_request, make_scheduler, step
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.sampled_from([7, EOS])),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+# 13 blocks = the null block + 12 x 4 tokens: one max_model_len sequence always fits, as the engine ensures.
+@given(actions=actions, caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
+       num_blocks=st.integers(13, 40), n=st.integers(1, 3))
+def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blocks, n):
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, budget=24, max_num_seqs=6, caching=caching,
+                           policy=policy, max_model_len=48)
+    num_added = 0
+    for action in actions:
+        if action[0] == "add":
+            _, prompt_len, max_tokens, priority = action
+            prompt = [1 + (num_added * 7 + i) % 5 for i in range(prompt_len)]  # shared prefixes happen
+            for i in range(n):
+                sched.add_request(make_request(f"r{num_added}#{i}", prompt, max_tokens=max_tokens, priority=priority,
+                                               arrival=num_added, parent_id=f"r{num_added}" if n > 1 else None))
+            num_added += 1
+        elif action[0] == "abort":
+            sched.abort_requests([f"r{action[1]}#{i}" for i in range(n)])
+        else:
+            step(sched, token=action[1])
+        sched.check_integrity()
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+        sched.check_integrity()
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.pool.get_num_free_blocks() == sched.kv.pool.num_usable_blocks
+    assert not sched.kv.req_to_blocks

@@ -1,0 +1,148 @@
+"""Loader, registry, maker CLI and demo model: paths, dtypes, tokenizer, generation defaults, errors."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from llmserve.model import loader
+from llmserve.model.demo import demo_model_path
+from llmserve.model.loader import (ModelInfo, load_generation_defaults, load_model, load_model_info,
+                                   load_tokenizer, resolve_dtype, resolve_model_path)
+from llmserve.model.maker import add_make_model_parser, make_model
+from llmserve.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_model("qwen2", "tiny", str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("float16", "cuda") == torch.float16
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("fp8", "cpu")
+
+
+def test_resolve_dtype_auto_on_cpu_follows_bf16_flags(monkeypatch):
+    monkeypatch.setattr(loader, "_has_cpu_flag", lambda *flags: False)
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(loader, "_has_cpu_flag", lambda *flags: "amx_bf16" in flags)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+
+
+def test_local_dir_resolves_as_is_and_missing_dir_is_an_error(tiny_path, tmp_path):
+    assert resolve_model_path(tiny_path, None) == tiny_path
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "nope"), None)
+
+
+@pytest.mark.parametrize("how", ["offline", "unreachable"])
+def test_hub_id_that_cannot_be_fetched_is_a_fast_value_error(how, monkeypatch, tmp_path):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    if how == "offline":
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    else:
+        monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="no-such-org/no-such-model"):
+        resolve_model_path("no-such-org/no-such-model", None)
+    assert time.monotonic() - start < 20
+
+
+def test_unknown_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+    assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                            "Qwen3ForCausalLM"}
+
+
+def test_tokenizer_decodes_every_id_and_applies_chat_template(tiny_path):
+    tok = load_tokenizer(tiny_path)
+    assert len(tok) == 512
+    texts = [tok.decode([i]) for i in range(512)]
+    assert all(isinstance(t, str) for t in texts)
+    assert tok.decode(tok("Hello, world! 12:30")["input_ids"]) == "Hello, world! 12:30"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_generation_defaults_and_model_info(tiny_path, tmp_path):
+    defaults = load_generation_defaults(tiny_path)
+    assert defaults["eos_token_id"] == [2, 0] and defaults["temperature"] == 0.7
+    assert load_generation_defaults(str(tmp_path)) == {}
+    info = load_model_info("tiny", tiny_path, torch.float32)
+    assert info == ModelInfo(name="tiny", path=tiny_path, architecture="Qwen2ForCausalLM", vocab_size=512,
+                             max_model_len=2048, eos_token_ids=[2, 0], num_layers=2, num_kv_heads=2, head_dim=16,
+                             hidden_size=64, dtype="float32")
+    assert load_model_info("tiny", tiny_path, torch.bfloat16, max_model_len=100).max_model_len == 100
+    with pytest.raises(ValueError, match="max_model_len"):
+        load_model_info("tiny", tiny_path, torch.float32, max_model_len=4096)
+
+
+def test_load_model_in_bfloat16(tiny_path):
+    model = load_model(tiny_path, torch.bfloat16, "cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_missing_or_unknown_tensors_are_errors(tiny_path):
+    model = load_model(tiny_path, torch.float32, "cpu")
+    weights = dict(loader.iter_safetensors(tiny_path))
+    del weights["model.layers.1.self_attn.k_proj.bias"]
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        model.load_weights(weights.items())
+    with pytest.raises(ValueError, match="has no place"):
+        model.load_weights([("model.layers.0.self_attn.rope.weight", torch.zeros(1))])
+
+
+def test_short_sliding_window_is_rejected_unless_context_fits(tmp_path):
+    path = make_model("mistral", "tiny", str(tmp_path), seed=0)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["sliding_window"] = 256
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="sliding-window"):
+        load_model(path, torch.float32, "cpu")
+    assert load_model(path, torch.float32, "cpu", max_model_len=256) is not None
+
+
+def _digest(path: str) -> str:
+    with open(os.path.join(path, "model.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_make_model_cli_is_deterministic(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_make_model_parser(parser.add_subparsers())
+    args = parser.parse_args(["make-model", "--arch", "qwen3", "--shape", "tiny", "--out", str(tmp_path / "a"),
+                              "--seed", "7"])
+    assert args.handler(args) == 0
+    make_model("qwen3", "tiny", str(tmp_path / "b"), seed=7)
+    assert _digest(str(tmp_path / "a")) == _digest(str(tmp_path / "b"))
+    make_model("qwen3", "tiny", str(tmp_path / "c"), seed=8)
+    assert _digest(str(tmp_path / "a")) != _digest(str(tmp_path / "c"))
+
+
+def test_demo_model_builds_once_and_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    path = demo_model_path()
+    assert path == os.path.join(str(tmp_path), "demo-model-v1")
+    assert os.listdir(tmp_path) == ["demo-model-v1"]  # no temp dir left behind
+    mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    assert demo_model_path() == path
+    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
+    info = load_model_info("demo", path, torch.float32)
+    assert (info.hidden_size, info.num_layers, info.vocab_size) == (256, 4, 2048)
+    assert len(load_tokenizer(path)) == 2048
