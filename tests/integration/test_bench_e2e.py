@@ -48,7 +48,8 @@ def test_chat_text_prompts_no_stream_compare(server, tmp_path):
     """Text prompts of exact token counts (the model's tokenizer), chat, no streaming, A/B on one server."""
     model_dir = server.args[server.args.index("--model") + 1]
     rc, data = _bench(tmp_path, "--url", server.url, "--compare", server.base_url, "--labels", "a,b",
-                      "--tokenizer", model_dir, "--endpoint", "chat", "--no-stream", "--dataset", "shared-prefix", "--num-prefixes", "2",
+                      "--tokenizer", model_dir, "--endpoint", "chat", "--no-stream",
+                      "--dataset", "shared-prefix", "--num-prefixes", "2",
                       "--prefix-len", "32", "--input-len", "8", "--output-len", "4", "--num-requests", "4",
                       "--concurrency", "2")
     assert rc == 0

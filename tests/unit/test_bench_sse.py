@@ -33,7 +33,8 @@ def test_utf8_split_and_unterminated_last_event():
 
 
 def test_completions_chunk():
-    chunk = parse_chunk(json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": " the", "finish_reason": None}]}))
+    chunk = parse_chunk(json.dumps({"object": "text_completion",
+                                    "choices": [{"index": 0, "text": " the", "finish_reason": None}]}))
     assert chunk.text == " the" and chunk.usage is None and chunk.error is None
 
 

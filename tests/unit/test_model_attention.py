@@ -65,6 +65,7 @@ def random_rows(seed: int, num_decode: int, num_fresh: int, num_continuing: int)
     [(0, 12)],  # one fresh prompt: plain causal
     [(20, 7)],  # one continuing chunk
     [(0, 5), (0, 9), (0, 2)],  # several fresh prompts, padded
+    [(0, 6), (0, 6)],  # fresh prompts of one length: plain causal, batched
     [(3, 1), (0, 6), (10, 1), (9, 4)],  # everything mixed
     [(i * 7, 1) for i in range(40)],  # decode spread over lengths: several buckets
 ])

@@ -128,7 +128,7 @@ def test_make_model_cli_is_deterministic(tmp_path):
     add_make_model_parser(parser.add_subparsers())
     args = parser.parse_args(["make-model", "--arch", "qwen3", "--shape", "tiny", "--out", str(tmp_path / "a"),
                               "--seed", "7"])
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
     make_model("qwen3", "tiny", str(tmp_path / "b"), seed=7)
     assert _digest(str(tmp_path / "a")) == _digest(str(tmp_path / "b"))
     make_model("qwen3", "tiny", str(tmp_path / "c"), seed=8)
@@ -146,3 +146,30 @@ def test_demo_model_builds_once_and_is_cached(monkeypatch, tmp_path):
     info = load_model_info("demo", path, torch.float32)
     assert (info.hidden_size, info.num_layers, info.vocab_size) == (256, 4, 2048)
     assert len(load_tokenizer(path)) == 2048
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(monkeypatch, tmp_path, tiny_path):
+    from llmserve.model import maker
+    monkeypatch.setattr(maker, "_SHARD_BYTES", 40_000)
+    sharded = make_model("qwen2", "tiny", str(tmp_path / "sharded"), seed=0)
+    with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 2
+    a, b = load_model(sharded, torch.float32, "cpu"), load_model(tiny_path, torch.float32, "cpu")
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_chat_template_from_chat_template_jinja(tmp_path, tiny_path):
+    import shutil
+    path = str(tmp_path / "jinja")
+    shutil.copytree(tiny_path, path)
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    template = config.pop("chat_template")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    tok = load_tokenizer(path)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "yo"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("yo<|im_end|>\n<|im_start|>assistant\n")

@@ -35,7 +35,7 @@ class GroupMetadata:
     valid_slots: torch.Tensor | None  # [n] int64: the real query slots; None when nothing is padded
     valid_tokens: torch.Tensor  # [n] int64: their flat tokens (token_index[valid_slots])
     block_table: torch.Tensor | None  # [Bg * nb] int64, K = nb * block_size; None: keys = new tokens
-    attn_mask: torch.Tensor | None  # [Bg, 1, Q, K] bool, True = attend; None: plain causal (1 row)
+    attn_mask: torch.Tensor | None  # [Bg, 1, Q, K] bool, True = attend; None: plain causal (fresh rows, equal lengths)
     num_rows: int
     max_query_len: int
     is_in_token_order: bool  # decode rows 0..T-1 in order: q and out need no gather/scatter
@@ -76,7 +76,7 @@ def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int
     valid_slots = is_valid.flatten().nonzero().squeeze(1)
     block_table = mask = None
     if is_fresh:
-        if len(rows) > 1:
+        if len(set(query_lens)) > 1:  # equal lengths need no padding: plain causal
             mask = _causal_mask(query_lens, seq_lens, max_query_len, max_query_len).to(device)
     else:
         num_blocks = -(-max(seq_lens) // inputs.block_size)
@@ -89,7 +89,7 @@ def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int
         valid_slots=None if bool(is_valid.all()) else valid_slots.to(device),
         valid_tokens=token_index.flatten()[valid_slots].to(device), block_table=block_table,
         attn_mask=mask, num_rows=len(rows), max_query_len=max_query_len,
-        is_in_token_order=max_query_len == 1 and rows == list(range(len(rows))) and query_start[0] == 0)
+        is_in_token_order=max_query_len == 1 and rows == list(range(len(rows))))
 
 
 def _padded_blocks(num_blocks: list[int], num_buckets: int) -> int:

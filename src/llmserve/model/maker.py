@@ -72,17 +72,17 @@ def _head_dim(arch: str, shape: Shape) -> int:
     return 2 * default if arch == "qwen3" and shape.hidden_size <= 64 else default
 
 
-def _rope_parameters(shape: Shape) -> dict:
-    return {"rope_type": "default", "rope_theta": shape.rope_theta, **(shape.rope_scaling or {})}
-
-
 def build_config(arch: str, shape: Shape, dtype: str):
-    """The transformers config of a shape; sliding window off, eos = <|im_end|>."""
+    """The transformers config of a shape; sliding window off, eos = <|im_end|>.
+
+    rope_theta/rope_scaling are passed the pre-5.0 way, which transformers 5 folds into rope_parameters.
+    """
     kwargs = dict(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_position,
-        tie_word_embeddings=shape.is_tied, rope_parameters=_rope_parameters(shape), rms_norm_eps=1e-5,
+        tie_word_embeddings=shape.is_tied, rope_theta=shape.rope_theta,
+        rope_scaling=shape.rope_scaling, rms_norm_eps=1e-5,
         initializer_range=shape.init_std, head_dim=_head_dim(arch, shape), bos_token_id=None,
         eos_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.EOS_TOKEN),
         pad_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.PAD_TOKEN),

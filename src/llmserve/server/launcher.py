@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 import time
 
 import uvicorn
@@ -113,7 +114,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         engine.dead_callbacks.append(server.on_engine_dead)
         if engine.is_dead:
             return 1
-        logger.info("serving %s on http://%s:%d", model_name, config.host, sock.getsockname()[1])
+        # Printed whatever the log level: with --port 0 this line is how one learns the port.
+        print(f"llmserve: serving {model_name} on http://{config.host}:{sock.getsockname()[1]}", file=sys.stderr,
+              flush=True)
         await server.serve(sockets=[sock])
         return server.exit_code
     finally:

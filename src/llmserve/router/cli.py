@@ -1,0 +1,56 @@
+"""`llmserve route`: flags from RouterConfig's and AutoscaleConfig's dataclasses, plus --config and
+repeated --backend MODEL=URL. The lead's llmserve/cli.py calls `add_route_parser(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llmserve.config import add_dataclass_args
+from llmserve.router.config import AutoscaleConfig, RouterConfig
+
+EXAMPLES = """examples:
+  llmserve route --backend tiny=http://127.0.0.1:8001 --backend tiny=http://127.0.0.1:8002 --policy prefix-aware
+  llmserve route --config router.yaml --port 8080
+  llmserve route --autoscale --min-replicas 1 --max-replicas 4 --replica-model DIR --replica-pool tiny \\
+      --replica-args "--max-model-len 512 --num-kv-blocks 200"
+"""
+
+
+def add_route_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "route", help="router in front of many OpenAI-compatible backends",
+        description="One OpenAI-compatible endpoint in front of pools of replicas: routing policies, "
+                    "model routing by difficulty, health checks, retries, admission, autoscaling.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="router YAML file (see docs/router.md)")
+    parser.add_argument("--backend", action="append", default=[], metavar="MODEL=URL",
+                        help="a backend of pool MODEL (repeatable)")
+    add_dataclass_args(parser, RouterConfig)
+    add_dataclass_args(parser, AutoscaleConfig)
+    parser.set_defaults(func=route_command)
+    return parser
+
+
+def route_command(args: argparse.Namespace) -> int:
+    from llmserve.router.loading import setup_from_args
+    from llmserve.router.server import run
+
+    try:
+        setup = setup_from_args(args)
+    except ValueError as e:
+        print(f"llmserve route: {e}", file=sys.stderr)
+        return 2
+    return run(setup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m llmserve.router.cli route ...` (the same command without the lead's top-level CLI)."""
+    parser = argparse.ArgumentParser(prog="llmserve")
+    add_route_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

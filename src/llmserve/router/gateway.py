@@ -1,0 +1,99 @@
+"""The router's state, in one object the routes share: pools, the upstream HTTP client, metrics,
+rate limiter, and the health bookkeeping that both active probes and real requests feed."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from llmserve.router.backends import Backend, Pool
+from llmserve.router.classifier import RouteDecision, classify
+from llmserve.router.config import BackendSpec, RouterConfig, RouterSetup
+from llmserve.router.health import BackendHealth, HealthState
+from llmserve.router.metrics import RouterMetrics
+from llmserve.router.policies import RouteRequest, make_policy
+from llmserve.router.ratelimit import RateLimiter
+from llmserve.server.errors import APIError
+
+
+def make_client(config: RouterConfig) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.upstream_timeout_s,
+                            write=config.upstream_timeout_s, pool=config.queue_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+class Gateway:
+    def __init__(self, setup: RouterSetup, client: httpx.AsyncClient | None = None) -> None:
+        self.setup = setup
+        self.config = setup.router
+        self.metrics = RouterMetrics()
+        self.limiter = RateLimiter(self.config.default_rate_limit, setup.key_rate_limits)
+        self.client = client or make_client(self.config)
+        self.pools: dict[str, Pool] = {}
+        for spec in setup.pools:
+            pool = self.ensure_pool(spec.name, spec.policy, spec.upstream_model)
+            for backend in spec.backends:
+                self.add_backend(pool, backend)
+        if setup.autoscale.autoscale:
+            self.ensure_pool(setup.autoscale.replica_pool)
+
+    def ensure_pool(self, name: str, policy: str | None = None, upstream_model: str | None = None) -> Pool:
+        if name not in self.pools:
+            self.pools[name] = Pool(name, upstream_model or name, make_policy(policy or self.config.policy,
+                                                                             self.config.load_factor),
+                                    self.config.max_in_flight_per_backend, self.config.max_queued_requests)
+        return self.pools[name]
+
+    def add_backend(self, pool: Pool, spec: BackendSpec, state: HealthState = HealthState.HEALTHY) -> Backend:
+        health = BackendHealth(self.config.failure_threshold, self.config.cooldown_s, state=state)
+        backend = Backend(spec, pool.name, health)
+        pool.add(backend)
+        return backend
+
+    # ---- health, fed by probes (monitor.py) and by requests (proxy.py) ----------------------------
+
+    def record_success(self, backend: Backend) -> None:
+        was_up = backend.health.state is HealthState.HEALTHY
+        backend.health.record_success()
+        if not was_up and backend.health.state is HealthState.HEALTHY:
+            self.pools[backend.pool].queue.notify_all()
+
+    def record_failure(self, backend: Backend) -> None:
+        if backend.health.record_failure(time.monotonic()):
+            self.metrics.ejections.labels(backend.pool, backend.url).inc()
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def resolve(self, request: RouteRequest) -> tuple[Pool, RouteDecision | None]:
+        """The pool a request goes to: its model's, or the classifier's choice for the auto model."""
+        auto = self.setup.auto
+        if auto.is_enabled and request.model == auto.model:
+            decision = classify(auto, request)
+            self.metrics.auto_routes.labels(decision.pool, decision.reason).inc()
+            return self.pools[decision.pool], decision
+        if not request.model and len(self.pools) == 1:
+            return next(iter(self.pools.values())), None
+        pool = self.pools.get(request.model)
+        if pool is None:
+            raise APIError(404, f"The model `{request.model}` does not exist (this router serves "
+                                f"{', '.join(self.model_names())}).", param="model", code="model_not_found")
+        return pool, None
+
+    def model_names(self) -> list[str]:
+        names = list(self.pools)
+        return names + [self.setup.auto.model] if self.setup.auto.is_enabled else names
+
+    def is_healthy(self) -> bool:
+        return any(b.is_up for pool in self.pools.values() for b in pool.backends)
+
+    def refresh_gauges(self) -> None:
+        for pool in self.pools.values():
+            self.metrics.queue_depth.labels(pool.name).set(pool.queue.num_waiting)
+            for b in pool.backends:
+                self.metrics.in_flight.labels(pool.name, b.url).set(b.num_in_flight)
+                self.metrics.healthy.labels(pool.name, b.url).set(int(b.is_up))
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,66 @@
+"""Run the router: bind, start the background loops (probes, scrapes, autoscaler), serve with uvicorn,
+and on exit stop the replicas it launched."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
+
+from llmserve.router.app import build_app
+from llmserve.router.config import RouterSetup
+from llmserve.router.gateway import Gateway
+from llmserve.router.monitor import run_monitors
+from llmserve.router.replicas import ReplicaScaler
+from llmserve.server.launcher import bind_socket
+
+logger = logging.getLogger("llmserve.router")
+
+
+def _uvicorn_config(app, setup: RouterSetup) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level=setup.router.log_level, access_log=False, backlog=4096, lifespan="off",
+                          timeout_graceful_shutdown=5)
+
+
+async def serve(setup: RouterSetup) -> int:
+    sock = bind_socket(setup.router.host, setup.router.port)
+    gw = Gateway(setup)
+    scaler = ReplicaScaler(gw, setup.autoscale) if setup.autoscale.autoscale else None
+    tasks = [asyncio.create_task(run_monitors(gw))]
+    if scaler is not None:
+        tasks.append(asyncio.create_task(scaler.run()))
+    try:
+        server = uvicorn.Server(_uvicorn_config(build_app(gw), setup))
+        logger.info("routing %s on http://%s:%d", ", ".join(gw.model_names()), setup.router.host,
+                    sock.getsockname()[1])
+        await server.serve(sockets=[sock])
+        return 0
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if scaler is not None:
+            await scaler.close()
+        await gw.close()
+        sock.close()
+
+
+def run(setup: RouterSetup) -> int:
+    logging.basicConfig(level=setup.router.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # uvloop is optional (uvicorn[standard] brings it)
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        try:
+            return runner.run(serve(setup))
+        except (RuntimeError, ValueError) as e:
+            logger.error("%s", e)
+            return 1

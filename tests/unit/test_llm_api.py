@@ -1,0 +1,91 @@
+"""The offline API: outputs in order, stop strings, n > 1, seeds, logprobs, validation."""
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.model.maker import make_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_model("llama", "tiny", str(tmp_path_factory.mktemp("api")), seed=5)
+    return LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=120)
+
+
+def test_outputs_in_input_order_with_per_prompt_params(llm):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 1, 5)]
+    outs = llm.generate([[5, 6, 7], [8, 9], "hello"], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1, 5]
+    assert outs[2].prompt == "hello" and outs[0].prompt_token_ids == [5, 6, 7]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_stop_string_is_matched_on_text_and_excluded(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate(["abc"], greedy)[0].outputs[0]
+    text = full.text
+    stop = text[5:8]
+    assert stop and text.find(stop) == 5, "pick a stop string that first appears at char 5"
+    out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))
+    c = out[0].outputs[0]
+    assert c.text == text[:5] and c.finish_reason == "stop" and c.stop_reason == stop
+    inc = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert inc.text == text[:8]
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks() == llm.engine.scheduler.kv.pool.num_usable_blocks
+
+
+def test_stop_token_id_reports_stop_reason(llm):
+    full = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    target = full.token_ids[4]
+    first = full.token_ids.index(target)
+    out = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                stop_token_ids=[target]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+
+
+def test_n_and_seed_reproducible_regardless_of_batch(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=123, ignore_eos=True)
+    alone = llm.generate([[10, 11, 12]], params)[0]
+    batched = llm.generate([[40, 41], [10, 11, 12], [7] * 30],
+                           [SamplingParams(temperature=1.0, max_tokens=6), params, SamplingParams(max_tokens=9)])[1]
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in batched.outputs]
+    assert [c.index for c in alone.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1, "the n samples should differ"
+    other = llm.generate([[10, 11, 12]], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=124,
+                                                        ignore_eos=True))[0]
+    assert [c.token_ids for c in other.outputs] != [c.token_ids for c in alone.outputs]
+
+
+def test_logprobs_top_k(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4
+    for token, lp in zip(c.token_ids, c.logprobs):
+        assert lp.token_id == token and lp.rank == 1  # greedy picks the most likely
+        assert len(lp.top) == 3 and lp.top[0][0] == token
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(n=0), dict(logprobs=21),
+                                    dict(max_tokens=0), dict(top_k=-2), dict(min_p=2.0)])
+def test_bad_params_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_context_and_vocab_checks(llm):
+    with pytest.raises(ValueError, match="maximum context length is 128"):
+        llm.generate([[1] * 100], SamplingParams(max_tokens=50))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[10**6]], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=1))
+
+
+def test_max_tokens_none_runs_to_the_context_length(llm):
+    out = llm.generate([[1] * 120], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
