@@ -25,7 +25,8 @@ class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache bytes, e.g. 4GiB (default: a fraction of free memory)"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "exact number of KV blocks (overrides --kv-cache-memory)"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prefixes"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prefixes",
+                                                                "flag": "prefix-caching"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use"})
 
 
@@ -69,13 +70,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
         tp = _base_type(hints[f.name])
         help_ = f.metadata.get("help", "")
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_)
         else:
-            parser.add_argument(flag, type=tp, default=f.default, help=f"{help_} (default: {f.default})",
+            parser.add_argument(flag, dest=f.name, type=tp, default=f.default,
+                                help=f"{help_} (default: {f.default})" if f.default is not None else help_,
                                 choices=f.metadata.get("choices"))
 
 
