@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from llmserve.server.testing import is_alive, start_tiny_server
+from llmserve.server.testing import is_alive, metric_value, start_tiny_server
 
 LONG = {"max_tokens": 450, "ignore_eos": True}
 
@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir):
     """One running sequence at a time, three more may wait: four in flight at most."""
     server = start_tiny_server(model_dir, "--max-num-seqs", "1", "--max-queued-requests", "3",
-                               "--shutdown-timeout", "1")
+                               "--shutdown-timeout", "3")
     yield server
     server.stop()
 
@@ -52,7 +52,7 @@ def finish_reason(events: list) -> str | None:
 def test_queue_full_gets_503_while_admitted_complete(server):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            body = {"prompt": "queue", "max_tokens": 200, "ignore_eos": True}
+            body = {"prompt": "queue", "max_tokens": 100, "ignore_eos": True}
             return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(10)))
 
     responses = asyncio.run(main())
@@ -72,12 +72,14 @@ def test_sigterm_drains_then_exits_zero(server):
     children = server.children()
 
     async def main():
+        """`short` runs when the drain starts (it can finish in time); the long ones wait behind it."""
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             started = asyncio.Event()
-            short = asyncio.create_task(read_stream(http, {"prompt": "short", "max_tokens": 4, "ignore_eos": True}))
-            long = [asyncio.create_task(read_stream(http, {"prompt": f"long {i}", **LONG}, started))
-                    for i in range(3)]
+            short = asyncio.create_task(read_stream(http, {"prompt": "short", "max_tokens": 100, "ignore_eos": True},
+                                                    started))
             await asyncio.wait_for(started.wait(), 30)
+            long = [asyncio.create_task(read_stream(http, {"prompt": f"long {i}", **LONG})) for i in range(3)]
+            await _wait_in_flight(http, 4)
             server.send_signal(signal.SIGTERM)
             refused = await _refused_while_draining(http)
             return await short, await asyncio.gather(*long), refused
@@ -94,6 +96,13 @@ def test_sigterm_drains_then_exits_zero(server):
     assert not [pid for pid in children if is_alive(pid)], "a child process outlived the server"
 
 
+async def _wait_in_flight(http: httpx.AsyncClient, num: int) -> None:
+    deadline = time.monotonic() + 10
+    while metric_value((await http.get("/metrics")).text, "llmserve:num_requests_in_flight") < num:
+        assert time.monotonic() < deadline, "requests did not reach the engine"
+        await asyncio.sleep(0.01)
+
+
 async def _refused_while_draining(http: httpx.AsyncClient) -> bool:
     """New requests get 503 during the drain (and /health too)."""
     deadline = time.monotonic() + 5
@@ -105,10 +114,11 @@ async def _refused_while_draining(http: httpx.AsyncClient) -> bool:
     return False
 
 
-def test_engine_death_fails_requests_and_exits_nonzero(model_dir):
-    server = start_tiny_server(model_dir)
+def test_stalled_engine_unhealthy_then_death_fails_requests_and_exits_nonzero(model_dir):
+    server = start_tiny_server(model_dir, "--health-stall-timeout", "1")
     try:
         engine_pid = server.engine_pid()
+        asyncio.run(_check_stall_turns_health_503(server, engine_pid))
 
         async def main():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
@@ -129,3 +139,20 @@ def test_engine_death_fails_requests_and_exits_nonzero(model_dir):
         assert server.wait(timeout=30) != 0
     finally:
         server.stop(signal.SIGKILL)
+
+
+async def _check_stall_turns_health_503(server, engine_pid: int) -> None:
+    """An engine that has work but sends nothing (SIGSTOP) is unhealthy; it recovers after SIGCONT."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        started = asyncio.Event()
+        body = {"prompt": "stall", "max_tokens": 150, "ignore_eos": True}
+        stream = asyncio.create_task(read_stream(http, body, started))
+        await asyncio.wait_for(started.wait(), 30)
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.5)
+            assert (await http.get("/health")).status_code == 503
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        assert finish_reason(await stream) == "length"
+        assert (await http.get("/health")).status_code == 200

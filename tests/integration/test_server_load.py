@@ -13,7 +13,7 @@ import pytest
 from llmserve.server.testing import metric_value, start_tiny_server
 
 NUM_STREAMS = 200
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")

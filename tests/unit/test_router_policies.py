@@ -96,3 +96,22 @@ def test_registry_and_bad_names():
         make_policy("random")
     with pytest.raises(ValueError):
         PrefixAware(epsilon=-1)
+
+
+def test_prefix_aware_balances_prefixes_and_keeps_owners():
+    """Plain hashing of 16 prefixes onto 2 backends is often lopsided (12/4); placement is bounded to 8/8."""
+    policy, two = PrefixAware(), loads()[:2]
+    owners = {i: policy.choose(req(f"system prompt {i}".encode()), two) for i in range(16)}
+    assert Counter(owners.values()) == {"http://a": 8, "http://b": 8}
+    assert all(policy.choose(req(f"system prompt {i}".encode()), two) == owners[i] for i in range(16))
+    # The owner of a prefix leaves: its prefixes move, the others stay.
+    moved = {i: policy.choose(req(f"system prompt {i}".encode()), loads()[1:]) for i in range(16)}
+    assert all(moved[i] == owners[i] for i in range(16) if owners[i] == "http://b")
+    assert sum(1 for i in range(16) if owners[i] == "http://a" and moved[i] == "http://c") >= 3
+
+
+def test_prefix_aware_forgets_least_recently_used_prefixes():
+    policy = PrefixAware(max_prefixes=4)
+    for i in range(10):
+        policy.choose(req(f"p{i}".encode()), loads())
+    assert list(policy.owners) == [b"p6", b"p7", b"p8", b"p9"] and sum(policy.num_owned.values()) == 4

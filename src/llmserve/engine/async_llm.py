@@ -205,8 +205,7 @@ class AsyncLLM:
     def abort_all(self) -> int:
         """Abort every request in flight (their generators get a final output with finish_reason abort)."""
         request_ids = list(self.output_processor.requests)
-        engine_ids = [eid for rid in request_ids for eid, seq in self.output_processor.requests[rid].sequences.items()
-                      if seq.finish_reason is None]
+        engine_ids = self.output_processor.unfinished_engine_ids()
         if engine_ids and not self.client.is_dead:
             self.client.abort_requests(engine_ids)
         return len(request_ids)
@@ -214,7 +213,7 @@ class AsyncLLM:
     @property
     def num_unfinished_requests(self) -> int:
         """Engine requests in flight (n > 1 counts its n sequences)."""
-        return len(self.output_processor.engine_to_request)
+        return self.output_processor.num_engine_requests
 
     # ---- outputs and failure ----------------------------------------------------------------------
 

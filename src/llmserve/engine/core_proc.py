@@ -19,14 +19,13 @@ import os
 import queue
 import signal
 import threading
-import time
 from typing import Any
 
 import msgspec
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.engine.messages import EngineCoreRequest
 
 logger = logging.getLogger("llmserve.engine.core_proc")
 
@@ -106,19 +105,34 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str, pare
     out_sock.setsockopt(zmq.SNDHWM, 0)
     out_sock.setsockopt(zmq.LINGER, 5000)
     out_sock.connect(output_addr)
-    exit_code = 0
     try:
-        core = _build_core(config)
-        proc = EngineCoreProc(core, ctx, input_addr, out_sock, parent_pid)
-        proc.run()
-    except Exception as e:  # noqa: BLE001 - report any startup or loop failure to the front, then die
-        logger.exception("engine core failed")
-        out_sock.send_multipart(frames(OutKind.FAILED, f"{type(e).__name__}: {e}"))
-        exit_code = 1
+        exit_code = _build_and_run(config, ctx, input_addr, out_sock, parent_pid)
     finally:
         out_sock.close(linger=2000)
         ctx.term()
     os._exit(exit_code)  # skip interpreter teardown (torch threads); sockets are flushed above
+
+
+def _build_and_run(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_sock: zmq.Socket,
+                   parent_pid: int) -> int:
+    """0 after SHUTDOWN (or the front's death); 1 after telling the front why it failed."""
+    try:
+        core = _build_core(config)
+    except ValueError as e:  # a bad flag or model: the message says it all
+        logger.error("cannot start the engine: %s", e)
+        out_sock.send_multipart(frames(OutKind.FAILED, f"{type(e).__name__}: {e}"))
+        return 1
+    except Exception as e:  # noqa: BLE001 - report it to the front, then die
+        logger.exception("engine core failed to start")
+        out_sock.send_multipart(frames(OutKind.FAILED, f"{type(e).__name__}: {e}"))
+        return 1
+    try:
+        EngineCoreProc(core, ctx, input_addr, out_sock, parent_pid).run()
+    except Exception as e:  # noqa: BLE001 - report it to the front, then die
+        logger.exception("engine core failed")
+        out_sock.send_multipart(frames(OutKind.FAILED, f"{type(e).__name__}: {e}"))
+        return 1
+    return 0
 
 
 def _build_core(config: EngineConfig):
@@ -209,9 +223,7 @@ class EngineCoreProc:
         return True
 
     def _get_stats(self) -> EngineStats:
-        kv = self.core.scheduler.kv
-        return EngineStats(kv.pool.num_usable_blocks, self.core.num_free_blocks(), kv.usage(),
-                           self.core.scheduler.get_num_unfinished_requests())
+        return EngineStats(*self.core.cache_stats())
 
     # ---- IO threads -------------------------------------------------------------------------------
 
@@ -247,14 +259,3 @@ class EngineCoreProc:
                 return
             sock.send_multipart(item, copy=False)
 
-
-def wait_for_exit(pid: int, timeout: float) -> bool:
-    """Poll until a (non-child) process is gone; True if it is."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False

@@ -92,6 +92,15 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_engine_requests(self) -> int:
+        """Engine requests this front still waits on (n > 1 counts n)."""
+        return len(self.engine_to_request)
+
+    def unfinished_engine_ids(self) -> list[str]:
+        return [eid for state in self.requests.values() for eid, seq in state.sequences.items()
+                if seq.finish_reason is None]
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         result = ProcessedOutputs([], [])
         touched: dict[str, RequestState] = {}

@@ -52,6 +52,14 @@ class Gateway:
         pool.add(backend)
         return backend
 
+    def remove_backend(self, pool: Pool, backend: Backend) -> None:
+        pool.remove(backend)
+        for gauge in (self.metrics.healthy, self.metrics.in_flight):
+            try:
+                gauge.remove(pool.name, backend.url)
+            except KeyError:
+                pass
+
     # ---- health, fed by probes (monitor.py) and by requests (proxy.py) ----------------------------
 
     def record_success(self, backend: Backend) -> None:

@@ -38,8 +38,7 @@ def _backend(item: Any, where: str) -> BackendSpec:
         return BackendSpec(_check_url(item, where))
     if isinstance(item, dict):
         spec = build_record(BackendSpec, item, where)
-        _check_url(spec.url, where)
-        return spec
+        return dataclasses.replace(spec, url=_check_url(spec.url, where))
     raise ValueError(f"{where}: a backend is a URL or a mapping with `url`")
 
 

@@ -8,11 +8,12 @@ round-robin counter, a cached hash ring); health, retries and queueing live else
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llmserve.router.hashring import HashRing
+from llmserve.router.hashring import HashRing, load_cap
 
 
 @dataclass(frozen=True)
@@ -93,22 +94,57 @@ class _RingCache:
 
 
 class PrefixAware(RoutingPolicy):
-    """Bounded-load consistent hashing of the prompt's leading blocks; no prefix: least-load."""
+    """Prefix-aware consistent hashing with two bounds; no prefix: least-load.
+
+    Placement: a prefix seen for the first time is owned by the first backend, walking the hash ring from
+    the prefix's hash, that owns fewer than its share ceil((K + 1) / n) of the K prefixes known (bounded-
+    load consistent hashing on the number of prefixes, epsilon 0): each replica caches about 1/n of them,
+    where plain hashing of a handful of system prompts can put most on one replica. The owner stays put
+    (an LRU table of `max_prefixes` keys) while it is a candidate.
+    Load: the owner takes the request while its in-flight count is under ceil((1 + eps) (total + 1) / n);
+    otherwise the ring walk from the prefix's hash goes on to the first backend under that cap.
+    """
 
     name = "prefix-aware"
 
-    def __init__(self, epsilon: float = 0.25) -> None:
+    def __init__(self, epsilon: float = 0.25, max_prefixes: int = 8192) -> None:
         if epsilon < 0:
             raise ValueError(f"the load factor epsilon must be >= 0, got {epsilon}")
         self.epsilon = epsilon
+        self.max_prefixes = max_prefixes
         self.rings = _RingCache()
         self.fallback = LeastLoad()
+        self.owners: OrderedDict[bytes, str] = OrderedDict()  # prefix -> backend, least recently used first
+        self.num_owned: Counter[str] = Counter()
 
     def choose(self, request: RouteRequest, candidates: Sequence[BackendLoad]) -> str:
         if not request.prefix:
             return self.fallback.choose(request, candidates)
+        ring = self.rings.ring(candidates)
         loads = {c.name: c.num_in_flight for c in candidates}
-        return self.rings.ring(candidates).lookup_bounded(request.prefix, loads, self.epsilon)
+        owner = self._owner(request.prefix, ring)
+        if loads[owner] < load_cap(sum(loads.values()), len(loads), self.epsilon):
+            return owner
+        return ring.lookup_bounded(request.prefix, loads, self.epsilon)
+
+    def _owner(self, key: bytes, ring: HashRing) -> str:
+        owner = self.owners.get(key)
+        if owner in ring.names:
+            self.owners.move_to_end(key)
+            return owner
+        if owner is not None:
+            self._forget(key)
+        num_known = sum(self.num_owned[n] for n in ring.names)
+        share = -(-(num_known + 1) // len(ring.names))
+        owner = next(n for n in ring.walk(key) if self.num_owned[n] < share)
+        self.owners[key] = owner
+        self.num_owned[owner] += 1
+        if len(self.owners) > self.max_prefixes:
+            self._forget(next(iter(self.owners)))
+        return owner
+
+    def _forget(self, key: bytes) -> None:
+        self.num_owned[self.owners.pop(key)] -= 1
 
 
 class SessionAffinity(RoutingPolicy):

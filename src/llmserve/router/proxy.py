@@ -78,6 +78,7 @@ async def _open(gw: Gateway, fwd: Forward) -> tuple[Backend, httpx.Response]:
             gw.metrics.retries.labels(fwd.pool.name, retry.reason).inc()
             await asyncio.sleep(gw.config.retry_backoff_s * 2 ** (attempt - 1))
         backend = await _acquire(gw, fwd, frozenset(tried))
+        gw.metrics.decisions.labels(fwd.pool.name, backend.url, fwd.pool.policy.name).inc()
         tried.add(backend.url)
         outcome = await _attempt(gw, fwd, backend)
         if not isinstance(outcome, _Retry):

@@ -122,7 +122,7 @@ class ReplicaScaler:
 
     def _remove(self, replica: Replica) -> None:
         self.replicas.remove(replica)
-        self.pool.remove(replica.backend)
+        self.gw.remove_backend(self.pool, replica.backend)
         task = asyncio.ensure_future(stop_process(replica.proc))
         self.stopping.add(task)
         task.add_done_callback(self.stopping.discard)

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from llmserve.engine.async_llm import TokensPrompt
-from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from llmserve.outputs import CompletionOutput, TokenLogprob
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from llmserve.server.errors import to_api_error
 from llmserve.server.protocol import decode_json, encode_json
