@@ -1,4 +1,4 @@
-"""The `llmserve` command: serve, generate, make-model, bench {serve, offline}."""
+"""The `llmserve` command: serve, route, generate, make-model, bench {serve, offline}."""
 
 from __future__ import annotations
 
@@ -37,11 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.offline import add_bench_offline_parser
     from llmserve.bench.serve import add_bench_serve_parser
     from llmserve.model.maker import add_make_model_parser
+    from llmserve.router.cli import add_route_parser
     from llmserve.server.cli import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving: engine, server, router, benchmark")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    add_route_parser(sub)
     _add_generate_parser(sub)
     add_make_model_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

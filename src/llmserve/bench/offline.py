@@ -77,6 +77,7 @@ def run(cfg: OfflineBenchConfig) -> dict:
     path = cfg.model or make_model(cfg.arch, cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
     workload = make_workload(cfg, load_hf_config(path).vocab_size)
     results = {"config": asdict(cfg), "model_path": path, "engine": run_engine(cfg, path, workload)}
+    _print(results)
     if cfg.baseline == "hf":
         from llmserve.bench.hf_baseline import run_hf_baseline
 
@@ -108,7 +109,8 @@ def _main(args: argparse.Namespace) -> int:
     if cfg.baseline not in (None, "hf"):
         raise SystemExit("--baseline must be hf")
     results = run(cfg)
-    _print(results)
+    if "hf" in results:
+        _print(results)
     if cfg.out:
         with open(cfg.out, "w") as f:
             json.dump(results, f, indent=2)
