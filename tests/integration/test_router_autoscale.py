@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from llmserve.router.testing import RouterProcess, sample_value, shared_tiny_model
+from llmserve.server.testing import is_alive
 
 REPLICA_ARGS = "--max-model-len 512 --num-kv-blocks 200 --max-num-seqs 2 --log-level warning"
 
@@ -25,21 +27,32 @@ def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
+    """The router, and after the module: every replica it launched has exited."""
     model_dir = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
     args = ["--autoscale", "--min-replicas", "1", "--max-replicas", "2", "--replica-model", model_dir,
             "--replica-pool", "tiny", "--replica-args", REPLICA_ARGS, "--target-waiting-per-replica", "1",
             "--scale-up-window-s", "1", "--scale-down-idle-s", "2", "--scale-cooldown-s", "1",
             "--health-interval-s", "0.3", "--scrape-interval-s", "0.3"]
-    with RouterProcess(args) as router:
+    router = RouterProcess(args).start()
+    try:
         yield router
+    finally:
+        pids = launched_pids(router)
+        assert router.stop() == 0
+        wait_for(lambda: not any(is_alive(p) for p in pids), 30, "the replicas to exit with the router")
+        router.__exit__(None, None, None)  # removes its log
 
 
 def num_healthy(router) -> float:
     return sample_value(router.metrics(), "llmserve_router:backend_healthy")
 
 
+def launched_pids(router) -> list[int]:
+    return [int(m) for m in re.findall(r"launched replica \S+ \(pid (\d+)", router.log())]
+
+
 def hammer(url: str, stop: threading.Event, served: set) -> None:
-    body = {"model": "tiny", "prompt": "burst", "max_tokens": 48, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "burst", "max_tokens": 32, "ignore_eos": True}
     while not stop.is_set():
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -49,8 +62,8 @@ def hammer(url: str, stop: threading.Event, served: set) -> None:
 def test_scales_up_under_a_burst_and_down_after(router):
     wait_for(lambda: num_healthy(router) == 1, 120, "the first replica")
     stop, served = threading.Event(), set()
-    with ThreadPoolExecutor(8) as pool:
-        workers = [pool.submit(hammer, router.url, stop, served) for _ in range(8)]
+    with ThreadPoolExecutor(6) as pool:
+        workers = [pool.submit(hammer, router.url, stop, served) for _ in range(6)]
         try:
             wait_for(lambda: num_healthy(router) == 2 and len(served) == 2, 120, "a second replica taking traffic")
         finally:
@@ -60,9 +73,13 @@ def test_scales_up_under_a_burst_and_down_after(router):
     metrics = router.metrics()
     assert sample_value(metrics, "llmserve_router:scale_events_total", action="up") >= 2  # min, then the burst
     wait_for(lambda: sample_value(router.metrics(), "llmserve_router:replicas") == 1, 60, "the scale-down")
+    wait_for(lambda: router.metrics().count("llmserve_router:backend_healthy{") == 1, 30, "the drained replica")
     metrics = router.metrics()
     assert sample_value(metrics, "llmserve_router:scale_events_total", action="down") == 1
     assert num_healthy(router) == 1
+    pids = launched_pids(router)
+    assert len(pids) == 2
+    wait_for(lambda: sum(is_alive(p) for p in pids) == 1, 30, "the drained replica to exit")
     r = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 200

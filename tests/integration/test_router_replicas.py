@@ -178,7 +178,7 @@ def test_replica_killed_mid_run(replicas, model_dir):
     with RouterProcess([*backend_args(replicas), "--policy", "round-robin", *FAST_HEALTH]) as router:
         victim, survivor = replicas[1], replicas[0]
         streams: list = [None] * 4
-        stream_body = {"model": "tiny", "prompt": "long story", "max_tokens": 400, "stream": True,
+        stream_body = {"model": "tiny", "prompt": "long story", "max_tokens": 200, "stream": True,
                        "ignore_eos": True}
         threads = [threading.Thread(target=read_stream, args=(router.url, stream_body, streams, i)) for i in range(4)]
         with ThreadPoolExecutor(4) as pool:
@@ -186,7 +186,7 @@ def test_replica_killed_mid_run(replicas, model_dir):
                 t.start()
             time.sleep(1.0)  # the streams have started on both replicas
             posts = [pool.submit(httpx.post, f"{router.url}/v1/completions", timeout=120,
-                                 json={"model": "tiny", "prompt": f"q{i}", "max_tokens": 100, "ignore_eos": True})
+                                 json={"model": "tiny", "prompt": f"q{i}", "max_tokens": 60, "ignore_eos": True})
                      for i in range(4)]
             time.sleep(0.3)
             kill(victim)

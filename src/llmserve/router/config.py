@@ -23,7 +23,7 @@ class RouterConfig:
     port: int = field(default=8080, metadata={"help": "TCP port (0: any free port, logged at startup)"})
     policy: str = field(default="least-load", metadata={"help": "routing policy of every pool (a pool may set its own)",
                                                         "choices": list(POLICY_NAMES)})
-    load_factor: float = field(default=0.25, metadata={
+    load_factor: float = field(default=1.0, metadata={
         "help": "prefix-aware: epsilon of the bounded load; no backend takes more than (1+eps) x its share"})
     prefix_chars: int = field(default=256, metadata={"help": "prefix-aware: leading prompt characters hashed"})
     prefix_tokens: int = field(default=64, metadata={"help": "prefix-aware: leading token ids hashed (id prompts)"})

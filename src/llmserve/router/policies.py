@@ -107,7 +107,7 @@ class PrefixAware(RoutingPolicy):
 
     name = "prefix-aware"
 
-    def __init__(self, epsilon: float = 0.25, max_prefixes: int = 8192) -> None:
+    def __init__(self, epsilon: float = 1.0, max_prefixes: int = 8192) -> None:
         if epsilon < 0:
             raise ValueError(f"the load factor epsilon must be >= 0, got {epsilon}")
         self.epsilon = epsilon
@@ -165,7 +165,7 @@ class SessionAffinity(RoutingPolicy):
 POLICY_NAMES = (RoundRobin.name, LeastLoad.name, PrefixAware.name, SessionAffinity.name)
 
 
-def make_policy(name: str, epsilon: float = 0.25) -> RoutingPolicy:
+def make_policy(name: str, epsilon: float = 1.0) -> RoutingPolicy:
     """A fresh policy by name (each pool gets its own: the bookkeeping is per pool)."""
     if name == PrefixAware.name:
         return PrefixAware(epsilon)

@@ -6,6 +6,7 @@ stopped (SIGTERM) once its last request finished."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import shlex
 import signal
@@ -25,6 +26,7 @@ logger = logging.getLogger("llmserve.router")
 
 STEP_S = 0.5  # how often the scaler samples the load
 STOP_TIMEOUT_S = 30.0
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,6 +40,14 @@ def replica_command(config: AutoscaleConfig, port: int) -> list[str]:
     return [sys.executable, "-m", "llmserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model", config.replica_model, "--served-model-name", config.replica_pool,
             *shlex.split(config.replica_args)]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the router dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
 
 
 @dataclass(eq=False)
@@ -93,7 +103,7 @@ class ReplicaScaler:
         port = free_port()
         log = tempfile.NamedTemporaryFile("w", prefix=f"llmserve-replica-{port}-", suffix=".log", delete=False)
         proc = await asyncio.create_subprocess_exec(*replica_command(self.config, port), stdout=log,
-                                                    stderr=asyncio.subprocess.STDOUT)
+                                                    stderr=asyncio.subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
         backend = self.gw.add_backend(self.pool, BackendSpec(f"http://127.0.0.1:{port}"), HealthState.STARTING)
         replica = Replica(backend, proc, log.name, time.monotonic())

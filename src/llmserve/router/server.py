@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 
 import uvicorn
 
@@ -17,6 +18,22 @@ from llmserve.router.replicas import ReplicaScaler
 from llmserve.server.launcher import bind_socket
 
 logger = logging.getLogger("llmserve.router")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that handles SIGINT/SIGTERM without re-raising them after it stopped, so that the
+    router's clean-up (stopping the replicas it launched) runs before the process exits."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
 
 def _uvicorn_config(app, setup: RouterSetup) -> uvicorn.Config:
@@ -32,7 +49,7 @@ async def serve(setup: RouterSetup) -> int:
     if scaler is not None:
         tasks.append(asyncio.create_task(scaler.run()))
     try:
-        server = uvicorn.Server(_uvicorn_config(build_app(gw), setup))
+        server = _Server(_uvicorn_config(build_app(gw), setup))
         logger.info("routing %s on http://%s:%d", ", ".join(gw.model_names()), setup.router.host,
                     sock.getsockname()[1])
         await server.serve(sockets=[sock])
