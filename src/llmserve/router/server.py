@@ -10,6 +10,7 @@ import signal
 
 import uvicorn
 
+from llmserve.aio import run_service
 from llmserve.router.app import build_app
 from llmserve.router.config import RouterSetup
 from llmserve.router.gateway import Gateway
@@ -66,18 +67,5 @@ async def serve(setup: RouterSetup) -> int:
 
 
 def run(setup: RouterSetup) -> int:
-    logging.basicConfig(level=setup.router.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:  # uvloop is optional (uvicorn[standard] brings it)
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        try:
-            return runner.run(serve(setup))
-        except (RuntimeError, ValueError) as e:
-            logger.error("%s", e)
-            return 1
+    return run_service(serve(setup), setup.router.log_level, logger)

@@ -16,6 +16,7 @@ import time
 
 import uvicorn
 
+from llmserve.aio import run_service
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server.api_server import build_app
@@ -125,16 +126,4 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
 
 
 def run(engine_config: EngineConfig, config: ServerConfig) -> int:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:  # uvloop is optional (uvicorn[standard] brings it)
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        try:
-            return runner.run(serve(engine_config, config))
-        except (RuntimeError, TimeoutError, ValueError) as e:
-            logger.error("%s", e)
-            return 1
+    return run_service(serve(engine_config, config), config.log_level, logger)
