@@ -39,10 +39,38 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative: str | None = field(default=None, metadata={"help": "speculative decoding: ngram (prompt lookup) | draft (a smaller model); default off", "choices": ["ngram", "draft"]})
+    num_speculative_tokens: int = field(default=4, metadata={"help": "draft tokens proposed per request and step (k)"})
+    draft_model: str | None = field(default=None, metadata={"help": "HF directory or hub id of the draft model (--speculative draft); same tokenizer as the target"})
+    ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix matched against the prompt and output so far"})
+    ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
+    speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.speculative is not None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past the scheduled tokens that the draft model writes while it proposes."""
+        return self.num_speculative_tokens if self.speculative == "draft" else 0
+
+    def validate(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model is required with --speculative draft, and only then")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -89,14 +117,15 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig):
         add_dataclass_args(parser, cls)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=dataclass_from_args(ModelConfig, args),
                         cache=dataclass_from_args(CacheConfig, args),
-                        scheduler=dataclass_from_args(SchedulerConfig, args))
+                        scheduler=dataclass_from_args(SchedulerConfig, args),
+                        speculative=dataclass_from_args(SpeculativeConfig, args))
 
 
 def cache_dir() -> str:

@@ -40,6 +40,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True  # False opts this request out of speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -63,6 +63,15 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, "block already queued"
+        first = self._head.next_free
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free_blocks += 1
+
     def block_ids(self) -> list[int]:
         ids, block = [], self._head.next_free
         while block is not self._tail:
@@ -125,6 +134,18 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+
+    def free_front(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference each; uncached blocks reaching 0 go to the queue's head, so that the
+        next allocation reuses them before it evicts any cached KV (rejected draft slots)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Record that `block` holds the KV of `block_hash` (a full block). First writer wins."""

@@ -45,15 +45,17 @@ class KVCacheManager:
         return hits, num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+                       new_computed_blocks: list[KVBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` beyond the computed ones; None if blocks are short.
 
         `new_computed_blocks` are prefix hits (first scheduling only); they are referenced, not copied.
+        `num_lookahead_tokens` more slots are reserved for a draft model's proposals in this step.
         """
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
-        num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_needed = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed))
         num_revived = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.get_num_free_blocks():
@@ -86,6 +88,19 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
+
+    def trim(self, request: Request, num_slots: int) -> int:
+        """Give back the request's blocks past the first `num_slots` slots (rejected draft tokens);
+        returns how many blocks it freed. Such blocks hold no full block of the request's tokens."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_slots, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return 0
+        assert self.num_cached_blocks.get(request.request_id, 0) <= keep, "trimming a cached block"
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_front(list(reversed(tail)))
+        return len(tail)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

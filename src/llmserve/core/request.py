@@ -49,6 +49,7 @@ class Request:
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

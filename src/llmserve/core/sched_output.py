@@ -27,6 +27,7 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    num_old_blocks: int  # blocks the runner keeps before appending new_block_ids (trimmed ones dropped)
 
 
 @dataclass
@@ -36,6 +37,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in row order
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # finished or preempted since last step
+    # Speculative decoding: the draft tokens scheduled after each row's real tokens (rows with drafts
+    # only), and whether the runner should propose drafts for the next step.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    use_speculation: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -44,8 +49,10 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request (row order): the sampled token ids (empty for a partial prefill)."""
+    """Per scheduled request (row order): the sampled token ids (empty for a partial prefill; with
+    speculation the accepted drafts and one more token)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list] | None = None  # per row: a list of engine.messages.Logprobs, or None
+    spec_token_ids: list[list[int]] | None = None  # per row: drafts proposed for the next step

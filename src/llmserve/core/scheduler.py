@@ -12,19 +12,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.core.stop import check_stop
+from llmserve.core.spec_stats import SpecDecodeCounter
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig()) -> None:
         self.config = config
+        self.spec_config = spec_config
+        self.num_lookahead = spec_config.num_lookahead_tokens
+        self.spec_counter = SpecDecodeCounter(spec_config.num_speculative_tokens)
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -100,9 +104,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget, has_preempted = self._schedule_running(out, budget)
+        budget, has_preempted = self._schedule_running(out, budget, self._can_speculate())
         if not has_preempted:
             self._schedule_waiting(out, budget)
+        out.use_speculation = self._can_speculate()
         self.num_step_prompt_tokens = 0
         for req_id, num in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -114,27 +119,35 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+    def _can_speculate(self) -> bool:
+        """Speculation pays off only while the batch is small (the rule: docs/speculative.md)."""
+        return self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
         has_preempted = False
-        scheduled: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            num_real = request.num_tokens - request.num_computed_tokens
+            drafts, request.spec_token_ids = (request.spec_token_ids if can_speculate else []), []
+            num_new = min(num_real + len(drafts), budget)
+            drafts = drafts[:max(0, num_new - num_real)]
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
             while new_blocks is None:
                 victim = self._pick_victim(first_unscheduled=i)
                 self._preempt(victim)
                 has_preempted = True
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
             if new_blocks is None:
                 continue  # the request itself was preempted: running[i] is now the next one
+            num_old_blocks = len(self.kv.req_to_blocks[request.request_id]) - len(new_blocks)
             out.cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
-                                                     request.num_computed_tokens))
+                                                     request.num_computed_tokens, num_old_blocks))
             out.num_scheduled_tokens[request.request_id] = num_new
-            scheduled.append(request)
+            if drafts:
+                out.scheduled_spec_tokens[request.request_id] = drafts
             budget -= num_new
             i += 1
         return budget, has_preempted
@@ -150,6 +163,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self.seen_by_runner:
@@ -165,7 +179,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            if self.kv.allocate_slots(request, num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
             self._start_running(request, num_hit_tokens)
@@ -201,7 +215,9 @@ class Scheduler:
         now = time.time()
         num_generated = 0
         logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
-        for req_id, token_ids, row_logprobs in zip(runner_out.req_ids, runner_out.sampled_token_ids, logprobs):
+        proposals = runner_out.spec_token_ids or [None] * len(runner_out.req_ids)
+        for req_id, token_ids, row_logprobs, drafts in zip(runner_out.req_ids, runner_out.sampled_token_ids,
+                                                           logprobs, proposals):
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted during the step
@@ -209,9 +225,28 @@ class Scheduler:
                 self._release_siblings(request)
             if not token_ids:
                 continue  # a prefill chunk: nothing to report yet
+            self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), len(token_ids))
             num_generated += len(token_ids)
             outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
+            if self.spec_config.is_enabled and not request.is_finished:
+                self._store_drafts(request, drafts or [])
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
+
+    def _reject_drafts(self, request: Request, drafts: list[int] | None, num_sampled: int) -> None:
+        """Roll `num_computed_tokens` back over the drafts the target rejected (their KV is overwritten)."""
+        if not drafts:
+            return
+        num_accepted = num_sampled - 1
+        assert 0 <= num_accepted <= len(drafts), "more tokens than drafts + 1"
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_counter.observe(len(drafts), num_accepted)
+
+    def _store_drafts(self, request: Request, drafts: list[int]) -> None:
+        """Keep the proposals for the next step (never past max_tokens) and give back the blocks that
+        only rejected drafts used."""
+        room = max(0, request.max_tokens - request.num_output_tokens - 1)
+        request.spec_token_ids = drafts[:room]
+        self.kv.trim(request, request.num_tokens + len(request.spec_token_ids) + self.num_lookahead)
 
     def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs, now: float) -> EngineCoreOutput:
         accepted: list[int] = []
@@ -243,7 +278,7 @@ class Scheduler:
                               prefix_cache_hits=hits, num_preemptions=num_preemptions,
                               num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
                               num_prompt_tokens=self.num_step_prompt_tokens, num_generation_tokens=num_generated,
-                              timestamp=time.time())
+                              timestamp=time.time(), spec=self.spec_counter.take())
 
     def _num_held(self) -> int:
         return sum(len(s) for s in self.held_siblings.values())

@@ -18,6 +18,7 @@ from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model.attn_torch import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_dtype, resolve_model_path
+from llmserve.spec.ngram import NgramProposer
 from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
 
@@ -41,6 +42,7 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        config.speculative.validate()
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -50,11 +52,22 @@ class EngineCore:
         self.num_blocks = self._num_blocks(model)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        self.model_info.num_layers, self.dtype, self.device)
-        self.runner = ModelRunner(model, select_attention_backend(self.device), kv_caches, config.cache.block_size,
-                                  self.model_info.vocab_size, self.device, config.model.seed)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len)
+        attn_backend = select_attention_backend(self.device)
+        proposer = self._proposer(attn_backend)
+        self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size,
+                                  self.model_info.vocab_size, self.device, config.model.seed, proposer)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
+                                   config.speculative)
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", name, self.device, self.dtype,
                     self.num_blocks, config.cache.block_size)
+
+    def _proposer(self, attn_backend):
+        spec = self.config.speculative
+        if not spec.is_enabled:
+            return None
+        if spec.speculative == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+        return self.draft
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         info = self.model_info

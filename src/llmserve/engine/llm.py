@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.engine.engine_core import EngineCore
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.processor import Processor
@@ -20,7 +20,8 @@ from llmserve.sampling_params import SamplingParams
 def build_engine_config(**kwargs) -> EngineConfig:
     """An EngineConfig from flat keyword arguments (any field of the model, cache or scheduler config)."""
     parts = {}
-    for key, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+    for key, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                     ("speculative", SpeculativeConfig)):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:

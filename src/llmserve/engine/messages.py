@@ -54,6 +54,15 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: float | None = None
 
 
+class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Speculative decoding in one step: rows verified, drafts checked and accepted, per position."""
+
+    num_drafts: int = 0  # rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []  # [k]: rows whose draft at position j was accepted
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -66,6 +75,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_generation_tokens: int = 0  # tokens sampled this step
     step_time: float = 0.0  # seconds
     timestamp: float = 0.0
+    spec: SpecDecodeStats | None = None  # None when no drafts were verified this step
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

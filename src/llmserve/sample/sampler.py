@@ -31,6 +31,7 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None
+    probs: torch.Tensor | None = None  # [B, V] the processed distribution, when asked (keep_probs)
 
 
 class Sampler:
@@ -42,32 +43,40 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits [B, V] float32 are scratch: they are modified in place."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, keep_probs: bool = False) -> SamplerOutput:
+        """logits [B, V] float32 are scratch: they are modified in place. `keep_probs` also returns
+        the distribution the random rows sample from (speculative decoding's target p)."""
         assert logits.shape[1] == meta.vocab_size, "metadata built for another vocabulary size"
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)  # [B, V]
         process_logits(logits, meta)
-        sampled = self._sample(logits, meta)  # [B]
+        sampled, probs = self._sample(logits, meta, keep_probs)  # [B], [B, V] | None
         if raw_logprobs is None:
-            return SamplerOutput(sampled, None)
-        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled))
+            return SamplerOutput(sampled, None, probs)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled), probs)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+                keep_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         greedy = None if meta.all_random else logits.argmax(dim=-1)  # [B]
         if meta.all_greedy:
-            return greedy
+            return greedy, None
+        probs = self.probs(logits, meta)  # [B, V]
+        kept = probs.clone() if keep_probs else None
+        sampled = ops.exponential_race(probs, meta.generators, self.generator)  # [B]
+        if greedy is None:
+            return sampled, kept
+        return torch.where(meta.is_greedy, greedy, sampled), kept
+
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Processed logits [B, V] -> the random rows' distribution: temperature, top-k / top-p, min-p."""
         assert meta.temperature is not None
         logits.div_(meta.temperature.unsqueeze(1))
         logits = ops.apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
         if meta.min_p is not None:
             ops.apply_min_p(logits, meta.min_p)
-        probs = logits.softmax(dim=-1)  # [B, V]
-        sampled = ops.exponential_race(probs, meta.generators, self.generator)  # [B]
-        if greedy is None:
-            return sampled
-        return torch.where(meta.is_greedy, greedy, sampled)
+        return logits.softmax(dim=-1)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:

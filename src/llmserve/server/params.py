@@ -48,7 +48,7 @@ def common_overrides(req: SamplingFields) -> dict:
     overrides.update(n=req.n, stop=_stop(req.stop), logit_bias=_logit_bias(req.logit_bias),
                      min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                      include_stop_str_in_output=req.include_stop_str_in_output,
-                     skip_special_tokens=req.skip_special_tokens)
+                     skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
     return overrides
 
 

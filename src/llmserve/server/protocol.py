@@ -43,6 +43,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True  # false: this request opts out of speculative decoding
     priority: int = 0
 
 

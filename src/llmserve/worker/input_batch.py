@@ -24,6 +24,8 @@ class CachedRequestState:
     num_computed_tokens: int
     stop_token_ids_for_min_tokens: list[int]
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (draft model)
+    num_draft_computed: int = 0  # tokens whose KV the draft model has written (draft model)
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
@@ -38,14 +40,17 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionInputs
-    logits_indices: torch.Tensor  # [S] int64: the last new token of each row that samples
+    logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
     sample_rows: list[int]  # [S] row index of each sampling row
 
 
 def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
-                   device: torch.device) -> StepInputs:
-    """Flatten the step's rows into token, position, slot and block-table tensors (numpy, no per-token loop)."""
+                   device: torch.device, drafts: list[list[int]] | None = None) -> StepInputs:
+    """Flatten the step's rows into token, position, slot and block-table tensors (numpy, no per-token loop).
+
+    `drafts` per row: draft tokens scheduled after the row's real tokens (speculative decoding)."""
     num_rows = len(states)
+    num_drafts = np.asarray([len(d) for d in drafts] if drafts else [0] * num_rows, dtype=np.int64)  # [B]
     counts = np.asarray(num_scheduled, dtype=np.int64)  # [B]
     starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)  # [B]
     cu = np.zeros(num_rows + 1, dtype=np.int64)
@@ -53,11 +58,11 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], b
     num_tokens = int(cu[-1])
     row_of_token = np.repeat(np.arange(num_rows), counts)  # [T]
     positions = np.arange(num_tokens) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
-    input_ids = np.fromiter(_token_slices(states, starts, counts), dtype=np.int64, count=num_tokens)
+    input_ids = np.fromiter(_token_slices(states, starts, counts, drafts), dtype=np.int64, count=num_tokens)
     block_table = _block_table(states)  # [B, max_blocks]
     slots = block_table[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = starts + counts
-    sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+    sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
     attn = AttentionInputs(
         query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
@@ -71,14 +76,25 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], b
         input_ids=torch.from_numpy(input_ids).to(device),
         positions=torch.from_numpy(positions).to(device),
         attn=attn,
-        logits_indices=torch.from_numpy(cu[1:][sample_rows] - 1).to(device),
+        logits_indices=torch.from_numpy(_logits_indices(cu[1:][sample_rows], num_drafts[sample_rows])).to(device),
         sample_rows=sample_rows,
     )
 
 
-def _token_slices(states: list[CachedRequestState], starts: np.ndarray, counts: np.ndarray):
-    for state, start, count in zip(states, starts.tolist(), counts.tolist()):
-        yield from state.token_ids[start:start + count]
+def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Per sampling row (its tokens end at `ends`): the last num_drafts + 1 token indices, flattened."""
+    if not num_drafts.any():
+        return ends - 1
+    counts = num_drafts + 1  # [S]
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # [N]
+    return np.repeat(ends - counts, counts) + offsets
+
+
+def _token_slices(states: list[CachedRequestState], starts: np.ndarray, counts: np.ndarray,
+                  drafts: list[list[int]] | None):
+    for i, (state, start, count) in enumerate(zip(states, starts.tolist(), counts.tolist())):
+        tokens = state.token_ids + drafts[i] if drafts and drafts[i] else state.token_ids
+        yield from tokens[start:start + count]
 
 
 def _block_table(states: list[CachedRequestState]) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens (the target model verifies them)."""

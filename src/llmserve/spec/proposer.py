@@ -1,0 +1,27 @@
+"""The proposer interface: the model runner asks for the next step's drafts after sampling."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+
+
+class ProposerRow(Protocol):
+    """What a proposer reads (and the draft model updates) of the runner's per-request state."""
+
+    req_id: str
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_draft_computed: int
+
+
+class Proposer(Protocol):
+    def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Per row: draft tokens (at most k, possibly none) and their distribution q [k, V] when they
+        were sampled from one (None: point-mass drafts, verified by agreement with the target)."""
+        ...
