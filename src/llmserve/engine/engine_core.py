@@ -18,6 +18,7 @@ from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model.attn_torch import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_dtype, resolve_model_path
+from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.ngram import NgramProposer
 from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
@@ -49,11 +50,12 @@ class EngineCore:
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
         model = load_model(path, self.dtype, self.device, self.model_info.max_model_len)
-        self.num_blocks = self._num_blocks(model)
+        self.draft_info, draft_model = self._load_draft()
+        self.num_blocks = self._num_blocks(model, draft_model)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        self.model_info.num_layers, self.dtype, self.device)
         attn_backend = select_attention_backend(self.device)
-        proposer = self._proposer(attn_backend)
+        proposer = self._proposer(attn_backend, draft_model)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size,
                                   self.model_info.vocab_size, self.device, config.model.seed, proposer)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
@@ -61,20 +63,39 @@ class EngineCore:
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", name, self.device, self.dtype,
                     self.num_blocks, config.cache.block_size)
 
-    def _proposer(self, attn_backend):
+    def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
+        """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
         spec = self.config.speculative
-        if not spec.is_enabled:
-            return None
+        if spec.speculative != "draft":
+            return None, None
+        path = resolve_model_path(spec.draft_model, None)
+        info = load_model_info(spec.draft_model, path, self.dtype, self.model_info.max_model_len)
+        if info.vocab_size != self.model_info.vocab_size:
+            raise ValueError(f"draft model vocabulary ({info.vocab_size}) differs from the target's "
+                             f"({self.model_info.vocab_size}): it must share the tokenizer")
+        return info, load_model(path, self.dtype, self.device, self.model_info.max_model_len)
+
+    def _proposer(self, attn_backend, draft_model: torch.nn.Module | None):
+        spec = self.config.speculative
         if spec.speculative == "ngram":
             return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-        return self.draft
+        if spec.speculative != "draft":
+            return None
+        info, block_size = self.draft_info, self.config.cache.block_size
+        kv_caches = allocate_kv_caches(draft_model.kv_cache_shape(self.num_blocks, block_size),
+                                       info.num_layers, self.dtype, self.device)
+        return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
+                                  self.model_info.max_model_len, self.device, self.config.model.seed)
 
-    def _num_blocks(self, model: torch.nn.Module) -> int:
-        info = self.model_info
+    def _num_blocks(self, model: torch.nn.Module, draft_model: torch.nn.Module | None) -> int:
+        """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        block_bytes = bytes_per_block(info.num_layers, self.config.cache.block_size, info.num_kv_heads,
-                                      info.head_dim, self.dtype)
-        return num_kv_blocks(self.config.cache, self.device, block_bytes, weight_bytes, info.max_model_len)
+        block_bytes = 0
+        for info in (self.model_info, self.draft_info):
+            if info is not None:
+                block_bytes += bytes_per_block(info.num_layers, self.config.cache.block_size, info.num_kv_heads,
+                                               info.head_dim, self.dtype)
+        return num_kv_blocks(self.config.cache, self.device, block_bytes, weight_bytes, self.model_info.max_model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.model_info.max_model_len))

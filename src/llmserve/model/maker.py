@@ -178,11 +178,21 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    draft = parser.add_argument_group("a speculative-decoding draft derived from a target (then --arch/--shape are unused)")
+    draft.add_argument("--draft-of", default=None, help="target checkpoint directory to derive the draft from")
+    draft.add_argument("--draft-layers", type=int, default=None, help="keep the target's first N layers (default: all)")
+    draft.add_argument("--noise", type=float, default=0.0, help="relative Gaussian noise added to every weight")
     parser.set_defaults(func=run_make_model)
     return parser
 
 
 def run_make_model(args: argparse.Namespace) -> int:
+    if args.draft_of is not None:
+        from llmserve.model.draft_maker import derive_draft
+
+        path = derive_draft(args.draft_of, args.out, args.draft_layers, args.noise, args.seed)
+        print(f"wrote a draft of {args.draft_of} to {path}")
+        return 0
     path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote {args.arch} {args.shape} checkpoint to {path}")
     return 0

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from llmserve.engine.core_proc import EngineStats
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from llmserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats,
+                                     SpecDecodeStats)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -39,6 +40,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.requests: dict[str, _RequestTimes] = {}
+        self.spec_totals = SpecDecodeStats()  # since start, for the derived gauges
         self._make_gauges()
         self._make_counters()
         self._make_histograms()
@@ -67,6 +69,16 @@ class ServerMetrics:
         self.preemptions = self._counter("num_preemptions", "Requests preempted (their KV freed, recomputed later).")
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.spec_drafts = self._counter("spec_decode_num_drafts", "Rows verified with draft tokens.")
+        self.spec_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter("llmserve:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position (0-based).",
+                                             ["model_name", "position"], registry=self.registry)
+        self.spec_acceptance_rate = self._gauge("spec_decode_acceptance_rate",
+                                                "Accepted / verified draft tokens since start.")
+        self.spec_mean_accepted_length = self._gauge("spec_decode_mean_accepted_length",
+                                                     "Tokens per verified row and step (accepted drafts + 1) since start.")
         self.request_success = Counter("llmserve:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
 
@@ -135,6 +147,21 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions)
         if stats.num_scheduled_tokens:
             self.step_tokens.observe(stats.num_scheduled_tokens)
+        if stats.spec is not None:
+            self._on_spec_stats(stats.spec)
+
+    def _on_spec_stats(self, spec: SpecDecodeStats) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens)
+        for position, num in enumerate(spec.accepted_per_position):
+            self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(num)
+        totals = self.spec_totals
+        totals.num_drafts += spec.num_drafts
+        totals.num_draft_tokens += spec.num_draft_tokens
+        totals.num_accepted_tokens += spec.num_accepted_tokens
+        self.spec_acceptance_rate.set(totals.num_accepted_tokens / max(totals.num_draft_tokens, 1))
+        self.spec_mean_accepted_length.set(1 + totals.num_accepted_tokens / max(totals.num_drafts, 1))
 
     def on_engine_stats(self, stats: EngineStats) -> None:
         """Fresh cache state, asked of the engine at scrape time."""

@@ -1,0 +1,89 @@
+"""Draft-model proposer: a smaller checkpoint with the target's tokenizer proposes k tokens.
+
+It runs inside the engine step on its own paged KV cache, which has the target's number of blocks
+and is indexed by the same block tables, so the scheduler's allocation covers both (plus k
+lookahead slots for the tokens it proposes). Each proposal first catches the draft up on the real
+tokens it has not seen (the prompt the first time; then the tokens accepted last step), sampling the
+first draft at the last of them, then runs k - 1 single-token forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.model.attention import AttentionBackend
+from llmserve.spec.proposer import ProposerRow
+from llmserve.worker.input_batch import prepare_inputs
+from llmserve.worker.seeds import position_seed
+
+_DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from positions of their own
+
+
+@dataclass
+class _DraftInput:
+    """What prepare_inputs reads of a row, for one draft forward."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+
+
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
+                 block_size: int, num_speculative_tokens: int, max_model_len: int, device: torch.device,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.kv_caches = kv_caches  # per draft layer [2, num_blocks, block_size, Hkv, D]
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed + 1)
+
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
+        counts = [len(r.token_ids) - r.num_draft_computed for r in rows]
+        self._step(rows, list(range(len(rows))), inputs, counts, drafts, probs)
+        for row in rows:
+            row.num_draft_computed = len(row.token_ids)
+        for i in range(1, self.k):
+            active = [j for j, r in enumerate(rows) if len(r.token_ids) + i < self.max_model_len]
+            if not active:
+                break
+            inputs = [_DraftInput(rows[j].token_ids + drafts[j], len(rows[j].token_ids) + i - 1, rows[j].block_ids)
+                      for j in active]
+            self._step(rows, active, inputs, [1] * len(active), drafts, probs)
+        return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def _step(self, rows: list[ProposerRow], active: list[int], inputs: list[_DraftInput], counts: list[int],
+              drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
+        """One draft forward over `active` rows; appends one draft (and its q for random rows) to each."""
+        step = prepare_inputs(inputs, counts, self.block_size, self.device)
+        metadata = self.attn_backend.build_metadata(step.attn)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.attn_backend)
+        logits = self.model.compute_logits(hidden[step.logits_indices]).float()  # [A, V]
+        for a, j in enumerate(active):
+            row = rows[j]
+            token, q = self._sample(logits[a], row, len(row.output_token_ids) + len(drafts[j]))
+            drafts[j].append(token)
+            if q is not None:
+                probs[j].append(q)
+
+    def _sample(self, logits: torch.Tensor, row: ProposerRow, position: int) -> tuple[int, torch.Tensor | None]:
+        """logits [V] -> (draft token, q [V] it was drawn from; None for greedy rows)."""
+        temperature = row.params.temperature
+        if temperature == 0.0:
+            return int(logits.argmax()), None
+        q = (logits / temperature).softmax(dim=-1)  # [V]
+        generator = self.generator
+        if row.params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(position_seed(row.params.seed, _DRAFT_SEED_OFFSET + position))
+        log_u = torch.empty_like(q).uniform_(1e-20, 1.0, generator=generator).log_()
+        return int((q / log_u).argmin()), q
