@@ -40,7 +40,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     target_probs [N, V] p_j, draft_probs [N, V] q_j, draft_token_ids [N] int64 (any id at bonus
     positions), uniforms [N] in [0, 1), log_u [N, V] log of uniforms in (0, 1) for the residual draws.
     Returns (is_accepted [N] bool, fallback [N] int64): fallback is the residual sample at draft
-    positions; callers take p_j's own sample at bonus positions. log_u is overwritten.
+    positions; callers take p_j's own sample at bonus positions.
     """
     ids = draft_token_ids.unsqueeze(1)  # [N, 1]
     p_draft = target_probs.gather(1, ids).squeeze(1)  # [N]

@@ -54,7 +54,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestSta
     rows = expand_rows(states, drafts, logits.device)
     meta = build_sampling_metadata(rows, vocab_size, logits.device)
     raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None  # [N, V]
-    has_q = any(q is not None for q in draft_probs)
+    has_q = not meta.all_greedy and any(q is not None for q in draft_probs)
     out = sampler(logits, meta, keep_probs=has_q)
     target_tokens = out.sampled_token_ids.tolist()  # [N]
     if not has_q:
