@@ -1,4 +1,4 @@
-"""The `llmserve` command: serve, route, generate, make-model, bench {serve, offline}."""
+"""The `llmserve` command: serve, route, generate, make-model, bench {serve, offline, spec}."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.offline import add_bench_offline_parser
     from llmserve.bench.serve import add_bench_serve_parser
+    from llmserve.bench.spec import add_bench_spec_parser
     from llmserve.model.maker import add_make_model_parser
     from llmserve.router.cli import add_route_parser
     from llmserve.server.cli import add_serve_parser
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(bench)
     add_bench_offline_parser(bench)
+    add_bench_spec_parser(bench)
     return parser
 
 

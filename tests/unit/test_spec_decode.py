@@ -165,3 +165,39 @@ def test_opt_out_requests_get_no_drafts_and_logprobs_match(target, plain):
             assert (la.token_id, la.rank, [t for t, _ in la.top]) == (lb.token_id, lb.rank, [t for t, _ in lb.top])
             assert [la.logprob] + [v for _, v in la.top] == pytest.approx([lb.logprob] + [v for _, v in lb.top],
                                                                           abs=1e-4)
+
+
+# Chi-square critical values at p = 0.001 for 1..3 degrees of freedom.
+_CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27}
+
+
+def test_sampled_tokens_through_a_draft_model_follow_the_targets_distribution(target, draft, plain):
+    """Many unseeded samples of token 2 (verified against one draft by rejection sampling) per value of
+    token 1, against the target's own top-4 distribution at temperature 1.5."""
+    prompt = _prompts(1, seed=17)[0]
+    params = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, ignore_eos=True)
+    llm = _spec_llm(target, draft, "draft", num_kv_blocks=2000, max_num_seqs=256, speculative_max_batch=1000)
+    counts = SpecCounts(llm)
+    samples = [o.outputs[0].token_ids[:2] for o in llm.generate([prompt] * 1500, params)]
+    assert counts.num_draft_tokens >= 1500 and 0 < counts.num_accepted < counts.num_draft_tokens
+    by_first: dict[int, list[int]] = {}
+    for first, second in samples:
+        by_first.setdefault(first, []).append(second)
+    num_tested = 0
+    for first, seconds in by_first.items():
+        if len(seconds) < 200:
+            continue
+        expected = _top4_distribution(plain, prompt + [first], temperature=1.5)
+        assert set(seconds) <= set(expected), "a token outside the target's top-4"
+        stat = sum((seconds.count(t) - len(seconds) * p) ** 2 / (len(seconds) * p) for t, p in expected.items())
+        assert stat < _CHI2_CRITICAL[len(expected) - 1], (first, stat, expected)
+        num_tested += 1
+    assert num_tested >= 1
+    _assert_all_free(llm)
+
+
+def _top4_distribution(llm: LLM, prefix: list[int], temperature: float) -> dict[int, float]:
+    out = llm.generate([prefix], SamplingParams(temperature=0, max_tokens=1, logprobs=4))[0]
+    top = out.outputs[0].logprobs[0].top[:4]  # (token, raw logprob), best first
+    weights = torch.tensor([lp for _, lp in top]).div(temperature).softmax(dim=0).tolist()
+    return {token: w for (token, _), w in zip(top, weights)}

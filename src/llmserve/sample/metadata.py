@@ -26,6 +26,18 @@ class SamplingRow(Protocol):
 
 
 @dataclass
+class PositionRow:
+    """A SamplingRow built for one sampling position (speculative decoding: a request at output index
+    n + j, with j draft tokens already appended)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    stop_token_ids_for_min_tokens: list[int]
+
+
+@dataclass
 class PenaltyMetadata:
     """Penalties of the rows that use any (P of the B rows); token ids padded with vocab_size."""
 

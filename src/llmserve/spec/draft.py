@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.model.attention import AttentionBackend
+from llmserve.sample.metadata import PositionRow, build_sampling_metadata
+from llmserve.sample.sampler import Sampler
 from llmserve.spec.proposer import ProposerRow
 from llmserve.worker.input_batch import prepare_inputs
 from llmserve.worker.seeds import position_seed
@@ -41,7 +43,7 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed + 1)
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed + 1))
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -68,22 +70,24 @@ class DraftModelProposer:
         metadata = self.attn_backend.build_metadata(step.attn)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.attn_backend)
         logits = self.model.compute_logits(hidden[step.logits_indices]).float()  # [A, V]
+        tokens, q = self._sample(logits, [rows[j] for j in active], [drafts[j] for j in active])
         for a, j in enumerate(active):
-            row = rows[j]
-            token, q = self._sample(logits[a], row, len(row.output_token_ids) + len(drafts[j]))
-            drafts[j].append(token)
-            if q is not None:
-                probs[j].append(q)
+            drafts[j].append(tokens[a])
+            if q is not None and rows[j].params.temperature != 0.0:
+                probs[j].append(q[a])
 
-    def _sample(self, logits: torch.Tensor, row: ProposerRow, position: int) -> tuple[int, torch.Tensor | None]:
-        """logits [V] -> (draft token, q [V] it was drawn from; None for greedy rows)."""
-        temperature = row.params.temperature
-        if temperature == 0.0:
-            return int(logits.argmax()), None
-        q = (logits / temperature).softmax(dim=-1)  # [V]
-        generator = self.generator
-        if row.params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(position_seed(row.params.seed, _DRAFT_SEED_OFFSET + position))
-        log_u = torch.empty_like(q).uniform_(1e-20, 1.0, generator=generator).log_()
-        return int((q / log_u).argmin()), q
+    def _sample(self, logits: torch.Tensor, rows: list[ProposerRow],
+                drafts: list[list[int]]) -> tuple[list[int], torch.Tensor | None]:
+        """logits [A, V] -> a draft per row and q [A, V], the distribution the random rows drew from.
+        q is processed like the target's p (penalties, temperature, top-k/p, min-p): the closer q is to
+        p, the more drafts are accepted."""
+        positions = [PositionRow(r.params, r.prompt_token_ids, r.output_token_ids + d, None,
+                                 r.stop_token_ids_for_min_tokens) for r, d in zip(rows, drafts)]
+        for position in positions:
+            if position.params.seed is not None and position.params.temperature != 0.0:
+                position.generator = torch.Generator(device=self.device)
+                position.generator.manual_seed(position_seed(position.params.seed,
+                                                             _DRAFT_SEED_OFFSET + len(position.output_token_ids)))
+        meta = build_sampling_metadata(positions, logits.shape[1], self.device)
+        out = self.sampler(logits, meta, keep_probs=True)
+        return out.sampled_token_ids.tolist(), out.probs

@@ -15,7 +15,9 @@ class ProposerRow(Protocol):
     req_id: str
     params: SamplingParams
     token_ids: list[int]  # prompt + output so far
+    prompt_token_ids: list[int]
     output_token_ids: list[int]
+    stop_token_ids_for_min_tokens: list[int]
     block_ids: list[int]
     num_draft_computed: int
 

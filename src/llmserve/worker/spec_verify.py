@@ -7,28 +7,14 @@ per-position seed all see that prefix). Rows without drafts are one position, as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from llmserve.engine.messages import Logprobs
-from llmserve.sample.metadata import build_sampling_metadata
+from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.rejection import accept_point_drafts, emit_from_rejection, rejection_sample
 from llmserve.sample.sampler import Sampler, gather_logprobs
-from llmserve.sampling_params import SamplingParams
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.seeds import position_seed
-
-
-@dataclass
-class PositionRow:
-    """One expanded sampling position (a sample.SamplingRow)."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
-    stop_token_ids_for_min_tokens: list[int]
 
 
 def expand_rows(states: list[CachedRequestState], drafts: list[list[int]],

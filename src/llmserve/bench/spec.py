@@ -1,0 +1,217 @@
+"""`llmserve bench spec`: speculative decoding in-process, side by side with plain decoding.
+
+Random weights make acceptance meaningless, so it is controlled (docs/speculative.md):
+- `self`: the target as its own draft (acceptance 1.0: the upper bound on acceptance, at the full
+  cost of a target-sized draft);
+- `noise=X`: the target with relative weight noise X as draft (real rejection, target-sized);
+- `oracle=A`: a cheap draft (the target's first `--draft-layers` layers, run for its cost) whose
+  tokens are replaced by the target's known greedy continuation, each kept with probability A
+  (Leviathan's per-token acceptance α): the speed-up a draft of that cost and acceptance gives;
+- `ngram`: prompt lookup on prompts that repeat a span.
+Every configuration runs the same greedy workload at each concurrency, interleaved over `--rounds`;
+the table reports median output tok/s, the ratio to plain decoding and the measured acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from llmserve.config import add_dataclass_args, dataclass_from_args
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    model: str | None = field(default=None, metadata={"help": "target checkpoint (default: make --shape)"})
+    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made target"})
+    configs: str = field(default="none,self,oracle=0.6,oracle=0.9,ngram",
+                         metadata={"help": "comma list of: none, self, noise=X, oracle=A, ngram"})
+    concurrency: str = field(default="1", metadata={"help": "comma list of batch sizes (requests at once)"})
+    requests_per_slot: int = field(default=2, metadata={"help": "requests per concurrency slot"})
+    prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
+    output_len: int = field(default=96, metadata={"help": "output tokens (ignore_eos)"})
+    num_speculative_tokens: int = field(default=4, metadata={"help": "k"})
+    draft_layers: int = field(default=2, metadata={"help": "layers of the cheap draft behind oracle=A"})
+    speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off rule (default: the engine's)"})
+    rounds: int = field(default=2, metadata={"help": "interleaved rounds; medians are reported"})
+    seed: int = field(default=0, metadata={"help": "workload seed"})
+    out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+
+
+class OracleDraft:
+    """Runs a real draft model (its cost), then proposes the target's known greedy continuation,
+    each token kept with probability `agreement` and replaced by a wrong one otherwise."""
+
+    def __init__(self, inner, reference: dict[tuple[int, ...], list[int]], agreement: float, vocab_size: int,
+                 seed: int) -> None:
+        self.inner = inner
+        self.vocab_size = vocab_size
+        self.reference = reference
+        self.agreement = agreement
+        self.rng = random.Random(seed)
+
+    def propose(self, rows):
+        drafts, _ = self.inner.propose(rows)
+        out = []
+        for row, row_drafts in zip(rows, drafts):
+            ref = self.reference[tuple(row.prompt_token_ids)]
+            start = len(row.output_token_ids)
+            truth = ref[start:start + len(row_drafts)]
+            out.append([t if self.rng.random() < self.agreement else (t + 1) % self.vocab_size for t in truth])
+        return out, [None] * len(rows)
+
+
+def _workload(cfg: SpecBenchConfig, vocab_size: int, num: int, repeating: bool) -> list[list[int]]:
+    rng = random.Random(cfg.seed + num)
+    prompts = []
+    for _ in range(num):
+        if repeating:
+            span = [rng.randrange(10, vocab_size) for _ in range(16)]
+            prompts.append((span * (cfg.prompt_len // 16 + 1))[:cfg.prompt_len])
+        else:
+            prompts.append([rng.randrange(10, vocab_size) for _ in range(cfg.prompt_len)])
+    return prompts
+
+
+def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> dict:
+    kwargs = {"dtype": "float32", "max_model_len": cfg.prompt_len + cfg.output_len + 64, "max_num_seqs": 256}
+    if name == "none":
+        return kwargs
+    kwargs["num_speculative_tokens"] = cfg.num_speculative_tokens
+    if cfg.speculative_max_batch is not None:
+        kwargs["speculative_max_batch"] = cfg.speculative_max_batch
+    if name == "ngram":
+        return {**kwargs, "speculative": "ngram"}
+    return {**kwargs, "speculative": "draft", "draft_model": drafts[name]}
+
+
+def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str]) -> dict[str, str]:
+    from llmserve.model.draft_maker import derive_draft
+
+    drafts = {}
+    for name in names:
+        root = tempfile.mkdtemp(prefix="llmserve-draft-")
+        if name == "self":
+            drafts[name] = target
+        elif name.startswith("noise="):
+            drafts[name] = derive_draft(target, root, None, float(name.split("=")[1]), seed=1)
+        elif name.startswith("oracle="):
+            drafts[name] = derive_draft(target, root, cfg.draft_layers, 0.0)
+    return drafts
+
+
+class _Counter:
+    def __init__(self, llm) -> None:
+        self.num_draft_tokens = self.num_accepted = self.num_drafts = 0
+        step = llm.engine.step
+
+        def counting_step():
+            out = step()
+            if out.stats is not None and out.stats.spec is not None:
+                self.num_drafts += out.stats.spec.num_drafts
+                self.num_draft_tokens += out.stats.spec.num_draft_tokens
+                self.num_accepted += out.stats.spec.num_accepted_tokens
+            return out
+
+        llm.engine.step = counting_step
+
+
+def _build(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str], reference: dict):
+    from llmserve import LLM
+
+    llm = LLM(target, **_engine_kwargs(cfg, name, drafts))
+    if name.startswith("oracle="):
+        runner = llm.engine.runner
+        runner.proposer = OracleDraft(runner.proposer, reference, float(name.split("=")[1]), runner.vocab_size,
+                                      cfg.seed)
+    return llm, _Counter(llm)
+
+
+def _timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run(cfg: SpecBenchConfig) -> dict:
+    from llmserve import SamplingParams
+    from llmserve.model.loader import load_hf_config
+    from llmserve.model.maker import make_model
+
+    target = cfg.model or make_model("llama", cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
+    vocab_size = load_hf_config(target).vocab_size
+    names = cfg.configs.split(",")
+    levels = [int(c) for c in cfg.concurrency.split(",")]
+    params = SamplingParams(temperature=0, max_tokens=cfg.output_len, ignore_eos=True)
+    drafts = _make_drafts(cfg, target, names)
+    workloads = {(c, rep): _workload(cfg, vocab_size, c * cfg.requests_per_slot, rep)
+                 for c in levels for rep in (False, True)}
+    reference: dict[tuple[int, ...], list[int]] = {}
+    engines = {}
+    for name in ["none"] + [n for n in names if n != "none"]:  # plain first: the oracle's reference
+        engines[name] = _build(cfg, target, name, drafts, reference)
+        if name == "none":
+            for prompts in workloads.values():
+                for prompt, out in zip(prompts, engines["none"][0].generate(prompts, params)):
+                    reference[tuple(prompt)] = list(out.outputs[0].token_ids)
+    results = {"config": asdict(cfg), "levels": {}}
+    for level in levels:
+        results["levels"][str(level)] = _run_level(cfg, level, names, engines, workloads, params)
+        _print_level(level, results["levels"][str(level)])
+    return results
+
+
+def _run_level(cfg: SpecBenchConfig, level: int, names: list[str], engines: dict, workloads: dict, params) -> dict:
+    times: dict[str, list[float]] = {n: [] for n in names}
+    counts: dict[str, tuple[int, int, int]] = {}
+    for _ in range(cfg.rounds):
+        for name in names:
+            llm, counter = engines[name]
+            before = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted)
+            prompts = workloads[(level, name == "ngram")]
+            seconds = 0.0
+            for i in range(0, len(prompts), level):  # `level` requests at once
+                seconds += _timed(llm, prompts[i:i + level], params)[0]
+            times[name].append(len(prompts) * cfg.output_len / seconds)
+            after = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted)
+            prev = counts.get(name, (0, 0, 0))
+            counts[name] = tuple(p + a - b for p, a, b in zip(prev, after, before))
+    plain = statistics.median(times.get("none") or [float("nan")])
+    rows = {}
+    for name in names:
+        drafts, draft_tokens, accepted = counts[name]
+        tok_s = statistics.median(times[name])
+        rows[name] = {"output_tok_s": tok_s, "ratio_to_none": tok_s / plain, "all_tok_s": times[name],
+                      "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+                      "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+    return rows
+
+
+def _print_level(level: int, rows: dict) -> None:
+    print(f"concurrency {level}")
+    print(f"  {'config':<12} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'tokens/step':>11}")
+    for name, r in rows.items():
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        length = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        print(f"  {name:<12} {r['output_tok_s']:>8.1f} {r['ratio_to_none']:>5.2f}x {acc:>7} {length:>11}")
+
+
+def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("spec", help="benchmark speculative decoding in-process")
+    add_dataclass_args(parser, SpecBenchConfig)
+    parser.set_defaults(func=_main)
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = dataclass_from_args(SpecBenchConfig, args)
+    results = run(cfg)
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
