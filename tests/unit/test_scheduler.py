@@ -134,3 +134,23 @@ def test_context_length_finishes_with_length():
     step(sched)
     _, res = step(sched)
     assert res.outputs[0].finish_reason == FinishReason.LENGTH
+
+
+def test_prefill_tokens_are_capped_while_requests_decode():
+    from llmserve.config import CacheConfig, SchedulerConfig
+    from llmserve.core.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=6),
+                      CacheConfig(block_size=4), 64, 256)
+    sched.add_request(make_request("a", list(range(1, 21)), max_tokens=8))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 20}  # nobody decodes yet: the whole budget
+    sched.add_request(make_request("b", list(range(101, 116)), max_tokens=8))
+    sched.add_request(make_request("c", list(range(201, 204)), max_tokens=8))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 6}  # a decodes: 6 prompt tokens at most
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 6}
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3, "c": 3}
+    sched.check_integrity()

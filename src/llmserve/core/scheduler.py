@@ -40,6 +40,7 @@ class Scheduler:
         self.aborted_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.num_step_prompt_tokens = 0
+        self.prefill_budget = 0  # prompt tokens left in the step being scheduled
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -104,6 +105,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.prefill_budget = self._prefill_budget(budget)
         budget, has_preempted = self._schedule_running(out, budget, self._can_speculate())
         if not has_preempted:
             self._schedule_waiting(out, budget)
@@ -119,6 +121,14 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may compute: capped while some request decodes, so that a long
+        prompt is spread over steps instead of stalling every decoding stream for one long step."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None or not any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return budget
+        return cap
+
     def _can_speculate(self) -> bool:
         """Speculation pays off only while the batch is small (the rule: docs/speculative.md)."""
         return self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
@@ -131,6 +141,12 @@ class Scheduler:
             num_real = request.num_tokens - request.num_computed_tokens
             drafts, request.spec_token_ids = (request.spec_token_ids if can_speculate else []), []
             num_new = min(num_real + len(drafts), budget)
+            if num_real > 1:  # a prompt chunk (or a preempted request's recompute)
+                num_new = min(num_new, self.prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                self.prefill_budget -= num_new
             drafts = drafts[:max(0, num_new - num_real)]
             new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
             while new_blocks is None:
@@ -176,12 +192,14 @@ class Scheduler:
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            limit = min(budget, self.prefill_budget)
+            if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, limit)
             if self.kv.allocate_slots(request, num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
+            self.prefill_budget -= num_new
             self._start_running(request, num_hit_tokens)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new

@@ -18,67 +18,113 @@ from llmserve.router.ratelimit import retry_after_header
 from llmserve.router.requests import decode_body, route_request, with_model
 from llmserve.server.errors import APIError, error_response, install_error_handlers, service_unavailable
 
-_FORWARDED_HEADERS = ("content-type", "authorization", "accept", "x-request-id")
+_FORWARDED_HEADERS = frozenset({b"content-type", b"authorization", b"accept", b"x-request-id"})
 
 
-def build_app(gw: Gateway) -> Starlette:
-    routes = [Route("/v1/completions", _generation(gw, "/v1/completions"), methods=["POST"]),
-              Route("/v1/chat/completions", _generation(gw, "/v1/chat/completions"), methods=["POST"]),
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class RouterApp:
+    """The ASGI app: the generation routes on a lean path (raw ASGI, bytes in and out), everything else
+    (models, health, metrics, 404/405) through Starlette."""
+
+    def __init__(self, gw: Gateway, fallback: Starlette) -> None:
+        self.gateway = gw
+        self.fallback = fallback
+        self.state = fallback.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
+            await serve_generation(self.gateway, scope, receive, send)
+        else:
+            await self.fallback(scope, receive, send)
+
+
+def build_app(gw: Gateway) -> RouterApp:
+    routes = [*(Route(path, _GenerationEndpoint(gw), methods=["POST"]) for path in sorted(GENERATION_PATHS)),
               Route("/v1/models", _models(gw), methods=["GET"]),
               Route("/health", _health(gw), methods=["GET"]),
               Route("/metrics", _metrics(gw), methods=["GET"])]
     app = Starlette(routes=routes)
     app.state.gateway = gw
     install_error_handlers(app)
-    return app
+    return RouterApp(gw, app)
 
 
-def _generation(gw: Gateway, path: str):
-    async def endpoint(request: Request) -> Response:
-        try:
-            return await _serve(gw, request, path)
-        except proxy.UpstreamAnswer as e:
-            return proxy.upstream_answer_response(e)
-        except (APIError, ValueError) as e:
-            return error_response(e)
+class _GenerationEndpoint:
+    """The generation routes as a raw ASGI endpoint of the Starlette app (so that other methods get 405);
+    RouterApp takes the POSTs before Starlette's routing and middleware."""
 
-    return endpoint
+    def __init__(self, gw: Gateway) -> None:
+        self.gateway = gw
 
-
-async def _serve(gw: Gateway, request: Request, path: str) -> Response:
-    _check_rate_limit(gw, request)
-    body = await request.body()
-    obj = decode_body(body)
-    route = route_request(obj, gw.config.prefix)
-    pool, decision = gw.resolve(route)
-    fwd = proxy.Forward(pool, route, path, with_model(body, obj, pool.upstream_model),
-                        _upstream_headers(request), _decision_headers(pool.name, decision))
-    return await proxy.forward(gw, request, fwd)
+    async def __call__(self, scope, receive, send) -> None:
+        await serve_generation(self.gateway, scope, receive, send)
 
 
-def _check_rate_limit(gw: Gateway, request: Request) -> None:
-    key = _api_key(request)
-    wait_s = gw.limiter.check(key, time.monotonic())
+class _ClientGone(Exception):
+    """The client disconnected while sending its body."""
+
+
+async def serve_generation(gw: Gateway, scope, receive, send) -> None:
+    headers = _forwarded_headers(scope["headers"])
+    try:
+        _check_rate_limit(gw, headers.get(b"authorization", b""))
+        body = await _read_body(receive)
+        obj = decode_body(body)
+        route = route_request(obj, gw.config.prefix)
+        pool, decision = gw.resolve(route)
+    except _ClientGone:
+        return
+    except (APIError, ValueError) as e:
+        await proxy.send_error(send, e)
+        return
+    fwd = proxy.Forward(pool, route, scope["path"], with_model(body, obj, pool.upstream_model),
+                        tuple(headers.items()), _decision_headers(pool.name, decision))
+    await proxy.forward(gw, fwd, receive, send)
+
+
+async def _read_body(receive) -> bytes:
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise _ClientGone()
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        return body
+    parts = [body]
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
+
+
+def _forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """The request headers that go upstream (names lower-case, as ASGI servers give them)."""
+    return {name: value for name, value in raw if name in _FORWARDED_HEADERS}
+
+
+def _check_rate_limit(gw: Gateway, authorization: bytes) -> None:
+    if not gw.limiter.is_enabled:
+        return
+    wait_s = gw.limiter.check(_api_key(authorization), time.monotonic())
     if wait_s is not None:
         gw.metrics.rejected.labels("rate_limited").inc()
         raise APIError(429, "rate limit exceeded for this API key", code="rate_limit_exceeded",
                        headers={"Retry-After": retry_after_header(wait_s)})
 
 
-def _api_key(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def _api_key(authorization: bytes) -> str:
+    scheme, _, token = authorization.decode("latin-1").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def _upstream_headers(request: Request) -> dict[str, str]:
-    return {name: value for name in _FORWARDED_HEADERS if (value := request.headers.get(name)) is not None}
-
-
-def _decision_headers(pool: str, decision: RouteDecision | None) -> dict[str, str]:
-    headers = {"x-llmserve-pool": pool}
-    if decision is not None:
-        headers["x-llmserve-route"] = f"{decision.pool}; reason={decision.reason}"
-    return headers
+def _decision_headers(pool: str, decision: RouteDecision | None) -> tuple[tuple[bytes, bytes], ...]:
+    headers = ((b"x-llmserve-pool", pool.encode()),)
+    if decision is None:
+        return headers
+    return (*headers, (b"x-llmserve-route", f"{decision.pool}; reason={decision.reason}".encode()))
 
 
 def _models(gw: Gateway):

@@ -14,10 +14,13 @@ from llmserve.router.health import BackendHealth, HealthState
 from llmserve.router.metrics import RouterMetrics
 from llmserve.router.policies import RouteRequest, make_policy
 from llmserve.router.ratelimit import RateLimiter
+from llmserve.router.upstream import Upstream, UpstreamPool
+from llmserve.router.upstream_httpx import HttpxUpstream
 from llmserve.server.errors import APIError
 
 
 def make_client(config: RouterConfig) -> httpx.AsyncClient:
+    """The client of the background probes and scrapes (requests go through `Gateway.upstream`)."""
     timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.upstream_timeout_s,
                             write=config.upstream_timeout_s, pool=config.queue_timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0)
@@ -26,11 +29,15 @@ def make_client(config: RouterConfig) -> httpx.AsyncClient:
 
 class Gateway:
     def __init__(self, setup: RouterSetup, client: httpx.AsyncClient | None = None) -> None:
+        """`client`: an httpx client for everything upstream (tests: a MockTransport); by default requests
+        go through the lean connection pool of upstream.py and probes through a fresh httpx client."""
         self.setup = setup
         self.config = setup.router
         self.metrics = RouterMetrics()
         self.limiter = RateLimiter(self.config.default_rate_limit, setup.key_rate_limits)
         self.client = client or make_client(self.config)
+        self.upstream: Upstream = (HttpxUpstream(client) if client is not None else
+                                   UpstreamPool(self.config.connect_timeout_s, self.config.upstream_timeout_s))
         self.pools: dict[str, Pool] = {}
         for spec in setup.pools:
             pool = self.ensure_pool(spec.name, spec.policy, spec.upstream_model)
@@ -104,4 +111,5 @@ class Gateway:
                 self.metrics.healthy.labels(pool.name, b.url).set(int(b.is_up))
 
     async def close(self) -> None:
+        await self.upstream.aclose()
         await self.client.aclose()

@@ -1,40 +1,33 @@
 """Forwarding one request: pick a backend (waiting in the gateway queue if need be), send, retry with
-backoff while nothing has reached the client yet, then relay the response bytes unchanged.
+backoff while nothing has reached the client yet, then relay the response bytes unchanged, straight
+onto the ASGI `send` (no Response object, no re-chunking: each read hands over all the bytes that arrived).
 
 Retried (on another backend where there is one): connect errors and timeouts, the backend closing the
 connection before its response headers, and 503 answers. Never retried: anything after the response
 headers were received, since from then on bytes flow to the client. A stream the backend cuts ends
-with an SSE error event and `data: [DONE]`. A client that disconnects cancels the relay, which closes
-the upstream connection, so the backend aborts the request and frees its KV blocks.
+with an SSE error event and `data: [DONE]`. A client that disconnects cancels the request (a watcher
+task sees `http.disconnect`), which closes the upstream connection, so the backend aborts the request and
+frees its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import anyio
-import httpx
 import msgspec
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
 
 from llmserve.router.admission import QueueFull, QueueTimeout
 from llmserve.router.backends import Backend, Pool
 from llmserve.router.gateway import Gateway
 from llmserve.router.policies import RouteRequest
-from llmserve.server.errors import APIError, ErrorBody, service_unavailable
+from llmserve.router.upstream import Header, Response, UpstreamConnectError, UpstreamError
+from llmserve.server.errors import APIError, ErrorBody, service_unavailable, to_api_error
 
-CLIENT_CLOSED_REQUEST = 499
 SSE_DONE = b"data: [DONE]\n\n"
-_DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
+_DROPPED_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"})
 _FAILURE_STATUSES = frozenset({502, 504})  # a proxy in front of the backend could not reach it
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response headers were ready."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +38,8 @@ class Forward:
     route: RouteRequest
     path: str
     body: bytes
-    headers: dict[str, str]
-    extra_response_headers: dict[str, str]
+    headers: tuple[Header, ...]  # sent upstream (lower-case names)
+    extra_response_headers: tuple[Header, ...]
 
 
 @dataclass
@@ -56,21 +49,63 @@ class _Retry:
     response_body: bytes | None = None  # a backend's 503 body, answered as-is when the retries run out
 
 
-async def forward(gw: Gateway, request: Request, fwd: Forward) -> Response:
+class UpstreamAnswer(Exception):
+    """The last backend's 503 body, relayed as the answer once the retries ran out."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__("upstream 503")
+        self.body = body
+
+
+class _Watch:
+    """Watches the client while the request is served: on `http.disconnect` before the response is done,
+    cancels the serving task (which closes the upstream connection on its way out)."""
+
+    def __init__(self, receive, task: asyncio.Task) -> None:
+        self.is_done = False
+        self.client_gone = False
+        self.response_started = False
+        self._task = task
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.is_done:
+            self.client_gone = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        self.is_done = True
+        self._watcher.cancel()
+
+
+async def forward(gw: Gateway, fwd: Forward, receive, send) -> None:
+    """Serve `fwd` on the ASGI `send`; returns quietly when the client went away."""
     started = time.perf_counter()
+    task = asyncio.current_task()
+    assert task is not None
+    watch = _Watch(receive, task)
     try:
-        backend, upstream = await until_disconnect(request, _open(gw, fwd))
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    gw.metrics.requests.labels(fwd.pool.name, backend.url, str(upstream.status_code)).inc()
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
-    headers.update(fwd.extra_response_headers)
-    headers["x-llmserve-backend"] = backend.url
-    return StreamingResponse(_relay(gw, fwd.pool, backend, upstream, started), status_code=upstream.status_code,
-                             headers=headers)
+        backend, upstream = await _open(gw, fwd)
+        await _relay(gw, fwd, backend, upstream, send, watch, started)
+    except asyncio.CancelledError:
+        if not watch.client_gone:
+            raise
+        task.uncancel()
+    except UpstreamAnswer as e:
+        watch.is_done = True
+        await send_json(send, 503, e.body, ((b"retry-after", b"1"),))
+    except Exception as e:  # noqa: BLE001 - answered in the OpenAI shape (to_api_error logs the unexpected)
+        if watch.response_started:
+            raise
+        watch.is_done = True
+        await send_error(send, e)
+    finally:
+        watch.stop()
 
 
-async def _open(gw: Gateway, fwd: Forward) -> tuple[Backend, httpx.Response]:
+async def _open(gw: Gateway, fwd: Forward) -> tuple[Backend, Response]:
     tried: set[str] = set()
     retry: _Retry | None = None
     for attempt in range(gw.config.max_retries + 1):
@@ -91,14 +126,6 @@ async def _open(gw: Gateway, fwd: Forward) -> tuple[Backend, httpx.Response]:
     raise retry.error
 
 
-class UpstreamAnswer(Exception):
-    """The last backend's 503 body, relayed as the answer once the retries ran out."""
-
-    def __init__(self, body: bytes) -> None:
-        super().__init__("upstream 503")
-        self.body = body
-
-
 async def _acquire(gw: Gateway, fwd: Forward, tried: frozenset[str]) -> Backend:
     pool = fwd.pool
     try:
@@ -113,35 +140,33 @@ async def _acquire(gw: Gateway, fwd: Forward, tried: frozenset[str]) -> Backend:
                                   f"{gw.config.queue_timeout_s:g} s", retry_after=5) from None
 
 
-async def _attempt(gw: Gateway, fwd: Forward, backend: Backend) -> httpx.Response | _Retry:
-    request = gw.client.build_request("POST", backend.url + fwd.path, content=fwd.body,
-                                      headers=_upstream_headers(fwd, backend))
+async def _attempt(gw: Gateway, fwd: Forward, backend: Backend) -> Response | _Retry:
     sent_at = time.perf_counter()
     try:
-        upstream = await gw.client.send(request, stream=True)
+        upstream = await gw.upstream.post(backend.url, fwd.path, fwd.body, _upstream_headers(fwd, backend))
     except BaseException as e:
         fwd.pool.release(backend)
-        if not isinstance(e, httpx.TransportError):
+        if not isinstance(e, UpstreamError):
             raise
         gw.record_failure(backend)
-        reason = "connect" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else "disconnect"
+        reason = "connect" if isinstance(e, UpstreamConnectError) else "disconnect"
         return _Retry(reason, APIError(502, f"no backend of `{fwd.pool.name}` answered (last: {reason} error "
                                             f"from {backend.url})", code="bad_gateway"))
     gw.metrics.upstream_latency.labels(fwd.pool.name, backend.url).observe(time.perf_counter() - sent_at)
-    if upstream.status_code == 503:
+    if upstream.status == 503:
         return await _on_unavailable(fwd, backend, upstream)
-    if upstream.status_code in _FAILURE_STATUSES:
+    if upstream.status in _FAILURE_STATUSES:
         gw.record_failure(backend)
     else:
         gw.record_success(backend)
     return upstream
 
 
-async def _on_unavailable(fwd: Forward, backend: Backend, upstream: httpx.Response) -> _Retry:
+async def _on_unavailable(fwd: Forward, backend: Backend, upstream: Response) -> _Retry:
     """A 503 (draining, overloaded): retried elsewhere, but not counted against its health."""
     try:
-        body = await upstream.aread()
-    except httpx.HTTPError:
+        body: bytes | None = await upstream.read_all()
+    except UpstreamError:
         body = None
     finally:
         await upstream.aclose()
@@ -149,58 +174,70 @@ async def _on_unavailable(fwd: Forward, backend: Backend, upstream: httpx.Respon
     return _Retry("503", service_unavailable(f"every backend of `{fwd.pool.name}` is unavailable"), body)
 
 
-def _upstream_headers(fwd: Forward, backend: Backend) -> dict[str, str]:
+def _upstream_headers(fwd: Forward, backend: Backend) -> tuple[Header, ...]:
     if backend.spec.api_key is None:
         return fwd.headers
-    return {**fwd.headers, "authorization": f"Bearer {backend.spec.api_key}"}
+    kept = tuple(h for h in fwd.headers if h[0] != b"authorization")
+    return (*kept, (b"authorization", f"Bearer {backend.spec.api_key}".encode()))
 
 
-async def _relay(gw: Gateway, pool: Pool, backend: Backend, upstream: httpx.Response,
-                 started: float) -> AsyncIterator[bytes]:
-    is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-    last = b"\n\n"
+def _response_headers(fwd: Forward, backend: Backend, upstream: Response) -> list[Header]:
+    headers = [h for h in upstream.headers if h[0] not in _DROPPED_HEADERS]
+    headers += fwd.extra_response_headers
+    headers.append((b"x-llmserve-backend", backend.url.encode()))
+    return headers
+
+
+async def _relay(gw: Gateway, fwd: Forward, backend: Backend, upstream: Response, send, watch: _Watch,
+                 started: float) -> None:
+    pool = fwd.pool
     try:
-        async for chunk in upstream.aiter_raw():
-            last = chunk or last
-            yield chunk
-    except httpx.HTTPError as e:
-        gw.record_failure(backend)
-        gw.metrics.stream_errors.labels(pool.name, backend.url).inc()
-        if is_sse:
-            yield (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error_event(e, backend) + SSE_DONE
+        gw.metrics.requests.labels(pool.name, backend.url, str(upstream.status)).inc()
+        watch.response_started = True
+        await send({"type": "http.response.start", "status": upstream.status,
+                    "headers": _response_headers(fwd, backend, upstream)})
+        tail = await _pump(gw, pool, backend, upstream, send)
+        if tail is not None:
+            watch.is_done = True
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
     finally:
-        with anyio.CancelScope(shield=True):  # a cancelled relay must still close the upstream connection
-            await upstream.aclose()
+        await upstream.aclose()
         pool.release(backend)
         gw.metrics.request_duration.labels(pool.name).observe(time.perf_counter() - started)
 
 
+async def _pump(gw: Gateway, pool: Pool, backend: Backend, upstream: Response, send) -> bytes | None:
+    """Relay the body; the last bytes to send (b"", or the SSE error event of a cut stream), or None when a
+    cut response cannot be ended properly (not SSE): the connection to the client is then closed."""
+    last = b"\n\n"
+    try:
+        while chunk := await upstream.read():
+            last = chunk
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except UpstreamError as e:
+        gw.record_failure(backend)
+        gw.metrics.stream_errors.labels(pool.name, backend.url).inc()
+        if not (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            return None
+        return (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error_event(e, backend) + SSE_DONE
+    return b""
+
+
 def sse_error_event(exc: BaseException, backend: Backend) -> bytes:
-    error = APIError(502, f"the backend {backend.url} closed the stream mid-way ({type(exc).__name__})",
+    error = APIError(502, f"the backend {backend.url} closed the stream mid-way ({type(exc).__name__}: {exc})",
                      code="upstream_disconnected")
     return b"data: " + msgspec.json.encode(ErrorBody(error.info())) + b"\n\n"
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def send_json(send, status: int, body: bytes, headers: tuple[Header, ...] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def until_disconnect(request: Request, work):
-    """Await `work`; if the client disconnects first, cancel it and raise ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-def upstream_answer_response(exc: UpstreamAnswer) -> Response:
-    return Response(exc.body, status_code=503, media_type="application/json", headers={"Retry-After": "1"})
+async def send_error(send, exc: BaseException) -> None:
+    """An OpenAI-shaped error answer (400 for ValueError, the status of an APIError, else 500)."""
+    err = to_api_error(exc)
+    headers = tuple((k.lower().encode(), v.encode()) for k, v in err.headers.items())
+    await send_json(send, err.status, msgspec.json.encode(ErrorBody(err.info())), headers)

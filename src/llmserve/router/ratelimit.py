@@ -54,6 +54,10 @@ class RateLimiter:
         self.max_keys = max_keys
         self.buckets: dict[str, TokenBucket] = {}
 
+    @property
+    def is_enabled(self) -> bool:
+        return self.default is not None or bool(self.per_key)
+
     def check(self, key: str, now: float) -> float | None:
         """None when allowed (a token was taken); else the seconds to wait (for Retry-After)."""
         limit = self.per_key.get(key, self.default)

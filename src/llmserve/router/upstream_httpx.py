@@ -1,0 +1,63 @@
+"""The upstream interface over an httpx.AsyncClient: for tests (httpx.MockTransport backends) and any
+client a caller brings. The router itself uses the lean pool in upstream.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+import httpx
+
+from llmserve.router.upstream import (Header, UpstreamConnectError, UpstreamDisconnected, UpstreamError,
+                                      UpstreamTimeout)
+
+
+def _upstream_error(e: httpx.TransportError) -> UpstreamError:
+    message = f"{type(e).__name__}: {e}"
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return UpstreamConnectError(message)
+    if isinstance(e, httpx.TimeoutException):
+        return UpstreamTimeout(message)
+    return UpstreamDisconnected(message)
+
+
+class HttpxResponse:
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status = response.status_code
+        self.headers: list[Header] = [(name.lower(), value) for name, value in response.headers.raw]
+        self._chunks: AsyncIterator[bytes] = response.aiter_raw()
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((v for n, v in self.headers if n == name), None)
+
+    async def read(self) -> bytes:
+        try:
+            return await anext(self._chunks, b"")
+        except httpx.TransportError as e:
+            raise _upstream_error(e) from e
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):  # a cancelled relay must still close the upstream connection
+            await self._response.aclose()
+
+
+class HttpxUpstream:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header]) -> HttpxResponse:
+        request = self.client.build_request("POST", url + path, content=body, headers=list(headers))
+        try:
+            return HttpxResponse(await self.client.send(request, stream=True))
+        except httpx.TransportError as e:
+            raise _upstream_error(e) from e
+
+    async def aclose(self) -> None:
+        pass  # the client belongs to the caller (the Gateway closes it)
