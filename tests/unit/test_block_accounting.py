@@ -44,3 +44,49 @@ def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blo
     assert not sched.has_unfinished_requests()
     assert sched.kv.pool.get_num_free_blocks() == sched.kv.pool.num_usable_blocks
     assert not sched.kv.req_to_blocks
+
+
+@settings(max_examples=100, deadline=None)
+@given(actions=actions, kind=st.sampled_from(["ngram", "draft"]), num_blocks=st.integers(16, 40),
+       cap=st.sampled_from([None, 3]), seed=st.integers(0, 1000))
+def test_blocks_all_free_with_speculation_rejections_and_prefill_cap(actions, kind, num_blocks, cap, seed):
+    """Drafts of random length, accepted up to a random point, with aborts and preemptions."""
+    import random
+
+    from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+    from llmserve.core.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    spec = SpeculativeConfig(speculative=kind, num_speculative_tokens=3, speculative_max_batch=3,
+                             draft_model="d" if kind == "draft" else None)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6, max_prefill_tokens_while_decoding=cap),
+                      CacheConfig(block_size=4), num_blocks, 48, spec)
+    num_added = 0
+    for action in [*actions, *[("step", 7)] * 300]:
+        if action[0] == "add":
+            prompt = [1 + (num_added * 7 + i) % 5 for i in range(min(action[1], 40))]
+            sched.add_request(make_request(f"r{num_added}#0", prompt, max_tokens=action[2], arrival=num_added))
+            num_added += 1
+        elif action[0] == "abort":
+            sched.abort_requests([f"r{action[1]}#0"])
+        elif sched.has_unfinished_requests():
+            _spec_step(sched, rng, action[1])
+        sched.check_integrity()
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.pool.get_num_free_blocks() == sched.kv.pool.num_usable_blocks
+
+
+def _spec_step(sched, rng, token: int) -> None:
+    from llmserve.core.sched_output import ModelRunnerOutput
+
+    out = sched.schedule()
+    req_ids = list(out.num_scheduled_tokens)
+    sampled, proposals = [], []
+    for req_id in req_ids:
+        request = sched.requests[req_id]
+        drafts = out.scheduled_spec_tokens.get(req_id, [])
+        is_caught_up = request.num_computed_tokens >= request.num_tokens + len(drafts)
+        num_accepted = rng.randint(0, len(drafts))
+        sampled.append(drafts[:num_accepted] + [token] if is_caught_up else [])
+        proposals.append([7] * rng.randint(0, 3) if is_caught_up else [])
+    sched.update_from_output(out, ModelRunnerOutput(req_ids, sampled, spec_token_ids=proposals))

@@ -309,5 +309,6 @@ class Scheduler:
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
             assert request.request_id in self.requests
+            assert request.num_computed_tokens <= request.num_tokens, "computed past the tokens (drafts not rolled back)"
         owners = set(self.kv.req_to_blocks)
         assert owners <= {r.request_id for r in self.running}, "a non-running request holds blocks"
