@@ -11,15 +11,22 @@ gathers the padded q (and K/V through the block table), runs one scaled_dot_prod
 scatters the result back to [T, H, D]. The work per layer is a handful of batched calls, never a loop
 over requests. Decode folds the G query heads of a kv head into the query axis (q [Bg, Hkv, G, D]);
 prefill uses SDPA's enable_gqa. K/V are never repeated per query head.
+
+On CPU, when the C++ kernel of `cpu_kernels` builds, decode-like rows (query_len 1, or up to 16 over a
+cached prefix: speculative verification, short chunks) skip all that: one kernel call per layer reads
+their K/V in place through the block table (no gather copies) and writes their out rows directly.
+The other rows keep the groups above. LLMSERVE_CPU_KERNELS=0, or any build failure, keeps torch only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from llmserve.model import cpu_kernels
 from llmserve.model.attention import AttentionBackend, AttentionInputs
 
 _MAX_DECODE_BUCKETS = 4
@@ -42,9 +49,27 @@ class GroupMetadata:
 
 
 @dataclass
+class KernelRows:
+    """Decode-like rows for the C++ kernel: it reads the step's int32 tensors as they are."""
+
+    rows: torch.Tensor  # [R] int32
+    block_table: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    make_groups: Callable[[], list[GroupMetadata]]  # the same rows as torch groups (unsupported dtype/layout)
+    fallback: list[GroupMetadata] | None = None
+
+    def fallback_groups(self) -> list[GroupMetadata]:
+        if self.fallback is None:
+            self.fallback = self.make_groups()
+        return self.fallback
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     groups: list[GroupMetadata]
+    kernel: KernelRows | None = None
 
 
 def _row_token_index(query_start: list[int], query_lens: list[int], max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,22 +197,56 @@ def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
     return _attend_prefill(qg, kg, vg, group, scale)
 
 
+def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int]) -> list[GroupMetadata]:
+    decode_rows = [i for i in rows if inputs.query_lens_cpu[i] == 1]
+    prefill_rows = [i for i in rows if inputs.query_lens_cpu[i] > 1]
+    row_groups = (_decode_buckets(decode_rows, inputs) if decode_rows else [])
+    row_groups += _prefill_groups(prefill_rows, inputs)
+    return [_build_group(inputs, group_rows, query_start) for group_rows in row_groups]
+
+
+def _kernel_rows(inputs: AttentionInputs, query_start: list[int]) -> tuple[KernelRows | None, list[int]]:
+    """Split off the decode-like rows (query_len 1, or <= 16 over a cached prefix) -> (them, the rest)."""
+    query_lens, seq_lens = inputs.query_lens_cpu, inputs.seq_lens_cpu
+    is_kernel = [n == 1 or (n <= cpu_kernels.MAX_QUERY_LEN and n < s) for n, s in zip(query_lens, seq_lens)]
+    rows = [i for i, ok in enumerate(is_kernel) if ok]
+    rest = [i for i, ok in enumerate(is_kernel) if not ok]
+    if not rows:
+        return None, rest
+    assert -(-max(seq_lens[i] for i in rows) // inputs.block_size) <= inputs.block_table.shape[1], \
+        "block table narrower than the longest sequence"
+    as_int32 = lambda t: t if t.dtype == torch.int32 else t.to(torch.int32)  # noqa: E731
+    kernel = KernelRows(rows=torch.tensor(rows, dtype=torch.int32), block_table=as_int32(inputs.block_table),
+                        seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),
+                        make_groups=lambda: _row_groups(rows, inputs, query_start))
+    return kernel, rest
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Batched paged attention with torch SDPA: a few calls per layer, whatever the batch."""
+    """Batched paged attention with torch SDPA: a few calls per layer, whatever the batch.
+
+    use_cpu_kernel: None = the C++ kernel for decode-like rows on CPU whenever it builds; False = never.
+    """
 
     name = "torch"
+
+    def __init__(self, use_cpu_kernel: bool | None = None):
+        self.use_cpu_kernel = use_cpu_kernel
+
+    def _kernel_enabled(self, inputs: AttentionInputs) -> bool:
+        return (self.use_cpu_kernel is not False and inputs.block_table.device.type == "cpu"
+                and cpu_kernels.available())
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         query_lens = inputs.query_lens_cpu
         query_start = [0] * len(query_lens)
         for i in range(1, len(query_lens)):
             query_start[i] = query_start[i - 1] + query_lens[i - 1]
-        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-        prefill_rows = [i for i, n in enumerate(query_lens) if n > 1]
-        row_groups = (_decode_buckets(decode_rows, inputs) if decode_rows else [])
-        row_groups += _prefill_groups(prefill_rows, inputs)
+        kernel, rows = None, list(range(len(query_lens)))
+        if self._kernel_enabled(inputs):
+            kernel, rows = _kernel_rows(inputs, query_start)
         return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping.long(),
-                                      groups=[_build_group(inputs, rows, query_start) for rows in row_groups])
+                                      groups=_row_groups(rows, inputs, query_start), kernel=kernel)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
@@ -195,10 +254,21 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-        groups = metadata.groups
-        if len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == q.shape[0]:
+        groups, out = metadata.groups, None
+        kernel = metadata.kernel
+        if kernel is not None:
+            if cpu_kernels.supports(q, kv_cache):
+                out = q.new_empty(q.shape)
+                cpu_kernels.paged_attention(out, q, kv_cache, kernel.block_table, kernel.seq_lens,
+                                            kernel.query_start_loc, kernel.rows, scale)
+                if not groups:
+                    return out
+            else:  # a dtype or layout the kernel does not take: the same rows through torch
+                groups = kernel.fallback_groups() + groups
+        if out is None and len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == q.shape[0]:
             return _attend_group(q, k, v, kv_cache, groups[0], scale)
-        out = q.new_empty(q.shape)
+        if out is None:
+            out = q.new_empty(q.shape)
         for group in groups:
             group_out = _attend_group(q, k, v, kv_cache, group, scale)
             if group.valid_slots is not None:
@@ -208,6 +278,10 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """The attention backend for a device; for now the torch backend everywhere."""
-    del device  # a GPU backend will be chosen here
+    """The attention backend for a device; for now the torch backend everywhere.
+
+    On CPU this builds (or loads) the C++ kernel now, so that the first step does not wait for it.
+    """
+    if torch.device(device).type == "cpu":
+        cpu_kernels.available()
     return TorchAttentionBackend()

@@ -1,0 +1,122 @@
+"""Optional C++ CPU kernels, JIT-built on first use with torch.utils.cpp_extension.
+
+`paged_attention` attends decode-like rows (query_len <= 16) straight from the paged KV cache through
+the block table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP
+over (row, kv head). The build goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3
+and -fopenmp, plus -mavx2 -mfma when the CPU has both. It needs a C++ compiler and ninja; when the
+build or load fails (or LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and
+callers keep their plain torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import re
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_QUERY_LEN = 16  # rows longer than this are not decode-like: the caller's torch path attends them
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention.cpp")
+_NAME = "llmserve_cpu_kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile_flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _build_dir(flags: list[str]) -> str:
+    from llmserve.config import cache_dir
+
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+    tag += "-avx2" if "-mavx2" in flags else ""
+    path = os.path.join(cache_dir(), "torch_extensions", re.sub(r"[^A-Za-z0-9._-]", "_", tag))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _self_test(op) -> None:
+    """A tiny case against plain torch: a miscompiled kernel must not serve."""
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 5, 4, 1, 8, generator=gen)
+    q = torch.randn(3, 2, 8, generator=gen)  # row 0: 1 query over 6 keys; row 1: 2 queries over 3 keys
+    table = torch.tensor([[3, 1], [4, 0]], dtype=torch.int32)
+    out = torch.zeros_like(q)
+    op(out, q, kv, table, torch.tensor([6, 3], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32),
+       torch.tensor([0, 1], dtype=torch.int32), 0.5)
+    keys = [torch.cat([kv[:, 3], kv[:, 1]], dim=1)[:, :6, 0], kv[:, 4, :3, 0]]  # [2, S, 8] each
+    for row, (a, b) in enumerate([(0, 1), (1, 3)]):
+        k, v = keys[row]
+        scores = torch.einsum("qhd,sd->qhs", q[a:b], k) * 0.5
+        visible = torch.arange(k.shape[0])[None, :] <= torch.arange(b - a)[:, None] + k.shape[0] - (b - a)
+        ref = torch.einsum("qhs,sd->qhd", scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1), v)
+        if not torch.allclose(out[a:b], ref, atol=1e-5, rtol=1e-5):
+            raise RuntimeError("self-test mismatch")
+
+
+def _load():
+    if os.environ.get("LLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        logger.info("CPU kernels disabled (LLMSERVE_CPU_KERNELS=0): torch attention path")
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        flags = _compile_flags()
+        cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=_build_dir(flags), is_python_module=False, verbose=False)
+        op = torch.ops.llmserve_cpu.paged_attention
+        _self_test(op)
+    except Exception as e:  # no compiler, no ninja, build or load error: keep the torch path
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        logger.warning("CPU paged-attention kernel unavailable, using the torch path (%s: %s)",
+                       type(e).__name__, first_line)
+        logger.debug("CPU kernel build failure", exc_info=True)
+        return None
+    logger.info("CPU paged-attention kernel loaded (%s)", " ".join(flags))
+    return op
+
+
+@functools.cache
+def _op():
+    """The loaded op, or None: built (or found failing) once per process."""
+    return _load()
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call; False on any failure)."""
+    return _op() is not None
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype
+            and q.dtype in SUPPORTED_DTYPES and kv_cache.is_contiguous() and q.stride(-1) == 1)
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+    """Writes out[t] for every token t of the listed rows: causal attention over the row's cached KV.
+
+    out, q [T, H, D]; kv_cache [2, N, bs, Hkv, D] (already holding this step's K/V); block_table
+    [B, W], seq_lens [B], query_start_loc [B + 1], rows [R]: int32. Rows need 1 <= query_len <= 16.
+    """
+    _op()(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale))

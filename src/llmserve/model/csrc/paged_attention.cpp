@@ -1,0 +1,328 @@
+// Fused paged attention for decode-like rows on CPU (JIT-built by llmserve/model/cpu_kernels.py).
+//
+// For each (row, kv head), in parallel: the row's q query tokens times the G query heads of the kv
+// head (M = q * G query vectors) read the row's keys 0..s-1 once, straight from the paged cache
+// through the block table, with an online softmax in float32. Query j of a row sees keys
+// 0..s-q+j (causal). No K/V copy is made; float32 reads in place, bfloat16/float16 are converted
+// one key chunk at a time.
+//
+// kv_cache [2, N, block_size, Hkv, D] contiguous; q [T, H, D] (last dim contiguous);
+// out [T, H, D] contiguous, written only at the tokens of `rows`; block_table [B, W] int32 (row
+// stride free, last dim contiguous); seq_lens [B] int32; query_start [B + 1] int32; rows [R] int32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int kMaxQueryLen = 16;
+constexpr int kChunk = 32;  // keys scored, then softmaxed, then accumulated at a time
+
+template <typename T>
+inline const float* as_f32(const T* src, float* buf, int n) {
+  for (int i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+template <>
+inline const float* as_f32<float>(const float* src, float*, int) { return src; }
+
+template <typename T>
+inline float to_f32(T x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f32(float x) { return static_cast<T>(x); }
+
+// kD > 0: head_dim known at compile time (lets the compiler unroll and keep vectors in registers).
+template <int kD>
+inline float dot(const float* __restrict a, const float* __restrict b, int d) {
+  const int n = kD > 0 ? kD : d;
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Four dots at once: four independent accumulation chains hide the FMA latency.
+template <int kD>
+inline void dot4(const float* __restrict a, const float* __restrict b0, const float* __restrict b1,
+                 const float* __restrict b2, const float* __restrict b3, int d, float* out) {
+  const int n = kD > 0 ? kD : d;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int i = 0; i < n; ++i) {
+    s0 += a[i] * b0[i];
+    s1 += a[i] * b1[i];
+    s2 += a[i] * b2[i];
+    s3 += a[i] * b3[i];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
+}
+
+// y += a0 x0 + a1 x1 + a2 x2 + a3 x3: one load/store of y per four rows.
+template <int kD>
+inline void axpy4(float* __restrict y, const float* a, const float* __restrict x0, const float* __restrict x1,
+                  const float* __restrict x2, const float* __restrict x3, int d) {
+  const int n = kD > 0 ? kD : d;
+  const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] += a0 * x0[i] + a1 * x1[i] + a2 * x2[i] + a3 * x3[i];
+}
+
+template <int kD>
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int d) {
+  const int n = kD > 0 ? kD : d;
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+template <int kD>
+inline void scale_inplace(float* __restrict y, float a, int d) {
+  const int n = kD > 0 ? kD : d;
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] *= a;
+}
+
+struct Params {
+  const void* q;
+  const void* kv;
+  void* out;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* rows;
+  int64_t q_stride_t, q_stride_h;
+  int64_t bt_stride;
+  int64_t kv_half;  // elements between the K and the V half of the cache
+  int num_items, num_kv_heads, group, head_dim, block_size;
+  int heads_per_item;  // kv heads one work item attends together (all of them when rows are plenty)
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, scores, kbuf, vbuf, max, sum;
+  std::vector<int> valid;
+  Scratch(int m, int d, int heads)
+      : q(m * d), acc(m * d), scores(m * kChunk), kbuf(kChunk * heads * d), vbuf(kChunk * heads * d), max(m),
+        sum(m), valid(m) {}
+};
+
+template <typename T>
+inline void prefetch_token(const T* k, const T* v, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(k) + b, 0, 1);
+    __builtin_prefetch(reinterpret_cast<const char*>(v) + b, 0, 1);
+  }
+}
+
+template <typename T, int kD>
+void attend_item(const Params& p, int item, Scratch& w) {
+  const int d = kD > 0 ? kD : p.head_dim;
+  const int items_per_row = p.num_kv_heads / p.heads_per_item;
+  const int row = p.rows[item / items_per_row];
+  const int kvh0 = (item % items_per_row) * p.heads_per_item;  // first kv head of the item
+  const int first_token = p.query_start[row];
+  const int q_len = p.query_start[row + 1] - first_token;
+  const int seq_len = p.seq_lens[row];
+  const int g = p.group;
+  const int hg = p.heads_per_item * g;  // query heads of the item: kvh0 * g .. kvh0 * g + hg - 1
+  const int m_count = q_len * hg;  // query vector m: token m / hg, head kvh0 * g + m % hg, kv head .. / g
+  const int span = p.heads_per_item * d;  // the item's contiguous part of one token's K (or V)
+  const T* q = static_cast<const T*>(p.q);
+  const T* kcache = static_cast<const T*>(p.kv);
+  const T* vcache = kcache + p.kv_half;
+  const int32_t* table = p.block_table + static_cast<int64_t>(row) * p.bt_stride;
+  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * d;
+  const int64_t block_stride = token_stride * p.block_size;
+
+  for (int m = 0; m < m_count; ++m) {
+    const T* src = q + (first_token + m / hg) * p.q_stride_t + (kvh0 * g + m % hg) * p.q_stride_h;
+    float* dst = w.q.data() + m * d;
+    for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * p.scale;
+    std::fill(w.acc.data() + m * d, w.acc.data() + (m + 1) * d, 0.f);
+    w.max[m] = -std::numeric_limits<float>::infinity();
+    w.sum[m] = 0.f;
+  }
+  auto token_offset = [&](int t) {
+    return static_cast<int64_t>(table[t / p.block_size]) * block_stride + (t % p.block_size) * token_stride +
+           static_cast<int64_t>(kvh0) * d;
+  };
+  const float* kp[kChunk];  // the chunk's keys (values): span floats each, kv head kvh0 first
+  const float* vp[kChunk];
+  for (int c0 = 0; c0 < seq_len; c0 += kChunk) {
+    const int cn = std::min(kChunk, seq_len - c0);
+    for (int c = 0; c < cn; ++c) {
+      const int64_t off = token_offset(c0 + c);
+      kp[c] = as_f32<T>(kcache + off, w.kbuf.data() + c * span, span);
+      vp[c] = as_f32<T>(vcache + off, w.vbuf.data() + c * span, span);
+    }
+    for (int t = c0 + kChunk; t < std::min(seq_len, c0 + 2 * kChunk); ++t) {  // the next chunk, while computing
+      const int64_t off = token_offset(t);
+      prefetch_token(kcache + off, vcache + off, static_cast<int64_t>(span) * sizeof(T));
+    }
+    for (int m = 0; m < m_count; ++m) {
+      // keys this query sees in the chunk: t <= seq_len - q_len + j
+      const int nv = std::min(cn, seq_len - q_len + m / hg - c0 + 1);
+      w.valid[m] = nv;
+      if (nv <= 0) continue;
+      const float* qm = w.q.data() + m * d;
+      const int head_off = (m % hg) / g * d;
+      float* sc = w.scores.data() + m * kChunk;
+      float cmax = -std::numeric_limits<float>::infinity();
+      int c = 0;
+      for (; c + 4 <= nv; c += 4) {
+        dot4<kD>(qm, kp[c] + head_off, kp[c + 1] + head_off, kp[c + 2] + head_off, kp[c + 3] + head_off, d, sc + c);
+      }
+      for (; c < nv; ++c) sc[c] = dot<kD>(qm, kp[c] + head_off, d);
+      for (c = 0; c < nv; ++c) cmax = std::max(cmax, sc[c]);
+      const float new_max = std::max(w.max[m], cmax);
+      if (new_max > w.max[m]) {
+        const float corr = std::exp(w.max[m] - new_max);  // 0 on the first chunk
+        w.sum[m] *= corr;
+        scale_inplace<kD>(w.acc.data() + m * d, corr, d);
+        w.max[m] = new_max;
+      }
+      float s = 0.f;
+      for (c = 0; c < nv; ++c) {
+        sc[c] = std::exp(sc[c] - new_max);
+        s += sc[c];
+      }
+      w.sum[m] += s;
+    }
+    for (int m = 0; m < m_count; ++m) {
+      float* am = w.acc.data() + m * d;
+      const float* sc = w.scores.data() + m * kChunk;
+      const int head_off = (m % hg) / g * d;
+      const int nv = w.valid[m];
+      int c = 0;
+      for (; c + 4 <= nv; c += 4) {
+        axpy4<kD>(am, sc + c, vp[c] + head_off, vp[c + 1] + head_off, vp[c + 2] + head_off, vp[c + 3] + head_off, d);
+      }
+      for (; c < nv; ++c) axpy<kD>(am, sc[c], vp[c] + head_off, d);
+    }
+  }
+  T* out = static_cast<T*>(p.out);
+  const int num_heads = p.num_kv_heads * g;
+  for (int m = 0; m < m_count; ++m) {
+    T* dst = out + (static_cast<int64_t>(first_token + m / hg) * num_heads + kvh0 * g + m % hg) * d;
+    const float inv = 1.f / w.sum[m];
+    const float* am = w.acc.data() + m * d;
+    for (int i = 0; i < d; ++i) dst[i] = from_f32<T>(am[i] * inv);
+  }
+}
+
+template <typename T, int kD>
+void run(const Params& p, int max_m) {
+  int num_threads = std::max(1, std::min<int>(at::get_num_threads(), p.num_items));
+  if (at::in_parallel_region()) num_threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+#endif
+  {
+    Scratch w(max_m, p.head_dim, p.heads_per_item);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int item = 0; item < p.num_items; ++item) attend_item<T, kD>(p, item, w);
+  }
+}
+
+template <typename T>
+void dispatch_dim(const Params& p, int max_m) {
+  switch (p.head_dim) {
+    case 64: return run<T, 64>(p, max_m);
+    case 128: return run<T, 128>(p, max_m);
+    default: return run<T, 0>(p, max_m);
+  }
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& rows,
+                     double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_attention: kv_cache must be a contiguous [2, N, bs, Hkv, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_attention: out must be contiguous like q");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "paged_attention: q, out and kv_cache must share a dtype");
+  for (const at::Tensor* t : {&block_table, &seq_lens, &query_start, &rows}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), "paged_attention: int32 CPU metadata");
+  }
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1, "paged_attention: block_table [B, W]");
+  TORCH_CHECK(seq_lens.is_contiguous() && query_start.is_contiguous() && rows.is_contiguous(),
+              "paged_attention: contiguous seq_lens, query_start, rows");
+  const int num_kv_heads = kv_cache.size(3);
+  const int head_dim = kv_cache.size(4);
+  TORCH_CHECK(q.size(2) == head_dim && q.size(1) % num_kv_heads == 0, "paged_attention: q heads/head_dim mismatch");
+  Params p;
+  p.q = q.data_ptr();
+  p.kv = kv_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start = query_start.data_ptr<int32_t>();
+  p.rows = rows.data_ptr<int32_t>();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.bt_stride = block_table.stride(0);
+  p.kv_half = kv_cache.stride(0);
+  p.num_kv_heads = num_kv_heads;
+  p.group = q.size(1) / num_kv_heads;
+  p.head_dim = head_dim;
+  p.block_size = kv_cache.size(2);
+  // All kv heads of a row in one item (each token's K/V read as one contiguous span) when rows are plenty
+  // for the threads; one kv head per item otherwise.
+  const int64_t num_threads = std::max(1, at::get_num_threads());
+  p.heads_per_item = rows.numel() >= 4 * num_threads ? num_kv_heads : 1;
+  p.num_items = rows.numel() * (num_kv_heads / p.heads_per_item);
+  p.scale = static_cast<float>(scale);
+  if (p.num_items == 0) return;
+  // Validate what the kernel will index (O(rows + blocks read), cheap next to the attention itself).
+  const int64_t num_rows = seq_lens.numel(), num_tokens = q.size(0), num_blocks = kv_cache.size(1);
+  TORCH_CHECK(query_start.numel() == num_rows + 1 && block_table.size(0) == num_rows, "paged_attention: B mismatch");
+  int max_query_len = 1;
+  for (int64_t r = 0; r < rows.numel(); ++r) {
+    const int row = p.rows[r];
+    TORCH_CHECK(row >= 0 && row < num_rows, "paged_attention: row index out of range");
+    const int start = p.query_start[row], q_len = p.query_start[row + 1] - start, seq_len = p.seq_lens[row];
+    TORCH_CHECK(q_len >= 1 && q_len <= kMaxQueryLen && start >= 0 && start + q_len <= num_tokens,
+                "paged_attention: query_len must be 1..16 and within q");
+    TORCH_CHECK(seq_len >= q_len && (seq_len + p.block_size - 1) / p.block_size <= block_table.size(1),
+                "paged_attention: seq_len shorter than query_len or past the block table");
+    const int32_t* table = p.block_table + row * p.bt_stride;
+    for (int b = 0; b < (seq_len + p.block_size - 1) / p.block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_attention: block id out of range");
+    }
+    max_query_len = std::max(max_query_len, q_len);
+  }
+  const int max_m = max_query_len * p.group * p.heads_per_item;
+  switch (q.scalar_type()) {
+    case at::kFloat: return dispatch_dim<float>(p, max_m);
+    case at::kBFloat16: return dispatch_dim<c10::BFloat16>(p, max_m);
+    case at::kHalf: return dispatch_dim<c10::Half>(p, max_m);
+    default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmserve_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor query_start, Tensor rows, float scale) -> ()",
+        &paged_attention);
+}
