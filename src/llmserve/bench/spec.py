@@ -79,7 +79,10 @@ def _workload(cfg: SpecBenchConfig, vocab_size: int, num: int, repeating: bool) 
 
 
 def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> dict:
-    kwargs = {"dtype": "float32", "max_model_len": cfg.prompt_len + cfg.output_len + 64, "max_num_seqs": 256}
+    """One engine per configuration, all alive at once: a KV cache just large enough for the top level."""
+    max_model_len = cfg.prompt_len + cfg.output_len + 64
+    num_blocks = max(int(c) for c in cfg.concurrency.split(",")) * (-(-max_model_len // 16)) + 16
+    kwargs = {"dtype": "float32", "max_model_len": max_model_len, "max_num_seqs": 256, "num_kv_blocks": num_blocks}
     if name == "none":
         return kwargs
     kwargs["num_speculative_tokens"] = cfg.num_speculative_tokens

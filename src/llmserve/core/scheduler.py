@@ -292,7 +292,8 @@ class Scheduler:
         queries, hits = self.kv.take_prefix_stats()
         num_preemptions, self.num_preemptions = self.num_preemptions, 0
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting) + self._num_held(),
-                              kv_cache_usage=self.kv.usage(), prefix_cache_queries=queries,
+                              kv_cache_usage=self.kv.usage(), num_kv_blocks=self.kv.pool.num_usable_blocks,
+                              num_free_kv_blocks=self.kv.pool.get_num_free_blocks(), prefix_cache_queries=queries,
                               prefix_cache_hits=hits, num_preemptions=num_preemptions,
                               num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
                               num_prompt_tokens=self.num_step_prompt_tokens, num_generation_tokens=num_generated,

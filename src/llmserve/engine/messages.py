@@ -67,6 +67,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_kv_blocks: int = 0  # usable blocks
+    num_free_kv_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0  # this step

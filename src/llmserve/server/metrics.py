@@ -142,6 +142,9 @@ class ServerMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        if stats.num_kv_blocks:  # also refreshed at scrape time, which fails while a step runs long
+            self.num_blocks.set(stats.num_kv_blocks)
+            self.num_free_blocks.set(stats.num_free_kv_blocks)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         self.preemptions.inc(stats.num_preemptions)
