@@ -35,9 +35,9 @@ def metric_rows(m: LevelMetrics) -> list[tuple[str, float | None]]:
 def format_level(result: BenchResult, level: Level) -> str:
     runs = [result.run(t.label, level) for t in result.servers]
     labels = [r.server for r in runs]
-    head = [f"{'':<{_WIDTH}}" + "".join(f"{lb:>14}" for lb in labels)]
+    head = [f"{'':<{_WIDTH}}" + "".join(f" {lb[-13:]:>13}" for lb in labels)]  # a space apart, however long
     if len(runs) == 2:
-        head[0] += f"{labels[1] + '/' + labels[0]:>16}"
+        head[0] += f" {'ratio B/A':>15}"
     columns = [metric_rows(r.metrics) for r in runs]
     lines = [_row(name, [col[i][1] for col in columns]) for i, (name, _) in enumerate(columns[0])]
     errors = [f"{r.server}: " + ", ".join(f"{k}={v}" for k, v in r.metrics.errors.items()) for r in runs if r.metrics.errors]
