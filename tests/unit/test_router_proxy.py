@@ -185,6 +185,7 @@ async def test_bad_requests_and_info_routes():
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
         assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == ["m", "big", "auto"]
         assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/v1/completions")).status_code == 405
         assert b"llmserve_router:requests_in_flight" in (await client.get("/metrics")).content
 
 

@@ -14,7 +14,7 @@ from llmserve.router.app import build_app
 from llmserve.router.classifier import AutoRouteConfig
 from llmserve.router.config import AutoscaleConfig, BackendSpec, PoolSpec, RouterConfig, RouterSetup
 from llmserve.router.gateway import Gateway
-from llmserve.router.upstream import Origin, UpstreamPool, request_bytes
+from llmserve.router.upstream import HIGH_WATER, Origin, _Connection, request_bytes
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-backend-header: yes\r\ntransfer-encoding: chunked\r\n\r\n"
 EVENTS = (b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n")
@@ -178,6 +178,26 @@ async def test_connect_error_and_timeout_retried_on_another_backend():
 
 
 @sync
+async def test_read_timeout_is_between_bytes_not_for_the_whole_stream():
+    async def steady(seen, writer, reader) -> bool:
+        writer.write(SSE_HEAD)
+        for event in EVENTS:
+            await asyncio.sleep(0.12)
+            writer.write(chunk(event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    fake = FakeBackend(steady)
+    url = await fake.start()
+    gw = make_gateway([url], upstream_timeout_s=0.2)  # the stream takes 0.36 s, no gap reaches 0.2 s
+    r = await call(gw, b'{"model": "m", "prompt": "hi", "stream": true}')
+    assert r.content == b"".join(EVENTS) and backend(gw, url).health.num_consecutive_failures == 0
+    await gw.close()
+    fake.close()
+
+
+@sync
 async def test_cut_stream_ends_with_sse_error_event():
     async def cut(seen, writer, reader) -> bool:
         writer.write(SSE_HEAD + chunk(EVENTS[0]) + chunk(b'data: {"choi'))
@@ -228,3 +248,49 @@ async def test_client_disconnect_closes_the_upstream_connection():
     assert messages[2]["body"] == EVENTS[0] and backend(gw, url).num_in_flight == 0
     await gw.close()
     fake.close()
+
+
+class FakeTransport:
+    def __init__(self):
+        self.calls = []
+
+    def pause_reading(self):
+        self.calls.append("pause")
+
+    def resume_reading(self):
+        self.calls.append("resume")
+
+    def abort(self):
+        self.calls.append("abort")
+
+
+def connection(data: bytes = b""):
+    conn, transport = _Connection(), FakeTransport()
+    conn.connection_made(transport)
+    if data:
+        conn.data_received(data)
+    return conn, transport
+
+
+@sync
+async def test_slow_client_pauses_reading_above_the_high_water_mark():
+    conn, transport = connection(SSE_HEAD)
+    part = b"x" * (HIGH_WATER // 4)
+    for _ in range(5):
+        conn.data_received(chunk(part))
+    assert transport.calls == ["pause"] and conn.num_buffered == 5 * len(part)
+    assert conn.take() == part * 5 and transport.calls == ["pause", "resume"]
+
+
+@sync
+async def test_body_until_eof_malformed_response_and_keep_alive():
+    conn, _ = connection(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nsome body")
+    conn.connection_lost(None)
+    assert conn.complete and conn.error is None and conn.take() == b"some body" and not conn.is_reusable
+    conn, transport = connection(b"NOT HTTP\r\n\r\n")
+    assert conn.error is not None and "malformed" in str(conn.error) and transport.calls == ["abort"]
+    conn, _ = connection(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    assert conn.complete and conn.is_reusable and conn.headers == [(b"content-length", b"2")]
+    conn, _ = connection(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nok")
+    conn.connection_lost(None)
+    assert conn.error is not None and not conn.complete  # cut short

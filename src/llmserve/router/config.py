@@ -15,6 +15,7 @@ from llmserve.router.classifier import AutoRouteConfig, DifficultyRule
 from llmserve.router.policies import POLICY_NAMES
 from llmserve.router.ratelimit import RateLimit
 from llmserve.router.requests import PrefixConfig
+from llmserve.router.upstream import Origin
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class AutoscaleConfig:
 class BackendSpec:
     url: str
     api_key: str | None = None  # sent upstream as Bearer (default: the client's Authorization header)
+
+    def __post_init__(self) -> None:
+        Origin.parse(self.url)  # a bad URL fails at startup (ValueError), not per request
 
 
 @dataclass(frozen=True)

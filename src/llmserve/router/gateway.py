@@ -61,6 +61,7 @@ class Gateway:
 
     def remove_backend(self, pool: Pool, backend: Backend) -> None:
         pool.remove(backend)
+        self.upstream.forget(backend.url)
         for gauge in (self.metrics.healthy, self.metrics.in_flight):
             try:
                 gauge.remove(pool.name, backend.url)

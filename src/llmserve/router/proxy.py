@@ -212,6 +212,8 @@ async def _pump(gw: Gateway, pool: Pool, backend: Backend, upstream: Response, s
     last = b"\n\n"
     try:
         while chunk := await upstream.read():
+            if upstream.is_complete:
+                return chunk  # the end arrived with these bytes: sent with the end of the response, one write
             last = chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except UpstreamError as e:

@@ -46,7 +46,7 @@ def _http_impl() -> str:
 def _uvicorn_config(app, setup: RouterSetup) -> uvicorn.Config:
     # The event loop is the one run_service made (uvloop when installed); uvicorn's `loop` is not used.
     return uvicorn.Config(app, log_level=setup.router.log_level, access_log=False, backlog=4096, lifespan="off",
-                          http=_http_impl(), ws="none", timeout_graceful_shutdown=5)
+                          http=_http_impl(), ws="none", proxy_headers=False, timeout_graceful_shutdown=5)
 
 
 async def serve(setup: RouterSetup) -> int:

@@ -83,7 +83,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.is_closed = False
         self.idle_since = 0.0
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None  # result: True when the read timeout passed
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_since = 0.0
         self.begin()
 
     def begin(self) -> None:
@@ -99,13 +101,14 @@ class _Connection(asyncio.Protocol):
     # ---- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self.error = UpstreamDisconnected(f"malformed response: {e}")
+        except Exception as e:  # noqa: BLE001 - HttpParserError, HttpParserUpgrade: not a response we relay
+            self.error = UpstreamDisconnected(f"malformed response: {type(e).__name__}: {e}")
             self.abort()
         self._wake()
 
@@ -114,6 +117,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.is_closed = True
+        self.stop_timer()
         if self.head_done and self.eof_ends_body and not self.complete:
             self.complete = True  # a body delimited by the end of the connection
         elif not self.complete and self.error is None:
@@ -154,18 +158,35 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self, timeout: float) -> None:
         """Until something happens on the connection; UpstreamTimeout (and the connection closed) after
-        `timeout` seconds of silence."""
-        loop = asyncio.get_running_loop()
+        `timeout` seconds of silence. One timer per connection, re-armed only when it fires (not one per
+        wait: a relayed stream waits once per chunk)."""
+        loop = self.loop
+        self._waiting_since = loop.time()
+        if self._timer is None:
+            self._timer = loop.call_at(self._waiting_since + timeout, self._check_timeout, timeout)
         self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(timeout, _expire, waiter)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
         if waiter.result():
             self.abort()
             raise UpstreamTimeout(f"no byte from the backend in {timeout:g} s")
+
+    def _check_timeout(self, timeout: float) -> None:
+        self._timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # not waiting now: the next wait arms the timer again
+        remaining = self._waiting_since + timeout - self.loop.time()
+        if remaining <= 0:
+            self._waiter.set_result(True)
+        else:
+            self._timer = self.loop.call_later(remaining, self._check_timeout, timeout)
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -173,17 +194,13 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         self.is_closed = True
+        self.stop_timer()
         if self.transport is not None:
             self.transport.abort()
 
     @property
     def is_reusable(self) -> bool:
         return self.complete and self.keep_alive and self.error is None and not self.is_closed
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(True)
 
 
 class UpstreamResponse:
@@ -197,6 +214,11 @@ class UpstreamResponse:
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for n, v in self.headers if n == name), None)
+
+    @property
+    def is_complete(self) -> bool:
+        """The whole body has been read."""
+        return self._conn.complete and not self._conn.chunks
 
     async def read(self) -> bytes:
         """The body bytes that arrived since the last read (waiting for some); b"" once it is complete."""
@@ -295,8 +317,15 @@ class UpstreamPool:
         if not conn.is_reusable:
             conn.abort()
             return
+        conn.stop_timer()
         conn.idle_since = time.monotonic()
         self._idle.setdefault(origin, []).append(conn)
+
+    def forget(self, url: str) -> None:
+        """Close the idle connections to a backend that left."""
+        origin = self._origins.pop(url, None)
+        for conn in self._idle.pop(origin, ()) if origin else ():
+            conn.abort()
 
     def num_idle(self, url: str) -> int:
         origin = self._origins.get(url)
@@ -315,6 +344,8 @@ class Response(Protocol):
     status: int
     headers: list[Header]  # names lower-case
 
+    is_complete: bool  # the whole body has been read (may stay False until read() returns b"")
+
     def header(self, name: bytes) -> bytes | None: ...
 
     async def read(self) -> bytes: ...
@@ -328,5 +359,7 @@ class Upstream(Protocol):
     """Sends a POST to a backend and returns once the response head arrived (raises UpstreamError)."""
 
     async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header]) -> Response: ...
+
+    def forget(self, url: str) -> None: ...
 
     async def aclose(self) -> None: ...

@@ -27,6 +27,7 @@ class HttpxResponse:
         self.status = response.status_code
         self.headers: list[Header] = [(name.lower(), value) for name, value in response.headers.raw]
         self._chunks: AsyncIterator[bytes] = response.aiter_raw()
+        self.is_complete = False  # known only once read() returned b""
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for n, v in self.headers if n == name), None)
@@ -58,6 +59,9 @@ class HttpxUpstream:
             return HttpxResponse(await self.client.send(request, stream=True))
         except httpx.TransportError as e:
             raise _upstream_error(e) from e
+
+    def forget(self, url: str) -> None:
+        pass  # httpx closes idle connections itself
 
     async def aclose(self) -> None:
         pass  # the client belongs to the caller (the Gateway closes it)
