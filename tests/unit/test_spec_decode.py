@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.bench.spec import SpecCounter
 from llmserve.model.draft_maker import derive_draft
 from llmserve.model.maker import make_model
 
@@ -33,23 +34,6 @@ def _prompts(num: int, seed: int) -> list[list[int]]:
         span = [rng.randrange(3, 500) for _ in range(rng.randint(3, 20))]
         prompts.append(span * 3 if i % 2 == 0 else span + [rng.randrange(3, 500) for _ in range(30)])
     return prompts
-
-
-class SpecCounts:
-    """Sums the engine's per-step speculative-decoding stats."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.num_draft_tokens = self.num_accepted = 0
-        step = llm.engine.step
-
-        def counting_step():
-            out = step()
-            if out.stats is not None and out.stats.spec is not None:
-                self.num_draft_tokens += out.stats.spec.num_draft_tokens
-                self.num_accepted += out.stats.spec.num_accepted_tokens
-            return out
-
-        llm.engine.step = counting_step
 
 
 def _spec_llm(target: str, draft: str, kind: str, **kwargs) -> LLM:
@@ -91,7 +75,7 @@ def test_greedy_identical_with_preemption_prefix_hits_and_n2(target, draft, plai
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
     want = _tokens(plain, prompts, params)
     llm = _spec_llm(target, draft, kind, num_kv_blocks=24, max_num_batched_tokens=64, speculative_max_batch=16)
-    counts = SpecCounts(llm)
+    counts = SpecCounter(llm)
     got = _tokens(llm, prompts, params)
     assert llm.num_preemptions > 0, "the small pool was meant to force preemption"
     assert counts.num_accepted > 0 and counts.num_accepted < counts.num_draft_tokens
@@ -101,7 +85,7 @@ def test_greedy_identical_with_preemption_prefix_hits_and_n2(target, draft, plai
 
 def test_target_as_its_own_draft_accepts_everything(target, plain):
     llm = _spec_llm(target, target, "draft", num_kv_blocks=200)
-    counts = SpecCounts(llm)
+    counts = SpecCounter(llm)
     prompts = _prompts(4, seed=5)
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)):
@@ -113,7 +97,7 @@ def test_target_as_its_own_draft_accepts_everything(target, plain):
 def test_seeded_sampling_with_ngram_equals_plain_sampling(target, plain):
     """Point-mass drafts are verified against the sample the target draws anyway: same tokens."""
     llm = _spec_llm(target, None, "ngram", num_kv_blocks=200)
-    counts = SpecCounts(llm)
+    counts = SpecCounter(llm)
     prompts = _prompts(6, seed=7)
     params = SamplingParams(temperature=0.2, top_p=0.9, max_tokens=30, ignore_eos=True, seed=11,
                             repetition_penalty=1.1, min_tokens=5)
@@ -150,7 +134,7 @@ def test_aborts_during_speculation_free_every_block(target, draft, kind):
 
 def test_opt_out_requests_get_no_drafts_and_logprobs_match(target, plain):
     llm = _spec_llm(target, None, "ngram", num_kv_blocks=200)
-    counts = SpecCounts(llm)
+    counts = SpecCounter(llm)
     prompts = _prompts(4, seed=15)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative=False))
     assert counts.num_draft_tokens == 0
@@ -177,7 +161,7 @@ def test_sampled_tokens_through_a_draft_model_follow_the_targets_distribution(ta
     prompt = _prompts(1, seed=17)[0]
     params = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, ignore_eos=True)
     llm = _spec_llm(target, draft, "draft", num_kv_blocks=2000, max_num_seqs=256, speculative_max_batch=1000)
-    counts = SpecCounts(llm)
+    counts = SpecCounter(llm)
     samples = [o.outputs[0].token_ids[:2] for o in llm.generate([prompt] * 1500, params)]
     assert counts.num_draft_tokens >= 1500 and 0 < counts.num_accepted < counts.num_draft_tokens
     by_first: dict[int, list[int]] = {}

@@ -108,7 +108,9 @@ def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str]) -> dict[st
     return drafts
 
 
-class _Counter:
+class SpecCounter:
+    """Sums an in-process engine's per-step speculative-decoding stats (wraps its step)."""
+
     def __init__(self, llm) -> None:
         self.num_draft_tokens = self.num_accepted = self.num_drafts = 0
         step = llm.engine.step
@@ -132,7 +134,7 @@ def _build(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str],
         runner = llm.engine.runner
         runner.proposer = OracleDraft(runner.proposer, reference, float(name.split("=")[1]), runner.vocab_size,
                                       cfg.seed)
-    return llm, _Counter(llm)
+    return llm, SpecCounter(llm)
 
 
 def _timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:

@@ -63,7 +63,7 @@ def _rejection(sampler: Sampler, target_probs: torch.Tensor, target_tokens: list
     for row_drafts, row_q in zip(drafts, draft_probs):
         k = len(row_drafts)
         draft_ids[start:start + k] = torch.tensor(row_drafts, dtype=torch.int64)
-        if row_q is not None and not rows[start].params.temperature == 0.0:
+        if row_q is not None and rows[start].params.temperature != 0.0:
             q[start:start + k] = row_q[:k]
             uses_q[start:start + k] = True
         start += k + 1
