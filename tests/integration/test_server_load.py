@@ -14,6 +14,7 @@ from llmserve.server.testing import metric_value, start_tiny_server
 
 NUM_STREAMS = 200
 MAX_TOKENS = 32
+CANCELLED_MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,9 @@ def aborted(text: str) -> float:
 async def one_stream(http: httpx.AsyncClient, i: int) -> tuple[str, int]:
     """Even i: read to the end. i % 4 == 1: leave after the role chunk (most are queued then).
     i % 4 == 3: leave after 3 content chunks (decoding)."""
-    body = {"messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": MAX_TOKENS,
+    # Streams that leave ask for many more tokens, so none can finish before its abort reaches the engine.
+    max_tokens = MAX_TOKENS if i % 2 == 0 else CANCELLED_MAX_TOKENS
+    body = {"messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True}
     num_content, finish = 0, None
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
