@@ -35,6 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.offline import add_bench_offline_parser
+    from llmserve.bench.roofline import add_bench_roofline_parser
     from llmserve.bench.serve import add_bench_serve_parser
     from llmserve.bench.spec import add_bench_spec_parser
     from llmserve.model.maker import add_make_model_parser
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_parser(bench)
     add_bench_offline_parser(bench)
     add_bench_spec_parser(bench)
+    add_bench_roofline_parser(bench)
     return parser
 
 

@@ -18,6 +18,9 @@ class ModelConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler for unseeded requests"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch + C++ kernel on CPU) | torch | triton", "choices": ["auto", "torch", "triton"]})
+    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
+    max_graph_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a CUDA graph"})
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from llmserve.model.attn_torch import TorchAttentionBackend, select_attention_backend
+from llmserve.model.attention import select_attention_backend
+from llmserve.model.attn_torch import TorchAttentionBackend
 from llmserve.model.testing import PagedBatchBuilder
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 16, 8, 2048
@@ -81,3 +82,13 @@ def test_backend_matches_reference_on_random_batches(seed):
 
 def test_select_attention_backend_is_torch_on_cpu():
     assert isinstance(select_attention_backend(torch.device("cpu")), TorchAttentionBackend)
+
+
+def test_select_attention_backend_by_name():
+    pytest.importorskip("triton")
+    from llmserve.model.attn_triton import TritonAttentionBackend
+
+    assert isinstance(select_attention_backend(torch.device("cpu"), "triton"), TritonAttentionBackend)
+    assert isinstance(select_attention_backend(torch.device("cpu"), "torch"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_attention_backend(torch.device("cpu"), "flash")

@@ -16,11 +16,13 @@ from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from llmserve.model.attn_torch import select_attention_backend
+from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_dtype, resolve_model_path
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.ngram import NgramProposer
-from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
+from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -51,13 +53,14 @@ class EngineCore:
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
         model = load_model(path, self.dtype, self.device, self.model_info.max_model_len)
         self.draft_info, draft_model = self._load_draft()
-        self.num_blocks = self._num_blocks(model, draft_model)
+        attn_backend = select_attention_backend(self.device, config.model.attention_backend)
+        self.num_blocks = self._num_blocks(model, attn_backend)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        self.model_info.num_layers, self.dtype, self.device)
-        attn_backend = select_attention_backend(self.device)
         proposer = self._proposer(attn_backend, draft_model)
+        graphs = self._decode_graphs(model, attn_backend, kv_caches)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size,
-                                  self.model_info.vocab_size, self.device, config.model.seed, proposer)
+                                  self.model_info.vocab_size, self.device, config.model.seed, proposer, graphs)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative)
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", name, self.device, self.dtype,
@@ -87,15 +90,32 @@ class EngineCore:
         return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                   self.model_info.max_model_len, self.device, self.config.model.seed)
 
-    def _num_blocks(self, model: torch.nn.Module, draft_model: torch.nn.Module | None) -> int:
+    def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
         """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        block_bytes = 0
+        cache, block_bytes, budget = self.config.cache, 0, None
         for info in (self.model_info, self.draft_info):
             if info is not None:
-                block_bytes += bytes_per_block(info.num_layers, self.config.cache.block_size, info.num_kv_heads,
+                block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads,
                                                info.head_dim, self.dtype)
-        return num_kv_blocks(self.config.cache, self.device, block_bytes, weight_bytes, self.model_info.max_model_len)
+        if needs_gpu_profile(cache, self.device):
+            sched = self.config.scheduler
+            profile = profile_forward(model, attn_backend, model.kv_cache_shape(1, cache.block_size),
+                                      self.model_info.num_layers, self.dtype, self.device,
+                                      min(sched.max_num_batched_tokens, self.model_info.max_model_len),
+                                      sched.max_num_seqs)
+            budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
+        return num_kv_blocks(cache, block_bytes, self.model_info.max_model_len, budget)
+
+    def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
+        """CUDA graphs of decode batches, captured now (CUDA with the Triton backend, unless --enforce-eager)."""
+        cfg = self.config.model
+        if self.device.type != "cuda" or cfg.enforce_eager or getattr(attn_backend, "name", "") != "triton":
+            return None
+        max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
+        graphs = DecodeGraphs(model, attn_backend, kv_caches, min(cfg.max_graph_batch, self.config.scheduler.max_num_seqs),
+                              max_blocks, self.device)
+        graphs.capture()
+        return graphs
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.model_info.max_model_len))

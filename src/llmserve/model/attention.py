@@ -46,3 +46,32 @@ class AttentionBackend(ABC):
         Stores k/v at the step's slot mapping, then computes causal attention of each new token
         over its request's previous tokens (from the cache) and the new ones.
         """
+
+
+def select_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    """The backend for a device: 'auto' = Triton on CUDA (torch when Triton is missing), torch on CPU.
+
+    'triton' off CUDA runs the kernel through Triton's interpreter (TRITON_INTERPRET=1): for tests only.
+    On CPU the torch backend builds (or loads) its C++ kernel now, so that the first step does not wait.
+    """
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    is_cuda = torch.device(device).type == "cuda"
+    if name == "triton" or (name == "auto" and is_cuda and _has_triton()):
+        from llmserve.model.attn_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from llmserve.model import cpu_kernels
+    from llmserve.model.attn_torch import TorchAttentionBackend
+
+    if not is_cuda:
+        cpu_kernels.available()
+    return TorchAttentionBackend()
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

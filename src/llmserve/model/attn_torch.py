@@ -275,13 +275,3 @@ class TorchAttentionBackend(AttentionBackend):
                 group_out = group_out.index_select(0, group.valid_slots)
             out.index_copy_(0, group.valid_tokens, group_out)
         return out
-
-
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """The attention backend for a device; for now the torch backend everywhere.
-
-    On CPU this builds (or loads) the C++ kernel now, so that the first step does not wait for it.
-    """
-    if torch.device(device).type == "cpu":
-        cpu_kernels.available()
-    return TorchAttentionBackend()

@@ -23,24 +23,27 @@ def available_cpu_memory() -> int:
     return 4 * 2**30
 
 
-def kv_cache_budget(cache: CacheConfig, device: torch.device, weight_bytes: int) -> int:
-    """Bytes for the KV cache: --kv-cache-memory, else a share of free device memory."""
+def kv_cache_budget(cache: CacheConfig) -> int:
+    """Bytes for the KV cache: --kv-cache-memory, else a share of available RAM (a GPU's budget comes from
+    worker.gpu_profile)."""
     if cache.kv_cache_memory is not None:
         return parse_bytes(cache.kv_cache_memory)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        return max(0, int(total * cache.gpu_memory_utilization) - used - int(0.05 * total))
     return min(int(available_cpu_memory() * DEFAULT_CPU_FRACTION), DEFAULT_CPU_CAP)
 
 
-def num_kv_blocks(cache: CacheConfig, device: torch.device, block_bytes: int, weight_bytes: int,
-                  max_model_len: int) -> int:
-    """Blocks that fit the budget (plus the null block); at least one full-length sequence must fit."""
+def needs_gpu_profile(cache: CacheConfig, device: torch.device) -> bool:
+    """A CUDA cache without an explicit size is sized from a profiling forward."""
+    return device.type == "cuda" and cache.kv_cache_memory is None and cache.num_kv_blocks is None
+
+
+def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, budget: int | None = None) -> int:
+    """Blocks that fit the budget (plus the null block); at least one full-length sequence must fit.
+
+    budget: bytes measured on a GPU; None = --num-kv-blocks, --kv-cache-memory or the CPU default."""
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
-        num_blocks = kv_cache_budget(cache, device, weight_bytes) // block_bytes
+        num_blocks = (kv_cache_budget(cache) if budget is None else budget) // block_bytes
     num_needed = -(-max_model_len // cache.block_size) + 1
     if num_blocks < num_needed:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than one "

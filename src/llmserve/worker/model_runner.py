@@ -17,6 +17,7 @@ from llmserve.model.attention import AttentionBackend
 from llmserve.sample.metadata import build_sampling_metadata
 from llmserve.sample.sampler import Sampler
 from llmserve.spec.proposer import Proposer
+from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs
 from llmserve.worker.seeds import position_seed
 from llmserve.worker.spec_verify import verify
@@ -36,7 +37,7 @@ class StepTimes:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, Hkv, D]
@@ -45,6 +46,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.proposer = proposer
+        self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
         self.states: dict[str, CachedRequestState] = {}
         self.times = StepTimes()
 
@@ -57,7 +59,7 @@ class ModelRunner:
         inputs = prepare_inputs(states, list(sched_out.num_scheduled_tokens.values()), self.block_size,
                                 self.device, drafts if sched_out.scheduled_spec_tokens else None)
         t1 = time.perf_counter()
-        logits = self._forward(inputs)  # [N, V]
+        logits = self._forward(inputs, bool(sched_out.scheduled_spec_tokens))  # [N, V]
         t2 = time.perf_counter()
         rows = [states[i] for i in inputs.sample_rows]
         if sched_out.scheduled_spec_tokens:
@@ -103,9 +105,12 @@ class ModelRunner:
             stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens)
 
     @torch.inference_mode()
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        metadata = self.attn_backend.build_metadata(inputs.attn)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
+    def _forward(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs, has_drafts):
+            hidden = self.graphs.run(inputs)  # [B, hidden]
+        else:
+            metadata = self.attn_backend.build_metadata(inputs.attn)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()

@@ -1,0 +1,153 @@
+"""`llmserve bench roofline`: batch-1 decode against the memory-bandwidth roofline of the device.
+
+A batch-1 decode step reads every weight once and the request's whole KV cache once, and does little
+else, so its floor is (weight bytes + KV bytes) / memory bandwidth. This measures the device's copy
+bandwidth (a large device-to-device copy: bytes read + bytes written per second), then the engine's
+batch-1 decode speed (a prompt, then `output_len` tokens with ignore_eos, minus a prompt-only run of
+the same request), and reports bytes moved per step over step time as a share of that bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from llmserve.config import add_dataclass_args, dataclass_from_args
+
+
+@dataclass(frozen=True)
+class RooflineBenchConfig:
+    model: str | None = field(default=None, metadata={"help": "checkpoint dir (default: make --shape with make-model)"})
+    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint"})
+    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
+    prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
+    output_len: int = field(default=256, metadata={"help": "decoded tokens per run"})
+    repeats: int = field(default=3, metadata={"help": "timed runs (the median is reported)"})
+    copy_mib: int = field(default=1024, metadata={"help": "size of the bandwidth probe's copy"})
+    out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
+    """Bytes read + written per second by one large on-device copy (median of `repeats`)."""
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * num_bytes / statistics.median(times)
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Weight bytes a decode step reads: all of them, less the embedding table when it is not also the
+    lm_head (a lookup reads one row of it)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if getattr(model, "is_tied", True):
+        return total
+    embed = model.model.embed_tokens.weight
+    return total - embed.numel() * embed.element_size()
+
+
+def bytes_per_decode_step(weight_bytes: int, kv_bytes_per_token: int, context_len: float) -> float:
+    """Weights once plus the request's KV once (the new token's K/V write is negligible)."""
+    return weight_bytes + kv_bytes_per_token * context_len
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def _timed_generate(llm, prompt: list[int], max_tokens: int) -> float:
+    from llmserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    _sync(llm.engine.device)
+    start = time.perf_counter()
+    out = llm.generate([prompt], params)
+    _sync(llm.engine.device)
+    assert len(out[0].outputs[0].token_ids) == max_tokens
+    return time.perf_counter() - start
+
+
+def decode_seconds_per_token(llm, prompt: list[int], output_len: int, repeats: int) -> float:
+    """Median over runs of (time for prompt + output_len tokens - time for prompt + 1 token) / (output_len - 1)."""
+    _timed_generate(llm, prompt, 4)  # warm-up
+    samples = []
+    for _ in range(repeats):
+        prefill = _timed_generate(llm, prompt, 1)
+        full = _timed_generate(llm, prompt, output_len)
+        samples.append((full - prefill) / (output_len - 1))
+    return statistics.median(samples)
+
+
+def run(cfg: RooflineBenchConfig) -> dict:
+    from llmserve import LLM
+    from llmserve.model.maker import make_model
+
+    if cfg.output_len < 2:
+        raise ValueError("output_len must be at least 2")
+    path = cfg.model or make_model(cfg.arch, cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
+    llm = LLM(path, dtype=cfg.dtype, device=cfg.device, enforce_eager=cfg.enforce_eager, max_num_seqs=1,
+              max_model_len=cfg.prompt_len + cfg.output_len + 16, enable_prefix_caching=False)
+    engine, info = llm.engine, llm.engine.model_info
+    weight_bytes = weight_bytes_read(engine.runner.model)
+    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * engine.dtype.itemsize
+    bandwidth = copy_bandwidth(engine.device, cfg.copy_mib * 2**20)
+    prompt = [random.Random(0).randrange(10, info.vocab_size) for _ in range(cfg.prompt_len)]
+    step_s = decode_seconds_per_token(llm, prompt, cfg.output_len, cfg.repeats)
+    step_bytes = bytes_per_decode_step(weight_bytes, kv_per_token, cfg.prompt_len + cfg.output_len / 2)
+    results = {"config": asdict(cfg), "model_path": path, "device": device_name(engine.device),
+               "dtype": str(engine.dtype).removeprefix("torch."), "weight_bytes": weight_bytes,
+               "copy_bandwidth_gb_s": bandwidth / 1e9, "decode_tok_s": 1 / step_s, "step_ms": 1e3 * step_s,
+               "bytes_per_step": step_bytes, "achieved_gb_s": step_bytes / step_s / 1e9,
+               "bandwidth_utilization": step_bytes / step_s / bandwidth, "roofline_tok_s": bandwidth / step_bytes,
+               "cuda_graphs": engine.runner.graphs is not None}
+    _print(results)
+    return results
+
+
+def _print(r: dict) -> None:
+    print(f"device: {r['device']} ({r['dtype']}), weights read per step {r['weight_bytes'] / 1e9:.2f} GB, "
+          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
+    print(f"copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s -> roofline {r['roofline_tok_s']:.1f} tok/s")
+    print(f"batch-1 decode {r['decode_tok_s']:.1f} tok/s ({r['step_ms']:.2f} ms/step), "
+          f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['bandwidth_utilization']:.1f}% of copy bandwidth")
+
+
+def add_bench_roofline_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("roofline", help="batch-1 decode vs the device's memory bandwidth")
+    add_dataclass_args(parser, RooflineBenchConfig)
+    parser.set_defaults(func=_main)
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = dataclass_from_args(RooflineBenchConfig, args)
+    results = run(cfg)
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

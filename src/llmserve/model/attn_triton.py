@@ -1,0 +1,78 @@
+"""The GPU attention backend: one Triton kernel (model.triton_kernels) for every row of a step.
+
+`build_metadata` cuts each row's new tokens into query tiles on the host (numpy, once per step for
+all layers) and copies the two small tile arrays to the device; `forward` writes the step's K/V into
+the paged cache at the slot mapping and launches the kernel once per layer.
+
+For CUDA graphs, `graph_metadata` wraps persistent buffers instead: a decode batch of B rows has one
+tile per row (tile_rows = 0..B-1, tile_starts = 0), so only the buffers' contents change between
+replays, never their addresses or the grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmserve.model import triton_kernels
+from llmserve.model.attention import AttentionBackend, AttentionInputs
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    tile_rows: torch.Tensor  # [tiles] int32: the row of each query tile
+    tile_starts: torch.Tensor  # [tiles] int32: its first query, counted within the row
+    block_q: int  # query tokens per tile
+
+
+def query_tiles(query_lens: list[int], block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows' queries cut into tiles of block_q -> (tile_rows, tile_starts), both [tiles] int32."""
+    lens = np.asarray(query_lens, dtype=np.int64)  # [B]
+    num_tiles = -(-lens // block_q)  # [B]
+    tile_rows = np.repeat(np.arange(len(lens)), num_tiles)  # [tiles]
+    first_tile = np.cumsum(num_tiles) - num_tiles  # [B]
+    tile_starts = (np.arange(int(num_tiles.sum())) - first_tile[tile_rows]) * block_q  # [tiles]
+    return tile_rows.astype(np.int32), tile_starts.astype(np.int32)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through one Triton kernel launch per layer (CUDA; any device under TRITON_INTERPRET)."""
+
+    name = "triton"
+
+    def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+        device = inputs.block_table.device
+        block_q = triton_kernels.block_q_for(max(inputs.query_lens_cpu))
+        tile_rows, tile_starts = query_tiles(inputs.query_lens_cpu, block_q)
+        as_int32 = lambda t: t if t.dtype == torch.int32 else t.to(torch.int32)  # noqa: E731
+        return TritonAttentionMetadata(
+            slot_mapping=inputs.slot_mapping.long(), block_table=as_int32(inputs.block_table),
+            seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),
+            tile_rows=torch.from_numpy(tile_rows).to(device, non_blocking=True),
+            tile_starts=torch.from_numpy(tile_starts).to(device, non_blocking=True), block_q=block_q)
+
+    def graph_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, tile_rows: torch.Tensor,
+                       tile_starts: torch.Tensor) -> TritonAttentionMetadata:
+        """Metadata over persistent decode buffers (one query per row) for CUDA-graph capture."""
+        return TritonAttentionMetadata(slot_mapping, block_table, seq_lens, query_start_loc, tile_rows,
+                                       tile_starts, triton_kernels.block_q_for(1))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        triton_kernels.paged_attention(out, q, kv_cache, metadata.block_table, metadata.seq_lens,
+                                       metadata.query_start_loc, metadata.tile_rows, metadata.tile_starts,
+                                       metadata.block_q, scale)
+        return out

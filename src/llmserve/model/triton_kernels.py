@@ -1,0 +1,105 @@
+"""Triton kernel of the GPU attention backend: causal attention over the paged KV cache.
+
+One kernel serves every row of a step, whatever its mix of prefill chunks, cached prefixes, decode
+tokens and speculative drafts. The grid is (query tiles, kv heads): a tile is up to BLOCK_Q query
+tokens of one row, and a program takes those tokens times the G query heads of its kv head as the
+rows of one matrix (BLOCK_Q * G_PAD of them, padded to at least 16 for tl.dot; GQA: each K/V block is
+loaded once for all G heads).
+It walks the row's keys BLOCK_N at a time through the block table (a key's block id and offset come
+from its position, so BLOCK_N need not equal the KV block size), with an online softmax in float32.
+Query j of a row (j counted from the row's first new token) sees keys 0 .. context_len + j.
+
+Everything the kernel reads per step lives in device tensors (no per-step host values except the
+grid, which depends only on the number of tiles), so a decode step can be captured in a CUDA graph.
+Tested on CPU through Triton's interpreter (TRITON_INTERPRET=1) against the torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
+    tile_rows_ptr, tile_starts_ptr, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cp, stride_ch, stride_bt,
+    NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.load(tile_rows_ptr + tile)
+    tile_start = tl.load(tile_starts_ptr + tile)  # first query of the tile, counted within its row
+    q_begin = tl.load(query_start_ptr + row)
+    query_len = tl.load(query_start_ptr + row + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + row)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)  # [M]
+    q_idx = tile_start + offs_m // G_PAD  # [M] query index within the row
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % G_PAD  # [M]
+    is_row = (offs_m < BLOCK_Q * G_PAD) & (q_idx < query_len) & (offs_m % G_PAD < NUM_QUERIES_PER_KV)  # [M]
+    offs_d = tl.arange(0, D_PAD)  # [D]
+    is_dim = offs_d < HEAD_DIM
+    q_tok = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=is_row[:, None] & is_dim[None, :], other=0.0)  # [M, D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    kv_end = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len)  # keys the tile's last query sees
+    offs_n = tl.arange(0, BLOCK_N)
+    qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
+    for start_n in range(0, kv_end, BLOCK_N):
+        pos = start_n + offs_n  # [N]
+        is_key = pos < kv_end
+        block_id = tl.load(block_table_ptr + row * stride_bt + pos // KV_BLOCK_SIZE, mask=is_key, other=0)
+        base = block_id.to(tl.int64) * stride_cb + (pos % KV_BLOCK_SIZE) * stride_cp + kv_head * stride_ch  # [N]
+        k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=is_key[None, :] & is_dim[:, None],
+                    other=0.0)  # [D, N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        is_seen = (pos[None, :] <= (context_len + q_idx)[:, None]) & is_key[None, :]
+        s = tl.where(is_seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])  # [M, N]
+        alpha = tl.exp2(m_i - m_safe)
+        v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=is_key[:, None] & is_dim[None, :],
+                    other=0.0)  # [N, D]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
+
+
+def block_q_for(max_query_len: int) -> int:
+    """Query tokens per tile: 1 when every row decodes one token, else 16."""
+    return 1 if max_query_len == 1 else 16
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_rows: torch.Tensor,
+                    tile_starts: torch.Tensor, block_q: int, scale: float) -> None:
+    """out/q [T, H, D], kv_cache [2, N, bs, Hkv, D], block_table [B, W] int32, seq_lens [B] int32,
+    query_start_loc [B + 1] int32, tile_rows/tile_starts [tiles] int32 -> fills out's rows."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
+    num_queries_per_kv = q.shape[1] // num_kv_heads
+    g_pad = triton.next_power_of_2(num_queries_per_kv)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    grid = (tile_rows.shape[0], num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, q, kv_cache[0], kv_cache[1], block_table, seq_lens, query_start_loc, tile_rows, tile_starts, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * g_pad),
+        BLOCK_N=64 if d_pad <= 128 else 32,
+        KV_BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")

@@ -1,0 +1,119 @@
+"""CUDA graphs for decode steps: the model forward of a batch of one-token rows, captured once per
+padded batch size at start-up and replayed each step.
+
+A step of B decode rows (no prefill chunk, no drafts) runs in the smallest captured size >= B. Its
+inputs are copied into persistent buffers (the captured kernels read them at fixed addresses); the
+rows past B are padding: token 0 at position 0, one key, block table all null block, slot 0, so
+they write only into the null block (never allocated) and read only from it. The logits are taken
+outside the graph from the first B hidden rows.
+
+`use_graphs=False` keeps the same buffers and padding but calls the model eagerly: that path runs
+on CPU (with the Triton backend under TRITON_INTERPRET) so the tests check the padding logic
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmserve.worker.input_batch import StepInputs
+
+if TYPE_CHECKING:  # triton is imported only where the Triton backend is used
+    from llmserve.model.attn_triton import TritonAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch (vLLM-like buckets: <= 15 rows of padding)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
+                 max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_blocks = max_blocks
+        self.use_graphs = use_graphs
+        n = self.sizes[-1]
+        int32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.block_table = torch.zeros(n, max_blocks, **int32)  # [n, W]
+        self.seq_lens = torch.ones(n, **int32)  # [n]
+        self.query_start_loc = torch.arange(n + 1, **int32)  # [n + 1]: one query per row
+        self.tile_rows = torch.arange(n, **int32)  # [n]: one tile per row
+        self.tile_starts = torch.zeros(n, **int32)  # [n]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [size, hidden]
+
+    def _metadata(self, size: int):
+        return self.backend.graph_metadata(self.slot_mapping[:size], self.block_table[:size], self.seq_lens[:size],
+                                           self.query_start_loc[:size + 1], self.tile_rows[:size],
+                                           self.tile_starts[:size])
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size),
+                          self.backend)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, into one memory pool (CUDA only)."""
+        if not self.use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: compiles the kernels, settles lazy state
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batches %s", self.sizes)
+
+    def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
+        attn = inputs.attn
+        num_rows = len(attn.query_lens_cpu)
+        return (not has_drafts and num_rows <= self.sizes[-1] and inputs.input_ids.shape[0] == num_rows
+                and attn.block_table.shape[1] <= self.max_blocks)
+
+    def _padded_size(self, num_rows: int) -> int:
+        return next(s for s in self.sizes if s >= num_rows)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """A decode step's hidden states [B, hidden] through the smallest captured size >= B."""
+        attn = inputs.attn
+        num_rows, width = attn.block_table.shape
+        size = self._padded_size(num_rows)
+        self.input_ids[:num_rows].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:num_rows].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:num_rows].copy_(attn.slot_mapping, non_blocking=True)
+        self.seq_lens[:num_rows].copy_(attn.seq_lens, non_blocking=True)
+        self.block_table[:num_rows, :width].copy_(attn.block_table, non_blocking=True)
+        self.block_table[:num_rows, width:].zero_()
+        self._reset_padding(num_rows, size)
+        if not self.use_graphs:
+            return self._forward(size)[:num_rows]
+        self.graphs[size].replay()
+        return self.hidden[size][:num_rows]
+
+    def _reset_padding(self, num_rows: int, size: int) -> None:
+        """Rows num_rows..size-1 back to the null row (a previous, larger batch may have used them)."""
+        if num_rows == size:
+            return
+        self.input_ids[num_rows:size].zero_()
+        self.positions[num_rows:size].zero_()
+        self.slot_mapping[num_rows:size].zero_()
+        self.seq_lens[num_rows:size].fill_(1)
+        self.block_table[num_rows:size].zero_()
