@@ -1,0 +1,53 @@
+"""KV-cache sizing arithmetic of the GPU path and the roofline benchmark's byte counts (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.bench.roofline import bytes_per_decode_step, copy_bandwidth, weight_bytes_read
+from llmserve.config import CacheConfig
+from llmserve.model.loader import load_model
+from llmserve.model.maker import make_model
+from llmserve.worker.gpu_profile import MemoryProfile, kv_budget_from_profile
+from llmserve.worker.kv_cache import needs_gpu_profile, num_kv_blocks
+
+GIB = 2**30
+
+
+def test_kv_budget_is_the_rest_of_the_allowed_share():
+    profile = MemoryProfile(total_bytes=80 * GIB, peak_torch_bytes=17 * GIB, non_torch_bytes=1 * GIB)
+    assert kv_budget_from_profile(profile, 0.9) == int(80 * GIB * 0.9) - 18 * GIB
+    with pytest.raises(ValueError, match="no GPU memory left"):
+        kv_budget_from_profile(profile, 0.2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_budget_from_profile(profile, 1.5)
+
+
+def test_num_kv_blocks_from_a_measured_budget():
+    cache = CacheConfig(block_size=16)
+    assert num_kv_blocks(cache, block_bytes=1000, max_model_len=64, budget=10_500) == 10
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        num_kv_blocks(cache, block_bytes=1000, max_model_len=256, budget=10_500)
+    assert num_kv_blocks(CacheConfig(num_kv_blocks=7), block_bytes=1000, max_model_len=64, budget=10**9) == 7
+
+
+def test_only_an_unsized_cuda_cache_is_profiled():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert needs_gpu_profile(CacheConfig(), cuda)
+    assert not needs_gpu_profile(CacheConfig(), cpu)
+    assert not needs_gpu_profile(CacheConfig(kv_cache_memory="1GiB"), cuda)
+    assert not needs_gpu_profile(CacheConfig(num_kv_blocks=100), cuda)
+
+
+@pytest.mark.parametrize("shape, is_tied", [("tiny", False), ("tiny-llama3", True)])
+def test_weight_bytes_read_per_decode_step(tmp_path, shape, is_tied):
+    model = load_model(make_model("llama", shape, str(tmp_path), seed=0), torch.float32, "cpu")
+    total = sum(p.numel() * 4 for p in model.parameters())
+    embed = model.model.embed_tokens.weight.numel() * 4
+    assert weight_bytes_read(model) == (total if is_tied else total - embed)
+    assert bytes_per_decode_step(1000, 10, 50.5) == 1505.0
+
+
+def test_copy_bandwidth_is_positive_and_finite():
+    assert 0 < copy_bandwidth(torch.device("cpu"), 2**20, repeats=3) < float("inf")
