@@ -7,14 +7,12 @@ generate() in static batches, as the naive reference.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from llmserve.config import add_dataclass_args, dataclass_from_args
+from llmserve.bench.command import add_bench_command
 
 
 @dataclass(frozen=True)
@@ -74,6 +72,8 @@ def run(cfg: OfflineBenchConfig) -> dict:
     from llmserve.model.loader import load_hf_config
     from llmserve.model.maker import make_model
 
+    if cfg.baseline not in (None, "hf"):
+        raise ValueError("--baseline must be hf")
     path = cfg.model or make_model(cfg.arch, cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
     workload = make_workload(cfg, load_hf_config(path).vocab_size)
     results = {"config": asdict(cfg), "model_path": path, "engine": run_engine(cfg, path, workload)}
@@ -82,6 +82,7 @@ def run(cfg: OfflineBenchConfig) -> dict:
         from llmserve.bench.hf_baseline import run_hf_baseline
 
         results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size, dtype=cfg.dtype))
+        _print(results)
     return results
 
 
@@ -97,21 +98,5 @@ def _print(results: dict) -> None:
               f"ratio llmserve/hf = {e['output_tok_s'] / hf['output_throughput']:.2f}x")
 
 
-def add_bench_offline_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("offline", help="benchmark the engine in-process")
-    add_dataclass_args(parser, OfflineBenchConfig)
-    parser.set_defaults(func=_main)
-    return parser
-
-
-def _main(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(OfflineBenchConfig, args)
-    if cfg.baseline not in (None, "hf"):
-        raise SystemExit("--baseline must be hf")
-    results = run(cfg)
-    if "hf" in results:
-        _print(results)
-    if cfg.out:
-        with open(cfg.out, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+def add_bench_offline_parser(subparsers):
+    return add_bench_command(subparsers, "offline", "benchmark the engine in-process", OfflineBenchConfig, run)

@@ -9,8 +9,6 @@ the same request), and reports bytes moved per step over step time as a share of
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -19,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from llmserve.config import add_dataclass_args, dataclass_from_args
+from llmserve.bench.command import add_bench_command
 
 
 @dataclass(frozen=True)
@@ -137,17 +135,6 @@ def _print(r: dict) -> None:
           f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['bandwidth_utilization']:.1f}% of copy bandwidth")
 
 
-def add_bench_roofline_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("roofline", help="batch-1 decode vs the device's memory bandwidth")
-    add_dataclass_args(parser, RooflineBenchConfig)
-    parser.set_defaults(func=_main)
-    return parser
-
-
-def _main(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(RooflineBenchConfig, args)
-    results = run(cfg)
-    if cfg.out:
-        with open(cfg.out, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+def add_bench_roofline_parser(subparsers):
+    return add_bench_command(subparsers, "roofline", "batch-1 decode vs the device's memory bandwidth",
+                             RooflineBenchConfig, run)

@@ -14,15 +14,13 @@ the table reports median output tok/s, the ratio to plain decoding and the measu
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from llmserve.config import add_dataclass_args, dataclass_from_args
+from llmserve.bench.command import add_bench_command
 
 
 @dataclass(frozen=True)
@@ -206,17 +204,5 @@ def _print_level(level: int, rows: dict) -> None:
         print(f"  {name:<12} {r['output_tok_s']:>8.1f} {r['ratio_to_none']:>5.2f}x {acc:>7} {length:>11}")
 
 
-def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("spec", help="benchmark speculative decoding in-process")
-    add_dataclass_args(parser, SpecBenchConfig)
-    parser.set_defaults(func=_main)
-    return parser
-
-
-def _main(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(SpecBenchConfig, args)
-    results = run(cfg)
-    if cfg.out:
-        with open(cfg.out, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+def add_bench_spec_parser(subparsers):
+    return add_bench_command(subparsers, "spec", "benchmark speculative decoding in-process", SpecBenchConfig, run)
