@@ -106,14 +106,15 @@ class EngineCore:
             budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
         return num_kv_blocks(cache, block_bytes, self.model_info.max_model_len, budget)
 
-    def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
+    def _decode_graphs(self, model: torch.nn.Module, attn_backend,
+                       kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
         """CUDA graphs of decode batches, captured now (CUDA with the Triton backend, unless --enforce-eager)."""
         cfg = self.config.model
-        if self.device.type != "cuda" or cfg.enforce_eager or getattr(attn_backend, "name", "") != "triton":
+        if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
-        graphs = DecodeGraphs(model, attn_backend, kv_caches, min(cfg.max_graph_batch, self.config.scheduler.max_num_seqs),
-                              max_blocks, self.device)
+        max_batch = min(cfg.max_graph_batch, self.config.scheduler.max_num_seqs)
+        graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device)
         graphs.capture()
         return graphs
 
