@@ -102,4 +102,4 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * g_pad),
         BLOCK_N=64 if d_pad <= 128 else 32,
         KV_BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None)  # None: the default for 16-bit inputs
