@@ -57,3 +57,10 @@ def random_rows(seed: int) -> list[tuple[int, int]]:
     rows += [(0, 1)]  # a one-token prompt
     rng.shuffle(rows)
     return rows
+
+
+def check_against_reference(out: torch.Tensor, q: torch.Tensor, starts: list[int], full, atol: float) -> None:
+    """Each row's out [Q, H, D] against the float64 reference over its whole k/v (compared in float64)."""
+    for r, (full_k, full_v) in enumerate(full):
+        expected = reference(q[starts[r]:starts[r + 1]].cpu(), full_k.cpu(), full_v.cpu())
+        torch.testing.assert_close(out[starts[r]:starts[r + 1]].cpu().double(), expected, atol=atol, rtol=atol)

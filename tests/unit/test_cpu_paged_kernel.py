@@ -10,7 +10,7 @@ import torch
 
 from llmserve.model import cpu_kernels
 from llmserve.model.attn_torch import TorchAttentionBackend
-from attention_cases import SCALE, make_case, random_rows, reference, run_backend
+from attention_cases import SCALE, check_against_reference, make_case, random_rows, reference, run_backend
 
 
 def test_disabled_by_env(monkeypatch):
@@ -47,10 +47,7 @@ def test_kernel_matches_torch_path_and_reference(block_size, group, seed):
     torch_out, torch_metadata = run_backend(TorchAttentionBackend(use_cpu_kernel=False), q, k, v, kv_cache, inputs)
     assert torch_metadata.kernel is None
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
-    starts = inputs.query_start_loc.tolist()
-    for r, (full_k, full_v) in enumerate(full):
-        expected = reference(q[starts[r]:starts[r + 1]], full_k, full_v).float()
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
 
 
 @needs_kernel
@@ -63,10 +60,7 @@ def test_kernel_rows_mixed_with_prefill_groups(block_size):
     assert metadata.kernel.rows.tolist() == [0, 2, 5, 6, 7]
     torch_out, _ = run_backend(TorchAttentionBackend(use_cpu_kernel=False), q, k, v, kv_cache, inputs)
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
-    starts = inputs.query_start_loc.tolist()
-    for r, (full_k, full_v) in enumerate(full):
-        expected = reference(q[starts[r]:starts[r + 1]], full_k, full_v).float()
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
 
 
 @needs_kernel
@@ -103,10 +97,7 @@ def test_kernel_half_dtypes(dtype):
     q, k, v, kv_cache, inputs, full = make_case(rows, 16, 3, seed=7, dtype=dtype)
     out, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache, inputs)
     assert out.dtype == dtype and metadata.kernel is not None
-    starts = inputs.query_start_loc.tolist()
-    for r, (full_k, full_v) in enumerate(full):
-        expected = reference(q[starts[r]:starts[r + 1]], full_k, full_v).to(dtype)
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], expected, atol=2e-2, rtol=2e-2)
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=2e-2)
 
 
 @needs_kernel
@@ -115,9 +106,7 @@ def test_unsupported_dtype_uses_torch_groups():
     q, k, v, kv_cache, inputs, full = make_case(rows, 4, 3, seed=3, dtype=torch.float64)
     out, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache, inputs)
     assert metadata.kernel is not None and metadata.kernel.fallback is not None
-    starts = inputs.query_start_loc.tolist()
-    for r, (full_k, full_v) in enumerate(full):
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], reference(q[starts[r]:starts[r + 1]], full_k, full_v))
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-7)
 
 
 @needs_kernel
@@ -132,7 +121,4 @@ def test_kernel_work_split_by_thread_count(num_threads):
         out, _ = run_backend(TorchAttentionBackend(), q, k, v, kv_cache, inputs)
     finally:
         torch.set_num_threads(previous)
-    starts = inputs.query_start_loc.tolist()
-    for r, (full_k, full_v) in enumerate(full):
-        expected = reference(q[starts[r]:starts[r + 1]], full_k, full_v).float()
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")  # without CUDA, conftest.py set TRITON_INTERPRET=1 before anything imported it
 
-from attention_cases import make_case, random_rows, reference, run_backend  # noqa: E402
+from attention_cases import check_against_reference, make_case, random_rows, run_backend  # noqa: E402
 
 from llmserve.model import triton_kernels  # noqa: E402
 from llmserve.model.attn_torch import TorchAttentionBackend  # noqa: E402
@@ -25,12 +25,6 @@ def on_device(case):
     inputs.query_start_loc, inputs.seq_lens = inputs.query_start_loc.to(DEVICE), inputs.seq_lens.to(DEVICE)
     inputs.block_table, inputs.slot_mapping = inputs.block_table.to(DEVICE), inputs.slot_mapping.to(DEVICE)
     return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv_cache.to(DEVICE), inputs, full
-
-
-def check_against_reference(out, q, starts: list[int], full, atol):
-    for r, (full_k, full_v) in enumerate(full):
-        expected = reference(q[starts[r]:starts[r + 1]].cpu(), full_k.cpu(), full_v.cpu())
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]].cpu().double(), expected, atol=atol, rtol=atol)
 
 
 def test_query_tiles():
