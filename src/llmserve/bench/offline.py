@@ -28,6 +28,7 @@ class OfflineBenchConfig:
     max_num_seqs: int = field(default=128, metadata={"help": "engine: most running requests"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "engine: token budget per step"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
+    sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
     baseline_batch_size: int = field(default=16, metadata={"help": "static batch size of the hf baseline"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
@@ -53,7 +54,7 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
     llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     runner, core = llm.engine.runner, llm.engine
     runner.times.__init__()
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    params = [_sampling_params(llm, cfg.sampling, n) for _, n in workload]
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
     elapsed = time.perf_counter() - start
@@ -66,6 +67,14 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
             "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
                              "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
             "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions}
+
+
+def _sampling_params(llm, sampling: str, max_tokens: int):
+    from llmserve import SamplingParams
+
+    if sampling == "model":
+        return llm.processor.default_sampling_params(max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def run(cfg: OfflineBenchConfig) -> dict:

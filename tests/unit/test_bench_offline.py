@@ -1,0 +1,35 @@
+"""`llmserve bench offline` on the tiny model: the workload runs to its exact token count, greedy or with
+the checkpoint's sampling defaults (what the server applies to requests that set none)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.bench.offline import OfflineBenchConfig, _sampling_params, make_workload, run
+from llmserve.model.maker import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model("llama", "tiny", str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "model"])
+def test_offline_bench_runs_the_workload(tiny, sampling):
+    cfg = OfflineBenchConfig(model=tiny, num_requests=6, prompt_len="4-20", output_len="3-9", sampling=sampling)
+    results = run(cfg)
+    expected = sum(n for _, n in make_workload(cfg, 512))
+    assert results["engine"]["num_output_tokens"] == expected
+    assert results["engine"]["output_tok_s"] > 0
+
+
+def test_model_sampling_takes_the_generation_config(tiny):
+    from llmserve import LLM
+
+    llm = LLM(tiny, max_model_len=64, num_kv_blocks=16)
+    greedy, model = _sampling_params(llm, "greedy", 5), _sampling_params(llm, "model", 5)
+    defaults = llm.get_default_sampling_params()
+    assert greedy.temperature == 0 and model.max_tokens == 5 and model.ignore_eos
+    assert model.temperature > 0
+    assert (model.temperature, model.top_p, model.top_k, model.repetition_penalty) == \
+        (defaults.temperature, defaults.top_p, defaults.top_k, defaults.repetition_penalty)
