@@ -104,3 +104,38 @@ def test_a_single_remaining_token_is_always_drawn():
     logits[:, 5] = 0.0
     tokens = draw(logits, [Row(SamplingParams(top_k=3))] * 3000, Sampler())
     assert torch.all(tokens == 5)
+
+
+def _draw_both_paths(logits: torch.Tensor, rows: list[Row], seed: int) -> tuple[list[int], list[int]]:
+    """Tokens of the candidate-only path and of the full-vocabulary path from the same generator states."""
+    results = []
+    for is_candidate_path in (True, False):
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                row.generator.manual_seed(seed + i)
+        meta = build_sampling_metadata(rows, logits.shape[1], "cpu")
+        assert meta.is_top_k_everywhere
+        meta.is_top_k_everywhere = is_candidate_path
+        results.append(Sampler(torch.Generator().manual_seed(seed))(logits.clone(), meta).sampled_token_ids.tolist())
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_candidate_path_draws_the_same_tokens_as_the_full_path(seed):
+    """With top-k on every random row, sampling on the candidates only gives the same tokens (same noise)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(12, 5000, generator=gen) * 3
+    rows = [Row(SamplingParams(temperature=0.7, top_k=20, top_p=0.8)),
+            Row(SamplingParams(temperature=1.3, top_k=50), generator=torch.Generator()),
+            Row(SamplingParams(temperature=0.0)),  # greedy rows ride along
+            Row(SamplingParams(temperature=1.0, top_k=7, min_p=0.05), generator=torch.Generator())] * 3
+    candidate, full = _draw_both_paths(logits, rows, seed)
+    assert candidate == full
+    assert candidate[2] == int(logits[2].argmax())
+
+
+def test_candidate_path_only_when_every_random_row_has_top_k():
+    rows = [Row(SamplingParams(temperature=0.7, top_k=20)), Row(SamplingParams(temperature=0.7))]
+    assert not build_sampling_metadata(rows, 100, "cpu").is_top_k_everywhere
+    rows = [Row(SamplingParams(temperature=0.7, top_k=20)), Row(SamplingParams(temperature=0.0))]
+    assert build_sampling_metadata(rows, 100, "cpu").is_top_k_everywhere

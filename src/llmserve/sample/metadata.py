@@ -58,6 +58,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor | None = None  # [B] bool; None unless greedy and random rows are mixed
     top_k: torch.Tensor | None = None  # [B] int64, vocab_size where off; None when no row uses it
     max_top_k: int = 0  # largest top_k among the rows using it
+    is_top_k_everywhere: bool = False  # every random row has a top_k: sampling can work on max_top_k candidates
     top_p: torch.Tensor | None = None  # [B] float32, 1.0 where off
     min_p: torch.Tensor | None = None  # [B] float32, 0.0 where off
     # Additive sparse updates: logit_bias entries, and -inf on eos/stop ids while output < min_tokens.
@@ -119,6 +120,7 @@ def _fill_random_params(
     if any(k < vocab_size for k in top_k):
         meta.top_k = _to_device(top_k, torch.int64, device)
         meta.max_top_k = max(k for k in top_k if k < vocab_size)
+        meta.is_top_k_everywhere = all(k < vocab_size for k, g in zip(top_k, is_greedy) if not g)
     if any(p.top_p < 1.0 for p in random_params):
         meta.top_p = _to_device([1.0 if g else p.top_p for p, g in zip(params, is_greedy)], torch.float32, device)
     if any(p.min_p > 0.0 for p in random_params):

@@ -75,7 +75,7 @@ def apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, t
         positions = torch.arange(logits.shape[1], device=logits.device)  # [V]
         sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), _NEG_INF)
     probs = sorted_logits.softmax(dim=-1)  # [B, V]
-    sorted_logits.masked_fill_(_is_outside_nucleus(probs, top_p), _NEG_INF)
+    sorted_logits.masked_fill_(is_outside_nucleus(probs, top_p), _NEG_INF)
     return logits.scatter_(1, sorted_ids, sorted_logits)
 
 
@@ -93,11 +93,11 @@ def apply_top_p_on_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> None
     num_candidates = num_tokens - torch.count_nonzero(is_dropped, dim=-1)  # [B]
     num_candidates = int(num_candidates.masked_fill_(~is_on.squeeze(1), 0).max())
     top_probs, top_ids = probs.topk(num_candidates, dim=-1)  # [B, num_candidates], descending
-    is_dropped.scatter_(1, top_ids, _is_outside_nucleus(top_probs, top_p))
+    is_dropped.scatter_(1, top_ids, is_outside_nucleus(top_probs, top_p))
     logits.masked_fill_(is_dropped, _NEG_INF)
 
 
-def _is_outside_nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def is_outside_nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """sorted_probs [B, N] descending -> [B, N] bool: the tokens ranked above hold >= top_p.
 
     The best token is always kept; rows with top_p >= 1 keep everything (despite rounding).
@@ -115,6 +115,14 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) 
     kth_index = (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)  # [B, 1]
     threshold = top_values.gather(1, kth_index).masked_fill_(is_off.unsqueeze(1), _NEG_INF)  # [B, 1]
     logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def apply_top_k_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Top-k on logits already sorted descending [B, K] (K >= every row's top_k, or vocab_size where off):
+    mask what ranks below each row's k-th value (ties with it are kept, as in apply_top_k_only)."""
+    kth_index = (top_k.clamp(max=sorted_logits.shape[1]) - 1).unsqueeze(1)  # [B, 1]
+    threshold = sorted_logits.gather(1, kth_index)  # [B, 1]
+    sorted_logits.masked_fill_(sorted_logits < threshold, _NEG_INF)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -136,10 +144,25 @@ def exponential_race(
     # E = -log(U), U ~ Uniform[tiny, 1); keep log(U) < 0: argmax probs/E == argmin probs/log(U).
     # (Faster than exponential_() on CPU. U >= tiny keeps log(U) finite and nonzero, so every
     # token with probs > 0 scores strictly below the filtered ones, which score -0.0.)
-    log_u = torch.empty_like(probs)  # [B, V]
-    if len(generators) < probs.shape[0]:
-        log_u.uniform_(_TINY, 1.0, generator=generator)
-    for row, row_generator in generators.items():
-        log_u[row].uniform_(_TINY, 1.0, generator=row_generator)
-    log_u.log_()
+    log_u = _uniform_noise(probs.shape, probs.device, generators, generator).log_()  # [B, V]
     return probs.div_(log_u).argmin(dim=-1)
+
+
+def exponential_race_on_candidates(probs: torch.Tensor, cand_ids: torch.Tensor, vocab_size: int,
+                                   generators: dict[int, torch.Generator], generator: torch.Generator | None) -> torch.Tensor:
+    """exponential_race when only the candidates cand_ids [B, K] can win (probs [B, K]): the same noise is
+    drawn over [B, V] (so every generator advances as on the full path) and read at the candidates."""
+    noise = _uniform_noise((probs.shape[0], vocab_size), probs.device, generators, generator)  # [B, V]
+    log_u = noise.gather(1, cand_ids).log_()  # [B, K]
+    return cand_ids.gather(1, probs.div_(log_u).argmin(dim=-1, keepdim=True)).squeeze(1)
+
+
+def _uniform_noise(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator],
+                   generator: torch.Generator | None) -> torch.Tensor:
+    """U ~ Uniform[tiny, 1) [B, V]: seeded rows from their own generator, the others from one batched draw."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    if len(generators) < shape[0]:
+        noise.uniform_(_TINY, 1.0, generator=generator)
+    for row, row_generator in generators.items():
+        noise[row].uniform_(_TINY, 1.0, generator=row_generator)
+    return noise

@@ -34,6 +34,9 @@ class SamplerOutput:
     probs: torch.Tensor | None = None  # [B, V] the processed distribution, when asked (keep_probs)
 
 
+MAX_CANDIDATES = 1024  # rows' top-k up to this: sampling works on the candidates only
+
+
 class Sampler:
     """Samples a batch in a few batched ops; only rows with their own generator loop (one draw each).
 
@@ -61,12 +64,33 @@ class Sampler:
         greedy = None if meta.all_random else logits.argmax(dim=-1)  # [B]
         if meta.all_greedy:
             return greedy, None
-        probs = self.probs(logits, meta)  # [B, V]
-        kept = probs.clone() if keep_probs else None
-        sampled = ops.exponential_race(probs, meta.generators, self.generator)  # [B]
+        if not keep_probs and meta.is_top_k_everywhere and meta.max_top_k <= MAX_CANDIDATES:
+            sampled, kept = self._sample_candidates(logits, meta), None  # [B]
+        else:
+            probs = self.probs(logits, meta)  # [B, V]
+            kept = probs.clone() if keep_probs else None
+            sampled = ops.exponential_race(probs, meta.generators, self.generator)  # [B]
         if greedy is None:
             return sampled, kept
         return torch.where(meta.is_greedy, greedy, sampled), kept
+
+    def _sample_candidates(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The same draw as `probs` + `exponential_race`, on each row's max_top_k best tokens only.
+
+        Every random row keeps at most max_top_k tokens, so the others have probability 0 either way; the
+        race draws the same uniform noise over the whole vocabulary (seeded rows give the same tokens on
+        both paths) and reads it at the candidates. Everything else is [B, K] instead of [B, V].
+        """
+        cand_logits, cand_ids = logits.topk(meta.max_top_k, dim=-1)  # [B, K] each, descending
+        cand_logits.div_(meta.temperature.unsqueeze(1))
+        ops.apply_top_k_sorted(cand_logits, meta.top_k)
+        if meta.top_p is not None:
+            probs = cand_logits.softmax(dim=-1)  # [B, K]
+            cand_logits.masked_fill_(ops.is_outside_nucleus(probs, meta.top_p), float("-inf"))
+        if meta.min_p is not None:
+            ops.apply_min_p(cand_logits, meta.min_p)
+        probs = cand_logits.softmax(dim=-1)  # [B, K]
+        return ops.exponential_race_on_candidates(probs, cand_ids, meta.vocab_size, meta.generators, self.generator)
 
     @staticmethod
     def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
