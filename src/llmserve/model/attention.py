@@ -29,6 +29,11 @@ class AttentionInputs:
     block_size: int
 
 
+def as_int32(t: torch.Tensor) -> torch.Tensor:
+    """The step's index tensors as the kernels read them (no copy when already int32)."""
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends causally over each request's whole KV."""
 

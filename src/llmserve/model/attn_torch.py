@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model import cpu_kernels
-from llmserve.model.attention import AttentionBackend, AttentionInputs
+from llmserve.model.attention import AttentionBackend, AttentionInputs, as_int32
 
 _MAX_DECODE_BUCKETS = 4
 _BUCKET_OVERHEAD_BLOCKS = 32  # a bucket's fixed cost, in gathered blocks: split only when it pays
@@ -215,7 +215,6 @@ def _kernel_rows(inputs: AttentionInputs, query_start: list[int]) -> tuple[Kerne
         return None, rest
     assert -(-max(seq_lens[i] for i in rows) // inputs.block_size) <= inputs.block_table.shape[1], \
         "block table narrower than the longest sequence"
-    as_int32 = lambda t: t if t.dtype == torch.int32 else t.to(torch.int32)  # noqa: E731
     kernel = KernelRows(rows=torch.tensor(rows, dtype=torch.int32), block_table=as_int32(inputs.block_table),
                         seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),
                         make_groups=lambda: _row_groups(rows, inputs, query_start))

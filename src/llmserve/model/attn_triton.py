@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from llmserve.model import triton_kernels
-from llmserve.model.attention import AttentionBackend, AttentionInputs
+from llmserve.model.attention import AttentionBackend, AttentionInputs, as_int32
 
 
 @dataclass
@@ -50,7 +50,6 @@ class TritonAttentionBackend(AttentionBackend):
         device = inputs.block_table.device
         block_q = triton_kernels.block_q_for(max(inputs.query_lens_cpu))
         tile_rows, tile_starts = query_tiles(inputs.query_lens_cpu, block_q)
-        as_int32 = lambda t: t if t.dtype == torch.int32 else t.to(torch.int32)  # noqa: E731
         return TritonAttentionMetadata(
             slot_mapping=inputs.slot_mapping.long(), block_table=as_int32(inputs.block_table),
             seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),

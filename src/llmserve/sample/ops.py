@@ -112,17 +112,19 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) 
     threshold are all kept."""
     top_values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
     is_off = top_k > max_top_k  # [B]: rows without top-k carry vocab_size
-    kth_index = (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)  # [B, 1]
-    threshold = top_values.gather(1, kth_index).masked_fill_(is_off.unsqueeze(1), _NEG_INF)  # [B, 1]
+    threshold = _kth_value(top_values, top_k).masked_fill_(is_off.unsqueeze(1), _NEG_INF)  # [B, 1]
     logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def _kth_value(sorted_values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """sorted_values [B, K] descending -> [B, 1]: each row's top_k-th value (the last one when top_k > K)."""
+    return sorted_values.gather(1, (top_k.clamp(max=sorted_values.shape[1]) - 1).unsqueeze(1))
 
 
 def apply_top_k_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> None:
     """Top-k on logits already sorted descending [B, K] (K >= every row's top_k, or vocab_size where off):
     mask what ranks below each row's k-th value (ties with it are kept, as in apply_top_k_only)."""
-    kth_index = (top_k.clamp(max=sorted_logits.shape[1]) - 1).unsqueeze(1)  # [B, 1]
-    threshold = sorted_logits.gather(1, kth_index)  # [B, 1]
-    sorted_logits.masked_fill_(sorted_logits < threshold, _NEG_INF)
+    sorted_logits.masked_fill_(sorted_logits < _kth_value(sorted_logits, top_k), _NEG_INF)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -149,7 +151,8 @@ def exponential_race(
 
 
 def exponential_race_on_candidates(probs: torch.Tensor, cand_ids: torch.Tensor, vocab_size: int,
-                                   generators: dict[int, torch.Generator], generator: torch.Generator | None) -> torch.Tensor:
+                                   generators: dict[int, torch.Generator],
+                                   generator: torch.Generator | None) -> torch.Tensor:
     """exponential_race when only the candidates cand_ids [B, K] can win (probs [B, K]): the same noise is
     drawn over [B, V] (so every generator advances as on the full path) and read at the candidates."""
     noise = _uniform_noise((probs.shape[0], vocab_size), probs.device, generators, generator)  # [B, V]

@@ -90,7 +90,8 @@ class Sampler:
         if meta.min_p is not None:
             ops.apply_min_p(cand_logits, meta.min_p)
         probs = cand_logits.softmax(dim=-1)  # [B, K]
-        return ops.exponential_race_on_candidates(probs, cand_ids, meta.vocab_size, meta.generators, self.generator)
+        return ops.exponential_race_on_candidates(probs, cand_ids, meta.vocab_size, meta.generators,
+                                                  self.generator)
 
     @staticmethod
     def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
