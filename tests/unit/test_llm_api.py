@@ -89,3 +89,9 @@ def test_context_and_vocab_checks(llm):
 def test_max_tokens_none_runs_to_the_context_length(llm):
     out = llm.generate([[1] * 120], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+
+
+def test_unset_token_budget_is_the_devices_default(llm):
+    expected = 512 if llm.engine.device.type == "cpu" else 2048
+    assert llm.engine.config.scheduler.max_num_batched_tokens == expected
+    assert llm.engine.scheduler.config.max_num_batched_tokens == expected

@@ -154,3 +154,12 @@ def test_prefill_tokens_are_capped_while_requests_decode():
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 1, "b": 3, "c": 3}
     sched.check_integrity()
+
+
+def test_token_budget_default_depends_on_the_device():
+    from llmserve.config import SchedulerConfig
+
+    assert SchedulerConfig().max_num_batched_tokens is None  # unset: the engine fills it in for its device
+    assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 512
+    assert SchedulerConfig().for_device("cuda").max_num_batched_tokens == 2048
+    assert SchedulerConfig(max_num_batched_tokens=96).for_device("cpu").max_num_batched_tokens == 96

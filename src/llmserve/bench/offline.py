@@ -26,7 +26,7 @@ class OfflineBenchConfig:
     output_len: str = field(default="32-256", metadata={"help": "output length range MIN-MAX (uniform)"})
     seed: int = field(default=0, metadata={"help": "workload seed"})
     max_num_seqs: int = field(default=128, metadata={"help": "engine: most running requests"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "engine: token budget per step"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})

@@ -25,6 +25,7 @@ from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, Schedu
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig()) -> None:
+        assert config.max_num_batched_tokens is not None, "resolve the token budget first (SchedulerConfig.for_device)"
         self.config = config
         self.spec_config = spec_config
         self.num_lookahead = spec_config.num_lookahead_tokens

@@ -6,6 +6,7 @@ EngineCoreRequest / abort lists and gets EngineCoreOutputs back, in-process (LLM
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -46,8 +47,9 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.speculative.validate()
-        self.config = config
         self.device = resolve_device(config.model.device)
+        config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type))
+        self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
