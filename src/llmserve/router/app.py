@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from llmserve.router import proxy
 from llmserve.router.classifier import RouteDecision
+from llmserve.router.direct_write import client_transport
 from llmserve.router.gateway import Gateway
 from llmserve.router.ratelimit import retry_after_header
 from llmserve.router.requests import decode_body, route_request, with_model
@@ -80,7 +81,7 @@ async def serve_generation(gw: Gateway, scope, receive, send) -> None:
         await proxy.send_error(send, e)
         return
     fwd = proxy.Forward(pool, route, scope["path"], with_model(body, obj, pool.upstream_model),
-                        tuple(headers.items()), _decision_headers(pool.name, decision))
+                        tuple(headers.items()), _decision_headers(pool.name, decision), client_transport(scope))
     await proxy.forward(gw, fwd, receive, send)
 
 

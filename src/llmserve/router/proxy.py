@@ -20,6 +20,7 @@ import msgspec
 
 from llmserve.router.admission import QueueFull, QueueTimeout
 from llmserve.router.backends import Backend, Pool
+from llmserve.router.direct_write import ChunkedBodyWriter
 from llmserve.router.gateway import Gateway
 from llmserve.router.policies import RouteRequest
 from llmserve.router.upstream import Header, Response, UpstreamConnectError, UpstreamError
@@ -40,6 +41,7 @@ class Forward:
     body: bytes
     headers: tuple[Header, ...]  # sent upstream (lower-case names)
     extra_response_headers: tuple[Header, ...]
+    client_transport: asyncio.Transport | None = None  # for direct body writes (router/direct_write.py)
 
 
 @dataclass
@@ -196,7 +198,7 @@ async def _relay(gw: Gateway, fwd: Forward, backend: Backend, upstream: Response
         watch.response_started = True
         await send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(fwd, backend, upstream)})
-        tail = await _pump(gw, pool, backend, upstream, send)
+        tail = await _pump(gw, pool, backend, upstream, send, _direct_writer(fwd, upstream))
         if tail is not None:
             watch.is_done = True
             await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -206,22 +208,35 @@ async def _relay(gw: Gateway, fwd: Forward, backend: Backend, upstream: Response
         gw.metrics.request_duration.labels(pool.name).observe(time.perf_counter() - started)
 
 
-async def _pump(gw: Gateway, pool: Pool, backend: Backend, upstream: Response, send) -> bytes | None:
+def _direct_writer(fwd: Forward, upstream: Response) -> ChunkedBodyWriter | None:
+    """A writer onto the client's socket when uvicorn gave us one and will frame the body in chunks."""
+    is_chunked = upstream.header(b"content-length") is None and upstream.status not in (204, 304)
+    if fwd.client_transport is None or not is_chunked:
+        return None
+    return ChunkedBodyWriter(fwd.client_transport)
+
+
+async def _pump(gw: Gateway, pool: Pool, backend: Backend, upstream: Response, send,
+                writer: ChunkedBodyWriter | None) -> bytes | None:
     """Relay the body; the last bytes to send (b"", or the SSE error event of a cut stream), or None when a
-    cut response cannot be ended properly (not SSE): the connection to the client is then closed."""
-    last = b"\n\n"
+    cut response cannot be ended properly (not SSE): the connection to the client is then closed.
+    With a writer, bytes go straight to the client as they arrive (read() returns only the end, or what
+    piled up while the client was slow)."""
+    if writer is not None:
+        upstream.start_sink(writer)
     try:
         while chunk := await upstream.read():
             if upstream.is_complete:
                 return chunk  # the end arrived with these bytes: sent with the end of the response, one write
-            last = chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if writer is not None and writer.can_write():
+                upstream.start_sink(writer)
     except UpstreamError as e:
         gw.record_failure(backend)
         gw.metrics.stream_errors.labels(pool.name, backend.url).inc()
         if not (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
             return None
-        return (b"" if last.endswith(b"\n\n") else b"\n\n") + sse_error_event(e, backend) + SSE_DONE
+        return (b"" if upstream.is_at_event_boundary else b"\n\n") + sse_error_event(e, backend) + SSE_DONE
     return b""
 
 

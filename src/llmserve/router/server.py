@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import signal
 
@@ -14,6 +13,7 @@ import uvicorn
 from llmserve.aio import run_service
 from llmserve.router.app import build_app
 from llmserve.router.config import RouterSetup
+from llmserve.router.direct_write import RouterHttpProtocol
 from llmserve.router.gateway import Gateway
 from llmserve.router.monitor import run_monitors
 from llmserve.router.replicas import ReplicaScaler
@@ -38,15 +38,10 @@ class _Server(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
 
-def _http_impl() -> str:
-    """httptools (C parser) when installed; uvicorn's pure-Python h11 otherwise."""
-    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
-
-
 def _uvicorn_config(app, setup: RouterSetup) -> uvicorn.Config:
     # The event loop is the one run_service made (uvloop when installed); uvicorn's `loop` is not used.
     return uvicorn.Config(app, log_level=setup.router.log_level, access_log=False, backlog=4096, lifespan="off",
-                          http=_http_impl(), ws="none", proxy_headers=False, timeout_graceful_shutdown=5)
+                          http=RouterHttpProtocol, ws="none", proxy_headers=False, timeout_graceful_shutdown=5)
 
 
 async def serve(setup: RouterSetup) -> int:
@@ -58,9 +53,9 @@ async def serve(setup: RouterSetup) -> int:
         tasks.append(asyncio.create_task(scaler.run()))
     try:
         server = _Server(_uvicorn_config(build_app(gw), setup))
-        logger.info("routing %s on http://%s:%d (%s loop, %s)", ", ".join(gw.model_names()), setup.router.host,
-                    sock.getsockname()[1], type(asyncio.get_running_loop()).__module__.split(".")[0],
-                    server.config.http)
+        logger.info("routing %s on http://%s:%d (%s loop, httptools, direct writes)", ", ".join(gw.model_names()),
+                    setup.router.host, sock.getsockname()[1],
+                    type(asyncio.get_running_loop()).__module__.split(".")[0])
         await server.serve(sockets=[sock])
         return 0
     finally:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -85,7 +85,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._waiter: asyncio.Future[bool] | None = None  # result: True when the read timeout passed
         self._timer: asyncio.TimerHandle | None = None
-        self._waiting_since = 0.0
+        self._last_event_at = 0.0  # the last read, or the start of the wait
         self.begin()
 
     def begin(self) -> None:
@@ -97,6 +97,8 @@ class _Connection(asyncio.Protocol):
         self.is_paused = False
         self.head_done = self.complete = self.got_bytes = self.keep_alive = self.eof_ends_body = False
         self.error: UpstreamError | None = None
+        self.sink: Callable[[bytes], bool] | None = None  # takes body bytes as they arrive (see start_sink)
+        self.is_at_event_boundary = True  # the body bytes handed out so far end with a blank line (SSE)
 
     # ---- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -105,11 +107,16 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self._last_event_at = self.loop.time()
         try:
             self.parser.feed_data(data)
         except Exception as e:  # noqa: BLE001 - HttpParserError, HttpParserUpgrade: not a response we relay
             self.error = UpstreamDisconnected(f"malformed response: {type(e).__name__}: {e}")
             self.abort()
+        if self.sink is not None and not self.complete and self.error is None:
+            if self.chunks and not self.sink(self.take()):
+                self.sink = None  # the client is slow (or gone): the reader takes over, with flow control
+            return  # nothing for the reader: it waits for the end
         self._wake()
 
     def eof_received(self) -> bool:
@@ -149,6 +156,7 @@ class _Connection(asyncio.Protocol):
     # ---- for the reader -----------------------------------------------------------------------------
     def take(self) -> bytes:
         data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.is_at_event_boundary = data.endswith(b"\n\n")
         self.chunks.clear()
         self.num_buffered = 0
         if self.is_paused and not self.is_closed:
@@ -161,9 +169,9 @@ class _Connection(asyncio.Protocol):
         `timeout` seconds of silence. One timer per connection, re-armed only when it fires (not one per
         wait: a relayed stream waits once per chunk)."""
         loop = self.loop
-        self._waiting_since = loop.time()
+        self._last_event_at = loop.time()
         if self._timer is None:
-            self._timer = loop.call_at(self._waiting_since + timeout, self._check_timeout, timeout)
+            self._timer = loop.call_at(self._last_event_at + timeout, self._check_timeout, timeout)
         self._waiter = waiter = loop.create_future()
         try:
             await waiter
@@ -177,7 +185,7 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         if self._waiter is None or self._waiter.done():
             return  # not waiting now: the next wait arms the timer again
-        remaining = self._waiting_since + timeout - self.loop.time()
+        remaining = self._last_event_at + timeout - self.loop.time()
         if remaining <= 0:
             self._waiter.set_result(True)
         else:
@@ -220,6 +228,26 @@ class UpstreamResponse:
         """The whole body has been read."""
         return self._conn.complete and not self._conn.chunks
 
+    @property
+    def is_at_event_boundary(self) -> bool:
+        """The body handed out so far ends with a blank line (between two SSE events)."""
+        return self._conn.is_at_event_boundary
+
+    def start_sink(self, sink: Callable[[bytes], bool]) -> bool:
+        """From now on, hand body bytes to `sink` as they arrive (inside the protocol callback: no task
+        wake-up, no read), except the response's last bytes, which `read()` still returns with the end.
+        `sink(data)` returns False when it wants no more (a slow or gone client): `read()` takes over.
+        Refused (False) while bytes wait for `read()`, which keeps the order."""
+        conn = self._conn
+        if conn.chunks or conn.complete or conn.error is not None:
+            return False
+        conn.sink = sink
+        return True
+
+    @property
+    def is_sinking(self) -> bool:
+        return self._conn.sink is not None
+
     async def read(self) -> bytes:
         """The body bytes that arrived since the last read (waiting for some); b"" once it is complete."""
         conn = self._conn
@@ -243,6 +271,7 @@ class UpstreamResponse:
         backend sees the disconnect and aborts the request)."""
         if self._is_open:
             self._is_open = False
+            self._conn.sink = None
             self._pool.release(self._origin, self._conn)
 
 
@@ -345,12 +374,15 @@ class Response(Protocol):
     headers: list[Header]  # names lower-case
 
     is_complete: bool  # the whole body has been read (may stay False until read() returns b"")
+    is_at_event_boundary: bool  # the body read so far ends with a blank line (between SSE events)
 
     def header(self, name: bytes) -> bytes | None: ...
 
     async def read(self) -> bytes: ...
 
     async def read_all(self) -> bytes: ...
+
+    def start_sink(self, sink: Callable[[bytes], bool]) -> bool: ...
 
     async def aclose(self) -> None: ...
 

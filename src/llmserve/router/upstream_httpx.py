@@ -28,15 +28,22 @@ class HttpxResponse:
         self.headers: list[Header] = [(name.lower(), value) for name, value in response.headers.raw]
         self._chunks: AsyncIterator[bytes] = response.aiter_raw()
         self.is_complete = False  # known only once read() returned b""
+        self.is_at_event_boundary = True
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for n, v in self.headers if n == name), None)
 
     async def read(self) -> bytes:
         try:
-            return await anext(self._chunks, b"")
+            chunk = await anext(self._chunks, b"")
         except httpx.TransportError as e:
             raise _upstream_error(e) from e
+        if chunk:
+            self.is_at_event_boundary = chunk.endswith(b"\n\n")
+        return chunk
+
+    def start_sink(self, sink) -> bool:
+        return False  # bytes come through read() only
 
     async def read_all(self) -> bytes:
         parts = []
