@@ -51,7 +51,9 @@ class LoadConfig:
     burstiness: float = field(default=1.0, metadata={"help": "gamma shape of the arrival gaps (1.0 = Poisson; lower = burstier)"})
     num_requests: int = field(default=100, metadata={"help": "measured requests per load level and server"})
     warmup: int = field(default=2, metadata={"help": "unmeasured requests sent to each server before the first level"})
-    rounds: int = field(default=2, metadata={"help": "with --compare: each level's requests are split into this many rounds, run A B A B"})
+    rounds: int = field(default=2, metadata={"help": "with --compare: each level's requests are split into this many "
+                                             "rounds, run A B A B (a closed loop's round starts with --concurrency "
+                                             "requests at once; 1 = one uninterrupted run per server)"})
     seed: int = field(default=0, metadata={"help": "seed of the datasets and the arrival times"})
 
 
