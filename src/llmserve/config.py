@@ -36,7 +36,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget of one engine step (default: 2048 on CUDA; 512 on CPU, where 2,048 tokens are seconds of compute: a shorter step gives earlier first tokens and shorter stalls)"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget of one engine step "
+                                               "(default: 2048 on CUDA; 512 on CPU, where 2,048 tokens are seconds of "
+                                               "compute: shorter steps give earlier first tokens, shorter stalls)"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_prefill_tokens_while_decoding: int | None = field(default=None, metadata={"help": "while requests decode, at most this many prompt tokens per step: bounds inter-token latency (default: the whole token budget)"})
     policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"]})

@@ -41,11 +41,10 @@ class ChunkedBodyWriter:
 
     def __call__(self, data: bytes) -> bool:
         """Write `data` as one chunk; False when the client is gone or slow (queued past HIGH_WATER)."""
-        transport = self.transport
-        if transport.is_closing():
+        if self.transport.is_closing():
             return False
-        transport.write(b"%x\r\n%s\r\n" % (len(data), data))
-        return transport.get_write_buffer_size() < HIGH_WATER
+        self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        return self.can_write()
 
     def can_write(self) -> bool:
         return not self.transport.is_closing() and self.transport.get_write_buffer_size() < HIGH_WATER
