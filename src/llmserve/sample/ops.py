@@ -74,9 +74,14 @@ def apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, t
     if top_k is not None:
         positions = torch.arange(logits.shape[1], device=logits.device)  # [V]
         sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), _NEG_INF)
-    probs = sorted_logits.softmax(dim=-1)  # [B, V]
-    sorted_logits.masked_fill_(is_outside_nucleus(probs, top_p), _NEG_INF)
+    apply_top_p_sorted(sorted_logits, top_p)
     return logits.scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-p on logits already sorted descending [B, N]: mask what lies outside each row's nucleus."""
+    probs = sorted_logits.softmax(dim=-1)  # [B, N]
+    sorted_logits.masked_fill_(_is_outside_nucleus(probs, top_p), _NEG_INF)
 
 
 def apply_top_p_on_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> None:
@@ -93,11 +98,11 @@ def apply_top_p_on_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> None
     num_candidates = num_tokens - torch.count_nonzero(is_dropped, dim=-1)  # [B]
     num_candidates = int(num_candidates.masked_fill_(~is_on.squeeze(1), 0).max())
     top_probs, top_ids = probs.topk(num_candidates, dim=-1)  # [B, num_candidates], descending
-    is_dropped.scatter_(1, top_ids, is_outside_nucleus(top_probs, top_p))
+    is_dropped.scatter_(1, top_ids, _is_outside_nucleus(top_probs, top_p))
     logits.masked_fill_(is_dropped, _NEG_INF)
 
 
-def is_outside_nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _is_outside_nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """sorted_probs [B, N] descending -> [B, N] bool: the tokens ranked above hold >= top_p.
 
     The best token is always kept; rows with top_p >= 1 keep everything (despite rounding).

@@ -85,8 +85,7 @@ class Sampler:
         cand_logits.div_(meta.temperature.unsqueeze(1))
         ops.apply_top_k_sorted(cand_logits, meta.top_k)
         if meta.top_p is not None:
-            probs = cand_logits.softmax(dim=-1)  # [B, K]
-            cand_logits.masked_fill_(ops.is_outside_nucleus(probs, meta.top_p), float("-inf"))
+            ops.apply_top_p_sorted(cand_logits, meta.top_p)
         if meta.min_p is not None:
             ops.apply_min_p(cand_logits, meta.min_p)
         probs = cand_logits.softmax(dim=-1)  # [B, K]
