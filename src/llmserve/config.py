@@ -21,6 +21,8 @@ class ModelConfig:
     attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch + C++ kernel on CPU) | torch | triton", "choices": ["auto", "torch", "triton"]})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
     max_graph_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a CUDA graph"})
+    num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
+                                    "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
 
 
 @dataclass(frozen=True)

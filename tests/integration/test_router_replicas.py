@@ -155,12 +155,18 @@ def test_cancelled_non_streamed_request_aborts_in_the_replica(prefix_router, rep
              and all(idle(s, 0.0) for s in replicas), 10, "the abort")
 
 
-def read_stream(url: str, body: dict, out: list, index: int) -> None:
+def read_stream(url: str, body: dict, out: list, index: int, started: threading.Event) -> None:
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            out[index] = (r.headers.get("x-llmserve-backend"), b"".join(r.iter_raw()))
+            chunks = []
+            for chunk in r.iter_raw():
+                chunks.append(chunk)
+                started.set()
+            out[index] = (r.headers.get("x-llmserve-backend"), b"".join(chunks))
     except httpx.HTTPError as e:
         out[index] = (None, repr(e).encode())
+    finally:
+        started.set()
 
 
 def kill(server: ServerProcess) -> None:
@@ -178,17 +184,19 @@ def test_replica_killed_mid_run(replicas, model_dir):
     with RouterProcess([*backend_args(replicas), "--policy", "round-robin", *FAST_HEALTH]) as router:
         victim, survivor = replicas[1], replicas[0]
         streams: list = [None] * 4
-        stream_body = {"model": "tiny", "prompt": "long story", "max_tokens": 200, "stream": True,
+        stream_body = {"model": "tiny", "prompt": "long story", "max_tokens": 480, "stream": True,
                        "ignore_eos": True}
-        threads = [threading.Thread(target=read_stream, args=(router.url, stream_body, streams, i)) for i in range(4)]
+        started = [threading.Event() for _ in range(4)]
+        threads = [threading.Thread(target=read_stream, args=(router.url, stream_body, streams, i, started[i]))
+                   for i in range(4)]
         with ThreadPoolExecutor(4) as pool:
             for t in threads:
                 t.start()
-            time.sleep(1.0)  # the streams have started on both replicas
+            assert all(event.wait(30) for event in started)  # the streams run on both replicas
             posts = [pool.submit(httpx.post, f"{router.url}/v1/completions", timeout=120,
-                                 json={"model": "tiny", "prompt": f"q{i}", "max_tokens": 60, "ignore_eos": True})
+                                 json={"model": "tiny", "prompt": f"q{i}", "max_tokens": 400, "ignore_eos": True})
                      for i in range(4)]
-            time.sleep(0.3)
+            time.sleep(0.2)  # the posts are in flight: far from 400 tokens
             kill(victim)
             later = [pool.submit(httpx.post, f"{router.url}/v1/completions", timeout=120,
                                  json={"model": "tiny", "prompt": f"r{i}", "max_tokens": 4}) for i in range(4)]

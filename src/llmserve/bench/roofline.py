@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from llmserve.bench.command import add_bench_command
+from llmserve.worker.cpu_threads import num_matmul_params
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,8 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> f
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
-    """Weight bytes a decode step reads: all of them, less the embedding table when it is not also the
-    lm_head (a lookup reads one row of it)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if getattr(model, "is_tied", True):
-        return total
-    embed = model.model.embed_tokens.weight
-    return total - embed.numel() * embed.element_size()
+    """Weight bytes a decode step reads: every multiplied weight once (one dtype throughout)."""
+    return num_matmul_params(model) * next(model.parameters()).element_size()
 
 
 def bytes_per_decode_step(weight_bytes: int, kv_bytes_per_token: int, context_len: float) -> float:

@@ -138,7 +138,7 @@ def _build_and_run(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_
 def _build_core(config: EngineConfig):
     from llmserve.engine.engine_core import EngineCore
 
-    return EngineCore(config)
+    return EngineCore(config, has_front_beside=True)
 
 
 class EngineCoreProc:

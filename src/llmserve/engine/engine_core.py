@@ -21,6 +21,7 @@ from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_dtype, resolve_model_path
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.ngram import NgramProposer
+from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
 from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
@@ -45,7 +46,9 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
+        """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
+        picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.speculative.validate()
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type))
@@ -54,6 +57,8 @@ class EngineCore:
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
         model = load_model(path, self.dtype, self.device, self.model_info.max_model_len)
+        self.num_threads = apply_num_threads(config.model.num_threads, model, self.device.type,
+                                             has_front_beside)
         self.draft_info, draft_model = self._load_draft()
         attn_backend = select_attention_backend(self.device, config.model.attention_backend)
         self.num_blocks = self._num_blocks(model, attn_backend)
@@ -65,8 +70,8 @@ class EngineCore:
                                   self.model_info.vocab_size, self.device, config.model.seed, proposer, graphs)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative)
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", name, self.device, self.dtype,
-                    self.num_blocks, config.cache.block_size)
+        logger.info("engine ready: %s on %s (%s, threads: %d), %d KV blocks of %d tokens", name, self.device,
+                    self.dtype, self.num_threads, self.num_blocks, config.cache.block_size)
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
