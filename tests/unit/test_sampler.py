@@ -125,6 +125,39 @@ def test_penalties_match_a_hand_computation():
     assert torch.equal(batch[0], logits[0])
 
 
+def _dense_penalties(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """The penalties by definition, one row and one vocabulary entry at a time."""
+    out = logits.clone()
+    for i, row in enumerate(rows):
+        p = row.params
+        for token in range(logits.shape[1]):
+            value = float(out[i, token])
+            if token in row.prompt_token_ids or token in row.output_token_ids:
+                value = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            count = row.output_token_ids.count(token)
+            out[i, token] = value - p.frequency_penalty * count - p.presence_penalty * (count > 0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_penalties_on_seen_tokens_match_the_definition(seed):
+    rng = torch.Generator().manual_seed(seed)
+    vocab = 40
+
+    def ids(max_len):
+        return torch.randint(0, vocab, (int(torch.randint(0, max_len, (1,), generator=rng)),), generator=rng).tolist()
+    rows = [Row(SamplingParams(repetition_penalty=1.3), prompt_token_ids=ids(12) or [1], output_token_ids=ids(9)),
+            Row(SamplingParams(), prompt_token_ids=[1, 2], output_token_ids=[2]),  # no penalties
+            Row(SamplingParams(frequency_penalty=0.4, presence_penalty=0.3), prompt_token_ids=[5], output_token_ids=[]),
+            Row(SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.2), prompt_token_ids=ids(12) or [3],
+                output_token_ids=ids(20) + [7, 7, 7]),
+            Row(SamplingParams(presence_penalty=1.0), prompt_token_ids=[0], output_token_ids=ids(5) + [0])]
+    logits = torch.randn(len(rows), vocab, generator=rng) * 3
+    batch = logits.clone()
+    process_logits(batch, build_sampling_metadata(rows, vocab, "cpu"))
+    assert torch.allclose(batch, _dense_penalties(logits, rows))
+
+
 def test_repetition_penalty_below_one_boosts_seen_tokens():
     logits = torch.tensor([[2.0, -1.0, 1.9]])
     row = Row(SamplingParams(temperature=0, repetition_penalty=0.5), output_token_ids=[2])

@@ -47,6 +47,7 @@ class PenaltyMetadata:
     presence_penalties: torch.Tensor  # [P] float32, 0.0 = off
     output_token_ids: torch.Tensor  # [P, max_output_len] int64
     prompt_token_ids: torch.Tensor | None  # [P, max_prompt_len] int64; None when no repetition penalty
+    has_output_penalties: bool  # any frequency or presence penalty (they need output token counts)
 
 
 @dataclass
@@ -182,6 +183,7 @@ def _build_penalties(rows: list[SamplingRow], vocab_size: int, device: torch.dev
         presence_penalties=_to_device([p.presence_penalty for p in params], torch.float32, device),
         output_token_ids=_padded([rows[i].output_token_ids for i in indices], vocab_size, device),
         prompt_token_ids=prompt_ids,
+        has_output_penalties=any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params),
     )
 
 

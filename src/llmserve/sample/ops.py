@@ -21,20 +21,38 @@ def apply_sparse_bias(logits: torch.Tensor, indices: torch.Tensor, values: torch
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyMetadata) -> None:
-    """Repetition (HF: prompt + output), then frequency and presence (OpenAI: output only)."""
+    """Repetition (HF: prompt + output), then frequency and presence (OpenAI: output only).
+
+    Works on the tokens each row has seen ([P, L] gathers and one scatter), not on [P, V]: a row's
+    repeats of one id read and write the same value, so duplicates in the scatter agree.
+    """
     num_tokens = logits.shape[1]
-    rows = penalties.row_indices
-    row_logits = logits.index_select(0, rows)  # [P, V]
-    output_counts = token_counts(penalties.output_token_ids, num_tokens)  # [P, V]
-    is_in_output = output_counts > 0  # [P, V]
+    seen = penalties.output_token_ids
     if penalties.prompt_token_ids is not None:
-        is_seen = is_in_output | (token_counts(penalties.prompt_token_ids, num_tokens) > 0)
-        scale = torch.where(is_seen, penalties.repetition_penalties.unsqueeze(1), 1.0)  # [P, V]
+        seen = torch.cat([penalties.prompt_token_ids, seen], dim=1)  # [P, L]
+    ids, has_seen = _pad_with_own_ids(seen, num_tokens)  # [P, L], [P, 1]
+    rows = penalties.row_indices.unsqueeze(1)  # [P, 1]
+    seen_logits = logits[rows, ids]  # [P, L]
+    penalized = seen_logits
+    if penalties.prompt_token_ids is not None:
+        scale = penalties.repetition_penalties.unsqueeze(1)  # [P, 1]
         # Divide positive logits, multiply negative ones: both make a seen token less likely.
-        row_logits = torch.where(row_logits > 0, row_logits / scale, row_logits * scale)
-    row_logits -= penalties.frequency_penalties.unsqueeze(1) * output_counts
-    row_logits -= penalties.presence_penalties.unsqueeze(1) * is_in_output
-    logits.index_copy_(0, rows, row_logits)
+        penalized = torch.where(penalized > 0, penalized / scale, penalized * scale)
+    if penalties.has_output_penalties:
+        counts = token_counts(penalties.output_token_ids, num_tokens).gather(1, ids)  # [P, L]
+        penalized = (penalized - penalties.frequency_penalties.unsqueeze(1) * counts
+                     - penalties.presence_penalties.unsqueeze(1) * (counts > 0))
+    logits[rows, ids] = torch.where(has_seen, penalized, seen_logits)
+
+
+def _pad_with_own_ids(padded_token_ids: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[P, L] ids padded with pad_id -> the same with each pad replaced by the row's first id (a repeat,
+    harmless to a scatter of per-id values), or by 0 in a row with no ids; and [P, 1] has-any-id."""
+    is_real = padded_token_ids != pad_id  # [P, L]
+    has_any = is_real.any(dim=1, keepdim=True)  # [P, 1]
+    first = padded_token_ids.gather(1, is_real.to(torch.uint8).argmax(dim=1, keepdim=True))  # [P, 1]
+    first = torch.where(has_any, first, 0)
+    return torch.where(is_real, padded_token_ids, first), has_any
 
 
 def token_counts(padded_token_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -158,11 +176,16 @@ def exponential_race(
 def exponential_race_on_candidates(probs: torch.Tensor, cand_ids: torch.Tensor, vocab_size: int,
                                    generators: dict[int, torch.Generator],
                                    generator: torch.Generator | None) -> torch.Tensor:
-    """exponential_race when only the candidates cand_ids [B, K] can win (probs [B, K]): the same noise is
-    drawn over [B, V] (so every generator advances as on the full path) and read at the candidates."""
-    noise = _uniform_noise((probs.shape[0], vocab_size), probs.device, generators, generator)  # [B, V]
-    log_u = noise.gather(1, cand_ids).log_()  # [B, K]
-    return cand_ids.gather(1, probs.div_(log_u).argmin(dim=-1, keepdim=True)).squeeze(1)
+    """exponential_race when only the candidates cand_ids [B, K] can win (probs [B, K]). Unseeded rows
+    draw noise for their K candidates alone; a seeded row draws its whole [V] row, as on the full path,
+    and reads it at its candidates, so its tokens do not depend on which path its batch took."""
+    noise = torch.empty(cand_ids.shape, dtype=torch.float32, device=probs.device)  # [B, K]
+    if len(generators) < noise.shape[0]:
+        noise.uniform_(_TINY, 1.0, generator=generator)
+    for row, row_generator in generators.items():
+        row_noise = torch.empty(vocab_size, dtype=torch.float32, device=probs.device)  # [V]
+        noise[row] = row_noise.uniform_(_TINY, 1.0, generator=row_generator)[cand_ids[row]]
+    return cand_ids.gather(1, probs.div_(noise.log_()).argmin(dim=-1, keepdim=True)).squeeze(1)
 
 
 def _uniform_noise(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator],

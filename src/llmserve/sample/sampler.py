@@ -77,9 +77,9 @@ class Sampler:
     def _sample_candidates(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The same draw as `probs` + `exponential_race`, on each row's max_top_k best tokens only.
 
-        Every random row keeps at most max_top_k tokens, so the others have probability 0 either way; the
-        race draws the same uniform noise over the whole vocabulary (seeded rows give the same tokens on
-        both paths) and reads it at the candidates. Everything else is [B, K] instead of [B, V].
+        Every random row keeps at most max_top_k tokens, so the others have probability 0 either way.
+        Everything after the top-k is [B, K] instead of [B, V], the race's noise too, except for seeded
+        rows, which draw their full-vocabulary noise so that they give the same tokens on both paths.
         """
         cand_logits, cand_ids = logits.topk(meta.max_top_k, dim=-1)  # [B, K] each, descending
         cand_logits.div_(meta.temperature.unsqueeze(1))
