@@ -131,3 +131,20 @@ def test_reset_prefix_cache(http):
     assert http.post("/reset_prefix_cache").json() == {"success": True}
     out = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_stream_interval_groups_tokens_into_fewer_events(tmp_path):
+    server = start_tiny_server(str(tmp_path), "--stream-interval", "4")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            body = {"prompt": "hello", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            _, _, events = sse_events(client, "/v1/completions", {**body, "stream": True,
+                                                                  "stream_options": {"include_usage": True}})
+    finally:
+        assert server.stop() == 0
+    *chunks, usage = parse(events)
+    assert 2 <= len(chunks) <= 4  # tokens 1, 2-5, 6-9, 10 (fewer if the client fell behind)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"]["completion_tokens"] == 10

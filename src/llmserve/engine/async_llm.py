@@ -93,14 +93,14 @@ class RequestOutputCollector:
 
 class AsyncLLM:
     def __init__(self, client: EngineCoreClient, tokenizer, generation_defaults: dict,
-                 stat_logger: StatLogger | None = None) -> None:
+                 stat_logger: StatLogger | None = None, stream_interval: int = 1) -> None:
         self.client = client
         self.model_info: ModelInfo = client.model_info
         self.tokenizer = tokenizer
         info = self.model_info
         self.processor = Processor(tokenizer, info.vocab_size, info.max_model_len, info.eos_token_ids,
                                    generation_defaults)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self.stat_logger = stat_logger
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.last_stats: SchedulerStats | None = None
@@ -111,7 +111,7 @@ class AsyncLLM:
 
     @classmethod
     async def from_config(cls, config: EngineConfig, *, startup_timeout: float = 600.0,
-                          stat_logger: StatLogger | None = None) -> AsyncLLM:
+                          stat_logger: StatLogger | None = None, stream_interval: int = 1) -> AsyncLLM:
         # The tokenizer loads while the engine process starts, when its location is known up front.
         source = config.model.tokenizer or config.model.model
         early = None
@@ -128,7 +128,7 @@ class AsyncLLM:
 
             path = client.model_info.path
             tokenizer = await (early if early is not None else asyncio.to_thread(_load_tokenizer, path, None))
-            return cls(client, tokenizer, load_generation_defaults(path), stat_logger)
+            return cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval)
         except BaseException:
             await client.shutdown()
             raise

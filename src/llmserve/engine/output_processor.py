@@ -62,8 +62,12 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
+        """stream_interval: a streamed (delta) request gets an output once a sequence has this many
+        unsent tokens, on its first token, and when a sequence finishes."""
+        assert stream_interval >= 1
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
         self.engine_to_request: dict[str, str] = {}
 
@@ -148,6 +152,8 @@ class OutputProcessor:
             self.abort_request(state.request_id)  # forget it (nothing left to abort in the core)
         if not state.is_delta and not finished and state.collector is None:
             return  # offline, non-streaming: only the final output matters
+        if state.is_delta and not finished and not self._is_stream_due(state):
+            return
         output = self._request_output(state, finished)
         if output is None:
             return
@@ -155,6 +161,15 @@ class OutputProcessor:
             state.collector.put(output)
         else:
             result.request_outputs.append(output)
+
+    def _is_stream_due(self, state: RequestState) -> bool:
+        for seq in state.sequences.values():
+            if seq.is_final_sent:
+                continue
+            num_unsent = len(seq.token_ids) - seq.num_sent_tokens
+            if seq.num_sent_tokens == 0 or num_unsent >= self.stream_interval or seq.finish_reason is not None:
+                return True
+        return False
 
     def _request_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         completions = []

@@ -1,0 +1,49 @@
+"""The front's output processor: how a streamed request's tokens are grouped into outputs."""
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from llmserve.engine.messages import EngineCoreOutput, FinishReason
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.model.toy_tokenizer import build_tokenizer
+from llmserve.sampling_params import SamplingParams
+
+
+class Mailbox:
+    def __init__(self) -> None:
+        self.outputs = []
+
+    def put(self, output) -> None:
+        self.outputs.append(output)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(300))
+
+
+def stream(tokenizer, stream_interval: int, num_tokens: int, n: int = 1) -> list:
+    """Feed one token per step to each of n sequences; the request's outputs, in order."""
+    processor = OutputProcessor(tokenizer, stream_interval)
+    mailbox = Mailbox()
+    processor.add_request("r", None, [5, 6], SamplingParams(n=n, max_tokens=num_tokens), mailbox, is_delta=True)
+    engine_ids = list(processor.requests["r"].sequences)
+    for step in range(num_tokens):
+        finish = FinishReason.LENGTH if step == num_tokens - 1 else None
+        processor.process_outputs([EngineCoreOutput(eid, [40 + step], finish_reason=finish) for eid in engine_ids])
+    assert not processor.has_unfinished_requests()
+    return mailbox.outputs
+
+
+@pytest.mark.parametrize(("stream_interval", "sizes"), [(1, [1] * 8), (3, [1, 3, 3, 1]), (8, [1, 7]), (20, [1, 7])])
+def test_first_token_at_once_then_every_interval_tokens_then_the_end(tokenizer, stream_interval, sizes):
+    outputs = stream(tokenizer, stream_interval, 8)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == sizes
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == list(range(40, 48))
+    assert [o.finished for o in outputs] == [False] * (len(sizes) - 1) + [True]
+    assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+def test_every_sequence_of_n_is_grouped_the_same_way(tokenizer):
+    outputs = stream(tokenizer, 4, 6, n=2)
+    assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[1, 1], [4, 4], [1, 1]]
