@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.detokenizer import IncrementalDetokenizer, decode_function
 from llmserve.engine.stop import check_stop_strings, hold_back
 
 CORPUS = [
@@ -160,3 +160,22 @@ def test_streaming_with_hold_back_never_shows_a_partial_stop_string(tokenizer):
         assert not detok.output_text[len(streamed):visible].endswith("hello")
         streamed = detok.output_text[:visible]
     assert streamed == "hello there, "
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_decode_function_calls_the_backend_and_decodes_as_the_tokenizer(tokenizer, skip_special_tokens):
+    decode = decode_function(tokenizer, skip_special_tokens)
+    assert decode.func == tokenizer.backend_tokenizer.decode  # no clean-up: the wrapper adds nothing
+    rng = random.Random(0)
+    eos = tokenizer.eos_token_id
+    for _ in range(200):
+        ids = [rng.choice([eos, rng.randrange(len(tokenizer))]) for _ in range(rng.randint(1, 8))]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_decode_function_keeps_the_wrapper_when_it_cleans_up_spaces(tokenizer):
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert decode_function(tokenizer, True).func == tokenizer.decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

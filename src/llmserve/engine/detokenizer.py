@@ -9,7 +9,8 @@ part is emitted so the window stays short.
 
 from __future__ import annotations
 
-from typing import Protocol
+from functools import partial
+from typing import Callable, Protocol
 
 NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output tokens
 MAX_PENDING_TOKENS = 6  # held-back tokens before we look for a stable prefix to emit
@@ -29,8 +30,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode_ids = decode_function(tokenizer, skip_special_tokens)
         # ids[prefix_offset:]; the first `_num_read` of them are context whose text was emitted.
         self._window: list[int] = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
         self._num_read = len(self._window)
@@ -86,4 +86,14 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(token_ids)
+
+
+def decode_function(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text as tokenizer.decode gives it. A transformers fast tokenizer that cleans up no spaces
+    adds nothing to its Rust backend's decode but per-call conversions (two thirds of the call for a
+    few ids, twice a token: docs/benchmarks.md), so the backend is called directly then."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return partial(backend.decode, skip_special_tokens=skip_special_tokens)
