@@ -149,8 +149,8 @@ def test_cancelled_stream_aborts_in_the_replica(prefix_router, replicas):
 def test_cancelled_non_streamed_request_aborts_in_the_replica(prefix_router, replicas):
     before = {s.url: aborted(s) for s in replicas}
     body = {"model": "tiny", "prompt": "cancel me too", "max_tokens": 480, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{prefix_router.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
+    with pytest.raises(httpx.ReadTimeout):  # 480 tokens take the replica ~0.8 s
+        httpx.post(f"{prefix_router.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.25))
     wait_for(lambda: sum(aborted(s) - before[s.url] for s in replicas) == 1
              and all(idle(s, 0.0) for s in replicas), 10, "the abort")
 

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir):
     """One running sequence at a time, three more may wait: four in flight at most."""
     server = start_tiny_server(model_dir, "--max-num-seqs", "1", "--max-queued-requests", "3",
-                               "--shutdown-timeout", "2")
+                               "--shutdown-timeout", "1")
     yield server
     server.stop()
 
