@@ -9,6 +9,9 @@ import typing
 from dataclasses import dataclass, field
 
 
+LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = field(default=None, metadata={"help": "HF directory or hub id (default: the embedded demo model)"})
@@ -20,7 +23,7 @@ class ModelConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch + C++ kernel on CPU) | torch | triton", "choices": ["auto", "torch", "triton"]})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
-    max_graph_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a CUDA graph"})
+    max_graph_batch: int | None = field(default=None, metadata={"help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)"})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
 
@@ -37,19 +40,27 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    max_num_seqs: int | None = field(default=None, metadata={"help": "most requests running at once (default: 128 on "
+                                     "CPU; on CUDA 1024 with 70 GiB of device memory or more, else 256)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget of one engine step "
-                                               "(default: 2048 on CUDA; 512 on CPU, where 2,048 tokens are seconds of "
-                                               "compute: shorter steps give earlier first tokens, shorter stalls)"})
+                                               "(default: on CUDA 8192 with 70 GiB of device memory or more, else 2048; "
+                                               "512 on CPU, where 2,048 tokens are seconds of compute: shorter steps "
+                                               "give earlier first tokens, shorter stalls)"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_prefill_tokens_while_decoding: int | None = field(default=None, metadata={"help": "while requests decode, at most this many prompt tokens per step: bounds inter-token latency (default: the whole token budget)"})
     policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"]})
+    async_scheduling: bool | None = field(default=None, metadata={"help": "schedule and prepare step N+1 while the "
+                                          "device runs step N (default: on for CUDA, off on CPU, where the host is "
+                                          "the device and nothing overlaps)"})
 
-    def for_device(self, device_type: str) -> SchedulerConfig:
-        """This config with the device's defaults filled in (the token budget)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        return dataclasses.replace(self, max_num_batched_tokens=512 if device_type == "cpu" else 2048)
+    def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
+        """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""
+        is_big_gpu = device_type == "cuda" and device_memory >= LARGE_GPU_MEMORY
+        defaults = {"max_num_seqs": 128 if device_type != "cuda" else 1024 if is_big_gpu else 256,
+                    "max_num_batched_tokens": 512 if device_type != "cuda" else 8192 if is_big_gpu else 2048,
+                    "async_scheduling": device_type == "cuda"}
+        unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset) if unset else self
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def test_prefill_tokens_are_capped_while_requests_decode():
     from llmserve.config import CacheConfig, SchedulerConfig
     from llmserve.core.scheduler import Scheduler
 
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=6),
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=6),
                       CacheConfig(block_size=4), 64, 256)
     sched.add_request(make_request("a", list(range(1, 21)), max_tokens=8))
     out, _ = step(sched)
@@ -163,3 +163,7 @@ def test_token_budget_default_depends_on_the_device():
     assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 512
     assert SchedulerConfig().for_device("cuda").max_num_batched_tokens == 2048
     assert SchedulerConfig(max_num_batched_tokens=96).for_device("cpu").max_num_batched_tokens == 96
+    h100 = SchedulerConfig().for_device("cuda", device_memory=80 * 2**30)
+    assert (h100.max_num_seqs, h100.max_num_batched_tokens, h100.async_scheduling) == (1024, 8192, True)
+    cpu = SchedulerConfig(max_num_seqs=7).for_device("cpu")
+    assert (cpu.max_num_seqs, cpu.async_scheduling) == (7, False)

@@ -10,7 +10,7 @@ from core_helpers import make_request
 def _scheduler(k: int = 5, budget: int = 64, max_batch: int = 8, num_blocks: int = 32, speculative: str = "ngram"):
     spec = SpeculativeConfig(speculative=speculative, num_speculative_tokens=k, speculative_max_batch=max_batch,
                              draft_model="d" if speculative == "draft" else None)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), CacheConfig(block_size=4), num_blocks, 256,
+    return Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=budget), CacheConfig(block_size=4), num_blocks, 256,
                      spec)
 
 

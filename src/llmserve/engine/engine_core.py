@@ -1,5 +1,9 @@
 """The engine core: one step is schedule -> execute -> update_from_output.
 
+With async scheduling (CUDA by default) execute is split: the step schedules and launches step N+1,
+then finishes step N (its sampled ids reach the host) and updates from it, so the host's work for
+N+1 overlaps the device's work on N. Steps that may carry drafts run in order.
+
 Owns the scheduler (what to run) and the model runner (running it). The front talks to it through
 EngineCoreRequest / abort lists and gets EngineCoreOutputs back, in-process (LLM) or over ZMQ.
 """
@@ -14,7 +18,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.core.request import Request
-from llmserve.core.sched_output import ModelRunnerOutput
+from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model.attention import select_attention_backend
@@ -26,8 +30,19 @@ from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
 from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
+from llmserve.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
+
+
+MAX_DEFAULT_GRAPH_BATCH = 512  # graphs captured up to max_num_seqs, at most this (vLLM's default too)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of a CUDA device (0 elsewhere): the scheduler's defaults scale with it."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def resolve_device(device: str) -> torch.device:
@@ -51,7 +66,8 @@ class EngineCore:
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.speculative.validate()
         self.device = resolve_device(config.model.device)
-        config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type))
+        config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
+                                                                                   device_memory(self.device)))
         self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
@@ -67,11 +83,16 @@ class EngineCore:
         proposer = self._proposer(attn_backend, draft_model)
         graphs = self._decode_graphs(model, attn_backend, kv_caches)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size,
-                                  self.model_info.vocab_size, self.device, config.model.seed, proposer, graphs)
+                                  self.model_info.vocab_size, self.device, config.model.seed, proposer, graphs,
+                                  config.scheduler.max_num_seqs, self.model_info.max_model_len)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative)
-        logger.info("engine ready: %s on %s (%s, threads: %d), %d KV blocks of %d tokens", name, self.device,
-                    self.dtype, self.num_threads, self.num_blocks, config.cache.block_size)
+        self.is_async = bool(config.scheduler.async_scheduling)
+        self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
+        logger.info("engine ready: %s on %s (%s, threads: %d), %d KV blocks of %d tokens, max_num_seqs %d, "
+                    "token budget %d, async scheduling %s", name, self.device, self.dtype, self.num_threads,
+                    self.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
+                    config.scheduler.max_num_batched_tokens, "on" if self.is_async else "off")
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
@@ -120,7 +141,7 @@ class EngineCore:
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
-        max_batch = min(cfg.max_graph_batch, self.config.scheduler.max_num_seqs)
+        max_batch = min(cfg.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, self.config.scheduler.max_num_seqs)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device)
         graphs.capture()
         return graphs
@@ -132,20 +153,44 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            self.runner.drop_finished(sched_out.finished_req_ids)
-            runner_out = ModelRunnerOutput([], [])
+        if self.is_async and not self.scheduler.can_speculate():
+            outputs = self._step_overlapped()
+        elif self.in_flight is not None:
+            outputs = self._finish_in_flight()  # leaving overlap: the step in flight first
         else:
-            runner_out = self.runner.execute(sched_out)
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            sched_out = self.scheduler.schedule()
+            outputs = self.scheduler.update_from_output(sched_out, self._execute(sched_out))
         if outputs.stats is not None:
             outputs.stats.step_time = time.perf_counter() - start
         return outputs
+
+    def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        if sched_out.is_empty:
+            self.runner.drop_finished(sched_out.finished_req_ids)
+            return ModelRunnerOutput([], [])
+        return self.runner.execute(sched_out)
+
+    def _step_overlapped(self) -> EngineCoreOutputs:
+        """Schedule and launch step N+1, then finish and update from step N."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            self.runner.drop_finished(sched_out.finished_req_ids)
+            if self.in_flight is None:
+                return self.scheduler.update_from_output(sched_out, ModelRunnerOutput([], []))
+            return self._finish_in_flight()
+        handle = self.runner.launch(sched_out)
+        previous, self.in_flight = self.in_flight, (sched_out, handle)
+        if previous is None:  # the first step of a run: nothing finished yet
+            return EngineCoreOutputs(outputs=self.scheduler.take_aborted_outputs())
+        return self.scheduler.update_from_output(previous[0], self.runner.finish(previous[1]))
+
+    def _finish_in_flight(self) -> EngineCoreOutputs:
+        (sched_out, handle), self.in_flight = self.in_flight, None
+        return self.scheduler.update_from_output(sched_out, self.runner.finish(handle))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -163,3 +208,4 @@ class EngineCore:
         self.scheduler.check_integrity()
         pending = set(self.scheduler.requests) | self.scheduler.finished_req_ids
         assert set(self.runner.states) <= pending, "runner holds finished requests"
+        self.runner.check_integrity()

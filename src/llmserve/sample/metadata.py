@@ -24,6 +24,10 @@ class SamplingRow(Protocol):
     generator: torch.Generator | None  # from params.seed, on the logits' device; None if unseeded
     stop_token_ids_for_min_tokens: list[int]  # eos + stop ids, masked while output < min_tokens
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens so far (async scheduling: with the ones still on the device)."""
+
 
 @dataclass
 class PositionRow:
@@ -31,10 +35,14 @@ class PositionRow:
     n + j, with j draft tokens already appended)."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
-    stop_token_ids_for_min_tokens: list[int]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    stop_token_ids_for_min_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
 
 @dataclass
@@ -148,7 +156,7 @@ def _fill_sparse_bias(
             row_ids.extend([i] * len(params.logit_bias))
             token_ids.extend(params.logit_bias.keys())
             values.extend(params.logit_bias.values())
-        if params.min_tokens and len(row.output_token_ids) < params.min_tokens:
+        if params.min_tokens and row.num_output_tokens < params.min_tokens:
             masked = row.stop_token_ids_for_min_tokens
             row_ids.extend([i] * len(masked))
             token_ids.extend(masked)
