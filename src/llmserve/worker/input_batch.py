@@ -29,13 +29,14 @@ class CachedRequestState:
     num_draft_computed: int = 0  # tokens whose KV the draft model has written (draft model)
     row: int = -1  # its row in the runner's PersistentBatch
     num_pending: int = 0  # tokens sampled on the device whose ids are not on the host yet
+    has_penalties: bool = False  # its sampling reads its output ids
     is_dynamic: bool = False  # its sampling inputs change with its tokens (penalties, min_tokens)
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
         p = self.params
-        self.is_dynamic = (bool(p.min_tokens) or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                           or p.presence_penalty != 0.0)
+        self.has_penalties = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        self.is_dynamic = self.has_penalties or bool(p.min_tokens)
 
     @property
     def num_output_tokens(self) -> int:

@@ -41,6 +41,7 @@ class StepTimes:
     sample: float = 0.0
     propose: float = 0.0
     num_steps: int = 0
+    num_device_inputs: int = 0  # input tokens read from the last step's sampled ids on the device
 
 
 class ModelRunner:
@@ -146,7 +147,7 @@ class ModelRunner:
     @staticmethod
     def _needs_host_tokens(states: list[CachedRequestState]) -> bool:
         """Penalties read a row's output ids: a pending one must reach the host first."""
-        return any(s.num_pending and s.is_dynamic for s in states)
+        return any(s.num_pending and s.has_penalties for s in states)
 
     # ---- inputs and forward -------------------------------------------------------------------------
 
@@ -171,6 +172,7 @@ class ModelRunner:
     def _to_device(self, arrays: StepArrays, logits_indices: np.ndarray) -> StepInputs:
         input_ids = _on_device(arrays.input_ids, self.device)
         if len(arrays.pending_tokens):
+            self.times.num_device_inputs += len(arrays.pending_tokens)
             sources = _on_device(arrays.pending_sources, self.device)
             input_ids[_on_device(arrays.pending_tokens, self.device)] = self.in_flight.sampled[sources]
         attn = AttentionInputs(
