@@ -269,7 +269,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted during the step
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            if self.held_siblings and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._release_siblings(request)
             if not token_ids:
                 continue  # a prefill chunk: nothing to report yet

@@ -57,6 +57,7 @@ class EngineCoreClient:
 
         self.model_info = msgspec.convert(ready.model_info, ModelInfo)
         self.num_kv_blocks = ready.num_kv_blocks
+        self.max_num_seqs = ready.max_num_seqs
         self.on_outputs: Callable[[EngineCoreOutputs], None] = lambda outputs: None
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead_reason: str | None = None

@@ -49,6 +49,12 @@ class RequestState:
     arrival_time: float
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    is_text_deferred: bool = False  # set on creation
+
+    def __post_init__(self) -> None:
+        # Only the final text is ever read (offline, not streamed, no stop string to look for): it is
+        # decoded once, when the sequence finishes, not token by token.
+        self.is_text_deferred = self.collector is None and not self.is_delta and not self.params.stop
 
     @property
     def is_finished(self) -> bool:
@@ -113,7 +119,13 @@ class OutputProcessor:
             if request_id is None:
                 continue  # already finished here (stop string) or aborted
             state = self.requests[request_id]
-            if self._update_sequence(state, state.sequences[out.request_id], out):
+            seq = state.sequences[out.request_id]
+            if state.is_text_deferred and out.finish_reason is None and out.first_token_time is None:
+                seq.token_ids.extend(out.new_token_ids)  # the common offline step: tokens only
+                if out.new_logprobs and seq.logprobs is not None:
+                    seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
+                continue
+            if self._update_sequence(state, seq, out):
                 result.reqs_to_abort.append(out.request_id)
             touched[request_id] = state
         for state in touched.values():
@@ -129,6 +141,12 @@ class OutputProcessor:
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
+        if state.is_text_deferred:
+            if out.finish_reason is not None:
+                seq.text = seq.detokenizer.add(seq.token_ids) + seq.detokenizer.flush()
+                seq.finish_reason = str(out.finish_reason)
+                seq.stop_reason = out.stop_reason
+            return False
         new_text = seq.detokenizer.add(out.new_token_ids) if out.new_token_ids else ""
         seq.text += new_text
         stops = state.params.stop

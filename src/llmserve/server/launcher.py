@@ -110,7 +110,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         model_name = config.served_model_name or engine.model_info.name
         metrics = ServerMetrics(model_name)
         engine.stat_logger = metrics
-        ctx = ServingContext(engine, config, metrics, model_name, engine_config.scheduler.max_num_seqs,
+        ctx = ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs,
                              TokenTexts(engine.tokenizer))
         server = DrainingServer(_uvicorn_config(build_app(ctx), config), ctx)
         engine.dead_callbacks.append(server.on_engine_dead)

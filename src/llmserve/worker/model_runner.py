@@ -54,6 +54,7 @@ class ModelRunner:
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, Hkv, D]
         self.block_size = block_size
         self.device = device
+        self.vocab_size = vocab_size
         self.sampling = SamplingInputs(vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.proposer = proposer
@@ -129,10 +130,12 @@ class ModelRunner:
             state.row = self.batch.add(new.req_id, state.token_ids, state.block_ids)
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
+            assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
+            if not cached.new_block_ids and cached.num_old_blocks == len(state.block_ids):
+                continue  # the common decode step: no block changed
             del state.block_ids[cached.num_old_blocks:]  # blocks of rejected drafts the scheduler took back
             state.block_ids.extend(cached.new_block_ids)
             self.batch.set_blocks(state.row, cached.num_old_blocks, cached.new_block_ids)
-            assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         generator = None
@@ -157,7 +160,7 @@ class ModelRunner:
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, count=num_rows)  # [B]
         counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=num_rows)  # [B]
         num_drafts = np.zeros(num_rows, np.int64)  # [B]
-        for i, state in enumerate(states):
+        for i, state in enumerate(states if sched_out.scheduled_spec_tokens else ()):
             drafts = sched_out.scheduled_spec_tokens.get(state.req_id)
             if drafts:
                 self.batch.set_drafts(state.row, drafts)
@@ -233,11 +236,17 @@ class ModelRunner:
             host = handle.copy.wait()
             sampled = [[t] for t in host["sampled"].tolist()]
             logprobs = host_logprobs(host, handle.num_logprobs)
-        token_ids: list[list[int]] = [[] for _ in handle.req_ids]
-        row_logprobs: list | None = [None] * len(handle.req_ids) if logprobs is not None else None
-        for j, row in enumerate(handle.sample_rows.tolist()):
-            token_ids[row] = sampled[j]
-            if logprobs is not None:
+        num_rows = len(handle.req_ids)
+        if len(sampled) == num_rows and logprobs is None:
+            token_ids = sampled  # every row sampled (decode steps): already in row order
+        else:
+            token_ids = [[] for _ in handle.req_ids]
+            for j, row in enumerate(handle.sample_rows.tolist()):
+                token_ids[row] = sampled[j]
+        row_logprobs: list | None = None
+        if logprobs is not None:
+            row_logprobs = [None] * num_rows
+            for j, row in enumerate(handle.sample_rows.tolist()):
                 row_logprobs[row] = logprobs[j]
         self._append_sampled(handle, sampled)
         return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs)
