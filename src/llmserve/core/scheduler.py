@@ -217,6 +217,8 @@ class Scheduler:
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
             num_new = request.num_tokens - num_hit_tokens
             limit = min(budget, self.prefill_budget)
             if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
@@ -264,19 +266,23 @@ class Scheduler:
         num_generated = 0
         logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
         proposals = runner_out.spec_token_ids or [None] * len(runner_out.req_ids)
-        for req_id, token_ids, row_logprobs, drafts in zip(runner_out.req_ids, runner_out.sampled_token_ids,
-                                                           logprobs, proposals):
+        prompt_logprobs = runner_out.prompt_logprobs or [None] * len(runner_out.req_ids)
+        for req_id, token_ids, row_logprobs, drafts, row_prompt in zip(
+                runner_out.req_ids, runner_out.sampled_token_ids, logprobs, proposals, prompt_logprobs):
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted during the step
             if self.held_siblings and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._release_siblings(request)
             if not token_ids:
-                continue  # a prefill chunk: nothing to report yet
+                if row_prompt is not None:  # a prefill chunk: only its prompt logprobs to report
+                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=row_prompt))
+                continue
             request.num_placeholders -= 1
             self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), len(token_ids))
             num_generated += len(token_ids)
             outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
+            outputs[-1].prompt_logprobs = row_prompt
             if self.spec_config.is_enabled and not request.is_finished:
                 self._store_drafts(request, drafts or [])
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))

@@ -26,6 +26,7 @@ from llmserve.spec.proposer import Proposer
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.input_batch import CachedRequestState, StepInputs, _logits_indices
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
+from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs, host_logprobs
 from llmserve.worker.spec_verify import verify
 from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
@@ -77,14 +78,18 @@ class ModelRunner:
         if has_drafts or sched_out.use_speculation or self._needs_host_tokens(states):
             self.settle()
         inputs = self._prepare(states, sched_out)
+        prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
         t1 = self._mark()
-        logits = self._forward(inputs, has_drafts)  # [N, V]
+        hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         t2 = self._mark()
         rows = [states[i] for i in inputs.sample_rows]
+        scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}
         if has_drafts:
             handle = self._verify_step(req_ids, inputs.sample_rows, logits, rows, sched_out)
+            handle.copy = HostCopy.start(scored)
         else:
-            handle = self._sample_step(req_ids, inputs.sample_rows, logits, rows)
+            handle = self._sample_step(req_ids, inputs.sample_rows, logits, rows, scored)
+        handle.prompt_plan = prompt_plan
         t3 = self._mark()
         for state, num in zip(states, sched_out.num_scheduled_tokens.values()):
             state.num_computed_tokens += num  # rejected drafts are rolled back when the step finishes
@@ -198,23 +203,24 @@ class ModelRunner:
         else:
             metadata = self.attn_backend.build_metadata(inputs.attn)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
 
     # ---- sampling -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def _sample_step(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
-                     rows: list[CachedRequestState]) -> StepHandle:
-        """Sample on the device and start copying the ids to the host; rows' next token is pending."""
+                     rows: list[CachedRequestState], extra: dict[str, torch.Tensor]) -> StepHandle:
+        """Sample on the device and start copying the ids (and `extra` tensors) to the host; the rows'
+        next token is pending."""
         if not rows:
             empty = SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
             return StepHandle(req_ids, np.asarray(sample_rows, np.int64), empty.sampled_token_ids,
-                              start_host_copy(empty))
+                              start_host_copy(empty, extra))
         out = self.sampler(logits, self.sampling.metadata(rows))
         for row in rows:
             row.num_pending += 1
-        return StepHandle(req_ids, np.asarray(sample_rows, np.int64), out.sampled_token_ids, start_host_copy(out),
-                          [row.params.logprobs for row in rows])
+        return StepHandle(req_ids, np.asarray(sample_rows, np.int64), out.sampled_token_ids,
+                          start_host_copy(out, extra), [row.params.logprobs for row in rows])
 
     @torch.inference_mode()
     def _verify_step(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
@@ -249,7 +255,11 @@ class ModelRunner:
             for j, row in enumerate(handle.sample_rows.tolist()):
                 row_logprobs[row] = logprobs[j]
         self._append_sampled(handle, sampled)
-        return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs)
+        prompt_logprobs = None
+        if handle.prompt_plan is not None:
+            prompt_logprobs = host_prompt_logprobs(handle.copy.wait(), handle.prompt_plan, num_rows)
+        return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _append_sampled(self, handle: StepHandle, sampled: list[list[int]]) -> None:
         """The ids join their states (requests finished or preempted meanwhile are gone: skipped);

@@ -9,6 +9,7 @@ the step returns (the same code path with a device that never runs ahead).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,10 +57,11 @@ class StepHandle:
     host_tokens: list[list[int]] | None = None  # is_sync: per sampling row its emitted ids
     host_logprobs: list | None = None  # is_sync: per sampling row its Logprobs list, or None
     use_speculation: bool = False  # propose drafts for the next step once finished
+    prompt_plan: Any = None  # worker.prompt_logprobs.PromptLogprobsPlan of the step's scored prompt tokens
 
 
-def start_host_copy(out: SamplerOutput) -> HostCopy:
-    tensors = {"sampled": out.sampled_token_ids}
+def start_host_copy(out: SamplerOutput, extra: dict[str, torch.Tensor] | None = None) -> HostCopy:
+    tensors = {"sampled": out.sampled_token_ids, **(extra or {})}
     if out.logprobs is not None:
         tensors.update(lp_ids=out.logprobs.token_ids, lp_values=out.logprobs.logprobs,
                        lp_ranks=out.logprobs.sampled_ranks)
