@@ -80,13 +80,13 @@ def test_seeded_sampling_n_logprobs_min_tokens(tiny):
     _assert_same_samples(*_run_both(tiny, prompts, params, max_num_seqs=6))
 
 
-def test_penalties_read_their_tokens_on_the_host(tiny):
-    """A step with a penalised row waits for the step in flight (it reads the row's output ids)."""
+def test_penalties_read_their_tokens_on_the_device(tiny):
+    """Penalised rows' output ids are appended on the device: their steps overlap too."""
     prompts = _prompts(6)
     params = [SamplingParams(temperature=0.8, seed=7 + i, logprobs=1, max_tokens=10,
                              presence_penalty=0.5 * (i % 2), repetition_penalty=1.0 + 0.2 * (i % 3 == 2))
               for i in range(6)]
-    _assert_same_samples(*_run_both(tiny, prompts, params, can_overlap=False))
+    _assert_same_samples(*_run_both(tiny, prompts, params))
 
 
 def test_speculative_ngram_turns_overlap_off_per_step(tiny):

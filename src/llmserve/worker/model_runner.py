@@ -4,8 +4,8 @@ model, samples.
 A step is `launch` (inputs, forward, sampling queued on the device; the sampled ids stay there) and
 `finish` (the ids on the host, turned into the step's output). `execute` is both at once. With async
 scheduling the engine launches step N+1 before it finishes step N: rows whose last token is still on
-the device read it there (PersistentBatch.gather). A step that needs the previous tokens on the host
-(drafts to verify or propose, penalties over a pending token) finishes the step in flight first.
+the device read it there (PersistentBatch.gather), and penalties read their rows' tokens there too
+(worker.penalty_tokens). A step with drafts to verify or propose finishes the step in flight first.
 
 With speculative decoding the step also verifies the drafts the scheduler placed after each row's
 real tokens (worker.spec_verify) and asks the proposer for the next step's drafts.
@@ -75,7 +75,7 @@ class ModelRunner:
         req_ids = list(sched_out.num_scheduled_tokens)
         states = [self.states[r] for r in req_ids]
         has_drafts = bool(sched_out.scheduled_spec_tokens)
-        if has_drafts or sched_out.use_speculation or self._needs_host_tokens(states):
+        if has_drafts or sched_out.use_speculation:
             self.settle()
         inputs = self._prepare(states, sched_out)
         prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
@@ -133,6 +133,8 @@ class ModelRunner:
         for new in sched_out.new_reqs:
             state = self.states[new.req_id] = self._new_state(new)
             state.row = self.batch.add(new.req_id, state.token_ids, state.block_ids)
+            if state.has_penalties:
+                self.sampling.penalty_tokens.add(state)
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
@@ -151,11 +153,6 @@ class ModelRunner:
             output_token_ids=list(new.output_token_ids), params=new.sampling_params, generator=generator,
             block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
             stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens)
-
-    @staticmethod
-    def _needs_host_tokens(states: list[CachedRequestState]) -> bool:
-        """Penalties read a row's output ids: a pending one must reach the host first."""
-        return any(s.num_pending and s.has_penalties for s in states)
 
     # ---- inputs and forward -------------------------------------------------------------------------
 
@@ -217,6 +214,10 @@ class ModelRunner:
             return StepHandle(req_ids, np.asarray(sample_rows, np.int64), empty.sampled_token_ids,
                               start_host_copy(empty, extra))
         out = self.sampler(logits, self.sampling.metadata(rows))
+        penalized = [j for j, row in enumerate(rows) if row.has_penalties]
+        if penalized:
+            self.sampling.penalty_tokens.append_sampled([rows[j].row for j in penalized],
+                                                        out.sampled_token_ids[penalized])
         for row in rows:
             row.num_pending += 1
         return StepHandle(req_ids, np.asarray(sample_rows, np.int64), out.sampled_token_ids,
@@ -275,6 +276,8 @@ class ModelRunner:
             state.num_computed_tokens -= num_rejected  # 0 without drafts
             for token_id in sampled[j]:
                 state.append_token(token_id)
+            if handle.is_sync and state.has_penalties:  # verified drafts: their ids come from the host
+                self.sampling.penalty_tokens.append_host(state.row, sampled[j])
             if len(sampled[j]) == 1:
                 rows.append(state.row)
                 tokens.append(sampled[j][0])
