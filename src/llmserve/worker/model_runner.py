@@ -265,6 +265,8 @@ class ModelRunner:
     def _append_sampled(self, handle: StepHandle, sampled: list[list[int]]) -> None:
         """The ids join their states (requests finished or preempted meanwhile are gone: skipped);
         rejected drafts roll num_computed_tokens back."""
+        if not handle.is_sync:
+            return self._append_one_each(handle, sampled)
         rows: list[int] = []
         tokens: list[int] = []
         for j, row in enumerate(handle.sample_rows.tolist()):
@@ -283,6 +285,22 @@ class ModelRunner:
                 tokens.append(sampled[j][0])
             else:
                 self.batch.append_tokens(state.row, sampled[j])
+        if rows:
+            self.batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
+
+    def _append_one_each(self, handle: StepHandle, sampled: list[list[int]]) -> None:
+        """_append_sampled for a step without drafts: one id per sampling row."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        for row, (token_id,) in zip(handle.sample_rows.tolist(), sampled):
+            state = self.states.get(handle.req_ids[row])
+            if state is None or not state.num_pending:
+                continue
+            state.num_pending -= 1
+            state.output_token_ids.append(token_id)
+            state.token_ids.append(token_id)
+            rows.append(state.row)
+            tokens.append(token_id)
         if rows:
             self.batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
 
