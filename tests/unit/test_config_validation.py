@@ -89,6 +89,7 @@ SERVER_CASES = [
     ({"health_stall_timeout": 0.0}, "health-stall-timeout"),
     ({"timeout_keep_alive": -1}, "timeout-keep-alive"),
     ({"stream_interval": 0}, "stream-interval"),
+    ({"request_timeout": 0.0}, "request-timeout"),
 ]
 
 

@@ -28,6 +28,9 @@ class ServerConfig:
         "help": "seconds to wait for the engine process to load the model"})
     health_stall_timeout: float = field(default=60.0, metadata={
         "help": "/health turns 503 when the engine has work but sent nothing for this long"})
+    request_timeout: float | None = field(default=None, metadata={
+        "help": "seconds a generation request may run (queueing included); a longer one is aborted and gets an "
+                "error: HTTP 504, or an error event ending its stream (default: no limit)"})
     log_level: str = field(default="info", metadata={
         "help": "debug | info | warning | error", "choices": ["debug", "info", "warning", "error"]})
     access_log: bool = field(default=False, metadata={"help": "log one line per HTTP request"})
@@ -52,6 +55,8 @@ class ServerConfig:
         check(self.health_stall_timeout > 0, "health-stall-timeout", f"must be > 0, got {self.health_stall_timeout}")
         check_min("timeout-keep-alive", self.timeout_keep_alive, 0)
         check_min("stream-interval", self.stream_interval, 1)
+        check(self.request_timeout is None or self.request_timeout > 0, "request-timeout",
+              f"must be > 0, got {self.request_timeout}")
 
     @property
     def num_max_body_bytes(self) -> int:

@@ -105,7 +105,8 @@ def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     sock = bind_socket(config.host, config.port)
     engine = await AsyncLLM.from_config(engine_config, startup_timeout=config.engine_startup_timeout,
-                                        stream_interval=config.stream_interval)
+                                        stream_interval=config.stream_interval,
+                                        request_timeout=config.request_timeout)
     try:
         model_name = config.served_model_name or engine.model_info.name
         metrics = ServerMetrics(model_name)
