@@ -249,10 +249,14 @@ class AsyncLLM:
             if self.stat_logger is not None:
                 self.stat_logger.on_finished_by_stop_string(processed.reqs_to_abort)
 
-    def _on_dead(self, reason: str) -> None:
-        error = EngineDeadError(reason)
+    def fail_all(self, error: BaseException) -> int:
+        """End every open request's generator with `error` (it then aborts its request); how many."""
         for collector in self.collectors.values():
             collector.fail(error)
+        return len(self.collectors)
+
+    def _on_dead(self, reason: str) -> None:
+        self.fail_all(EngineDeadError(reason))
         for callback in self.dead_callbacks:
             callback(reason)
 
