@@ -132,3 +132,17 @@ def test_the_engine_checks_its_config_before_loading_a_model():
     config = EngineConfig(model=ModelConfig(model="/nonexistent/model"), scheduler=SchedulerConfig(max_num_seqs=0))
     with pytest.raises(ValueError, match=flag_error("max-num-seqs")):
         EngineCore(config)
+
+
+def test_the_server_launcher_checks_the_engine_config_before_starting_the_engine(monkeypatch):
+    import asyncio
+
+    from llmserve.engine.async_llm import AsyncLLM
+    from llmserve.server.launcher import serve
+
+    async def must_not_start(*args, **kwargs):
+        raise AssertionError("the engine started with a bad config")
+
+    monkeypatch.setattr(AsyncLLM, "from_config", must_not_start)
+    with pytest.raises(ValueError, match=flag_error("block-size")):
+        asyncio.run(serve(EngineConfig(cache=CacheConfig(block_size=0)), ServerConfig(port=0)))

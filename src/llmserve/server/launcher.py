@@ -123,6 +123,7 @@ def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    engine_config.validate()  # before binding or spawning anything (the CLI has checked already)
     sock = bind_socket(config.host, config.port)
     engine = await AsyncLLM.from_config(engine_config, startup_timeout=config.engine_startup_timeout,
                                         stream_interval=config.stream_interval,
