@@ -103,6 +103,13 @@ async def _wait_in_flight(http: httpx.AsyncClient, num: int) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _wait_draining(http: httpx.AsyncClient) -> None:
+    deadline = time.monotonic() + 10
+    while (await http.get("/health")).status_code != 503:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        await asyncio.sleep(0.01)
+
+
 async def _refused_while_draining(http: httpx.AsyncClient) -> bool:
     """New requests get 503 during the drain (and /health too)."""
     deadline = time.monotonic() + 5
@@ -156,3 +163,32 @@ async def _check_stall_turns_health_503(server, engine_pid: int) -> None:
             os.kill(engine_pid, signal.SIGCONT)
         assert finish_reason(await stream) == "length"
         assert (await http.get("/health")).status_code == 200
+
+
+def test_second_sigint_ends_open_requests_with_an_error_and_exits_without_a_traceback(model_dir):
+    server = start_tiny_server(model_dir, "--max-model-len", "2048", "--num-kv-blocks", "512")
+    try:
+        engine_pid = server.engine_pid()
+        endless = {"prompt": "endless", "max_tokens": 2000, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                started = asyncio.Event()
+                stream = asyncio.create_task(read_stream(http, endless, started))
+                plain = asyncio.create_task(http.post("/v1/completions", json=endless))
+                await asyncio.wait_for(started.wait(), 30)
+                await _wait_in_flight(http, 2)
+                server.send_signal(signal.SIGINT)
+                await _wait_draining(http)  # two signals sent at once could arrive as one
+                server.send_signal(signal.SIGINT)
+                return await stream, await plain
+
+        events, plain = asyncio.run(main())
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "service_unavailable", events[-2:]
+        assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
+        assert server.wait(timeout=30) == 0
+        assert not is_alive(engine_pid), "the engine process outlived the server"
+        log = server.log()
+        assert "Traceback" not in log and "ERROR" not in log and "Error" not in log, log
+    finally:
+        server.stop(signal.SIGKILL)

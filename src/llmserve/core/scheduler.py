@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable
 
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from llmserve.core.block_pool import KVBlock
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
@@ -148,7 +149,7 @@ class Scheduler:
         return self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
-        has_preempted = False
+        num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -165,14 +166,8 @@ class Scheduler:
                     continue
                 self.prefill_budget -= num_new
             drafts = drafts[:max(0, num_new - num_real)]
-            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
-            while new_blocks is None:
-                victim = self._pick_victim(first_unscheduled=i)
-                self._preempt(victim)
-                has_preempted = True
-                if victim is request:
-                    break
-                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
+            new_blocks, budget_back, num_before = self._allocate_or_preempt(out, request, num_new)
+            budget, i = budget + budget_back, i - num_before
             if new_blocks is None:
                 continue  # the request itself was preempted: running[i] is now the next one
             num_old_blocks = len(self.kv.req_to_blocks[request.request_id]) - len(new_blocks)
@@ -183,7 +178,7 @@ class Scheduler:
                 out.scheduled_spec_tokens[request.request_id] = drafts
             budget -= num_new
             i += 1
-        return budget, has_preempted
+        return budget, self.num_preemptions > num_preemptions
 
     def _is_done_once_known(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
@@ -192,11 +187,42 @@ class Scheduler:
         num_outputs = request.num_output_tokens + request.num_placeholders
         return num_outputs >= request.max_tokens or request.num_tokens_with_placeholders >= self.max_model_len
 
-    def _pick_victim(self, first_unscheduled: int) -> Request:
-        """The lowest-priority request not yet scheduled in this step (the newest under FCFS)."""
+    def _allocate_or_preempt(self, out: SchedulerOutput, request: Request,
+                             num_new: int) -> tuple[list[KVBlock] | None, int, int]:
+        """Blocks for `request`'s new tokens, preempting the lowest-priority running request until they fit.
+
+        Returns the new blocks (None when `request` itself was preempted), the token budget given back by
+        victims scheduled earlier in this step, and how many victims stood before `request` in `running`.
+        """
+        budget_back = num_before = 0
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
+            if new_blocks is not None:
+                return new_blocks, budget_back, num_before
+            victim = self._pick_victim()
+            num_before += self.running.index(victim) < self.running.index(request)
+            budget_back += self._unschedule(out, victim)
+            self._preempt(victim)
+            if victim is request:
+                return None, budget_back, num_before
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority running request (the newest under FCFS), perhaps one scheduled earlier in
+        this step; never one that outranks the request asking for blocks (it is running too)."""
         if self.config.policy == "priority":
-            return max(self.running[first_unscheduled:], key=lambda r: (r.priority, r.arrival_time))
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
+
+    def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
+        """Take `request` out of this step's output (it is being preempted); returns its scheduled tokens."""
+        num = out.num_scheduled_tokens.pop(request.request_id, 0)
+        if num == 0:
+            return 0
+        out.scheduled_spec_tokens.pop(request.request_id, None)
+        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
+        if request.num_tokens_with_placeholders - request.num_computed_tokens > 1:
+            self.prefill_budget += num  # it was a prompt chunk
+        return num
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

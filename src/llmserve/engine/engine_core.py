@@ -64,7 +64,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
         """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
-        config.speculative.validate()
+        config.validate()  # before loading anything: a bad value fails in milliseconds
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
@@ -72,6 +72,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
+        config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         model = load_model(path, self.dtype, self.device, self.model_info.max_model_len)
         self.num_threads = apply_num_threads(config.model.num_threads, model, self.device.type,
                                              has_front_beside)
