@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response records (msgspec: strict JSON decoding, fast encoding).
 
 Decoding rejects malformed JSON, NaN/Infinity, out-of-range numbers and wrong types with a message
-naming the field (-> 400). Known OpenAI fields that we do not support are declared so that a request
-using them is refused (400) instead of silently ignored; unknown fields are ignored as OpenAI does.
+naming the field (-> 400). Request records forbid unknown fields: a field we do not implement (vLLM's
+`guided_json`, `prompt_logprobs`, `best_of` beyond n, ...) is refused (400, naming it) rather than
+silently ignored. Known OpenAI fields we do not support are declared so that their refusal can say why;
+the only fields accepted and ignored are those of `IgnoredFields`, which never change an output.
 """
 
 from __future__ import annotations
@@ -17,7 +19,24 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class IgnoredFields(msgspec.Struct, kw_only=True):
+    """The one list of fields accepted and ignored, as OpenAI does: bookkeeping (end-user ids, stored
+    completions, billing tiers, cache keys) that never changes what is generated. Any other field we do
+    not implement is refused with 400."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None  # only matters with tools, which are refused
+
+
+IGNORED_FIELDS: tuple[str, ...] = IgnoredFields.__struct_fields__
+
+
+class SamplingFields(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None
@@ -32,7 +51,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     best_of: int | None = None
     # vLLM extras
     top_k: int | None = None
@@ -64,6 +82,8 @@ class TextPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
+    """Lenient: clients send back assistant messages as they got them (`refusal`, `annotations`, ...)."""
+
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -221,21 +241,23 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: also each token's vocabulary string
 
 
 class TokenizeResponse(msgspec.Struct):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokens: list[int]
     model: str | None = None
 
