@@ -129,6 +129,9 @@ def test_missing_and_wrong_key(server):
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 200  # a browser on /docs cannot send the key
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+    assert httpx.get(f"{server.url}/info").status_code == 401
 
 
 def test_body_too_large(http):
