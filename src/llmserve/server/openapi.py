@@ -49,15 +49,19 @@ class DocumentedAPI(FastAPI):
         if json is not None:
             content["application/json"] = {"schema": json if isinstance(json, dict) else self._named(json)}
         if chunk is not None:
-            self._named(chunk)
-            content[SSE] = {"schema": {"type": "string", "description": f"server-sent events, each `data:` a "
-                                                                       f"{chunk.__name__}"}}
+            content[SSE] = {"schema": self._event(chunk)}
         if text is not None:
             content[text] = {"schema": {"type": "string"}}
         success = {"description": description, **({"content": content} if content else {})}
         error = {"description": "An error (OpenAI's shape)",
                  "content": {"application/json": {"schema": self._named(ErrorBody)}}}
         return {200: success, "default": error}
+
+    def _event(self, chunk: type) -> dict[str, Any]:
+        """One server-sent event (OpenAPI 3.1: an SSE media type's schema describes each event)."""
+        data = {"type": "string", "contentMediaType": "application/json", "contentSchema": self._named(chunk)}
+        return {"type": "object", "properties": {"data": data, "event": {"type": "string"}}, "required": ["data"],
+                "description": f"`data`: a {chunk.__name__} as JSON (OpenAI's streams end with `data: [DONE]`)"}
 
     def openapi(self) -> dict[str, Any]:
         if self.openapi_schema is None:

@@ -9,9 +9,42 @@ the only fields accepted and ignored are those of `IgnoredFields`, which never c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
+from llmserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+
+# Ranges that SamplingParams.validate() enforces, declared here too so that /openapi.json states them
+# (decoding then refuses a value out of range with a 400 naming the field, before SamplingParams does).
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+NumSequences = Annotated[int, Meta(ge=1, le=MAX_N)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Temperature = Annotated[float, Meta(ge=0.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
+LogitBias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+StopString = Annotated[str, Meta(min_length=1)]
+StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+
+
+def refused_unless(schema: dict[str, Any]) -> Any:
+    """An OpenAI field decoded as any JSON but refused (params.py: 400, saying why) unless it has a neutral
+    value; `schema`, shown in /openapi.json, says which values are accepted."""
+    return Annotated[Any, Meta(extra_json_schema={**schema, "description": "not supported: only these values"})]
+
+
+NULL: dict[str, Any] = {"type": "null"}
+NULL_OR_EMPTY: dict[str, Any] = {"anyOf": [NULL, {"type": "array", "maxItems": 0}]}
+NULL_OR_FALSE: dict[str, Any] = {"enum": [None, False]}
+TEXT_ONLY: dict[str, Any] = {"anyOf": [NULL, {"type": "array", "items": {"enum": ["text"]}, "maxItems": 1}]}
+TEXT_FORMAT: dict[str, Any] = {"anyOf": [NULL, {"type": "object", "properties": {"type": {"enum": ["text"]}},
+                                                "required": ["type"]}]}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,25 +73,25 @@ class SamplingFields(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: NumSequences = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | StopStrings | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, LogitBias] | None = None
+    best_of: PositiveInt | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # false: this request opts out of speculative decoding
@@ -69,10 +102,10 @@ PromptItem = str | int | list[int]
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[PromptItem] | None = None
+    prompt: str | list[PromptItem]
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    logprobs: NumLogprobs | None = None
+    suffix: refused_unless({"anyOf": [NULL, {"enum": [""]}]}) = None
     add_special_tokens: bool = True
 
 
@@ -82,30 +115,31 @@ class TextPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    """Lenient: clients send back assistant messages as they got them (`refusal`, `annotations`, ...)."""
+    """Lenient: clients send back assistant messages as they got them (`refusal`, `annotations`, ...).
+    No tool role: tool calls are not supported."""
 
-    role: str
+    role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: str | None = None
+    tool_calls: refused_unless(NULL) = None
+    tool_call_id: refused_unless(NULL) = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage] | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
-    # Declared to be refused while unsupported.
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: list[str] | None = None
-    prediction: Any = None
+    # Declared to be refused (params.py) while unsupported.
+    response_format: refused_unless(TEXT_FORMAT) = None
+    tools: refused_unless(NULL_OR_EMPTY) = None
+    tool_choice: refused_unless({"enum": ["none", None]}) = None
+    functions: refused_unless(NULL_OR_EMPTY) = None
+    function_call: refused_unless(NULL) = None
+    audio: refused_unless(NULL) = None
+    modalities: refused_unless(TEXT_ONLY) = None
+    prediction: refused_unless(NULL) = None
 
 
 # ---- responses ----------------------------------------------------------------------------------

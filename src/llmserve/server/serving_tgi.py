@@ -19,7 +19,8 @@ from llmserve.engine.async_llm import TokensPrompt
 from llmserve.outputs import CompletionOutput, TokenLogprob
 from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from llmserve.server.errors import to_api_error
-from llmserve.server.protocol import decode_json, encode_json
+from llmserve.server.protocol import (NULL, NULL_OR_FALSE, NumLogprobs, Penalty, PositiveInt, RepetitionPenalty,
+                                      StopStrings, Temperature, TopK, TopP, decode_json, encode_json, refused_unless)
 from llmserve.server.serving_common import ServingContext, collect_final, new_request_id
 from llmserve.server.streams import sse_response, until_disconnect
 
@@ -27,25 +28,25 @@ DEFAULT_MAX_NEW_TOKENS = 100
 
 
 class TGIParameters(msgspec.Struct, kw_only=True):
-    best_of: int | None = None
-    decoder_input_details: bool | None = None
+    best_of: PositiveInt | None = None
+    decoder_input_details: refused_unless(NULL_OR_FALSE) = None
     details: bool | None = None
     do_sample: bool | None = None
-    frequency_penalty: float | None = None
-    grammar: Any = None
-    max_new_tokens: int | None = None
-    repetition_penalty: float | None = None
+    frequency_penalty: Penalty | None = None
+    grammar: refused_unless(NULL) = None
+    max_new_tokens: PositiveInt | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     return_full_text: bool | None = None
     seed: int | None = None
-    stop: list[str] | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_n_tokens: int | None = None
-    top_p: float | None = None
-    truncate: int | None = None
+    stop: StopStrings | None = None
+    temperature: Temperature | None = None
+    top_k: TopK | None = None
+    top_n_tokens: NumLogprobs | None = None
+    top_p: TopP | None = None
+    truncate: PositiveInt | None = None
     typical_p: float | None = None
-    watermark: bool | None = None
-    adapter_id: str | None = None
+    watermark: refused_unless(NULL_OR_FALSE) = None
+    adapter_id: refused_unless(NULL) = None
 
 
 class TGIRequest(msgspec.Struct, kw_only=True):
