@@ -59,7 +59,10 @@ def test_openapi_request_schema_is_what_the_server_accepts(openapi, path):
     assert set(IGNORED_FIELDS) <= set(schema["properties"])
     assert {"max_tokens", "temperature", "top_k", "min_p", "stop", "stream_options"} <= set(schema["properties"])
     assert "guided_json" not in schema["properties"] and "prompt_logprobs" not in schema["properties"]
-    assert schema["properties"]["max_tokens"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
+    assert schema["properties"]["max_tokens"]["anyOf"] == [{"type": "integer", "minimum": 1}, {"type": "null"}]
+    assert schema["properties"]["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
+    assert schema["properties"]["n"] == {"type": "integer", "minimum": 1, "maximum": 16, "default": 1}
+    assert "prompt" in schema["required"] or "messages" in schema["required"]
 
 
 def test_openapi_refs_resolve(openapi):
