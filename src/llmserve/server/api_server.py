@@ -19,7 +19,8 @@ from llmserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest
 from llmserve.server.serving_chat import ChatServer
 from llmserve.server.serving_common import ServingContext, created_now
 from llmserve.server.serving_completions import CompletionServer
-from llmserve.server.serving_tgi import TGIInfo, TGIRequest, TGIResponse, TGIServer, TGIStreamEvent, tgi_info
+from llmserve.server.serving_tgi import (TGIInfo, TGIRequest, TGIResponse, TGIServer, TGIStreamError, TGIStreamEvent,
+                                         tgi_info)
 from llmserve.server.serving_tokens import TokenizerServer
 from llmserve.server.streams import ClientDisconnected
 
@@ -74,13 +75,16 @@ def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     async def tgi_generate(request: Request) -> Response:
         return await serve(tgi.generate, request)
 
-    @app.post("/generate_stream", openapi_extra=app.body(TGIRequest), responses=app.responses(chunk=TGIStreamEvent))
+    tgi_stream = app.responses(chunk=TGIStreamEvent, chunk_error=TGIStreamError)
+
+    @app.post("/generate_stream", openapi_extra=app.body(TGIRequest), responses=tgi_stream)
     async def tgi_generate_stream(request: Request) -> Response:
         return await serve(tgi.generate_stream, request)
 
     compat = {"type": "array", "items": schema_ref(TGIResponse)}  # TGIResponse: named by /generate
 
-    @app.post("/", openapi_extra=app.body(TGIRequest), responses=app.responses(compat, chunk=TGIStreamEvent))
+    @app.post("/", openapi_extra=app.body(TGIRequest),
+              responses=app.responses(compat, chunk=TGIStreamEvent, chunk_error=TGIStreamError))
     async def tgi_compat(request: Request) -> Response:
         return await serve(tgi.compat, request)
 

@@ -41,15 +41,17 @@ class DocumentedAPI(FastAPI):
         content = {"application/json": {"schema": self._named(cls)}}
         return {"requestBody": {"required": True, "content": content}}
 
-    def responses(self, json: type | dict | None = None, *, chunk: type | None = None, text: str | None = None,
+    def responses(self, json: type | dict | None = None, *, chunk: type | None = None,
+                  chunk_error: type = ErrorBody, text: str | None = None,
                   description: str = "Success") -> dict[int | str, Any]:
-        """`responses` for a route: its 200 (a JSON record or schema, an SSE stream of `chunk` records, or
-        text of a media type) and, for any other status, an OpenAI-shaped error."""
+        """`responses` for a route: its 200 (a JSON record or schema, an SSE stream of `chunk` records that
+        may end with a `chunk_error`, or text of a media type) and, for any other status, an OpenAI-shaped
+        error."""
         content: dict[str, Any] = {}
         if json is not None:
             content["application/json"] = {"schema": json if isinstance(json, dict) else self._named(json)}
         if chunk is not None:
-            content[SSE] = {"schema": self._event(chunk)}
+            content[SSE] = {"schema": self._event(chunk, chunk_error)}
         if text is not None:
             content[text] = {"schema": {"type": "string"}}
         success = {"description": description, **({"content": content} if content else {})}
@@ -57,11 +59,13 @@ class DocumentedAPI(FastAPI):
                  "content": {"application/json": {"schema": self._named(ErrorBody)}}}
         return {200: success, "default": error}
 
-    def _event(self, chunk: type) -> dict[str, Any]:
+    def _event(self, chunk: type, chunk_error: type) -> dict[str, Any]:
         """One server-sent event (OpenAPI 3.1: an SSE media type's schema describes each event)."""
-        data = {"type": "string", "contentMediaType": "application/json", "contentSchema": self._named(chunk)}
+        payload = {"anyOf": [self._named(chunk), self._named(chunk_error)]}
+        data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
         return {"type": "object", "properties": {"data": data, "event": {"type": "string"}}, "required": ["data"],
-                "description": f"`data`: a {chunk.__name__} as JSON (OpenAI's streams end with `data: [DONE]`)"}
+                "description": f"`data`: a {chunk.__name__} as JSON, or a {chunk_error.__name__} when the "
+                               f"request fails once streaming (OpenAI's streams end with `data: [DONE]`)"}
 
     def openapi(self) -> dict[str, Any]:
         if self.openapi_schema is None:

@@ -25,7 +25,9 @@ NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Temperature = Annotated[float, Meta(ge=0.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=-1)]
+INT64_MAX = 2**63 - 1  # ints cross to the engine as msgpack: a larger one cannot be sent (it was a 500)
+Int64 = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
 LogitBias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
@@ -95,7 +97,7 @@ class SamplingFields(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # false: this request opts out of speculative decoding
-    priority: int = 0
+    priority: Int64 = 0
 
 
 PromptItem = str | int | list[int]

@@ -91,6 +91,13 @@ class TGIStreamEvent(msgspec.Struct):
     top_tokens: list[TGIToken] | None = None
 
 
+class TGIStreamError(msgspec.Struct):
+    """TGI's in-stream error event."""
+
+    error: str
+    error_type: str
+
+
 class TGIInfo(msgspec.Struct):
     """GET /info: TGI's fields (3.x names, plus 1.x/2.0's `max_input_length` and `model_dtype`)."""
 
@@ -229,7 +236,7 @@ class TGIServer:
                         yield b"data:" + encode_json(event) + b"\n\n"
         except Exception as e:  # noqa: BLE001 - TGI's in-stream error shape
             err = to_api_error(e)
-            yield b"data:" + encode_json({"error": err.message, "error_type": err.info().type}) + b"\n\n"
+            yield b"data:" + encode_json(TGIStreamError(err.message, err.info().type)) + b"\n\n"
 
     def _events(self, p: TGIParameters, out: CompletionOutput, index: int, text: str,
                 num_prompt_tokens: int) -> list[TGIStreamEvent]:
