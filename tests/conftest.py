@@ -1,5 +1,10 @@
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -7,3 +12,32 @@ if not torch.cuda.is_available():
     # Triton kernels run through Triton's interpreter on CPU; triton.jit reads this when the kernels (and
     # triton.language itself) are first imported, so it is set before any test module can import them.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SESSION_TMP = pytest.StashKey[Path]()
+CACHES = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor"}  # library caches (torch makes its own on first use)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's temporary files (this process's and every child's) go to a folder of its own, which must be
+    empty at the end (`no_temporary_files_left`) and is then removed. pytest's tmp_path stays where it was."""
+    system_tmp = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system_tmp)
+    session_tmp = Path(tempfile.mkdtemp(prefix="llmserve-tests-", dir=system_tmp))
+    os.environ["TMPDIR"] = str(session_tmp)
+    for variable, name in CACHES.items():
+        os.environ.setdefault(variable, str(session_tmp / name))
+    tempfile.tempdir = str(session_tmp)  # gettempdir() caches its first answer
+    config.stash[SESSION_TMP] = session_tmp
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(config.stash[SESSION_TMP], ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_temporary_files_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the run (an error at the last test's teardown) if a test left a file in the temporary folder."""
+    yield
+    session_tmp = request.config.stash[SESSION_TMP]
+    left = sorted(path.name for path in session_tmp.iterdir() if path.name not in CACHES.values())
+    assert not left, f"tests left {len(left)} file(s) in the temporary folder: {left[:10]} (use tmp_path)"

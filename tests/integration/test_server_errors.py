@@ -56,6 +56,10 @@ BAD_INPUTS = [
     ("max-tokens-zero", CMPL, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("presence-penalty", CHAT, {"messages": msgs(), "presence_penalty": 5}, 400, "presence_penalty"),
     ("seed-huge", CMPL, {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    # found by fuzzing: an int beyond 64 bits cannot cross to the engine (msgpack) and was a 500
+    ("top-k-huge", CMPL, {"prompt": "x", "top_k": 2**70}, 400, "top_k"),
+    ("priority-huge", CHAT, {"messages": msgs(), "priority": -(2**70)}, 400, "priority"),
+    ("tgi-top-k-huge", TGI, {"inputs": "x", "parameters": {"top_k": 2**70}}, 400, "top_k"),
     ("empty-prompt", CMPL, {"prompt": ""}, 400, "empty"),
     ("empty-prompt-list", CMPL, {"prompt": []}, 400, "empty"),
     ("no-prompt", CMPL, {"max_tokens": 3}, 400, "prompt"),
@@ -129,6 +133,9 @@ def test_missing_and_wrong_key(server):
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 200  # a browser on /docs cannot send the key
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+    assert httpx.get(f"{server.url}/info").status_code == 401
 
 
 def test_body_too_large(http):

@@ -13,7 +13,8 @@ from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError, error_payload, to_api_error
 from llmserve.server.params import chat_overrides, completion_overrides
-from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, decode_json
+from llmserve.server.protocol import (IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                                      decode_json)
 from llmserve.server.serving_common import chat_conversation
 from llmserve.server.serving_tgi import TGIParameters, tgi_finish_reason, tgi_overrides
 from llmserve.server.streams import merge_async_iterators, sse_event, with_error_event
@@ -41,6 +42,34 @@ def test_validation_error_names_the_field():
         decode_json(b'{"max_tokens": "3"}', CompletionRequest)
     err = to_api_error(e.value)
     assert err.param == "max_tokens" and "max_tokens" in err.message
+
+
+UNIMPLEMENTED = ["guided_json", "guided_regex", "prompt_logprobs", "use_beam_search", "allowed_token_ids",
+                 "bad_words", "structured_outputs", "reasoning_effort", "truncate_prompt_tokens", "no_such_field"]
+
+
+@pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest, TokenizeRequest])
+@pytest.mark.parametrize("name", UNIMPLEMENTED)
+def test_unknown_fields_are_refused_by_name(cls, name):
+    with pytest.raises(msgspec.ValidationError) as e:
+        decode_json(json.dumps({name: 1}).encode(), cls)
+    err = to_api_error(e.value)
+    assert (err.status, err.param, err.code) == (400, name, "unsupported_parameter")
+    assert f"`{name}`" in err.message
+
+
+def test_nested_unknown_field_names_its_path():
+    with pytest.raises(msgspec.ValidationError) as e:
+        decode_json(b'{"stream_options": {"include_usage": true, "extra": 1}}', CompletionRequest)
+    assert to_api_error(e.value).param == "stream_options.extra"
+
+
+def test_ignored_fields_are_accepted():
+    body = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "prompt_cache_key": "c", "safety_identifier": "s", "parallel_tool_calls": False}
+    assert set(body) == set(IGNORED_FIELDS)
+    assert completion({"prompt": "x", **body}).user == "u1"
+    assert chat(body).metadata == {"k": "v"}
 
 
 def test_prompt_forms():

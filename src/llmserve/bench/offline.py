@@ -85,12 +85,17 @@ def _sampling_params(llm, sampling: str, max_tokens: int):
 
 
 def run(cfg: OfflineBenchConfig) -> dict:
+    with tempfile.TemporaryDirectory(prefix="llmserve-bench-") as scratch:  # the model it makes, removed after
+        return _run(cfg, scratch)
+
+
+def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
     from llmserve.model.loader import load_hf_config
     from llmserve.model.maker import make_model
 
     if cfg.baseline not in (None, "hf"):
         raise ValueError("--baseline must be hf")
-    path = cfg.model or make_model(cfg.arch, cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
+    path = cfg.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
     workload = make_workload(cfg, load_hf_config(path).vocab_size)
     results = {"config": asdict(cfg), "model_path": path, "engine": run_engine(cfg, path, workload)}
     _print(results)

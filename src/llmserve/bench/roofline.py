@@ -98,12 +98,17 @@ def decode_seconds_per_token(llm, prompt: list[int], output_len: int, repeats: i
 
 
 def run(cfg: RooflineBenchConfig) -> dict:
+    with tempfile.TemporaryDirectory(prefix="llmserve-bench-") as scratch:  # the model it makes, removed after
+        return _run(cfg, scratch)
+
+
+def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
     from llmserve import LLM
     from llmserve.model.maker import make_model
 
     if cfg.output_len < 2:
         raise ValueError("output_len must be at least 2")
-    path = cfg.model or make_model(cfg.arch, cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
+    path = cfg.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
     llm = LLM(path, dtype=cfg.dtype, device=cfg.device, enforce_eager=cfg.enforce_eager, max_num_seqs=1,
               max_model_len=cfg.prompt_len + cfg.output_len + 16, enable_prefix_caching=False)
     engine, info = llm.engine, llm.engine.model_info

@@ -16,6 +16,7 @@ and the measured acceptance.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
@@ -104,12 +105,12 @@ def _dtype(cfg: SpecBenchConfig) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str]) -> dict[str, str]:
+def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str], scratch: str) -> dict[str, str]:
     from llmserve.model.draft_maker import derive_draft
 
     drafts = {}
     for name in names:
-        root = tempfile.mkdtemp(prefix="llmserve-draft-")
+        root = tempfile.mkdtemp(prefix="draft-", dir=scratch)
         if name == "self":
             drafts[name] = target
         elif name.startswith("noise="):
@@ -155,16 +156,21 @@ def _timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]
 
 
 def run(cfg: SpecBenchConfig) -> dict:
+    with tempfile.TemporaryDirectory(prefix="llmserve-bench-") as scratch:  # the models it makes, removed after
+        return _run(cfg, scratch)
+
+
+def _run(cfg: SpecBenchConfig, scratch: str) -> dict:
     from llmserve import SamplingParams
     from llmserve.model.loader import load_hf_config
     from llmserve.model.maker import make_model
 
-    target = cfg.model or make_model("llama", cfg.shape, tempfile.mkdtemp(prefix="llmserve-bench-"), seed=0)
+    target = cfg.model or make_model("llama", cfg.shape, os.path.join(scratch, "target"), seed=0)
     vocab_size = load_hf_config(target).vocab_size
     names = cfg.configs.split(",")
     levels = [int(c) for c in cfg.concurrency.split(",")]
     params = SamplingParams(temperature=0, max_tokens=cfg.output_len, ignore_eos=True)
-    drafts = _make_drafts(cfg, target, names)
+    drafts = _make_drafts(cfg, target, names, scratch)
     workloads = {(c, rep): _workload(cfg, vocab_size, c * cfg.requests_per_slot, rep)
                  for c in levels for rep in (False, True)}
     reference: dict[tuple[int, ...], list[int]] = {}

@@ -1,4 +1,5 @@
-"""A real `llmserve route` in a subprocess, for tests and benchmarks (like server/testing.py's ServerProcess)."""
+"""A real `llmserve route` in a subprocess, for tests and benchmarks (like server/testing.py's ServerProcess);
+its log and the temporary files of the replicas it launches are removed when it is stopped."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 
 import httpx
 
+from llmserve.server.testing import read_log
+
 _PORT_RE = re.compile(r"routing .* on http://[^:\s]+:(\d+)")
 
 
@@ -19,7 +22,9 @@ class RouterProcess:
     def __init__(self, args: list[str], startup_timeout: float = 60.0) -> None:
         self.args = args
         self.startup_timeout = startup_timeout
-        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="llmserve-router-", suffix=".log", delete=False)
+        self.tmp = tempfile.TemporaryDirectory(prefix="llmserve-router-")  # its replicas' logs and sockets
+        self.env = {**os.environ, "TMPDIR": self.tmp.name}
+        self.log_file = tempfile.TemporaryFile("w+")  # no name: gone when closed, whatever happens
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
 
@@ -28,12 +33,11 @@ class RouterProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
-        with open(self.log_file.name) as f:
-            return f.read()
+        return read_log(self.log_file.fileno())
 
     def start(self) -> RouterProcess:
         cmd = [sys.executable, "-m", "llmserve.router.cli", "route", "--host", "127.0.0.1", "--port", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -57,16 +61,15 @@ class RouterProcess:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
     def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.returncode
+        self.tmp.cleanup()
+        return None if self.proc is None else self.proc.returncode
 
     def __enter__(self) -> RouterProcess:
         return self.start()
@@ -74,7 +77,6 @@ class RouterProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.log_file.close()
-        os.unlink(self.log_file.name)
 
 
 def sample_value(metrics_text: str, name: str, **labels: str) -> float:

@@ -5,18 +5,23 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from llmserve import __version__
 from llmserve.server.errors import install_error_handlers, service_unavailable, error_response
 from llmserve.server.middleware import FrontDoor
-from llmserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                      TokenizeResponse, decode_json, encode_json)
+from llmserve.server.openapi import DocumentedAPI, schema_ref
+from llmserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionChunk, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                      encode_json)
 from llmserve.server.serving_chat import ChatServer
-from llmserve.server.serving_common import ServingContext, created_now, render_chat
+from llmserve.server.serving_common import ServingContext, created_now
 from llmserve.server.serving_completions import CompletionServer
-from llmserve.server.serving_tgi import TGIServer
+from llmserve.server.serving_tgi import (TGIInfo, TGIRequest, TGIResponse, TGIServer, TGIStreamError, TGIStreamEvent,
+                                         tgi_info)
+from llmserve.server.serving_tokens import TokenizerServer
 from llmserve.server.streams import ClientDisconnected
 
 logger = logging.getLogger("llmserve.server")
@@ -28,8 +33,9 @@ def json_response(obj, status_code: int = 200) -> Response:
     return Response(encode_json(obj), status_code=status_code, media_type="application/json")
 
 
-def build_app(ctx: ServingContext) -> FastAPI:
-    app = FastAPI(title="llmserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(ctx: ServingContext) -> DocumentedAPI:
+    app = DocumentedAPI(title="llmserve", version=__version__, description=_DESCRIPTION, redoc_url=None,
+                        default_response_class=Response)
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_generation_routes(app, ctx)
@@ -40,7 +46,12 @@ def build_app(ctx: ServingContext) -> FastAPI:
     return app
 
 
-def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+_DESCRIPTION = ("OpenAI-compatible completions and chat completions, TGI's generate API, vLLM's tokenizer "
+                "routes. Unknown request fields are refused (400) except the ignored bookkeeping fields "
+                "(user, metadata, store, ...) declared in each request schema.")
+
+
+def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     completions, chat, tgi = CompletionServer(ctx), ChatServer(ctx), TGIServer(ctx)
 
     async def serve(handler, request: Request) -> Response:
@@ -50,29 +61,36 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=app.body(CompletionRequest),
+              responses=app.responses(CompletionResponse, chunk=CompletionChunk))
     async def create_completion(request: Request) -> Response:
         return await serve(completions.create, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=app.body(ChatCompletionRequest),
+              responses=app.responses(ChatCompletionResponse, chunk=ChatCompletionChunk))
     async def create_chat_completion(request: Request) -> Response:
         return await serve(chat.create, request)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=app.body(TGIRequest), responses=app.responses(TGIResponse))
     async def tgi_generate(request: Request) -> Response:
         return await serve(tgi.generate, request)
 
-    @app.post("/generate_stream")
+    tgi_stream = app.responses(chunk=TGIStreamEvent, chunk_error=TGIStreamError)
+
+    @app.post("/generate_stream", openapi_extra=app.body(TGIRequest), responses=tgi_stream)
     async def tgi_generate_stream(request: Request) -> Response:
         return await serve(tgi.generate_stream, request)
 
-    @app.post("/")
+    compat = {"type": "array", "items": schema_ref(TGIResponse)}  # TGIResponse: named by /generate
+
+    @app.post("/", openapi_extra=app.body(TGIRequest),
+              responses=app.responses(compat, chunk=TGIStreamEvent, chunk_error=TGIStreamError))
     async def tgi_compat(request: Request) -> Response:
         return await serve(tgi.compat, request)
 
 
-def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.get("/health")
+def _add_info_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
+    @app.get("/health", responses=app.responses(description="Healthy (503 when draining or stalled)"))
     async def health() -> Response:
         if ctx.is_draining:
             return error_response(service_unavailable("the server is shutting down", retry_after=5))
@@ -81,17 +99,21 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
             return error_response(service_unavailable(f"unhealthy: {reason}", retry_after=30))
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses=app.responses(_object_of(version="string")))
     async def version() -> Response:
         return json_response({"version": __version__})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=app.responses(ModelList))
     async def models() -> Response:
         info = ctx.engine.model_info
         card = ModelCard(ctx.model_name, created_now(), root=info.path, max_model_len=info.max_model_len)
         return json_response(ModelList([card]))
 
-    @app.get("/metrics")
+    @app.get("/info", responses=app.responses(TGIInfo))
+    async def info() -> Response:
+        return json_response(tgi_info(ctx))
+
+    @app.get("/metrics", responses=app.responses(text="text/plain"))
     async def metrics() -> Response:
         if not ctx.engine.is_dead:
             try:
@@ -100,27 +122,34 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
                 logger.warning("metrics: engine stats unavailable (%s)", e)
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=app.responses(_object_of(success="boolean")))
     async def reset_prefix_cache() -> Response:
         return json_response({"success": await ctx.engine.reset_prefix_cache()})
 
 
-def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        req: TokenizeRequest = decode_json(await request.body(), TokenizeRequest)
-        ctx.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        if req.prompt is not None:
-            tokens = ctx.engine.encode(req.prompt, req.add_special_tokens)
-        else:
-            text = render_chat(ctx.engine.tokenizer, req.messages, req.add_generation_prompt)
-            tokens = ctx.engine.encode(text, add_special_tokens=False)
-        return json_response(TokenizeResponse(len(tokens), ctx.engine.model_info.max_model_len, tokens))
+def _object_of(**types: str) -> dict:
+    """The JSON Schema of an object with these required fields (name=JSON type)."""
+    return {"type": "object", "properties": {k: {"type": t} for k, t in types.items()}, "required": list(types)}
 
-    @app.post("/detokenize")
+
+def _add_tokenizer_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
+    tokenizer = TokenizerServer(ctx)
+    for prefix in ("", "/v1"):
+        app.add_api_route(f"{prefix}/tokenize", _tokenize(tokenizer), methods=["POST"],
+                          openapi_extra=app.body(TokenizeRequest), responses=app.responses(TokenizeResponse))
+        app.add_api_route(f"{prefix}/detokenize", _detokenize(tokenizer), methods=["POST"],
+                          openapi_extra=app.body(DetokenizeRequest), responses=app.responses(DetokenizeResponse))
+
+
+def _tokenize(tokenizer: TokenizerServer):
+    async def tokenize(request: Request) -> Response:
+        return json_response(tokenizer.tokenize(await request.body()))
+
+    return tokenize
+
+
+def _detokenize(tokenizer: TokenizerServer):
     async def detokenize(request: Request) -> Response:
-        req: DetokenizeRequest = decode_json(await request.body(), DetokenizeRequest)
-        ctx.check_model(req.model)
-        return json_response(DetokenizeResponse(ctx.engine.decode(req.tokens)))
+        return json_response(tokenizer.detokenize(await request.body()))
+
+    return detokenize

@@ -24,6 +24,7 @@ _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 4
                    405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error",
                    504: "timeout_error"}
 _PARAM_RE = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN_FIELD_RE = re.compile(r"unknown field `([^`]*)`")
 
 
 class ErrorInfo(msgspec.Struct):
@@ -65,13 +66,25 @@ def internal_error() -> APIError:
     return APIError(500, "internal server error (see the server log)", code="internal_error")
 
 
+def _validation_error(text: str) -> APIError:
+    """A msgspec validation message -> 400 naming the field (`param`: its dotted path)."""
+    where = _PARAM_RE.search(text)
+    path = where.group(1) if where else ""
+    unknown = _UNKNOWN_FIELD_RE.search(text)
+    if unknown is None:
+        return bad_request(f"invalid request: {text}", param=path or None)
+    param = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+    return APIError(400, f"unsupported parameter `{param}`: this server does not implement it "
+                         f"(unknown fields are refused rather than ignored)", param=param,
+                    code="unsupported_parameter")
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Classify any exception raised while serving a request."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, msgspec.ValidationError):
-        match = _PARAM_RE.search(str(exc))
-        return bad_request(f"invalid request: {exc}", param=match.group(1) if match else None)
+        return _validation_error(str(exc))
     if isinstance(exc, msgspec.DecodeError):
         return bad_request(f"malformed JSON body: {exc}")
     if isinstance(exc, RequestTimeoutError):

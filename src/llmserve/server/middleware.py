@@ -1,5 +1,6 @@
 """The front door (pure ASGI, no per-request task): drain (503), API key (401), body size (413), and
-the count of requests in flight that a drain waits for. /health and /metrics are always open."""
+the count of requests in flight that a drain waits for. /health, /metrics and the API's description
+(/openapi.json, /docs: a browser cannot send the key) are always open."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llmserve.server.errors import APIError, error_response, service_unavailable
 from llmserve.server.serving_common import ServingContext
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

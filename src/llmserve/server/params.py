@@ -64,12 +64,13 @@ def completion_overrides(req: CompletionRequest) -> dict:
 
 
 def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ValueError(f"response_format {req.response_format.get('type')!r} is not supported "
-                         f"(only 'text')")
+    response_format = req.response_format
+    if response_format is not None and (not isinstance(response_format, dict) or
+                                        response_format.get("type", "text") != "text"):
+        raise ValueError("response_format other than {'type': 'text'} is not supported")
     if req.tools:
         raise ValueError("tools are not supported")
-    if req.tool_choice not in (None, "none"):
+    if not (req.tool_choice is None or req.tool_choice == "none"):
         raise ValueError("tool_choice is not supported")
     if req.functions or req.function_call is not None:
         raise ValueError("functions / function_call are not supported")

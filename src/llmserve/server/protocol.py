@@ -1,15 +1,52 @@
 """OpenAI-compatible request and response records (msgspec: strict JSON decoding, fast encoding).
 
 Decoding rejects malformed JSON, NaN/Infinity, out-of-range numbers and wrong types with a message
-naming the field (-> 400). Known OpenAI fields that we do not support are declared so that a request
-using them is refused (400) instead of silently ignored; unknown fields are ignored as OpenAI does.
+naming the field (-> 400). Request records forbid unknown fields: a field we do not implement (vLLM's
+`guided_json`, `prompt_logprobs`, `best_of` beyond n, ...) is refused (400, naming it) rather than
+silently ignored. Known OpenAI fields we do not support are declared so that their refusal can say why;
+the only fields accepted and ignored are those of `IgnoredFields`, which never change an output.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
+from llmserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+
+# Ranges that SamplingParams.validate() enforces, declared here too so that /openapi.json states them
+# (decoding then refuses a value out of range with a 400 naming the field, before SamplingParams does).
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+NumSequences = Annotated[int, Meta(ge=1, le=MAX_N)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Temperature = Annotated[float, Meta(ge=0.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+INT64_MAX = 2**63 - 1  # ints cross to the engine as msgpack: a larger one cannot be sent (it was a 500)
+Int64 = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
+LogitBias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+StopString = Annotated[str, Meta(min_length=1)]
+StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+
+
+def refused_unless(schema: dict[str, Any]) -> Any:
+    """An OpenAI field decoded as any JSON but refused (params.py: 400, saying why) unless it has a neutral
+    value; `schema`, shown in /openapi.json, says which values are accepted."""
+    return Annotated[Any, Meta(extra_json_schema={**schema, "description": "not supported: only these values"})]
+
+
+NULL: dict[str, Any] = {"type": "null"}
+NULL_OR_EMPTY: dict[str, Any] = {"anyOf": [NULL, {"type": "array", "maxItems": 0}]}
+NULL_OR_FALSE: dict[str, Any] = {"enum": [None, False]}
+TEXT_ONLY: dict[str, Any] = {"anyOf": [NULL, {"type": "array", "items": {"enum": ["text"]}, "maxItems": 1}]}
+TEXT_FORMAT: dict[str, Any] = {"anyOf": [NULL, {"type": "object", "properties": {"type": {"enum": ["text"]}},
+                                                "required": ["type"]}]}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -17,44 +54,60 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class IgnoredFields(msgspec.Struct, kw_only=True):
+    """The one list of fields accepted and ignored, as OpenAI does: bookkeeping (end-user ids, stored
+    completions, billing tiers, cache keys) that never changes what is generated. Any other field we do
+    not implement is refused with 400."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None  # only matters with tools, which are refused
+
+
+IGNORED_FIELDS: tuple[str, ...] = IgnoredFields.__struct_fields__
+
+
+class SamplingFields(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: NumSequences = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | StopStrings | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    best_of: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, LogitBias] | None = None
+    best_of: PositiveInt | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # false: this request opts out of speculative decoding
-    priority: int = 0
+    priority: Int64 = 0
 
 
 PromptItem = str | int | list[int]
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[PromptItem] | None = None
+    prompt: str | list[PromptItem]
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    logprobs: NumLogprobs | None = None
+    suffix: refused_unless({"anyOf": [NULL, {"enum": [""]}]}) = None
     add_special_tokens: bool = True
 
 
@@ -64,28 +117,31 @@ class TextPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    """Lenient: clients send back assistant messages as they got them (`refusal`, `annotations`, ...).
+    No tool role: tool calls are not supported."""
+
+    role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: str | None = None
+    tool_calls: refused_unless(NULL) = None
+    tool_call_id: refused_unless(NULL) = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage] | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
-    # Declared to be refused while unsupported.
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: list[str] | None = None
-    prediction: Any = None
+    # Declared to be refused (params.py) while unsupported.
+    response_format: refused_unless(TEXT_FORMAT) = None
+    tools: refused_unless(NULL_OR_EMPTY) = None
+    tool_choice: refused_unless({"enum": ["none", None]}) = None
+    functions: refused_unless(NULL_OR_EMPTY) = None
+    function_call: refused_unless(NULL) = None
+    audio: refused_unless(NULL) = None
+    modalities: refused_unless(TEXT_ONLY) = None
+    prediction: refused_unless(NULL) = None
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -221,21 +277,23 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: also each token's vocabulary string
 
 
 class TokenizeResponse(msgspec.Struct):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokens: list[int]
     model: str | None = None
 

@@ -19,7 +19,6 @@ from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import ChatMessage
 
 ADMITTED_KEY = "llmserve.num_admitted"  # in the ASGI scope: sequences this request counts against the limit
-_CHAT_ROLES = {"system", "user", "assistant", "developer"}
 
 
 @dataclass
@@ -97,9 +96,6 @@ def chat_conversation(messages: list[ChatMessage] | None) -> list[dict]:
         raise ValueError("messages must be a non-empty list")
     conversation = []
     for i, message in enumerate(messages):
-        if message.role not in _CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role {message.role!r} is not supported "
-                             f"(one of {', '.join(sorted(_CHAT_ROLES))})")
         if message.tool_calls is not None or message.tool_call_id is not None:
             raise ValueError(f"messages[{i}]: tool calls are not supported")
         role = "system" if message.role == "developer" else message.role

@@ -22,8 +22,6 @@ from llmserve.server.streams import merge_async_iterators, sse_event, sse_respon
 
 def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[TokensPrompt]:
     prompt = req.prompt
-    if prompt is None:
-        raise ValueError("prompt is required")
     if isinstance(prompt, str):
         return [_text_prompt(ctx, prompt, req.add_special_tokens)]
     if not prompt:

@@ -1,4 +1,4 @@
-"""Text Generation Inference's API: POST /generate, /generate_stream and the compat route POST /.
+"""Text Generation Inference's API: POST /generate, /generate_stream, the compat route POST / and GET /info.
 
 Compatible with huggingface_hub.InferenceClient.text_generation (details, streaming). The stream is
 TGI's: one event per token, the last with `generated_text` and `details`, and no [DONE].
@@ -14,11 +14,13 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+from llmserve import __version__
 from llmserve.engine.async_llm import TokensPrompt
 from llmserve.outputs import CompletionOutput, TokenLogprob
-from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from llmserve.server.errors import to_api_error
-from llmserve.server.protocol import decode_json, encode_json
+from llmserve.server.protocol import (NULL, NULL_OR_FALSE, NumLogprobs, Penalty, PositiveInt, RepetitionPenalty,
+                                      StopStrings, Temperature, TopK, TopP, decode_json, encode_json, refused_unless)
 from llmserve.server.serving_common import ServingContext, collect_final, new_request_id
 from llmserve.server.streams import sse_response, until_disconnect
 
@@ -26,25 +28,25 @@ DEFAULT_MAX_NEW_TOKENS = 100
 
 
 class TGIParameters(msgspec.Struct, kw_only=True):
-    best_of: int | None = None
-    decoder_input_details: bool | None = None
+    best_of: PositiveInt | None = None
+    decoder_input_details: refused_unless(NULL_OR_FALSE) = None
     details: bool | None = None
     do_sample: bool | None = None
-    frequency_penalty: float | None = None
-    grammar: Any = None
-    max_new_tokens: int | None = None
-    repetition_penalty: float | None = None
+    frequency_penalty: Penalty | None = None
+    grammar: refused_unless(NULL) = None
+    max_new_tokens: PositiveInt | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     return_full_text: bool | None = None
     seed: int | None = None
-    stop: list[str] | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_n_tokens: int | None = None
-    top_p: float | None = None
-    truncate: int | None = None
+    stop: StopStrings | None = None
+    temperature: Temperature | None = None
+    top_k: TopK | None = None
+    top_n_tokens: NumLogprobs | None = None
+    top_p: TopP | None = None
+    truncate: PositiveInt | None = None
     typical_p: float | None = None
-    watermark: bool | None = None
-    adapter_id: str | None = None
+    watermark: refused_unless(NULL_OR_FALSE) = None
+    adapter_id: refused_unless(NULL) = None
 
 
 class TGIRequest(msgspec.Struct, kw_only=True):
@@ -87,6 +89,46 @@ class TGIStreamEvent(msgspec.Struct):
     generated_text: str | None = None
     details: TGIStreamDetails | None = None
     top_tokens: list[TGIToken] | None = None
+
+
+class TGIStreamError(msgspec.Struct):
+    """TGI's in-stream error event."""
+
+    error: str
+    error_type: str
+
+
+class TGIInfo(msgspec.Struct):
+    """GET /info: TGI's fields (3.x names, plus 1.x/2.0's `max_input_length` and `model_dtype`)."""
+
+    model_id: str
+    model_sha: str | None
+    model_dtype: str
+    model_pipeline_tag: str | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_input_length: int
+    max_total_tokens: int
+    max_batch_size: int | None
+    validation_workers: int
+    max_client_batch_size: int
+    router: str
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
+
+
+def tgi_info(ctx: ServingContext) -> TGIInfo:
+    """A prompt may take all but one position: at least one token is generated."""
+    info = ctx.engine.model_info
+    return TGIInfo(model_id=ctx.model_name, model_sha=None, model_dtype=f"torch.{info.dtype}",
+                   model_pipeline_tag="text-generation", max_concurrent_requests=ctx.num_max_in_flight,
+                   max_best_of=1, max_stop_sequences=MAX_STOP_STRINGS, max_input_tokens=info.max_model_len - 1,
+                   max_input_length=info.max_model_len - 1, max_total_tokens=info.max_model_len,
+                   max_batch_size=ctx.max_num_seqs, validation_workers=1, max_client_batch_size=1,
+                   router="llmserve", version=__version__)
 
 
 def _check_unsupported(p: TGIParameters) -> None:
@@ -194,7 +236,7 @@ class TGIServer:
                         yield b"data:" + encode_json(event) + b"\n\n"
         except Exception as e:  # noqa: BLE001 - TGI's in-stream error shape
             err = to_api_error(e)
-            yield b"data:" + encode_json({"error": err.message, "error_type": err.info().type}) + b"\n\n"
+            yield b"data:" + encode_json(TGIStreamError(err.message, err.info().type)) + b"\n\n"
 
     def _events(self, p: TGIParameters, out: CompletionOutput, index: int, text: str,
                 num_prompt_tokens: int) -> list[TGIStreamEvent]:

@@ -1,5 +1,7 @@
 """A real `llmserve serve` in a subprocess, for tests and benchmarks: free loopback port, waits for
-/health, finds the engine child, stops with a signal and reports the exit code."""
+/health, finds the engine child, stops with a signal and reports the exit code. Leaves no file behind,
+even when a test kills it: its log is an anonymous temporary file, and its temporary files (the
+engine's sockets) go to a folder of its own, removed when it is stopped."""
 
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ class ServerProcess:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout: float = 180.0) -> None:
         self.args = args
-        self.env = {**os.environ, **(env or {})}
+        self.tmp = tempfile.TemporaryDirectory(prefix="llmserve-server-")
+        self.env = {**os.environ, "TMPDIR": self.tmp.name, **(env or {})}
         self.startup_timeout = startup_timeout
-        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="llmserve-server-", suffix=".log", delete=False)
+        self.log_file = tempfile.TemporaryFile("w+")  # no name: gone when closed, whatever happens
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
 
@@ -56,8 +59,7 @@ class ServerProcess:
         return f"{self.url}/v1"
 
     def log(self) -> str:
-        with open(self.log_file.name) as f:
-            return f.read()
+        return read_log(self.log_file.fileno())
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "llmserve.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
@@ -104,6 +106,7 @@ class ServerProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         """Signal and wait; SIGKILL (the server and its children) if it does not exit in time."""
         if self.proc is None:
+            self.tmp.cleanup()
             return None
         if self.proc.poll() is None:
             children = child_pids(self.proc.pid)
@@ -115,6 +118,7 @@ class ServerProcess:
                     _kill(pid)
                 self.proc.kill()
                 self.proc.wait()
+        self.tmp.cleanup()
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:
@@ -123,7 +127,11 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.log_file.close()
-        os.unlink(self.log_file.name)
+
+
+def read_log(fd: int) -> str:
+    """All a child process has written to the file `fd` so far (without moving the shared offset)."""
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
 def _cmdline(pid: int) -> bytes:

@@ -1,0 +1,37 @@
+"""POST /tokenize and /detokenize (vLLM's), also served as /v1/tokenize and /v1/detokenize."""
+
+from __future__ import annotations
+
+from llmserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
+                                      decode_json)
+from llmserve.server.serving_common import ServingContext, render_chat
+
+
+class TokenizerServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def tokenize(self, body: bytes) -> TokenizeResponse:
+        ctx = self.ctx
+        req: TokenizeRequest = decode_json(body, TokenizeRequest)
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if req.prompt is not None:
+            tokens = ctx.engine.encode(req.prompt, req.add_special_tokens)
+        else:
+            text = render_chat(ctx.engine.tokenizer, req.messages, req.add_generation_prompt)
+            tokens = ctx.engine.encode(text, add_special_tokens=False)
+        token_strs = self.token_strs(tokens) if req.return_token_strs else None
+        return TokenizeResponse(len(tokens), ctx.engine.model_info.max_model_len, tokens, token_strs)
+
+    def token_strs(self, tokens: list[int]) -> list[str]:
+        """Each token's vocabulary string (as vLLM: the tokenizer's own, e.g. 'Ġthe' for byte-level BPE)."""
+        return [str(t) for t in self.ctx.engine.tokenizer.convert_ids_to_tokens(tokens)]
+
+    def detokenize(self, body: bytes) -> DetokenizeResponse:
+        req: DetokenizeRequest = decode_json(body, DetokenizeRequest)
+        self.ctx.check_model(req.model)
+        if not req.tokens:
+            return DetokenizeResponse("")
+        return DetokenizeResponse(self.ctx.engine.decode(req.tokens))  # 400 for an id outside the vocabulary

@@ -1,0 +1,148 @@
+"""The API's surface against a real server: /openapi.json and /docs, unknown fields refused by name (ignored
+bookkeeping fields accepted), TGI's /info, the /v1 tokenizer aliases with return_token_strs."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+
+from llmserve.server.protocol import IGNORED_FIELDS
+from llmserve.server.testing import start_tiny_server
+
+NAME = "tiny"
+MAX_MODEL_LEN = 512  # testing.SMALL_ENGINE_ARGS
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", NAME)
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def openapi(http) -> dict:
+    response = http.get("/openapi.json")
+    assert response.status_code == 200
+    return response.json()
+
+
+def test_openapi_lists_every_route(openapi):
+    assert openapi["openapi"].startswith("3.1")
+    assert set(openapi["paths"]) == {"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
+                                     "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/health",
+                                     "/version", "/v1/models", "/info", "/metrics", "/reset_prefix_cache"}
+
+
+def _request_schema(openapi: dict, path: str) -> dict:
+    ref = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return openapi["components"]["schemas"][ref.rsplit("/", 1)[1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_openapi_request_schema_is_what_the_server_accepts(openapi, path):
+    schema = _request_schema(openapi, path)
+    assert schema["additionalProperties"] is False  # unknown fields are refused
+    assert set(IGNORED_FIELDS) <= set(schema["properties"])
+    assert {"max_tokens", "temperature", "top_k", "min_p", "stop", "stream_options"} <= set(schema["properties"])
+    assert "guided_json" not in schema["properties"] and "prompt_logprobs" not in schema["properties"]
+    assert schema["properties"]["max_tokens"]["anyOf"] == [{"type": "integer", "minimum": 1}, {"type": "null"}]
+    assert schema["properties"]["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
+    assert schema["properties"]["n"] == {"type": "integer", "minimum": 1, "maximum": 16, "default": 1}
+    assert "prompt" in schema["required"] or "messages" in schema["required"]
+
+
+def test_openapi_refs_resolve(openapi):
+    text = str(openapi)
+    names = set(openapi["components"]["schemas"])
+    refs = {part.split("'")[0] for part in text.split("#/components/schemas/")[1:]}
+    assert refs <= names
+
+
+def test_docs_page(http):
+    response = http.get("/docs")
+    assert response.status_code == 200 and "swagger" in response.text.lower()
+    assert "/openapi.json" in response.text
+
+
+UNIMPLEMENTED = ["guided_json", "guided_choice", "structured_outputs", "prompt_logprobs", "use_beam_search",
+                 "length_penalty", "allowed_token_ids", "bad_words", "reasoning_effort", "logits_processors"]
+
+
+@pytest.mark.parametrize("field", UNIMPLEMENTED)
+def test_unimplemented_field_is_400_naming_it(client, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=1, extra_body={field: 1})
+    assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_parameter"
+    assert field in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       extra_body={field: True})
+    assert e.value.body["param"] == field
+
+
+@pytest.mark.parametrize("body, param", [({"echo": True, "logprobs": 1}, "echo"), ({"best_of": 2}, "best_of"),
+                                         ({"prompt_logprobs": 1}, "prompt_logprobs")])
+def test_prompt_logprobs_and_best_of_are_400(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=1, extra_body=body)
+    assert param in e.value.body["message"]
+
+
+def test_ignored_fields_are_accepted(client):
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                         user="u-1", metadata={"k": "v"}, store=False, service_tier="auto",
+                                         parallel_tool_calls=False, extra_body={"prompt_cache_key": "c",
+                                                                                "safety_identifier": "s"})
+    assert out.choices[0].message.role == "assistant"
+    out = client.completions.create(model=NAME, prompt="x", max_tokens=2, user="u-1")
+    assert out.usage.completion_tokens >= 1
+
+
+def test_tgi_info(server, http):
+    info = http.get("/info").json()
+    assert info["model_id"] == NAME and info["max_total_tokens"] == MAX_MODEL_LEN
+    assert info["max_input_tokens"] == info["max_input_length"] == MAX_MODEL_LEN - 1
+    assert info["max_best_of"] == 1 and info["version"] and info["router"] == "llmserve"
+    assert InferenceClient(model=server.url, provider="hf-inference").get_endpoint_info() == info
+
+
+@pytest.mark.parametrize("prefix", ["", "/v1"])
+def test_tokenize_round_trip(http, prefix):
+    out = http.post(f"{prefix}/tokenize", json={"prompt": "Hello there", "return_token_strs": True}).json()
+    assert out["count"] == len(out["tokens"]) == len(out["token_strs"]) and out["max_model_len"] == MAX_MODEL_LEN
+    assert all(isinstance(s, str) and s for s in out["token_strs"])
+    plain = http.post(f"{prefix}/tokenize", json={"prompt": "Hello there"}).json()
+    assert plain["tokens"] == out["tokens"] and plain["token_strs"] is None
+    text = http.post(f"{prefix}/detokenize", json={"tokens": out["tokens"]}).json()["prompt"]
+    assert text.endswith("Hello there")
+
+
+def test_tokenize_aliases_agree(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True}
+    assert http.post("/tokenize", json=body).json() == http.post("/v1/tokenize", json=body).json()
+
+
+@pytest.mark.parametrize("path, body, param", [("/v1/tokenize", {"prompt": "x", "chat_template": "y"}, "chat_template"),
+                                               ("/v1/detokenize", {"tokens": [1], "extra": 1}, "extra")])
+def test_tokenizer_unknown_fields_are_400(http, path, body, param):
+    response = http.post(path, json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_detokenize_out_of_vocabulary_is_400(http):
+    response = http.post("/v1/detokenize", json={"tokens": [1, 10**9]})
+    assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]
