@@ -58,7 +58,8 @@ def test_openapi_request_schema_is_what_the_server_accepts(openapi, path):
     assert schema["additionalProperties"] is False  # unknown fields are refused
     assert set(IGNORED_FIELDS) <= set(schema["properties"])
     assert {"max_tokens", "temperature", "top_k", "min_p", "stop", "stream_options"} <= set(schema["properties"])
-    assert "guided_json" not in schema["properties"] and "prompt_logprobs" not in schema["properties"]
+    assert "guided_json" not in schema["properties"]
+    assert ("prompt_logprobs" in schema["properties"]) == (path == "/v1/completions")  # vLLM's, completions only
     assert schema["properties"]["max_tokens"]["anyOf"] == [{"type": "integer", "minimum": 1}, {"type": "null"}]
     assert schema["properties"]["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
     assert schema["properties"]["n"] == {"type": "integer", "minimum": 1, "maximum": 16, "default": 1}
@@ -78,7 +79,7 @@ def test_docs_page(http):
     assert "/openapi.json" in response.text
 
 
-UNIMPLEMENTED = ["guided_json", "guided_choice", "structured_outputs", "prompt_logprobs", "use_beam_search",
+UNIMPLEMENTED = ["guided_json", "guided_choice", "structured_outputs", "use_beam_search",
                  "length_penalty", "allowed_token_ids", "bad_words", "reasoning_effort", "logits_processors"]
 
 
@@ -94,12 +95,14 @@ def test_unimplemented_field_is_400_naming_it(client, field):
     assert e.value.body["param"] == field
 
 
-@pytest.mark.parametrize("body, param", [({"echo": True, "logprobs": 1}, "echo"), ({"best_of": 2}, "best_of"),
-                                         ({"prompt_logprobs": 1}, "prompt_logprobs")])
-def test_prompt_logprobs_and_best_of_are_400(client, body, param):
+def test_best_of_other_than_n_and_chat_prompt_logprobs_are_400(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=NAME, prompt="x", max_tokens=1, extra_body=body)
-    assert param in e.value.body["message"]
+        client.completions.create(model=NAME, prompt="x", max_tokens=1, extra_body={"best_of": 2})
+    assert "best_of" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
 
 
 def test_ignored_fields_are_accepted(client):

@@ -133,8 +133,6 @@ def completion_bodies(draw: st.DrawFn) -> dict:
     prompt = draw(st.one_of(short_text, st.lists(short_text, min_size=1, max_size=2), token_ids,
                             st.lists(token_ids, min_size=1, max_size=2)))
     extra = draw(st.fixed_dictionaries({}, optional={"logprobs": st.integers(0, 5), "echo": st.booleans()}))
-    if extra.get("echo"):
-        extra.pop("logprobs", None)  # echo with logprobs needs prompt logprobs: refused
     return {"model": "llmserve-demo", "prompt": prompt, **extra, **draw(sampling_fields())}
 
 

@@ -46,3 +46,15 @@ def test_device_tokens_give_the_host_penalties():
         for j, state in enumerate(rows):
             state.append_token(int(sampled[j]))
     assert any(not s.has_penalties for s in states)  # rows without penalties are left out
+
+
+def test_engine_serves_penalised_requests_past_the_buffers_first_sizes(tmp_path):
+    """Buffers grown while sampling (inference mode) are written again when new requests arrive."""
+    from llmserve import LLM, SamplingParams
+    from llmserve.model.maker import make_model
+
+    llm = LLM(make_model("llama", "tiny", str(tmp_path / "m"), seed=0), dtype="float32", max_num_seqs=4)
+    outputs = llm.generate([[5 + i] * (3 + i) for i in range(12)],
+                           SamplingParams(max_tokens=40, repetition_penalty=1.2, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [40] * 12
+    llm.engine.check_integrity()

@@ -44,7 +44,7 @@ def test_validation_error_names_the_field():
     assert err.param == "max_tokens" and "max_tokens" in err.message
 
 
-UNIMPLEMENTED = ["guided_json", "guided_regex", "prompt_logprobs", "use_beam_search", "allowed_token_ids",
+UNIMPLEMENTED = ["guided_json", "guided_regex", "use_beam_search", "allowed_token_ids",
                  "bad_words", "structured_outputs", "reasoning_effort", "truncate_prompt_tokens", "no_such_field"]
 
 
@@ -86,7 +86,15 @@ def test_completion_overrides():
     SamplingParams(**o)  # a valid set
 
 
-@pytest.mark.parametrize("body, word", [({"suffix": "y"}, "suffix"), ({"echo": True, "logprobs": 1}, "echo"),
+def test_echo_with_logprobs_scores_the_prompt():
+    assert completion_overrides(completion({"prompt": "x", "echo": True, "logprobs": 3}))["prompt_logprobs"] == 3
+    assert completion_overrides(completion({"prompt": "x", "prompt_logprobs": 2}))["prompt_logprobs"] == 2
+    assert "prompt_logprobs" not in completion_overrides(completion({"prompt": "x", "logprobs": 3}))
+    with pytest.raises(msgspec.ValidationError):
+        decode_json(b'{"prompt_logprobs": 1, "messages": []}', ChatCompletionRequest)  # completions only
+
+
+@pytest.mark.parametrize("body, word", [({"suffix": "y"}, "suffix"),
                                         ({"best_of": 3}, "best_of"), ({"logit_bias": {"a": 1}}, "logit_bias"),
                                         ({"stream_options": {"include_usage": True}}, "stream_options")])
 def test_completion_rejects(body, word):

@@ -66,7 +66,8 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         by_index[c.index] = CompletionOutput(c.index, prev.text + c.text, prev.token_ids + c.token_ids, logprobs,
                                              c.finish_reason, c.stop_reason)
     return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids,
-                         [by_index[i] for i in sorted(by_index)], new.finished, new.num_cached_tokens, new.metrics)
+                         [by_index[i] for i in sorted(by_index)], new.finished, new.num_cached_tokens, new.metrics,
+                         old.prompt_logprobs if new.prompt_logprobs is None else new.prompt_logprobs)
 
 
 class RequestOutputCollector:

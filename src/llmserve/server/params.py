@@ -55,11 +55,12 @@ def common_overrides(req: SamplingFields) -> dict:
 def completion_overrides(req: CompletionRequest) -> dict:
     if req.suffix:
         raise ValueError("suffix is not supported")
-    if req.echo and req.logprobs is not None:
-        raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
     overrides = common_overrides(req)
     overrides["max_tokens"] = 16 if req.max_tokens is None else req.max_tokens
     overrides["logprobs"] = req.logprobs
+    if req.prompt_logprobs is not None or (req.echo and req.logprobs is not None):
+        # echo with logprobs scores the echoed prompt too (OpenAI), with as many top tokens
+        overrides["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs if req.echo else 0)
     return overrides
 
 

@@ -107,6 +107,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[PromptItem]
     echo: bool = False
     logprobs: NumLogprobs | None = None
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's: per prompt token its logprob, rank and top k
     suffix: refused_unless({"anyOf": [NULL, {"enum": [""]}]}) = None
     add_special_tokens: bool = True
 
@@ -170,12 +171,23 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int] = []
 
 
+class PromptTokenLogprob(msgspec.Struct):
+    """vLLM's Logprob record of a prompt token (keyed by token id in `prompt_logprobs`)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's prompt_logprobs: None for the first prompt token, then {token id: logprob} for the prompt
+    # token and its top k; only in a stream's first chunk of a choice.
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct):

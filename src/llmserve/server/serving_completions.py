@@ -14,7 +14,8 @@ from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.params import build_params, completion_overrides
 from llmserve.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse, Usage, decode_json, encode_json, make_usage)
+                                      CompletionResponse, PromptTokenLogprob, Usage, decode_json, encode_json,
+                                      make_usage)
 from llmserve.server.serving_common import ServingContext, TokenTexts, created_now, fold, new_request_id
 from llmserve.server.streams import merge_async_iterators, sse_event, sse_response, until_disconnect, \
     with_error_event
@@ -47,7 +48,7 @@ class _Choices:
     num_completion_tokens: int = 0
     num_cached_tokens: dict[int, int] = field(default_factory=dict)
     text_offsets: dict[int, int] = field(default_factory=dict)
-    echoed: set[int] = field(default_factory=set)
+    started: set[int] = field(default_factory=set)  # choices that sent their first chunk
 
 
 def completion_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], num_top: int,
@@ -62,6 +63,35 @@ def completion_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], nu
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def prompt_completion_logprobs(token_text: TokenTexts, prompt_ids: list[int], scored: list[TokenLogprob | None],
+                               num_top: int) -> CompletionLogprobs:
+    """OpenAI's echo with logprobs: the prompt tokens first, the first one without a logprob."""
+    out = completion_logprobs(token_text, [lp for lp in scored if lp is not None], num_top, len(token_text(prompt_ids[0])))
+    first = token_text(prompt_ids[0])
+    return CompletionLogprobs([first] + out.tokens, [None] + out.token_logprobs, [None] + out.top_logprobs,
+                              [0] + out.text_offset)
+
+
+def join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(head.tokens + tail.tokens, head.token_logprobs + tail.token_logprobs,
+                              head.top_logprobs + tail.top_logprobs, head.text_offset + tail.text_offset)
+
+
+def vllm_prompt_logprobs(token_text: TokenTexts, scored: list[TokenLogprob | None],
+                         num_top: int) -> list[dict[str, PromptTokenLogprob] | None]:
+    """vLLM's shape: per prompt token {token id: {logprob, rank, decoded_token}} for it and its top k."""
+    out: list[dict[str, PromptTokenLogprob] | None] = []
+    for lp in scored:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {str(tid): PromptTokenLogprob(value, rank, token_text(tid))
+                   for rank, (tid, value) in enumerate(lp.top[:num_top], start=1)}
+        entries[str(lp.token_id)] = PromptTokenLogprob(lp.logprob, lp.rank, token_text(lp.token_id))
+        out.append(entries)
     return out
 
 
@@ -90,19 +120,31 @@ class CompletionServer:
                         media_type="application/json")
 
     def _choice(self, req: CompletionRequest, params: SamplingParams, state: _Choices, prompt_index: int,
-                prompt: TokensPrompt, out: CompletionOutput) -> CompletionChoice:
+                prompt: TokensPrompt, out: CompletionOutput,
+                scored: list[TokenLogprob | None] | None) -> CompletionChoice:
+        """`scored`: the prompt's logprobs (prompt_logprobs, or echo with logprobs), when they came."""
         index = prompt_index * state.n + out.index
         text = out.text
-        if req.echo and index not in state.echoed:
-            state.echoed.add(index)
+        is_first = index not in state.started
+        state.started.add(index)
+        echo_logprobs = None
+        if req.echo and is_first:
             text = (prompt.text or "") + text
-        logprobs = None
+            if req.logprobs is not None and scored is not None:
+                echo_logprobs = prompt_completion_logprobs(self.ctx.token_text, prompt.token_ids, scored, req.logprobs)
+                state.text_offsets[index] = sum(len(t) for t in echo_logprobs.tokens)
+        logprobs = echo_logprobs
         if params.logprobs is not None and out.logprobs is not None:
             offset = state.text_offsets.get(index, 0)
             logprobs = completion_logprobs(self.ctx.token_text, out.logprobs, params.logprobs, offset)
             state.text_offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
+            if echo_logprobs is not None:
+                logprobs = join_logprobs(echo_logprobs, logprobs)
         state.num_completion_tokens += len(out.token_ids)
-        return CompletionChoice(index, text, logprobs, out.finish_reason, out.stop_reason)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and is_first and scored is not None:
+            prompt_logprobs = vllm_prompt_logprobs(self.ctx.token_text, scored, req.prompt_logprobs)
+        return CompletionChoice(index, text, logprobs, out.finish_reason, out.stop_reason, prompt_logprobs)
 
     def _usage(self, prompts: list[TokensPrompt], state: _Choices) -> Usage:
         return make_usage(sum(len(p.token_ids) for p in prompts), state.num_completion_tokens,
@@ -114,7 +156,8 @@ class CompletionServer:
         choices = []
         for i, (prompt, final) in enumerate(zip(prompts, finals)):
             state.num_cached_tokens[i] = final.num_cached_tokens
-            choices.extend(self._choice(req, params, state, i, prompt, out) for out in final.outputs)
+            choices.extend(self._choice(req, params, state, i, prompt, out, final.prompt_logprobs)
+                           for out in final.outputs)
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(request_id, created_now(), self.ctx.model_name, choices,
                                   self._usage(prompts, state))
@@ -129,7 +172,7 @@ class CompletionServer:
             async for i, output in merged:
                 state.num_cached_tokens[i] = output.num_cached_tokens
                 for out in output.outputs:
-                    choice = self._choice(req, params, state, i, prompts[i], out)
+                    choice = self._choice(req, params, state, i, prompts[i], out, output.prompt_logprobs)
                     if not choice.text and choice.finish_reason is None and choice.logprobs is None:
                         continue
                     usage = self._usage(prompts, state) if is_continuous else None

@@ -69,6 +69,7 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.finish(self.launch(sched_out))
 
+    @torch.inference_mode()  # every tensor the runner keeps is made and updated in inference mode
     def launch(self, sched_out: SchedulerOutput) -> StepHandle:
         t0 = time.perf_counter()
         self._update_states(sched_out)
@@ -98,6 +99,7 @@ class ModelRunner:
         self._add_times(t0, t1, t2, t3)
         return handle
 
+    @torch.inference_mode()
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
         """The step's output (waits for its sampled ids); steps finish in the order they launched."""
         if handle.output is None:
