@@ -1,16 +1,16 @@
-"""Many streams at once with half of them cancelled (queued or decoding), and non-streaming disconnects:
-the rest complete and every KV block comes back."""
+"""Many streams at once with half of them cancelled (queued or decoding), and non-streaming disconnects
+(the engine held at a step boundary, so they cannot finish first on any machine): the rest complete and
+every KV block comes back."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.server.testing import StepGateClient, metric_value, start_tiny_server, wait_until
 
 NUM_STREAMS = 200
 MAX_TOKENS = 32
@@ -18,9 +18,15 @@ CANCELLED_MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def gate():
+    with StepGateClient() as gate:
+        yield gate
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, gate):
     server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--max-num-seqs", "64",
-                               "--num-kv-blocks", "1024")
+                               "--num-kv-blocks", "1024", env=gate.env)
     yield server
     assert server.stop() == 0
 
@@ -29,15 +35,15 @@ def metrics(server) -> str:
     return httpx.get(f"{server.url}/metrics", timeout=30).text
 
 
+def at_baseline(server) -> str | None:
+    """The metrics text when every KV block is free and nothing is in flight, else None."""
+    text = metrics(server)
+    is_free = metric_value(text, "llmserve:kv_cache_free_blocks") == metric_value(text, "llmserve:kv_cache_blocks")
+    return text if is_free and metric_value(text, "llmserve:num_requests_in_flight") == 0 else None
+
+
 def wait_for_baseline(server, timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = metrics(server)
-        is_free = metric_value(text, "llmserve:kv_cache_free_blocks") == metric_value(text, "llmserve:kv_cache_blocks")
-        if is_free and metric_value(text, "llmserve:num_requests_in_flight") == 0:
-            return text
-        assert time.monotonic() < deadline, "KV blocks did not return to baseline"
-        time.sleep(0.1)
+    return wait_until(lambda: at_baseline(server), timeout, "KV blocks back to baseline")
 
 
 def aborted(text: str) -> float:
@@ -82,12 +88,23 @@ def test_half_of_200_streams_cancelled(server):
     assert aborted(after) - before == NUM_STREAMS // 2
 
 
-def test_non_streaming_disconnect_aborts(server):
+def test_non_streaming_disconnect_aborts(server, gate):
+    """Three clients leave while the engine is held: each request is aborted, not finished."""
     before = aborted(wait_for_baseline(server))
     body = {"prompt": "long", "max_tokens": 450, "ignore_eos": True}
-    for _ in range(3):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+
+    async def main(start):
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            posts = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
+            await asyncio.to_thread(gate.wait_for, "added", start["added"] + 3)
+            for post in posts:
+                post.cancel()  # the client goes away: httpx closes the connection
+            return await asyncio.gather(*posts, return_exceptions=True)
+
+    with gate.held() as start:
+        assert all(isinstance(r, asyncio.CancelledError) for r in asyncio.run(main(start)))
+        gate.wait_for("aborted", start["aborted"] + 3)
+        assert gate.status()["steps"] == start["steps"]  # nothing ran: the aborts beat every token
     after = wait_for_baseline(server)
     assert aborted(after) - before == 3
     out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)

@@ -4,6 +4,7 @@ its engine at a step boundary (engine/step_gate.py); `wait_until` polls a condit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -70,6 +71,14 @@ class StepGateClient:
 
     def release(self) -> dict[str, Any]:
         return self._call("release")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[dict[str, Any]]:
+        """`with gate.held() as start:` the engine steps only when told; released on the way out."""
+        try:
+            yield self.hold()
+        finally:
+            self.release()
 
     def run_steps(self, num: int) -> dict[str, Any]:
         """Let exactly `num` steps run (fewer if the work runs out), then hold; returns the status."""
