@@ -4,6 +4,7 @@ its engine at a step boundary (engine/step_gate.py); `wait_until` polls a condit
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -35,6 +36,20 @@ def wait_until(condition: Callable[[], Any], timeout: float = 30.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(poll_s)
+
+
+async def until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "the condition",
+                poll_s: float = 0.0) -> Any:
+    """`wait_until` inside an event loop: re-checks after each turn of the loop (or every `poll_s`)."""
+    async def poll() -> Any:
+        while not (value := condition()):
+            await asyncio.sleep(poll_s)
+        return value
+
+    try:
+        return await asyncio.wait_for(poll(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}") from None
 
 
 class StepGateClient:
