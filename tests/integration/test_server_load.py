@@ -109,3 +109,33 @@ def test_non_streaming_disconnect_aborts(server, gate):
     assert aborted(after) - before == 3
     out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert out.status_code == 200
+
+
+def test_metrics_while_held_come_from_the_last_step(server, gate):
+    """/metrics asks nothing of the engine: scraped while the engine is held, it answers with the state
+    of the last step (two requests running, their blocks taken), and the step reporting their aborts
+    brings it back to the baseline."""
+    wait_for_baseline(server)
+    body = {"prompt": "metrics", "max_tokens": 50, "ignore_eos": True}
+
+    async def main(start):
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            posts = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.to_thread(gate.wait_for, "added", start["added"] + 2)
+            await asyncio.to_thread(gate.run_steps, 1)
+            text = await asyncio.to_thread(metrics, server)
+            for post in posts:
+                post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+            return text
+
+    with gate.held() as start:
+        text = asyncio.run(main(start))
+        assert metric_value(text, "llmserve:num_requests_running") == 2
+        assert metric_value(text, "llmserve:kv_cache_usage_perc") > 0
+        assert metric_value(text, "llmserve:kv_cache_free_blocks") < metric_value(text, "llmserve:kv_cache_blocks")
+        gate.wait_for("aborted", start["aborted"] + 2)
+        assert at_baseline(server) is None  # no step since: the gauges still show the last one
+        gate.run_steps(1)  # the step that reports the aborts (and the freed blocks)
+        wait_for_baseline(server)
+        assert metric_value(metrics(server), "llmserve:num_requests_running") == 0

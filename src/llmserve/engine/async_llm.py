@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_client import EngineCoreClient, EngineDeadError
-from llmserve.engine.core_proc import EngineStats
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.processor import Processor
@@ -259,9 +258,6 @@ class AsyncLLM:
 
     async def check_integrity(self) -> None:
         await self.client.call_utility("check_integrity")
-
-    async def get_engine_stats(self, timeout: float = 5.0) -> EngineStats:
-        return await self.client.get_stats(timeout)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         await self.client.shutdown(timeout)

@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from llmserve.config import EngineConfig
-from llmserve.engine.core_proc import (EngineStats, InKind, OutKind, ReadyMessage, UtilityCall, UtilityResult,
-                                       frames, run_engine_core)
+from llmserve.engine.core_proc import (InKind, OutKind, ReadyMessage, UtilityCall, UtilityResult, frames,
+                                       run_engine_core)
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger("llmserve.engine.core_client")
@@ -124,9 +124,6 @@ class EngineCoreClient:
         if result.error is not None:
             raise RuntimeError(f"engine utility {method} failed: {result.error}")
         return result.result
-
-    async def get_stats(self, timeout: float = 5.0) -> EngineStats:
-        return msgspec.convert(await self.call_utility("get_stats", timeout=timeout), EngineStats)
 
     # ---- receiving and watching ---------------------------------------------------------------------
 

@@ -63,15 +63,6 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
 
 
-class EngineStats(msgspec.Struct):
-    """Answer of the `get_stats` utility: the cache and queue state right now."""
-
-    num_kv_blocks: int  # usable blocks (without the null block)
-    num_free_kv_blocks: int  # free, including evictable prefix-cached ones
-    kv_cache_usage: float
-    num_unfinished_requests: int
-
-
 class ReadyMessage(msgspec.Struct):
     model_info: dict[str, Any]  # llmserve.model.loader.ModelInfo as builtins
     num_kv_blocks: int
@@ -159,7 +150,6 @@ class EngineCoreProc:
         self._utilities = {
             "reset_prefix_cache": core.reset_prefix_cache,
             "check_integrity": self._check_integrity,
-            "get_stats": self._get_stats,
             "ping": lambda: True,
         }
         self.input_thread = threading.Thread(target=self._input_loop, args=(ctx, input_addr), daemon=True,
@@ -243,9 +233,6 @@ class EngineCoreProc:
         """Invariants broken mean corrupted outputs: fail loudly (the front sees the core die)."""
         self.core.check_integrity()
         return True
-
-    def _get_stats(self) -> EngineStats:
-        return EngineStats(*self.core.cache_stats())
 
     # ---- IO threads -------------------------------------------------------------------------------
 

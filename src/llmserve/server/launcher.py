@@ -109,6 +109,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     try:
         model_name = config.served_model_name or engine.model_info.name
         metrics = ServerMetrics(model_name)
+        metrics.set_cache_size(engine.client.num_kv_blocks)
         engine.stat_logger = metrics
         ctx = ServingContext(engine, config, metrics, model_name, engine_config.scheduler.max_num_seqs,
                              TokenTexts(engine.tokenizer))

@@ -2,7 +2,9 @@
 
 prometheus_client accepts ':' in metric names (vLLM's `vllm:` names use it too). docs/metrics.md lists
 each metric with its vLLM equivalent. Per-request latencies are measured here, on the front, from
-the engine outputs as they arrive (engine timestamps for queue time).
+the engine outputs as they arrive (engine timestamps for queue time); the engine's gauges (queues, KV
+cache) come from the stats each step's outputs carry, so a scrape asks nothing of the engine and
+answers even while a step runs long.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.engine.core_proc import EngineStats
 from llmserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats,
                                      SpecDecodeStats)
 
@@ -59,7 +60,7 @@ class ServerMetrics:
         self.num_running = self._gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = self._gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1).")
-        self.num_free_blocks = self._gauge("kv_cache_free_blocks", "KV blocks free (refreshed at each scrape).")
+        self.num_free_blocks = self._gauge("kv_cache_free_blocks", "KV blocks free (as of the last engine step).")
         self.num_blocks = self._gauge("kv_cache_blocks", "KV blocks in the cache.")
         self.num_in_flight = self._gauge("num_requests_in_flight", "Engine requests the front is waiting on.")
 
@@ -142,7 +143,7 @@ class ServerMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        if stats.num_kv_blocks:  # also refreshed at scrape time, which fails while a step runs long
+        if stats.num_kv_blocks:
             self.num_blocks.set(stats.num_kv_blocks)
             self.num_free_blocks.set(stats.num_free_kv_blocks)
         self.prefix_queries.inc(stats.prefix_cache_queries)
@@ -166,14 +167,10 @@ class ServerMetrics:
         self.spec_acceptance_rate.set(totals.num_accepted_tokens / max(totals.num_draft_tokens, 1))
         self.spec_mean_accepted_length.set(1 + totals.num_accepted_tokens / max(totals.num_drafts, 1))
 
-    def on_engine_stats(self, stats: EngineStats) -> None:
-        """Fresh cache state, asked of the engine at scrape time."""
-        self.num_blocks.set(stats.num_kv_blocks)
-        self.num_free_blocks.set(stats.num_free_kv_blocks)
-        self.kv_usage.set(stats.kv_cache_usage)
-        if stats.num_unfinished_requests == 0:
-            self.num_running.set(0)
-            self.num_waiting.set(0)
+    def set_cache_size(self, num_kv_blocks: int) -> None:
+        """The empty cache, until the first step reports (the engine's READY message gives its size)."""
+        self.num_blocks.set(num_kv_blocks)
+        self.num_free_blocks.set(num_kv_blocks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
