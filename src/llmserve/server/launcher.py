@@ -21,6 +21,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server.api_server import build_app
 from llmserve.server.config import ServerConfig
+from llmserve.server.loop_lag import probe_loop_lag
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.serving_common import ServingContext, TokenTexts
 
@@ -120,7 +121,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         # Printed whatever the log level: with --port 0 this line is how one learns the port.
         print(f"llmserve: serving {model_name} on http://{config.host}:{sock.getsockname()[1]}", file=sys.stderr,
               flush=True)
-        await server.serve(sockets=[sock])
+        lag_probe = asyncio.create_task(probe_loop_lag(metrics.on_loop_lag), name="loop-lag-probe")
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            lag_probe.cancel()
         return server.exit_code
     finally:
         sock.close()
