@@ -8,6 +8,7 @@ the rest (finish_reason abort), stop the engine process, exit 0. A second signal
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -121,6 +122,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         # Printed whatever the log level: with --port 0 this line is how one learns the port.
         print(f"llmserve: serving {model_name} on http://{config.host}:{sock.getsockname()[1]}", file=sys.stderr,
               flush=True)
+        freeze_startup_heap()
         lag_probe = asyncio.create_task(probe_loop_lag(metrics.on_loop_lag), name="loop-lag-probe")
         try:
             await server.serve(sockets=[sock])
@@ -130,6 +132,14 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     finally:
         sock.close()
         await engine.shutdown()
+
+
+def freeze_startup_heap() -> None:
+    """Move what start-up allocated (tokenizer, model info, the app, imported modules) out of the GC's
+    reach, as vLLM's API server does: a full collection then walks only what serving allocates. On the
+    tiny model at c=512 full collections otherwise stalled the event loop for up to ~1 s."""
+    gc.collect()
+    gc.freeze()
 
 
 def run(engine_config: EngineConfig, config: ServerConfig) -> int:
