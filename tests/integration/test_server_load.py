@@ -46,6 +46,10 @@ def wait_for_baseline(server, timeout: float = 30.0) -> str:
     return wait_until(lambda: at_baseline(server), timeout, "KV blocks back to baseline")
 
 
+def num_logged(server, text: str) -> int:
+    return server.log().count(text)
+
+
 def aborted(text: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("llmserve:request_success_total{") and 'finished_reason="abort"' in line)
@@ -86,6 +90,8 @@ def test_half_of_200_streams_cancelled(server):
     assert sum(finish == "cancelled" for finish, _ in results) == NUM_STREAMS // 2
     after = wait_for_baseline(server)
     assert aborted(after) - before == NUM_STREAMS // 2
+    wait_until(lambda: num_logged(server, "cut short after") == NUM_STREAMS // 2, 10, "a log line per cut stream")
+    assert num_logged(server, ": the client disconnected") == NUM_STREAMS // 2
 
 
 def test_non_streaming_disconnect_aborts(server, gate):
@@ -107,6 +113,7 @@ def test_non_streaming_disconnect_aborts(server, gate):
         assert gate.status()["steps"] == start["steps"]  # nothing ran: the aborts beat every token
     after = wait_for_baseline(server)
     assert aborted(after) - before == 3
+    assert num_logged(server, "cut short: the client disconnected before the response") == 3
     out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert out.status_code == 200
 
