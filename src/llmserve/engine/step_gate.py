@@ -59,7 +59,10 @@ class StepGate:
             return True
 
     def on_idle(self) -> None:
+        """No work: steps allowed but not taken lapse (a later request waits for its own `allow`)."""
         with self._cond:
+            if self._credits is not None:
+                self._credits = 0
             self._set_state("idle")
 
     def on_added(self, num: int) -> None:
