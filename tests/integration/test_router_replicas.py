@@ -235,24 +235,31 @@ def test_replica_killed_mid_run(replicas, gates, model_dir):
             results = [f.result() for f in posts + later]
         assert all(r.status_code == 200 for r in results), [r.text for r in results]
         assert all(r.headers["x-llmserve-backend"] == survivor.url for r in results[4:])
-        cut = [raw for backend, raw in streams if backend == victim.url]
-        whole = [raw for backend, raw in streams if backend == survivor.url]
-        assert len(cut) == 2 and len(whole) == 2
-        for raw in cut:
-            events = raw.rstrip(b"\n").split(b"\n\n")
-            assert events[-1] == b"data: [DONE]"
-            assert json.loads(events[-2][6:])["error"]["code"] == "upstream_disconnected"
-        assert all(b'"finish_reason":"length"' in raw for raw in whole)
+        check_streams(streams, victim, survivor)
         metrics = router.metrics()
         assert sample_value(metrics, "llmserve_router:ejections_total", backend=victim.url) >= 1
         assert sample_value(metrics, "llmserve_router:retries_total") >= 1
         assert sample_value(metrics, "llmserve_router:backend_healthy", backend=victim.url) == 0
+        replicas[1] = start_replicas(model_dir, gates[1:], ports=[victim.port])[0]
+        check_back_in_rotation(router, survivor, replicas[1])
 
-        port = victim.port
-        replicas[1] = start_replicas(model_dir, gates[1:], ports=[port])[0]
-        wait_until(lambda: sample_value(router.metrics(), "llmserve_router:backend_healthy",
-                                      backend=replicas[1].url) == 1, 20, "the restarted replica to come back")
-        served = {httpx.post(f"{router.url}/v1/completions", timeout=60,
-                             json={"model": "tiny", "prompt": "back?", "max_tokens": 1}).headers["x-llmserve-backend"]
-                  for _ in range(4)}
-        assert served == {survivor.url, replicas[1].url}
+
+def check_streams(streams: list, victim: ServerProcess, survivor: ServerProcess) -> None:
+    """The victim's two streams end with the router's error event, the survivor's two complete."""
+    cut = [raw for backend, raw in streams if backend == victim.url]
+    whole = [raw for backend, raw in streams if backend == survivor.url]
+    assert len(cut) == 2 and len(whole) == 2
+    for raw in cut:
+        events = raw.rstrip(b"\n").split(b"\n\n")
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "upstream_disconnected"
+    assert all(b'"finish_reason":"length"' in raw for raw in whole)
+
+
+def check_back_in_rotation(router: RouterProcess, survivor: ServerProcess, restarted: ServerProcess) -> None:
+    wait_until(lambda: sample_value(router.metrics(), "llmserve_router:backend_healthy",
+                                    backend=restarted.url) == 1, 20, "the restarted replica to come back")
+    served = {httpx.post(f"{router.url}/v1/completions", timeout=60,
+                         json={"model": "tiny", "prompt": "back?", "max_tokens": 1}).headers["x-llmserve-backend"]
+              for _ in range(4)}
+    assert served == {survivor.url, restarted.url}
