@@ -164,7 +164,7 @@ async def test_queue_full_and_queue_timeout_give_503_retry_after():
         await release.wait()
         return ok(request)
 
-    gw = make_gateway(slow, urls=(A,), max_in_flight_per_backend=1, max_queued_requests=1, queue_timeout_s=0.3)
+    gw = make_gateway(slow, urls=(A,), max_in_flight_per_backend=1, max_queued_requests=1, queue_timeout_s=1.0)
     first = asyncio.create_task(call(gw, {"model": "m", "prompt": "1"}))
     await asyncio.wait_for(entered.wait(), 5)  # at the backend, which holds it
     second = asyncio.create_task(call(gw, {"model": "m", "prompt": "2"}))
