@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.router.cli import add_route_parser
     from llmserve.server.cli import add_serve_parser
 
+    from llmserve import __version__
+
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving: engine, server, router, benchmark")
+    parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_route_parser(sub)

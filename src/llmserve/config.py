@@ -7,6 +7,25 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def check(is_ok: bool, flag: str, message: str) -> None:
+    """ValueError('--flag: message') unless `is_ok`: a config error names the CLI flag that sets it."""
+    if not is_ok:
+        raise ValueError(f"--{flag}: {message}")
+
+
+def check_min(flag: str, value: float | None, minimum: float) -> None:
+    """`value` (None: unset, allowed) is at least `minimum`."""
+    check(value is None or value >= minimum, flag, f"must be >= {minimum}, got {value}")
+
+
+def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
+    check(value in choices, flag, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
 
 
 @dataclass(frozen=True)
@@ -20,9 +39,18 @@ class ModelConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch + C++ kernel on CPU) | torch | triton", "choices": ["auto", "torch", "triton"]})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
-    max_graph_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a CUDA graph"})
+    max_graph_batch: int | None = field(default=None, metadata={"help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)"})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
+
+    def validate(self) -> None:
+        check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        check_min("max-model-len", self.max_model_len, 1)
+        check(self.device in ("auto", "cpu") or self.device.split(":")[0] == "cuda", "device",
+              f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        check_choice("attention-backend", self.attention_backend, ("auto", "torch", "triton"))
+        check_min("max-graph-batch", self.max_graph_batch, 1)
+        check_min("num-threads", self.num_threads, 1)
 
 
 @dataclass(frozen=True)
@@ -34,22 +62,45 @@ class CacheConfig:
                                                                 "flag": "prefix-caching"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use"})
 
+    def validate(self) -> None:
+        check_min("block-size", self.block_size, 1)
+        if self.kv_cache_memory is not None:
+            check(parse_bytes(self.kv_cache_memory, "kv-cache-memory") > 0, "kv-cache-memory",
+                  f"must be positive, got {self.kv_cache_memory!r}")
+        check_min("num-kv-blocks", self.num_kv_blocks, 2)  # the null block and one more
+        check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
+              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    max_num_seqs: int | None = field(default=None, metadata={"help": "most requests running at once (default: 128 on "
+                                     "CPU; on CUDA 1024 with 70 GiB of device memory or more, else 256)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget of one engine step "
-                                               "(default: 2048 on CUDA; 512 on CPU, where 2,048 tokens are seconds of "
-                                               "compute: shorter steps give earlier first tokens, shorter stalls)"})
+                                               "(default: on CUDA 8192 with 70 GiB of device memory or more, else 2048; "
+                                               "512 on CPU, where 2,048 tokens are seconds of compute: shorter steps "
+                                               "give earlier first tokens, shorter stalls)"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_prefill_tokens_while_decoding: int | None = field(default=None, metadata={"help": "while requests decode, at most this many prompt tokens per step: bounds inter-token latency (default: the whole token budget)"})
     policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"]})
+    async_scheduling: bool | None = field(default=None, metadata={"help": "schedule and prepare step N+1 while the "
+                                          "device runs step N (default: on for CUDA, off on CPU, where the host is "
+                                          "the device and nothing overlaps)"})
 
-    def for_device(self, device_type: str) -> SchedulerConfig:
-        """This config with the device's defaults filled in (the token budget)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        return dataclasses.replace(self, max_num_batched_tokens=512 if device_type == "cpu" else 2048)
+    def validate(self) -> None:
+        check_min("max-num-seqs", self.max_num_seqs, 1)
+        check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
+        check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
+        check_choice("policy", self.policy, ("fcfs", "priority"))
+
+    def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
+        """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""
+        is_big_gpu = device_type == "cuda" and device_memory >= LARGE_GPU_MEMORY
+        defaults = {"max_num_seqs": 128 if device_type != "cuda" else 1024 if is_big_gpu else 256,
+                    "max_num_batched_tokens": 512 if device_type != "cuda" else 8192 if is_big_gpu else 2048,
+                    "async_scheduling": device_type == "cuda"}
+        unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset) if unset else self
 
 
 @dataclass(frozen=True)
@@ -71,12 +122,15 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.speculative == "draft" else 0
 
     def validate(self) -> None:
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
-        if (self.speculative == "draft") != (self.draft_model is not None):
-            raise ValueError("draft_model is required with --speculative draft, and only then")
+        if self.speculative is not None:
+            check_choice("speculative", self.speculative, ("ngram", "draft"))
+        check_min("num-speculative-tokens", self.num_speculative_tokens, 1)
+        check_min("ngram-min", self.ngram_min, 1)
+        check(self.ngram_min <= self.ngram_max, "ngram-max",
+              f"must be >= --ngram-min ({self.ngram_min}), got {self.ngram_max}")
+        check_min("speculative-max-batch", self.speculative_max_batch, 1)
+        check((self.speculative == "draft") == (self.draft_model is not None), "draft-model",
+              "required with --speculative draft, and only then")
 
 
 @dataclass(frozen=True)
@@ -86,19 +140,46 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
 
+    def validate(self, max_model_len: int | None = None) -> None:
+        """Each section's values, then the relations between them. `max_model_len`: the context length
+        resolved from the model (default: --max-model-len, when given)."""
+        for section in (self.model, self.cache, self.scheduler, self.speculative):
+            section.validate()
+        check_model_len(self, max_model_len or self.model.max_model_len)
+
+
+def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
+    """A whole sequence must fit the KV cache and, without chunked prefill, one step's token budget
+    (else a long prompt, or a preempted request's recompute, waits forever)."""
+    if max_model_len is None:
+        return
+    cache, sched = config.cache, config.scheduler
+    if cache.num_kv_blocks is not None:
+        capacity = (cache.num_kv_blocks - 1) * cache.block_size  # less the null block
+        check(capacity >= max_model_len, "num-kv-blocks", f"{cache.num_kv_blocks} blocks of {cache.block_size} "
+              f"tokens hold {capacity} tokens, fewer than one sequence of --max-model-len {max_model_len}")
+    budget = sched.max_num_batched_tokens
+    if not sched.enable_chunked_prefill and budget is not None:
+        check(budget >= max_model_len, "max-num-batched-tokens", f"{budget} is below --max-model-len "
+              f"{max_model_len}: without --enable-chunked-prefill a prompt must fit one step")
+
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
-    """'4GiB' -> 4294967296; '512MB' -> 512000000; '1000' -> 1000."""
+def parse_bytes(text: str, flag: str | None = None) -> int:
+    """'4GiB' -> 4294967296; '512MB' -> 512000000; '1000' -> 1000. `flag`: named in the error."""
     s = text.strip().lower().replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
     unit = s[len(num):].strip()
-    if not num or unit not in _UNITS:
-        raise ValueError(f"cannot parse a byte size from {text!r} (examples: 4GiB, 512MB)")
-    return int(float(num) * _UNITS[unit])
+    try:
+        if unit in _UNITS:
+            return int(float(num) * _UNITS[unit])
+    except ValueError:
+        pass
+    prefix = f"--{flag}: " if flag else ""
+    raise ValueError(f"{prefix}cannot parse a byte size from {text!r} (examples: 4GiB, 512MB)")
 
 
 def _base_type(tp: typing.Any) -> type:

@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # prompt_logprobs=k: per prompt token (None for the first) its logprob given the ones before it.
+    # In delta mode only the first output carries them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -19,6 +19,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     `top_k` <= 0 and `top_p` == 1 disable those filters; `temperature` == 0 is greedy.
     `logprobs` = None returns none; k >= 0 returns the sampled token's logprob plus the top k.
+    `prompt_logprobs` = k: the same for every prompt token after the first (computed, so such a
+    request takes no prefix-cache hit).
     Validation (`validate()`) raises ValueError naming the parameter.
     """
 
@@ -39,6 +41,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: bool = True  # False opts this request out of speculative decoding
 
@@ -71,6 +74,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:
             _check_int("seed", self.seed, MIN_SEED, MAX_SEED)
 

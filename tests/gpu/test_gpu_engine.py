@@ -83,3 +83,25 @@ def test_kv_cache_sized_from_gpu_memory(checkpoint):
 def test_default_dtype_is_bf16(checkpoint):
     llm = LLM(checkpoint, **ENGINE)
     assert llm.engine.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_async_scheduling_gives_the_in_order_tokens(checkpoint, enforce_eager):
+    """Overlap on CUDA (the default there): step N+1 reads step N's tokens on the device; greedy and
+    seeded outputs equal the in-order engine's, with graphs and eagerly."""
+    prompts = _prompts(40, seed=4)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=4 + i % 13, ignore_eos=True,
+                             logprobs=1 if i % 3 == 0 else None) for i in range(40)]
+    outs = []
+    for is_async in (False, True):
+        llm = LLM(checkpoint, dtype="float32", enforce_eager=enforce_eager, async_scheduling=is_async,
+                  max_num_seqs=16, **ENGINE)
+        outs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)])
+        assert (llm.engine.runner.times.num_device_inputs > 0) == is_async
+        llm.engine.check_integrity()
+    assert outs[0] == outs[1]
+
+
+def test_async_scheduling_is_the_cuda_default(checkpoint):
+    llm = LLM(checkpoint, dtype="bfloat16", **ENGINE)
+    assert llm.engine.is_async

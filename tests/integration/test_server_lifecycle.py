@@ -15,7 +15,8 @@ import pytest
 from llmserve.server.testing import StepGateClient, is_alive, start_tiny_server, wait_until
 
 LONG = {"max_tokens": 450, "ignore_eos": True}
-SHORT_TOKENS = 8  # one prefill step gives the first token, each later step one more
+SHORT_TOKENS = 8  # one prefill step gives the first token, each later step one more (async scheduling: a
+# step's tokens are reported by the next step)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,9 @@ def test_sigterm_drains_then_exits_zero(server, gate):
             await in_thread(gate.run_steps, SHORT_TOKENS - 1)  # short is one token from its end
             server.send_signal(signal.SIGTERM)
             refused = await _refused_while_draining(http)
-            await in_thread(gate.run_steps, 1)  # short's last token, within the drain
+            # Short's last token, within the drain: one step, or two where async scheduling (CUDA's
+            # default) reports a step's tokens at the next one. A second step only starts a long one.
+            await in_thread(gate.run_steps, 2)
             await in_thread(gate.wait_for, "aborted", start["aborted"] + 3)  # the shutdown timeout
             await in_thread(gate.release)  # the step that reports the aborts
             return await short, await asyncio.gather(*long), refused
@@ -124,6 +127,13 @@ def test_sigterm_drains_then_exits_zero(server, gate):
     assert server.wait(timeout=30) == 0
     assert not is_alive(engine_pid), "the engine process outlived the server"
     wait_until(lambda: not [pid for pid in children if is_alive(pid)], 10, "the server's children to exit")
+
+
+async def _wait_draining(http: httpx.AsyncClient, timeout: float = 30.0) -> None:
+    """Until /health says the server drains (polled, with a deadline)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (await http.get("/health")).status_code != 503:
+        assert asyncio.get_running_loop().time() < deadline, "the server did not start draining"
 
 
 async def _refused_while_draining(http: httpx.AsyncClient) -> bool:
@@ -173,11 +183,43 @@ async def _check_stall_turns_health_503(server, gate: StepGateClient) -> None:
 async def _kill_engine_mid_request(server, gate: StepGateClient, engine_pid: int):
     """A stream (open) and a plain request in flight, both held before any step, when the engine dies."""
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        start = await in_thread(gate.hold)
-        started = asyncio.Event()
-        stream = asyncio.create_task(read_stream(http, {"prompt": "doomed", **LONG}, started))
-        plain = asyncio.create_task(http.post("/v1/completions", json={"prompt": "doomed too", **LONG}))
-        await in_thread(gate.wait_for, "added", start["added"] + 2)
-        await asyncio.wait_for(started.wait(), 30)
+        stream, plain = await _two_held_requests(http, gate, LONG)
         os.kill(engine_pid, signal.SIGKILL)
+        return await stream, await plain
+
+
+async def _two_held_requests(http: httpx.AsyncClient, gate: StepGateClient, body: dict):
+    """A stream (open: its head arrived) and a plain request, both in the held engine."""
+    start = await in_thread(gate.hold)
+    started = asyncio.Event()
+    stream = asyncio.create_task(read_stream(http, {"prompt": "stream", **body}, started))
+    plain = asyncio.create_task(http.post("/v1/completions", json={"prompt": "plain", **body}))
+    await in_thread(gate.wait_for, "added", start["added"] + 2)
+    await asyncio.wait_for(started.wait(), 30)
+    return stream, plain
+
+
+def test_second_sigint_ends_open_requests_with_an_error_and_exits_without_a_traceback(model_dir):
+    with StepGateClient() as gate:
+        server = start_tiny_server(model_dir, "--max-model-len", "2048", "--num-kv-blocks", "512", env=gate.env)
+        try:
+            engine_pid = server.engine_pid()
+            events, plain = asyncio.run(_sigint_twice(server, gate))
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "service_unavailable", events[-2:]
+            assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
+            assert server.wait(timeout=30) == 0
+            assert not is_alive(engine_pid), "the engine process outlived the server"
+            log = server.log()
+            assert "Traceback" not in log and "ERROR" not in log and "Error" not in log, log
+        finally:
+            server.stop(signal.SIGKILL)
+
+
+async def _sigint_twice(server, gate: StepGateClient):
+    """Two requests held in the engine (they cannot finish), SIGINT, the drain under way, SIGINT."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        stream, plain = await _two_held_requests(http, gate, {"max_tokens": 2000, "ignore_eos": True})
+        server.send_signal(signal.SIGINT)
+        await _wait_draining(http)  # two signals sent at once could arrive as one
+        server.send_signal(signal.SIGINT)
         return await stream, await plain

@@ -120,8 +120,8 @@ def test_non_streaming_disconnect_aborts(server, gate):
 
 def test_metrics_while_held_come_from_the_last_step(server, gate):
     """/metrics asks nothing of the engine: scraped while the engine is held, it answers with the state
-    of the last step (two requests running, their blocks taken), and the step reporting their aborts
-    brings it back to the baseline."""
+    of the last step reported (two requests running, their blocks taken); once released, the step
+    reporting their aborts brings it back to the baseline."""
     wait_for_baseline(server)
     body = {"prompt": "metrics", "max_tokens": 50, "ignore_eos": True}
 
@@ -129,7 +129,7 @@ def test_metrics_while_held_come_from_the_last_step(server, gate):
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             posts = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
             await asyncio.to_thread(gate.wait_for, "added", start["added"] + 2)
-            await asyncio.to_thread(gate.run_steps, 1)
+            await asyncio.to_thread(gate.run_steps, 2)  # two: async scheduling reports a step at the next
             text = await asyncio.to_thread(metrics, server)
             for post in posts:
                 post.cancel()
@@ -143,6 +143,5 @@ def test_metrics_while_held_come_from_the_last_step(server, gate):
         assert metric_value(text, "llmserve:kv_cache_free_blocks") < metric_value(text, "llmserve:kv_cache_blocks")
         gate.wait_for("aborted", start["aborted"] + 2)
         assert at_baseline(server) is None  # no step since: the gauges still show the last one
-        gate.run_steps(1)  # the step that reports the aborts (and the freed blocks)
-        wait_for_baseline(server)
-        assert metric_value(metrics(server), "llmserve:num_requests_running") == 0
+    wait_for_baseline(server)  # released: the step that reports the aborts shows their blocks freed
+    assert metric_value(metrics(server), "llmserve:num_requests_running") == 0

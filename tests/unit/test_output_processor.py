@@ -47,3 +47,26 @@ def test_first_token_at_once_then_every_interval_tokens_then_the_end(tokenizer, 
 def test_every_sequence_of_n_is_grouped_the_same_way(tokenizer):
     outputs = stream(tokenizer, 4, 6, n=2)
     assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[1, 1], [4, 4], [1, 1]]
+
+
+def test_offline_text_decoded_at_the_end_equals_the_streamed_text(tokenizer):
+    """An offline request without stop strings decodes its text once, when it finishes: the same text
+    as token-by-token decoding gives (random ids, byte tokens that split UTF-8 characters included)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(20):
+        ids = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
+        texts = []
+        for collector in (Mailbox(), None):
+            processor = OutputProcessor(tokenizer)
+            processor.add_request("r", None, [5, 6], SamplingParams(max_tokens=len(ids)), collector)
+            assert processor.requests["r"].is_text_deferred == (collector is None)
+            results = []
+            for i, token_id in enumerate(ids):
+                finish = FinishReason.LENGTH if i == len(ids) - 1 else None
+                results += processor.process_outputs([EngineCoreOutput("r", [token_id], finish_reason=finish)]).request_outputs
+            final = collector.outputs[-1] if collector is not None else results[-1]
+            assert final.finished and final.outputs[0].token_ids == ids
+            texts.append(final.outputs[0].text)
+        assert texts[0] == texts[1], trial

@@ -1,24 +1,14 @@
 """Sampler: exact effects of each parameter on a small vocabulary, metadata fast paths, logprobs."""
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
+from llmserve.sample.metadata import PositionRow as Row
 from llmserve.sampling_params import SamplingParams
 from llmserve.sample import Sampler, build_sampling_metadata
 from llmserve.sample.sampler import process_logits
 
 V = 12
-
-
-@dataclass
-class Row:
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    stop_token_ids_for_min_tokens: list[int] = field(default_factory=list)
 
 
 def sample(logits: torch.Tensor, rows: list[Row], seed: int = 0):

@@ -1,21 +1,11 @@
 """Sampler ops: the CPU top-p path (candidates only) agrees with the one-sort path; CUDA smoke tests."""
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
+from llmserve.sample.metadata import PositionRow as Row
 from llmserve.sampling_params import SamplingParams
 from llmserve.sample import Sampler, build_sampling_metadata, ops
-
-
-@dataclass
-class Row:
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    stop_token_ids_for_min_tokens: list[int] = field(default_factory=list)
 
 
 def reference_mask(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

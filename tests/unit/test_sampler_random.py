@@ -1,24 +1,14 @@
 """Sampler randomness: drawn frequencies match the processed distribution; seeds reproduce."""
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
+from llmserve.sample.metadata import PositionRow as Row
 from llmserve.sampling_params import SamplingParams
 from llmserve.sample import Sampler, build_sampling_metadata
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 CHI2_BOUND = 20.0  # 3 degrees of freedom: exceeded with probability ~2e-4 by a correct sampler
-
-
-@dataclass
-class Row:
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    stop_token_ids_for_min_tokens: list[int] = field(default_factory=list)
 
 
 def draw(logits: torch.Tensor, rows: list[Row], sampler: Sampler) -> torch.Tensor:

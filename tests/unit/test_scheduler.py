@@ -140,7 +140,7 @@ def test_prefill_tokens_are_capped_while_requests_decode():
     from llmserve.config import CacheConfig, SchedulerConfig
     from llmserve.core.scheduler import Scheduler
 
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=6),
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=6),
                       CacheConfig(block_size=4), 64, 256)
     sched.add_request(make_request("a", list(range(1, 21)), max_tokens=8))
     out, _ = step(sched)
@@ -163,3 +163,39 @@ def test_token_budget_default_depends_on_the_device():
     assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 512
     assert SchedulerConfig().for_device("cuda").max_num_batched_tokens == 2048
     assert SchedulerConfig(max_num_batched_tokens=96).for_device("cpu").max_num_batched_tokens == 96
+    h100 = SchedulerConfig().for_device("cuda", device_memory=80 * 2**30)
+    assert (h100.max_num_seqs, h100.max_num_batched_tokens, h100.async_scheduling) == (1024, 8192, True)
+    cpu = SchedulerConfig(max_num_seqs=7).for_device("cpu")
+    assert (cpu.max_num_seqs, cpu.async_scheduling) == (7, False)
+
+
+def _two_running_at_full_cache(first_priority: int, second_priority: int):
+    """5 usable blocks of 4 tokens; `first` starts one step before `second`, so it is scheduled first in
+    each step and crosses block boundaries first: at position 8 it takes the last free block, then
+    `second` needs one too."""
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False, policy="priority")
+    sched.add_request(make_request("first", [1, 2, 3, 4], max_tokens=16, priority=first_priority, arrival=0))
+    step(sched)
+    sched.add_request(make_request("second", [5, 6, 7, 8], max_tokens=16, priority=second_priority, arrival=1))
+    for _ in range(5):
+        step(sched)
+    return sched, sched.schedule()
+
+
+def test_priority_preemption_undoes_a_lower_priority_request_scheduled_earlier_in_the_step():
+    sched, out = _two_running_at_full_cache(first_priority=5, second_priority=0)
+    assert sched.requests["first"].status == RequestStatus.PREEMPTED
+    assert sched.requests["second"].status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens == {"second": 1} and out.total_num_scheduled_tokens == 1
+    assert [c.req_id for c in out.cached_reqs] == ["second"]
+    assert "first" in out.finished_req_ids
+    assert sched.waiting.peek().request_id == "first"
+    sched.check_integrity()
+
+
+def test_priority_preemption_never_takes_a_higher_priority_request():
+    sched, out = _two_running_at_full_cache(first_priority=0, second_priority=5)
+    assert sched.requests["first"].status == RequestStatus.RUNNING
+    assert sched.requests["second"].status == RequestStatus.PREEMPTED
+    assert out.num_scheduled_tokens == {"first": 1}
+    sched.check_integrity()

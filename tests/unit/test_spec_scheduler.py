@@ -10,7 +10,7 @@ from core_helpers import make_request
 def _scheduler(k: int = 5, budget: int = 64, max_batch: int = 8, num_blocks: int = 32, speculative: str = "ngram"):
     spec = SpeculativeConfig(speculative=speculative, num_speculative_tokens=k, speculative_max_batch=max_batch,
                              draft_model="d" if speculative == "draft" else None)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), CacheConfig(block_size=4), num_blocks, 256,
+    return Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=budget), CacheConfig(block_size=4), num_blocks, 256,
                      spec)
 
 
@@ -96,3 +96,22 @@ def test_preemption_drops_drafts_and_draft_lookahead_slots_are_reserved():
     sched.abort_requests(["a"])
     sched.check_integrity()
     assert sched.kv.pool.get_num_free_blocks() == sched.kv.pool.num_usable_blocks
+
+
+def test_a_preempted_victim_scheduled_earlier_in_the_step_loses_its_drafts_too():
+    """4 usable blocks of 4 tokens: `low` (scheduled first) takes the last block for its drafts, then
+    `high` needs one; `low` is preempted and its scheduling in this step, drafts included, undone."""
+    spec = SpeculativeConfig(speculative="ngram", num_speculative_tokens=2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=64, policy="priority"),
+                      CacheConfig(block_size=4, enable_prefix_caching=False), 5, 256, spec)
+    sched.add_request(make_request("low", [1, 2, 3, 4], max_tokens=20, priority=5, arrival=0))
+    _run(sched, {"low": [1]}, {"low": [2, 3]})
+    sched.add_request(make_request("high", [5, 6, 7, 8], max_tokens=20, priority=0, arrival=1))
+    _run(sched, {"low": [2, 3, 9], "high": [1]}, {"low": [4, 5], "high": [6, 7]})
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"high": 3} and out.total_num_scheduled_tokens == 3
+    assert out.scheduled_spec_tokens == {"high": [6, 7]}
+    assert [c.req_id for c in out.cached_reqs] == ["high"]
+    assert "low" in out.finished_req_ids and sched.waiting.peek().request_id == "low"
+    sched.update_from_output(out, ModelRunnerOutput(["high"], [[6, 7, 10]], spec_token_ids=[[]]))
+    sched.check_integrity()

@@ -1,7 +1,9 @@
 """`llmserve bench offline`: the engine in-process on a fixed random workload, all submitted at once.
 
 Prints output tokens/s and the mean engine step split into scheduling (+ bookkeeping), input
-preparation, forward and sampling. `--baseline hf` runs the same workload through transformers'
+preparation, forward and sampling. On CUDA the split synchronises the device at each part's end
+(else the forward's kernels, queued asynchronously, would be timed where the host next waits), which
+also turns the overlap of async scheduling off: `--no-split-steps` measures throughput as served. `--baseline hf` runs the same workload through transformers'
 generate() in static batches, as the naive reference.
 """
 
@@ -25,9 +27,11 @@ class OfflineBenchConfig:
     prompt_len: str = field(default="64-512", metadata={"help": "prompt length range MIN-MAX (uniform)"})
     output_len: str = field(default="32-256", metadata={"help": "output length range MIN-MAX (uniform)"})
     seed: int = field(default=0, metadata={"help": "workload seed"})
-    max_num_seqs: int = field(default=128, metadata={"help": "engine: most running requests"})
+    max_num_seqs: int | None = field(default=None, metadata={"help": "engine: most running requests (default: the engine's for the device)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
+    async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
+    split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
     baseline_batch_size: int = field(default=16, metadata={"help": "static batch size of the hf baseline"})
@@ -50,10 +54,12 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
     from llmserve import LLM, SamplingParams
 
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching)
+              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
+              async_scheduling=cfg.async_scheduling)
     llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     runner, core = llm.engine.runner, llm.engine
     runner.times.__init__()
+    runner.sync_timing = cfg.split_steps
     params = [_sampling_params(llm, cfg.sampling, n) for _, n in workload]
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
@@ -66,7 +72,8 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
             "num_output_tokens": num_out, "output_tok_s": num_out / elapsed, "num_steps": t.num_steps,
             "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
                              "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
-            "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions}
+            "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions,
+            "async_scheduling": core.is_async, "split_steps": cfg.split_steps}
 
 
 def _sampling_params(llm, sampling: str, max_tokens: int):
@@ -98,9 +105,11 @@ def run(cfg: OfflineBenchConfig) -> dict:
 def _print(results: dict) -> None:
     e = results["engine"]
     print(f"llmserve  {e['device']} {e['dtype']}: {e['num_output_tokens']} output tokens in {e['elapsed_s']:.1f} s"
-          f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} steps ({e['num_preemptions']} preemptions)")
+          f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} steps ({e['num_preemptions']} preemptions, "
+          f"async scheduling {'on' if e['async_scheduling'] else 'off'})")
     split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
-    print(f"mean step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
+    if e["split_steps"]:
+        print(f"mean step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
     if "hf" in results:
         hf = results["hf"]
         print(f"hf generate (static batches): {hf['output_throughput']:.1f} tok/s; "

@@ -8,8 +8,10 @@ Random weights make acceptance meaningless, so it is controlled (docs/speculativ
   tokens are replaced by the target's known greedy continuation, each kept with probability A
   (Leviathan's per-token acceptance α): the speed-up a draft of that cost and acceptance gives;
 - `ngram`: prompt lookup on prompts that repeat a span.
-Every configuration runs the same greedy workload at each concurrency, interleaved over `--rounds`;
-the table reports median output tok/s, the ratio to plain decoding and the measured acceptance.
+Every configuration runs the same greedy workload at each concurrency, interleaved over `--rounds`
+(on CUDA one engine at a time, each freed before the next: a target-sized engine per configuration
+does not fit beside the others); the table reports median output tok/s, the ratio to plain decoding
+and the measured acceptance.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from llmserve.bench.command import add_bench_command
 class SpecBenchConfig:
     model: str | None = field(default=None, metadata={"help": "target checkpoint (default: make --shape)"})
     shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made target"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
+    one_engine_at_a_time: bool | None = field(default=None, metadata={"help": "build, run and free each "
+                                              "configuration's engine in turn (default: on CUDA)"})
     configs: str = field(default="none,self,oracle=0.6,oracle=0.9,ngram",
                          metadata={"help": "comma list of: none, self, noise=X, oracle=A, ngram"})
     concurrency: str = field(default="1", metadata={"help": "comma list of batch sizes (requests at once)"})
@@ -80,7 +85,7 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
     """One engine per configuration, all alive at once: a KV cache just large enough for the top level."""
     max_model_len = cfg.prompt_len + cfg.output_len + 64
     num_blocks = max(int(c) for c in cfg.concurrency.split(",")) * (-(-max_model_len // 16)) + 16
-    kwargs = {"dtype": "float32", "max_model_len": max_model_len, "max_num_seqs": 256, "num_kv_blocks": num_blocks}
+    kwargs = {"dtype": _dtype(cfg), "max_model_len": max_model_len, "max_num_seqs": 256, "num_kv_blocks": num_blocks}
     if name == "none":
         return kwargs
     kwargs["num_speculative_tokens"] = cfg.num_speculative_tokens
@@ -89,6 +94,14 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
     if name == "ngram":
         return {**kwargs, "speculative": "ngram"}
     return {**kwargs, "speculative": "draft", "draft_model": drafts[name]}
+
+
+def _dtype(cfg: SpecBenchConfig) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str]) -> dict[str, str]:
@@ -155,21 +168,49 @@ def run(cfg: SpecBenchConfig) -> dict:
     workloads = {(c, rep): _workload(cfg, vocab_size, c * cfg.requests_per_slot, rep)
                  for c in levels for rep in (False, True)}
     reference: dict[tuple[int, ...], list[int]] = {}
-    engines = {}
-    for name in ["none"] + [n for n in names if n != "none"]:  # plain first: the oracle's reference
-        engines[name] = _build(cfg, target, name, drafts, reference)
-        if name == "none":
+    order = ["none"] + [n for n in names if n != "none"]  # plain first: the oracle's reference
+    at_once = not (cfg.one_engine_at_a_time if cfg.one_engine_at_a_time is not None else _is_cuda())
+    groups = [order] if at_once else [[name] for name in order]
+    measured: dict[int, tuple[dict, dict]] = {level: ({}, {}) for level in levels}
+    for group in groups:
+        engines = {name: _build(cfg, target, name, drafts, reference) for name in group}
+        if "none" in engines:
             for prompts in workloads.values():
                 for prompt, out in zip(prompts, engines["none"][0].generate(prompts, params)):
                     reference[tuple(prompt)] = list(out.outputs[0].token_ids)
+        for level in levels:
+            times, counts = _measure(cfg, level, [n for n in group if n in names], engines, workloads, params)
+            measured[level][0].update(times)
+            measured[level][1].update(counts)
+        _free(engines)
     results = {"config": asdict(cfg), "levels": {}}
     for level in levels:
-        results["levels"][str(level)] = _run_level(cfg, level, names, engines, workloads, params)
+        results["levels"][str(level)] = _rows(names, *measured[level])
         _print_level(level, results["levels"][str(level)])
     return results
 
 
-def _run_level(cfg: SpecBenchConfig, level: int, names: list[str], engines: dict, workloads: dict, params) -> dict:
+def _is_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _free(engines: dict) -> None:
+    """Drop the engines and give their device memory back before the next ones are built."""
+    import gc
+
+    import torch
+
+    engines.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _measure(cfg: SpecBenchConfig, level: int, names: list[str], engines: dict, workloads: dict,
+             params) -> tuple[dict, dict]:
+    """Per configuration: output tok/s of each round, and (drafts, draft tokens, accepted) summed."""
     times: dict[str, list[float]] = {n: [] for n in names}
     counts: dict[str, tuple[int, int, int]] = {}
     for _ in range(cfg.rounds):
@@ -184,6 +225,10 @@ def _run_level(cfg: SpecBenchConfig, level: int, names: list[str], engines: dict
             after = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted)
             prev = counts.get(name, (0, 0, 0))
             counts[name] = tuple(p + a - b for p, a, b in zip(prev, after, before))
+    return times, counts
+
+
+def _rows(names: list[str], times: dict, counts: dict) -> dict:
     plain = statistics.median(times.get("none") or [float("nan")])
     rows = {}
     for name in names:

@@ -56,6 +56,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
         num_needed = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.block_size)
+        if not computed and num_needed <= len(blocks):  # the common decode step: room in its last block
+            self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+            return []
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed))
         num_revived = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.get_num_free_blocks():

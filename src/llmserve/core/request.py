@@ -50,6 +50,9 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
+        # Sampling steps scheduled whose token ids are not back yet (async scheduling: the step in
+        # flight; 0 between steps without it). Each stands for one token position.
+        self.num_placeholders = 0
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
@@ -64,6 +67,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:

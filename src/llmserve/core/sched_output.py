@@ -56,3 +56,4 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list] | None = None  # per row: a list of engine.messages.Logprobs, or None
     spec_token_ids: list[list[int]] | None = None  # per row: drafts proposed for the next step
+    prompt_logprobs: list | None = None  # per row: engine.messages.PromptLogprobs of its chunk, or None

@@ -5,6 +5,12 @@ its token count under one token budget (`max_num_batched_tokens`). Running reque
 prompt is chunked to what the budget leaves), then waiting ones in queue order. When blocks run out,
 the lowest-priority running request is preempted by recompute: its blocks are freed and it returns to
 the front of the waiting queue, so no request is ever lost.
+
+Async scheduling (the engine schedules step N+1 while step N runs): a scheduled step that will sample
+for a request leaves a placeholder on it (`num_placeholders`), which stands for the token until
+`update_from_output` brings its id. Scheduling counts placeholders as tokens, so a decoding request
+is scheduled again before its last token is known; without async scheduling a placeholder lives
+within one step.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import time
 from collections.abc import Iterable
 
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from llmserve.core.block_pool import KVBlock
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
@@ -25,7 +32,8 @@ from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, Schedu
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig()) -> None:
-        assert config.max_num_batched_tokens is not None, "resolve the token budget first (SchedulerConfig.for_device)"
+        assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
+            "resolve the device's defaults first (SchedulerConfig.for_device)"
         self.config = config
         self.spec_config = spec_config
         self.num_lookahead = spec_config.num_lookahead_tokens
@@ -117,6 +125,8 @@ class Scheduler:
             end = request.num_computed_tokens + num
             self.num_step_prompt_tokens += max(0, min(end, request.num_prompt_tokens) - request.num_computed_tokens)
             request.num_computed_tokens = end
+            if end >= request.num_tokens_with_placeholders:
+                request.num_placeholders += 1  # this step samples its next token
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
@@ -126,20 +136,27 @@ class Scheduler:
         """Prompt tokens this step may compute: capped while some request decodes, so that a long
         prompt is spread over steps instead of stalling every decoding stream for one long step."""
         cap = self.config.max_prefill_tokens_while_decoding
-        if cap is None or not any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+        if cap is None or not any(r.num_tokens_with_placeholders - r.num_computed_tokens == 1 for r in self.running):
             return budget
         return cap
+
+    def can_speculate(self) -> bool:
+        """Whether the next step may schedule drafts (the engine runs such steps without overlap)."""
+        return self._can_speculate()
 
     def _can_speculate(self) -> bool:
         """Speculation pays off only while the batch is small (the rule: docs/speculative.md)."""
         return self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
-        has_preempted = False
+        num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_real = request.num_tokens - request.num_computed_tokens
+            if self._is_done_once_known(request):
+                i += 1
+                continue
+            num_real = request.num_tokens_with_placeholders - request.num_computed_tokens
             drafts, request.spec_token_ids = (request.spec_token_ids if can_speculate else []), []
             num_new = min(num_real + len(drafts), budget)
             if num_real > 1:  # a prompt chunk (or a preempted request's recompute)
@@ -149,14 +166,8 @@ class Scheduler:
                     continue
                 self.prefill_budget -= num_new
             drafts = drafts[:max(0, num_new - num_real)]
-            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
-            while new_blocks is None:
-                victim = self._pick_victim(first_unscheduled=i)
-                self._preempt(victim)
-                has_preempted = True
-                if victim is request:
-                    break
-                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
+            new_blocks, budget_back, num_before = self._allocate_or_preempt(out, request, num_new)
+            budget, i = budget + budget_back, i - num_before
             if new_blocks is None:
                 continue  # the request itself was preempted: running[i] is now the next one
             num_old_blocks = len(self.kv.req_to_blocks[request.request_id]) - len(new_blocks)
@@ -167,13 +178,51 @@ class Scheduler:
                 out.scheduled_spec_tokens[request.request_id] = drafts
             budget -= num_new
             i += 1
-        return budget, has_preempted
+        return budget, self.num_preemptions > num_preemptions
 
-    def _pick_victim(self, first_unscheduled: int) -> Request:
-        """The lowest-priority request not yet scheduled in this step (the newest under FCFS)."""
+    def _is_done_once_known(self, request: Request) -> bool:
+        """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
+        if request.num_placeholders == 0:
+            return False
+        num_outputs = request.num_output_tokens + request.num_placeholders
+        return num_outputs >= request.max_tokens or request.num_tokens_with_placeholders >= self.max_model_len
+
+    def _allocate_or_preempt(self, out: SchedulerOutput, request: Request,
+                             num_new: int) -> tuple[list[KVBlock] | None, int, int]:
+        """Blocks for `request`'s new tokens, preempting the lowest-priority running request until they fit.
+
+        Returns the new blocks (None when `request` itself was preempted), the token budget given back by
+        victims scheduled earlier in this step, and how many victims stood before `request` in `running`.
+        """
+        budget_back = num_before = 0
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
+            if new_blocks is not None:
+                return new_blocks, budget_back, num_before
+            victim = self._pick_victim()
+            num_before += self.running.index(victim) < self.running.index(request)
+            budget_back += self._unschedule(out, victim)
+            self._preempt(victim)
+            if victim is request:
+                return None, budget_back, num_before
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority running request (the newest under FCFS), perhaps one scheduled earlier in
+        this step; never one that outranks the request asking for blocks (it is running too)."""
         if self.config.policy == "priority":
-            return max(self.running[first_unscheduled:], key=lambda r: (r.priority, r.arrival_time))
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
+
+    def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
+        """Take `request` out of this step's output (it is being preempted); returns its scheduled tokens."""
+        num = out.num_scheduled_tokens.pop(request.request_id, 0)
+        if num == 0:
+            return 0
+        out.scheduled_spec_tokens.pop(request.request_id, None)
+        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
+        if request.num_tokens_with_placeholders - request.num_computed_tokens > 1:
+            self.prefill_budget += num  # it was a prompt chunk
+        return num
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -191,7 +240,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_placeholders:
+                break  # preempted while a step sampled for it: resume once that token is known
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
             num_new = request.num_tokens - num_hit_tokens
             limit = min(budget, self.prefill_budget)
             if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
@@ -228,25 +281,34 @@ class Scheduler:
 
     # ---- after the forward ----------------------------------------------------------------------
 
+    def take_aborted_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests aborted since the last step (a step with nothing finished returns them)."""
+        outputs, self.aborted_outputs = self.aborted_outputs, []
+        return outputs
+
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs = self.aborted_outputs
-        self.aborted_outputs = []
+        outputs = self.take_aborted_outputs()
         now = time.time()
         num_generated = 0
         logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
         proposals = runner_out.spec_token_ids or [None] * len(runner_out.req_ids)
-        for req_id, token_ids, row_logprobs, drafts in zip(runner_out.req_ids, runner_out.sampled_token_ids,
-                                                           logprobs, proposals):
+        prompt_logprobs = runner_out.prompt_logprobs or [None] * len(runner_out.req_ids)
+        for req_id, token_ids, row_logprobs, drafts, row_prompt in zip(
+                runner_out.req_ids, runner_out.sampled_token_ids, logprobs, proposals, prompt_logprobs):
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted during the step
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            if self.held_siblings and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._release_siblings(request)
             if not token_ids:
-                continue  # a prefill chunk: nothing to report yet
+                if row_prompt is not None:  # a prefill chunk: only its prompt logprobs to report
+                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=row_prompt))
+                continue
+            request.num_placeholders -= 1
             self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), len(token_ids))
             num_generated += len(token_ids)
             outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
+            outputs[-1].prompt_logprobs = row_prompt
             if self.spec_config.is_enabled and not request.is_finished:
                 self._store_drafts(request, drafts or [])
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
@@ -283,7 +345,10 @@ class Scheduler:
             out.scheduled_time = request.scheduled_time
             out.first_token_time = now
         if status is not None:
-            self.running.remove(request)
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:  # preempted while its last step was in flight
+                self.waiting.remove(request)
             self._finish(request, status)
             out.finish_reason = status.finish_reason()
             out.stop_reason = request.stop_reason
@@ -311,6 +376,7 @@ class Scheduler:
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
             assert request.request_id in self.requests
-            assert request.num_computed_tokens <= request.num_tokens, "computed past the tokens (drafts not rolled back)"
+            assert request.num_computed_tokens <= request.num_tokens_with_placeholders, \
+                "computed past the tokens (drafts not rolled back)"
         owners = set(self.kv.req_to_blocks)
         assert owners <= {r.request_id for r in self.running}, "a non-running request holds blocks"

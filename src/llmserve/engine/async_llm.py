@@ -29,11 +29,15 @@ from llmserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from llmserve.model.loader import ModelInfo
 
-__all__ = ["AsyncLLM", "EngineDeadError", "StatLogger", "TokensPrompt", "merge_outputs"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestTimeoutError", "StatLogger", "TokensPrompt", "merge_outputs"]
 
 logger = logging.getLogger("llmserve.engine.async_llm")
 
 OUTPUT_CHUNK_SIZE = 128  # requests' outputs processed in one turn of the event loop
+
+
+class RequestTimeoutError(Exception):
+    """The request ran longer than the front's request timeout; it was aborted (its KV blocks freed)."""
 
 
 @dataclass
@@ -98,8 +102,11 @@ class RequestOutputCollector:
 
 class AsyncLLM:
     def __init__(self, client: EngineCoreClient, tokenizer, generation_defaults: dict,
-                 stat_logger: StatLogger | None = None, stream_interval: int = 1) -> None:
+                 stat_logger: StatLogger | None = None, stream_interval: int = 1,
+                 request_timeout: float | None = None) -> None:
+        """request_timeout: seconds a request may run before it is aborted (None: no limit)."""
         self.client = client
+        self.request_timeout = request_timeout
         self.model_info: ModelInfo = client.model_info
         self.tokenizer = tokenizer
         info = self.model_info
@@ -116,7 +123,8 @@ class AsyncLLM:
 
     @classmethod
     async def from_config(cls, config: EngineConfig, *, startup_timeout: float = 600.0,
-                          stat_logger: StatLogger | None = None, stream_interval: int = 1) -> AsyncLLM:
+                          stat_logger: StatLogger | None = None, stream_interval: int = 1,
+                          request_timeout: float | None = None) -> AsyncLLM:
         # The tokenizer loads while the engine process starts, when its location is known up front.
         source = config.model.tokenizer or config.model.model
         early = None
@@ -133,7 +141,8 @@ class AsyncLLM:
 
             path = client.model_info.path
             tokenizer = await (early if early is not None else asyncio.to_thread(_load_tokenizer, path, None))
-            return cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval)
+            return cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval,
+                       request_timeout)
         except BaseException:
             await client.shutdown()
             raise
@@ -158,7 +167,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request until it finishes (EngineDeadError if the engine dies)."""
+        """Delta outputs of one request until it finishes (EngineDeadError if the engine dies,
+        RequestTimeoutError when it runs past the request timeout)."""
         self.check_health()
         text, token_ids = self._tokenize_prompt(prompt)
         if request_id in self.collectors:
@@ -166,6 +176,7 @@ class AsyncLLM:
         requests = self.processor.process(request_id, token_ids, params, priority)
         collector = RequestOutputCollector()
         self._add(request_id, text, token_ids, params, requests, collector)
+        timer = self._start_timer(collector)
         is_finished = False
         try:
             while not is_finished:
@@ -173,9 +184,19 @@ class AsyncLLM:
                 is_finished = output.finished
                 yield output
         finally:
+            if timer is not None:
+                timer.cancel()
             self.collectors.pop(request_id, None)
             if not is_finished:
                 self.abort(request_id)
+
+    def _start_timer(self, collector: RequestOutputCollector) -> asyncio.TimerHandle | None:
+        """Fail the request's generator once it ran for the request timeout (it then aborts the request)."""
+        if self.request_timeout is None:
+            return None
+        error = RequestTimeoutError(f"the request ran longer than the server's request timeout "
+                                    f"({self.request_timeout:g} s) and was aborted")
+        return asyncio.get_running_loop().call_later(self.request_timeout, collector.fail, error)
 
     def _tokenize_prompt(self, prompt: str | list[int] | TokensPrompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, TokensPrompt):
@@ -239,10 +260,14 @@ class AsyncLLM:
             if self.stat_logger is not None:
                 self.stat_logger.on_finished_by_stop_string(processed.reqs_to_abort)
 
-    def _on_dead(self, reason: str) -> None:
-        error = EngineDeadError(reason)
+    def fail_all(self, error: BaseException) -> int:
+        """End every open request's generator with `error` (it then aborts its request); how many."""
         for collector in self.collectors.values():
             collector.fail(error)
+        return len(self.collectors)
+
+    def _on_dead(self, reason: str) -> None:
+        self.fail_all(EngineDeadError(reason))
         for callback in self.dead_callbacks:
             callback(reason)
 

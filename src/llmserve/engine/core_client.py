@@ -57,6 +57,7 @@ class EngineCoreClient:
 
         self.model_info = msgspec.convert(ready.model_info, ModelInfo)
         self.num_kv_blocks = ready.num_kv_blocks
+        self.max_num_seqs = ready.max_num_seqs
         self.on_outputs: Callable[[EngineCoreOutputs], Awaitable[None]] = _ignore_outputs
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead_reason: str | None = None
@@ -103,13 +104,16 @@ class EngineCoreClient:
     def _send(self, kind: InKind, payload: Any) -> None:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
+        if self._is_shutting_down:
+            raise EngineDeadError("the engine is shutting down")
         self.in_sock.send_multipart(frames(kind, payload), flags=zmq.NOBLOCK, copy=False)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(InKind.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.is_dead:
+        """Fire and forget; nothing to abort once the engine is dead or shutting down (it frees all)."""
+        if request_ids and not self.is_dead and not self._is_shutting_down:
             self._send(InKind.ABORT, request_ids)
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:

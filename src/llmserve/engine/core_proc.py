@@ -67,6 +67,7 @@ class ReadyMessage(msgspec.Struct):
     model_info: dict[str, Any]  # llmserve.model.loader.ModelInfo as builtins
     num_kv_blocks: int
     pid: int
+    max_num_seqs: int  # resolved for the engine's device (the front's backpressure reads it)
 
 
 def frames(kind: int, payload: Any) -> list[bytes]:
@@ -161,7 +162,7 @@ class EngineCoreProc:
         self.output_thread.start()
         info = self.core.model_info
         self.outputs.put(frames(OutKind.READY, ReadyMessage(msgspec.to_builtins(info), self.core.num_blocks,
-                                                            os.getpid())))
+                                                            os.getpid(), self.core.config.scheduler.max_num_seqs)))
         self.input_thread.start()
         try:
             while not self.is_stopping:

@@ -42,10 +42,18 @@ class Logprobs(msgspec.Struct, array_like=True):
     sampled_rank: int  # rank of the sampled token among all (1 = most likely)
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens start, start + 1, ... (each given the tokens before it; start >= 1)."""
+
+    start: int
+    logprobs: list[Logprobs]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt tokens this step's chunk scored
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if one did
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

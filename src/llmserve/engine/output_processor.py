@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.messages import EngineCoreOutput, FinishReason
+from llmserve.engine.messages import EngineCoreOutput, FinishReason, PromptLogprobs
 from llmserve.engine.processor import child_request_id
 from llmserve.engine.stop import check_stop_strings, hold_back
 from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -49,6 +49,21 @@ class RequestState:
     arrival_time: float
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    is_text_deferred: bool = False  # set on creation
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # prompt_logprobs=k: filled as chunks run
+    is_prompt_logprobs_sent: bool = False
+
+    def __post_init__(self) -> None:
+        # Only the final text is ever read (offline, not streamed, no stop string to look for): it is
+        # decoded once, when the sequence finishes, not token by token.
+        self.is_text_deferred = self.collector is None and not self.is_delta and not self.params.stop
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        """A chunk's scores (a recompute after preemption rewrites the same values)."""
+        for i, lp in enumerate(scored.logprobs):
+            self.prompt_logprobs[scored.start + i] = _token_logprob(lp)
 
     @property
     def is_finished(self) -> bool:
@@ -113,7 +128,14 @@ class OutputProcessor:
             if request_id is None:
                 continue  # already finished here (stop string) or aborted
             state = self.requests[request_id]
-            if self._update_sequence(state, state.sequences[out.request_id], out):
+            seq = state.sequences[out.request_id]
+            if (state.is_text_deferred and out.finish_reason is None and out.first_token_time is None
+                    and out.prompt_logprobs is None):
+                seq.token_ids.extend(out.new_token_ids)  # the common offline step: tokens only
+                if out.new_logprobs and seq.logprobs is not None:
+                    seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
+                continue
+            if self._update_sequence(state, seq, out):
                 result.reqs_to_abort.append(out.request_id)
             touched[request_id] = state
         for state in touched.values():
@@ -126,9 +148,17 @@ class OutputProcessor:
             return False  # a stop string ended it; the core's abort is on its way
         _record_times(state, out)
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.add_prompt_logprobs(out.prompt_logprobs)
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
+        if state.is_text_deferred:
+            if out.finish_reason is not None:
+                seq.text = seq.detokenizer.add(seq.token_ids) + seq.detokenizer.flush()
+                seq.finish_reason = str(out.finish_reason)
+                seq.stop_reason = out.stop_reason
+            return False
         new_text = seq.detokenizer.add(out.new_token_ids) if out.new_token_ids else ""
         seq.text += new_text
         stops = state.params.stop
@@ -179,8 +209,12 @@ class OutputProcessor:
                 completions.append(completion)
         if state.is_delta and not completions and not finished:
             return None
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not (state.is_delta and state.is_prompt_logprobs_sent):
+            prompt_logprobs = list(state.prompt_logprobs)
+            state.is_prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             state.num_cached_tokens, dict(state.metrics))
+                             state.num_cached_tokens, dict(state.metrics), prompt_logprobs)
 
 
 def _full(seq: SequenceState) -> CompletionOutput:

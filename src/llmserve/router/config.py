@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.config import check, check_min
 from llmserve.router.classifier import AutoRouteConfig, DifficultyRule
 from llmserve.router.policies import POLICY_NAMES
 from llmserve.router.ratelimit import RateLimit
@@ -49,15 +50,18 @@ class RouterConfig:
                                                      "choices": ["debug", "info", "warning", "error"]})
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
         _check_nonnegative(self, ("load_factor", "cooldown_s", "scrape_interval_s",
                                   "max_retries", "retry_backoff_s", "max_queued_requests", "queue_timeout_s",
                                   "rate_limit_rps", "rate_limit_burst"))
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"unknown routing policy {self.policy!r} (choose from {', '.join(POLICY_NAMES)})")
-        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
-            raise ValueError("--health-interval-s and --health-timeout-s must be > 0")
-        if self.failure_threshold < 1 or self.max_in_flight_per_backend < 1:
-            raise ValueError("--failure-threshold and --max-in-flight-per-backend must be >= 1")
+        check(self.policy in POLICY_NAMES, "policy",
+              f"unknown routing policy {self.policy!r} (choose from {', '.join(POLICY_NAMES)})")
+        check(0 <= self.port < 65536, "port", f"must be in 0..65535, got {self.port}")
+        _check_positive(self, ("health_interval_s", "health_timeout_s", "connect_timeout_s", "upstream_timeout_s"))
+        for name in ("failure_threshold", "max_in_flight_per_backend", "prefix_chars", "prefix_tokens"):
+            check_min(name.replace("_", "-"), getattr(self, name), 1)
 
     @property
     def prefix(self) -> PrefixConfig:
@@ -84,6 +88,16 @@ class AutoscaleConfig:
     replica_pool: str = field(default="default", metadata={"help": "autoscale: model name (pool) they serve"})
     replica_args: str = field(default="", metadata={"help": "autoscale: more `llmserve serve` flags, one string"})
     replica_startup_timeout_s: float = field(default=300.0, metadata={"help": "autoscale: startup limit"})
+
+    def validate(self) -> None:
+        """Checked by the router's launch (loading.check_setup)."""
+        check_min("min-replicas", self.min_replicas, 0)
+        check(self.max_replicas >= max(1, self.min_replicas), "max-replicas",
+              f"must be >= 1 and >= --min-replicas ({self.min_replicas}), got {self.max_replicas}")
+        _check_nonnegative(self, ("target_waiting_per_replica", "scale_up_window_s", "scale_down_idle_s",
+                                  "scale_cooldown_s"))
+        _check_positive(self, ("replica_startup_timeout_s",))
+        check(bool(self.replica_pool), "replica-pool", "must not be empty")
 
 
 @dataclass(frozen=True)
@@ -114,8 +128,12 @@ class RouterSetup:
 
 def _check_nonnegative(obj: Any, names: tuple[str, ...]) -> None:
     for name in names:
-        if getattr(obj, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(obj, name)}")
+        check_min(name.replace("_", "-"), getattr(obj, name), 0)
+
+
+def _check_positive(obj: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        check(getattr(obj, name) > 0, name.replace("_", "-"), f"must be > 0, got {getattr(obj, name)}")
 
 
 def build_record(cls: type, values: dict[str, Any], where: str):

@@ -115,6 +115,7 @@ def setup_from_args(args: argparse.Namespace) -> RouterSetup:
 
 def check_setup(setup: RouterSetup) -> RouterSetup:
     names = {p.name for p in setup.pools}
+    setup.autoscale.validate()
     if setup.autoscale.autoscale:
         if setup.autoscale.replica_model is None:
             raise ValueError("--autoscale needs --replica-model (the checkpoint the replicas serve)")

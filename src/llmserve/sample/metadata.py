@@ -24,6 +24,10 @@ class SamplingRow(Protocol):
     generator: torch.Generator | None  # from params.seed, on the logits' device; None if unseeded
     stop_token_ids_for_min_tokens: list[int]  # eos + stop ids, masked while output < min_tokens
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens so far (async scheduling: with the ones still on the device)."""
+
 
 @dataclass
 class PositionRow:
@@ -31,10 +35,14 @@ class PositionRow:
     n + j, with j draft tokens already appended)."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
-    stop_token_ids_for_min_tokens: list[int]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    stop_token_ids_for_min_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
 
 @dataclass
@@ -87,9 +95,10 @@ class SamplingMetadata:
 
 
 def build_sampling_metadata(
-    rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+    rows: list[SamplingRow], vocab_size: int, device: torch.device | str, with_penalties: bool = True
 ) -> SamplingMetadata:
-    """Batch the rows' sampling parameters into tensors on `device` (no work for unused features)."""
+    """Batch the rows' sampling parameters into tensors on `device` (no work for unused features).
+    `with_penalties=False` leaves `penalties` to the caller (the runner keeps their tokens on the device)."""
     assert rows, "no rows to sample"
     device = torch.device(device)
     params = [row.params for row in rows]
@@ -101,7 +110,8 @@ def build_sampling_metadata(
         meta.generators = {i: row.generator for i, row in enumerate(rows)
                            if row.generator is not None and not is_greedy[i]}
     _fill_sparse_bias(meta, rows, vocab_size, device)
-    meta.penalties = _build_penalties(rows, vocab_size, device)
+    if with_penalties:
+        meta.penalties = _build_penalties(rows, vocab_size, device)
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
     meta.max_num_logprobs = max(num_logprobs) if num_logprobs else None
     return meta
@@ -113,19 +123,19 @@ def _fill_random_params(
 ) -> None:
     """Temperature and the top-k / top-p / min-p filters; greedy rows get neutral values."""
     temperature = [1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)]
-    meta.temperature = _to_device(temperature, torch.float32, device)
+    meta.temperature = to_device(temperature, torch.float32, device)
     if not meta.all_random:
-        meta.is_greedy = _to_device(is_greedy, torch.bool, device)
+        meta.is_greedy = to_device(is_greedy, torch.bool, device)
     random_params = [p for p, greedy in zip(params, is_greedy) if not greedy]
     top_k = [_effective_top_k(p, greedy, vocab_size) for p, greedy in zip(params, is_greedy)]
     if any(k < vocab_size for k in top_k):
-        meta.top_k = _to_device(top_k, torch.int64, device)
+        meta.top_k = to_device(top_k, torch.int64, device)
         meta.max_top_k = max(k for k in top_k if k < vocab_size)
         meta.is_top_k_everywhere = all(k < vocab_size for k, g in zip(top_k, is_greedy) if not g)
     if any(p.top_p < 1.0 for p in random_params):
-        meta.top_p = _to_device([1.0 if g else p.top_p for p, g in zip(params, is_greedy)], torch.float32, device)
+        meta.top_p = to_device([1.0 if g else p.top_p for p, g in zip(params, is_greedy)], torch.float32, device)
     if any(p.min_p > 0.0 for p in random_params):
-        meta.min_p = _to_device([0.0 if g else p.min_p for p, g in zip(params, is_greedy)], torch.float32, device)
+        meta.min_p = to_device([0.0 if g else p.min_p for p, g in zip(params, is_greedy)], torch.float32, device)
 
 
 def _effective_top_k(params: SamplingParams, is_greedy: bool, vocab_size: int) -> int:
@@ -148,7 +158,7 @@ def _fill_sparse_bias(
             row_ids.extend([i] * len(params.logit_bias))
             token_ids.extend(params.logit_bias.keys())
             values.extend(params.logit_bias.values())
-        if params.min_tokens and len(row.output_token_ids) < params.min_tokens:
+        if params.min_tokens and row.num_output_tokens < params.min_tokens:
             masked = row.stop_token_ids_for_min_tokens
             row_ids.extend([i] * len(masked))
             token_ids.extend(masked)
@@ -156,8 +166,8 @@ def _fill_sparse_bias(
     if not row_ids:
         return
     assert max(token_ids) < vocab_size, "token ids must be checked by SamplingParams.validate_for_vocab"
-    meta.sparse_bias_indices = _to_device([row_ids, token_ids], torch.int64, device)
-    meta.sparse_bias_values = _to_device(values, torch.float32, device)
+    meta.sparse_bias_indices = to_device([row_ids, token_ids], torch.int64, device)
+    meta.sparse_bias_values = to_device(values, torch.float32, device)
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
@@ -177,10 +187,10 @@ def _build_penalties(rows: list[SamplingRow], vocab_size: int, device: torch.dev
                    for i, p in zip(indices, params)]
         prompt_ids = _padded(prompts, vocab_size, device)
     return PenaltyMetadata(
-        row_indices=_to_device(indices, torch.int64, device),
-        repetition_penalties=_to_device(repetition, torch.float32, device),
-        frequency_penalties=_to_device([p.frequency_penalty for p in params], torch.float32, device),
-        presence_penalties=_to_device([p.presence_penalty for p in params], torch.float32, device),
+        row_indices=to_device(indices, torch.int64, device),
+        repetition_penalties=to_device(repetition, torch.float32, device),
+        frequency_penalties=to_device([p.frequency_penalty for p in params], torch.float32, device),
+        presence_penalties=to_device([p.presence_penalty for p in params], torch.float32, device),
         output_token_ids=_padded([rows[i].output_token_ids for i in indices], vocab_size, device),
         prompt_token_ids=prompt_ids,
         has_output_penalties=any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params),
@@ -191,10 +201,10 @@ def _padded(token_lists: list[list[int]], pad_id: int, device: torch.device) -> 
     """[len(token_lists), max_len] int64, right-padded with pad_id (at least one column)."""
     max_len = max(1, max(len(ids) for ids in token_lists))
     padded = [ids + [pad_id] * (max_len - len(ids)) for ids in token_lists]
-    return _to_device(padded, torch.int64, device)
+    return to_device(padded, torch.int64, device)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list -> tensor on device; pinned + non_blocking on CUDA so the host never waits."""
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)

@@ -27,14 +27,16 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    """Check every value before starting anything: a bad one is an argparse-style error, exit code 2."""
     import sys
 
     from llmserve.server.launcher import run
 
     try:
         engine_config, server_config = engine_config_from_args(args), server_config_from_args(args)
+        engine_config.validate()
     except ValueError as e:
-        print(f"llmserve serve: {e}", file=sys.stderr)
+        print(f"llmserve serve: error: {e} (see llmserve serve --help)", file=sys.stderr)
         return 2
     return run(engine_config, server_config)
 

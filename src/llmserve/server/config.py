@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from llmserve.config import parse_bytes
+from llmserve.config import check, check_min, parse_bytes
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 
@@ -28,6 +28,9 @@ class ServerConfig:
         "help": "seconds to wait for the engine process to load the model"})
     health_stall_timeout: float = field(default=60.0, metadata={
         "help": "/health turns 503 when the engine has work but sent nothing for this long"})
+    request_timeout: float | None = field(default=None, metadata={
+        "help": "seconds a generation request may run (queueing included); a longer one is aborted and gets an "
+                "error: HTTP 504, or an error event ending its stream (default: no limit)"})
     log_level: str = field(default="info", metadata={
         "help": "debug | info | warning | error", "choices": ["debug", "info", "warning", "error"]})
     access_log: bool = field(default=False, metadata={"help": "log one line per HTTP request"})
@@ -39,16 +42,23 @@ class ServerConfig:
                 "once): fewer events cost the front less CPU under load, at coarser streaming"})
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
-        if self.num_max_body_bytes <= 0:
-            raise ValueError(f"--max-body-size must be positive, got {self.max_body_size!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        check(bool(self.host), "host", "must not be empty")
+        check(0 <= self.port < 65536, "port", f"must be in 0..65535, got {self.port}")
+        check(self.served_model_name != "", "served-model-name", "must not be empty")
+        check_min("max-queued-requests", self.max_queued_requests, 0)
+        check(parse_bytes(self.max_body_size, "max-body-size") > 0, "max-body-size",
+              f"must be positive, got {self.max_body_size!r}")
+        check_min("shutdown-timeout", self.shutdown_timeout, 0)
+        check(self.engine_startup_timeout > 0, "engine-startup-timeout",
+              f"must be > 0, got {self.engine_startup_timeout}")
+        check(self.health_stall_timeout > 0, "health-stall-timeout", f"must be > 0, got {self.health_stall_timeout}")
+        check_min("timeout-keep-alive", self.timeout_keep_alive, 0)
+        check_min("stream-interval", self.stream_interval, 1)
+        check(self.request_timeout is None or self.request_timeout > 0, "request-timeout",
+              f"must be > 0, got {self.request_timeout}")
 
     @property
     def num_max_body_bytes(self) -> int:

@@ -16,12 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmserve.engine.async_llm import EngineDeadError
+from llmserve.engine.async_llm import EngineDeadError, RequestTimeoutError
 
 logger = logging.getLogger("llmserve.server")
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                   405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+                   405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error",
+                   504: "timeout_error"}
 _PARAM_RE = re.compile(r"at `\$\.?([^`]*)`")
 
 
@@ -73,6 +74,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return bad_request(f"invalid request: {exc}", param=match.group(1) if match else None)
     if isinstance(exc, msgspec.DecodeError):
         return bad_request(f"malformed JSON body: {exc}")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, f"{exc} (--request-timeout)", code="request_timeout")
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"the engine is not running: {exc}", retry_after=30)
     if isinstance(exc, ValueError):
@@ -110,6 +113,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValueError, on_exception)
     app.add_exception_handler(msgspec.MsgspecError, on_exception)
     app.add_exception_handler(EngineDeadError, on_exception)
+    app.add_exception_handler(RequestTimeoutError, on_exception)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_exception)

@@ -2,7 +2,8 @@
 
 Exit codes: 0 after a signal-initiated drain, 1 when the engine died or failed to start.
 SIGTERM/SIGINT: stop taking requests (503), let in-flight ones finish up to --shutdown-timeout, abort
-the rest (finish_reason abort), stop the engine process, exit 0. A second signal exits at once.
+the rest (finish_reason abort), stop the engine process, exit 0. A second signal exits at once: every
+open request ends with a 503 error (a stream with an error event, then [DONE]) and the process exits.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.server.api_server import build_app
 from llmserve.server.config import ServerConfig
+from llmserve.server.errors import service_unavailable
 from llmserve.server.loop_lag import probe_loop_lag
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.serving_common import ServingContext, TokenTexts
@@ -30,6 +32,7 @@ logger = logging.getLogger("llmserve.server")
 
 ABORT_GRACE_S = 3.0  # after aborting, how long responses get to carry finish_reason abort out
 DEAD_GRACE_S = 3.0  # after the engine died, how long in-flight requests get to receive their error
+FORCE_GRACE_S = 1.0  # after a second signal, how long open requests get to send their error out
 
 
 class DrainingServer(uvicorn.Server):
@@ -39,18 +42,35 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.ctx = ctx
         self.exit_code = 0
+        self.num_signals = 0
         self.stopping: asyncio.Task | None = None
         self.loop = asyncio.get_running_loop()
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.stopping is None:
+        """Runs in the signal handler: counts the signal, hands the work to the event loop."""
+        self.num_signals += 1
+        if self.num_signals == 1:
             logger.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name,
                         self.ctx.config.shutdown_timeout)
             self.loop.call_soon_threadsafe(self._start, self._drain())
-        else:
-            logger.warning("second signal: exiting now")
-            self.force_exit = True
-            self.should_exit = True
+        elif self.num_signals == 2:
+            logger.warning("second signal: ending open requests, exiting now")
+            self.loop.call_soon_threadsafe(self._exit_now)
+
+    def _exit_now(self) -> None:
+        if self.stopping is not None:
+            self.stopping.cancel()
+        self.stopping = self.loop.create_task(self._end_requests_then_exit())
+
+    async def _end_requests_then_exit(self) -> None:
+        """Fail every open request (its generator aborts it in the engine, its response carries the error
+        out), then exit without waiting for anything else."""
+        self.ctx.is_draining = True
+        num = self.ctx.engine.fail_all(service_unavailable("the server is shutting down now", retry_after=5))
+        if num:
+            logger.warning("ended %d open request(s)", num)
+        self.force_exit = True
+        await self._wait_then_exit(FORCE_GRACE_S)
 
     def on_engine_dead(self, reason: str) -> None:
         self.exit_code = 1
@@ -105,15 +125,17 @@ def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    engine_config.validate()  # before binding or spawning anything (the CLI has checked already)
     sock = bind_socket(config.host, config.port)
     engine = await AsyncLLM.from_config(engine_config, startup_timeout=config.engine_startup_timeout,
-                                        stream_interval=config.stream_interval)
+                                        stream_interval=config.stream_interval,
+                                        request_timeout=config.request_timeout)
     try:
         model_name = config.served_model_name or engine.model_info.name
         metrics = ServerMetrics(model_name)
         metrics.set_cache_size(engine.client.num_kv_blocks)
         engine.stat_logger = metrics
-        ctx = ServingContext(engine, config, metrics, model_name, engine_config.scheduler.max_num_seqs,
+        ctx = ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs,
                              TokenTexts(engine.tokenizer))
         server = DrainingServer(_uvicorn_config(build_app(ctx), config), ctx)
         engine.dead_callbacks.append(server.on_engine_dead)

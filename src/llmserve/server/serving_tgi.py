@@ -195,8 +195,8 @@ class TGIServer:
                     for event in events:
                         yield b"data:" + encode_json(event) + b"\n\n"
         except Exception as e:  # noqa: BLE001 - TGI's in-stream error shape
-            log_error_event(request_id, e)
             err = to_api_error(e)
+            log_error_event(request_id, err.message)
             yield b"data:" + encode_json({"error": err.message, "error_type": err.info().type}) + b"\n\n"
 
     def _events(self, p: TGIParameters, out: CompletionOutput, index: int, text: str,

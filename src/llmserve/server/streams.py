@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from llmserve.server.errors import error_payload
+from llmserve.server.errors import error_payload, to_api_error
 from llmserve.server.protocol import encode_json
 
 T = TypeVar("T")
@@ -71,15 +71,16 @@ async def with_error_event(events: AsyncIterator[bytes], request_id: str,
             yield event
     except (asyncio.CancelledError, GeneratorExit):
         raise
-    except Exception as e:  # noqa: BLE001 - classified (and internal ones logged) by error_payload
-        log_error_event(request_id, e)
-        yield sse_error(e)
+    except Exception as e:  # noqa: BLE001 - classified (and internal ones logged) by to_api_error
+        err = to_api_error(e)
+        log_error_event(request_id, err.message)
+        yield sse_error(err)
     if done is not None:
         yield done
 
 
-def log_error_event(request_id: str, exc: BaseException) -> None:
-    logger.warning("stream %s ended early with an error event: %s: %s", request_id, type(exc).__name__, exc)
+def log_error_event(request_id: str, message: str) -> None:
+    logger.warning("stream %s ended early with an error event: %s", request_id, message)
 
 
 async def merge_async_iterators(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -9,6 +9,7 @@ import torch
 
 from llmserve.model.attention import AttentionInputs
 from llmserve.sampling_params import SamplingParams
+from llmserve.worker.persistent_batch import flat_positions, slot_mapping
 
 
 @dataclass
@@ -26,9 +27,21 @@ class CachedRequestState:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (draft model)
     num_draft_computed: int = 0  # tokens whose KV the draft model has written (draft model)
+    row: int = -1  # its row in the runner's PersistentBatch
+    num_pending: int = 0  # tokens sampled on the device whose ids are not on the host yet
+    has_penalties: bool = False  # its sampling reads its output ids
+    is_dynamic: bool = False  # its sampling inputs change with its tokens (penalties, min_tokens)
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
+        p = self.params
+        self.has_penalties = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        self.is_dynamic = self.has_penalties or bool(p.min_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, the ones still on the device included."""
+        return len(self.output_token_ids) + self.num_pending
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -53,14 +66,11 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], b
     num_drafts = np.asarray([len(d) for d in drafts] if drafts else [0] * num_rows, dtype=np.int64)  # [B]
     counts = np.asarray(num_scheduled, dtype=np.int64)  # [B]
     starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)  # [B]
-    cu = np.zeros(num_rows + 1, dtype=np.int64)
-    np.cumsum(counts, out=cu[1:])
+    cu, row_of_token, positions = flat_positions(starts, counts)  # [B + 1], [T], [T]
     num_tokens = int(cu[-1])
-    row_of_token = np.repeat(np.arange(num_rows), counts)  # [T]
-    positions = np.arange(num_tokens) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
     input_ids = np.fromiter(_token_slices(states, starts, counts, drafts), dtype=np.int64, count=num_tokens)
     block_table = _block_table(states)  # [B, max_blocks]
-    slots = block_table[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = slot_mapping(block_table, row_of_token, positions, block_size)
     seq_lens = starts + counts
     sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
     attn = AttentionInputs(

@@ -1,4 +1,11 @@
-"""Runs one scheduled step: keeps per-request state, builds inputs, runs the model, samples.
+"""Runs scheduled steps: keeps per-request state and the persistent batch, builds inputs, runs the
+model, samples.
+
+A step is `launch` (inputs, forward, sampling queued on the device; the sampled ids stay there) and
+`finish` (the ids on the host, turned into the step's output). `execute` is both at once. With async
+scheduling the engine launches step N+1 before it finishes step N: rows whose last token is still on
+the device read it there (PersistentBatch.gather), and penalties read their rows' tokens there too
+(worker.penalty_tokens). A step with drafts to verify or propose finishes the step in flight first.
 
 With speculative decoding the step also verifies the drafts the scheduler placed after each row's
 real tokens (worker.spec_verify) and asks the proposer for the next step's drafts.
@@ -9,90 +16,133 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from llmserve.engine.messages import Logprobs
-from llmserve.model.attention import AttentionBackend
-from llmserve.sample.metadata import build_sampling_metadata
-from llmserve.sample.sampler import Sampler
+from llmserve.model.attention import AttentionBackend, AttentionInputs
+from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.proposer import Proposer
 from llmserve.worker.cuda_graphs import DecodeGraphs
-from llmserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs
-from llmserve.worker.seeds import position_seed
+from llmserve.worker.input_batch import CachedRequestState, StepInputs, _logits_indices
+from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
+from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
+from llmserve.worker.sampling_step import SamplingInputs, host_logprobs
 from llmserve.worker.spec_verify import verify
+from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
 
 
 @dataclass
 class StepTimes:
-    """Seconds spent in each part of the runner's steps since the last reset."""
+    """Seconds spent in each part of the runner's steps since the last reset (with `sync_timing` on
+    CUDA the device is synchronised at each boundary, so that a part's time is its own)."""
 
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
     propose: float = 0.0
     num_steps: int = 0
+    num_device_inputs: int = 0  # input tokens read from the last step's sampled ids on the device
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
-                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None) -> None:
+                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None,
+                 max_num_rows: int = 128, max_model_len: int = 4096) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, Hkv, D]
         self.block_size = block_size
-        self.vocab_size = vocab_size
         self.device = device
+        self.vocab_size = vocab_size
+        self.sampling = SamplingInputs(vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.proposer = proposer
         self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
         self.states: dict[str, CachedRequestState] = {}
+        self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
+        self.in_flight: StepHandle | None = None  # launched last and not finished
         self.times = StepTimes()
+        self.sync_timing = False
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish(self.launch(sched_out))
+
+    def launch(self, sched_out: SchedulerOutput) -> StepHandle:
         t0 = time.perf_counter()
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
         states = [self.states[r] for r in req_ids]
-        drafts = [sched_out.scheduled_spec_tokens.get(r, []) for r in req_ids]
-        inputs = prepare_inputs(states, list(sched_out.num_scheduled_tokens.values()), self.block_size,
-                                self.device, drafts if sched_out.scheduled_spec_tokens else None)
-        t1 = time.perf_counter()
-        logits = self._forward(inputs, bool(sched_out.scheduled_spec_tokens))  # [N, V]
-        t2 = time.perf_counter()
+        has_drafts = bool(sched_out.scheduled_spec_tokens)
+        if has_drafts or sched_out.use_speculation:
+            self.settle()
+        inputs = self._prepare(states, sched_out)
+        prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
+        t1 = self._mark()
+        hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
+        t2 = self._mark()
         rows = [states[i] for i in inputs.sample_rows]
-        if sched_out.scheduled_spec_tokens:
-            row_drafts = [drafts[i] for i in inputs.sample_rows]
-            draft_probs = [r.draft_probs for r in rows]
-            sampled, logprobs = self._verify(logits, rows, row_drafts, draft_probs)
+        scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}
+        if has_drafts:
+            handle = self._verify_step(req_ids, inputs.sample_rows, logits, rows, sched_out)
+            handle.copy = HostCopy.start(scored)
         else:
-            sampled, logprobs = self._sample(logits, rows)
-        t3 = time.perf_counter()
-        self._advance(states, sched_out)
-        out = self._runner_output(req_ids, inputs.sample_rows, sampled, logprobs)
-        if self.proposer is not None:
-            out.spec_token_ids = self._propose(req_ids, inputs.sample_rows, rows, sched_out.use_speculation)
-        self.times.prepare += t1 - t0
-        self.times.forward += t2 - t1
-        self.times.sample += t3 - t2
-        self.times.propose += time.perf_counter() - t3
-        self.times.num_steps += 1
-        return out
+            handle = self._sample_step(req_ids, inputs.sample_rows, logits, rows, scored)
+        handle.prompt_plan = prompt_plan
+        t3 = self._mark()
+        for state, num in zip(states, sched_out.num_scheduled_tokens.values()):
+            state.num_computed_tokens += num  # rejected drafts are rolled back when the step finishes
+        handle.use_speculation = sched_out.use_speculation
+        self.in_flight = handle
+        self._add_times(t0, t1, t2, t3)
+        return handle
+
+    def finish(self, handle: StepHandle) -> ModelRunnerOutput:
+        """The step's output (waits for its sampled ids); steps finish in the order they launched."""
+        if handle.output is None:
+            t0 = time.perf_counter()
+            handle.output = self._sampled_output(handle)
+            if handle is self.in_flight:
+                self.batch.clear_pending()
+                self.in_flight = None
+            if self.proposer is not None:
+                handle.output.spec_token_ids = self._propose(handle)
+            self.times.propose += time.perf_counter() - t0
+        return handle.output
+
+    def settle(self) -> None:
+        """Bring the step in flight to the host now (the engine takes its output later)."""
+        if self.in_flight is not None:
+            self.finish(self.in_flight)
+
+    def has_in_flight(self) -> bool:
+        return self.in_flight is not None
 
     def drop_finished(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
-            self.states.pop(req_id, None)
+            if self.states.pop(req_id, None) is not None:
+                self.batch.remove(req_id)
+
+    # ---- states from the scheduler's diff ------------------------------------------------------------
 
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         self.drop_finished(sched_out.finished_req_ids)
+        if sched_out.new_reqs:
+            self.sampling.invalidate()
         for new in sched_out.new_reqs:
-            self.states[new.req_id] = self._new_state(new)
+            state = self.states[new.req_id] = self._new_state(new)
+            state.row = self.batch.add(new.req_id, state.token_ids, state.block_ids)
+            if state.has_penalties:
+                self.sampling.penalty_tokens.add(state)
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
+            assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
+            if not cached.new_block_ids and cached.num_old_blocks == len(state.block_ids):
+                continue  # the common decode step: no block changed
             del state.block_ids[cached.num_old_blocks:]  # blocks of rejected drafts the scheduler took back
             state.block_ids.extend(cached.new_block_ids)
-            assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
+            self.batch.set_blocks(state.row, cached.num_old_blocks, cached.new_block_ids)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         generator = None
@@ -104,6 +154,45 @@ class ModelRunner:
             block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
             stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens)
 
+    # ---- inputs and forward -------------------------------------------------------------------------
+
+    def _prepare(self, states: list[CachedRequestState], sched_out: SchedulerOutput) -> StepInputs:
+        num_rows = len(states)
+        rows = np.fromiter((s.row for s in states), np.int64, count=num_rows)  # [B]
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, count=num_rows)  # [B]
+        counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=num_rows)  # [B]
+        num_drafts = np.zeros(num_rows, np.int64)  # [B]
+        for i, state in enumerate(states if sched_out.scheduled_spec_tokens else ()):
+            drafts = sched_out.scheduled_spec_tokens.get(state.req_id)
+            if drafts:
+                self.batch.set_drafts(state.row, drafts)
+                num_drafts[i] = len(drafts)
+        arrays = self.batch.gather(rows, starts, counts)
+        self.batch.mark_sampled(rows[arrays.sample_rows])
+        sample_rows = arrays.sample_rows
+        logits_indices = _logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64),
+                                         num_drafts[sample_rows])
+        return self._to_device(arrays, logits_indices)
+
+    def _to_device(self, arrays: StepArrays, logits_indices: np.ndarray) -> StepInputs:
+        input_ids = _on_device(arrays.input_ids, self.device)
+        if len(arrays.pending_tokens):
+            self.times.num_device_inputs += len(arrays.pending_tokens)
+            sources = _on_device(arrays.pending_sources, self.device)
+            input_ids[_on_device(arrays.pending_tokens, self.device)] = self.in_flight.sampled[sources]
+        attn = AttentionInputs(
+            query_start_loc=_on_device(arrays.query_start_loc, self.device),
+            seq_lens=_on_device(arrays.seq_lens.astype(np.int32), self.device),
+            block_table=_on_device(arrays.block_table, self.device),
+            slot_mapping=_on_device(arrays.slot_mapping, self.device),
+            query_lens_cpu=np.diff(arrays.query_start_loc).tolist(),
+            seq_lens_cpu=arrays.seq_lens.tolist(),
+            block_size=self.block_size,
+        )
+        return StepInputs(input_ids=input_ids, positions=_on_device(arrays.positions, self.device), attn=attn,
+                          logits_indices=_on_device(logits_indices, self.device),
+                          sample_rows=arrays.sample_rows.tolist())
+
     @torch.inference_mode()
     def _forward(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs, has_drafts):
@@ -111,64 +200,150 @@ class ModelRunner:
         else:
             metadata = self.attn_backend.build_metadata(inputs.attn)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
+
+    # ---- sampling -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]):
-        """One token per sampling row: ([[token]] per row, per row [Logprobs] or None)."""
+    def _sample_step(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
+                     rows: list[CachedRequestState], extra: dict[str, torch.Tensor]) -> StepHandle:
+        """Sample on the device and start copying the ids (and `extra` tensors) to the host; the rows'
+        next token is pending."""
         if not rows:
-            return [], None
+            empty = SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
+            return StepHandle(req_ids, np.asarray(sample_rows, np.int64), empty.sampled_token_ids,
+                              start_host_copy(empty, extra))
+        out = self.sampler(logits, self.sampling.metadata(rows))
+        penalized = [j for j, row in enumerate(rows) if row.has_penalties]
+        if penalized:
+            self.sampling.penalty_tokens.append_sampled([rows[j].row for j in penalized],
+                                                        out.sampled_token_ids[penalized])
         for row in rows:
-            if row.generator is not None:
-                row.generator.manual_seed(position_seed(row.params.seed, len(row.output_token_ids)))
-        meta = build_sampling_metadata(rows, self.vocab_size, self.device)
-        out = self.sampler(logits, meta)
-        sampled = [[t] for t in out.sampled_token_ids.tolist()]
-        if out.logprobs is None:
-            return sampled, None
-        lp = out.logprobs
-        ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist()
-        logprobs = [None if row.params.logprobs is None else
-                    [Logprobs(ids[j][:row.params.logprobs + 1], values[j][:row.params.logprobs + 1], ranks[j])]
-                    for j, row in enumerate(rows)]
-        return sampled, logprobs
+            row.num_pending += 1
+        return StepHandle(req_ids, np.asarray(sample_rows, np.int64), out.sampled_token_ids,
+                          start_host_copy(out, extra), [row.params.logprobs for row in rows])
 
     @torch.inference_mode()
-    def _verify(self, logits: torch.Tensor, rows: list[CachedRequestState], drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None]):
-        return verify(self.sampler, logits, rows, drafts, draft_probs, self.vocab_size)
+    def _verify_step(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
+                     rows: list[CachedRequestState], sched_out: SchedulerOutput) -> StepHandle:
+        """Drafts: verified on the host now (speculative steps run without overlap)."""
+        drafts = [sched_out.scheduled_spec_tokens.get(row.req_id, []) for row in rows]
+        sampled, logprobs = verify(self.sampler, logits, rows, drafts, [r.draft_probs for r in rows],
+                                   self.sampling.vocab_size)
+        handle = StepHandle(req_ids, np.asarray(sample_rows, np.int64), torch.empty(0), HostCopy({}), is_sync=True)
+        handle.host_tokens, handle.host_logprobs = sampled, logprobs
+        for row in rows:
+            row.num_pending += 1
+        return handle
 
-    def _advance(self, states: list[CachedRequestState], sched_out: SchedulerOutput) -> None:
-        """Every scheduled token's KV is written; rejected drafts are rolled back in _runner_output."""
-        for state in states:
-            state.num_computed_tokens += sched_out.num_scheduled_tokens[state.req_id]
+    def _sampled_output(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Per row of the step its sampled ids (empty for a partial prefill), appended to the states."""
+        sampled, logprobs = handle.host_tokens, handle.host_logprobs
+        if not handle.is_sync:
+            host = handle.copy.wait()
+            sampled = [[t] for t in host["sampled"].tolist()]
+            logprobs = host_logprobs(host, handle.num_logprobs)
+        num_rows = len(handle.req_ids)
+        if len(sampled) == num_rows and logprobs is None:
+            token_ids = sampled  # every row sampled (decode steps): already in row order
+        else:
+            token_ids = [[] for _ in handle.req_ids]
+            for j, row in enumerate(handle.sample_rows.tolist()):
+                token_ids[row] = sampled[j]
+        row_logprobs: list | None = None
+        if logprobs is not None:
+            row_logprobs = [None] * num_rows
+            for j, row in enumerate(handle.sample_rows.tolist()):
+                row_logprobs[row] = logprobs[j]
+        self._append_sampled(handle, sampled)
+        prompt_logprobs = None
+        if handle.prompt_plan is not None:
+            prompt_logprobs = host_prompt_logprobs(handle.copy.wait(), handle.prompt_plan, num_rows)
+        return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
-    def _runner_output(self, req_ids: list[str], sample_rows: list[int], sampled: list[list[int]],
-                       logprobs: list | None) -> ModelRunnerOutput:
-        token_ids: list[list[int]] = [[] for _ in req_ids]
-        row_logprobs: list | None = [None] * len(req_ids) if logprobs is not None else None
-        for j, row in enumerate(sample_rows):
-            state = self.states[req_ids[row]]
-            num_rejected = state.num_computed_tokens - len(state.token_ids) - len(sampled[j]) + 1
+    def _append_sampled(self, handle: StepHandle, sampled: list[list[int]]) -> None:
+        """The ids join their states (requests finished or preempted meanwhile are gone: skipped);
+        rejected drafts roll num_computed_tokens back."""
+        if not handle.is_sync:
+            return self._append_one_each(handle, sampled)
+        rows: list[int] = []
+        tokens: list[int] = []
+        for j, row in enumerate(handle.sample_rows.tolist()):
+            state = self.states.get(handle.req_ids[row])
+            if state is None or not state.num_pending:
+                continue
+            state.num_pending -= 1
+            num_rejected = state.num_computed_tokens - len(state.token_ids) - len(sampled[j]) - state.num_pending + 1
             state.num_computed_tokens -= num_rejected  # 0 without drafts
             for token_id in sampled[j]:
                 state.append_token(token_id)
-            token_ids[row] = sampled[j]
-            if logprobs is not None:
-                row_logprobs[row] = logprobs[j]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs)
+            if handle.is_sync and state.has_penalties:  # verified drafts: their ids come from the host
+                self.sampling.penalty_tokens.append_host(state.row, sampled[j])
+            if len(sampled[j]) == 1:
+                rows.append(state.row)
+                tokens.append(sampled[j][0])
+            else:
+                self.batch.append_tokens(state.row, sampled[j])
+        if rows:
+            self.batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
 
-    def _propose(self, req_ids: list[str], sample_rows: list[int], rows: list[CachedRequestState],
-                 use_speculation: bool) -> list[list[int]]:
+    def _append_one_each(self, handle: StepHandle, sampled: list[list[int]]) -> None:
+        """_append_sampled for a step without drafts: one id per sampling row."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        for row, (token_id,) in zip(handle.sample_rows.tolist(), sampled):
+            state = self.states.get(handle.req_ids[row])
+            if state is None or not state.num_pending:
+                continue
+            state.num_pending -= 1
+            state.output_token_ids.append(token_id)
+            state.token_ids.append(token_id)
+            rows.append(state.row)
+            tokens.append(token_id)
+        if rows:
+            self.batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
+
+    def _propose(self, handle: StepHandle) -> list[list[int]]:
         """Drafts for the next step, per row of this step (none for rows that did not sample)."""
-        proposals: list[list[int]] = [[] for _ in req_ids]
-        wanted = [j for j, row in enumerate(rows) if use_speculation and row.params.speculative]
-        for row in rows:
-            row.draft_probs = None
+        proposals: list[list[int]] = [[] for _ in handle.req_ids]
+        rows = [(j, self.states.get(handle.req_ids[j])) for j in handle.sample_rows.tolist()]
+        rows = [(j, s) for j, s in rows if s is not None]
+        for _, state in rows:
+            state.draft_probs = None
+        wanted = [(j, s) for j, s in rows if handle.use_speculation and s.params.speculative]
         if not wanted:
             return proposals
-        drafts, probs = self.proposer.propose([rows[j] for j in wanted])
-        for j, row_drafts, row_probs in zip(wanted, drafts, probs):
-            proposals[sample_rows[j]] = row_drafts
-            rows[j].draft_probs = row_probs
+        drafts, probs = self.proposer.propose([s for _, s in wanted])
+        for (j, state), row_drafts, row_probs in zip(wanted, drafts, probs):
+            proposals[j] = row_drafts
+            state.draft_probs = row_probs
         return proposals
+
+    # ---- timing --------------------------------------------------------------------------------------
+
+    def _mark(self) -> float:
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _add_times(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        self.times.prepare += t1 - t0
+        self.times.forward += t2 - t1
+        self.times.sample += t3 - t2
+        self.times.num_steps += 1
+
+    def check_integrity(self) -> None:
+        self.batch.check_integrity()
+        assert set(self.batch.row_of) == set(self.states), "batch rows and states differ"
+        for req_id, state in self.states.items():
+            assert self.batch.row_of[req_id] == state.row, "a state's row moved"
+            assert self.batch.num_tokens[state.row] == len(state.token_ids), "batch and state tokens differ"
+
+
+def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> tensor on device; on CUDA through pinned memory, non_blocking (the host never waits)."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,176 @@
+"""The runner's persistent input batch: every request it holds keeps a row in preallocated host arrays
+(token ids, computed count, block table), updated from each step's diff. A step's flat inputs are
+gathered from those rows with a few numpy ops instead of being rebuilt from Python lists.
+
+Async scheduling: a row may end in one token that was sampled on the device by the step launched
+last and is not on the host yet. `gather` leaves such tokens to the caller as (token index, index in
+that step's sampled ids) pairs, which it fills on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+INITIAL_TOKEN_COLUMNS = 256
+INITIAL_BLOCK_COLUMNS = 16
+
+
+@dataclass
+class StepArrays:
+    """A step's flat inputs on the host; T tokens over B rows (row order of the schedule)."""
+
+    input_ids: np.ndarray  # [T] int64; 0 where the token is pending on the device
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int64
+    block_table: np.ndarray  # [B, W] int32, padded with the null block 0
+    slot_mapping: np.ndarray  # [T] int64
+    sample_rows: np.ndarray  # [S] int64: rows whose last token here is the last known or pending one
+    pending_tokens: np.ndarray  # [P] int64: token indices whose id is on the device only
+    pending_sources: np.ndarray  # [P] int64: their index in the last launched step's sampled ids
+
+
+def flat_positions(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row `counts` tokens from `starts`: (cu [B + 1], row of each token [T], positions [T])."""
+    cu = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    row_of_token = np.repeat(np.arange(len(counts)), counts)  # [T]
+    positions = np.arange(int(cu[-1])) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
+    return cu, row_of_token, positions
+
+
+def slot_mapping(block_table: np.ndarray, row_of_token: np.ndarray, positions: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """[T] cache slot of each token: its block's id * block_size + offset."""
+    block_ids = block_table[row_of_token, positions // block_size].astype(np.int64)
+    return block_ids * block_size + positions % block_size
+
+
+class PersistentBatch:
+    def __init__(self, max_num_rows: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_rows, min(INITIAL_TOKEN_COLUMNS, max_model_len)), np.int64)  # [R, L]
+        self.num_tokens = np.zeros(max_num_rows, np.int64)  # [R] ids known on the host (drafts excluded)
+        self.num_drafts = np.zeros(max_num_rows, np.int64)  # [R] draft ids written after them
+        self.block_table = np.zeros((max_num_rows, INITIAL_BLOCK_COLUMNS), np.int32)  # [R, W]
+        self.num_blocks = np.zeros(max_num_rows, np.int64)  # [R]
+        self.last_sample_index = np.full(max_num_rows, -1, np.int64)  # [R] row in the last step's samples
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(max_num_rows - 1, -1, -1))
+
+    # ---- rows in and out ----------------------------------------------------------------------------
+
+    def add(self, req_id: str, token_ids: list[int], block_ids: list[int]) -> int:
+        if not self.free_rows:
+            self._grow_rows()
+        row = self.free_rows.pop()
+        self.row_of[req_id] = row
+        self.num_tokens[row] = self.num_drafts[row] = self.num_blocks[row] = 0
+        self.last_sample_index[row] = -1
+        self.append_tokens(row, token_ids)
+        self.set_blocks(row, 0, block_ids)
+        return row
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.last_sample_index[row] = -1
+            self.free_rows.append(row)
+
+    def set_blocks(self, row: int, num_kept: int, new_block_ids: list[int]) -> None:
+        """The row's first `num_kept` blocks stay (later ones were trimmed); `new_block_ids` follow."""
+        end = num_kept + len(new_block_ids)
+        self._ensure_block_columns(end)
+        self.block_table[row, num_kept:end] = new_block_ids
+        self.num_blocks[row] = end
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        start = int(self.num_tokens[row])
+        self._ensure_token_columns(start + len(token_ids))
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+        self.num_drafts[row] = 0
+
+    def append_one_each(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """One token per row (the common decode step), vectorized."""
+        ends = self.num_tokens[rows]
+        self._ensure_token_columns(int(ends.max()) + 1)
+        self.token_ids[rows, ends] = token_ids
+        self.num_tokens[rows] = ends + 1
+        self.num_drafts[rows] = 0
+
+    def set_drafts(self, row: int, drafts: list[int]) -> None:
+        """Draft ids scheduled after the row's tokens for this step (overwritten by later tokens)."""
+        start = int(self.num_tokens[row])
+        self._ensure_token_columns(start + len(drafts))
+        self.token_ids[row, start:start + len(drafts)] = drafts
+        self.num_drafts[row] = len(drafts)
+
+    # ---- one step --------------------------------------------------------------------------------------
+
+    def gather(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> StepArrays:
+        """The step's inputs: row i computes counts[i] tokens from position starts[i]."""
+        cu, row_of_token, positions = flat_positions(starts, counts)
+        batch_rows = rows[row_of_token]  # [T]
+        num_known = self.num_tokens[rows] + self.num_drafts[rows]  # [B]
+        is_known = positions < num_known[row_of_token]  # [T]
+        columns = np.minimum(positions, self.token_ids.shape[1] - 1)
+        input_ids = np.where(is_known, self.token_ids[batch_rows, columns], 0)
+        pending_tokens = np.flatnonzero(~is_known)
+        pending_sources = self.last_sample_index[batch_rows[pending_tokens]]
+        assert (pending_sources >= 0).all(), "a token is neither on the host nor in the last step's samples"
+        seq_lens = starts + counts
+        num_pending = (self.last_sample_index[rows] >= 0).astype(np.int64)
+        sample_rows = np.flatnonzero(seq_lens == num_known + num_pending)
+        block_table = self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
+        return StepArrays(input_ids, positions, cu.astype(np.int32), seq_lens, block_table,
+                          slot_mapping(block_table, row_of_token, positions, self.block_size), sample_rows,
+                          pending_tokens, pending_sources)
+
+    def mark_sampled(self, rows: np.ndarray) -> None:
+        """`rows` (in order) sample in the step just launched: their next token is its sample j."""
+        self.last_sample_index[:] = -1
+        self.last_sample_index[rows] = np.arange(len(rows))
+
+    def clear_pending(self) -> None:
+        """The last launched step's ids reached the host: no row has a token on the device only."""
+        self.last_sample_index[:] = -1
+
+    # ---- capacity -----------------------------------------------------------------------------------
+
+    def _ensure_token_columns(self, num: int) -> None:
+        assert num <= self.max_model_len + 64, "more tokens than the context length"
+        if num > self.token_ids.shape[1]:
+            self.token_ids = _widen(self.token_ids, num)
+
+    def _ensure_block_columns(self, num: int) -> None:
+        if num > self.block_table.shape[1]:
+            self.block_table = _widen(self.block_table, num)
+
+    def _grow_rows(self) -> None:
+        old = len(self.num_tokens)
+        self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        for name in ("num_tokens", "num_drafts", "num_blocks"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(old, np.int64)]))
+        self.last_sample_index = np.concatenate([self.last_sample_index, np.full(old, -1, np.int64)])
+        self.free_rows = list(range(2 * old - 1, old - 1, -1)) + self.free_rows
+
+    def check_integrity(self) -> None:
+        rows = list(self.row_of.values())
+        assert len(set(rows)) == len(rows), "two requests share a row"
+        assert not set(rows) & set(self.free_rows), "a held row is also free"
+        assert len(rows) + len(self.free_rows) == len(self.num_tokens), "rows lost"
+
+
+def _widen(array: np.ndarray, num_columns: int) -> np.ndarray:
+    """A copy with at least num_columns columns (doubling, so growth is amortized)."""
+    columns = array.shape[1]
+    while columns < num_columns:
+        columns *= 2
+    wider = np.zeros((array.shape[0], columns), array.dtype)
+    wider[:, :array.shape[1]] = array
+    return wider

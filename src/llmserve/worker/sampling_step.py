@@ -1,0 +1,51 @@
+"""The runner's side of sampling: batched sampling inputs reused while the batch is unchanged, and the
+sampled logprobs turned into per-row host records."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.engine.messages import Logprobs
+from llmserve.sample.metadata import SamplingMetadata, build_sampling_metadata
+from llmserve.worker.input_batch import CachedRequestState
+from llmserve.worker.penalty_tokens import PenaltyTokens
+from llmserve.worker.seeds import position_seed
+
+
+class SamplingInputs:
+    """Builds a step's SamplingMetadata, reusing the last one while the same rows sample in the same
+    order and none has inputs that change with its tokens (penalties, min_tokens): the common decode
+    step then costs no host-to-device copy. Seeded rows' generators are set for their position;
+    penalties read their tokens on the device (`penalty_tokens`)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.penalty_tokens = PenaltyTokens(vocab_size, device)
+        self._key: tuple = ()
+        self._meta: SamplingMetadata | None = None
+        self._generation = 0  # bumped when states are created: a new state may reuse a request id
+
+    def invalidate(self) -> None:
+        self._generation += 1
+
+    def metadata(self, rows: list[CachedRequestState]) -> SamplingMetadata:
+        for row in rows:
+            if row.generator is not None:
+                row.generator.manual_seed(position_seed(row.params.seed, row.num_output_tokens))
+        key = (self._generation, *(row.req_id for row in rows))
+        if key != self._key or self._meta is None:
+            self._meta = build_sampling_metadata(rows, self.vocab_size, self.device, with_penalties=False)
+            self._meta.penalties = self.penalty_tokens.metadata(rows)
+            is_static = not any(row.is_dynamic for row in rows)
+            self._key = key if is_static else ()
+        return self._meta
+
+
+def host_logprobs(host: dict[str, torch.Tensor], num_logprobs: list[int | None]) -> list | None:
+    """Per sampling row [Logprobs] (the sampled token, then as many top tokens as it asked), or None."""
+    if "lp_ids" not in host:
+        return None
+    ids, values, ranks = host["lp_ids"].tolist(), host["lp_values"].tolist(), host["lp_ranks"].tolist()
+    return [None if n is None else [Logprobs(ids[j][:n + 1], values[j][:n + 1], ranks[j])]
+            for j, n in enumerate(num_logprobs)]

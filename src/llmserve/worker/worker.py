@@ -1,0 +1,98 @@
+"""The device side of an engine: the model (and a draft model), the attention backend, the KV cache
+sized for the device, CUDA graphs and the model runner over them. The engine core keeps the scheduler
+and the step loop; a tensor-parallel engine would run one worker per device."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.model.attention import select_attention_backend
+from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
+from llmserve.spec.draft import DraftModelProposer
+from llmserve.spec.ngram import NgramProposer
+from llmserve.worker.cpu_threads import apply_num_threads
+from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
+from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
+from llmserve.worker.model_runner import ModelRunner
+
+MAX_DEFAULT_GRAPH_BATCH = 512  # graphs captured up to max_num_seqs, at most this (vLLM's default too)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of a CUDA device (0 elsewhere): the scheduler's defaults scale with it."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, path: str, device: torch.device,
+                 dtype: torch.dtype, has_front_beside: bool = False) -> None:
+        """`config` with the device's scheduler defaults resolved; has_front_beside: see cpu_threads."""
+        self.config, self.model_info, self.device, self.dtype = config, model_info, device, dtype
+        model = load_model(path, dtype, device, model_info.max_model_len)
+        self.num_threads = apply_num_threads(config.model.num_threads, model, device.type, has_front_beside)
+        self.draft_info, draft_model = self._load_draft()
+        attn_backend = select_attention_backend(device, config.model.attention_backend)
+        self.num_blocks = self._num_blocks(model, attn_backend)
+        kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
+                                       model_info.num_layers, dtype, device)
+        proposer = self._proposer(attn_backend, draft_model)
+        graphs = self._decode_graphs(model, attn_backend, kv_caches)
+        self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
+                                  device, config.model.seed, proposer, graphs, config.scheduler.max_num_seqs,
+                                  model_info.max_model_len)
+
+    def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
+        """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
+        spec = self.config.speculative
+        if spec.speculative != "draft":
+            return None, None
+        path = resolve_model_path(spec.draft_model, None)
+        info = load_model_info(spec.draft_model, path, self.dtype, self.model_info.max_model_len)
+        if info.vocab_size != self.model_info.vocab_size:
+            raise ValueError(f"draft model vocabulary ({info.vocab_size}) differs from the target's "
+                             f"({self.model_info.vocab_size}): it must share the tokenizer")
+        return info, load_model(path, self.dtype, self.device, self.model_info.max_model_len)
+
+    def _proposer(self, attn_backend, draft_model: torch.nn.Module | None):
+        spec = self.config.speculative
+        if spec.speculative == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+        if spec.speculative != "draft":
+            return None
+        info, block_size = self.draft_info, self.config.cache.block_size
+        kv_caches = allocate_kv_caches(draft_model.kv_cache_shape(self.num_blocks, block_size),
+                                       info.num_layers, self.dtype, self.device)
+        return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
+                                  self.model_info.max_model_len, self.device, self.config.model.seed)
+
+    def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
+        """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
+        cache, block_bytes, budget = self.config.cache, 0, None
+        for info in (self.model_info, self.draft_info):
+            if info is not None:
+                block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads,
+                                               info.head_dim, self.dtype)
+        if needs_gpu_profile(cache, self.device):
+            sched = self.config.scheduler
+            profile = profile_forward(model, attn_backend, model.kv_cache_shape(1, cache.block_size),
+                                      self.model_info.num_layers, self.dtype, self.device,
+                                      min(sched.max_num_batched_tokens, self.model_info.max_model_len),
+                                      sched.max_num_seqs)
+            budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
+        return num_kv_blocks(cache, block_bytes, self.model_info.max_model_len, budget)
+
+    def _decode_graphs(self, model: torch.nn.Module, attn_backend,
+                       kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
+        """CUDA graphs of decode batches, captured now (CUDA with the Triton backend, unless --enforce-eager)."""
+        cfg = self.config.model
+        if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
+            return None
+        max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
+        max_batch = min(cfg.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, self.config.scheduler.max_num_seqs)
+        graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device)
+        graphs.capture()
+        return graphs

@@ -1,0 +1,50 @@
+"""The `llmserve` command line: --version, and config errors as argparse-style errors (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import __version__
+from llmserve.cli import main
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"llmserve {__version__}"
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--block-size", "0"], "--block-size"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+    (["--ngram-min", "3", "--ngram-max", "2"], "--ngram-max"),
+    (["--max-model-len", "64", "--num-kv-blocks", "4", "--block-size", "16"], "--num-kv-blocks"),
+    (["--port", "70000"], "--port"),
+    (["--max-body-size", "huge"], "--max-body-size"),
+])
+def test_serve_rejects_a_bad_value_before_starting(monkeypatch, capsys, flags, flag):
+    def must_not_run(*args):
+        raise AssertionError("the server started with a bad config")
+
+    monkeypatch.setattr("llmserve.server.launcher.run", must_not_run)
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llmserve serve: error: {flag}:"), err
+
+
+def test_route_rejects_a_bad_autoscale_value(capsys):
+    assert main(["route", "--backend", "m=http://127.0.0.1:1", "--min-replicas", "3", "--max-replicas", "2"]) == 2
+    assert "--max-replicas:" in capsys.readouterr().err
+
+
+def test_serve_with_zero_max_num_seqs_exits_2_at_once_without_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "llmserve.cli", "serve", "--max-num-seqs", "0", "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--max-num-seqs: must be >= 1, got 0" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,48 @@
+"""Penalties' tokens kept on the device give the penalties the host lists give."""
+
+import random
+
+import torch
+
+from llmserve.sample.metadata import build_sampling_metadata
+from llmserve.sample.sampler import process_logits
+from llmserve.sampling_params import SamplingParams
+from llmserve.worker.input_batch import CachedRequestState
+from llmserve.worker.penalty_tokens import PenaltyTokens
+
+V = 40
+
+
+def _state(i: int, rng: random.Random) -> CachedRequestState:
+    params = SamplingParams(repetition_penalty=[1.0, 1.3][i % 2], presence_penalty=[0.0, 0.4, 0.7][i % 3],
+                            frequency_penalty=[0.0, 0.25][(i // 2) % 2])
+    prompt = [rng.randrange(V) for _ in range(rng.randint(1, 12))]
+    output = [rng.randrange(V) for _ in range(rng.randint(0, 6))]  # resumed after a preemption
+    return CachedRequestState(req_id=str(i), prompt_token_ids=prompt, output_token_ids=output, params=params,
+                              generator=None, block_ids=[], num_computed_tokens=0, stop_token_ids_for_min_tokens=[],
+                              row=(7 * i) % 11)
+
+
+def test_device_tokens_give_the_host_penalties():
+    rng = random.Random(0)
+    states = [_state(i, rng) for i in range(9)]
+    tokens = PenaltyTokens(V, torch.device("cpu"))
+    for state in states:
+        if state.has_penalties:
+            tokens.add(state)
+    for step in range(5):
+        rows = [s for s in states if rng.random() < 0.8]
+        logits = torch.randn(len(rows), V)
+        device_meta = build_sampling_metadata(rows, V, "cpu", with_penalties=False)
+        device_meta.penalties = tokens.metadata(rows)
+        host_meta = build_sampling_metadata(rows, V, "cpu")
+        on_device, on_host = logits.clone(), logits.clone()
+        process_logits(on_device, device_meta)
+        process_logits(on_host, host_meta)
+        assert torch.allclose(on_device, on_host), step
+        sampled = torch.randint(0, V, (len(rows),))
+        penalized = [j for j, s in enumerate(rows) if s.has_penalties]
+        tokens.append_sampled([rows[j].row for j in penalized], sampled[penalized])
+        for j, state in enumerate(rows):
+            state.append_token(int(sampled[j]))
+    assert any(not s.has_penalties for s in states)  # rows without penalties are left out
