@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from llmserve.router.testing import RouterProcess, sample_value, shared_tiny_model
-from llmserve.server.testing import is_alive
+from llmserve.server.testing import is_alive, wait_until
 
 REPLICA_ARGS = "--max-model-len 512 --num-kv-blocks 200 --max-num-seqs 2 --log-level warning"
-
-
-def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(step)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +29,7 @@ def router(tmp_path_factory):
     finally:
         pids = launched_pids(router)
         assert router.stop() == 0
-        wait_for(lambda: not any(is_alive(p) for p in pids), 30, "the replicas to exit with the router")
+        wait_until(lambda: not any(is_alive(p) for p in pids), 30, "the replicas to exit with the router")
         router.__exit__(None, None, None)  # removes its log
 
 
@@ -60,26 +50,26 @@ def hammer(url: str, stop: threading.Event, served: set) -> None:
 
 
 def test_scales_up_under_a_burst_and_down_after(router):
-    wait_for(lambda: num_healthy(router) == 1, 120, "the first replica")
+    wait_until(lambda: num_healthy(router) == 1, 120, "the first replica")
     stop, served = threading.Event(), set()
     with ThreadPoolExecutor(6) as pool:
         workers = [pool.submit(hammer, router.url, stop, served) for _ in range(6)]
         try:
-            wait_for(lambda: num_healthy(router) == 2 and len(served) == 2, 120, "a second replica taking traffic")
+            wait_until(lambda: num_healthy(router) == 2 and len(served) == 2, 120, "a second replica taking traffic")
         finally:
             stop.set()
         for w in workers:
             w.result()
     metrics = router.metrics()
     assert sample_value(metrics, "llmserve_router:scale_events_total", action="up") >= 2  # min, then the burst
-    wait_for(lambda: sample_value(router.metrics(), "llmserve_router:replicas") == 1, 60, "the scale-down")
-    wait_for(lambda: router.metrics().count("llmserve_router:backend_healthy{") == 1, 30, "the drained replica")
+    wait_until(lambda: sample_value(router.metrics(), "llmserve_router:replicas") == 1, 60, "the scale-down")
+    wait_until(lambda: router.metrics().count("llmserve_router:backend_healthy{") == 1, 30, "the drained replica")
     metrics = router.metrics()
     assert sample_value(metrics, "llmserve_router:scale_events_total", action="down") == 1
     assert num_healthy(router) == 1
     pids = launched_pids(router)
     assert len(pids) == 2
-    wait_for(lambda: sum(is_alive(p) for p in pids) == 1, 30, "the drained replica to exit")
+    wait_until(lambda: sum(is_alive(p) for p in pids) == 1, 30, "the drained replica to exit")
     r = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 200

@@ -1,13 +1,16 @@
 """The router in front of two real tiny replicas on loopback: the OpenAI client through it, prefix-aware
-stickiness (the replicas' prefix-cache hit counters), cancellation, and a replica killed mid-run."""
+stickiness (the replicas' prefix-cache hit counters), cancellation, and a replica killed mid-run. The
+replicas' engines are held at step boundaries (step gates) where a test must know that a request is still
+running when its client leaves or its replica dies."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,17 +18,17 @@ import openai
 import pytest
 
 from llmserve.router.testing import RouterProcess, sample_value, shared_tiny_model
-from llmserve.server.testing import ServerProcess
+from llmserve.server.testing import ServerProcess, StepGateClient, wait_until
 
 REPLICA_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "200", "--served-model-name", "tiny",
                 "--log-level", "warning")
 FAST_HEALTH = ("--health-interval-s", "0.3", "--failure-threshold", "2", "--cooldown-s", "1")
 
 
-def start_replicas(model_dir: str, num: int, ports=None) -> list[ServerProcess]:
-    servers = [ServerProcess(["--model", model_dir, *REPLICA_ARGS, *(["--port", str(p)] if p else [])])
-               for p in (ports or [None] * num)]
-    with ThreadPoolExecutor(num) as pool:
+def start_replicas(model_dir: str, gates: list[StepGateClient], ports=None) -> list[ServerProcess]:
+    servers = [ServerProcess(["--model", model_dir, *REPLICA_ARGS, *(["--port", str(p)] if p else [])], env=g.env)
+               for g, p in zip(gates, ports or [None] * len(gates))]
+    with ThreadPoolExecutor(len(servers)) as pool:
         list(pool.map(lambda s: s.start(), servers))
     return servers
 
@@ -36,11 +39,30 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def replicas(model_dir):
-    servers = start_replicas(model_dir, 2)
+def gates():
+    gates = [StepGateClient(), StepGateClient()]
+    yield gates
+    for gate in gates:
+        gate.__exit__()
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dir, gates):
+    servers = start_replicas(model_dir, gates)
     yield servers
     for s in servers:
         s.stop()
+
+
+@contextlib.contextmanager
+def all_held(gates: list[StepGateClient]):
+    """Both replicas' engines held (released on the way out); yields their start statuses."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(gate.held()) for gate in gates]
+
+
+def total(gates: list[StepGateClient], key: str) -> int:
+    return sum(gate.status()[key] for gate in gates)
 
 
 def backend_args(replicas) -> list[str]:
@@ -112,15 +134,6 @@ def test_prefix_aware_keeps_a_prefix_on_one_replica(prefix_router, replicas):
     assert others == {s.url for s in replicas}  # other prefixes still spread
 
 
-def wait_for(predicate, timeout: float, what: str, step: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(step)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def by_url(replicas, url) -> ServerProcess:
     return next(s for s in replicas if s.url == url)
 
@@ -135,34 +148,46 @@ def idle(server, kv_baseline: float) -> bool:
             and sample_value(text, "llmserve:kv_cache_usage_perc") <= kv_baseline)
 
 
-def test_cancelled_stream_aborts_in_the_replica(prefix_router, replicas):
+def test_cancelled_stream_aborts_in_the_replica(prefix_router, replicas, gates):
     body = {"model": "tiny", "prompt": "cancel me", "max_tokens": 480, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{prefix_router.url}/v1/completions", json=body, timeout=60) as r:
-        server = by_url(replicas, r.headers["x-llmserve-backend"])
-        num_aborted, kv_baseline = aborted(server), 0.0
-        chunks = r.iter_raw()
-        next(chunks), next(chunks)
-        assert sample_value(replica_metrics(server), "llmserve:kv_cache_usage_perc") > kv_baseline
-    wait_for(lambda: aborted(server) == num_aborted + 1 and idle(server, kv_baseline), 10, "the abort")
+    with all_held(gates) as starts:
+        with httpx.stream("POST", f"{prefix_router.url}/v1/completions", json=body, timeout=60) as r:
+            server = by_url(replicas, r.headers["x-llmserve-backend"])
+            gate, start = gates[replicas.index(server)], starts[replicas.index(server)]
+            gate.wait_for("added", start["added"] + 1)
+            num_aborted = aborted(server)
+            gate.run_steps(2)  # prefilled and decoding: its KV blocks are in use
+            assert sample_value(replica_metrics(server), "llmserve:kv_cache_usage_perc") > 0.0
+        gate.wait_for("aborted", start["aborted"] + 1)  # the client left; the replica aborts it
+    wait_until(lambda: aborted(server) == num_aborted + 1 and idle(server, 0.0), 10, "the abort")
 
 
-def test_cancelled_non_streamed_request_aborts_in_the_replica(prefix_router, replicas):
+def test_cancelled_non_streamed_request_aborts_in_the_replica(prefix_router, replicas, gates):
     before = {s.url: aborted(s) for s in replicas}
     body = {"model": "tiny", "prompt": "cancel me too", "max_tokens": 480, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):  # 480 tokens take the replica ~0.8 s
-        httpx.post(f"{prefix_router.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.25))
-    wait_for(lambda: sum(aborted(s) - before[s.url] for s in replicas) == 1
-             and all(idle(s, 0.0) for s in replicas), 10, "the abort")
+
+    async def leave_while_held(num_added: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            post = asyncio.create_task(http.post(f"{prefix_router.url}/v1/completions", json=body))
+            await asyncio.to_thread(wait_until, lambda: total(gates, "added") == num_added + 1, 30, "the request")
+            post.cancel()  # the client goes away before any token
+            await asyncio.gather(post, return_exceptions=True)
+
+    with all_held(gates) as starts:
+        asyncio.run(leave_while_held(sum(s["added"] for s in starts)))
+        num_aborted = sum(s["aborted"] for s in starts)
+        wait_until(lambda: total(gates, "aborted") == num_aborted + 1, 30, "the abort to reach the replica")
+        assert total(gates, "steps") == sum(s["steps"] for s in starts)  # not a step ran
+    wait_until(lambda: sum(aborted(s) - before[s.url] for s in replicas) == 1
+               and all(idle(s, 0.0) for s in replicas), 10, "the abort")
 
 
 def read_stream(url: str, body: dict, out: list, index: int, started: threading.Event) -> None:
+    """`started` is set once the response head arrived (the stream is open on a replica)."""
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            chunks = []
-            for chunk in r.iter_raw():
-                chunks.append(chunk)
-                started.set()
-            out[index] = (r.headers.get("x-llmserve-backend"), b"".join(chunks))
+            started.set()
+            out[index] = (r.headers.get("x-llmserve-backend"), b"".join(r.iter_raw()))
     except httpx.HTTPError as e:
         out[index] = (None, repr(e).encode())
     finally:
@@ -180,9 +205,12 @@ def kill(server: ServerProcess) -> None:
     server.proc.wait()
 
 
-def test_replica_killed_mid_run(replicas, model_dir):
+def test_replica_killed_mid_run(replicas, gates, model_dir):
+    """Both replicas held with two streams (open) and two posts each, none past its first step, when one
+    replica is killed: its streams end with an error event, its posts are retried on the survivor."""
     with RouterProcess([*backend_args(replicas), "--policy", "round-robin", *FAST_HEALTH]) as router:
         victim, survivor = replicas[1], replicas[0]
+        starts = [gate.hold() for gate in gates]
         streams: list = [None] * 4
         stream_body = {"model": "tiny", "prompt": "long story", "max_tokens": 480, "stream": True,
                        "ignore_eos": True}
@@ -192,37 +220,46 @@ def test_replica_killed_mid_run(replicas, model_dir):
         with ThreadPoolExecutor(4) as pool:
             for t in threads:
                 t.start()
-            assert all(event.wait(30) for event in started)  # the streams run on both replicas
+            assert all(event.wait(30) for event in started)  # the streams are open on both replicas
             posts = [pool.submit(httpx.post, f"{router.url}/v1/completions", timeout=120,
                                  json={"model": "tiny", "prompt": f"q{i}", "max_tokens": 400, "ignore_eos": True})
                      for i in range(4)]
-            time.sleep(0.2)  # the posts are in flight: far from 400 tokens
+            for gate, start in zip(gates, starts):  # round-robin: two streams and two posts each
+                gate.wait_for("added", start["added"] + 4)
             kill(victim)
             later = [pool.submit(httpx.post, f"{router.url}/v1/completions", timeout=120,
                                  json={"model": "tiny", "prompt": f"r{i}", "max_tokens": 4}) for i in range(4)]
+            gates[0].release()
             for t in threads:
                 t.join()
             results = [f.result() for f in posts + later]
         assert all(r.status_code == 200 for r in results), [r.text for r in results]
         assert all(r.headers["x-llmserve-backend"] == survivor.url for r in results[4:])
-        cut = [raw for backend, raw in streams if backend == victim.url]
-        whole = [raw for backend, raw in streams if backend == survivor.url]
-        assert len(cut) == 2 and len(whole) == 2
-        for raw in cut:
-            events = raw.rstrip(b"\n").split(b"\n\n")
-            assert events[-1] == b"data: [DONE]"
-            assert json.loads(events[-2][6:])["error"]["code"] == "upstream_disconnected"
-        assert all(b'"finish_reason":"length"' in raw for raw in whole)
+        check_streams(streams, victim, survivor)
         metrics = router.metrics()
         assert sample_value(metrics, "llmserve_router:ejections_total", backend=victim.url) >= 1
         assert sample_value(metrics, "llmserve_router:retries_total") >= 1
         assert sample_value(metrics, "llmserve_router:backend_healthy", backend=victim.url) == 0
+        replicas[1] = start_replicas(model_dir, gates[1:], ports=[victim.port])[0]
+        check_back_in_rotation(router, survivor, replicas[1])
 
-        port = victim.port
-        replicas[1] = start_replicas(model_dir, 1, ports=[port])[0]
-        wait_for(lambda: sample_value(router.metrics(), "llmserve_router:backend_healthy",
-                                      backend=replicas[1].url) == 1, 20, "the restarted replica to come back")
-        served = {httpx.post(f"{router.url}/v1/completions", timeout=60,
-                             json={"model": "tiny", "prompt": "back?", "max_tokens": 1}).headers["x-llmserve-backend"]
-                  for _ in range(4)}
-        assert served == {survivor.url, replicas[1].url}
+
+def check_streams(streams: list, victim: ServerProcess, survivor: ServerProcess) -> None:
+    """The victim's two streams end with the router's error event, the survivor's two complete."""
+    cut = [raw for backend, raw in streams if backend == victim.url]
+    whole = [raw for backend, raw in streams if backend == survivor.url]
+    assert len(cut) == 2 and len(whole) == 2
+    for raw in cut:
+        events = raw.rstrip(b"\n").split(b"\n\n")
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "upstream_disconnected"
+    assert all(b'"finish_reason":"length"' in raw for raw in whole)
+
+
+def check_back_in_rotation(router: RouterProcess, survivor: ServerProcess, restarted: ServerProcess) -> None:
+    wait_until(lambda: sample_value(router.metrics(), "llmserve_router:backend_healthy",
+                                    backend=restarted.url) == 1, 20, "the restarted replica to come back")
+    served = {httpx.post(f"{router.url}/v1/completions", timeout=60,
+                         json={"model": "tiny", "prompt": "back?", "max_tokens": 1}).headers["x-llmserve-backend"]
+              for _ in range(4)}
+    assert served == {survivor.url, restarted.url}

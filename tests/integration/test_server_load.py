@@ -1,16 +1,16 @@
-"""Many streams at once with half of them cancelled (queued or decoding), and non-streaming disconnects:
-the rest complete and every KV block comes back."""
+"""Many streams at once with half of them cancelled (queued or decoding), and non-streaming disconnects
+(the engine held at a step boundary, so they cannot finish first on any machine): the rest complete and
+every KV block comes back."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.server.testing import StepGateClient, metric_value, start_tiny_server, wait_until
 
 NUM_STREAMS = 200
 MAX_TOKENS = 32
@@ -18,9 +18,15 @@ CANCELLED_MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def gate():
+    with StepGateClient() as gate:
+        yield gate
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, gate):
     server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--max-num-seqs", "64",
-                               "--num-kv-blocks", "1024")
+                               "--num-kv-blocks", "1024", env=gate.env)
     yield server
     assert server.stop() == 0
 
@@ -29,15 +35,19 @@ def metrics(server) -> str:
     return httpx.get(f"{server.url}/metrics", timeout=30).text
 
 
+def at_baseline(server) -> str | None:
+    """The metrics text when every KV block is free and nothing is in flight, else None."""
+    text = metrics(server)
+    is_free = metric_value(text, "llmserve:kv_cache_free_blocks") == metric_value(text, "llmserve:kv_cache_blocks")
+    return text if is_free and metric_value(text, "llmserve:num_requests_in_flight") == 0 else None
+
+
 def wait_for_baseline(server, timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = metrics(server)
-        is_free = metric_value(text, "llmserve:kv_cache_free_blocks") == metric_value(text, "llmserve:kv_cache_blocks")
-        if is_free and metric_value(text, "llmserve:num_requests_in_flight") == 0:
-            return text
-        assert time.monotonic() < deadline, "KV blocks did not return to baseline"
-        time.sleep(0.1)
+    return wait_until(lambda: at_baseline(server), timeout, "KV blocks back to baseline")
+
+
+def num_logged(server, text: str) -> int:
+    return server.log().count(text)
 
 
 def aborted(text: str) -> float:
@@ -80,15 +90,58 @@ def test_half_of_200_streams_cancelled(server):
     assert sum(finish == "cancelled" for finish, _ in results) == NUM_STREAMS // 2
     after = wait_for_baseline(server)
     assert aborted(after) - before == NUM_STREAMS // 2
+    wait_until(lambda: num_logged(server, "cut short after") == NUM_STREAMS // 2, 10, "a log line per cut stream")
+    assert num_logged(server, ": the client disconnected") == NUM_STREAMS // 2
 
 
-def test_non_streaming_disconnect_aborts(server):
+def test_non_streaming_disconnect_aborts(server, gate):
+    """Three clients leave while the engine is held: each request is aborted, not finished."""
     before = aborted(wait_for_baseline(server))
     body = {"prompt": "long", "max_tokens": 450, "ignore_eos": True}
-    for _ in range(3):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+
+    async def main(start):
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            posts = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
+            await asyncio.to_thread(gate.wait_for, "added", start["added"] + 3)
+            for post in posts:
+                post.cancel()  # the client goes away: httpx closes the connection
+            return await asyncio.gather(*posts, return_exceptions=True)
+
+    with gate.held() as start:
+        assert all(isinstance(r, asyncio.CancelledError) for r in asyncio.run(main(start)))
+        gate.wait_for("aborted", start["aborted"] + 3)
+        assert gate.status()["steps"] == start["steps"]  # nothing ran: the aborts beat every token
     after = wait_for_baseline(server)
     assert aborted(after) - before == 3
+    assert num_logged(server, "cut short: the client disconnected before the response") == 3
     out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30)
     assert out.status_code == 200
+
+
+def test_metrics_while_held_come_from_the_last_step(server, gate):
+    """/metrics asks nothing of the engine: scraped while the engine is held, it answers with the state
+    of the last step reported (two requests running, their blocks taken); once released, the step
+    reporting their aborts brings it back to the baseline."""
+    wait_for_baseline(server)
+    body = {"prompt": "metrics", "max_tokens": 50, "ignore_eos": True}
+
+    async def main(start):
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            posts = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.to_thread(gate.wait_for, "added", start["added"] + 2)
+            await asyncio.to_thread(gate.run_steps, 2)  # two: async scheduling reports a step at the next
+            text = await asyncio.to_thread(metrics, server)
+            for post in posts:
+                post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+            return text
+
+    with gate.held() as start:
+        text = asyncio.run(main(start))
+        assert metric_value(text, "llmserve:num_requests_running") == 2
+        assert metric_value(text, "llmserve:kv_cache_usage_perc") > 0
+        assert metric_value(text, "llmserve:kv_cache_free_blocks") < metric_value(text, "llmserve:kv_cache_blocks")
+        gate.wait_for("aborted", start["aborted"] + 2)
+        assert at_baseline(server) is None  # no step since: the gauges still show the last one
+    wait_for_baseline(server)  # released: the step that reports the aborts shows their blocks freed
+    assert metric_value(metrics(server), "llmserve:num_requests_running") == 0

@@ -20,6 +20,7 @@ from llmserve.bench.client import Target, make_http_client, send_request
 from llmserve.bench.config import BenchServeConfig, DatasetConfig, LoadConfig, OutputConfig, TargetConfig
 from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.runner import run_benchmark
+from llmserve.server.testing import wait_until
 
 MODELS = ["ok", "slow", "error500", "hang", "midstream_error", "drop", "garbage", "strict", "flaky"]
 TOKEN_DELAY_S = 0.002
@@ -96,8 +97,7 @@ def fake():
     server = uvicorn.Server(uvicorn.Config(make_app(log), host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    wait_until(lambda: server.started, 30, "the fake server to start", poll_s=0.01)
     yield f"http://127.0.0.1:{port}", log
     server.should_exit = server.force_exit = True
     thread.join(timeout=5)

@@ -17,7 +17,7 @@ from llmserve.server.protocol import (IGNORED_FIELDS, ChatCompletionRequest, Com
                                       decode_json)
 from llmserve.server.serving_common import chat_conversation
 from llmserve.server.serving_tgi import TGIParameters, tgi_finish_reason, tgi_overrides
-from llmserve.server.streams import merge_async_iterators, sse_event, with_error_event
+from llmserve.server.streams import logged_stream, merge_async_iterators, sse_event, with_error_event
 
 
 def completion(body: dict) -> CompletionRequest:
@@ -180,7 +180,7 @@ def test_collector_merges_while_reader_is_slow():
     assert first.outputs[0].text == "ab" and first.finished
 
 
-def test_sse_framing_and_error_event():
+def test_sse_framing_and_error_event(caplog):
     assert sse_event({"a": 1}) == b'data: {"a":1}\n\n'
 
     async def failing():
@@ -188,11 +188,32 @@ def test_sse_framing_and_error_event():
         raise ValueError("bad thing")
 
     async def main():
-        return [e async for e in with_error_event(failing())]
+        return [e async for e in with_error_event(failing(), "r1")]
 
     events = asyncio.run(main())
     assert events[0] == b"data: 1\n\n" and events[-1] == b"data: [DONE]\n\n"
     assert json.loads(events[1][6:])["error"]["message"] == "bad thing"
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "stream r1 ended early with an error event: bad thing")]
+
+
+@pytest.mark.parametrize(("is_shutting_down", "level", "reason"),
+                         [(False, "INFO", "the client disconnected"), (True, "WARNING", "the server is shutting down")])
+def test_a_stream_cut_short_is_logged_with_its_request_id_and_why(caplog, is_shutting_down, level, reason):
+    caplog.set_level("INFO", logger="llmserve.server")
+
+    async def endless():
+        while True:
+            yield b"data: x\n\n"
+
+    async def main():
+        stream = logged_stream(endless(), "cmpl-7", lambda: is_shutting_down)
+        assert [await stream.__anext__() for _ in range(3)] == [b"data: x\n\n"] * 3
+        await stream.aclose()  # what Starlette's cancellation or the generator's finalizer does
+
+    asyncio.run(main())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (level, f"stream cmpl-7 cut short after 3 events: {reason}")]
 
 
 def test_merge_async_iterators_closes_inputs():

@@ -15,8 +15,39 @@ from llmserve.router.app import build_app
 from llmserve.router.direct_write import RouterHttpProtocol
 from llmserve.router.upstream import Origin, UpstreamPool, UpstreamResponse
 
-from test_router_upstream import (EVENTS, SSE_HEAD, FakeBackend, chunk, connection, json_ok, make_gateway, sse_ok,
-                                  sync)
+from llmserve.server.testing import until
+
+from test_router_upstream import EVENTS, SSE_HEAD, FakeBackend, chunk, connection, json_ok, make_gateway, sync
+
+
+class Pace:
+    """A fake backend sends its next part only once the client has received all it sent before: each part
+    reaches the router as a read of its own, on any machine."""
+
+    def __init__(self) -> None:
+        self.num_sent = 0
+        self.num_received = 0
+        self.cond = asyncio.Condition()
+
+    async def caught_up(self) -> None:
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.num_received >= self.num_sent)
+
+    async def send(self, writer, body: bytes) -> None:
+        """One chunk of a chunked body, after the client has everything before it."""
+        await self.caught_up()
+        self.num_sent += len(body)
+        writer.write(chunk(body))
+        await writer.drain()
+
+    async def read(self, response: httpx.Response) -> bytes:
+        parts = []
+        async for part in response.aiter_raw():
+            parts.append(part)
+            async with self.cond:
+                self.num_received += len(part)
+                self.cond.notify_all()
+        return b"".join(parts)
 
 
 class _Router:
@@ -31,8 +62,7 @@ class _Router:
 
     async def __aenter__(self):
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        while not self.server.started:
-            await asyncio.sleep(0.01)
+        await until(lambda: self.server.started, what="uvicorn to start", poll_s=0.01)
         return self
 
     async def __aexit__(self, *exc):
@@ -57,16 +87,27 @@ def test_stream_written_directly_unchanged_and_connection_reused(monkeypatch):
     written = _count_direct_writes(monkeypatch)
 
     async def run():
-        async def answer(seen, writer, reader) -> bool:
-            return await (sse_ok if b'"stream": true' in seen.body else json_ok)(seen, writer, reader)
+        pace = Pace()
 
-        fake = FakeBackend(answer)  # streams: three events 5 ms apart, then the end
+        async def paced_sse(seen, writer, reader) -> bool:
+            writer.write(SSE_HEAD)
+            for event in EVENTS:
+                await pace.send(writer, event)
+            await pace.caught_up()
+            writer.write(b"0\r\n\r\n")
+            return True
+
+        async def answer(seen, writer, reader) -> bool:
+            return await (paced_sse if b'"stream": true' in seen.body else json_ok)(seen, writer, reader)
+
+        fake = FakeBackend(answer)  # streams: three events, each once the client has the one before
         url = await fake.start()
         gw = make_gateway([url])
         async with _Router(gw) as router, httpx.AsyncClient(base_url=router.url) as client:
             for _ in range(3):  # one client connection: uvicorn's keep-alive bookkeeping is intact
-                r = await client.post("/v1/completions", content=b'{"model": "m", "prompt": "hi", "stream": true}')
-                assert r.status_code == 200 and r.content == b"".join(EVENTS)
+                body = b'{"model": "m", "prompt": "hi", "stream": true}'
+                async with client.stream("POST", "/v1/completions", content=body) as r:
+                    assert r.status_code == 200 and await pace.read(r) == b"".join(EVENTS)
                 assert r.headers["x-backend-header"] == "yes" and r.headers["transfer-encoding"] == "chunked"
             r = await client.post("/v1/completions", content=b'{"model": "m"}')  # Content-Length: through send
         assert r.status_code == 200 and r.json()["got"] == '{"model": "m"}'
@@ -80,13 +121,13 @@ def test_stream_written_directly_unchanged_and_connection_reused(monkeypatch):
 def test_cut_stream_with_direct_writes_ends_with_sse_error_event(monkeypatch):
     written = _count_direct_writes(monkeypatch)
 
+    pace = Pace()
+
     async def cut(seen, writer, reader) -> bool:
         writer.write(SSE_HEAD)
-        for part in (chunk(EVENTS[0]), chunk(b'data: {"choi')):
-            await asyncio.sleep(0.01)
-            writer.write(part)
-            await writer.drain()
-        await asyncio.sleep(0.01)
+        for part in (EVENTS[0], b'data: {"choi'):
+            await pace.send(writer, part)
+        await pace.caught_up()  # then the backend goes away mid-event
         return False
 
     async def run():
@@ -94,8 +135,10 @@ def test_cut_stream_with_direct_writes_ends_with_sse_error_event(monkeypatch):
         url = await fake.start()
         gw = make_gateway([url])
         async with _Router(gw) as router, httpx.AsyncClient(base_url=router.url) as client:
-            r = await client.post("/v1/completions", content=b'{"model": "m", "prompt": "hi", "stream": true}')
-        events = r.content.split(b"\n\n")
+            body = b'{"model": "m", "prompt": "hi", "stream": true}'
+            async with client.stream("POST", "/v1/completions", content=body) as r:
+                content = await pace.read(r)
+        events = content.split(b"\n\n")
         assert events[0] + b"\n\n" == EVENTS[0] and events[1] == b'data: {"choi'
         assert json.loads(events[2][len(b"data: "):])["error"]["code"] == "upstream_disconnected"
         assert events[3] == b"data: [DONE]"

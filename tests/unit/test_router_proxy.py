@@ -14,6 +14,7 @@ from llmserve.router.config import AutoscaleConfig, BackendSpec, PoolSpec, Route
 from llmserve.router.gateway import Gateway
 from llmserve.router.health import HealthState
 from llmserve.router.ratelimit import RateLimit
+from llmserve.server.testing import until
 
 A, B = "http://a:1", "http://b:1"
 SSE = {"content-type": "text/event-stream"}
@@ -156,17 +157,18 @@ async def test_rate_limit_429_per_key():
 
 @sync
 async def test_queue_full_and_queue_timeout_give_503_retry_after():
-    release = asyncio.Event()
+    entered, release = asyncio.Event(), asyncio.Event()
 
     async def slow(request):
+        entered.set()
         await release.wait()
         return ok(request)
 
-    gw = make_gateway(slow, urls=(A,), max_in_flight_per_backend=1, max_queued_requests=1, queue_timeout_s=0.3)
+    gw = make_gateway(slow, urls=(A,), max_in_flight_per_backend=1, max_queued_requests=1, queue_timeout_s=1.0)
     first = asyncio.create_task(call(gw, {"model": "m", "prompt": "1"}))
-    await asyncio.sleep(0.05)
-    second = asyncio.create_task(call(gw, {"model": "m", "prompt": "2"}))  # waits in the queue
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(entered.wait(), 5)  # at the backend, which holds it
+    second = asyncio.create_task(call(gw, {"model": "m", "prompt": "2"}))
+    await until(lambda: gw.pools["m"].queue.num_waiting == 1, what="the second request in the queue")
     third = await call(gw, {"model": "m", "prompt": "3"})
     assert third.status_code == 503 and third.headers["retry-after"] == "1"
     assert (await second).status_code == 503  # timed out in the queue
@@ -204,13 +206,13 @@ async def test_gateway_queue_is_fifo_and_bounded():
         order.append(i)
 
     tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
-    await asyncio.sleep(0.01)
+    await until(lambda: queue.num_waiting == 3, what="three waiters")
     with pytest.raises(QueueFull):
         await queue.acquire(pick, timeout=5)
-    for _ in range(3):
+    for i in range(3):
         capacity[0] += 1
         queue.notify()
-        await asyncio.sleep(0.01)
+        await until(lambda: len(order) == i + 1, what=f"waiter {i} served")
     await asyncio.gather(*tasks)
     assert order == [0, 1, 2] and queue.num_waiting == 0
     with pytest.raises(QueueTimeout):

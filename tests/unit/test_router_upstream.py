@@ -81,7 +81,6 @@ async def sse_ok(seen, writer, reader) -> bool:
     for event in EVENTS:
         writer.write(chunk(event))
         await writer.drain()
-        await asyncio.sleep(0.005)
     writer.write(b"0\r\n\r\n")
     return True
 
@@ -160,14 +159,14 @@ async def test_content_length_response_and_stale_connection_replaced_silently():
 @sync
 async def test_connect_error_and_timeout_retried_on_another_backend():
     async def silent(seen, writer, reader) -> bool:
-        await asyncio.sleep(5)
+        await reader.read()  # no answer, until the router gives up and closes the connection
         return False
 
     good, slow = FakeBackend(json_ok), FakeBackend(silent)
     good_url, slow_url = await good.start(), await slow.start()
     refused = "http://127.0.0.1:9"  # the discard port: nothing listens
     for first, reason in ((refused, b"connect"), (slow_url, b"disconnect")):  # round-robin tries `first` first
-        gw = make_gateway([first, good_url], upstream_timeout_s=0.2)
+        gw = make_gateway([first, good_url], upstream_timeout_s=0.5)  # must fire on the silent one only
         r = await call(gw, b'{"model": "m", "prompt": "x"}')
         assert r.status_code == 200 and r.headers["x-llmserve-backend"] == good_url
         assert b'retries_total{pool="m",reason="%s"} 1.0' % reason in gw.metrics.render()
@@ -177,24 +176,78 @@ async def test_connect_error_and_timeout_retried_on_another_backend():
     good.close(), slow.close()
 
 
-@sync
-async def test_read_timeout_is_between_bytes_not_for_the_whole_stream():
-    async def steady(seen, writer, reader) -> bool:
-        writer.write(SSE_HEAD)
-        for event in EVENTS:
-            await asyncio.sleep(0.12)
-            writer.write(chunk(event))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        return True
+class ManualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock moves only when told (`advance`): timeouts measured on it do not depend
+    on how fast this machine runs the test."""
 
-    fake = FakeBackend(steady)
-    url = await fake.start()
-    gw = make_gateway([url], upstream_timeout_s=0.2)  # the stream takes 0.36 s, no gap reaches 0.2 s
-    r = await call(gw, b'{"model": "m", "prompt": "hi", "stream": true}')
-    assert r.content == b"".join(EVENTS) and backend(gw, url).health.num_consecutive_failures == 0
-    await gw.close()
-    fake.close()
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_read_timeout_is_between_bytes_not_for_the_whole_stream():
+    """The clock moves (by hand) 0.6 x the read timeout while the router waits for each event: the
+    stream lasts 1.8 timeouts, no gap reaches one, it is not cut. With gaps of 1.1 timeouts it is."""
+    assert relay_with_gaps(0.6) == b"".join(EVENTS)
+    cut = relay_with_gaps(1.1)
+    assert b"UpstreamTimeout" in cut and cut.endswith(b"data: [DONE]\n\n") and EVENTS[0] not in cut, cut
+
+
+def relay_with_gaps(gap: float, timeout: float = 0.2) -> bytes:
+    async def run() -> bytes:
+        loop = asyncio.get_running_loop()
+        relayed: asyncio.Queue[str] = asyncio.Queue()
+
+        async def steady(seen, writer, reader) -> bool:
+            writer.write(SSE_HEAD)
+            for event in EVENTS:
+                await relayed.get()  # the router sent on what came before and waits for more
+                loop.advance(gap * timeout)
+                await next_turn()  # the router's timer, due or not at the new time, runs first
+                writer.write(chunk(event))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            return True
+
+        fake = FakeBackend(steady)
+        url = await fake.start()
+        gw = make_gateway([url], upstream_timeout_s=timeout)
+        body = await relay_through(gw, b'{"model": "m", "prompt": "hi", "stream": true}', relayed.put_nowait)
+        assert loop.time() > timeout
+        await gw.close()
+        fake.close()
+        return body
+
+    with asyncio.Runner(loop_factory=ManualClockLoop) as runner:
+        return runner.run(run())
+
+
+async def next_turn() -> None:
+    """One turn of the event loop (what is ready now runs, then timers due): ordering, not waiting."""
+    await asyncio.sleep(0)
+
+
+async def relay_through(gw, body: bytes, on_message) -> bytes:
+    """The router app called directly; `on_message(type)` after each message it sends; returns the body."""
+    messages = [{"type": "http.request", "body": body}]
+    chunks = []
+
+    async def receive():
+        return messages.pop() if messages else await asyncio.Future()  # no disconnect
+
+    async def send(message):
+        chunks.append(message.get("body", b""))
+        on_message(message["type"])
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    await build_app(gw)(scope, receive, send)
+    return b"".join(chunks)
 
 
 @sync

@@ -3,6 +3,10 @@
 `generate()` is a per-request async generator of delta RequestOutputs; it owns the request's clean-up:
 when it is closed or cancelled before the request finished (client gone, shutdown), it aborts the
 request in the core, which frees its KV blocks within one step.
+
+A step's outputs are processed (detokenized, stop strings, handed to the requests) in chunks of
+OUTPUT_CHUNK_SIZE requests with a turn of the event loop between chunks, as vLLM does: a step that
+ends hundreds of requests does not hold up every stream, /health and new requests until it is done.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_client import EngineCoreClient, EngineDeadError
-from llmserve.engine.core_proc import EngineStats
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.processor import Processor
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestTimeoutError", "StatLogger", "TokensPrompt", "merge_outputs"]
 
 logger = logging.getLogger("llmserve.engine.async_llm")
+
+OUTPUT_CHUNK_SIZE = 128  # requests' outputs processed in one turn of the event loop
 
 
 class RequestTimeoutError(Exception):
@@ -239,9 +244,15 @@ class AsyncLLM:
 
     # ---- outputs and failure ----------------------------------------------------------------------
 
-    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+    async def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.stats is not None:
             self.last_stats = outputs.stats
+        for i, chunk in enumerate(output_chunks(outputs, OUTPUT_CHUNK_SIZE)):
+            if i:
+                await asyncio.sleep(0)  # one turn of the event loop between chunks
+            self._process_chunk(chunk)
+
+    def _process_chunk(self, outputs: EngineCoreOutputs) -> None:
         if self.stat_logger is not None:
             self.stat_logger.on_engine_outputs(outputs)
         processed = self.output_processor.process_outputs(outputs.outputs)
@@ -286,11 +297,17 @@ class AsyncLLM:
     async def check_integrity(self) -> None:
         await self.client.call_utility("check_integrity")
 
-    async def get_engine_stats(self, timeout: float = 5.0) -> EngineStats:
-        return await self.client.get_stats(timeout)
-
     async def shutdown(self, timeout: float = 5.0) -> None:
         await self.client.shutdown(timeout)
+
+
+def output_chunks(outputs: EngineCoreOutputs, size: int) -> list[EngineCoreOutputs]:
+    """A step's outputs in chunks of `size` requests (the step's stats with the first)."""
+    items = outputs.outputs
+    if len(items) <= size:
+        return [outputs]
+    return [EngineCoreOutputs(items[start:start + size], outputs.stats if start == 0 else None)
+            for start in range(0, len(items), size)]
 
 
 def _load_tokenizer(source: str, revision: str | None):

@@ -1,7 +1,7 @@
 """The front's client of the engine-core process (see core_proc for the wire).
 
-Sends are non-blocking (unbounded PUSH queue); a background task reads outputs and hands them to
-`on_outputs`. The process's death is noticed through its sentinel (and a FAILED message when the core
+Sends are non-blocking (unbounded PUSH queue); a background task reads outputs and awaits
+`on_outputs` for each step's (which may yield to the event loop; the next step's wait meanwhile). The process's death is noticed through its sentinel (and a FAILED message when the core
 could say why): `on_dead` runs once, every pending utility call fails, and `dead_reason` is set.
 """
 
@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from llmserve.config import EngineConfig
-from llmserve.engine.core_proc import (EngineStats, InKind, OutKind, ReadyMessage, UtilityCall, UtilityResult,
-                                       frames, run_engine_core)
+from llmserve.engine.core_proc import (InKind, OutKind, ReadyMessage, UtilityCall, UtilityResult, frames,
+                                       run_engine_core)
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger("llmserve.engine.core_client")
@@ -58,7 +58,7 @@ class EngineCoreClient:
         self.model_info = msgspec.convert(ready.model_info, ModelInfo)
         self.num_kv_blocks = ready.num_kv_blocks
         self.max_num_seqs = ready.max_num_seqs
-        self.on_outputs: Callable[[EngineCoreOutputs], None] = lambda outputs: None
+        self.on_outputs: Callable[[EngineCoreOutputs], Awaitable[None]] = _ignore_outputs
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead_reason: str | None = None
         self.last_output_time = time.monotonic()
@@ -129,9 +129,6 @@ class EngineCoreClient:
             raise RuntimeError(f"engine utility {method} failed: {result.error}")
         return result.result
 
-    async def get_stats(self, timeout: float = 5.0) -> EngineStats:
-        return msgspec.convert(await self.call_utility("get_stats", timeout=timeout), EngineStats)
-
     # ---- receiving and watching ---------------------------------------------------------------------
 
     def _start_watching(self) -> None:
@@ -144,7 +141,7 @@ class EngineCoreClient:
             while True:
                 kind_frame, payload = await self.out_sock.recv_multipart(copy=False)
                 self.last_output_time = time.monotonic()
-                self._dispatch(OutKind(kind_frame.bytes[0]), payload.buffer)
+                await self._dispatch(OutKind(kind_frame.bytes[0]), payload.buffer)
         except asyncio.CancelledError:
             raise
         except zmq.ZMQError as e:
@@ -154,9 +151,9 @@ class EngineCoreClient:
             logger.exception("error while handling engine outputs")
             self._mark_dead(f"error while handling engine outputs: {type(e).__name__}: {e}")
 
-    def _dispatch(self, kind: OutKind, payload: memoryview) -> None:
+    async def _dispatch(self, kind: OutKind, payload: memoryview) -> None:
         if kind == OutKind.OUTPUTS:
-            self.on_outputs(_OUTPUTS_DECODER.decode(payload))
+            await self.on_outputs(_OUTPUTS_DECODER.decode(payload))
         elif kind == OutKind.UTILITY:
             result = _UTILITY_DECODER.decode(payload)
             future = self._calls.get(result.call_id)
@@ -222,6 +219,10 @@ async def _wait_ready(proc, out_sock: zmq.asyncio.Socket, timeout: float) -> Rea
             raise RuntimeError(f"the engine core process exited during startup (exit code {proc.exitcode})")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the engine core did not start within {timeout:.0f} s")
+
+
+async def _ignore_outputs(outputs: EngineCoreOutputs) -> None:
+    pass
 
 
 def _kill(proc) -> None:

@@ -9,6 +9,8 @@ Threads: the input thread receives and decodes (and watches the parent), the mai
 `step()` while there is work, the output thread encodes and sends, so socket IO overlaps the forward.
 The core follows its parent: it ignores SIGINT/SIGTERM (the front drains, then sends SHUTDOWN) and
 exits on its own when the front process is gone.
+
+Tests can hold the loop at a step boundary (engine/step_gate.py, off unless LLMSERVE_STEP_GATE is set).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.engine.messages import EngineCoreRequest
+from llmserve.engine.step_gate import gate_from_env
 
 logger = logging.getLogger("llmserve.engine.core_proc")
 
@@ -38,6 +41,7 @@ class InKind(enum.IntEnum):
     ABORT = 1
     UTILITY = 2
     SHUTDOWN = 3
+    WAKE = 4  # internal: the step gate changed (never on the wire)
 
 
 class OutKind(enum.IntEnum):
@@ -57,15 +61,6 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
     result: Any = None
     error: str | None = None
-
-
-class EngineStats(msgspec.Struct):
-    """Answer of the `get_stats` utility: the cache and queue state right now."""
-
-    num_kv_blocks: int  # usable blocks (without the null block)
-    num_free_kv_blocks: int  # free, including evictable prefix-cached ones
-    kv_cache_usage: float
-    num_unfinished_requests: int
 
 
 class ReadyMessage(msgspec.Struct):
@@ -152,10 +147,10 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
         self.is_stopping = False
         self.is_integrity_checked = True
+        self.gate = gate_from_env(ctx, lambda: self.inputs.put((InKind.WAKE, None)))  # tests only
         self._utilities = {
             "reset_prefix_cache": core.reset_prefix_cache,
             "check_integrity": self._check_integrity,
-            "get_stats": self._get_stats,
             "ping": lambda: True,
         }
         self.input_thread = threading.Thread(target=self._input_loop, args=(ctx, input_addr), daemon=True,
@@ -173,9 +168,13 @@ class EngineCoreProc:
             while not self.is_stopping:
                 self._wait_for_work()
                 self._drain_inputs()
-                if self.core.has_unfinished_requests():
-                    self.is_integrity_checked = False
-                    self.outputs.put(frames(OutKind.OUTPUTS, self.core.step()))
+                if not self.core.has_unfinished_requests():
+                    continue
+                if self.gate is not None and not self.gate.may_step():
+                    self._wait_for_input()  # held at the step boundary (tests only)
+                    continue
+                self.is_integrity_checked = False
+                self.outputs.put(frames(OutKind.OUTPUTS, self.core.step()))
         finally:
             self.outputs.put(None)
             self.output_thread.join(timeout=5)
@@ -186,10 +185,15 @@ class EngineCoreProc:
             if not self.is_integrity_checked:
                 self._check_integrity()
                 self.is_integrity_checked = True
-            try:
-                self._handle(*self.inputs.get(timeout=IDLE_POLL_S))
-            except queue.Empty:
-                continue
+            if self.gate is not None:
+                self.gate.on_idle()
+            self._wait_for_input()
+
+    def _wait_for_input(self) -> None:
+        try:
+            self._handle(*self.inputs.get(timeout=IDLE_POLL_S))
+        except queue.Empty:
+            pass
 
     def _drain_inputs(self) -> None:
         while True:
@@ -205,8 +209,16 @@ class EngineCoreProc:
             self.core.abort_requests(payload)
         elif kind == InKind.UTILITY:
             self.outputs.put(frames(OutKind.UTILITY, self._call_utility(payload)))
-        else:
+        elif kind == InKind.SHUTDOWN:
             self.is_stopping = True
+        if self.gate is not None:
+            self._count_input(kind, payload)
+
+    def _count_input(self, kind: InKind, payload: Any) -> None:
+        if kind == InKind.ADD:
+            self.gate.on_added(1)
+        elif kind == InKind.ABORT:
+            self.gate.on_aborted(len(payload))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         method = self._utilities.get(call.method)
@@ -222,9 +234,6 @@ class EngineCoreProc:
         """Invariants broken mean corrupted outputs: fail loudly (the front sees the core die)."""
         self.core.check_integrity()
         return True
-
-    def _get_stats(self) -> EngineStats:
-        return EngineStats(*self.core.cache_stats())
 
     # ---- IO threads -------------------------------------------------------------------------------
 

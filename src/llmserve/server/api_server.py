@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from fastapi import Request
@@ -115,11 +114,7 @@ def _add_info_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics", responses=app.responses(text="text/plain"))
     async def metrics() -> Response:
-        if not ctx.engine.is_dead:
-            try:
-                ctx.metrics.on_engine_stats(await ctx.engine.get_engine_stats(timeout=2.0))
-            except (asyncio.TimeoutError, RuntimeError) as e:
-                logger.warning("metrics: engine stats unavailable (%s)", e)
+        """From the stats of the engine's last step (no call into the engine)."""
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/reset_prefix_cache", responses=app.responses(_object_of(success="boolean")))

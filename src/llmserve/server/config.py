@@ -34,7 +34,9 @@ class ServerConfig:
     log_level: str = field(default="info", metadata={
         "help": "debug | info | warning | error", "choices": ["debug", "info", "warning", "error"]})
     access_log: bool = field(default=False, metadata={"help": "log one line per HTTP request"})
-    timeout_keep_alive: int = field(default=5, metadata={"help": "seconds an idle keep-alive connection stays open"})
+    timeout_keep_alive: int = field(default=75, metadata={
+        "help": "seconds an idle keep-alive connection stays open; keep it above the clients' (and load balancers') "
+                "idle timeouts: a request sent as the server closes the connection gets a reset, unlogged"})
     stream_interval: int = field(default=1, metadata={
         "help": "a stream sends a sequence's tokens in events of this many (its first token and its end at "
                 "once): fewer events cost the front less CPU under load, at coarser streaming"})

@@ -2,7 +2,9 @@
 
 prometheus_client accepts ':' in metric names (vLLM's `vllm:` names use it too). docs/metrics.md lists
 each metric with its vLLM equivalent. Per-request latencies are measured here, on the front, from
-the engine outputs as they arrive (engine timestamps for queue time).
+the engine outputs as they arrive (engine timestamps for queue time); the engine's gauges (queues, KV
+cache) come from the stats each step's outputs carry, so a scrape asks nothing of the engine and
+answers even while a step runs long.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.engine.core_proc import EngineStats
 from llmserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats,
                                      SpecDecodeStats)
 
@@ -20,6 +21,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0)
+_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -41,6 +43,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.requests: dict[str, _RequestTimes] = {}
         self.spec_totals = SpecDecodeStats()  # since start, for the derived gauges
+        self.max_loop_lag = 0.0
         self._make_gauges()
         self._make_counters()
         self._make_histograms()
@@ -59,9 +62,10 @@ class ServerMetrics:
         self.num_running = self._gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = self._gauge("kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0..1).")
-        self.num_free_blocks = self._gauge("kv_cache_free_blocks", "KV blocks free (refreshed at each scrape).")
+        self.num_free_blocks = self._gauge("kv_cache_free_blocks", "KV blocks free (as of the last engine step).")
         self.num_blocks = self._gauge("kv_cache_blocks", "KV blocks in the cache.")
         self.num_in_flight = self._gauge("num_requests_in_flight", "Engine requests the front is waiting on.")
+        self.loop_lag_max = self._gauge("event_loop_lag_max_seconds", "Longest event-loop lag seen since start.")
 
     def _make_counters(self) -> None:
         self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -95,6 +99,8 @@ class ServerMetrics:
                                           _TOKEN_BUCKETS)
         self.step_tokens = self._histogram("iteration_tokens_total", "Tokens scheduled per engine step.",
                                            _TOKEN_BUCKETS)
+        self.loop_lag = self._histogram("event_loop_lag_seconds",
+                                        "How late a 20 ms timer on the server's event loop wakes up.", _LAG_BUCKETS)
 
     # ---- StatLogger ----------------------------------------------------------------------------
 
@@ -142,7 +148,7 @@ class ServerMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        if stats.num_kv_blocks:  # also refreshed at scrape time, which fails while a step runs long
+        if stats.num_kv_blocks:
             self.num_blocks.set(stats.num_kv_blocks)
             self.num_free_blocks.set(stats.num_free_kv_blocks)
         self.prefix_queries.inc(stats.prefix_cache_queries)
@@ -166,14 +172,16 @@ class ServerMetrics:
         self.spec_acceptance_rate.set(totals.num_accepted_tokens / max(totals.num_draft_tokens, 1))
         self.spec_mean_accepted_length.set(1 + totals.num_accepted_tokens / max(totals.num_drafts, 1))
 
-    def on_engine_stats(self, stats: EngineStats) -> None:
-        """Fresh cache state, asked of the engine at scrape time."""
-        self.num_blocks.set(stats.num_kv_blocks)
-        self.num_free_blocks.set(stats.num_free_kv_blocks)
-        self.kv_usage.set(stats.kv_cache_usage)
-        if stats.num_unfinished_requests == 0:
-            self.num_running.set(0)
-            self.num_waiting.set(0)
+    def on_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
+        if seconds > self.max_loop_lag:
+            self.max_loop_lag = seconds
+            self.loop_lag_max.set(seconds)
+
+    def set_cache_size(self, num_kv_blocks: int) -> None:
+        """The empty cache, until the first step reports (the engine's READY message gives its size)."""
+        self.num_blocks.set(num_kv_blocks)
+        self.num_free_blocks.set(num_kv_blocks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -47,8 +47,9 @@ class ChatServer:
         request_id = new_request_id("chatcmpl")
         gen = ctx.engine.generate(prompt, params, request_id, req.priority)
         if req.stream:
-            return sse_response(with_error_event(self._stream(req, params, request_id, prompt, gen)))
-        final = await until_disconnect(request, collect_final(gen))
+            return sse_response(with_error_event(self._stream(req, params, request_id, prompt, gen), request_id),
+                                request_id, ctx.is_shutting_down)
+        final = await until_disconnect(request, collect_final(gen), request_id)
         return Response(encode_json(self._response(params, request_id, prompt, final)),
                         media_type="application/json")
 

@@ -35,6 +35,10 @@ class ServingContext:
     num_http_in_flight: int = 0  # generation/tokenizer requests being answered (not /health, /metrics)
     num_admitted: int = 0  # engine sequences of the generation requests being answered
 
+    def is_shutting_down(self) -> bool:
+        """Draining after a signal, or going down with the engine."""
+        return self.is_draining or self.engine.is_dead
+
     @property
     def num_max_in_flight(self) -> int:
         return self.max_num_seqs + self.config.max_queued_requests

@@ -114,8 +114,9 @@ class CompletionServer:
         request_id = new_request_id("cmpl")
         gens = [ctx.engine.generate(p, params, f"{request_id}-{i}", req.priority) for i, p in enumerate(prompts)]
         if req.stream:
-            return sse_response(with_error_event(self._stream(req, params, request_id, prompts, gens)))
-        finals = await until_disconnect(request, _collect(gens))
+            return sse_response(with_error_event(self._stream(req, params, request_id, prompts, gens), request_id),
+                                request_id, ctx.is_shutting_down)
+        finals = await until_disconnect(request, _collect(gens), request_id)
         return Response(encode_json(self._response(req, params, request_id, prompts, finals)),
                         media_type="application/json")
 

@@ -22,7 +22,7 @@ from llmserve.server.errors import to_api_error
 from llmserve.server.protocol import (NULL, NULL_OR_FALSE, NumLogprobs, Penalty, PositiveInt, RepetitionPenalty,
                                       StopStrings, Temperature, TopK, TopP, decode_json, encode_json, refused_unless)
 from llmserve.server.serving_common import ServingContext, collect_final, new_request_id
-from llmserve.server.streams import sse_response, until_disconnect
+from llmserve.server.streams import log_error_event, sse_response, until_disconnect
 
 DEFAULT_MAX_NEW_TOKENS = 100
 
@@ -181,7 +181,8 @@ class TGIServer:
         response = await self.generate(request, body)
         return Response(b"[" + response.body + b"]", media_type="application/json")
 
-    def _start(self, request: Request, body: bytes) -> tuple[TGIRequest, SamplingParams, TokensPrompt, Any]:
+    def _start(self, request: Request,
+               body: bytes) -> tuple[TGIRequest, SamplingParams, TokensPrompt, Any, str]:
         ctx = self.ctx
         req: TGIRequest = decode_json(body, TGIRequest)
         params = ctx.engine.default_sampling_params(**tgi_overrides(req.parameters))
@@ -194,12 +195,13 @@ class TGIServer:
         prompt = TokensPrompt(token_ids, req.inputs)
         ctx.engine.check_request(len(token_ids), params)
         ctx.admit(request, 1)
-        gen = ctx.engine.generate(prompt, params, new_request_id("tgi"), 0)
-        return req, params, prompt, gen
+        request_id = new_request_id("tgi")
+        gen = ctx.engine.generate(prompt, params, request_id, 0)
+        return req, params, prompt, gen, request_id
 
     async def generate(self, request: Request, body: bytes) -> Response:
-        req, params, prompt, gen = self._start(request, body)
-        final = await until_disconnect(request, collect_final(gen))
+        req, params, prompt, gen, request_id = self._start(request, body)
+        final = await until_disconnect(request, collect_final(gen), request_id)
         out = final.outputs[0]
         text = (req.inputs + out.text) if req.parameters.return_full_text else out.text
         details = self._details(req.parameters, out) if req.parameters.details else None
@@ -219,10 +221,10 @@ class TGIServer:
                           p.seed, [], tokens, top)
 
     async def generate_stream(self, request: Request, body: bytes) -> Response:
-        req, params, prompt, gen = self._start(request, body)
-        return sse_response(self._stream(req, prompt, gen))
+        req, params, prompt, gen, request_id = self._start(request, body)
+        return sse_response(self._stream(req, prompt, gen, request_id), request_id, self.ctx.is_shutting_down)
 
-    async def _stream(self, req: TGIRequest, prompt: TokensPrompt, gen) -> AsyncIterator[bytes]:
+    async def _stream(self, req: TGIRequest, prompt: TokensPrompt, gen, request_id: str) -> AsyncIterator[bytes]:
         p = req.parameters
         text, index = (req.inputs if p.return_full_text else ""), 0
         try:
@@ -236,6 +238,7 @@ class TGIServer:
                         yield b"data:" + encode_json(event) + b"\n\n"
         except Exception as e:  # noqa: BLE001 - TGI's in-stream error shape
             err = to_api_error(e)
+            log_error_event(request_id, err.message)
             yield b"data:" + encode_json(TGIStreamError(err.message, err.info().type)) + b"\n\n"
 
     def _events(self, p: TGIParameters, out: CompletionOutput, index: int, text: str,

@@ -1,18 +1,25 @@
-"""Async plumbing of the routes: SSE framing, merging per-prompt streams, client-disconnect watching."""
+"""Async plumbing of the routes: SSE framing, merging per-prompt streams, client-disconnect watching.
+
+A response that does not reach its end is logged with its request id and why: WARNING when the server
+cut it (shutdown, an error ending the stream early), INFO when the client left first.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from llmserve.server.errors import error_payload
+from llmserve.server.errors import error_payload, to_api_error
 from llmserve.server.protocol import encode_json
 
 T = TypeVar("T")
+
+logger = logging.getLogger("llmserve.server")
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -30,21 +37,50 @@ def sse_error(exc: BaseException) -> bytes:
     return b"data: " + error_payload(exc) + b"\n\n"
 
 
-def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(events: AsyncIterator[bytes], request_id: str,
+                 is_shutting_down: Callable[[], bool]) -> StreamingResponse:
+    return StreamingResponse(logged_stream(events, request_id, is_shutting_down), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
 
 
-async def with_error_event(events: AsyncIterator[bytes], done: bytes | None = SSE_DONE) -> AsyncIterator[bytes]:
+async def logged_stream(events: AsyncIterator[bytes], request_id: str,
+                        is_shutting_down: Callable[[], bool]) -> AsyncIterator[bytes]:
+    """Pass events through; log a stream that is cut before its end (cancelled, closed, or failing)."""
+    num_events = 0
+    try:
+        async for event in events:
+            num_events += 1
+            yield event
+    except (asyncio.CancelledError, GeneratorExit):
+        if is_shutting_down():
+            logger.warning("stream %s cut short after %d events: the server is shutting down", request_id,
+                           num_events)
+        else:
+            logger.info("stream %s cut short after %d events: the client disconnected", request_id, num_events)
+        raise
+    except BaseException as e:
+        logger.warning("stream %s cut short after %d events: %s: %s", request_id, num_events, type(e).__name__, e)
+        raise
+
+
+async def with_error_event(events: AsyncIterator[bytes], request_id: str,
+                           done: bytes | None = SSE_DONE) -> AsyncIterator[bytes]:
     """Pass events through; an error after the stream started becomes `data: {"error": ...}` then [DONE]."""
     try:
         async for event in events:
             yield event
     except (asyncio.CancelledError, GeneratorExit):
         raise
-    except Exception as e:  # noqa: BLE001 - classified (and internal ones logged) by error_payload
-        yield sse_error(e)
+    except Exception as e:  # noqa: BLE001 - classified (and internal ones logged) by to_api_error
+        err = to_api_error(e)
+        log_error_event(request_id, err.message)
+        yield sse_error(err)
     if done is not None:
         yield done
+
+
+def log_error_event(request_id: str, message: str) -> None:
+    logger.warning("stream %s ended early with an error event: %s", request_id, message)
 
 
 async def merge_async_iterators(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -91,7 +127,7 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+async def until_disconnect(request: Request, work: Awaitable[T], request_id: str) -> T:
     """Run `work` (the body was read already); cancel it if the client disconnects first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -103,5 +139,6 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
         watcher.cancel()
     if task.cancelled():
+        logger.info("request %s cut short: the client disconnected before the response", request_id)
         raise ClientDisconnected()
     return task.result()

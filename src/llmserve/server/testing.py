@@ -1,10 +1,13 @@
 """A real `llmserve serve` in a subprocess, for tests and benchmarks: free loopback port, waits for
 /health, finds the engine child, stops with a signal and reports the exit code. Leaves no file behind,
 even when a test kills it: its log is an anonymous temporary file, and its temporary files (the
-engine's sockets) go to a folder of its own, removed when it is stopped."""
+engine's sockets) go to a folder of its own, removed when it is stopped. `StepGateClient` holds its
+engine at a step boundary (engine/step_gate.py); `wait_until` polls a condition with a deadline."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -12,10 +15,117 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
+import zmq
+
+from llmserve.engine.step_gate import GATE_ENV
 
 _PORT_RE = re.compile(r"serving .* on http://[^:\s]+:(\d+)")
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 30.0, what: str = "the condition",
+               poll_s: float = 0.02) -> Any:
+    """Poll `condition` until it returns something true (returned), or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+async def until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "the condition",
+                poll_s: float = 0.0) -> Any:
+    """`wait_until` inside an event loop: re-checks after each turn of the loop (or every `poll_s`)."""
+    async def poll() -> Any:
+        while not (value := condition()):
+            await asyncio.sleep(poll_s)
+        return value
+
+    try:
+        return await asyncio.wait_for(poll(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}") from None
+
+
+class StepGateClient:
+    """Holds a server's engine at step boundaries. Start the server with `env=gate.env`, then:
+    `gate.hold()`, `gate.run_steps(n)` (exactly n steps, then held), `gate.release()`, `gate.status()`."""
+
+    def __init__(self, timeout: float = 30.0) -> None:
+        self.addr = f"ipc://{tempfile.gettempdir()}/llmserve-gate-{uuid.uuid4().hex[:12]}"
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {GATE_ENV: self.addr}
+
+    def _call(self, cmd: str, **args: Any) -> dict[str, Any]:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.REQ)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.addr)
+        self._sock.send_json({"cmd": cmd, **args})
+        if self._sock.poll(int((self.timeout + args.get("timeout", 0)) * 1000)) == 0:
+            self.close()  # a REQ socket without its answer is stuck: the next call opens a new one
+            raise TimeoutError(f"the engine's step gate did not answer {cmd!r}")
+        answer = self._sock.recv_json()
+        assert "error" not in answer, answer
+        return answer
+
+    def hold(self) -> dict[str, Any]:
+        """No step after the one under way; returns once the engine stopped stepping."""
+        self._call("hold")
+        return self.wait()
+
+    def release(self) -> dict[str, Any]:
+        return self._call("release")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[dict[str, Any]]:
+        """`with gate.held() as start:` the engine steps only when told; released on the way out."""
+        try:
+            yield self.hold()
+        finally:
+            self.release()
+
+    def run_steps(self, num: int) -> dict[str, Any]:
+        """Let exactly `num` steps run (fewer if the work runs out), then hold; returns the status."""
+        self._call("allow", n=num)
+        return self.wait()
+
+    def wait(self) -> dict[str, Any]:
+        """The status once the engine stopped stepping (held with work, or idle)."""
+        status = self._call("wait", timeout=self.timeout)
+        assert status["state"] != "running", f"the engine kept stepping: {status}"
+        return status
+
+    def status(self) -> dict[str, Any]:
+        return self._call("status")
+
+    def wait_for(self, key: str, num: int) -> dict[str, Any]:
+        """Wait until the engine received `num` requests (key "added") or aborts (key "aborted")."""
+        return wait_until(lambda: (s := self.status())[key] >= num and s, self.timeout, f"{num} {key}")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> StepGateClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        self._ctx.term()
 
 
 def child_pids(pid: int) -> list[int]:
@@ -74,7 +184,7 @@ class ServerProcess:
                 self.port = int(match.group(1)) if match else None
             if self.port is not None and self._is_healthy():
                 return self
-            time.sleep(0.1)
+            time.sleep(0.1)  # polls the log and /health until the deadline
         self.stop(signal.SIGKILL)
         raise TimeoutError(f"server not healthy within {self.startup_timeout} s:\n{self.log()}")
 
