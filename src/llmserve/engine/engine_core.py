@@ -119,12 +119,6 @@ class EngineCore:
     def num_free_blocks(self) -> int:
         return self.scheduler.kv.pool.get_num_free_blocks()
 
-    def cache_stats(self) -> tuple[int, int, float, int]:
-        """(usable KV blocks, free KV blocks, usage fraction, unfinished requests) right now."""
-        pool = self.scheduler.kv.pool
-        return (pool.num_usable_blocks, pool.get_num_free_blocks(), pool.usage(),
-                self.scheduler.get_num_unfinished_requests())
-
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         pending = set(self.scheduler.requests) | self.scheduler.finished_req_ids
