@@ -62,7 +62,8 @@ class DocumentedAPI(FastAPI):
     def _event(self, chunk: type, chunk_error: type) -> dict[str, Any]:
         """One server-sent event (OpenAPI 3.1: an SSE media type's schema describes each event)."""
         payload = {"anyOf": [self._named(chunk), self._named(chunk_error)]}
-        data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+        json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+        data = {"anyOf": [json_data, {"const": "[DONE]"}]}  # OpenAI's streams end with `data: [DONE]`
         return {"type": "object", "properties": {"data": data, "event": {"type": "string"}}, "required": ["data"],
                 "description": f"`data`: a {chunk.__name__} as JSON, or a {chunk_error.__name__} when the "
                                f"request fails once streaming (OpenAI's streams end with `data: [DONE]`)"}

@@ -12,10 +12,10 @@ import os
 import re
 import signal
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,7 +59,8 @@ class StepGateClient:
     `gate.hold()`, `gate.run_steps(n)` (exactly n steps, then held), `gate.release()`, `gate.status()`."""
 
     def __init__(self, timeout: float = 30.0) -> None:
-        self.addr = f"ipc://{tempfile.gettempdir()}/llmserve-gate-{uuid.uuid4().hex[:12]}"
+        self._dir = tempfile.mkdtemp(prefix="llmserve-gate-")  # the socket file, removed on exit (even
+        self.addr = f"ipc://{self._dir}/gate"                    # when a test kills the engine that bound it)
         self.timeout = timeout
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -126,6 +127,7 @@ class StepGateClient:
     def __exit__(self, *exc) -> None:
         self.close()
         self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def child_pids(pid: int) -> list[int]:
