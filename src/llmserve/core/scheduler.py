@@ -115,10 +115,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
-        budget, has_preempted = self._schedule_running(out, budget, self._can_speculate())
+        budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
         if not has_preempted:
             self._schedule_waiting(out, budget)
-        out.use_speculation = self._can_speculate()
+        out.use_speculation = self.can_speculate()
         self.num_step_prompt_tokens = 0
         for req_id, num in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -141,11 +141,8 @@ class Scheduler:
         return cap
 
     def can_speculate(self) -> bool:
-        """Whether the next step may schedule drafts (the engine runs such steps without overlap)."""
-        return self._can_speculate()
-
-    def _can_speculate(self) -> bool:
-        """Speculation pays off only while the batch is small (the rule: docs/speculative.md)."""
+        """Whether the next step may schedule drafts: speculation pays off only while the batch is small
+        (the rule: docs/speculative.md); the engine runs such steps without overlap."""
         return self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:

@@ -74,24 +74,24 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], b
     seq_lens = starts + counts
     sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
     attn = AttentionInputs(
-        query_start_loc=_on_device(cu.astype(np.int32), device),
-        seq_lens=_on_device(seq_lens.astype(np.int32), device),
-        block_table=_on_device(block_table, device),
-        slot_mapping=_on_device(slots, device),
+        query_start_loc=on_device(cu.astype(np.int32), device),
+        seq_lens=on_device(seq_lens.astype(np.int32), device),
+        block_table=on_device(block_table, device),
+        slot_mapping=on_device(slots, device),
         query_lens_cpu=counts.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
         block_size=block_size,
     )
     return StepInputs(
-        input_ids=_on_device(input_ids, device),
-        positions=_on_device(positions, device),
+        input_ids=on_device(input_ids, device),
+        positions=on_device(positions, device),
         attn=attn,
-        logits_indices=_on_device(_logits_indices(cu[1:][sample_rows], num_drafts[sample_rows]), device),
+        logits_indices=on_device(logits_indices(cu[1:][sample_rows], num_drafts[sample_rows]), device),
         sample_rows=sample_rows,
     )
 
 
-def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host array -> tensor on device; on CUDA through pinned memory, non_blocking (the host never waits)."""
     tensor = torch.from_numpy(array)
     if device.type != "cuda":
@@ -99,7 +99,7 @@ def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+def logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     """Per sampling row (its tokens end at `ends`): the last num_drafts + 1 token indices, flattened."""
     if not num_drafts.any():
         return ends - 1

@@ -24,7 +24,7 @@ from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.proposer import Proposer
 from llmserve.worker.cuda_graphs import DecodeGraphs
-from llmserve.worker.input_batch import CachedRequestState, StepInputs, _logits_indices
+from llmserve.worker.input_batch import CachedRequestState, StepInputs, logits_indices, on_device
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
 from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs, host_logprobs
@@ -172,27 +172,27 @@ class ModelRunner:
         arrays = self.batch.gather(rows, starts, counts)
         self.batch.mark_sampled(rows[arrays.sample_rows])
         sample_rows = arrays.sample_rows
-        logits_indices = _logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64),
+        indices = logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64),
                                          num_drafts[sample_rows])
-        return self._to_device(arrays, logits_indices)
+        return self._to_device(arrays, indices)
 
-    def _to_device(self, arrays: StepArrays, logits_indices: np.ndarray) -> StepInputs:
-        input_ids = _on_device(arrays.input_ids, self.device)
+    def _to_device(self, arrays: StepArrays, sample_indices: np.ndarray) -> StepInputs:
+        input_ids = on_device(arrays.input_ids, self.device)
         if len(arrays.pending_tokens):
             self.times.num_device_inputs += len(arrays.pending_tokens)
-            sources = _on_device(arrays.pending_sources, self.device)
-            input_ids[_on_device(arrays.pending_tokens, self.device)] = self.in_flight.sampled[sources]
+            sources = on_device(arrays.pending_sources, self.device)
+            input_ids[on_device(arrays.pending_tokens, self.device)] = self.in_flight.sampled[sources]
         attn = AttentionInputs(
-            query_start_loc=_on_device(arrays.query_start_loc, self.device),
-            seq_lens=_on_device(arrays.seq_lens.astype(np.int32), self.device),
-            block_table=_on_device(arrays.block_table, self.device),
-            slot_mapping=_on_device(arrays.slot_mapping, self.device),
+            query_start_loc=on_device(arrays.query_start_loc, self.device),
+            seq_lens=on_device(arrays.seq_lens.astype(np.int32), self.device),
+            block_table=on_device(arrays.block_table, self.device),
+            slot_mapping=on_device(arrays.slot_mapping, self.device),
             query_lens_cpu=np.diff(arrays.query_start_loc).tolist(),
             seq_lens_cpu=arrays.seq_lens.tolist(),
             block_size=self.block_size,
         )
-        return StepInputs(input_ids=input_ids, positions=_on_device(arrays.positions, self.device), attn=attn,
-                          logits_indices=_on_device(logits_indices, self.device),
+        return StepInputs(input_ids=input_ids, positions=on_device(arrays.positions, self.device), attn=attn,
+                          logits_indices=on_device(sample_indices, self.device),
                           sample_rows=arrays.sample_rows.tolist())
 
     @torch.inference_mode()
@@ -342,10 +342,3 @@ class ModelRunner:
             assert self.batch.row_of[req_id] == state.row, "a state's row moved"
             assert self.batch.num_tokens[state.row] == len(state.token_ids), "batch and state tokens differ"
 
-
-def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> tensor on device; on CUDA through pinned memory, non_blocking (the host never waits)."""
-    tensor = torch.from_numpy(array)
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
