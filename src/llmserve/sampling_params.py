@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import msgspec
@@ -12,6 +13,68 @@ MAX_N = 16
 MAX_LOGIT_BIAS = 100.0
 MIN_SEED = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64)
 MAX_SEED = 2**64 - 1
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """One output constraint (vLLM's `structured_outputs` names); exactly one of the five is set.
+
+    `json`: a JSON schema, kept as canonical JSON text (sorted keys) so it is a cache key;
+    `regex`: a regular expression the whole output matches; `choice`: the output is one of these strings;
+    `grammar`: an EBNF grammar (GBNF dialect, root rule `root`); `json_object`: any JSON object.
+    `disable_any_whitespace`: JSON without whitespace between tokens (otherwise bounded whitespace).
+    Syntax is checked by llmserve.structured.validate (the front calls it, so a bad one is a 400).
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    @classmethod
+    def from_json_schema(cls, schema: dict | str | bool, **kwargs) -> StructuredOutputsParams:
+        """`schema` as a dict (or JSON text, parsed: ValueError if it is not JSON) -> canonical form."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls(json=json.dumps(schema, sort_keys=True, separators=(",", ":")), **kwargs)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        kinds = self.kinds()
+        assert len(kinds) == 1, "validate() first"
+        return kinds[0]
+
+    def kinds(self) -> list[str]:
+        set_kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return set_kinds + (["json_object"] if self.json_object else [])
+
+    def validate(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {kinds or 'none'}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise ValueError("choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("choice must hold non-empty strings")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+
+    @property
+    def cache_key(self) -> tuple:
+        """Requests with equal keys share one compiled grammar."""
+        spec = tuple(self.choice) if self.choice is not None else getattr(self, self.kind)
+        return self.kind, spec, self.disable_any_whitespace
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -44,6 +107,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: bool = True  # False opts this request out of speculative decoding
+    structured_outputs: StructuredOutputsParams | None = None  # constrains the output (llmserve.structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +121,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self._validate_penalties()
         self._validate_stops()
         _check_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Check the token ids the user gave (logit_bias keys, stop_token_ids) against the vocabulary."""
