@@ -114,7 +114,7 @@ TGIGrammar = TGIJsonGrammar | TGIJsonObjectGrammar | TGIRegexGrammar
 
 
 @contextmanager
-def field(name: str) -> Iterator[None]:
+def _field(name: str) -> Iterator[None]:
     """A ValueError raised inside becomes a FieldError naming `name`."""
     try:
         yield
@@ -125,7 +125,7 @@ def field(name: str) -> Iterator[None]:
 
 
 def _schema(name: str, schema: JsonSchema) -> StructuredOutputsParams:
-    with field(name):
+    with _field(name):
         return StructuredOutputsParams.from_json_schema(schema)
 
 
@@ -191,7 +191,7 @@ def _field_of(name: str, params: StructuredOutputsParams) -> str:
 
 
 def _checked(name: str, params: StructuredOutputsParams) -> StructuredOutputsParams:
-    with field(name):
+    with _field(name):
         validate(params)
     return params
 
