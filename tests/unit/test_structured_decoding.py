@@ -204,3 +204,20 @@ def test_logprobs_of_forbidden_tokens_are_finite(llm):
     assert out.text == "yes" and out.logprobs
     values = [v for lp in out.logprobs for _, v in lp.top] + [lp.logprob for lp in out.logprobs]
     assert all(-9999.0 <= v <= 0.0 for v in values) and min(values) == -9999.0
+
+
+def test_siblings_and_preempted_requests_keep_their_grammar(tiny):
+    small = LLM(tiny, dtype="float32", max_model_len=160, num_kv_blocks=12, max_num_batched_tokens=64)
+    prompts = _prompts(6)
+    params = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=120, structured_outputs=CONSTRAINTS[i % 5])
+              for i in range(6)]
+    outs = small.generate(prompts, params)
+    assert small.num_preemptions > 0, "the small pool was meant to force preemption"
+    for i, out in enumerate(outs):
+        assert len(out.outputs) == 2
+        for choice in out.outputs:
+            if choice.finish_reason == "stop":
+                _check(choice.text, CONSTRAINTS[i % 5])
+    assert sum(c.finish_reason == "stop" for o in outs for c in o.outputs) >= 8
+    small.engine.check_integrity()
+    assert small.engine.num_free_blocks() == small.engine.scheduler.kv.pool.num_usable_blocks
