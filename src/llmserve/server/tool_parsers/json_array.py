@@ -31,8 +31,8 @@ class JsonArrayParser(ToolParser):
             if end is None:
                 if not final:
                     return items, pos
-                if pos < len(text):
-                    items.append(text[pos:])
+                if start < len(text):
+                    items.append(text[start:])
                 return items, len(text)
             call = self.call_from(loads_or_none(text[start:end]), ("parameters",))
             items.append(call if call is not None else text[start:end])
