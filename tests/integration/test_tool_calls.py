@@ -54,7 +54,10 @@ def enforces_grammar(client) -> bool:
         "type": "object", "properties": {"v": {"enum": ["yes"]}}, "required": ["v"], "additionalProperties": False}}}
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[tool], max_tokens=20,
                                          tool_choice={"type": "function", "function": {"name": "probe"}})
-    return out.choices[0].message.tool_calls[0].function.arguments == '{"v":"yes"}'
+    try:
+        return json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"v": "yes"}
+    except ValueError:
+        return False
 
 
 @pytest.fixture

@@ -148,3 +148,63 @@ def test_tool_messages_reach_the_template():
 def test_invalid_tool_messages(message, word):
     with pytest.raises(ValueError, match=word):
         chat_conversation(request(messages=[message]).messages)
+
+
+# ---- outputs sampled under the grammar (what the engine does, here with xgrammar and random logits) ----
+
+
+def sample_under_grammar(constraint, seed: int, max_tokens: int = 400) -> str:
+    import torch
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    from llmserve.model.toy_tokenizer import EOS_TOKEN, build_tokenizer
+    from llmserve.structured.grammar import build_grammar
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(512), eos_token=EOS_TOKEN)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(build_grammar(constraint)))
+    bitmask, generator, token_ids = xgr.allocate_token_bitmask(1, 512), torch.Generator().manual_seed(seed), []
+    for _ in range(max_tokens):
+        matcher.fill_next_token_bitmask(bitmask)
+        logits = torch.randn(1, 512, generator=generator)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        token_id = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        if token_id in info.stop_token_ids:
+            return tokenizer.decode(token_ids)
+        assert matcher.accept_token(token_id)
+        token_ids.append(token_id)
+    raise AssertionError("the output did not end within max_tokens")
+
+
+BOUNDED = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "tag": {"type": "string", "maxLength": 6}},
+    "required": ["id", "tag"], "additionalProperties": False}}}
+ENUM_ONLY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}}}
+SCHEMAS = {"lookup": BOUNDED["function"]["parameters"], "get_weather": ENUM_ONLY["function"]["parameters"]}
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "lookup"}}])
+def test_grammar_outputs_become_valid_calls(choice, seed):
+    p = plan(tools=[BOUNDED, ENUM_ONLY], tool_choice=choice, parallel_tool_calls=seed % 2 == 0)
+    text = sample_under_grammar(p.structured_outputs(), seed)
+    message, finish = response_message(p, text, "stop")
+    assert finish == ("stop" if p.mode == "named" else "tool_calls")
+    assert message.tool_calls and (p.is_parallel or len(message.tool_calls) == 1)
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    stream, deltas = ChoiceStream(p), []
+    for i in range(0, len(text), 3):
+        deltas += stream.feed(text[i:i + 3], False)
+    deltas += stream.feed("", True)
+    streamed: dict[int, list[str]] = {}
+    for delta in deltas:
+        for call in delta.tool_calls or ():
+            entry = streamed.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == [(c.function.name, c.function.arguments)
+                                                              for c in message.tool_calls]

@@ -46,6 +46,8 @@ CASES = [
     (HermesParser, "<tool_call>" + json.dumps({"name": "add", "arguments": json.dumps(A_ARGS)}) + "</tool_call>",
      None, [ADD]),  # arguments sent as JSON text
     (HermesParser, "a < b <tool_ca", "a < b <tool_ca", []),
+    (HermesParser, '<tool_call>{"name": "add", "arguments": {"s": "raw\x07\n"}}</tool_call>', None,
+     [ParsedCall("add", '{"s":"raw\\u0007\\n"}')]),  # raw control characters in strings, escaped
     (Llama3JsonParser, "Paris is sunny.", "Paris is sunny.", []),
     (Llama3JsonParser, llama_call("get_weather", W_ARGS), None, [WEATHER]),
     (Llama3JsonParser, "<|python_tag|>" + llama_call("get_weather", W_ARGS) + "; " + llama_call("add", A_ARGS),

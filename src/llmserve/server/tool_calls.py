@@ -17,8 +17,8 @@ from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.server.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from llmserve.server.protocol_tools import (ChatTool, DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                             NamedToolChoice, ToolCall)
-from llmserve.server.tool_parsers import (JsonArrayParser, ParsedCall, ToolCallStream, ToolParser, parse_output,
-                                          resolve_parser)
+from llmserve.server.tool_parsers import (JsonArrayParser, ParsedCall, ToolCallStream, ToolParser, escape_controls,
+                                          parse_output, resolve_parser)
 
 ANY_OBJECT: dict = {"type": "object"}
 _DEFS_KEYS = ("$defs", "definitions")
@@ -150,7 +150,10 @@ def required_schema(tools: tuple[ChatTool, ...], is_parallel: bool) -> dict:
     for tool in tools:
         parameters = dict(tool.function.parameters) if tool.function.parameters is not None else dict(ANY_OBJECT)
         for key in _DEFS_KEYS:
-            for name, schema in parameters.pop(key, {}).items():
+            definitions = parameters.pop(key, {})
+            if not isinstance(definitions, dict):
+                raise ValueError(f"tools: {tool.function.name}'s parameters.{key} must be an object")
+            for name, schema in definitions.items():
                 if defs.setdefault(key, {}).setdefault(name, schema) != schema:
                     raise ValueError(f"tools: two functions define {key} {name!r} differently; with tool_choice "
                                      "'required' their definitions share one namespace")
@@ -182,7 +185,7 @@ def response_message(plan: ToolPlan, text: str, finish_reason: str | None) -> tu
     if plan.mode == "none":
         return ResponseMessage("assistant", text), finish_reason
     if plan.mode == "named":
-        call = ToolCall(new_call_id(), FunctionCall(plan.named or "", text))
+        call = ToolCall(new_call_id(), FunctionCall(plan.named or "", escape_controls(text)))
         return ResponseMessage("assistant", None, [call]), finish_reason
     parsed = parse_output(plan.new_parser(), text, plan.max_calls)
     if not parsed.calls:
@@ -218,6 +221,7 @@ class ChoiceStream:
         return tool_finish_reason(finish_reason, self.plan, self.num_calls > 0)
 
     def _named(self, text: str) -> list[DeltaMessage]:
+        text = escape_controls(text)
         if self.num_calls == 0:
             return self._call(0, self.plan.named or "", text)
         return [_arguments_delta(0, text)] if text else []

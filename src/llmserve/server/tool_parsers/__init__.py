@@ -3,7 +3,7 @@ else the chat template's markers)."""
 
 from __future__ import annotations
 
-from llmserve.server.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser, parse_output
+from llmserve.server.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser, escape_controls, parse_output
 from llmserve.server.tool_parsers.hermes import HermesParser
 from llmserve.server.tool_parsers.json_array import JsonArrayParser
 from llmserve.server.tool_parsers.llama3_json import Llama3JsonParser
@@ -32,5 +32,5 @@ def resolve_parser(configured: str | None, chat_template: str | dict | None) -> 
 
 
 __all__ = ["PARSERS", "PARSER_NAMES", "HermesParser", "JsonArrayParser", "Llama3JsonParser", "MistralParser",
-           "ParsedCall", "ParsedOutput", "ToolCallStream", "ToolDelta", "ToolParser", "detect_parser",
+           "ParsedCall", "ParsedOutput", "ToolCallStream", "ToolDelta", "ToolParser", "detect_parser", "escape_controls",
            "parse_output", "resolve_parser"]

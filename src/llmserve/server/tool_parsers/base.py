@@ -81,10 +81,21 @@ def dump_arguments(arguments: dict) -> str:
 
 
 def loads_or_none(text: str) -> Any:
+    """JSON, or None; raw control characters in strings are taken (models and grammars emit them), the
+    arguments are dumped again with them escaped."""
     try:
-        return json.loads(text)
+        return json.loads(text, strict=False)
     except ValueError:
         return None
+
+
+_CONTROL_ESCAPES = {code: f"\\u{code:04x}" for code in range(0x20)}
+
+
+def escape_controls(json_text: str) -> str:
+    """JSON text without raw control characters: where JSON has no whitespace but single spaces (compact
+    separators), any control character is inside a string, where it must be escaped. Works on pieces."""
+    return json_text.translate(_CONTROL_ESCAPES)
 
 
 def partial_suffix_len(text: str, marker: str) -> int:
