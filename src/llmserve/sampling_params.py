@@ -18,7 +18,7 @@ MAX_SEED = 2**64 - 1
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
     """One output constraint (vLLM's `structured_outputs` names); exactly one of the five is set.
 
-    `json`: a JSON schema, kept as canonical JSON text (sorted keys) so it is a cache key;
+    `json`: a JSON schema as compact JSON text (its key order kept: properties come out in that order);
     `regex`: a regular expression the whole output matches; `choice`: the output is one of these strings;
     `grammar`: an EBNF grammar (GBNF dialect, root rule `root`); `json_object`: any JSON object.
     `disable_any_whitespace`: JSON without whitespace between tokens (otherwise bounded whitespace).
@@ -34,7 +34,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
 
     @classmethod
     def from_json_schema(cls, schema: dict | str | bool, **kwargs) -> StructuredOutputsParams:
-        """`schema` as a dict (or JSON text, parsed: ValueError if it is not JSON) -> canonical form."""
+        """`schema` as a dict (or JSON text, parsed: ValueError if it is not JSON) -> compact text."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -42,7 +42,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls(json=json.dumps(schema, sort_keys=True, separators=(",", ":")), **kwargs)
+        return cls(json=json.dumps(schema, separators=(",", ":")), **kwargs)
 
     @property
     def kind(self) -> str:
@@ -123,6 +123,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+            if self.min_tokens:  # the grammar decides where the output ends
+                raise ValueError("min_tokens cannot be combined with structured outputs")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Check the token ids the user gave (logit_bias keys, stop_token_ids) against the vocabulary."""

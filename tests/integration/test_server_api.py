@@ -58,7 +58,7 @@ def test_openapi_request_schema_is_what_the_server_accepts(openapi, path):
     assert schema["additionalProperties"] is False  # unknown fields are refused
     assert set(IGNORED_FIELDS) <= set(schema["properties"])
     assert {"max_tokens", "temperature", "top_k", "min_p", "stop", "stream_options"} <= set(schema["properties"])
-    assert "guided_json" not in schema["properties"]
+    assert {"response_format", "structured_outputs", "guided_json"} <= set(schema["properties"])
     assert ("prompt_logprobs" in schema["properties"]) == (path == "/v1/completions")  # vLLM's, completions only
     assert schema["properties"]["max_tokens"]["anyOf"] == [{"type": "integer", "minimum": 1}, {"type": "null"}]
     assert schema["properties"]["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
@@ -79,7 +79,7 @@ def test_docs_page(http):
     assert "/openapi.json" in response.text
 
 
-UNIMPLEMENTED = ["guided_json", "guided_choice", "structured_outputs", "use_beam_search",
+UNIMPLEMENTED = ["guided_json_object", "use_beam_search",
                  "length_penalty", "allowed_token_ids", "bad_words", "reasoning_effort", "logits_processors"]
 
 

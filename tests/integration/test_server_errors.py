@@ -78,8 +78,7 @@ BAD_INPUTS = [
     ("logit-bias-key", CMPL, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("logit-bias-oov", CMPL, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("suffix", CMPL, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("response-format", CHAT, {"messages": msgs(), "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("response-format", CHAT, {"messages": msgs(), "response_format": {"type": "xml"}}, 400, "response_format"),
     ("tools-type", CHAT, {"messages": msgs(), "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400,
      "tools[0].type"),
     ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -89,7 +88,7 @@ BAD_INPUTS = [
      "stream_options"),
     ("unknown-model", CMPL, {"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
     ("tgi-no-inputs", TGI, {"parameters": {}}, 400, "inputs"),
-    ("tgi-grammar", TGI, {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}, 400, "grammar"),
+    ("tgi-grammar", TGI, {"inputs": "x", "parameters": {"grammar": {"type": "ebnf", "value": "x"}}}, 400, "grammar"),
     ("stream-over-context", CHAT, {"messages": msgs(LONG), "stream": True}, 400, "tokens"),
     ("unknown-route", "/v1/nothing", {}, 404, ""),
 ]

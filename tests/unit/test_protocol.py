@@ -44,8 +44,8 @@ def test_validation_error_names_the_field():
     assert err.param == "max_tokens" and "max_tokens" in err.message
 
 
-UNIMPLEMENTED = ["guided_json", "guided_regex", "use_beam_search", "allowed_token_ids",
-                 "bad_words", "structured_outputs", "reasoning_effort", "truncate_prompt_tokens", "no_such_field"]
+UNIMPLEMENTED = ["use_beam_search", "allowed_token_ids", "bad_words", "reasoning_effort", "truncate_prompt_tokens",
+                 "guided_json_object", "no_such_field"]
 
 
 @pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest, TokenizeRequest])
@@ -110,7 +110,8 @@ def test_chat_overrides():
 
 
 @pytest.mark.parametrize("body, word", [({"top_logprobs": 2}, "logprobs"),
-                                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                                        ({"response_format": {"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
                                         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
                                         ({"function_call": "auto"}, "function")])
 def test_chat_rejects(body, word):
@@ -136,7 +137,7 @@ def test_tgi_overrides_greedy_unless_sampling():
     assert "temperature" not in tgi_overrides(TGIParameters(do_sample=True))
     assert tgi_overrides(TGIParameters(temperature=0.5))["temperature"] == 0.5
     with pytest.raises(ValueError, match="grammar"):
-        tgi_overrides(TGIParameters(grammar={"type": "regex"}))
+        tgi_overrides(msgspec.convert({"grammar": {"type": "regex", "value": "a("}}, TGIParameters))
 
 
 def test_tgi_finish_reason():

@@ -7,6 +7,7 @@ import enum
 from llmserve.core.block_pool import BlockHash
 from llmserve.engine.messages import EngineCoreRequest, FinishReason
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,6 +54,8 @@ class Request:
         # Sampling steps scheduled whose token ids are not back yet (async scheduling: the step in
         # flight; 0 between steps without it). Each stands for one token position.
         self.num_placeholders = 0
+        # Structured outputs: the grammar the output follows (set by the engine when the params ask for one).
+        self.grammar: RequestGrammar | None = None
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

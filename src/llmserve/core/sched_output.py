@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured.bitmask import StepGrammar
 
 
 @dataclass
@@ -41,6 +42,9 @@ class SchedulerOutput:
     # only), and whether the runner should propose drafts for the next step.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     use_speculation: bool = False
+    # Structured outputs: the grammars of the rows that sample this step (the runner fills their bitmask
+    # once the forward is launched, so on a GPU the fill overlaps it).
+    grammar: StepGrammar | None = None
 
     @property
     def is_empty(self) -> bool:

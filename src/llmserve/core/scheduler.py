@@ -15,11 +15,13 @@ within one step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.core.block_pool import KVBlock
+from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
@@ -27,6 +29,9 @@ from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, New
 from llmserve.core.stop import check_stop
 from llmserve.core.spec_stats import SpecDecodeCounter
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from llmserve.structured.bitmask import StepGrammar
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -44,6 +49,8 @@ class Scheduler:
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self.held_siblings: dict[str, list[Request]] = {}  # first sibling id -> siblings waiting for it
+        self.compiling = GrammarWaitList()  # structured requests whose grammar is not compiled yet
+        self.num_structured = 0  # unfinished requests with a grammar
         self.finished_req_ids: set[str] = set()  # since the last step, for the runner
         self.seen_by_runner: set[str] = set()
         self.aborted_outputs: list[EngineCoreOutput] = []
@@ -56,6 +63,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
+        if request.grammar is not None:  # queued once compiled (at once on a cache hit): _admit_compiled
+            self.num_structured += 1
+            self.compiling.add(request)
+            return
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         first = self._first_sibling_in_prefill(request)
         if first is not None:
             self.held_siblings.setdefault(first.request_id, []).append(request)
@@ -82,7 +96,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif not self._unhold(request):
+            elif not self._unhold(request) and not self.compiling.remove(request):
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self.aborted_outputs.append(EngineCoreOutput(req_id, [], finish_reason=request.status.finish_reason()))
@@ -98,10 +112,23 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self._release_siblings(request)
+        self.num_structured -= request.grammar is not None
         del self.requests[request.request_id]
         if request.request_id in self.seen_by_runner:
             self.seen_by_runner.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the queue; one that failed to compile ends (aborted)."""
+        for request in self.compiling.take_ready():
+            if request.grammar.error is None:
+                request.grammar.start()
+                self._enqueue(request)
+                continue
+            logger.error("request %s: its grammar failed to compile: %s", request.request_id, request.grammar.error)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self.aborted_outputs.append(EngineCoreOutput(request.request_id, [],
+                                                         finish_reason=request.status.finish_reason()))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.aborted_outputs)
@@ -113,6 +140,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
         budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
@@ -127,10 +155,21 @@ class Scheduler:
             request.num_computed_tokens = end
             if end >= request.num_tokens_with_placeholders:
                 request.num_placeholders += 1  # this step samples its next token
+                if request.grammar is not None:
+                    self._constrain(out, request)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         return out
+
+    def _constrain(self, out: SchedulerOutput, request: Request) -> None:
+        """The step samples for a structured request: its grammar masks the logits (the runner fills it)."""
+        if out.grammar is None:
+            out.grammar = StepGrammar()
+        out.grammar.grammars[request.request_id] = request.grammar
+        drafts = out.scheduled_spec_tokens.get(request.request_id)
+        if drafts:
+            out.grammar.drafts[request.request_id] = drafts
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: capped while some request decodes, so that a long
@@ -155,6 +194,8 @@ class Scheduler:
                 continue
             num_real = request.num_tokens_with_placeholders - request.num_computed_tokens
             drafts, request.spec_token_ids = (request.spec_token_ids if can_speculate else []), []
+            if drafts and request.grammar is not None:  # only drafts the grammar allows are worth verifying
+                drafts = drafts[:request.grammar.num_valid_drafts(drafts)]
             num_new = min(num_real + len(drafts), budget)
             if num_real > 1:  # a prompt chunk (or a preempted request's recompute)
                 num_new = min(num_new, self.prefill_budget)
@@ -333,6 +374,8 @@ class Scheduler:
             request.append_output_token(token_id)
             accepted.append(token_id)
             status = check_stop(request, self.max_model_len)
+            if status is None and request.grammar is not None:
+                status = self._follow_grammar(request, token_id)
             if status is not None:
                 break
         out = EngineCoreOutput(request.request_id, accepted, new_logprobs=row_logprobs,
@@ -351,10 +394,18 @@ class Scheduler:
             out.stop_reason = request.stop_reason
         return out
 
+    def _follow_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Advance the grammar over a kept token: stopped once it is complete (its stop token taken)."""
+        if not request.grammar.accept(token_id):  # the bitmask allowed it, so the grammar must
+            logger.error("request %s: token %d broke its grammar; ending it", request.request_id, token_id)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if request.grammar.is_terminated else None
+
     def _stats(self, sched_out: SchedulerOutput, num_generated: int) -> SchedulerStats:
         queries, hits = self.kv.take_prefix_stats()
         num_preemptions, self.num_preemptions = self.num_preemptions, 0
-        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting) + self._num_held(),
+        return SchedulerStats(num_running=len(self.running),
+                              num_waiting=len(self.waiting) + self._num_held() + len(self.compiling),
                               kv_cache_usage=self.kv.usage(), num_kv_blocks=self.kv.pool.num_usable_blocks,
                               num_free_kv_blocks=self.kv.pool.get_num_free_blocks(), prefix_cache_queries=queries,
                               prefix_cache_hits=hits, num_preemptions=num_preemptions,
@@ -375,5 +426,7 @@ class Scheduler:
             assert request.request_id in self.requests
             assert request.num_computed_tokens <= request.num_tokens_with_placeholders, \
                 "computed past the tokens (drafts not rolled back)"
+        assert self.num_structured == sum(r.grammar is not None for r in self.requests.values())
+        assert all(r.request_id in self.requests for r in self.compiling.requests)
         owners = set(self.kv.req_to_blocks)
         assert owners <= {r.request_id for r in self.running}, "a non-running request holds blocks"

@@ -20,12 +20,15 @@ from llmserve.config import EngineConfig
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from llmserve.model.loader import ModelInfo, load_model_info, resolve_dtype, resolve_model_path
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, GrammarStats
+from llmserve.model.loader import ModelInfo, load_model_info, load_tokenizer, resolve_dtype, resolve_model_path
+from llmserve.structured.compiler import GrammarCompiler
+from llmserve.structured.matcher import RequestGrammar
 from llmserve.worker.step_handle import StepHandle
 from llmserve.worker.worker import Worker, device_memory
 
 logger = logging.getLogger(__name__)
+GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
 
 
 def resolve_device(device: str) -> torch.device:
@@ -61,6 +64,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative)
         self.is_async = bool(config.scheduler.async_scheduling)
+        tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
+        self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
+                                        self.model_info.eos_token_ids)
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
         logger.info("engine ready: %s on %s (%s, threads: %d), %d KV blocks of %d tokens, max_num_seqs %d, "
                     "token budget %d, async scheduling %s", name, self.device, self.dtype, self.num_threads,
@@ -68,7 +74,11 @@ class EngineCore:
                     config.scheduler.max_num_batched_tokens, "on" if self.is_async else "off")
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.model_info.max_model_len))
+        core_request = Request.from_engine_core_request(request, self.model_info.max_model_len)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
+            core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -78,16 +88,26 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        if self.is_async and not self.scheduler.can_speculate():
+        # Drafts and grammars need the previous step's tokens before the next is scheduled: no overlap.
+        if self.is_async and not self.scheduler.can_speculate() and not self.scheduler.num_structured:
             outputs = self._step_overlapped()
         elif self.in_flight is not None:
             outputs = self._finish_in_flight()  # leaving overlap: the step in flight first
         else:
             sched_out = self.scheduler.schedule()
+            if sched_out.is_empty and len(self.scheduler.compiling):
+                self.scheduler.compiling.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar compiles
             outputs = self.scheduler.update_from_output(sched_out, self._execute(sched_out))
         if outputs.stats is not None:
             outputs.stats.step_time = time.perf_counter() - start
+            outputs.stats.grammar = self._grammar_stats()
         return outputs
+
+    def _grammar_stats(self) -> GrammarStats | None:
+        stats = self.grammars.take_stats()
+        if not stats.num_queries and not stats.compile_seconds:
+            return None
+        return GrammarStats(stats.num_queries, stats.num_hits, stats.compile_seconds)
 
     def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         if sched_out.is_empty:

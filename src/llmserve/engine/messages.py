@@ -71,6 +71,14 @@ class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):
     accepted_per_position: list[int] = []  # [k]: rows whose draft at position j was accepted
 
 
+class GrammarStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Structured outputs since the last step: grammar cache queries and hits, and each new compile's time."""
+
+    num_queries: int = 0
+    num_hits: int = 0
+    compile_seconds: list[float] = []
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -86,6 +94,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     step_time: float = 0.0  # seconds
     timestamp: float = 0.0
     spec: SpecDecodeStats | None = None  # None when no drafts were verified this step
+    grammar: GrammarStats | None = None  # None when no grammar was asked for or compiled
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

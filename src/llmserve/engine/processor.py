@@ -6,6 +6,7 @@ import time
 
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured.grammar import validate as validate_constraint
 
 # generation_config.json keys that become SamplingParams defaults.
 _GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -59,6 +60,8 @@ class Processor:
         """Validated engine requests: one per sequence (n of them, ids from child_request_id)."""
         params.validate()
         params.validate_for_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            validate_constraint(params.structured_outputs)  # a bad schema is the user's 400, not an engine error
         self.check_length(len(prompt_token_ids), params)
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.n == 1:

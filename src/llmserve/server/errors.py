@@ -92,7 +92,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"the engine is not running: {exc}", retry_after=30)
     if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), param=getattr(exc, "param", None))  # structured_fields.FieldError names it
     logger.error("internal error while serving a request", exc_info=exc)
     return internal_error()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from llmserve.server.structured_fields import request_structured_outputs
 
 _SIMPLE_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                   "repetition_penalty", "stop_token_ids")
@@ -48,7 +49,8 @@ def common_overrides(req: SamplingFields) -> dict:
     overrides.update(n=req.n, stop=_stop(req.stop), logit_bias=_logit_bias(req.logit_bias),
                      min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                      include_stop_str_in_output=req.include_stop_str_in_output,
-                     skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
+                     skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
+                     structured_outputs=request_structured_outputs(req))
     return overrides
 
 
@@ -65,10 +67,6 @@ def completion_overrides(req: CompletionRequest) -> dict:
 
 
 def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    response_format = req.response_format
-    if response_format is not None and (not isinstance(response_format, dict) or
-                                        response_format.get("type", "text") != "text"):
-        raise ValueError("response_format other than {'type': 'text'} is not supported")
     if req.functions or req.function_call is not None:  # tools: server/tool_calls.py
         raise ValueError("functions / function_call are deprecated and not supported: send tools and tool_choice")
     if req.audio is not None or (req.modalities and req.modalities != ["text"]):

@@ -2,9 +2,11 @@
 
 Decoding rejects malformed JSON, NaN/Infinity, out-of-range numbers and wrong types with a message
 naming the field (-> 400). Request records forbid unknown fields: a field we do not implement (vLLM's
-`guided_json`, `prompt_logprobs`, `best_of` beyond n, ...) is refused (400, naming it) rather than
-silently ignored. Known OpenAI fields we do not support are declared so that their refusal can say why;
-the only fields accepted and ignored are those of `IgnoredFields`, which never change an output.
+`use_beam_search`, `allowed_token_ids`, ...) is refused (400, naming it) rather than silently ignored.
+The fields that constrain the output (`response_format`, `structured_outputs`, `guided_*`) are declared
+here with their records in structured_fields.py, which turns them into StructuredOutputsParams. Known
+OpenAI fields we do not support are declared so that their refusal can say why; the only fields accepted
+and ignored are those of `IgnoredFields`, which never change an output.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from msgspec import Meta
 
 from llmserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
 from llmserve.server.protocol_tools import ChatTool, DeltaToolCall, ToolCall, ToolChoice
+from llmserve.server.structured_fields import JsonSchema, ResponseFormat, StructuredOutputsRequest
 
 # Ranges that SamplingParams.validate() enforces, declared here too so that /openapi.json states them
 # (decoding then refuses a value out of range with a 400 naming the field, before SamplingParams does).
@@ -46,8 +49,6 @@ NULL: dict[str, Any] = {"type": "null"}
 NULL_OR_EMPTY: dict[str, Any] = {"anyOf": [NULL, {"type": "array", "maxItems": 0}]}
 NULL_OR_FALSE: dict[str, Any] = {"enum": [None, False]}
 TEXT_ONLY: dict[str, Any] = {"anyOf": [NULL, {"type": "array", "items": {"enum": ["text"]}, "maxItems": 1}]}
-TEXT_FORMAT: dict[str, Any] = {"anyOf": [NULL, {"type": "object", "properties": {"type": {"enum": ["text"]}},
-                                                "required": ["type"]}]}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,6 +99,15 @@ class SamplingFields(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     speculative: bool = True  # false: this request opts out of speculative decoding
     priority: Int64 = 0
+    # Output constraints (structured_fields.py): at most one a request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # "xgrammar" or "auto"
+    guided_whitespace_pattern: refused_unless(NULL) = None
 
 
 PromptItem = str | int | list[int]
@@ -138,7 +148,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # default true: several calls may be returned
     # Declared to be refused (params.py) while unsupported.
-    response_format: refused_unless(TEXT_FORMAT) = None
     functions: refused_unless(NULL_OR_EMPTY) = None
     function_call: refused_unless(NULL) = None
     audio: refused_unless(NULL) = None

@@ -22,6 +22,7 @@ from llmserve.server.errors import to_api_error
 from llmserve.server.protocol import (NULL, NULL_OR_FALSE, NumLogprobs, Penalty, PositiveInt, RepetitionPenalty,
                                       StopStrings, Temperature, TopK, TopP, decode_json, encode_json, refused_unless)
 from llmserve.server.serving_common import ServingContext, collect_final, new_request_id
+from llmserve.server.structured_fields import TGIGrammar, tgi_structured_outputs
 from llmserve.server.streams import log_error_event, sse_response, until_disconnect
 
 DEFAULT_MAX_NEW_TOKENS = 100
@@ -33,7 +34,7 @@ class TGIParameters(msgspec.Struct, kw_only=True):
     details: bool | None = None
     do_sample: bool | None = None
     frequency_penalty: Penalty | None = None
-    grammar: refused_unless(NULL) = None
+    grammar: TGIGrammar | None = None  # {"type": "json" | "regex", "value": ...}
     max_new_tokens: PositiveInt | None = None
     repetition_penalty: RepetitionPenalty | None = None
     return_full_text: bool | None = None
@@ -132,8 +133,6 @@ def tgi_info(ctx: ServingContext) -> TGIInfo:
 
 
 def _check_unsupported(p: TGIParameters) -> None:
-    if p.grammar is not None:
-        raise ValueError("grammar is not supported")
     if p.watermark:
         raise ValueError("watermark is not supported")
     if p.typical_p is not None and p.typical_p < 1.0:
@@ -152,7 +151,8 @@ def tgi_overrides(p: TGIParameters) -> dict:
     """TGI parameters in SamplingParams' names; greedy unless sampling was asked for."""
     _check_unsupported(p)
     overrides: dict[str, Any] = {"max_tokens": DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None
-                                 else p.max_new_tokens, "logprobs": p.top_n_tokens or 0, "stop": p.stop}
+                                 else p.max_new_tokens, "logprobs": p.top_n_tokens or 0, "stop": p.stop,
+                                 "structured_outputs": tgi_structured_outputs(p.grammar)}
     for name in ("frequency_penalty", "repetition_penalty", "seed", "temperature", "top_k", "top_p"):
         if getattr(p, name) is not None:
             overrides[name] = getattr(p, name)

@@ -38,10 +38,47 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex
 
 
 def _json_grammar(xgr, schema: str, disable_any_whitespace: bool):
+    schema = json.dumps(length_bounds_as_patterns(json.loads(schema)))
     if disable_any_whitespace:
         return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
     return xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE,
                                         strict_mode=True)
+
+
+# One character of a bounded string: printable, not '"' or '\\', no UTF-16 surrogate (xgrammar's "." and
+# negated classes let surrogates through, which are not UTF-8), within the basic plane.
+STRING_CHAR = r"[\u0020-\u0021\u0023-\u005b\u005d-\ud7ff\ue000-\uffff]"
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
+
+
+def length_bounds_as_patterns(schema):
+    """The schema with every plain string's minLength/maxLength written as a pattern.
+
+    xgrammar 0.2.8 lets such strings hold raw control characters (invalid JSON: its issue 800); its pattern
+    strings are JSON-escaped correctly. The pattern allows no escape sequences and only characters of the
+    basic plane (STRING_CHAR), which narrows the outputs but keeps every one valid.
+    """
+    if isinstance(schema, list):
+        return [length_bounds_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [length_bounds_as_patterns(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: length_bounds_as_patterns(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = length_bounds_as_patterns(out[key])
+    is_plain_string = out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & out.keys()
+    if is_plain_string and ("minLength" in out or "maxLength" in out):
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f"^{STRING_CHAR}{{{low},{'' if high is None else int(high)}}}$"
+    return out
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -23,6 +23,7 @@ from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, Schedu
 from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.proposer import Proposer
+from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.input_batch import CachedRequestState, StepInputs, logits_indices, on_device
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
@@ -82,6 +83,9 @@ class ModelRunner:
         prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
         t1 = self._mark()
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
+        if sched_out.grammar is not None:  # filled on the host while the device runs the forward
+            bitmask, indices = sched_out.grammar.fill([req_ids[i] for i in inputs.sample_rows], logits.shape[-1])
+            apply_bitmask(logits, bitmask, indices)
         t2 = self._mark()
         rows = [states[i] for i in inputs.sample_rows]
         scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}

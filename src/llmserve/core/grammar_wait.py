@@ -1,0 +1,44 @@
+"""Requests whose grammar is compiling (or compiled since the last step): they join the waiting queue once it is compiled, so a
+slow compile never stalls the steps of the other requests."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from llmserve.core.request import Request
+
+
+class GrammarWaitList:
+    def __init__(self) -> None:
+        self.requests: list[Request] = []  # arrival order
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self.requests
+
+    def add(self, request: Request) -> None:
+        assert request.grammar is not None
+        self.requests.append(request)
+
+    def remove(self, request: Request) -> bool:
+        """Take `request` out (an abort); False if it was not here."""
+        if request not in self.requests:
+            return False
+        self.requests.remove(request)
+        return True
+
+    def take_ready(self) -> list[Request]:
+        """The requests whose compile has ended (compiled or failed), in arrival order."""
+        if not self.requests or not any(r.grammar.is_ready for r in self.requests):
+            return []
+        ready = [r for r in self.requests if r.grammar.is_ready]
+        self.requests = [r for r in self.requests if not r.grammar.is_ready]
+        return ready
+
+    def wait(self, timeout: float) -> None:
+        """Block until one compile ends or `timeout` seconds pass (an engine with nothing else to do)."""
+        if self.requests:
+            concurrent.futures.wait([r.grammar.compiled for r in self.requests], timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
