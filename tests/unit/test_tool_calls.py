@@ -131,7 +131,8 @@ def test_tool_messages_reach_the_template():
     req = request(messages=[
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     conversation = chat_conversation(req.messages)
     assert conversation[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
@@ -148,6 +149,15 @@ def test_tool_messages_reach_the_template():
 def test_invalid_tool_messages(message, word):
     with pytest.raises(ValueError, match=word):
         chat_conversation(request(messages=[message]).messages)
+
+
+def test_tool_call_parser_flag():
+    from llmserve.server.cli import main  # noqa: F401 - the flag comes from ServerConfig
+    from llmserve.server.config import ServerConfig
+
+    assert ServerConfig(tool_call_parser="mistral").tool_call_parser == "mistral"
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        ServerConfig(tool_call_parser="bogus")
 
 
 # ---- outputs sampled under the grammar (what the engine does, here with xgrammar and random logits) ----

@@ -32,5 +32,5 @@ def resolve_parser(configured: str | None, chat_template: str | dict | None) -> 
 
 
 __all__ = ["PARSERS", "PARSER_NAMES", "HermesParser", "JsonArrayParser", "Llama3JsonParser", "MistralParser",
-           "ParsedCall", "ParsedOutput", "ToolCallStream", "ToolDelta", "ToolParser", "detect_parser", "escape_controls",
-           "parse_output", "resolve_parser"]
+           "ParsedCall", "ParsedOutput", "ToolCallStream", "ToolDelta", "ToolParser", "detect_parser",
+           "escape_controls", "parse_output", "resolve_parser"]
