@@ -1,9 +1,8 @@
 """Tool calling through the official `openai` client against a real server on a tiny random model (whose
 ChatML template renders tools Hermes-style, so tool_choice "auto" uses the hermes parser).
 
-tool_choice "required" and named are enforced by the engine's structured-output grammar: the tests marked
-`needs_grammar` skip when a probe finds the engine does not enforce it. Parameter schemas are bounded
-(strings with maxLength, bounded integers, enums) so that a random model finishes within max_tokens.
+tool_choice "required" and named are enforced by the engine's structured-output grammar. Parameter schemas
+are bounded (strings with maxLength, bounded integers, enums) so that a random model finishes within max_tokens.
 """
 
 from __future__ import annotations
@@ -47,25 +46,6 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def enforces_grammar(client) -> bool:
-    """Whether the engine applies structured outputs: a named call with a one-value schema must give it."""
-    tool = {"type": "function", "function": {"name": "probe", "parameters": {
-        "type": "object", "properties": {"v": {"enum": ["yes"]}}, "required": ["v"], "additionalProperties": False}}}
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[tool], max_tokens=20,
-                                         tool_choice={"type": "function", "function": {"name": "probe"}})
-    try:
-        return json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"v": "yes"}
-    except ValueError:
-        return False
-
-
-@pytest.fixture
-def needs_grammar(enforces_grammar):
-    if not enforces_grammar:
-        pytest.skip("the engine does not enforce structured outputs (tool_choice required / named) yet")
-
-
 def check_calls(calls, num: int | None = None) -> list[tuple[str, dict]]:
     """Each call's name and arguments, after checking them against the function's parameters."""
     out = []
@@ -103,7 +83,7 @@ def whole(out) -> tuple[str | None, list[tuple[str, str]], str]:
     return choice.message.content or None, calls, choice.finish_reason
 
 
-def test_named_tool_choice(client, needs_grammar):
+def test_named_tool_choice(client):
     out = client.chat.completions.create(tool_choice=NAMED, **BASE)
     choice = out.choices[0]
     assert choice.finish_reason == "stop"  # OpenAI's for a named function
@@ -111,14 +91,14 @@ def test_named_tool_choice(client, needs_grammar):
     assert [name for name, _ in check_calls(choice.message.tool_calls, 1)] == ["get_weather"]
 
 
-def test_required_tool_choice(client, needs_grammar):
+def test_required_tool_choice(client):
     out = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **BASE)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     check_calls(choice.message.tool_calls, 1)
 
 
-def test_required_parallel_tool_calls(client, needs_grammar):
+def test_required_parallel_tool_calls(client):
     """Without maxItems a random model rarely closes the array: the calls it completed within max_tokens
     are returned (finish_reason "length"), each valid; the cut one stays in the content."""
     out = client.chat.completions.create(tool_choice="required", **{**BASE, "tools": TOOLS[1:], "max_tokens": 120})
@@ -128,7 +108,7 @@ def test_required_parallel_tool_calls(client, needs_grammar):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED])
-def test_stream_reassembles_to_the_same_calls(client, needs_grammar, tool_choice):
+def test_stream_reassembles_to_the_same_calls(client, tool_choice):
     kwargs = dict(tool_choice=tool_choice, **BASE)
     assert streamed(client, **kwargs) == whole(client.chat.completions.create(**kwargs))
 
