@@ -78,3 +78,20 @@ def test_unreachable_and_wrong_model(server, capsys):
     assert "not among the served models" in capsys.readouterr().err
     assert main(["serve", "--url", "http://127.0.0.1:9", "--num-requests", "1", "--no-progress"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_json_schema_reports_grammar_compiles_and_hits(server, tmp_path, endpoint, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                                  "additionalProperties": False, "title": endpoint}))  # a new schema per test
+    rc, data = _bench(tmp_path, "--url", server.url, "--endpoint", endpoint, "--json-schema", str(schema),
+                      "--concurrency", "1,2", "--num-requests", "4", "--input-len", "8", "--output-len", "12")
+    assert rc == 0
+    for run in data["runs"]:  # the probe compiled the schema: every measured request hits the cache
+        assert run["metrics"]["num_completed"] == 4
+        assert run["grammar"]["num_queries"] == 4 and run["grammar"]["cache_hit_rate"] == 1.0
+        assert run["grammar"]["num_compiles"] == 0
+    whole = data["grammar"]["127.0.0.1:" + server.url.rsplit(":", 1)[1]]
+    assert whole["num_compiles"] == 1 and whole["mean_compile_s"] > 0 and whole["num_queries"] == 10
+    assert "Grammar cache hit rate (%)" in capsys.readouterr().out

@@ -13,13 +13,15 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from llmserve.bench import probe
 from llmserve.bench.client import Target, make_http_client, send_request
 from llmserve.bench.config import BenchServeConfig, DatasetConfig, LoadConfig, OutputConfig, TargetConfig
 from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.runner import run_benchmark
+from llmserve.engine.messages import GrammarStats, SchedulerStats
+from llmserve.server.metrics import ServerMetrics
 from llmserve.server.testing import wait_until
 
 MODELS = ["ok", "slow", "error500", "hang", "midstream_error", "drop", "garbage", "strict", "flaky"]
@@ -38,6 +40,16 @@ def make_app(log):
     @app.get("/{server}/v1/models")
     async def models(server: str):
         return {"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]}
+
+    @app.get("/{server}/metrics")
+    async def metrics(server: str):
+        """Server "g" exports llmserve's grammar metrics: the first constrained request compiles, the rest hit."""
+        if server != "g":
+            return PlainTextResponse("not found", 404)
+        n = sum(1 for c in log if c[0] == "g" and ("response_format" in c[3] or "structured_outputs" in c[3]))
+        exported = ServerMetrics("m")
+        exported.on_scheduler_stats(SchedulerStats(grammar=GrammarStats(n, max(n - 1, 0), [0.05] if n else [])))
+        return PlainTextResponse(exported.render().decode())
 
     @app.post("/{server}/v1/completions")
     async def completions(server: str, request: Request):
@@ -251,3 +263,28 @@ def test_open_loop_and_errors_mid_run(fake):
     assert m.num_completed + m.num_failed == 12 and m.num_failed >= 3 and set(m.errors) == {"http_500"}
     starts = [r.start_s for r in run.records]
     assert starts == sorted(starts) and all(r.queue_s >= 0 for r in run.records)  # the cap's queue is FIFO
+
+
+def test_json_schema_run_reports_grammar_from_servers_that_export_it(fake, tmp_path):
+    url, log = fake
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    cfg = BenchServeConfig(
+        target=TargetConfig(url=url + "/g", model="ok", compare=url + "/b", compare_model="ok", labels="g,b",
+                            endpoint="chat", json_schema=str(path)),
+        dataset=DatasetConfig(input_len=4, output_len=3),
+        load=LoadConfig(concurrency="2", num_requests=4, warmup=1),
+        output=OutputConfig(progress=False),
+    )
+    start = len(log)
+    result = asyncio.run(run_benchmark(cfg, None, log=lambda m: None))
+    bodies = [c[3] for c in log[start:]]
+    assert len(bodies) == 12 and all(b["response_format"]["json_schema"]["schema"] == schema for b in bodies)
+    g, b = result.run("g", result.levels[0]), result.run("b", result.levels[0])
+    assert b.grammar is None and b.metrics.num_completed == 4
+    assert (g.grammar.num_queries, g.grammar.num_hits, g.grammar.num_compiles) == (4, 4, 0)  # the probe compiled it
+    assert g.grammar.cache_hit_rate == 1.0 and g.grammar.mean_compile_s is None
+    whole = result.grammar["g"]  # probe and warm-up included
+    assert set(result.grammar) == {"g"} and (whole.num_queries, whole.num_compiles) == (6, 1)
+    assert whole.mean_compile_s == pytest.approx(0.05) and whole.max_compile_s == 0.05

@@ -1,6 +1,6 @@
 """ServerMetrics from engine stats: KV gauges follow every step, speculative decoding counters add up."""
 
-from llmserve.engine.messages import SchedulerStats, SpecDecodeStats
+from llmserve.engine.messages import GrammarStats, SchedulerStats, SpecDecodeStats
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.testing import metric_value
 
@@ -20,3 +20,18 @@ def test_kv_gauges_and_spec_counters_follow_scheduler_stats():
     assert 'position="0"} 3.0' in text and 'position="3"} 1.0' in text
     assert metric_value(text, "llmserve:spec_decode_acceptance_rate") == 0.75
     assert metric_value(text, "llmserve:spec_decode_mean_accepted_length") == 4.0
+
+
+def test_grammar_counters_and_compile_histogram_follow_scheduler_stats():
+    metrics = ServerMetrics("m")
+    metrics.on_scheduler_stats(SchedulerStats(grammar=GrammarStats(3, 1, [0.004, 0.3])))
+    metrics.on_scheduler_stats(SchedulerStats(grammar=GrammarStats(2, 2, [])))
+    metrics.on_scheduler_stats(SchedulerStats())  # a step without grammars leaves them as they were
+    text = metrics.render().decode()
+    assert metric_value(text, "llmserve:grammar_cache_queries_total") == 5
+    assert metric_value(text, "llmserve:grammar_cache_hits_total") == 3
+    assert metric_value(text, "llmserve:grammar_compile_seconds_count") == 2
+    assert metric_value(text, "llmserve:grammar_compile_seconds_sum") == 0.304
+    assert 'llmserve:grammar_compile_seconds_bucket{le="0.001",model_name="m"} 0.0' in text
+    assert 'llmserve:grammar_compile_seconds_bucket{le="0.005",model_name="m"} 1.0' in text
+    assert 'llmserve:grammar_compile_seconds_bucket{le="10.0",model_name="m"} 2.0' in text

@@ -196,3 +196,11 @@ def test_min_tokens_and_bad_constraints_are_refused(llm):
         llm.generate([[1, 2, 3]], SamplingParams(structured_outputs=Constraint(regex="a(b")))
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs=Constraint(regex="a", choice=["b"]))
+
+
+def test_logprobs_of_forbidden_tokens_are_finite(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, logprobs=5, max_tokens=10,
+                                                   structured_outputs=Constraint(choice=["yes"])))[0].outputs[0]
+    assert out.text == "yes" and out.logprobs
+    values = [v for lp in out.logprobs for _, v in lp.top] + [lp.logprob for lp in out.logprobs]
+    assert all(-9999.0 <= v <= 0.0 for v in values) and min(values) == -9999.0

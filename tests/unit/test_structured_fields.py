@@ -16,7 +16,7 @@ from llmserve.server.serving_tgi import TGIRequest, tgi_overrides
 from llmserve.server.structured_fields import FieldError
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-CANONICAL = json.dumps(SCHEMA, sort_keys=True, separators=(",", ":"))
+CANONICAL = json.dumps(SCHEMA, separators=(",", ":"))  # key order kept: properties come out in it
 NAMED = {"name": "thing", "schema": SCHEMA}
 
 

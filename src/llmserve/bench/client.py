@@ -19,6 +19,7 @@ from llmserve.bench.sse import Chunk, ProtocolError, SSEDecoder, parse_chunk
 
 ERROR_KINDS = ("http_<status>", "timeout", "connection", "protocol", "stream_error")
 _MAX_ERROR_CHARS = 500
+SCHEMA_NAME = "bench_schema"  # response_format.json_schema.name (required by OpenAI)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Target:
     is_usage_requested: bool = True  # stream_options.include_usage
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 300.0
+    json_schema: dict | None = None  # every request asks for JSON that follows it
 
     @property
     def api_url(self) -> str:
@@ -83,8 +85,18 @@ def build_payload(target: Target, req: BenchRequest) -> dict:
         body["stream_options"] = {"include_usage": True}
     if target.is_ignore_eos_sent:
         body["ignore_eos"] = True
+    if target.json_schema is not None:
+        body.update(schema_fields(target.endpoint, target.json_schema))
     body.update(target.extra_body)
     return body
+
+
+def schema_fields(endpoint: str, schema: dict) -> dict:
+    """The request field that asks for JSON following `schema`: OpenAI's response_format on chat (the form
+    every chat server takes), vLLM's structured_outputs on completions (OpenAI's has no response_format)."""
+    if endpoint == "chat":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": SCHEMA_NAME, "schema": schema}}}
+    return {"structured_outputs": {"json": schema}}
 
 
 def make_http_client(max_connections: int | None = None) -> httpx.AsyncClient:

@@ -27,6 +27,7 @@ class TargetConfig:
     stream: bool = field(default=True, metadata={"help": "stream tokens (SSE); --no-stream measures end-to-end latency only"})
     ignore_eos: bool = field(default=True, metadata={"help": "ask for exactly max_tokens tokens (ignore_eos), where the server accepts it"})
     extra_body: str | None = field(default=None, metadata={"help": "JSON object merged into every request body"})
+    json_schema: str | None = field(default=None, metadata={"help": "JSON schema file: every request asks for JSON that follows it (chat: response_format json_schema; completions: structured_outputs.json)"})
     timeout: float = field(default=300.0, metadata={"help": "per-request timeout in seconds"})
 
 
@@ -105,6 +106,10 @@ class BenchServeConfig:
     @property
     def extra_body(self) -> dict:
         return parse_extra_body(self.target.extra_body)
+
+    @property
+    def json_schema(self) -> dict | None:
+        return load_json_schema(self.target.json_schema)
 
     @property
     def urls(self) -> list[str]:
@@ -187,6 +192,22 @@ def parse_extra_body(text: str | None) -> dict:
     return body
 
 
+def load_json_schema(path: str | None) -> dict | None:
+    """The schema of --json-schema FILE (a JSON object), or None without one."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {path!r} ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--json-schema: {path!r} is not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: {path!r} must hold a JSON object (a JSON schema)")
+    return schema
+
+
 def normalize_url(url: str) -> str:
     """'http://h:8000/v1/' -> 'http://h:8000'."""
     url = url.strip().rstrip("/")
@@ -211,6 +232,7 @@ def validate(cfg: BenchServeConfig) -> None:
     _validate_load(cfg.load)
     parse_levels(cfg.load.concurrency, cfg.load.request_rate)
     parse_extra_body(cfg.target.extra_body)
+    load_json_schema(cfg.target.json_schema)
     parse_labels(cfg.target.labels, cfg.urls)
     if cfg.target.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {cfg.target.timeout}")

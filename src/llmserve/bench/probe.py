@@ -92,6 +92,9 @@ def diagnose(target: Target, rec: RequestRecord, served: list[str], sample: Benc
         hints.append(f"Does the server serve {ENDPOINT_PATHS[target.endpoint]}? (try --endpoint {other})")
     if kind in ("http_400", "http_422") and not hints and isinstance(sample.prompt, list):
         hints.append("If the server does not take token-id prompts, use --tokenizer DIR (text prompts).")
+    if kind in ("http_400", "http_422") and target.json_schema is not None:
+        field = "response_format" if target.endpoint == "chat" else "structured_outputs"
+        hints.append(f"Does the server take the schema of --json-schema (sent as {field})?")
     if kind == "protocol":
         hints.append(f"The answer is not an OpenAI {target.endpoint} response.")
     return " ".join([f"{where} failed: {rec.error}."] + hints)

@@ -10,6 +10,7 @@ import msgspec
 from llmserve.bench.config import Level
 from llmserve.bench.metrics import LevelMetrics, Stats
 from llmserve.bench.runner import BenchResult, LevelRun
+from llmserve.bench.scrape import GrammarMetrics
 
 _WIDTH = 34
 _STAT_NAMES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
@@ -32,6 +33,17 @@ def metric_rows(m: LevelMetrics) -> list[tuple[str, float | None]]:
     return rows
 
 
+def grammar_rows(g: GrammarMetrics | None) -> list[tuple[str, float | None]]:
+    """Structured outputs over the level, from the server's /metrics (all None when it exports none)."""
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1000.0
+
+    return [("Grammar compiles", None if g is None else g.num_compiles),
+            ("Mean grammar compile (ms)", None if g is None else ms(g.mean_compile_s)),
+            ("Max grammar compile (ms, <=)", None if g is None else ms(g.max_compile_s)),
+            ("Grammar cache hit rate (%)", None if g is None or g.cache_hit_rate is None else 100 * g.cache_hit_rate)]
+
+
 def format_level(result: BenchResult, level: Level) -> str:
     runs = [result.run(t.label, level) for t in result.servers]
     labels = [r.server for r in runs]
@@ -39,6 +51,8 @@ def format_level(result: BenchResult, level: Level) -> str:
     if len(runs) == 2:
         head[0] += f" {'ratio B/A':>15}"
     columns = [metric_rows(r.metrics) for r in runs]
+    if any(r.grammar is not None for r in runs):
+        columns = [col + grammar_rows(r.grammar) for col, r in zip(columns, runs)]
     lines = [_row(name, [col[i][1] for col in columns]) for i, (name, _) in enumerate(columns[0])]
     errors = [f"{r.server}: " + ", ".join(f"{k}={v}" for k, v in r.metrics.errors.items()) for r in runs if r.metrics.errors]
     title = f" {level.name} ".center(_WIDTH + 14 * len(runs) + (16 if len(runs) == 2 else 0), "=")
@@ -94,8 +108,21 @@ def _summary_row(run: LevelRun) -> list[str]:
             stat(m.e2e_ms, "median")]
 
 
+def format_grammar_totals(result: BenchResult) -> str:
+    """One line per server that exports grammar metrics: the whole run, probe and warm-up included."""
+    lines = []
+    for label, g in result.grammar.items():
+        mean = "-" if g.mean_compile_s is None else f"{g.mean_compile_s * 1000:.1f} ms"
+        top = "-" if g.max_compile_s is None else f"<= {g.max_compile_s * 1000:g} ms"
+        rate = "-" if g.cache_hit_rate is None else f"{100 * g.cache_hit_rate:.1f}%"
+        lines.append(f"Grammar, whole run ({label}): {g.num_compiles} compiles, mean {mean}, max {top}; "
+                     f"cache hit rate {rate} ({g.num_hits} of {g.num_queries} lookups)")
+    return "\n".join(lines)
+
+
 def format_result(result: BenchResult) -> str:
-    return "\n\n".join([format_level(result, lv) for lv in result.levels] + [format_summary(result)])
+    blocks = [format_level(result, lv) for lv in result.levels] + [format_summary(result)]
+    return "\n\n".join(blocks + ([format_grammar_totals(result)] if result.grammar else []))
 
 
 def result_to_dict(result: BenchResult) -> dict:
@@ -105,12 +132,14 @@ def result_to_dict(result: BenchResult) -> dict:
         "servers": [dataclasses.asdict(t) for t in result.servers],
         "notes": result.notes,
         "runs": [_run_dict(run) for run in result.runs],
+        "grammar": {label: dataclasses.asdict(g) for label, g in result.grammar.items()},
     }
 
 
 def _run_dict(run: LevelRun) -> dict:
     level = {"name": run.level.name, **dataclasses.asdict(run.level)}
     return {"server": run.server, "level": level, "metrics": dataclasses.asdict(run.metrics),
+            "grammar": None if run.grammar is None else dataclasses.asdict(run.grammar),
             "records": [dataclasses.asdict(r) for r in run.records]}
 
 

@@ -10,18 +10,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 from tqdm import tqdm
 
-from llmserve.bench import probe
+from llmserve.bench import probe, scrape
 from llmserve.bench.client import RequestRecord, Target, make_http_client, send_request
 from llmserve.bench.config import BenchServeConfig, Level
 from llmserve.bench.datasets import BenchRequest, Sampler, make_sampler
 from llmserve.bench.load import arrival_times, run_closed_loop, run_open_loop
 from llmserve.bench.metrics import LevelMetrics, compute_metrics
+from llmserve.bench.scrape import GrammarMetrics
 from llmserve.bench.tokens import Tokenizer
 
 Log = Callable[[str], None]
@@ -35,6 +36,7 @@ class LevelRun:
     level: Level
     metrics: LevelMetrics
     records: list[RequestRecord]
+    grammar: GrammarMetrics | None = None  # from the server's /metrics (llmserve only), else None
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class BenchResult:
     levels: list[Level]
     runs: list[LevelRun]
     notes: list[str]
+    grammar: dict[str, GrammarMetrics] = field(default_factory=dict)  # per server, probe and warm-up included
 
     def run(self, server: str, level: Level) -> LevelRun:
         return next(r for r in self.runs if r.server == server and r.level == level)
@@ -67,7 +70,9 @@ async def run_benchmark(cfg: BenchServeConfig, tokenizer: Tokenizer | None, log:
     levels = cfg.levels
     notes: list[str] = []
     async with make_http_client(_max_concurrency(levels)) as client:
-        targets = [await _connect(client, t, warmup[0], notes, log) for t in base_targets(cfg)]
+        bases = base_targets(cfg)
+        at_start = await scrape.scrape_all(client, bases)
+        targets = [await _connect(client, t, warmup[0], notes, log) for t in bases]
         for target in targets:
             await _warm_up(client, target, warmup[: cfg.load.warmup], levels[0], notes, log)
         runs: list[LevelRun] = []
@@ -75,15 +80,17 @@ async def run_benchmark(cfg: BenchServeConfig, tokenizer: Tokenizer | None, log:
                   unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
             for i, level in enumerate(levels):
                 runs += await _run_level(client, targets, level, _level_work(cfg, sampler, i), cfg, bar)
-    return BenchResult(dataclasses.asdict(cfg), targets, levels, runs, notes)
+        grammar = scrape.deltas(at_start, await scrape.scrape_all(client, targets))
+    return BenchResult(dataclasses.asdict(cfg), targets, levels, runs, notes, grammar)
 
 
 def base_targets(cfg: BenchServeConfig) -> list[Target]:
     """The servers as configured, before the probe (model may be empty: taken from /v1/models)."""
     t = cfg.target
     models = [t.model, t.compare_model]
-    return [Target(label, url, models[i] or "", t.endpoint, t.stream, t.ignore_eos, True, cfg.extra_body, t.timeout)
-            for i, (label, url) in enumerate(zip(cfg.server_labels, cfg.urls))]
+    schema = cfg.json_schema
+    return [Target(label, url, models[i] or "", t.endpoint, t.stream, t.ignore_eos, True, cfg.extra_body, t.timeout,
+                   schema) for i, (label, url) in enumerate(zip(cfg.server_labels, cfg.urls))]
 
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
@@ -144,6 +151,7 @@ async def _run_level(client: httpx.AsyncClient, targets: list[Target], level: Le
     slices = np.array_split(np.arange(len(work.requests)), num_rounds)
     records: dict[str, list[RequestRecord]] = {t.label: [] for t in targets}
     durations = dict.fromkeys(records, 0.0)
+    before = await scrape.scrape_all(client, targets)
     for indices in slices:
         for target in targets:
             bar.set_description(f"{target.label} {level.name}")
@@ -152,8 +160,9 @@ async def _run_level(client: httpx.AsyncClient, targets: list[Target], level: Le
                 rec.start_s += durations[target.label]
             records[target.label] += recs
             durations[target.label] += seconds
+    grammar = scrape.deltas(before, await scrape.scrape_all(client, targets))
     metrics = {label: compute_metrics(recs, durations[label], cfg.slo_ms) for label, recs in records.items()}
-    return [LevelRun(label, level, metrics[label], records[label]) for label in records]
+    return [LevelRun(label, level, metrics[label], records[label], grammar.get(label)) for label in records]
 
 
 async def _run_slice(send, work: LevelWork, indices: list[int], level: Level) -> tuple[list[RequestRecord], float]:

@@ -16,6 +16,10 @@ load shapes:
   closed loop   --concurrency 1,4,16,64      (one level per value; a finished request is replaced at once)
   open loop     --request-rate 2,4 [--burstiness 1.0] [--concurrency CAP]
 side by side:   --compare URL2               (same requests, interleaved A B A B in --rounds slices per level)
+structured:     --json-schema FILE           (every request asks for JSON that follows the schema; its output
+                                             ends when the JSON is complete, ignore_eos or not; from a server
+                                             that exports llmserve's grammar metrics on /metrics, each level
+                                             also reports grammar compiles, their time and the cache hit rate)
 """
 
 EPILOG = """\
@@ -24,6 +28,7 @@ examples:
   llmserve bench serve --dataset shared-prefix --num-prefixes 4 --prefix-len 512 --tokenizer DIR
   llmserve bench serve --url http://127.0.0.1:8000 --compare http://127.0.0.1:8080 --labels llmserve,llama.cpp \\
       --concurrency 1,8 --out results.json --plot plots/
+  llmserve bench serve --url http://127.0.0.1:8000 --endpoint chat --json-schema schema.json --concurrency 1,8
 """
 
 

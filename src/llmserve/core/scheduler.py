@@ -26,7 +26,7 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from llmserve.core.stop import check_stop
+from llmserve.core.stop import check_stop, follow_grammar
 from llmserve.core.spec_stats import SpecDecodeCounter
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from llmserve.structured.bitmask import StepGrammar
@@ -155,21 +155,13 @@ class Scheduler:
             request.num_computed_tokens = end
             if end >= request.num_tokens_with_placeholders:
                 request.num_placeholders += 1  # this step samples its next token
-                if request.grammar is not None:
-                    self._constrain(out, request)
+                if request.grammar is not None:  # its grammar masks the logits (the runner fills it)
+                    out.grammar = out.grammar or StepGrammar()
+                    out.grammar.add(req_id, request.grammar, out.scheduled_spec_tokens.get(req_id))
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         return out
-
-    def _constrain(self, out: SchedulerOutput, request: Request) -> None:
-        """The step samples for a structured request: its grammar masks the logits (the runner fills it)."""
-        if out.grammar is None:
-            out.grammar = StepGrammar()
-        out.grammar.grammars[request.request_id] = request.grammar
-        drafts = out.scheduled_spec_tokens.get(request.request_id)
-        if drafts:
-            out.grammar.drafts[request.request_id] = drafts
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: capped while some request decodes, so that a long
@@ -375,7 +367,7 @@ class Scheduler:
             accepted.append(token_id)
             status = check_stop(request, self.max_model_len)
             if status is None and request.grammar is not None:
-                status = self._follow_grammar(request, token_id)
+                status = follow_grammar(request, token_id)
             if status is not None:
                 break
         out = EngineCoreOutput(request.request_id, accepted, new_logprobs=row_logprobs,
@@ -393,13 +385,6 @@ class Scheduler:
             out.finish_reason = status.finish_reason()
             out.stop_reason = request.stop_reason
         return out
-
-    def _follow_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
-        """Advance the grammar over a kept token: stopped once it is complete (its stop token taken)."""
-        if not request.grammar.accept(token_id):  # the bitmask allowed it, so the grammar must
-            logger.error("request %s: token %d broke its grammar; ending it", request.request_id, token_id)
-            return RequestStatus.FINISHED_ABORTED
-        return RequestStatus.FINISHED_STOPPED if request.grammar.is_terminated else None
 
     def _stats(self, sched_out: SchedulerOutput, num_generated: int) -> SchedulerStats:
         queries, hits = self.kv.take_prefix_stats()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from llmserve.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
@@ -17,3 +21,12 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def follow_grammar(request: Request, token_id: int) -> RequestStatus | None:
+    """Advance a structured request's grammar over a kept token: stopped once the grammar is complete
+    (its stop token taken)."""
+    if not request.grammar.accept(token_id):  # the bitmask allowed it, so the grammar must
+        logger.error("request %s: token %d broke its grammar; ending it", request.request_id, token_id)
+        return RequestStatus.FINISHED_ABORTED
+    return RequestStatus.FINISHED_STOPPED if request.grammar.is_terminated else None

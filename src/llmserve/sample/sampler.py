@@ -111,6 +111,9 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         ops.apply_penalties(logits, meta.penalties)
 
 
+LOGPROB_FLOOR = -9999.0
+
+
 def gather_logprobs(raw_logprobs: torch.Tensor, num_logprobs: int, sampled: torch.Tensor) -> LogprobsTensors:
     """raw_logprobs [B, V], sampled [B] -> the sampled token's logprob and rank, then the top-k."""
     top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)  # [B, k] each
@@ -119,6 +122,7 @@ def gather_logprobs(raw_logprobs: torch.Tensor, num_logprobs: int, sampled: torc
     ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1  # [B]
     return LogprobsTensors(
         token_ids=torch.cat([sampled_ids, top_ids], dim=1),
-        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        # a token a grammar forbids has logprob -inf; JSON has no -inf, so report vLLM's floor instead
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1).clamp_(min=LOGPROB_FLOOR),
         sampled_ranks=ranks,
     )

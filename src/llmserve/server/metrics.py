@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats,
-                                     SpecDecodeStats)
+from llmserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, GrammarStats,
+                                     SchedulerStats, SpecDecodeStats)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0)
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -83,6 +84,8 @@ class ServerMetrics:
                                                 "Accepted / verified draft tokens since start.")
         self.spec_mean_accepted_length = self._gauge("spec_decode_mean_accepted_length",
                                                      "Tokens per verified row and step (accepted drafts + 1) since start.")
+        self.grammar_queries = self._counter("grammar_cache_queries", "Grammar cache lookups (structured outputs).")
+        self.grammar_hits = self._counter("grammar_cache_hits", "Grammar cache lookups that found a compiled grammar.")
         self.request_success = Counter("llmserve:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
 
@@ -101,6 +104,8 @@ class ServerMetrics:
                                            _TOKEN_BUCKETS)
         self.loop_lag = self._histogram("event_loop_lag_seconds",
                                         "How late a 20 ms timer on the server's event loop wakes up.", _LAG_BUCKETS)
+        self.grammar_compile = self._histogram("grammar_compile_seconds", "Time to compile one new grammar.",
+                                               _COMPILE_BUCKETS)
 
     # ---- StatLogger ----------------------------------------------------------------------------
 
@@ -158,6 +163,8 @@ class ServerMetrics:
             self.step_tokens.observe(stats.num_scheduled_tokens)
         if stats.spec is not None:
             self._on_spec_stats(stats.spec)
+        if stats.grammar is not None:
+            self._on_grammar_stats(stats.grammar)
 
     def _on_spec_stats(self, spec: SpecDecodeStats) -> None:
         self.spec_drafts.inc(spec.num_drafts)
@@ -171,6 +178,12 @@ class ServerMetrics:
         totals.num_accepted_tokens += spec.num_accepted_tokens
         self.spec_acceptance_rate.set(totals.num_accepted_tokens / max(totals.num_draft_tokens, 1))
         self.spec_mean_accepted_length.set(1 + totals.num_accepted_tokens / max(totals.num_drafts, 1))
+
+    def _on_grammar_stats(self, grammar: GrammarStats) -> None:
+        self.grammar_queries.inc(grammar.num_queries)
+        self.grammar_hits.inc(grammar.num_hits)
+        for seconds in grammar.compile_seconds:
+            self.grammar_compile.observe(seconds)
 
     def on_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)

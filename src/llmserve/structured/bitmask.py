@@ -24,6 +24,11 @@ class StepGrammar:
     grammars: dict[str, RequestGrammar] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
+    def add(self, req_id: str, grammar: RequestGrammar, drafts: list[int] | None) -> None:
+        self.grammars[req_id] = grammar
+        if drafts:
+            self.drafts[req_id] = drafts
+
     def fill(self, sampling_req_ids: list[str], vocab_size: int) -> tuple[torch.Tensor, list[int]]:
         """The bitmask [N, W] int32 over the step's N logits rows (one per sampling request plus one per
         draft, in that order) and the rows that are constrained; the others are left unfilled."""
