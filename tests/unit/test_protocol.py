@@ -66,7 +66,7 @@ def test_nested_unknown_field_names_its_path():
 
 def test_ignored_fields_are_accepted():
     body = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
-            "prompt_cache_key": "c", "safety_identifier": "s", "parallel_tool_calls": False}
+            "prompt_cache_key": "c", "safety_identifier": "s"}
     assert set(body) == set(IGNORED_FIELDS)
     assert completion({"prompt": "x", **body}).user == "u1"
     assert chat(body).metadata == {"k": "v"}
@@ -109,7 +109,7 @@ def test_chat_overrides():
     assert chat_overrides(chat({"response_format": {"type": "text"}, "tool_choice": "none"}))
 
 
-@pytest.mark.parametrize("body, word", [({"tools": [{}]}, "tools"), ({"top_logprobs": 2}, "logprobs"),
+@pytest.mark.parametrize("body, word", [({"top_logprobs": 2}, "logprobs"),
                                         ({"response_format": {"type": "json_schema", "json_schema": {
                                             "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
                                         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),

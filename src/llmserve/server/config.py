@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from llmserve.config import check, check_min, parse_bytes
+from llmserve.config import check, check_choice, check_min, parse_bytes
+from llmserve.server.tool_parsers import PARSER_NAMES
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 
@@ -40,6 +41,11 @@ class ServerConfig:
     stream_interval: int = field(default=1, metadata={
         "help": "a stream sends a sequence's tokens in events of this many (its first token and its end at "
                 "once): fewer events cost the front less CPU under load, at coarser streaming"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "how tool calls are read from the model's text under tool_choice 'auto': hermes "
+                "(<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}: "
+                "Llama 3.x), mistral ([TOOL_CALLS][...]); default: chosen by the markers the chat template mentions",
+        "choices": list(PARSER_NAMES)})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -57,6 +63,8 @@ class ServerConfig:
         check(self.health_stall_timeout > 0, "health-stall-timeout", f"must be > 0, got {self.health_stall_timeout}")
         check_min("timeout-keep-alive", self.timeout_keep_alive, 0)
         check_min("stream-interval", self.stream_interval, 1)
+        if self.tool_call_parser is not None:
+            check_choice("tool-call-parser", self.tool_call_parser, PARSER_NAMES)
         check(self.request_timeout is None or self.request_timeout > 0, "request-timeout",
               f"must be > 0, got {self.request_timeout}")
 

@@ -67,12 +67,8 @@ def completion_overrides(req: CompletionRequest) -> dict:
 
 
 def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise ValueError("tools are not supported")
-    if not (req.tool_choice is None or req.tool_choice == "none"):
-        raise ValueError("tool_choice is not supported")
-    if req.functions or req.function_call is not None:
-        raise ValueError("functions / function_call are not supported")
+    if req.functions or req.function_call is not None:  # tools: server/tool_calls.py
+        raise ValueError("functions / function_call are deprecated and not supported: send tools and tool_choice")
     if req.audio is not None or (req.modalities and req.modalities != ["text"]):
         raise ValueError("only text output is supported (audio / modalities)")
     if req.prediction is not None:

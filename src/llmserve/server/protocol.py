@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from llmserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from llmserve.server.protocol_tools import ChatTool, DeltaToolCall, ToolCall, ToolChoice
 from llmserve.server.structured_fields import JsonSchema, ResponseFormat, StructuredOutputsRequest
 
 # Ranges that SamplingParams.validate() enforces, declared here too so that /openapi.json states them
@@ -66,7 +67,6 @@ class IgnoredFields(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    parallel_tool_calls: bool | None = None  # only matters with tools, which are refused
 
 
 IGNORED_FIELDS: tuple[str, ...] = IgnoredFields.__struct_fields__
@@ -129,13 +129,13 @@ class TextPart(msgspec.Struct):
 
 class ChatMessage(msgspec.Struct):
     """Lenient: clients send back assistant messages as they got them (`refusal`, `annotations`, ...).
-    No tool role: tool calls are not supported."""
+    `tool_calls` only on assistant messages, `tool_call_id` only (and always) on tool messages."""
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: refused_unless(NULL) = None
-    tool_call_id: refused_unless(NULL) = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -144,9 +144,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # default true: several calls may be returned
     # Declared to be refused (params.py) while unsupported.
-    tools: refused_unless(NULL_OR_EMPTY) = None
-    tool_choice: refused_unless({"enum": ["none", None]}) = None
     functions: refused_unless(NULL_OR_EMPTY) = None
     function_call: refused_unless(NULL) = None
     audio: refused_unless(NULL) = None
@@ -229,6 +230,7 @@ class ChatLogprobs(msgspec.Struct):
 class ResponseMessage(msgspec.Struct):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET  # present only when calls were made
 
 
 class ChatChoice(msgspec.Struct):
@@ -252,6 +254,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):
@@ -302,6 +305,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # with messages: rendered by the chat template
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False  # vLLM's: also each token's vocabulary string

@@ -14,11 +14,11 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.params import build_params, chat_overrides
 from llmserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob,
-                                      DeltaMessage, ResponseMessage, TopLogprob, decode_json, encode_json,
-                                      make_usage)
+                                      DeltaMessage, TopLogprob, decode_json, encode_json, make_usage)
 from llmserve.server.serving_common import (ServingContext, TokenTexts, collect_final, created_now,
                                             new_request_id, render_chat)
 from llmserve.server.streams import sse_event, sse_response, until_disconnect, with_error_event
+from llmserve.server.tool_calls import ChoiceStream, ToolPlan, plan_tools, response_message
 
 
 def chat_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], num_top: int) -> ChatLogprobs:
@@ -39,18 +39,22 @@ class ChatServer:
         ctx = self.ctx
         req: ChatCompletionRequest = decode_json(body, ChatCompletionRequest)
         ctx.check_model(req.model)
-        params = build_params(ctx.engine.default_sampling_params, chat_overrides(req))
-        text = render_chat(ctx.engine.tokenizer, req.messages, req.add_generation_prompt)
+        tokenizer = ctx.engine.tokenizer
+        plan = plan_tools(req, ctx.config.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        overrides = chat_overrides(req)
+        plan.apply(overrides)
+        params = build_params(ctx.engine.default_sampling_params, overrides)
+        text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools)
         prompt = TokensPrompt(ctx.engine.encode(text, add_special_tokens=False), text)
         ctx.engine.check_request(len(prompt.token_ids), params)
         ctx.admit(request, params.n)
         request_id = new_request_id("chatcmpl")
         gen = ctx.engine.generate(prompt, params, request_id, req.priority)
         if req.stream:
-            return sse_response(with_error_event(self._stream(req, params, request_id, prompt, gen), request_id),
-                                request_id, ctx.is_shutting_down)
+            return sse_response(with_error_event(self._stream(req, plan, params, request_id, prompt, gen),
+                                                 request_id), request_id, ctx.is_shutting_down)
         final = await until_disconnect(request, collect_final(gen), request_id)
-        return Response(encode_json(self._response(params, request_id, prompt, final)),
+        return Response(encode_json(self._response(plan, params, request_id, prompt, final)),
                         media_type="application/json")
 
     def _logprobs(self, params: SamplingParams, out: CompletionOutput) -> ChatLogprobs | None:
@@ -58,15 +62,33 @@ class ChatServer:
             return None
         return chat_logprobs(self.ctx.token_text, out.logprobs, params.logprobs)
 
-    def _response(self, params: SamplingParams, request_id: str, prompt: TokensPrompt,
+    def _response(self, plan: ToolPlan, params: SamplingParams, request_id: str, prompt: TokensPrompt,
                   final: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatChoice(out.index, ResponseMessage("assistant", out.text), self._logprobs(params, out),
-                              out.finish_reason, out.stop_reason) for out in final.outputs]
+        choices = []
+        for out in final.outputs:
+            message, finish_reason = response_message(plan, out.text, out.finish_reason)
+            choices.append(ChatChoice(out.index, message, self._logprobs(params, out), finish_reason,
+                                      out.stop_reason))
         usage = make_usage(len(prompt.token_ids), sum(len(out.token_ids) for out in final.outputs),
                            final.num_cached_tokens)
         return ChatCompletionResponse(request_id, created_now(), self.ctx.model_name, choices, usage)
 
-    async def _stream(self, req: ChatCompletionRequest, params: SamplingParams, request_id: str,
+    def _stream_choices(self, stream: ChoiceStream, params: SamplingParams,
+                        out: CompletionOutput) -> list[ChatStreamChoice]:
+        """One delta output of a choice as stream choices: logprobs on the first, the finish on the last."""
+        is_final = out.finish_reason is not None
+        messages = stream.feed(out.text, is_final)
+        logprobs = self._logprobs(params, out)
+        finish_reason = stream.finish_reason(out.finish_reason) if is_final else None
+        if not messages:
+            if not is_final and logprobs is None:
+                return []
+            messages = [DeltaMessage()]
+        last = len(messages) - 1
+        return [ChatStreamChoice(out.index, message, logprobs if i == 0 else None,
+                                 finish_reason if i == last else None) for i, message in enumerate(messages)]
+
+    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams, request_id: str,
                       prompt: TokensPrompt, gen) -> AsyncIterator[bytes]:
         created, model = created_now(), self.ctx.model_name
         options = req.stream_options
@@ -79,6 +101,7 @@ class ChatServer:
             return sse_event(ChatCompletionChunk(request_id, created, model, [choice] if choice else [],
                                                  usage=usage))
 
+        streams = [ChoiceStream(plan) for _ in range(params.n)]
         for i in range(params.n):
             yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")))
         async with aclosing(gen):
@@ -86,11 +109,8 @@ class ChatServer:
                 num_cached = output.num_cached_tokens
                 for out in output.outputs:
                     num_completion += len(out.token_ids)
-                    logprobs = self._logprobs(params, out)
-                    if not out.text and out.finish_reason is None and logprobs is None:
-                        continue
-                    delta = DeltaMessage(content=out.text) if out.text or out.finish_reason is None else DeltaMessage()
-                    yield chunk(ChatStreamChoice(out.index, delta, logprobs, out.finish_reason))
+                    for choice in self._stream_choices(streams[out.index], params, out):
+                        yield chunk(choice)
         if is_usage:
             yield sse_event(ChatCompletionChunk(request_id, created, model, [],
                                                 usage=make_usage(num_prompt, num_completion, num_cached)))

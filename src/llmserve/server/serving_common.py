@@ -3,6 +3,7 @@ chat templating, token strings for logprobs, and folding a request's delta outpu
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, service_unavailable
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import ChatMessage
+from llmserve.server.protocol_tools import ToolCall
 
 ADMITTED_KEY = "llmserve.num_admitted"  # in the ASGI scope: sequences this request counts against the limit
 
@@ -98,27 +100,49 @@ def _message_text(index: int, message: ChatMessage) -> str:
 def chat_conversation(messages: list[ChatMessage] | None) -> list[dict]:
     if not messages:
         raise ValueError("messages must be a non-empty list")
-    conversation = []
-    for i, message in enumerate(messages):
-        if message.tool_calls is not None or message.tool_call_id is not None:
-            raise ValueError(f"messages[{i}]: tool calls are not supported")
-        role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": _message_text(i, message)}
-        if message.name is not None:
-            entry["name"] = message.name
-        conversation.append(entry)
-    return conversation
+    return [_chat_entry(i, message) for i, message in enumerate(messages)]
 
 
-def render_chat(tokenizer, messages: list[ChatMessage] | None, add_generation_prompt: bool) -> str:
-    """The chat template applied (text; tokenize it without adding special tokens)."""
+def _chat_entry(index: int, message: ChatMessage) -> dict:
+    role = "system" if message.role == "developer" else message.role
+    entry: dict = {"role": role, "content": _message_text(index, message)}
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_calls is not None and role != "assistant":
+        raise ValueError(f"messages[{index}]: only assistant messages carry tool_calls, not {role} ones")
+    if message.tool_calls:
+        entry["tool_calls"] = [_template_tool_call(index, j, call) for j, call in enumerate(message.tool_calls)]
+    if (message.tool_call_id is not None) != (role == "tool"):
+        raise ValueError(f"messages[{index}]: tool messages need tool_call_id (the id of the call they answer), "
+                         "and only they carry one")
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
+def _template_tool_call(index: int, position: int, call: ToolCall) -> dict:
+    """A call as transformers' chat templates expect it: arguments as a dict, not OpenAI's JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"messages[{index}].tool_calls[{position}].function.arguments must be the JSON text of "
+                         f"an object, got {call.function.arguments[:80]!r}")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def render_chat(tokenizer, messages: list[ChatMessage] | None, add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> str:
+    """The chat template applied (text; tokenize it without adding special tokens). `tools` in OpenAI's
+    form ({"type": "function", "function": {...}}), as transformers' templates take them."""
     conversation = chat_conversation(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions")
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+        text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                                              tokenize=False)
     except TemplateError as e:
         raise ValueError(f"the chat template rejected the messages: {e}") from None

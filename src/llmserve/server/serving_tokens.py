@@ -5,6 +5,7 @@ from __future__ import annotations
 from llmserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                       decode_json)
 from llmserve.server.serving_common import ServingContext, render_chat
+from llmserve.server.tool_calls import template_tools
 
 
 class TokenizerServer:
@@ -17,10 +18,13 @@ class TokenizerServer:
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if req.tools and req.messages is None:
+            raise ValueError("tools are rendered with messages: give messages too")
         if req.prompt is not None:
             tokens = ctx.engine.encode(req.prompt, req.add_special_tokens)
         else:
-            text = render_chat(ctx.engine.tokenizer, req.messages, req.add_generation_prompt)
+            text = render_chat(ctx.engine.tokenizer, req.messages, req.add_generation_prompt,
+                               template_tools(req.tools))
             tokens = ctx.engine.encode(text, add_special_tokens=False)
         token_strs = self.token_strs(tokens) if req.return_token_strs else None
         return TokenizeResponse(len(tokens), ctx.engine.model_info.max_model_len, tokens, token_strs)
