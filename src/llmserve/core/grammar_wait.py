@@ -29,13 +29,10 @@ class GrammarWaitList:
         self.requests.remove(request)
         return True
 
-    def take_ready(self) -> list[Request]:
-        """The requests whose compile has ended (compiled or failed), in arrival order."""
-        if not self.requests or not any(r.grammar.is_ready for r in self.requests):
-            return []
-        ready = [r for r in self.requests if r.grammar.is_ready]
-        self.requests = [r for r in self.requests if not r.grammar.is_ready]
-        return ready
+    def ready(self) -> list[Request]:
+        """The requests whose compile has ended (compiled or failed), in arrival order; each stays here until
+        removed (so a sibling admitted before it does not wait for it)."""
+        return [r for r in self.requests if r.grammar.is_ready]
 
     def wait(self, timeout: float) -> None:
         """Block until one compile ends or `timeout` seconds pass (an engine with nothing else to do)."""

@@ -81,7 +81,7 @@ class Scheduler:
         if request.parent_id is None or not self.kv.enable_caching:
             return None
         for other in self.requests.values():
-            if other.parent_id == request.parent_id and other is not request:
+            if other.parent_id == request.parent_id and other is not request and other not in self.compiling:
                 return other if other.num_computed_tokens < other.num_prompt_tokens else None
         return None
 
@@ -120,7 +120,8 @@ class Scheduler:
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compiled join the queue; one that failed to compile ends (aborted)."""
-        for request in self.compiling.take_ready():
+        for request in self.compiling.ready():
+            self.compiling.remove(request)
             if request.grammar.error is None:
                 request.grammar.start()
                 self._enqueue(request)

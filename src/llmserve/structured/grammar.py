@@ -45,9 +45,9 @@ def _json_grammar(xgr, schema: str, disable_any_whitespace: bool):
                                         strict_mode=True)
 
 
-# One character of a bounded string: printable, not '"' or '\\', no UTF-16 surrogate (xgrammar's "." and
-# negated classes let surrogates through, which are not UTF-8), within the basic plane.
-STRING_CHAR = r"[\u0020-\u0021\u0023-\u005b\u005d-\ud7ff\ue000-\uffff]"
+# One character of a bounded string: printable, not '"' or '\\', within the basic plane, one class per
+# UTF-8 length: xgrammar's "." and wider classes let surrogates and overlong sequences through (not UTF-8).
+STRING_CHAR = r"([\u0020-\u0021\u0023-\u005b\u005d-\u007e]|[\u00a0-\u07ff]|[\u0800-\ud7ff]|[\ue000-\ufffd])"
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
