@@ -39,7 +39,7 @@ def _totals(w: Window, pools: list[dict]) -> dict:
 
 def _pool_row(w: Window, pool: Pool) -> dict:
     name = pool.name
-    return {"name": name, "policy": type(pool.policy).__name__, "backends": len(pool.backends),
+    return {"name": name, "policy": pool.policy.name, "backends": len(pool.backends),
             "backends_up": sum(1 for b in pool.backends if b.is_up), "queued": pool.queue.num_waiting,
             "in_flight": pool.num_in_flight(), "requests_per_s": w.rate(P + "requests_total", pool=name),
             "duration": w.latency(P + "request_duration_seconds", pool=name),

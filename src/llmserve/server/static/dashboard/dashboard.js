@@ -9,7 +9,7 @@ const POLL_MS = 1000;
 const COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f"];
 const KEY_STORAGE = "llmserve-dashboard-key";
 const SVG_NS = "http://www.w3.org/2000/svg";
-const W = 300, H = 110, PAD_L = 34, PAD_B = 4, PAD_T = 6;
+const W = 300, H = 110, PAD_L = 44, PAD_B = 4, PAD_T = 6;
 
 const view = {kind: null, charts: new Map(), tiles: new Map(), key: sessionStorage.getItem(KEY_STORAGE)};
 
@@ -28,7 +28,8 @@ function pct(v) {
 
 function secs(v) {
   if (v === null || v === undefined) return "–";
-  return v < 1 ? (1000 * v).toFixed(v < 0.01 ? 2 : 1) + " ms" : v.toFixed(2) + " s";
+  if (v === 0) return "0";
+  return v < 1 ? (1000 * v).toPrecision(3) + " ms" : v.toPrecision(3) + " s";
 }
 
 function el(tag, attrs = {}, text = "") {
@@ -82,8 +83,7 @@ function chart(id, title, format) {
     const fig = el("figure", {class: "chart", "data-chart": id});
     const caption = el("figcaption");
     caption.append(el("span", {}, title), el("span", {class: "max"}));
-    const plot = svg("svg", {viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img",
-                             "aria-label": title});
+    const plot = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title});
     fig.append(caption, plot, el("div", {class: "legend"}));
     document.getElementById("charts").append(fig);
     view.charts.set(id, {fig, plot, format, series: new Map()});
@@ -113,10 +113,12 @@ function niceMax(v) {
 function drawChart(c) {
   const all = [...c.series.values()].flat().filter(v => v !== null);
   const top = niceMax(Math.max(0, ...all));
-  c.plot.replaceChildren(...axes(top, c.format));
+  const width = Math.round(c.plot.getBoundingClientRect().width) || W;  // drawn at its pixel size: no stretching
+  c.plot.setAttribute("viewBox", `0 0 ${width} ${H}`);
+  c.plot.replaceChildren(...axes(top, c.format, width));
   let i = 0;
   for (const [name, values] of c.series) {
-    c.plot.append(svg("polyline", {points: linePoints(values, top), stroke: COLORS[i++ % COLORS.length],
+    c.plot.append(svg("polyline", {points: linePoints(values, top, width), stroke: COLORS[i++ % COLORS.length],
                                    "data-series": name}));
   }
   c.fig.dataset.max = String(Math.max(0, ...all));
@@ -125,11 +127,11 @@ function drawChart(c) {
   drawLegend(c);
 }
 
-function axes(top, format) {
+function axes(top, format, width) {
   const nodes = [];
   for (const frac of [0, 0.5, 1]) {
     const y = PAD_T + (1 - frac) * (H - PAD_T - PAD_B);
-    nodes.push(svg("line", {class: "grid", x1: PAD_L, x2: W, y1: y, y2: y}));
+    nodes.push(svg("line", {class: "grid", x1: PAD_L, x2: width, y1: y, y2: y}));
     const label = svg("text", {class: "axis", x: PAD_L - 4, y: y + 3, "text-anchor": "end"});
     label.textContent = format(top * frac);
     nodes.push(label);
@@ -137,9 +139,9 @@ function axes(top, format) {
   return nodes;
 }
 
-function linePoints(values, top) {
-  const dx = (W - PAD_L) / (HISTORY - 1);
-  const x0 = W - (values.length - 1) * dx;
+function linePoints(values, top, width) {
+  const dx = (width - PAD_L) / (HISTORY - 1);
+  const x0 = width - (values.length - 1) * dx;
   const out = [];
   values.forEach((v, i) => {
     if (v !== null) out.push(`${(x0 + i * dx).toFixed(1)},${(PAD_T + (1 - v / top) * (H - PAD_T - PAD_B)).toFixed(1)}`);
