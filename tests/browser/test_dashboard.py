@@ -54,6 +54,7 @@ def test_dashboard_follows_a_streaming_load(server, page, artifacts_dir):
         assert figure(page, f"{chart_attr('requests', 'max')} > 0")
         figure(page, "document.querySelector('[data-field=itl] .value').textContent !== '–'")
         figure(page, f"{chart_attr('tokens', 'points')} >= 12")  # a dozen seconds of history for the picture
+        page.set_viewport_size({"width": 1280, "height": 400})  # full_page: as tall as the content
         page.screenshot(path=str(artifacts_dir / "dashboard.png"), full_page=True)
     assert load.num_chunks > 0 and not load.errors
     assert requested and all(url.startswith(server.url + "/") for url in requested), requested
