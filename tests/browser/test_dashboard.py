@@ -22,7 +22,7 @@ def server(tmp_path_factory):
     assert server.stop() == 0
 
 
-def figure(page, js: str):
+def wait_for(page, js: str):
     """Wait until the expression over the DOM is truthy; returns its value."""
     return page.wait_for_function(js, timeout=TIMEOUT_MS).json_value()
 
@@ -47,13 +47,13 @@ def test_dashboard_follows_a_streaming_load(server, page, artifacts_dir):
     requested: list[str] = []
     page.on("request", lambda request: requested.append(request.url))
     page.goto(f"{server.url}/dashboard")
-    figure(page, "document.querySelector('#status').dataset.state === 'live'")
+    wait_for(page, "document.querySelector('#status').dataset.state === 'live'")
     with StreamingLoad(server.url, "tiny", num_streams=4, api_key=KEY) as load:
-        assert figure(page, f"{tile_value('running')} > 0")
-        assert figure(page, f"{chart_attr('tokens', 'max')} > 0")
-        assert figure(page, f"{chart_attr('requests', 'max')} > 0")
-        figure(page, "document.querySelector('[data-field=itl] .value').textContent !== '–'")
-        figure(page, f"{chart_attr('tokens', 'points')} >= 12")  # a dozen seconds of history for the picture
+        assert wait_for(page, f"{tile_value('running')} > 0")
+        assert wait_for(page, f"{chart_attr('tokens', 'max')} > 0")
+        assert wait_for(page, f"{chart_attr('requests', 'max')} > 0")
+        wait_for(page, "document.querySelector('[data-field=itl] .value').textContent !== '–'")
+        wait_for(page, f"{chart_attr('tokens', 'points')} >= 12")  # a dozen seconds of history for the picture
         page.set_viewport_size({"width": 1280, "height": 400})  # full_page: as tall as the content
         page.screenshot(path=str(artifacts_dir / "dashboard.png"), full_page=True)
     assert load.num_chunks > 0 and not load.errors
@@ -77,6 +77,6 @@ def test_the_page_asks_for_the_key_when_the_state_answers_401(server, page):
     page.locator("#key-form").wait_for(state="visible", timeout=TIMEOUT_MS)
     page.fill("#key-input", KEY)
     page.click("#key-form button")
-    figure(page, "document.querySelector('#status').dataset.state === 'live'")
+    wait_for(page, "document.querySelector('#status').dataset.state === 'live'")
     assert page.locator("#key-form").is_hidden()
     assert seen[0] is None and f"Bearer {KEY}" in seen

@@ -48,7 +48,7 @@ def cell(url: str, column: str) -> str:
     return f"document.querySelector('#backends tr[data-key=\"{url}\"] td[data-column=\"{column}\"]')?.textContent"
 
 
-def wait(page, js: str):
+def wait_for(page, js: str):
     return page.wait_for_function(js, timeout=TIMEOUT_MS).json_value()
 
 
@@ -62,17 +62,17 @@ def test_router_dashboard_has_a_row_per_replica(router, replicas, dead_url, page
     requested: list[str] = []
     page.on("request", lambda request: requested.append(request.url))
     page.goto(f"{router.url}/dashboard")
-    wait(page, "document.querySelectorAll('#backends tbody tr').length === 3")
-    wait(page, f"{cell(dead_url, 'Health')} === 'ejected'")
+    wait_for(page, "document.querySelectorAll('#backends tbody tr').length === 3")
+    wait_for(page, f"{cell(dead_url, 'Health')} === 'ejected'")
     with StreamingLoad(router.url, "tiny", num_streams=4) as load:
         for server in replicas:
-            wait(page, f"{cell(server.url, 'Health')} === 'healthy'")
-            wait(page, f"Number({cell(server.url, 'Routed')}) > 0")
-            wait(page, f"Number({cell(server.url, 'Running')}) > 0")  # the load scraped from its /metrics
-        wait(page, "Number(document.querySelector('[data-chart=in_flight]')?.dataset.max) > 0")
-        wait(page, "Number(document.querySelector('#pools tbody tr[data-key=tiny] td[data-column=\"In flight\"]')"
+            wait_for(page, f"{cell(server.url, 'Health')} === 'healthy'")
+            wait_for(page, f"Number({cell(server.url, 'Routed')}) > 0")
+            wait_for(page, f"Number({cell(server.url, 'Running')}) > 0")  # the load scraped from its /metrics
+        wait_for(page, "Number(document.querySelector('[data-chart=in_flight]')?.dataset.max) > 0")
+        wait_for(page, "Number(document.querySelector('#pools tbody tr[data-key=tiny] td[data-column=\"In flight\"]')"
                    "?.textContent) > 0")
-        wait(page, "Number(document.querySelector('[data-chart=requests_per_s]')?.dataset.points) >= 12")
+        wait_for(page, "Number(document.querySelector('[data-chart=requests_per_s]')?.dataset.points) >= 12")
         page.set_viewport_size({"width": 1280, "height": 400})  # full_page: as tall as the content
         page.screenshot(path=str(artifacts_dir / "router-dashboard.png"), full_page=True)
     assert load.num_chunks > 0 and not load.errors

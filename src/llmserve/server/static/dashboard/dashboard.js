@@ -201,7 +201,8 @@ function renderRouter(s) {
   const t = s.totals;
   setTile("requests_per_s", "Routed requests/s", num(t.requests_per_s), `${num(t.retries_per_s)} retries/s`);
   setTile("in_flight", "In flight", num(t.in_flight), `${num(t.queued)} queued in the gateway`);
-  setTile("backends_up", "Backends up", `${t.backends_up} / ${t.backends}`, "", t.backends ? t.backends_up / t.backends : 0);
+  setTile("backends_up", "Backends up", `${t.backends_up} / ${t.backends}`, "",
+          t.backends ? t.backends_up / t.backends : 0);
   setTile("rejected", "Rejected/s", num(t.rejected_per_s), "queue full, timeout, rate limit");
   setTile("duration", "Request duration p50", secs(t.duration.p50), `p99 ${secs(t.duration.p99)}`);
   pushChart("requests_per_s", "Routed requests/s by backend", num,
@@ -220,8 +221,7 @@ function shortUrl(url) {
 
 function health(b) {
   const state = b.draining ? "draining" : b.health;
-  const badge = el("span", {class: `badge ${state}`}, state.replace("_", "-"));
-  return badge;
+  return el("span", {class: `badge ${state}`}, state.replace("_", "-"));
 }
 
 function scaler(p) {
