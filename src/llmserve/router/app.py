@@ -1,5 +1,5 @@
 """The router's HTTP app: the OpenAI generation routes forwarded to pools, /v1/models (the union of
-the pools), /health, /metrics. All state is the Gateway on `app.state.gateway`."""
+the pools), /health, /metrics, /dashboard. All state is the Gateway on `app.state.gateway`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from llmserve.router import proxy
 from llmserve.router.classifier import RouteDecision
+from llmserve.router.dashboard import dashboard_routes
 from llmserve.router.direct_write import client_transport
 from llmserve.router.gateway import Gateway
 from llmserve.router.ratelimit import retry_after_header
@@ -45,7 +46,7 @@ def build_app(gw: Gateway) -> RouterApp:
     routes = [*(Route(path, _GenerationEndpoint(gw), methods=["POST"]) for path in sorted(GENERATION_PATHS)),
               Route("/v1/models", _models(gw), methods=["GET"]),
               Route("/health", _health(gw), methods=["GET"]),
-              Route("/metrics", _metrics(gw), methods=["GET"])]
+              Route("/metrics", _metrics(gw), methods=["GET"]), *dashboard_routes(gw)]
     app = Starlette(routes=routes)
     app.state.gateway = gw
     install_error_handlers(app)

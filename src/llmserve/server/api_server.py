@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from llmserve import __version__
+from llmserve.server.dashboard import add_dashboard_routes
 from llmserve.server.errors import install_error_handlers, service_unavailable, error_response
 from llmserve.server.middleware import FrontDoor
 from llmserve.server.openapi import DocumentedAPI, schema_ref
@@ -40,6 +41,7 @@ def build_app(ctx: ServingContext) -> DocumentedAPI:
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
+    add_dashboard_routes(app, ctx.metrics)
     app.add_middleware(FrontDoor, ctx=ctx, api_key=ctx.config.api_key,
                        max_body_bytes=ctx.config.num_max_body_bytes)
     return app

@@ -16,7 +16,7 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default)"})
     port: int = field(default=8000, metadata={"help": "TCP port (0: any free port, logged at startup)"})
     api_key: str | None = field(default=None, metadata={
-        "help": f"require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
+        "help": f"require 'Authorization: Bearer KEY' on every route but /health, /metrics and /dashboard; "
                 f"when not given, env {API_KEY_ENV}; neither: no key"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model name clients send and see (default: the model's name)"})

@@ -1,6 +1,7 @@
 """The front door (pure ASGI, no per-request task): drain (503), API key (401), body size (413), and
-the count of requests in flight that a drain waits for. /health, /metrics and the API's description
-(/openapi.json, /docs: a browser cannot send the key) are always open."""
+the count of requests in flight that a drain waits for. /health, /metrics, the API's description
+(/openapi.json, /docs: a browser cannot send the key) and the dashboard (it shows what /metrics does) are
+always open."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserve.server.dashboard import DASHBOARD_PATHS
 from llmserve.server.errors import APIError, error_response, service_unavailable
 from llmserve.server.serving_common import ServingContext
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}) | DASHBOARD_PATHS
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

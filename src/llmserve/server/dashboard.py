@@ -1,0 +1,103 @@
+"""GET /dashboard: a live page of the server's state, fed by GET /dashboard/state (JSON), which reads the
+ServerMetrics registry that /metrics renders (dashboard_state.py). The page, its script and style are
+package files (static/dashboard/), served here; nothing loads from outside the server.
+
+Like /metrics, these paths are open when an API key is set (middleware.OPEN_PATHS): the state says no
+more than /metrics does. The page still sends `Authorization: Bearer` when the state answers 401 (it
+asks for the key once), so it keeps working if the state is ever put behind the key.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from llmserve.server.dashboard_state import SnapshotRing, Window, ratio
+from llmserve.server.protocol import encode_json
+
+STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/state", *(f"/dashboard/{name}" for name in STATIC_FILES)})
+P = "llmserve:"
+
+
+def static_file(name: str) -> bytes:
+    return resources.files("llmserve.server").joinpath("static", "dashboard", name).read_bytes()
+
+
+def page_response() -> Response:
+    return Response(static_file("dashboard.html"), media_type="text/html; charset=utf-8",
+                    headers={"Cache-Control": "no-cache"})
+
+
+def asset_response(name: str) -> Response:
+    return Response(static_file(name), media_type=f"{STATIC_FILES[name]}; charset=utf-8",
+                    headers={"Cache-Control": "no-cache"})
+
+
+def server_state(w: Window, model_name: str) -> dict:
+    """The JSON of /dashboard/state (docs/ui.md describes it)."""
+    return {"kind": "server", "model": model_name, "time": time.time(), "window_s": w.window_s,
+            "requests": _requests(w), "kv_cache": _kv_cache(w), "throughput": _throughput(w),
+            "latency": {"ttft": w.latency(P + "time_to_first_token_seconds"),
+                        "itl": w.latency(P + "inter_token_latency_seconds"),
+                        "e2e": w.latency(P + "e2e_request_latency_seconds")},
+            "preemptions": {"total": w.gauge(P + "num_preemptions_total"),
+                            "per_s": w.rate(P + "num_preemptions_total")},
+            "speculative": _speculative(w), "grammar_cache": _grammar_cache(w)}
+
+
+def _requests(w: Window) -> dict:
+    return {"running": w.gauge(P + "num_requests_running"), "waiting": w.gauge(P + "num_requests_waiting"),
+            "in_flight": w.gauge(P + "num_requests_in_flight"),
+            "finished_per_s": w.rate(P + "request_success_total")}
+
+
+def _kv_cache(w: Window) -> dict:
+    total, free = w.gauge(P + "kv_cache_blocks"), w.gauge(P + "kv_cache_free_blocks")
+    return {"blocks": total, "used_blocks": max(0.0, total - free), "free_blocks": free,
+            "usage": w.gauge(P + "kv_cache_usage_perc"),
+            "prefix_hit_rate": ratio(w.increase(P + "prefix_cache_hits_total"),
+                                     w.increase(P + "prefix_cache_queries_total"))}
+
+
+def _throughput(w: Window) -> dict:
+    return {"output_tokens_per_s": w.rate(P + "generation_tokens_total"),
+            "prompt_tokens_per_s": w.rate(P + "prompt_tokens_total")}
+
+
+def _speculative(w: Window) -> dict:
+    drafts = w.increase(P + "spec_decode_num_draft_tokens_total")
+    return {"draft_tokens": drafts,
+            "acceptance_rate": ratio(w.increase(P + "spec_decode_num_accepted_tokens_total"), drafts)}
+
+
+def _grammar_cache(w: Window) -> dict:
+    queries = w.increase(P + "grammar_cache_queries_total")
+    return {"queries": queries, "hit_rate": ratio(w.increase(P + "grammar_cache_hits_total"), queries)}
+
+
+def add_dashboard_routes(app, metrics) -> None:
+    """/dashboard, its two assets, and /dashboard/state over `metrics` (a ServerMetrics)."""
+    ring = SnapshotRing(metrics.registry)
+
+    async def dashboard(request: Request) -> Response:
+        return page_response()
+
+    async def state(request: Request) -> Response:
+        return Response(encode_json(server_state(ring.advance(time.monotonic()), metrics.model_name)),
+                        media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    app.add_route("/dashboard", dashboard, methods=["GET"], include_in_schema=False)
+    app.add_route("/dashboard/state", state, methods=["GET"], include_in_schema=False)
+    for name in STATIC_FILES:
+        app.add_route(f"/dashboard/{name}", _asset(name), methods=["GET"], include_in_schema=False)
+
+
+def _asset(name: str):
+    async def endpoint(request: Request) -> Response:
+        return asset_response(name)
+
+    return endpoint
