@@ -165,7 +165,7 @@ def test_json_schema_gives_json(server, page, artifacts_dir, mode):
         page.fill("#prompt", "A ball, in JSON:")
         output = page.locator("#completion-output")
     page.click("#send")
-    expect(output.locator(".stats")).to_contain_text("finish: stop")
+    expect(output.locator(".stats")).to_contain_text("valid JSON · finish: stop")
     value = json.loads(output.locator(".answer").text_content())
     assert set(value) == {"colour", "size"} and value["colour"] in ("red", "green", "blue")
     if mode == "chat":

@@ -101,18 +101,25 @@ class Playground {
     const done = (view) => {
       this.messages = [...history, { role: "assistant", content: view.plainText() }];
     };
-    this.stream("/v1/chat/completions", { ...fields, messages }, new AnswerView(answerTurn), undo, done);
+    this.stream("/v1/chat/completions", { ...fields, messages }, this.answerView(answerTurn, fields), undo, done);
   }
 
   sendCompletion() {
     const fields = requestFields("completion", this.model);
     const output = $("completion-output");
     output.replaceChildren();
-    const view = new AnswerView(output);
+    const view = this.answerView(output, fields);
     this.stream("/v1/completions", { ...fields, prompt: $("prompt").value }, view, () => output.replaceChildren());
   }
 
-  // Reads the stream into `view`; on a 401, `undo` then the key prompt, and the same send once a key is in.
+  answerView(container, fields) {
+    const view = new AnswerView(container);
+    view.expectsJSON = Boolean(fields.response_format || fields.structured_outputs);
+    return view;
+  }
+
+  // Reads the stream into `view`, then `done` (also after Stop: the partial answer stays in the history);
+  // on a 401, `undo` then the key prompt, and the same send once a key is in.
   async stream(path, body, view, undo, done = () => {}) {
     this.setBusy(new AbortController());
     let finish = "stop";
@@ -125,6 +132,7 @@ class Playground {
       done(view);
     } catch (error) {
       this.onStreamError(error, view, undo);
+      if (error.name === "AbortError") done(view);
     } finally {
       this.setBusy(null);
     }

@@ -21,8 +21,9 @@ export class AnswerView {
     this.start = performance.now();
     this.firstTokenAt = null;
     this.lastTokenAt = null;
-    this.numChunks = 0;
+    this.numTokens = 0; // tokens received: from the logprobs where there are some, else one a chunk
     this.usage = null;
+    this.expectsJSON = false;
   }
 
   // A chunk's text: one span per chunk; with one token in the chunk, that token's logprobs on hover.
@@ -31,7 +32,7 @@ export class AnswerView {
     const now = performance.now();
     this.firstTokenAt ??= now;
     this.lastTokenAt = now;
-    this.numChunks += 1;
+    this.numTokens += Math.max(1, logprobs.length);
     const span = append(this.text, "span", logprobs.length ? "tok has-logprobs" : "tok");
     span.textContent = text;
     span.logprobs = logprobs;
@@ -62,7 +63,7 @@ function append(parent, tag, className) {
 function statsLine(view, reason) {
   const parts = [];
   if (view.firstTokenAt !== null) parts.push(`TTFT ${ms(view.firstTokenAt - view.start)}`);
-  const numTokens = view.usage?.completion_tokens ?? view.numChunks;
+  const numTokens = view.usage?.completion_tokens ?? view.numTokens;
   const decodeSeconds = (view.lastTokenAt - view.firstTokenAt) / 1000;
   if (numTokens > 1 && decodeSeconds > 0) parts.push(`${((numTokens - 1) / decodeSeconds).toFixed(1)} tokens/s`);
   parts.push(`${numTokens} tokens`);
@@ -70,8 +71,18 @@ function statsLine(view, reason) {
     const cached = view.usage.prompt_tokens_details?.cached_tokens ?? 0;
     parts.push(`cached prompt tokens ${cached} / ${view.usage.prompt_tokens}`);
   }
+  if (view.expectsJSON && reason !== "abort") parts.push(isJSON(view.plainText()) ? "valid JSON" : "not JSON");
   parts.push(reason === "abort" ? "stopped" : `finish: ${reason}`);
   return parts.join(" · ");
+}
+
+function isJSON(text) {
+  try {
+    JSON.parse(text);
+    return true;
+  } catch (_) {
+    return false;
+  }
 }
 
 function ms(value) {
