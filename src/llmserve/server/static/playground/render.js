@@ -64,8 +64,9 @@ function statsLine(view, reason) {
   const parts = [];
   if (view.firstTokenAt !== null) parts.push(`TTFT ${ms(view.firstTokenAt - view.start)}`);
   const numTokens = view.usage?.completion_tokens ?? view.numTokens;
-  const decodeSeconds = (view.lastTokenAt - view.firstTokenAt) / 1000;
-  if (numTokens > 1 && decodeSeconds > 0) parts.push(`${((numTokens - 1) / decodeSeconds).toFixed(1)} tokens/s`);
+  // Over the whole request (TTFT included): chunks read together would make a decode-only rate meaningless.
+  const seconds = (view.lastTokenAt - view.start) / 1000;
+  if (numTokens > 0 && seconds > 0) parts.push(`${(numTokens / seconds).toFixed(1)} tokens/s`);
   parts.push(`${numTokens} tokens`);
   if (view.usage) {
     const cached = view.usage.prompt_tokens_details?.cached_tokens ?? 0;
