@@ -181,6 +181,16 @@ def test_bad_schema_is_reported_before_sending(server, page):
     expect(page.locator(".turn")).to_have_count(0)
 
 
+def test_schema_refused_by_the_server_shows_its_message(server, page):
+    open_playground(page, server.url)
+    page.fill("#json-schema", json.dumps({"type": "object", "properties": {"a": {"type": "nope"}}}))
+    page.fill("#user-input", "x")
+    page.click("#send")
+    answer = last_answer(page)
+    expect(answer.locator(".error")).to_contain_text("400")
+    expect(answer.locator(".stats")).to_contain_text("finish: error")
+
+
 def test_api_key_prompt(keyed_server, page, artifacts_dir):
     url = keyed_server.url
     assert httpx.get(url + "/").status_code == 200  # the page itself loads without the key
