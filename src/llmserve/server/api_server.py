@@ -23,6 +23,7 @@ from llmserve.server.serving_tgi import (TGIInfo, TGIRequest, TGIResponse, TGISe
                                          tgi_info)
 from llmserve.server.serving_tokens import TokenizerServer
 from llmserve.server.streams import ClientDisconnected
+from llmserve.server.ui import add_ui_routes
 
 logger = logging.getLogger("llmserve.server")
 
@@ -42,6 +43,7 @@ def build_app(ctx: ServingContext) -> DocumentedAPI:
     _add_info_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
     add_dashboard_routes(app, ctx.metrics)
+    add_ui_routes(app)
     app.add_middleware(FrontDoor, ctx=ctx, api_key=ctx.config.api_key,
                        max_body_bytes=ctx.config.num_max_body_bytes)
     return app

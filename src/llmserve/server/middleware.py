@@ -1,7 +1,8 @@
 """The front door (pure ASGI, no per-request task): drain (503), API key (401), body size (413), and
 the count of requests in flight that a drain waits for. /health, /metrics, the API's description
 (/openapi.json, /docs: a browser cannot send the key) and the dashboard (it shows what /metrics does) are
-always open."""
+always open, and so are GET and HEAD of the browser pages (ui.py: the playground at `/`, its files under
+/static/); `POST /` (TGI) still needs the key."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ from llmserve.server.errors import APIError, error_response, service_unavailable
 from llmserve.server.serving_common import ServingContext
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}) | DASHBOARD_PATHS
+OPEN_PAGES = frozenset({"/"})  # open to GET and HEAD only
+OPEN_PAGE_PREFIXES = ("/static/",)
+PAGE_METHODS = frozenset({"GET", "HEAD"})
+
+
+def is_open(scope: Scope) -> bool:
+    path = scope["path"]
+    if path in OPEN_PATHS:
+        return True
+    is_page = path in OPEN_PAGES or path.startswith(OPEN_PAGE_PREFIXES)
+    return is_page and scope["method"] in PAGE_METHODS
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -39,7 +51,7 @@ class FrontDoor:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or is_open(scope):
             await self.app(scope, receive, send)
             return
         error = self._refusal(scope)

@@ -1,0 +1,73 @@
+"""The playground's routes and files without a server: which paths the front door leaves open, the
+files served, nothing loaded from elsewhere, every file covered by the package data."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from llmserve.server.middleware import is_open
+from llmserve.server.ui import PLAYGROUND_DIR, STATIC_DIR, add_ui_routes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def scope(method: str, path: str) -> dict:
+    return {"type": "http", "method": method, "path": path, "headers": []}
+
+
+@pytest.mark.parametrize("method, path, expected", [
+    ("GET", "/", True), ("HEAD", "/", True), ("POST", "/", False),  # POST / is TGI's: the key still applies
+    ("GET", "/static/playground/playground.js", True), ("POST", "/static/playground/x", False),
+    ("GET", "/health", True), ("POST", "/v1/completions", False), ("GET", "/v1/models", False),
+    ("GET", "/staticfoo", False),
+])
+def test_open_paths(method, path, expected):
+    assert is_open(scope(method, path)) is expected
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = FastAPI()
+    add_ui_routes(app)
+    return TestClient(app)
+
+
+def test_page_and_assets_are_served(client):
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert len(assets) == 2
+    for asset in assets:
+        response = client.get(asset)
+        assert response.status_code == 200, asset
+    script = client.get("/static/playground/playground.js")
+    assert "javascript" in script.headers["content-type"]
+    assert client.get("/static/playground/missing.js").status_code == 404
+
+
+def test_module_imports_resolve(client):
+    for path in PLAYGROUND_DIR.glob("*.js"):
+        for name in re.findall(r'from "\./([^"]+)"', path.read_text()):
+            assert (PLAYGROUND_DIR / name).is_file(), f"{path.name} imports {name}"
+
+
+def test_nothing_loaded_from_elsewhere():
+    for path in PLAYGROUND_DIR.iterdir():
+        text = path.read_text()
+        assert not re.search(r"https?://|//cdn|@import", text), path.name
+
+
+def test_package_data_covers_every_static_file():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["llmserve.server"]
+    for path in STATIC_DIR.rglob("*"):
+        if path.is_file():
+            relative = path.relative_to(STATIC_DIR.parent).as_posix()
+            assert any(fnmatch.fnmatch(relative, p) for p in patterns), relative
