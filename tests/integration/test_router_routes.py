@@ -106,7 +106,7 @@ def test_get_routes_pass_through(router, replica):
     version = httpx.get(f"{router.url}/version", timeout=10)
     assert version.json() == httpx.get(f"{replica.url}/version", timeout=10).json()
     info = httpx.get(f"{router.url}/info", timeout=10)
-    assert info.status_code == 200 and info.json()["max_total_tokens"] == 512
+    assert info.json()["model_id"] == "tiny" and info.json()["max_total_tokens"] == 512
     page = httpx.get(f"{router.url}/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert httpx.post(f"{router.url}/reset_prefix_cache", timeout=10).json() == {"success": True}

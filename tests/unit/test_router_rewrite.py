@@ -35,6 +35,7 @@ def test_request_body_renames_only_a_model_it_has():
 def test_json_body_renames_the_top_level_model_only():
     body = json.dumps({"model": "served-name", "usage": {"model": "served-name"}}).encode()
     assert json.loads(json_body(body, RENAME)) == {"model": "pool", "usage": {"model": "served-name"}}
+    assert json.loads(json_body(b'{"model_id": "served-name"}', RENAME)) == {"model_id": "pool"}  # TGI /info
     other = b'{"model": "else"}'
     assert json_body(other, RENAME) is other
     assert json_body(b"not json", RENAME) == b"not json"

@@ -2,8 +2,8 @@
 answer with the name they serve (vLLM production-stack's way).
 
 Requests: `model` of the JSON body becomes the replica's served name (the body stays untouched when it has
-no `model` or already says so). Responses: the top-level `model` of a JSON body, or of each SSE event's
-JSON, goes back from the served name to the pool's name. Everything else passes byte for byte.
+no `model` or already says so). Responses: the top-level `model` (TGI's /info: `model_id`) of a JSON body,
+or of each SSE event's JSON, goes back from the served name to the pool's name. Everything else passes byte for byte.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+_MODEL_KEYS = ("model", "model_id")  # OpenAI's answers and chunks; TGI's GET /info
 _EVENT_END = b"\n\n"
 _DATA = b"data:"
 
@@ -38,9 +39,10 @@ def request_body(body: bytes, obj: dict[str, Any] | None, model: str) -> bytes:
 
 def _renamed(obj: Any, rename: ModelRename) -> Any | None:
     """The object with its top-level model renamed; None when there is nothing to rename."""
-    if isinstance(obj, dict) and obj.get("model") == rename.served:
-        return {**obj, "model": rename.public}
-    return None
+    if not isinstance(obj, dict):
+        return None
+    keys = [k for k in _MODEL_KEYS if obj.get(k) == rename.served]
+    return {**obj, **{k: rename.public for k in keys}} if keys else None
 
 
 def json_body(body: bytes, rename: ModelRename) -> bytes:
