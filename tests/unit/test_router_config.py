@@ -8,7 +8,8 @@ from llmserve.router.classifier import AutoRouteConfig, DifficultyRule, classify
 from llmserve.router.cli import add_route_parser
 from llmserve.router.loading import setup_from_args
 from llmserve.router.policies import RouteRequest
-from llmserve.router.requests import PrefixConfig, decode_body, route_request, with_model
+from llmserve.router.replicas import replica_command
+from llmserve.router.requests import PrefixConfig, decode_body, route_request
 
 YAML = """
 router:
@@ -75,8 +76,15 @@ def test_flags_only_and_no_backends():
         setup_from_args(parse([]))
     with pytest.raises(ValueError, match="MODEL=URL"):
         setup_from_args(parse(["--backend", "http://x"]))
-    with pytest.raises(ValueError, match="replica-model"):
-        setup_from_args(parse(["--autoscale"]))
+
+
+def test_autoscale_without_replica_model_serves_the_demo_model():
+    setup = setup_from_args(parse(["--autoscale"]))
+    command = replica_command(setup.autoscale, 9000)
+    assert "--model" not in command  # `llmserve serve` with no --model: the embedded demo model
+    assert command[command.index("--served-model-name") + 1] == "default"
+    given = replica_command(setup_from_args(parse(["--autoscale", "--replica-model", "/m"])).autoscale, 9000)
+    assert given[given.index("--model") + 1] == "/m"
 
 
 AUTO = AutoRouteConfig(small_pool="small", large_pool="large", max_small_prompt_chars=100, max_small_max_tokens=64,
@@ -123,10 +131,3 @@ def test_route_request_from_bodies():
         decode_body(b"{nope")
     with pytest.raises(ValueError, match="JSON object"):
         decode_body(b"[1]")
-
-
-def test_with_model_keeps_bytes_unless_renamed():
-    body = b'{"model": "a",  "prompt": "x"}'
-    obj = decode_body(body)
-    assert with_model(body, obj, "a") is body
-    assert decode_body(with_model(body, obj, "b")) == {"model": "b", "prompt": "x"}

@@ -1,10 +1,14 @@
-"""The router's HTTP app: the OpenAI generation routes forwarded to pools, /v1/models (the union of
-the pools), /health, /metrics, /dashboard. All state is the Gateway on `app.state.gateway`."""
+"""The router's HTTP app: every route of an llmserve replica forwarded to a pool (the POSTs to the pool of
+the body's `model`, else the default pool; the GETs to any healthy replica), and the router's own:
+/v1/models (the union of the pools), /health, /metrics, /dashboard, /reset_prefix_cache (to every
+replica). All state is the Gateway on `app.state.gateway`."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import httpx
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -17,18 +21,24 @@ from llmserve.router.dashboard import dashboard_routes
 from llmserve.router.direct_write import client_transport
 from llmserve.router.gateway import Gateway
 from llmserve.router.ratelimit import retry_after_header
-from llmserve.router.requests import decode_body, route_request, with_model
+from llmserve.router.policies import RouteRequest
+from llmserve.router.requests import decode_body, route_request
 from llmserve.server.errors import APIError, error_response, install_error_handlers, service_unavailable
 
 _FORWARDED_HEADERS = frozenset({b"content-type", b"authorization", b"accept", b"x-request-id"})
 
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The replica's other routes: POSTs with a JSON body (TGI's generate API, vLLM's tokenizer), then GETs.
+POST_PATHS = GENERATION_PATHS | {"/generate", "/generate_stream", "/", "/tokenize", "/detokenize",
+                                 "/v1/tokenize", "/v1/detokenize"}
+GET_PATHS = frozenset({"/version", "/info", "/"})
+PLAYGROUND_ASSETS = "/static/playground"  # the playground page's files (GET / is the page)
 
 
 class RouterApp:
-    """The ASGI app: the generation routes on a lean path (raw ASGI, bytes in and out), everything else
-    (models, health, metrics, 404/405) through Starlette."""
+    """The ASGI app: the forwarded POST routes on a lean path (raw ASGI, bytes in and out), everything else
+    (forwarded GETs, models, health, metrics, 404/405) through Starlette."""
 
     def __init__(self, gw: Gateway, fallback: Starlette) -> None:
         self.gateway = gw
@@ -36,15 +46,26 @@ class RouterApp:
         self.state = fallback.state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
-            await serve_generation(self.gateway, scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in POST_PATHS and scope["method"] == "POST":
+            await serve_forwarded(self.gateway, scope, receive, send)
+        elif scope["type"] == "http" and _is_playground_asset(scope):
+            await serve_get(self.gateway, scope, receive, send)
         else:
             await self.fallback(scope, receive, send)
 
 
+def _is_playground_asset(scope) -> bool:
+    return scope["method"] in ("GET", "HEAD") and scope["path"].startswith(PLAYGROUND_ASSETS + "/")
+
+
 def build_app(gw: Gateway) -> RouterApp:
-    routes = [*(Route(path, _GenerationEndpoint(gw), methods=["POST"]) for path in sorted(GENERATION_PATHS)),
+    forwarded = _ForwardedEndpoint(gw)
+    routes = [*(Route(path, forwarded, methods=["POST"] + (["GET"] if path in GET_PATHS else []))
+                for path in sorted(POST_PATHS)),
+              *(Route(path, forwarded, methods=["GET"]) for path in sorted(GET_PATHS - POST_PATHS)),
               Route("/v1/models", _models(gw), methods=["GET"]),
+              Route("/v1/models/{model:path}", _model(gw), methods=["GET"]),
+              Route("/reset_prefix_cache", _reset_prefix_cache(gw), methods=["POST"]),
               Route("/health", _health(gw), methods=["GET"]),
               Route("/metrics", _metrics(gw), methods=["GET"]), *dashboard_routes(gw)]
     app = Starlette(routes=routes)
@@ -53,22 +74,26 @@ def build_app(gw: Gateway) -> RouterApp:
     return RouterApp(gw, app)
 
 
-class _GenerationEndpoint:
-    """The generation routes as a raw ASGI endpoint of the Starlette app (so that other methods get 405);
+class _ForwardedEndpoint:
+    """The forwarded routes as a raw ASGI endpoint of the Starlette app (so that other methods get 405);
     RouterApp takes the POSTs before Starlette's routing and middleware."""
 
     def __init__(self, gw: Gateway) -> None:
         self.gateway = gw
 
     async def __call__(self, scope, receive, send) -> None:
-        await serve_generation(self.gateway, scope, receive, send)
+        if scope["method"] == "POST":
+            await serve_forwarded(self.gateway, scope, receive, send)
+        else:
+            await serve_get(self.gateway, scope, receive, send)
 
 
 class _ClientGone(Exception):
     """The client disconnected while sending its body."""
 
 
-async def serve_generation(gw: Gateway, scope, receive, send) -> None:
+async def serve_forwarded(gw: Gateway, scope, receive, send) -> None:
+    """A POST with a JSON body, to the pool its `model` names (the default pool when it names none)."""
     headers = _forwarded_headers(scope["headers"])
     try:
         _check_rate_limit(gw, headers.get(b"authorization", b""))
@@ -81,9 +106,28 @@ async def serve_generation(gw: Gateway, scope, receive, send) -> None:
     except (APIError, ValueError) as e:
         await proxy.send_error(send, e)
         return
-    fwd = proxy.Forward(pool, route, scope["path"], with_model(body, obj, pool.upstream_model),
-                        tuple(headers.items()), _decision_headers(pool.name, decision), client_transport(scope))
+    fwd = proxy.Forward(pool, route, _path(scope), body, tuple(headers.items()),
+                        _decision_headers(pool.name, decision), client_transport(scope), obj)
     await proxy.forward(gw, fwd, receive, send)
+
+
+async def serve_get(gw: Gateway, scope, receive, send) -> None:
+    """A GET (HEAD too, sent as a GET) to any healthy replica."""
+    headers = _forwarded_headers(scope["headers"])
+    try:
+        _check_rate_limit(gw, headers.get(b"authorization", b""))
+    except APIError as e:
+        await proxy.send_error(send, e)
+        return
+    pool = gw.any_pool()
+    fwd = proxy.Forward(pool, RouteRequest(pool.name), _path(scope), b"", tuple(headers.items()),
+                        _decision_headers(pool.name, None), client_transport(scope), method=b"GET")
+    await proxy.forward(gw, fwd, receive, send)
+
+
+def _path(scope) -> str:
+    query = scope.get("query_string", b"")
+    return f"{scope['path']}?{query.decode('latin-1')}" if query else scope["path"]
 
 
 async def _read_body(receive) -> bytes:
@@ -129,12 +173,46 @@ def _decision_headers(pool: str, decision: RouteDecision | None) -> tuple[tuple[
     return (*headers, (b"x-llmserve-route", f"{decision.pool}; reason={decision.reason}".encode()))
 
 
+def _model_card(gw: Gateway, name: str, created: int) -> dict:
+    """A pool's card: its replicas' (root, max_model_len, ...) under the pool's name, else a plain one."""
+    pool = gw.pools.get(name)
+    cards = [b.model_card for b in pool.backends if b.model_card and b.is_up] if pool is not None else []
+    base = {"object": "model", "created": created, "owned_by": "llmserve-router"}
+    return {**base, **(cards[0] if cards else {}), "id": name}
+
+
 def _models(gw: Gateway):
     async def endpoint(request: Request) -> Response:
         created = int(time.time())
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "llmserve-router"}
-                for name in gw.model_names()]
+        data = [_model_card(gw, name, created) for name in gw.model_names()]
         return Response(msgspec.json.encode({"object": "list", "data": data}), media_type="application/json")
+
+    return endpoint
+
+
+def _model(gw: Gateway):
+    async def endpoint(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in gw.model_names():
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return Response(msgspec.json.encode(_model_card(gw, name, int(time.time()))), media_type="application/json")
+
+    return endpoint
+
+
+def _reset_prefix_cache(gw: Gateway):
+    """Sent to every replica that is up; success when all of them succeeded."""
+    async def reset(url: str) -> bool:
+        try:
+            response = await gw.client.post(url + "/reset_prefix_cache", timeout=gw.config.health_timeout_s)
+            return response.status_code == 200 and response.json().get("success") is True
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    async def endpoint(request: Request) -> Response:
+        urls = [b.url for pool in gw.pools.values() for b in pool.backends if b.is_up]
+        results = await asyncio.gather(*(reset(url) for url in urls))
+        return Response(msgspec.json.encode({"success": bool(urls) and all(results)}), media_type="application/json")
 
     return endpoint
 

@@ -27,6 +27,11 @@ class Backend:
     num_in_flight: int = 0
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     is_draining: bool = False  # taking no new requests (autoscaler scale-down); stopped when empty
+    model_card: dict | None = None  # its entry of GET /v1/models, learned by the health probes
+
+    @property
+    def served_model(self) -> str | None:
+        return self.model_card.get("id") if self.model_card else None
 
     @property
     def url(self) -> str:
@@ -48,10 +53,10 @@ class Backend:
 class Pool:
     """One model name's backends behind one policy, with its gateway queue."""
 
-    def __init__(self, name: str, upstream_model: str, policy: RoutingPolicy, max_in_flight_per_backend: int,
+    def __init__(self, name: str, upstream_model: str | None, policy: RoutingPolicy, max_in_flight_per_backend: int,
                  max_queued_requests: int) -> None:
         self.name = name
-        self.upstream_model = upstream_model
+        self.upstream_model = upstream_model  # configured: the name its backends must serve (None: any)
         self.policy = policy
         self.max_in_flight_per_backend = max_in_flight_per_backend
         self.backends: list[Backend] = []
@@ -76,6 +81,10 @@ class Pool:
         backend.health.on_dispatch()
         backend.num_in_flight += 1
         return backend
+
+    def model_of(self, backend: Backend) -> str:
+        """The model name to send `backend`: the configured one, else the one it serves, else the pool's."""
+        return self.upstream_model or backend.served_model or self.name
 
     def release(self, backend: Backend) -> None:
         backend.num_in_flight -= 1

@@ -84,7 +84,8 @@ class AutoscaleConfig:
     scale_up_window_s: float = field(default=10.0, metadata={"help": "autoscale: how long above target"})
     scale_down_idle_s: float = field(default=60.0, metadata={"help": "autoscale: idle seconds before removing one"})
     scale_cooldown_s: float = field(default=10.0, metadata={"help": "autoscale: seconds between decisions"})
-    replica_model: str | None = field(default=None, metadata={"help": "autoscale: --model of the replicas"})
+    replica_model: str | None = field(default=None, metadata={
+        "help": "autoscale: --model of the replicas (default: the embedded demo model, as `llmserve serve`)"})
     replica_pool: str = field(default="default", metadata={"help": "autoscale: model name (pool) they serve"})
     replica_args: str = field(default="", metadata={"help": "autoscale: more `llmserve serve` flags, one string"})
     replica_startup_timeout_s: float = field(default=300.0, metadata={"help": "autoscale: startup limit"})

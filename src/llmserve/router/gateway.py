@@ -48,7 +48,7 @@ class Gateway:
 
     def ensure_pool(self, name: str, policy: str | None = None, upstream_model: str | None = None) -> Pool:
         if name not in self.pools:
-            self.pools[name] = Pool(name, upstream_model or name, make_policy(policy or self.config.policy,
+            self.pools[name] = Pool(name, upstream_model, make_policy(policy or self.config.policy,
                                                                              self.config.load_factor),
                                     self.config.max_in_flight_per_backend, self.config.max_queued_requests)
         return self.pools[name]
@@ -89,13 +89,25 @@ class Gateway:
             decision = classify(auto, request)
             self.metrics.auto_routes.labels(decision.pool, decision.reason).inc()
             return self.pools[decision.pool], decision
-        if not request.model and len(self.pools) == 1:
-            return next(iter(self.pools.values())), None
+        if not request.model:
+            return self.default_pool(), None
         pool = self.pools.get(request.model)
         if pool is None:
             raise APIError(404, f"The model `{request.model}` does not exist (this router serves "
                                 f"{', '.join(self.model_names())}).", param="model", code="model_not_found")
         return pool, None
+
+    def default_pool(self) -> Pool:
+        """The pool of requests that name no model: the autoscaled one, else the first configured."""
+        if self.setup.autoscale.autoscale:
+            return self.pools[self.setup.autoscale.replica_pool]
+        return next(iter(self.pools.values()))
+
+    def any_pool(self) -> Pool:
+        """For requests any replica can answer (GET /version, /info): the default pool while one of its
+        backends is up, else the first pool with one up."""
+        pools = [self.default_pool(), *self.pools.values()]
+        return next((p for p in pools if any(b.is_up for b in p.backends)), pools[0])
 
     def model_names(self) -> list[str]:
         names = list(self.pools)

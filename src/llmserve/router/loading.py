@@ -117,8 +117,6 @@ def check_setup(setup: RouterSetup) -> RouterSetup:
     names = {p.name for p in setup.pools}
     setup.autoscale.validate()
     if setup.autoscale.autoscale:
-        if setup.autoscale.replica_model is None:
-            raise ValueError("--autoscale needs --replica-model (the checkpoint the replicas serve)")
         names.add(setup.autoscale.replica_pool)
     if not names:
         raise ValueError("no backends: give --config FILE with a `pools:` section, --backend MODEL=URL, or --autoscale")

@@ -1,4 +1,5 @@
-"""Background loops: active /health probes, and /metrics scrapes of the backends' load."""
+"""Background loops: active /health probes (which also learn the model a backend serves from its
+GET /v1/models), and /metrics scrapes of the backends' load."""
 
 from __future__ import annotations
 
@@ -49,13 +50,46 @@ async def probe(gw: Gateway, backend: Backend) -> None:
         return
     try:
         response = await gw.client.get(backend.url + "/health", timeout=gw.config.health_timeout_s)
-        is_ok = response.status_code == 200
+        is_ok = response.status_code == 200 and (backend.model_card is not None or await learn_model(gw, backend))
     except httpx.HTTPError:
         is_ok = False
     if is_ok:
         gw.record_success(backend)
     else:
+        backend.model_card = None  # learned again once it is back (it may come back serving another model)
         gw.record_failure(backend)
+
+
+async def learn_model(gw: Gateway, backend: Backend) -> bool:
+    """Ask the backend which model it serves (GET /v1/models); False when it serves none the pool can use.
+    A backend without that route keeps no card: requests then carry the pool's (or its upstream_model) name."""
+    response = await gw.client.get(backend.url + "/v1/models", timeout=gw.config.health_timeout_s)
+    try:
+        cards = [c for c in response.json()["data"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    except (ValueError, KeyError, TypeError):
+        return True
+    pool = gw.pools[backend.pool]
+    card, problem = choose_card(pool.name, pool.upstream_model, cards)
+    if problem:
+        logger.warning("backend %s of pool `%s` left out: %s", backend.url, pool.name, problem)
+        return False
+    backend.model_card = card
+    if card is not None and card["id"] != pool.name:
+        logger.info("backend %s serves `%s` as pool `%s`: model names are rewritten both ways", backend.url,
+                    card["id"], pool.name)
+    return True
+
+
+def choose_card(pool: str, upstream_model: str | None, cards: list[dict]) -> tuple[dict | None, str]:
+    """The model card the pool uses among a backend's (None when it lists none), or a problem to report."""
+    ids = [c["id"] for c in cards]
+    if upstream_model is not None:
+        if upstream_model in ids:
+            return cards[ids.index(upstream_model)], ""
+        return None, f"it serves {', '.join(ids) or 'no model'}, not `{upstream_model}` (the pool's upstream_model)"
+    if pool in ids:
+        return cards[ids.index(pool)], ""
+    return (cards[0] if cards else None), ""
 
 
 async def scrape(gw: Gateway, backend: Backend) -> None:
@@ -83,17 +117,18 @@ async def _every(interval_s: float, step) -> None:
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
-async def run_monitors(gw: Gateway) -> None:
-    """Probe and scrape until cancelled."""
-    async def probe_all() -> None:
-        await asyncio.gather(*(probe(gw, b) for b in _all_backends(gw)))
-        for pool in gw.pools.values():
-            pool.queue.notify_all()  # a cool-down may have ended: queued requests re-check
+async def probe_all(gw: Gateway) -> None:
+    await asyncio.gather(*(probe(gw, b) for b in _all_backends(gw)))
+    for pool in gw.pools.values():
+        pool.queue.notify_all()  # a cool-down may have ended: queued requests re-check
 
+
+async def run_monitors(gw: Gateway) -> None:
+    """Probe and scrape until cancelled (the router runs one probe round before it takes requests)."""
     async def scrape_all() -> None:
         await asyncio.gather(*(scrape(gw, b) for b in _all_backends(gw)))
 
-    loops = [_every(gw.config.health_interval_s, probe_all)]
+    loops = [_every(gw.config.health_interval_s, lambda: probe_all(gw))]
     if gw.config.scrape_interval_s > 0:
         loops.append(_every(gw.config.scrape_interval_s, scrape_all))
     await asyncio.gather(*loops)

@@ -8,6 +8,10 @@ headers were received, since from then on bytes flow to the client. A stream the
 with an SSE error event and `data: [DONE]`. A client that disconnects cancels the request (a watcher
 task sees `http.disconnect`), which closes the upstream connection, so the backend aborts the request and
 frees its KV blocks.
+
+A pool whose backends serve its model under another name (rewrite.py) costs more: the request body is
+re-encoded per backend with the backend's name, and the response's `model` renamed back (a JSON body read
+whole; an SSE stream event by event, not written straight onto the client's socket).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from llmserve.router.backends import Backend, Pool
 from llmserve.router.direct_write import ChunkedBodyWriter
 from llmserve.router.gateway import Gateway
 from llmserve.router.policies import RouteRequest
+from llmserve.router.rewrite import ModelRename, SseRenamer, json_body, request_body
 from llmserve.router.upstream import Header, Response, UpstreamConnectError, UpstreamError
 from llmserve.server.errors import APIError, ErrorBody, service_unavailable, to_api_error
 
@@ -37,11 +42,16 @@ class Forward:
 
     pool: Pool
     route: RouteRequest
-    path: str
+    path: str  # with the query string, if any
     body: bytes
     headers: tuple[Header, ...]  # sent upstream (lower-case names)
     extra_response_headers: tuple[Header, ...]
     client_transport: asyncio.Transport | None = None  # for direct body writes (router/direct_write.py)
+    obj: dict | None = None  # the decoded JSON body, whose `model` is renamed per backend
+    method: bytes = b"POST"
+
+    def body_for(self, backend: Backend) -> bytes:
+        return request_body(self.body, self.obj, self.pool.model_of(backend))
 
 
 @dataclass
@@ -145,7 +155,8 @@ async def _acquire(gw: Gateway, fwd: Forward, tried: frozenset[str]) -> Backend:
 async def _attempt(gw: Gateway, fwd: Forward, backend: Backend) -> Response | _Retry:
     sent_at = time.perf_counter()
     try:
-        upstream = await gw.upstream.post(backend.url, fwd.path, fwd.body, _upstream_headers(fwd, backend))
+        upstream = await gw.upstream.post(backend.url, fwd.path, fwd.body_for(backend), _upstream_headers(fwd, backend),
+                                          fwd.method)
     except BaseException as e:
         fwd.pool.release(backend)
         if not isinstance(e, UpstreamError):
@@ -193,12 +204,18 @@ def _response_headers(fwd: Forward, backend: Backend, upstream: Response) -> lis
 async def _relay(gw: Gateway, fwd: Forward, backend: Backend, upstream: Response, send, watch: _Watch,
                  started: float) -> None:
     pool = fwd.pool
+    rename = ModelRename(pool.model_of(backend), pool.name)
     try:
         gw.metrics.requests.labels(pool.name, backend.url, str(upstream.status)).inc()
+        if rename.is_needed and _content_type_is(upstream, b"application/json"):
+            await _relay_renamed_json(gw, fwd, backend, upstream, send, watch, rename)
+            return
         watch.response_started = True
         await send({"type": "http.response.start", "status": upstream.status,
                     "headers": _response_headers(fwd, backend, upstream)})
-        tail = await _pump(gw, pool, backend, upstream, send, _direct_writer(fwd, upstream))
+        renamer = SseRenamer(rename) if rename.is_needed and _content_type_is(upstream, b"text/event-stream") else None
+        writer = None if renamer is not None else _direct_writer(fwd, upstream)
+        tail = await _pump(gw, pool, backend, upstream, send, writer, renamer)
         if tail is not None:
             watch.is_done = True
             await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -206,6 +223,26 @@ async def _relay(gw: Gateway, fwd: Forward, backend: Backend, upstream: Response
         await upstream.aclose()
         pool.release(backend)
         gw.metrics.request_duration.labels(pool.name).observe(time.perf_counter() - started)
+
+
+def _content_type_is(upstream: Response, media_type: bytes) -> bool:
+    return (upstream.header(b"content-type") or b"").startswith(media_type)
+
+
+async def _relay_renamed_json(gw: Gateway, fwd: Forward, backend: Backend, upstream: Response, send,
+                              watch: _Watch, rename: ModelRename) -> None:
+    """A JSON answer read whole, its `model` renamed to the pool's, sent with its new length."""
+    try:
+        body = json_body(await upstream.read_all(), rename)
+    except UpstreamError as e:
+        gw.record_failure(backend)
+        raise APIError(502, f"the backend {backend.url} closed the connection mid-answer ({e})",
+                       code="upstream_disconnected") from None
+    headers = [h for h in _response_headers(fwd, backend, upstream) if h[0] != b"content-length"]
+    watch.response_started = watch.is_done = True
+    await send({"type": "http.response.start", "status": upstream.status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _direct_writer(fwd: Forward, upstream: Response) -> ChunkedBodyWriter | None:
@@ -217,27 +254,31 @@ def _direct_writer(fwd: Forward, upstream: Response) -> ChunkedBodyWriter | None
 
 
 async def _pump(gw: Gateway, pool: Pool, backend: Backend, upstream: Response, send,
-                writer: ChunkedBodyWriter | None) -> bytes | None:
+                writer: ChunkedBodyWriter | None, renamer: SseRenamer | None = None) -> bytes | None:
     """Relay the body; the last bytes to send (b"", or the SSE error event of a cut stream), or None when a
     cut response cannot be ended properly (not SSE): the connection to the client is then closed.
     With a writer, bytes go straight to the client as they arrive (read() returns only the end, or what
-    piled up while the client was slow)."""
+    piled up while the client was slow). With a renamer (never with a writer), only whole events go out."""
     if writer is not None:
         upstream.start_sink(writer)
     try:
         while chunk := await upstream.read():
+            if renamer is not None:
+                chunk = renamer.feed(chunk) + (renamer.flush() if upstream.is_complete else b"")
             if upstream.is_complete:
                 return chunk  # the end arrived with these bytes: sent with the end of the response, one write
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if writer is not None and writer.can_write():
                 upstream.start_sink(writer)
     except UpstreamError as e:
         gw.record_failure(backend)
         gw.metrics.stream_errors.labels(pool.name, backend.url).inc()
-        if not (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
+        if not _content_type_is(upstream, b"text/event-stream"):
             return None
-        return (b"" if upstream.is_at_event_boundary else b"\n\n") + sse_error_event(e, backend) + SSE_DONE
-    return b""
+        at_boundary = renamer is not None or upstream.is_at_event_boundary  # a renamer holds back partial events
+        return (b"" if at_boundary else b"\n\n") + sse_error_event(e, backend) + SSE_DONE
+    return renamer.flush() if renamer is not None else b""
 
 
 def sse_error_event(exc: BaseException, backend: Backend) -> bytes:

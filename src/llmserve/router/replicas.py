@@ -36,10 +36,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def replica_command(config: AutoscaleConfig, port: int) -> list[str]:
-    assert config.replica_model is not None
+    """`llmserve serve` of one replica; with no --replica-model, the server's default (the demo model)."""
+    model = ["--model", config.replica_model] if config.replica_model is not None else []
     return [sys.executable, "-m", "llmserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--model", config.replica_model, "--served-model-name", config.replica_pool,
-            *shlex.split(config.replica_args)]
+            *model, "--served-model-name", config.replica_pool, *shlex.split(config.replica_args)]
 
 
 def _die_with_parent() -> None:

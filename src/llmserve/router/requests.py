@@ -1,5 +1,6 @@
 """What the router reads of an OpenAI request body: model, stream, user, max_tokens and the prompt's
-leading blocks. The body itself goes upstream unchanged unless the model name must be rewritten."""
+leading blocks (TGI's `inputs` too). The body itself goes upstream unchanged unless the model name must be
+rewritten (rewrite.py)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def prompt_of(obj: dict[str, Any]) -> str | list[int]:
     if "messages" in obj:
         messages = obj["messages"]
         return "".join(_message_text(m) for m in messages) if isinstance(messages, list) else ""
-    prompt = obj.get("prompt", "")
+    prompt = obj.get("prompt", obj.get("inputs", ""))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of prompts: route on the first
     if isinstance(prompt, str):
@@ -74,10 +75,3 @@ def route_request(obj: dict[str, Any], config: PrefixConfig) -> RouteRequest:
                         num_prompt_chars=len(prompt) * (1 if is_text else CHARS_PER_TOKEN),
                         max_tokens=_max_tokens(obj), prompt_text=prompt if is_text else "",
                         is_stream=obj.get("stream") is True)
-
-
-def with_model(body: bytes, obj: dict[str, Any], model: str) -> bytes:
-    """The body with `model` replaced (the original bytes when it already says so)."""
-    if obj.get("model") == model:
-        return body
-    return msgspec.json.encode({**obj, "model": model})

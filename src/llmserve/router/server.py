@@ -15,7 +15,7 @@ from llmserve.router.app import build_app
 from llmserve.router.config import RouterSetup
 from llmserve.router.direct_write import RouterHttpProtocol
 from llmserve.router.gateway import Gateway
-from llmserve.router.monitor import run_monitors
+from llmserve.router.monitor import probe_all, run_monitors
 from llmserve.router.replicas import ReplicaScaler
 from llmserve.server.launcher import bind_socket
 
@@ -47,6 +47,7 @@ def _uvicorn_config(app, setup: RouterSetup) -> uvicorn.Config:
 async def serve(setup: RouterSetup) -> int:
     sock = bind_socket(setup.router.host, setup.router.port)
     gw = Gateway(setup)
+    await probe_all(gw)  # health and served model names known before the first request
     scaler = ReplicaScaler(gw, setup.autoscale) if setup.autoscale.autoscale else None
     tasks = [asyncio.create_task(run_monitors(gw))]
     if scaler is not None:

@@ -66,9 +66,9 @@ class Origin:
         return Origin(parts.hostname, port, tls, parts.netloc.encode(), parts.path.rstrip("/").encode())
 
 
-def request_bytes(origin: Origin, path: str, body: bytes, headers: Sequence[Header]) -> bytes:
-    """A POST request, head and body, ready to write."""
-    head = [b"POST ", origin.path_prefix, path.encode(), b" HTTP/1.1\r\nhost: ", origin.host_header,
+def request_bytes(origin: Origin, path: str, body: bytes, headers: Sequence[Header], method: bytes = b"POST") -> bytes:
+    """A request (POST unless told), head and body, ready to write."""
+    head = [method, b" ", origin.path_prefix, path.encode(), b" HTTP/1.1\r\nhost: ", origin.host_header,
             b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
     for name, value in headers:
         head += (name, b": ", value, b"\r\n")
@@ -286,10 +286,11 @@ class UpstreamPool:
         self._idle: dict[Origin, list[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
 
-    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header]) -> UpstreamResponse:
-        """Send the request and wait for the response head."""
+    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header],
+                   method: bytes = b"POST") -> UpstreamResponse:
+        """Send the request (a POST unless `method` says otherwise) and wait for the response head."""
         origin = self._origins.get(url) or self._origins.setdefault(url, Origin.parse(url))
-        request = request_bytes(origin, path, body, headers)
+        request = request_bytes(origin, path, body, headers, method)
         conn = self._take_idle(origin)
         if conn is not None:
             try:
@@ -388,9 +389,11 @@ class Response(Protocol):
 
 
 class Upstream(Protocol):
-    """Sends a POST to a backend and returns once the response head arrived (raises UpstreamError)."""
+    """Sends a request (POST unless `method` says otherwise) to a backend and returns once the response head
+    arrived (raises UpstreamError)."""
 
-    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header]) -> Response: ...
+    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header],
+                   method: bytes = b"POST") -> Response: ...
 
     def forget(self, url: str) -> None: ...
 

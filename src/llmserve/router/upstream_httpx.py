@@ -60,8 +60,9 @@ class HttpxUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header]) -> HttpxResponse:
-        request = self.client.build_request("POST", url + path, content=body, headers=list(headers))
+    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header],
+                   method: bytes = b"POST") -> HttpxResponse:
+        request = self.client.build_request(method.decode(), url + path, content=body, headers=list(headers))
         try:
             return HttpxResponse(await self.client.send(request, stream=True))
         except httpx.TransportError as e:
