@@ -14,6 +14,7 @@ from llmserve.router.config import AutoscaleConfig, BackendSpec, PoolSpec, Route
 from llmserve.router.gateway import Gateway
 from llmserve.router.health import HealthState
 from llmserve.router.ratelimit import RateLimit
+from llmserve.router.testing import Chunks
 from llmserve.server.testing import until
 
 A, B = "http://a:1", "http://b:1"
@@ -48,17 +49,6 @@ async def call(gw, body, path="/v1/completions", headers=None):
     transport = httpx.ASGITransport(app=build_app(gw))
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
         return await client.post(path, json=body, headers=headers or {})
-
-
-class Chunks(httpx.AsyncByteStream):
-    """A body that arrives as a stream, as over a socket (a `content=` body would count as read already)."""
-
-    def __init__(self, *chunks):
-        self.chunks = chunks
-
-    async def __aiter__(self):
-        for chunk in self.chunks:
-            yield chunk
 
 
 def json_response(status, obj, headers=None):

@@ -15,6 +15,7 @@ from llmserve.router.gateway import Gateway
 from llmserve.router.health import HealthState
 from llmserve.router.monitor import choose_card, probe_all
 from llmserve.router.rewrite import ModelRename, SseRenamer, json_body, request_body
+from llmserve.router.testing import Chunks
 
 RENAME = ModelRename(served="served-name", public="pool")
 STREAM = (b'data: {"id":"1","model":"served-name","choices":[{"text":"\\"model\\":\\"served-name\\""}]}\n\n'
@@ -79,17 +80,6 @@ def test_choose_card():
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 SERVED = {"a": "served-name", "b": "served-name", "c": "pool"}  # what each fake replica serves
-
-
-class Chunks(httpx.AsyncByteStream):
-    """A body that arrives as a stream, as over a socket (a `content=` body would count as read already)."""
-
-    def __init__(self, *chunks):
-        self.chunks = chunks
-
-    async def __aiter__(self):
-        for chunk in self.chunks:
-            yield chunk
 
 
 def streamed(content_type: str, *chunks: bytes) -> httpx.Response:

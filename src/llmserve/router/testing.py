@@ -99,3 +99,14 @@ def shared_tiny_model(base_dir: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         tiny_model(path)
     return path
+
+
+class Chunks(httpx.AsyncByteStream):
+    """A body that arrives as a stream, as over a socket (a `content=` body would count as read already)."""
+
+    def __init__(self, *chunks):
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
