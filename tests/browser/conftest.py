@@ -31,8 +31,8 @@ def artifacts_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def browser():
+@pytest.fixture(scope="module")  # not session: sync Playwright keeps an event loop running while open,
+def browser():                   # which would break asyncio.run in every test after the browser tests
     executable = chromium_path()
     if executable is None:
         pytest.skip("no Chromium installed (apt-get install chromium); .ci/run installs it")
