@@ -20,7 +20,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, GrammarStats
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model.loader import ModelInfo, load_model_info, load_tokenizer, resolve_dtype, resolve_model_path
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
@@ -100,14 +100,8 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(sched_out, self._execute(sched_out))
         if outputs.stats is not None:
             outputs.stats.step_time = time.perf_counter() - start
-            outputs.stats.grammar = self._grammar_stats()
+            outputs.stats.grammar = self.grammars.take_stats()
         return outputs
-
-    def _grammar_stats(self) -> GrammarStats | None:
-        stats = self.grammars.take_stats()
-        if not stats.num_queries and not stats.compile_seconds:
-            return None
-        return GrammarStats(stats.num_queries, stats.num_hits, stats.compile_seconds)
 
     def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         if sched_out.is_empty:

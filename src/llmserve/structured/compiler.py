@@ -13,21 +13,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-
+from llmserve.engine.messages import GrammarStats
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured.grammar import build_grammar
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each a few MB at most for a large vocabulary)
-
-
-@dataclass
-class GrammarStats:
-    """Since the last take(): cache queries and hits, and the seconds of each new compile."""
-
-    num_queries: int = 0
-    num_hits: int = 0
-    compile_seconds: list[float] = field(default_factory=list)
 
 
 class GrammarCompiler:
@@ -61,7 +51,11 @@ class GrammarCompiler:
         self.cache.move_to_end(key)
         return future
 
-    def take_stats(self) -> GrammarStats:
+    def take_stats(self) -> GrammarStats | None:
+        """Cache queries, hits and new compiles since the last call; None when there were none (the
+        engine asks every step, so an engine without structured requests pays one comparison)."""
+        if not self.stats.num_queries and not self.stats.compile_seconds:
+            return None
         with self.lock:
             stats, self.stats = self.stats, GrammarStats()
         return stats
