@@ -1,4 +1,4 @@
-"""The `llmserve` command: serve, route, generate, make-model, bench {serve, offline, spec}."""
+"""The `llmserve` command: serve, route, serve-ray, generate, make-model, bench {serve, offline, spec}."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.serve import add_bench_serve_parser
     from llmserve.bench.spec import add_bench_spec_parser
     from llmserve.model.maker import add_make_model_parser
+    from llmserve.rayserve.cli import add_serve_ray_parser
     from llmserve.router.cli import add_route_parser
     from llmserve.server.cli import add_serve_parser
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_route_parser(sub)
+    add_serve_ray_parser(sub)
     _add_generate_parser(sub)
     add_make_model_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

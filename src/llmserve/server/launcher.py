@@ -131,12 +131,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
                                         stream_interval=config.stream_interval,
                                         request_timeout=config.request_timeout)
     try:
-        model_name = config.served_model_name or engine.model_info.name
-        metrics = ServerMetrics(model_name)
-        metrics.set_cache_size(engine.client.num_kv_blocks)
-        engine.stat_logger = metrics
-        ctx = ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs,
-                             TokenTexts(engine.tokenizer))
+        ctx = serving_context(engine, config)
+        model_name = ctx.model_name
         server = DrainingServer(_uvicorn_config(build_app(ctx), config), ctx)
         engine.dead_callbacks.append(server.on_engine_dead)
         if engine.is_dead:
@@ -154,6 +150,15 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     finally:
         sock.close()
         await engine.shutdown()
+
+
+def serving_context(engine: AsyncLLM, config: ServerConfig) -> ServingContext:
+    """The routes' state around a started engine, its metrics hooked to the engine's steps."""
+    model_name = config.served_model_name or engine.model_info.name
+    metrics = ServerMetrics(model_name)
+    metrics.set_cache_size(engine.client.num_kv_blocks)
+    engine.stat_logger = metrics
+    return ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs, TokenTexts(engine.tokenizer))
 
 
 def freeze_startup_heap() -> None:

@@ -1,0 +1,72 @@
+"""The Ray Serve application: engine replicas (replica.py) behind the ingress (ingress.py).
+
+`build_application(deployment)` for Python and `llmserve serve-ray`; `build_app` for Ray's own CLI:
+
+    serve run llmserve.rayserve.app:build_app model=/path/to/model dtype=float32 min-replicas=2
+
+(each key=value is the `llmserve serve-ray` flag of that name, so defaults and checks are the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from llmserve.rayserve import require_ray
+from llmserve.rayserve.config import PREFIX_AWARE, Deployment
+from llmserve.rayserve.ingress import Ingress
+from llmserve.rayserve.replica import LLMReplica
+
+REPLICA_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMReplica", "Ingress"
+INGRESS_MAX_ONGOING = 16384  # the ingress only forwards: its limit must not be the bottleneck (Ray's default is 5)
+ROUTER_CLASS = "llmserve.rayserve.request_router:PrefixAwareRequestRouter"
+
+
+def replica_options(deployment: Deployment) -> dict:
+    config = deployment.ray
+    options = {"name": REPLICA_DEPLOYMENT, "max_ongoing_requests": config.max_ongoing_requests,
+               "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus},
+               "graceful_shutdown_timeout_s": deployment.server.shutdown_timeout,
+               "health_check_timeout_s": deployment.server.health_stall_timeout}
+    if config.num_replicas is not None:
+        options["num_replicas"] = config.num_replicas
+    else:
+        options["autoscaling_config"] = config.autoscaling_config()
+    if config.request_router == PREFIX_AWARE:
+        from ray.serve.config import RequestRouterConfig
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_CLASS, request_router_kwargs={"load_factor": config.load_factor})
+    return options
+
+
+def build_application(deployment: Deployment):
+    """The bound application (checked first: a bad value fails here, not in a replica)."""
+    deployment.validate()
+    serve = require_ray()
+    replicas = serve.deployment(LLMReplica).options(**replica_options(deployment)).bind(deployment)
+    ingress = serve.deployment(Ingress).options(
+        name=INGRESS_DEPLOYMENT, num_replicas=deployment.ray.ingress_replicas,
+        max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": deployment.ray.ingress_num_cpus})
+    return ingress.bind(replicas, deployment)
+
+
+def build_app(args: dict[str, str]):
+    """For `serve run llmserve.rayserve.app:build_app key=value ...`: the serve-ray flags, without dashes."""
+    from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args
+
+    parser = argparse.ArgumentParser(prog="serve run llmserve.rayserve.app:build_app", exit_on_error=False)
+    add_serve_ray_args(parser)
+    return build_application(deployment_from_args(parser.parse_args(_argv(args))))
+
+
+def _argv(args: dict[str, str]) -> list[str]:
+    """{"min-replicas": "2", "enforce_eager": "true"} -> ["--min-replicas", "2", "--enforce-eager"]."""
+    argv = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        text = str(value).lower()
+        if text in ("true", "false"):
+            argv.append(flag if text == "true" else f"--no-{flag[2:]}")
+        else:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,87 @@
+"""`llmserve serve-ray`: flags from EngineConfig's, ServerConfig's and RayServeConfig's dataclasses.
+
+Starts (or joins) Ray, starts Ray Serve's HTTP proxy on --host/--port, deploys the application and waits
+for SIGINT/SIGTERM, then deletes the application (and stops a Ray it started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from llmserve.config import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
+from llmserve.rayserve.config import Deployment, RayServeConfig
+from llmserve.server.cli import server_config_from_args
+from llmserve.server.config import ServerConfig
+
+logger = logging.getLogger("llmserve.rayserve")
+
+
+def add_serve_ray_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_dataclass_args(parser, ServerConfig)
+    add_dataclass_args(parser, RayServeConfig)
+
+
+def add_serve_ray_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve-ray", help="serve on Ray Serve: engine replicas, autoscaling, prefix-aware request router",
+        description="Deploy engine replicas as a Ray Serve application behind our OpenAI (and TGI) routes. "
+                    "--host/--port are Ray Serve's HTTP proxy's.")
+    add_serve_ray_args(parser)
+    parser.set_defaults(func=serve_ray_command)
+    return parser
+
+
+def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    """Raises ValueError naming the flag of a bad value."""
+    deployment = Deployment(engine_config_from_args(args), server_config_from_args(args),
+                            dataclass_from_args(RayServeConfig, args))
+    deployment.validate()
+    return deployment
+
+
+def serve_ray_command(args: argparse.Namespace) -> int:
+    """Check every value and that Ray is installed before starting anything: exit code 2 otherwise."""
+    from llmserve.rayserve import require_ray
+
+    try:
+        deployment = deployment_from_args(args)
+        serve = require_ray()
+    except (ValueError, ImportError) as e:
+        print(f"llmserve serve-ray: error: {e} (see llmserve serve-ray --help)", file=sys.stderr)
+        return 2
+    return run(serve, deployment)
+
+
+def run(serve, deployment: Deployment) -> int:
+    import ray
+
+    from llmserve.rayserve.app import build_application
+
+    config, server = deployment.ray, deployment.server
+    ray.init(address=config.address, num_cpus=config.num_cpus if config.address is None else None,
+             logging_level=server.log_level.upper())
+    try:
+        serve.start(http_options={"host": server.host, "port": server.port,
+                                  "keep_alive_timeout_s": server.timeout_keep_alive})
+        serve.run(build_application(deployment), name=config.app_name, route_prefix=config.route_prefix)
+        print(f"llmserve: serving on Ray Serve at http://{server.host}:{server.port}{config.route_prefix} "
+              f"(application {config.app_name})", file=sys.stderr, flush=True)
+        _wait_for_signal()
+        logger.info("stopping: deleting application %s", config.app_name)
+        serve.delete(config.app_name)
+    finally:
+        if config.address is None:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _wait_for_signal() -> None:
+    signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    signal.sigwait(signals)
+

@@ -1,0 +1,109 @@
+"""The Ray Serve deployment's configuration: one frozen record (defaults stated here once), its CLI flags
+generated from it like the engine's and the server's, checked before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.config import EngineConfig, check, check_choice, check_min
+from llmserve.router.requests import PrefixConfig
+from llmserve.server.config import ServerConfig
+
+PREFIX_AWARE, POW_2 = "prefix-aware", "pow-2"
+ROUTER_NAMES = (PREFIX_AWARE, POW_2)
+
+
+@dataclass(frozen=True)
+class RayServeConfig:
+    address: str | None = field(default=None, metadata={
+        "help": "Ray cluster to join (e.g. auto, ray://head:10001); default: start a local Ray on this machine"})
+    num_cpus: int | None = field(default=None, metadata={
+        "help": "local Ray only: CPUs it may schedule (default: Ray's count of this machine's)"})
+    app_name: str = field(default="llmserve", metadata={"help": "Ray Serve application name"})
+    route_prefix: str = field(default="/", metadata={"help": "the application's path on Ray's HTTP proxy"})
+    num_replicas: int | None = field(default=None, metadata={
+        "help": "a fixed number of engine replicas (autoscaling off); default: autoscale between "
+                "--min-replicas and --max-replicas"})
+    min_replicas: int = field(default=1, metadata={"help": "autoscaling: fewest engine replicas"})
+    max_replicas: int = field(default=4, metadata={"help": "autoscaling: most engine replicas"})
+    initial_replicas: int | None = field(default=None, metadata={
+        "help": "autoscaling: replicas at start (default: --min-replicas)"})
+    target_ongoing_requests: float = field(default=64.0, metadata={
+        "help": "autoscaling: requests running or queued per replica that Ray aims at (half a CPU batch of "
+                "128 sequences): above it for --upscale-delay-s adds replicas"})
+    upscale_delay_s: float = field(default=10.0, metadata={"help": "autoscaling: seconds above target before adding"})
+    downscale_delay_s: float = field(default=60.0, metadata={
+        "help": "autoscaling: seconds below target before removing a replica"})
+    metrics_interval_s: float = field(default=2.0, metadata={
+        "help": "autoscaling: seconds between the replicas' load reports (Ray's look-back window is 5 of them)"})
+    max_ongoing_requests: int = field(default=256, metadata={
+        "help": "requests one replica holds at once (running + its engine's queue); more wait in the ingress"})
+    replica_num_cpus: float = field(default=1.0, metadata={"help": "CPUs Ray reserves per engine replica"})
+    replica_num_gpus: float = field(default=0.0, metadata={
+        "help": "GPUs Ray reserves per engine replica (1 for --device cuda; Ray sets CUDA_VISIBLE_DEVICES)"})
+    ingress_replicas: int = field(default=1, metadata={
+        "help": "ingress replicas (each keeps its own prefix table: more than one weakens prefix affinity)"})
+    ingress_num_cpus: float = field(default=0.5, metadata={"help": "CPUs Ray reserves per ingress replica"})
+    request_router: str = field(default=PREFIX_AWARE, metadata={
+        "help": "prefix-aware (our policy: a prefix stays on one replica under a load bound) | pow-2 (Ray's "
+                "default: the shorter queue of two random replicas)", "choices": list(ROUTER_NAMES)})
+    load_factor: float = field(default=1.0, metadata={
+        "help": "prefix-aware: epsilon of the bounded load; no replica takes more than (1+eps) x its share"})
+    prefix_chars: int = field(default=256, metadata={"help": "prefix-aware: leading prompt characters hashed"})
+    prefix_tokens: int = field(default=64, metadata={"help": "prefix-aware: leading token ids hashed (id prompts)"})
+    max_attempts: int = field(default=3, metadata={
+        "help": "ingress: tries of a request whose replica died before answering anything"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check(bool(self.app_name), "app-name", "must not be empty")
+        check(self.route_prefix.startswith("/"), "route-prefix", f"must start with /, got {self.route_prefix!r}")
+        check_min("num-cpus", self.num_cpus, 1)
+        check_min("num-replicas", self.num_replicas, 1)
+        check_min("min-replicas", self.min_replicas, 0)
+        check(self.max_replicas >= max(1, self.min_replicas), "max-replicas",
+              f"must be >= 1 and >= --min-replicas ({self.min_replicas}), got {self.max_replicas}")
+        if self.initial_replicas is not None:
+            check(self.min_replicas <= self.initial_replicas <= self.max_replicas, "initial-replicas",
+                  f"must be in --min-replicas..--max-replicas, got {self.initial_replicas}")
+        for name in ("target_ongoing_requests", "metrics_interval_s"):
+            check(getattr(self, name) > 0, name.replace("_", "-"), f"must be > 0, got {getattr(self, name)}")
+        for name in ("upscale_delay_s", "downscale_delay_s", "replica_num_cpus", "replica_num_gpus",
+                     "ingress_num_cpus", "load_factor"):
+            check_min(name.replace("_", "-"), getattr(self, name), 0)
+        for name in ("max_ongoing_requests", "ingress_replicas", "prefix_chars", "prefix_tokens", "max_attempts"):
+            check_min(name.replace("_", "-"), getattr(self, name), 1)
+        check_choice("request-router", self.request_router, ROUTER_NAMES)
+
+    @property
+    def prefix(self) -> PrefixConfig:
+        return PrefixConfig(self.prefix_chars, self.prefix_tokens)
+
+    def autoscaling_config(self) -> dict | None:
+        """Ray Serve's autoscaling_config (None with a fixed --num-replicas)."""
+        if self.num_replicas is not None:
+            return None
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": self.initial_replicas, "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+                "metrics_interval_s": self.metrics_interval_s, "look_back_period_s": 5 * self.metrics_interval_s}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything a replica and the ingress need (pickled by Ray to every replica)."""
+
+    engine: EngineConfig
+    server: ServerConfig
+    ray: RayServeConfig
+
+    def validate(self) -> None:
+        self.engine.validate()
+        self.server.validate()
+        self.ray.validate()
+        check(self.server.port != 0, "port", "Ray Serve's proxy needs a fixed port, got 0")
+        device = self.engine.model.device
+        check(not (device.startswith("cuda") and self.ray.replica_num_gpus == 0), "replica-num-gpus",
+              f"--device {device} needs a GPU per replica: give --replica-num-gpus 1")

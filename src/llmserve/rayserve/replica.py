@@ -1,0 +1,53 @@
+"""One engine replica of the Ray Serve deployment: our FastAPI app (server/api_server.py) over the replica's
+own engine, answering forwarded requests in-process (asgi.py). Ray restarts a replica whose actor died or
+whose health check fails; its engine process follows its parent out (engine/core_proc.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.rayserve.asgi import call_asgi
+from llmserve.rayserve.config import Deployment
+from llmserve.rayserve.messages import REPLICA_HEADER, ForwardedRequest, ResponseHead
+from llmserve.server.api_server import build_app
+from llmserve.server.launcher import serving_context
+
+logger = logging.getLogger("llmserve.rayserve")
+
+
+class LLMReplica:
+    """Ray Serve calls `forward` (streaming) for each request, `check_health` periodically and
+    `record_routing_stats` for the request router."""
+
+    async def __init__(self, deployment: Deployment) -> None:  # Ray Serve awaits an async constructor
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        server = deployment.server
+        self.engine = await AsyncLLM.from_config(deployment.engine, startup_timeout=server.engine_startup_timeout,
+                                                 stream_interval=server.stream_interval,
+                                                 request_timeout=server.request_timeout)
+        self.ctx = serving_context(self.engine, server)
+        self.app = build_app(self.ctx)
+        self.headers = ((REPLICA_HEADER.encode(), self.replica_id.encode()),)
+        logger.info("replica %s serving %s", self.replica_id, self.ctx.model_name)
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
+        async for item in call_asgi(self.app, request, self.headers):
+            yield item
+
+    def check_health(self) -> None:
+        """Raising marks the replica unhealthy: Ray replaces it."""
+        if self.engine.is_dead:
+            raise RuntimeError(f"the engine is dead: {self.engine.client.dead_reason}")
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """What the request router may read of this replica (RunningReplica.routing_stats)."""
+        return {"num_unfinished": self.engine.num_unfinished_requests}
+
+    async def __del__(self) -> None:
+        """Ray's graceful shutdown (scale-down, redeploy): it stopped routing here and waited for the
+        requests already here; stop the engine process."""
+        await self.engine.shutdown()
