@@ -23,8 +23,8 @@ def http_scope(request: ForwardedRequest) -> dict:
 
 async def call_asgi(app, request: ForwardedRequest, extra_headers: tuple[tuple[bytes, bytes], ...] = ()
                     ) -> AsyncIterator[ResponseHead | bytes]:
-    """Yields the response head, then its body in chunks; chunks the app sent while the consumer was busy
-    come out joined (one item instead of many under load)."""
+    """Yields the response head (with the body's first chunk), then the rest of the body in chunks; chunks
+    the app sent while the consumer was busy come out joined (one item instead of many under load)."""
     sent: asyncio.Queue[dict] = asyncio.Queue()
     disconnected = asyncio.Event()
     body_given = False
@@ -50,21 +50,26 @@ async def call_asgi(app, request: ForwardedRequest, extra_headers: tuple[tuple[b
 
 
 async def _responses(sent: asyncio.Queue, task: asyncio.Task, extra_headers) -> AsyncIterator[ResponseHead | bytes]:
-    while True:
-        message = await _next_message(sent, task)
-        if message["type"] == "http.response.start":
-            yield ResponseHead(message["status"], (*message.get("headers", ()), *extra_headers))
-            continue
-        chunks, more = [message.get("body", b"")], message.get("more_body", False)
-        while more and not sent.empty():  # join what is waiting already
-            message = sent.get_nowait()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+    start = await _next_message(sent, task)
+    if start["type"] != "http.response.start":
+        raise RuntimeError(f"the app sent {start['type']} before http.response.start")
+    body, more = await _body_chunk(sent, task)
+    yield ResponseHead(start["status"], (*start.get("headers", ()), *extra_headers), body, not more)
+    while more:
+        body, more = await _body_chunk(sent, task)
         if body:
             yield body
-        if not more:
-            return
+
+
+async def _body_chunk(sent: asyncio.Queue, task: asyncio.Task) -> tuple[bytes, bool]:
+    """The next body message's bytes joined with those already waiting behind it; and whether more follow."""
+    message = await _next_message(sent, task)
+    chunks, more = [message.get("body", b"")], message.get("more_body", False)
+    while more and not sent.empty():
+        message = sent.get_nowait()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks), more
 
 
 async def _next_message(sent: asyncio.Queue, task: asyncio.Task) -> dict:

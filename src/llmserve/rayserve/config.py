@@ -34,8 +34,8 @@ class RayServeConfig:
     upscale_delay_s: float = field(default=10.0, metadata={"help": "autoscaling: seconds above target before adding"})
     downscale_delay_s: float = field(default=60.0, metadata={
         "help": "autoscaling: seconds below target before removing a replica"})
-    metrics_interval_s: float = field(default=2.0, metadata={
-        "help": "autoscaling: seconds between the replicas' load reports (Ray's look-back window is 5 of them)"})
+    look_back_period_s: float = field(default=10.0, metadata={
+        "help": "autoscaling: seconds over which Ray averages the ongoing requests"})
     max_ongoing_requests: int = field(default=256, metadata={
         "help": "requests one replica holds at once (running + its engine's queue); more wait in the ingress"})
     replica_num_cpus: float = field(default=1.0, metadata={"help": "CPUs Ray reserves per engine replica"})
@@ -68,7 +68,7 @@ class RayServeConfig:
         if self.initial_replicas is not None:
             check(self.min_replicas <= self.initial_replicas <= self.max_replicas, "initial-replicas",
                   f"must be in --min-replicas..--max-replicas, got {self.initial_replicas}")
-        for name in ("target_ongoing_requests", "metrics_interval_s"):
+        for name in ("target_ongoing_requests", "look_back_period_s"):
             check(getattr(self, name) > 0, name.replace("_", "-"), f"must be > 0, got {getattr(self, name)}")
         for name in ("upscale_delay_s", "downscale_delay_s", "replica_num_cpus", "replica_num_gpus",
                      "ingress_num_cpus", "load_factor"):
@@ -88,7 +88,7 @@ class RayServeConfig:
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                 "initial_replicas": self.initial_replicas, "target_ongoing_requests": self.target_ongoing_requests,
                 "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
-                "metrics_interval_s": self.metrics_interval_s, "look_back_period_s": 5 * self.metrics_interval_s}
+                "look_back_period_s": self.look_back_period_s}
 
 
 @dataclass(frozen=True)

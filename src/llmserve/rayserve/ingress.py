@@ -46,8 +46,11 @@ class Ingress:
                 continue
             assert isinstance(head, ResponseHead), "a replica answers its head first"
             headers = [(k, v) for k, v in head.headers if k.lower() not in _DROPPED_HEADERS]
-            response = StreamingResponse(_body(stream, forwarded.path, head), status_code=head.status)
-            response.raw_headers = headers
+            if head.is_complete:
+                response = Response(head.body, status_code=head.status)
+            else:
+                response = StreamingResponse(_body(stream, forwarded.path, head), status_code=head.status)
+            response.raw_headers = [*headers, *[(k, v) for k, v in response.raw_headers if k == b"content-length"]]
             return response
         return error_response(service_unavailable(
             f"no replica answered after {self.config.max_attempts} tries (replicas died); retry later", retry_after=5))
@@ -74,6 +77,7 @@ def _app_path(scope: dict) -> str:
 async def _body(stream, path: str, head: ResponseHead) -> AsyncIterator[bytes]:
     from ray.exceptions import ActorUnavailableError, RayActorError
 
+    yield head.body
     try:
         async for chunk in stream:
             yield chunk

@@ -1,6 +1,7 @@
 """What travels between the ingress and a replica over the DeploymentHandle (pickled by Ray): the HTTP
 request as the ingress read it, with what the request router needs already extracted, and the replica's
-answer as one `ResponseHead` followed by body chunks (bytes)."""
+answer as one `ResponseHead` (status, headers and the body's first chunk: all of it when not streamed) followed
+by the rest of the body in chunks (bytes)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,5 @@ class ForwardedRequest:
 class ResponseHead:
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes = b""  # the body's first chunk
+    is_complete: bool = False  # the body ends with it

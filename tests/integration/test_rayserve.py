@@ -1,0 +1,223 @@
+"""llmserve on a real Ray Serve (a local Ray in this process, 4 logical CPUs, torn down at the end): two tiny
+CPU replicas behind the ingress answer the OpenAI client and TGI; the prefix-aware request router keeps a
+prefix on one replica (prefix-cache hit rate against a round-robin baseline, read from each replica's
+metrics); a replica killed under load is replaced by Ray without losing a request that had not started
+answering; autoscaling adds a replica under queued load and removes it when idle. No sleeps: every wait
+polls a condition (Ray's serve.status() included) with a deadline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from llmserve.rayserve.app import REPLICA_DEPLOYMENT, build_application  # noqa: E402
+from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args  # noqa: E402
+from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
+from llmserve.router.testing import sample_value, shared_tiny_model  # noqa: E402
+from llmserve.server.testing import wait_until  # noqa: E402
+
+APP = "llmserve"
+MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4
+# Autoscaling between 2 and 3 replicas, 4 requests per replica targeted, short delays: the tests before the
+# autoscaling one keep fewer than 2 x 4 requests open, so that they run on exactly two replicas.
+FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "200", "--served-model-name", "tiny",
+         "--log-level", "warning", "--replica-num-cpus", "0.5", "--ingress-num-cpus", "0.5",
+         "--min-replicas", str(MIN_REPLICAS), "--max-replicas", str(MAX_REPLICAS),
+         "--target-ongoing-requests", str(TARGET_ONGOING), "--upscale-delay-s", "1", "--downscale-delay-s", "3",
+         "--look-back-period-s", "1", "--prefix-chars", "200")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_dir():
+    path = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def url(ray_dir, tmp_path_factory):
+    model = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
+    port = free_port()
+    parser = argparse.ArgumentParser()
+    add_serve_ray_args(parser)
+    deployment = deployment_from_args(parser.parse_args(["--model", model, *FLAGS, "--port", str(port)]))
+    # The replicas' temporary files (engine sockets) go to Ray's folder, removed at the end even when a
+    # test killed the replica that made them.
+    ray.init(num_cpus=4, _temp_dir=ray_dir, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TMPDIR": ray_dir}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_application(deployment), name=APP)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replica_ids() -> set[str]:
+    """The engine replicas' ids, from their (named) Ray actors."""
+    prefix = f"SERVE_REPLICA::{APP}#{REPLICA_DEPLOYMENT}#"
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+def num_running() -> int:
+    deployment = serve.status().applications[APP].deployments[REPLICA_DEPLOYMENT]
+    return sum(n for state, n in deployment.replica_states.items() if state == "RUNNING")
+
+
+def settled(n: int):
+    """The condition: n replicas running, nothing starting or stopping, the same n actors alive."""
+    def check() -> set[str] | None:
+        app = serve.status().applications[APP]
+        states = app.deployments[REPLICA_DEPLOYMENT].replica_states
+        ids = replica_ids()
+        return ids if app.status == "RUNNING" and dict(states) == {"RUNNING": n} and len(ids) == n else None
+    return check
+
+
+def pinned(url: str, replica: str, method: str, path: str, **kwargs) -> httpx.Response:
+    r = httpx.request(method, f"{url}{path}", headers={REPLICA_HEADER: replica}, timeout=60, **kwargs)
+    assert r.headers[REPLICA_HEADER] == replica
+    return r
+
+
+def prefix_counters(url: str, replica: str) -> tuple[float, float]:
+    text = pinned(url, replica, "GET", "/metrics").text
+    return (sample_value(text, "llmserve:prefix_cache_hits_total"),
+            sample_value(text, "llmserve:prefix_cache_queries_total"))
+
+
+def test_openai_client_and_tgi_through_ray_serve(url):
+    wait_until(settled(MIN_REPLICAS), 60, "two running replicas")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=5, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].delta.content or "") > 0 for c in chunks) >= 2  # streamed, not one lump
+    stream = client.completions.create(model="tiny", prompt="hello", max_tokens=7, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert [c.choices[0].finish_reason for c in stream][-1] == "length"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+    tgi = httpx.post(f"{url}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 4}}, timeout=60)
+    assert tgi.status_code == 200 and isinstance(tgi.json()["generated_text"], str)
+    assert tgi.headers[REPLICA_HEADER] in replica_ids()
+    with httpx.stream("POST", f"{url}/generate_stream", timeout=60,
+                      json={"inputs": "hi", "parameters": {"max_new_tokens": 4}}) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert len(events) == 4 and events[-1]["details"]["generated_tokens"] == 4
+
+
+SYSTEMS = [f"System prompt number {i}: you are assistant {i}, answer briefly and kindly. " * 4 for i in range(8)]
+
+
+def run_rounds(url: str, pin) -> tuple[dict[int, set[str]], float]:
+    """Three rounds over the 8 shared prefixes (a round's 8 requests 4 at a time; each prefix's request
+    waits for the one before it), pinned to `pin(prefix, round)` (None: the request router decides).
+    Returns the replicas that served each prefix and the prefix-cache hit rate of the three rounds."""
+    ids = sorted(replica_ids())
+    for replica in ids:
+        assert pinned(url, replica, "POST", "/reset_prefix_cache").json() == {"success": True}
+    before = {r: prefix_counters(url, r) for r in ids}
+    served: dict[int, set[str]] = {i: set() for i in range(len(SYSTEMS))}
+
+    def send(i: int, round_: int) -> None:
+        replica = pin(i, round_)
+        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={REPLICA_HEADER: replica} if replica else {},
+                       json={"model": "tiny", "prompt": f"{SYSTEMS[i]} question {round_}?", "max_tokens": 2})
+        assert r.status_code == 200
+        served[i].add(r.headers[REPLICA_HEADER])
+
+    with ThreadPoolExecutor(4) as pool:
+        for round_ in range(3):
+            list(pool.map(send, range(len(SYSTEMS)), [round_] * len(SYSTEMS)))
+    after = {r: prefix_counters(url, r) for r in ids}
+    hits = sum(after[r][0] - before[r][0] for r in ids)
+    queries = sum(after[r][1] - before[r][1] for r in ids)
+    return served, hits / queries
+
+
+def test_prefix_aware_router_beats_round_robin(url):
+    ids = sorted(wait_until(settled(MIN_REPLICAS), 60, "two running replicas"))
+    _, round_robin = run_rounds(url, lambda i, round_: ids[(i + round_) % len(ids)])
+    served, prefix_aware = run_rounds(url, lambda i, round_: None)
+    assert all(len(replicas) == 1 for replicas in served.values()), served  # each prefix stayed on one replica
+    assert {r for replicas in served.values() for r in replicas} == set(ids)  # and the prefixes spread
+    assert prefix_aware >= 1.5 * round_robin, (prefix_aware, round_robin)
+
+
+def completion(url: str, i: int, stream: bool) -> tuple[str, int]:
+    """("ok" | "lost" (failed before any byte) | "cut" (failed after some), bytes received)."""
+    body = {"model": "tiny", "prompt": f"request {i} " * 8, "max_tokens": 48, "ignore_eos": True, "stream": stream}
+    chunks: list[bytes] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for chunk in r.iter_raw():
+                chunks.append(chunk)
+            if r.status_code != 200:
+                return "lost", len(b"".join(chunks))
+    except httpx.HTTPError:
+        return ("cut" if chunks else "lost"), len(b"".join(chunks))
+    raw = b"".join(chunks)
+    complete = raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw if stream else bool(raw)
+    return ("ok" if complete else "cut"), len(raw)
+
+
+def test_killed_replica_is_replaced_and_unstarted_requests_survive(url):
+    ids = wait_until(settled(MIN_REPLICAS), 60, "two running replicas")
+    victim = sorted(ids)[0]
+    results: list[tuple[str, int]] = []
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(completion, url, i, stream=i % 3 == 0) for i in range(36)]
+        wait_until(lambda: sum(f.done() for f in futures) >= 6, 60, "the load to be under way")
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#{REPLICA_DEPLOYMENT}#{victim}", namespace="serve"))
+        results = [f.result() for f in futures]
+    outcomes = [outcome for outcome, _ in results]
+    assert "lost" not in outcomes, outcomes  # not one request that had received nothing failed
+    assert outcomes.count("ok") >= len(outcomes) - 6  # at most the streams open on the victim were cut
+    new_ids = wait_until(settled(MIN_REPLICAS), 120, "Ray to replace the killed replica")
+    assert victim not in new_ids and len(new_ids & ids) == 1
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(url):
+    wait_until(settled(MIN_REPLICAS), 120, "two running replicas")
+    stop = threading.Event()
+
+    def keep_busy(i: int) -> None:  # not streamed: the load is the engines', not the streams' hops
+        body = {"model": "tiny", "prompt": f"busy {i}", "max_tokens": 256, "ignore_eos": True}
+        while not stop.is_set():
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+
+    with ThreadPoolExecutor(16) as pool:  # 16 open requests: twice the target of 2 replicas x 4
+        try:
+            busy = [pool.submit(keep_busy, i) for i in range(16)]
+            # The generous deadline is for a loaded machine: the new replica imports torch and starts an engine
+            # while 16 requests keep the CPUs busy.
+            wait_until(lambda: num_running() == MAX_REPLICAS, 240, "a third replica under load")
+        finally:
+            stop.set()
+        for future in busy:
+            future.result()
+    wait_until(settled(MIN_REPLICAS), 60, "the extra replica removed after idle")
