@@ -36,7 +36,7 @@ FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "200
          "--log-level", "warning", "--replica-num-cpus", "0.5", "--ingress-num-cpus", "0.5",
          "--min-replicas", str(MIN_REPLICAS), "--max-replicas", str(MAX_REPLICAS),
          "--target-ongoing-requests", str(TARGET_ONGOING), "--upscale-delay-s", "1", "--downscale-delay-s", "3",
-         "--look-back-period-s", "1", "--prefix-chars", "200")
+         "--look-back-period-s", "11", "--prefix-chars", "200")
 
 
 def free_port() -> int:

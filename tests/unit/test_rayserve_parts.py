@@ -1,0 +1,144 @@
+"""The Ray Serve package's parts that need no Ray: config checks, `serve run` arguments, the in-process ASGI
+call (head with the first chunk, joined chunks, disconnect when the consumer leaves), and that the rest of
+llmserve never imports ray (tests/integration/test_rayserve.py runs the whole on a real Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from llmserve.config import EngineConfig, ModelConfig
+from llmserve.rayserve.app import _argv
+from llmserve.rayserve.asgi import call_asgi
+from llmserve.rayserve.config import Deployment, RayServeConfig
+from llmserve.rayserve.ingress import _app_path
+from llmserve.rayserve.messages import ForwardedRequest, ResponseHead
+from llmserve.server.config import ServerConfig
+
+
+@pytest.mark.parametrize("changes, flag", [
+    ({"min_replicas": 3, "max_replicas": 2}, "max-replicas"),
+    ({"initial_replicas": 9}, "initial-replicas"),
+    ({"target_ongoing_requests": 0}, "target-ongoing-requests"),
+    ({"num_replicas": 0}, "num-replicas"),
+    ({"request_router": "random"}, "request-router"),
+    ({"route_prefix": "v1"}, "route-prefix"),
+    ({"max_attempts": 0}, "max-attempts"),
+])
+def test_bad_values_are_refused_naming_the_flag(changes, flag):
+    with pytest.raises(ValueError, match=flag):
+        RayServeConfig(**changes)
+
+
+def test_deployment_checks_across_sections():
+    with pytest.raises(ValueError, match="replica-num-gpus"):
+        Deployment(EngineConfig(model=ModelConfig(device="cuda")), ServerConfig(), RayServeConfig()).validate()
+    with pytest.raises(ValueError, match="port"):
+        Deployment(EngineConfig(), ServerConfig(port=0), RayServeConfig()).validate()
+
+
+def test_autoscaling_config_off_with_a_fixed_count():
+    assert RayServeConfig(num_replicas=2).autoscaling_config() is None
+    config = RayServeConfig(min_replicas=2, max_replicas=5, upscale_delay_s=1)
+    assert config.autoscaling_config() == {
+        "min_replicas": 2, "max_replicas": 5, "initial_replicas": None, "target_ongoing_requests": 64.0,
+        "upscale_delay_s": 1, "downscale_delay_s": 60.0, "look_back_period_s": 15.0}
+
+
+def test_serve_run_arguments_become_flags():
+    assert _argv({"model": "/m", "min_replicas": 2, "enforce-eager": "true", "access_log": "False"}) == [
+        "--model", "/m", "--min-replicas", "2", "--enforce-eager", "--no-access-log"]
+
+
+def test_app_path_below_the_route_prefix():
+    assert _app_path({"path": "/llm/v1/models", "root_path": "/llm"}) == "/v1/models"
+    assert _app_path({"path": "/llm", "root_path": "/llm"}) == "/"
+    assert _app_path({"path": "/v1/models", "root_path": ""}) == "/v1/models"
+
+
+def request(path: str = "/", body: bytes = b"") -> ForwardedRequest:
+    return ForwardedRequest("POST", path, b"", ((b"content-type", b"application/json"),), body)
+
+
+async def collect(app, req: ForwardedRequest, limit: int | None = None) -> list:
+    items = []
+    async for item in call_asgi(app, req, ((b"x-extra", b"1"),)):
+        items.append(item)
+        if limit is not None and len(items) == limit:
+            break
+    return items
+
+
+def test_a_whole_response_is_one_item():
+    async def app(scope, receive, send):
+        assert (await receive())["body"] == b"ping"
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"a", b"b")]})
+        await send({"type": "http.response.body", "body": b"pong"})
+
+    items = asyncio.run(collect(app, request(body=b"ping")))
+    assert items == [ResponseHead(201, ((b"a", b"b"), (b"x-extra", b"1")), b"pong", True)]
+
+
+def test_a_stream_keeps_its_chunks_and_joins_those_waiting():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for chunk in (b"1", b"2", b"3"):  # sent without yielding to the consumer: arrive joined
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"4", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    items = asyncio.run(collect(app, request()))
+    assert items[0] == ResponseHead(200, ((b"x-extra", b"1"),), b"123", False)
+    assert b"".join(items[1:]) == b"4"
+
+
+def test_the_app_sees_a_disconnect_when_the_consumer_leaves():
+    seen = []
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        seen.append((await receive())["type"])  # blocks until the consumer is gone
+
+    async def run():
+        stream = call_asgi(app, request())
+        assert (await stream.__anext__()).body == b"first"
+        await stream.aclose()
+
+    asyncio.run(run())
+    assert seen == ["http.disconnect"]
+
+
+def test_an_app_error_reaches_the_consumer():
+    async def app(scope, receive, send):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(collect(app, request()))
+
+
+def test_the_cli_does_not_import_ray():
+    code = ("import sys; from llmserve.cli import build_parser; "
+            "build_parser().parse_args(['serve-ray', '--num-replicas', '2']); "
+            "import llmserve.rayserve.config, llmserve.server.api_server; print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_ray_is_a_clear_install_hint(monkeypatch):
+    from llmserve import rayserve
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install \"llmserve\[ray\]\""):
+        rayserve.require_ray()
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RayServeConfig().min_replicas = 3
