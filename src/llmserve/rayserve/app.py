@@ -21,9 +21,15 @@ INGRESS_MAX_ONGOING = 16384  # the ingress only forwards: its limit must not be 
 ROUTER_CLASS = "llmserve.rayserve.request_router:PrefixAwareRequestRouter"
 
 
+def logging_config(deployment: Deployment) -> dict:
+    """Ray's per-request log lines follow --access-log (off by default: a line per request costs CPU)."""
+    server = deployment.server
+    return {"enable_access_log": server.access_log, "log_level": server.log_level.upper()}
+
+
 def replica_options(deployment: Deployment) -> dict:
     config = deployment.ray
-    options = {"name": REPLICA_DEPLOYMENT, "max_ongoing_requests": config.max_ongoing_requests,
+    options = {"name": REPLICA_DEPLOYMENT, "logging_config": logging_config(deployment), "max_ongoing_requests": config.max_ongoing_requests,
                "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus},
                "graceful_shutdown_timeout_s": deployment.server.shutdown_timeout,
                "health_check_timeout_s": deployment.server.health_stall_timeout}
@@ -46,7 +52,7 @@ def build_application(deployment: Deployment):
     replicas = serve.deployment(LLMReplica).options(**replica_options(deployment)).bind(deployment)
     ingress = serve.deployment(Ingress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=deployment.ray.ingress_replicas,
-        max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": deployment.ray.ingress_num_cpus})
+        max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config=logging_config(deployment), ray_actor_options={"num_cpus": deployment.ray.ingress_num_cpus})
     return ingress.bind(replicas, deployment)
 
 

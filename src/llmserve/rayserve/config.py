@@ -35,7 +35,8 @@ class RayServeConfig:
     downscale_delay_s: float = field(default=60.0, metadata={
         "help": "autoscaling: seconds below target before removing a replica"})
     look_back_period_s: float = field(default=15.0, metadata={
-        "help": "autoscaling: seconds over which Ray averages the ongoing requests (Ray 2.60 warns at 10 or less: 'must be greater than metrics_interval_s', 10 s by default)"})
+        "help": "autoscaling: seconds over which Ray averages the ongoing requests (Ray 2.60 warns at 10 or "
+                "less: it must exceed Ray's metrics interval, 10 s)"})
     max_ongoing_requests: int = field(default=256, metadata={
         "help": "requests one replica holds at once (running + its engine's queue); more wait in the ingress"})
     replica_num_cpus: float = field(default=1.0, metadata={"help": "CPUs Ray reserves per engine replica"})

@@ -141,7 +141,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         print(f"llmserve: serving {model_name} on http://{config.host}:{sock.getsockname()[1]}", file=sys.stderr,
               flush=True)
         freeze_startup_heap()
-        lag_probe = asyncio.create_task(probe_loop_lag(metrics.on_loop_lag), name="loop-lag-probe")
+        lag_probe = asyncio.create_task(probe_loop_lag(ctx.metrics.on_loop_lag), name="loop-lag-probe")
         try:
             await server.serve(sockets=[sock])
         finally:
