@@ -130,6 +130,20 @@ def test_openai_client_and_tgi_through_ray_serve(url):
     assert len(events) == 4 and events[-1]["details"]["generated_tokens"] == 4
 
 
+def test_a_client_leaving_a_stream_aborts_it_in_the_replica(url):
+    replica = sorted(wait_until(settled(MIN_REPLICAS), 60, "two running replicas"))[0]
+
+    def num_aborted() -> float:
+        return sample_value(pinned(url, replica, "GET", "/metrics").text, "llmserve:request_success_total",
+                            finished_reason="abort")
+
+    before = num_aborted()
+    body = {"model": "tiny", "prompt": "leave me", "max_tokens": 480, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={REPLICA_HEADER: replica}, timeout=60) as r:
+        assert next(r.iter_raw())  # under way; then the client goes (480 tokens take seconds)
+    wait_until(lambda: num_aborted() == before + 1, 30, "the replica to abort the request", poll_s=0.2)
+
+
 SYSTEMS = [f"System prompt number {i}: you are assistant {i}, answer briefly and kindly. " * 4 for i in range(8)]
 
 

@@ -9,6 +9,7 @@ the response early: a stream gets an error event, as when our server's engine di
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -34,6 +35,23 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         forwarded = await self.forwarded(request)
+        answer = await self.first_answer(forwarded)
+        if answer is None:
+            return error_response(service_unavailable(
+                f"no replica answered after {self.config.max_attempts} tries (replicas died); retry later",
+                retry_after=5))
+        stream, head = answer
+        headers = [(k, v) for k, v in head.headers if k.lower() not in _DROPPED_HEADERS]
+        if head.is_complete:
+            response = Response(head.body, status_code=head.status)
+        else:
+            response = StreamingResponse(_body(stream, forwarded.path, head), status_code=head.status)
+        response.raw_headers = [*headers, *[(k, v) for k, v in response.raw_headers if k == b"content-length"]]
+        return response
+
+    async def first_answer(self, forwarded: ForwardedRequest):
+        """(the replica's stream, its ResponseHead); another replica when one dies before answering; None
+        after --max-attempts such deaths. Cancelled (the client left): the replica's call is cancelled too."""
         from ray.exceptions import ActorUnavailableError, RayActorError
 
         for attempt in range(1, self.config.max_attempts + 1):
@@ -44,16 +62,12 @@ class Ingress:
                 logger.warning("%s %s: replica lost before answering (try %d of %d): %s", forwarded.method,
                                forwarded.path, attempt, self.config.max_attempts, type(e).__name__)
                 continue
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
             assert isinstance(head, ResponseHead), "a replica answers its head first"
-            headers = [(k, v) for k, v in head.headers if k.lower() not in _DROPPED_HEADERS]
-            if head.is_complete:
-                response = Response(head.body, status_code=head.status)
-            else:
-                response = StreamingResponse(_body(stream, forwarded.path, head), status_code=head.status)
-            response.raw_headers = [*headers, *[(k, v) for k, v in response.raw_headers if k == b"content-length"]]
-            return response
-        return error_response(service_unavailable(
-            f"no replica answered after {self.config.max_attempts} tries (replicas died); retry later", retry_after=5))
+            return stream, head
+        return None
 
     async def forwarded(self, request: Request) -> ForwardedRequest:
         body = await request.body()
@@ -88,6 +102,9 @@ async def _body(stream, path: str, head: ResponseHead) -> AsyncIterator[bytes]:
         yield sse_error(service_unavailable("the replica serving this request died", retry_after=5))
         if path.startswith("/v1/"):
             yield SSE_DONE
+    except (asyncio.CancelledError, GeneratorExit):  # the client left: stop the replica's work
+        stream.cancel()
+        raise
 
 
 def _is_event_stream(head: ResponseHead) -> bool:
