@@ -18,8 +18,7 @@ logger = logging.getLogger("llmserve.rayserve")
 
 
 class LLMReplica:
-    """Ray Serve calls `forward` (streaming) for each request, `check_health` periodically and
-    `record_routing_stats` for the request router."""
+    """Ray Serve calls `forward` (streaming) for each request and `check_health` periodically."""
 
     async def __init__(self, deployment: Deployment) -> None:  # Ray Serve awaits an async constructor
         from ray import serve
@@ -42,10 +41,6 @@ class LLMReplica:
         """Raising marks the replica unhealthy: Ray replaces it."""
         if self.engine.is_dead:
             raise RuntimeError(f"the engine is dead: {self.engine.client.dead_reason}")
-
-    def record_routing_stats(self) -> dict[str, float]:
-        """What the request router may read of this replica (RunningReplica.routing_stats)."""
-        return {"num_unfinished": self.engine.num_unfinished_requests}
 
     async def __del__(self) -> None:
         """Ray's graceful shutdown (scale-down, redeploy): it stopped routing here and waited for the
