@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -59,9 +60,11 @@ def serve_ray_command(args: argparse.Namespace) -> int:
 def run(serve, deployment: Deployment) -> int:
     import ray
 
-    from llmserve.rayserve.app import build_application
+    from llmserve.rayserve.app import SAME_LOOP_ENV, build_application
 
     config, server = deployment.ray, deployment.server
+    if config.address is None:  # a Ray of our own: its proxy and controller run on their main loops too
+        os.environ.update(SAME_LOOP_ENV)
     ray.init(address=config.address, num_cpus=config.num_cpus if config.address is None else None,
              logging_level=server.log_level.upper())
     try:
