@@ -20,8 +20,8 @@ REPLICA_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMReplica", "Ingress"
 INGRESS_MAX_ONGOING = 16384  # the ingress only forwards: its limit must not be the bottleneck (Ray's default is 5)
 ROUTER_CLASS = "llmserve.rayserve.request_router:PrefixAwareRequestRouter"
 # Ray Serve runs user code on a second event loop in its own thread, and a handle's router on a third, by
-# default: every streamed item then hops between threads. On the loop Ray's replica itself runs, c=64
-# through Ray went from 2,123 to 2,413 out tok/s (docs/benchmarks.md, "Ray Serve").
+# default: every streamed item then hops between threads. With both on Ray's main loops (in every Ray process),
+# c=64 through Ray went from 0.53x to 0.67-0.71x of `llmserve serve` direct (docs/benchmarks.md, "Ray Serve").
 SAME_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
