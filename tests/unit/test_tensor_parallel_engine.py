@@ -9,6 +9,7 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.maker import make_model
+from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.worker.tp_executor import WorkerDied
 
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64)
@@ -63,6 +64,21 @@ def test_batching_invariance_with_and_without_preemption(invariance_case, num_kv
         assert _tokens(llm, prompts, params) == alone
         if num_kv_blocks == 24:
             assert llm.num_preemptions > 0, "the small pool was meant to force preemption"
+        _check_idle(llm)
+
+
+def test_grammar_and_penalties_stay_on_rank_0(tmp_path):
+    """The grammar's bitmask and the penalties act on rank 0's logits; the other rank follows its ids."""
+    path = make_model("llama", "tiny", str(tmp_path), seed=1)
+    prompts = _prompts(3, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    expected = [o.outputs[0] for o in LLM(path, num_kv_blocks=100, **ENGINE).generate(prompts, params)]
+    with LLM(path, num_kv_blocks=100, tensor_parallel_size=2, **ENGINE) as llm:
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert got[0].text in ("yes", "no")
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
         _check_idle(llm)
 
 
