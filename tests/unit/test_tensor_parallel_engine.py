@@ -71,8 +71,10 @@ def test_grammar_and_penalties_stay_on_rank_0(tmp_path):
     """The grammar's bitmask and the penalties act on rank 0's logits; the other rank follows its ids."""
     path = make_model("llama", "tiny", str(tmp_path), seed=1)
     prompts = _prompts(3, seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
-              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.5),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
     expected = [o.outputs[0] for o in LLM(path, num_kv_blocks=100, **ENGINE).generate(prompts, params)]
     with LLM(path, num_kv_blocks=100, tensor_parallel_size=2, **ENGINE) as llm:

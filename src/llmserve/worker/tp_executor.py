@@ -81,8 +81,9 @@ class TPExecutor:
                size: int) -> list[multiprocessing.process.BaseProcess]:
         ctx = multiprocessing.get_context("spawn")
         args = (msgspec.msgpack.encode(config), msgspec.msgpack.encode(model_info), str(dtype).removeprefix("torch."))
+        parent_pid = multiprocessing.current_process().pid
         procs = [ctx.Process(target=run_tp_worker, name=f"llmserve-tp-rank{rank}", daemon=True,
-                             args=(*args, rank, self.store.port, self.publisher.address, multiprocessing.current_process().pid))
+                             args=(*args, rank, self.store.port, self.publisher.address, parent_pid))
                  for rank in range(1, size)]
         for proc in procs:
             proc.start()
