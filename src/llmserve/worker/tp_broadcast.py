@@ -60,6 +60,7 @@ class StepPublisher:
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every rank's subscription, not only the first of a topic
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:*")
