@@ -1,6 +1,5 @@
 """The engine with --tensor-parallel-size 2 on CPU (2 gloo ranks): the same greedy tokens as one rank for
-each architecture (and with 4 ranks, KV heads replicated), batching invariance under chunked prefill and
-preemption, a dead rank failing the engine at once, and the combinations refused at start-up."""
+each architecture, batching invariance under chunked prefill and preemption, a dead rank failing the engine at once, and the combinations refused at start-up."""
 
 import random
 import time
@@ -29,14 +28,13 @@ def _check_idle(llm: LLM) -> None:
     assert llm.engine.num_free_blocks() == llm.engine.scheduler.kv.pool.num_usable_blocks
 
 
-@pytest.mark.parametrize("arch, size", [("llama", 2), ("mistral", 2), ("qwen2", 2), ("qwen3", 2),
-                                        ("llama", 4)])  # 4 ranks: each of the 2 KV heads on 2 ranks
-def test_ranks_give_one_rank_greedy_tokens(arch, size, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
     path = make_model(arch, "tiny", str(tmp_path), seed=1)
     prompts = _prompts(6, seed=0)  # mixed lengths, chunked under the 64-token budget
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)
-    with LLM(path, num_kv_blocks=200, tensor_parallel_size=size, **ENGINE) as llm:
+    with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, **ENGINE) as llm:
         assert _tokens(llm, prompts, params) == expected
         logprobs = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1))
         assert all(len(o.outputs[0].logprobs) == 3 for o in logprobs)  # rank 0's, reported once
