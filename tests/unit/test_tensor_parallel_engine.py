@@ -1,5 +1,6 @@
 """The engine with --tensor-parallel-size 2 on CPU (2 gloo ranks): the same greedy tokens as one rank for
-each architecture, batching invariance under chunked prefill and preemption, a dead rank failing the engine at once, and the combinations refused at start-up."""
+each architecture, batching invariance under chunked prefill and preemption, a grammar and penalties on
+rank 0, a dead rank failing the engine at once, and the combinations refused at start-up."""
 
 import random
 import time
