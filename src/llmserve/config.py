@@ -134,18 +134,39 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata={"help": "split every layer over this many devices, one "
+                                      "process each (CUDA: GPUs 0..N-1 over NCCL; CPU: processes over gloo, for tests)"})
+
+    def validate(self) -> None:
+        check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def validate(self, max_model_len: int | None = None) -> None:
         """Each section's values, then the relations between them. `max_model_len`: the context length
         resolved from the model (default: --max-model-len, when given)."""
-        for section in (self.model, self.cache, self.scheduler, self.speculative):
+        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel):
             section.validate()
         check_model_len(self, max_model_len or self.model.max_model_len)
+        check_tensor_parallel_combinations(self)
+
+
+def check_tensor_parallel_combinations(config: EngineConfig) -> None:
+    """What tensor parallelism does not run with yet: refused at start-up rather than wrong later."""
+    if config.parallel.tensor_parallel_size == 1:
+        return
+    check(config.speculative.speculative is None, "tensor-parallel-size",
+          "speculative decoding (--speculative) is not supported with tensor parallelism")
+    check(":" not in config.model.device, "tensor-parallel-size",
+          f"ranks use devices cuda:0..N-1; --device {config.model.device!r} names one device")
 
 
 def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
@@ -212,7 +233,7 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig):
         add_dataclass_args(parser, cls)
 
 
@@ -220,7 +241,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=dataclass_from_args(ModelConfig, args),
                         cache=dataclass_from_args(CacheConfig, args),
                         scheduler=dataclass_from_args(SchedulerConfig, args),
-                        speculative=dataclass_from_args(SpeculativeConfig, args))
+                        speculative=dataclass_from_args(SpeculativeConfig, args),
+                        parallel=dataclass_from_args(ParallelConfig, args))
 
 
 def cache_dir() -> str:

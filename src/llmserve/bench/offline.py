@@ -31,6 +31,7 @@ class OfflineBenchConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
@@ -51,15 +52,25 @@ def make_workload(cfg: OfflineBenchConfig, vocab_size: int) -> list[tuple[list[i
 
 
 def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
-    from llmserve import LLM, SamplingParams
+    from llmserve import LLM
 
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-              async_scheduling=cfg.async_scheduling)
+              async_scheduling=cfg.async_scheduling, tensor_parallel_size=cfg.tensor_parallel_size)
+    with llm:
+        return _measure(cfg, llm, workload)
+
+
+def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
+    from llmserve import SamplingParams
+
     llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     runner, core = llm.engine.runner, llm.engine
     runner.times.__init__()
     runner.sync_timing = cfg.split_steps
+    tp = core.tp_executor.tp if core.tp_executor is not None else None
+    if tp is not None:
+        tp.comm_seconds = 0.0
     params = [_sampling_params(llm, cfg.sampling, n) for _, n in workload]
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
@@ -73,7 +84,11 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
             "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
                              "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
             "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions,
-            "async_scheduling": core.is_async, "split_steps": cfg.split_steps}
+            "async_scheduling": core.is_async, "split_steps": cfg.split_steps,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            # rank 0's host time in collectives (all-reduces, logits all-gather, ids broadcast), waits for the
+            # other ranks included; on CUDA without split_steps it times the launches only
+            "collective_share": None if tp is None else tp.comm_seconds / elapsed}
 
 
 def _sampling_params(llm, sampling: str, max_tokens: int):
@@ -115,6 +130,9 @@ def _print(results: dict) -> None:
     split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
     if e["split_steps"]:
         print(f"mean step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
+    if e["collective_share"] is not None:
+        print(f"tensor parallel {e['tensor_parallel_size']}: collectives {100 * e['collective_share']:.1f}% of the "
+              f"run on rank 0")
     if "hf" in results:
         hf = results["hf"]
         print(f"hf generate (static batches): {hf['output_throughput']:.1f} tok/s; "

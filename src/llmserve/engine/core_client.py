@@ -79,9 +79,11 @@ class EngineCoreClient:
         out_sock.setsockopt(zmq.RCVHWM, 0)
         out_sock.setsockopt(zmq.LINGER, 0)
         out_sock.bind(out_addr)
+        # A tensor-parallel core spawns its ranks, which a daemonic process may not; it still exits when the
+        # front is gone (core_proc watches its parent) and shutdown() kills it when it does not.
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(msgspec.msgpack.encode(config), in_addr, out_addr, os.getpid()),
-            name="llmserve-engine-core", daemon=True)
+            name="llmserve-engine-core", daemon=config.parallel.tensor_parallel_size == 1)
         proc.start()
         try:
             ready = await _wait_ready(proc, out_sock, startup_timeout)

@@ -128,6 +128,8 @@ def _build_and_run(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_
         logger.exception("engine core failed")
         out_sock.send_multipart(frames(OutKind.FAILED, f"{type(e).__name__}: {e}"))
         return 1
+    finally:
+        core.shutdown()  # the other tensor-parallel ranks, if any
     return 0
 
 
@@ -157,6 +159,17 @@ class EngineCoreProc:
                                              name="core-input")
         self.output_thread = threading.Thread(target=self._output_loop, args=(out_sock,), daemon=True,
                                               name="core-output")
+        if core.tp_executor is not None:
+            core.tp_executor.on_failure = self._fail_fast
+
+    def _fail_fast(self, reason: str) -> None:
+        """A tensor-parallel rank died (the executor's monitor thread calls this): tell the front and exit
+        now, since the step loop may be waiting in a collective that would only end at its timeout."""
+        self.outputs.put(frames(OutKind.FAILED, f"WorkerDied: {reason}"))
+        self.outputs.put(None)
+        self.output_thread.join(timeout=5)
+        self.core.tp_executor.kill_ranks()
+        os._exit(1)
 
     def run(self) -> None:
         self.output_thread.start()

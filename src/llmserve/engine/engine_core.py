@@ -6,6 +6,8 @@ N+1 overlaps the device's work on N. Steps that may carry drafts run in order.
 
 Owns the scheduler (what to run) and the worker (the model, its KV cache and the runner that runs it). The front talks to it through
 EngineCoreRequest / abort lists and gets EngineCoreOutputs back, in-process (LLM) or over ZMQ.
+With --tensor-parallel-size N > 1 the worker is rank 0 of N and steps go through a TPExecutor, which
+broadcasts each step to the other ranks first (worker/tp_executor.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from llmserve.model.loader import ModelInfo, load_model_info, load_tokenizer, resolve_dtype, resolve_model_path
+from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
+                                   resolve_model_path)
+from llmserve.model.parallel import check_tensor_parallel
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
 from llmserve.worker.step_handle import StepHandle
@@ -59,8 +63,11 @@ class EngineCore:
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
-        self.worker = Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
+        self.tp_executor = self._tp_executor(config, path, has_front_beside)
+        self.worker = self.tp_executor.worker if self.tp_executor else \
+            Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
+        self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative)
         self.is_async = bool(config.scheduler.async_scheduling)
@@ -72,6 +79,22 @@ class EngineCore:
                     "token budget %d, async scheduling %s", name, self.device, self.dtype, self.num_threads,
                     self.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                     config.scheduler.max_num_batched_tokens, "on" if self.is_async else "off")
+
+    def _tp_executor(self, config: EngineConfig, path: str, has_front_beside: bool):
+        size = config.parallel.tensor_parallel_size
+        if size == 1:
+            return None
+        check_tensor_parallel(load_hf_config(path), size)  # before spawning: a clear error in milliseconds
+        if self.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+        from llmserve.worker.tp_executor import TPExecutor
+
+        return TPExecutor(config, self.model_info, self.device, self.dtype, has_front_beside)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
+        if self.tp_executor is not None:
+            self.tp_executor.shutdown()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         core_request = Request.from_engine_core_request(request, self.model_info.max_model_len)
@@ -105,27 +128,27 @@ class EngineCore:
 
     def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         if sched_out.is_empty:
-            self.runner.drop_finished(sched_out.finished_req_ids)
+            self.executor.drop_finished(sched_out.finished_req_ids)
             return ModelRunnerOutput([], [])
-        return self.runner.execute(sched_out)
+        return self.executor.execute(sched_out)
 
     def _step_overlapped(self) -> EngineCoreOutputs:
         """Schedule and launch step N+1, then finish and update from step N."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            self.runner.drop_finished(sched_out.finished_req_ids)
+            self.executor.drop_finished(sched_out.finished_req_ids)
             if self.in_flight is None:
                 return self.scheduler.update_from_output(sched_out, ModelRunnerOutput([], []))
             return self._finish_in_flight()
-        handle = self.runner.launch(sched_out)
+        handle = self.executor.launch(sched_out)
         previous, self.in_flight = self.in_flight, (sched_out, handle)
         if previous is None:  # the first step of a run: nothing finished yet
             return EngineCoreOutputs(outputs=self.scheduler.take_aborted_outputs())
-        return self.scheduler.update_from_output(previous[0], self.runner.finish(previous[1]))
+        return self.scheduler.update_from_output(previous[0], self.executor.finish(previous[1]))
 
     def _finish_in_flight(self) -> EngineCoreOutputs:
         (sched_out, handle), self.in_flight = self.in_flight, None
-        return self.scheduler.update_from_output(sched_out, self.runner.finish(handle))
+        return self.scheduler.update_from_output(sched_out, self.executor.finish(handle))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.engine.engine_core import EngineCore
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.processor import Processor
@@ -18,10 +18,11 @@ from llmserve.sampling_params import SamplingParams
 
 
 def build_engine_config(**kwargs) -> EngineConfig:
-    """An EngineConfig from flat keyword arguments (any field of the model, cache or scheduler config)."""
+    """An EngineConfig from flat keyword arguments (any field of the model, cache, scheduler, speculative or
+    parallel config)."""
     parts = {}
     for key, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                     ("speculative", SpeculativeConfig)):
+                     ("speculative", SpeculativeConfig), ("parallel", ParallelConfig)):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:
@@ -93,3 +94,13 @@ class LLM:
                     bar.update(1)
         bar.close()
         return finished
+
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (a no-op without tensor parallelism)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model.parallel import TensorParallel, column_linear, row_linear
+
 
 class RMSNorm(nn.Module):
     """HF-compatible RMSNorm: normalise in float32, scale by the weight in the input dtype."""
@@ -118,11 +120,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: TensorParallel | None = None):
+        """With tensor parallelism `intermediate_size` is this rank's share (down_proj all-reduces)."""
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = column_linear(hidden_size, 2 * intermediate_size, bias, tp)
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""

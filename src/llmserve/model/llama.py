@@ -8,6 +8,9 @@ Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q and k per head, Llama may carry `
 Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: a config
 whose window is shorter than the context length (max_model_len, default max_position_embeddings)
 is rejected with a ValueError. A window at least as long as the context is a no-op and is ignored.
+
+With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
+features and vocabulary rows; the loader hands `load_weights` those slices of the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from torch import nn
 
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
+from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
+                                     shard_layout)
 
 
 def _head_dim(config) -> int:
@@ -38,16 +43,17 @@ def _check_sliding_window(config, max_model_len: int) -> None:
 class Attention(nn.Module):
     """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
+                 tp: TensorParallel | None = None, layout: ShardLayout | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads if layout is None else layout.q_heads[1]  # this rank's
+        self.num_kv_heads = config.num_key_value_heads if layout is None else layout.kv_heads[1]
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = column_linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, tp)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
 
@@ -67,10 +73,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
+                 tp: TensorParallel | None = None, layout: ShardLayout | None = None):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, o_bias, has_qk_norm)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.self_attn = Attention(config, qkv_bias, o_bias, has_qk_norm, tp, layout)
+        intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
+        self.mlp = GatedMLP(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,10 +97,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
+                 tp: TensorParallel | None = None, layout: ShardLayout | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, has_qk_norm)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if tp is None else \
+            VocabParallelEmbedding(layout, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, has_qk_norm, tp, layout)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -104,21 +114,24 @@ class CausalLM(nn.Module):
     then `load_weights`. Tied embeddings reuse model.embed_tokens.weight for the logits.
     """
 
-    def __init__(self, config, max_model_len: int | None = None):
+    def __init__(self, config, max_model_len: int | None = None, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
         self.max_model_len = max_model_len or config.max_position_embeddings
         _check_sliding_window(config, self.max_model_len)
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         has_attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = arch == "Qwen2ForCausalLM" or has_attention_bias
         o_bias = has_attention_bias and arch != "Qwen2ForCausalLM"
-        self.model = DecoderModel(config, qkv_bias, o_bias, has_qk_norm=arch == "Qwen3ForCausalLM")
+        self.model = DecoderModel(config, qkv_bias, o_bias, arch == "Qwen3ForCausalLM", self.tp, self.layout)
         self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.is_tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
+        self.lm_head = None if self.is_tied else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
         self.head_dim = _head_dim(config)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -142,7 +155,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.is_tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.tp is None:
+            return F.linear(hidden, weight).float()
+        logits = self.tp.all_gather_last(F.linear(hidden, weight))  # each rank's vocabulary rows, in order
+        return logits[:, :self.config.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (q/k/v and gate/up go into the fused projections).
@@ -164,6 +180,9 @@ class CausalLM(nn.Module):
 
     def _copy_shard(self, param: nn.Parameter, shard: str | None, tensor: torch.Tensor, hf_name: str) -> None:
         dest = param.data if shard is None else param.data.narrow(0, *self._shard_range(param, shard))
+        if self.layout is not None and hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+            dest.zero_()  # the last rank's rows past the vocabulary stay zero (padding)
+            dest = dest[:tensor.shape[0]]
         if dest.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
@@ -171,9 +190,10 @@ class CausalLM(nn.Module):
             dest.copy_(tensor)
 
     def _shard_range(self, param: nn.Parameter, shard: str) -> tuple[int, int]:
-        q_size = self.config.num_attention_heads * self.head_dim
+        num_heads = self.config.num_attention_heads if self.layout is None else self.layout.q_heads[1]
+        q_size = num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        inter = self.config.intermediate_size
+        inter = self.config.intermediate_size if self.layout is None else self.layout.intermediate[1]
         ranges = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size),
                   "gate": (0, inter), "up": (inter, inter)}
         return ranges[shard]

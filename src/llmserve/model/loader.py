@@ -8,11 +8,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from llmserve.model.parallel import TensorParallel, shard_of
 from llmserve.model.registry import architecture_of, get_model_class
 
 HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -79,24 +80,38 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) of every *.safetensors file of a directory, one tensor at a time."""
+ShardOf = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def iter_safetensors(path: str, shard_of: ShardOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of every *.safetensors file of a directory, one tensor at a time.
+
+    shard_of(name) -> (dim, start, length): only that slice is read from the file (a tensor-parallel
+    rank's share, model/parallel.py); None: the whole tensor."""
     from safetensors import safe_open
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                spec = shard_of(name) if shard_of is not None else None
+                if spec is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = spec
+                part = f.get_slice(name)
+                yield name, part[start:start + length] if dim == 0 else part[:, start:start + length]
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
-               max_model_len: int | None = None):
-    """Build the config's architecture on `device` in `dtype` and load its safetensors weights."""
+               max_model_len: int | None = None, tp: TensorParallel | None = None):
+    """Build the config's architecture on `device` in `dtype` and load its safetensors weights
+    (with tensor parallelism, this rank's slices of them)."""
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
     with torch.device("meta"):
-        model = cls(config, max_model_len=max_model_len)
+        model = cls(config, max_model_len=max_model_len, tp=tp)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(iter_safetensors(path))
+    layout = model.layout
+    model.load_weights(iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout)))
     return model.eval().requires_grad_(False)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionInputs
+from llmserve.model.parallel import TensorParallel
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.proposer import Proposer
 from llmserve.structured.bitmask import apply_bitmask
@@ -50,8 +51,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
                  proposer: Proposer | None = None, graphs: DecodeGraphs | None = None,
-                 max_num_rows: int = 128, max_model_len: int = 4096) -> None:
+                 max_num_rows: int = 128, max_model_len: int = 4096, tp: TensorParallel | None = None) -> None:
         self.model = model
+        self.tp = tp  # tensor parallelism: rank 0 samples, the other ranks take its ids (_sample)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, Hkv, D]
         self.block_size = block_size
@@ -219,7 +221,7 @@ class ModelRunner:
             empty = SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
             return StepHandle(req_ids, np.asarray(sample_rows, np.int64), empty.sampled_token_ids,
                               start_host_copy(empty, extra))
-        out = self.sampler(logits, self.sampling.metadata(rows))
+        out = self._sample(logits, rows)
         penalized = [j for j, row in enumerate(rows) if row.has_penalties]
         if penalized:
             self.sampling.penalty_tokens.append_sampled([rows[j].row for j in penalized],
@@ -228,6 +230,17 @@ class ModelRunner:
             row.num_pending += 1
         return StepHandle(req_ids, np.asarray(sample_rows, np.int64), out.sampled_token_ids,
                           start_host_copy(out, extra), [row.params.logprobs for row in rows])
+
+    def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> SamplerOutput:
+        """Rank 0 samples; with tensor parallelism it broadcasts the ids to the other ranks, whose persistent
+        batches need them (only rank 0 answers the engine, so they skip logprobs)."""
+        if self.tp is None or self.tp.rank == 0:
+            out = self.sampler(logits, self.sampling.metadata(rows))
+            if self.tp is not None:
+                self.tp.broadcast(out.sampled_token_ids)
+            return out
+        ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        return SamplerOutput(self.tp.broadcast(ids), None)
 
     @torch.inference_mode()
     def _verify_step(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,

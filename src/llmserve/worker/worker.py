@@ -1,14 +1,19 @@
 """The device side of an engine: the model (and a draft model), the attention backend, the KV cache
 sized for the device, CUDA graphs and the model runner over them. The engine core keeps the scheduler
-and the step loop; a tensor-parallel engine would run one worker per device."""
+and the step loop; a tensor-parallel engine runs one worker per device (worker/tp_executor.py), each
+with its slice of the model and of the KV cache (its KV heads), the block count agreed on by all."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 
 from llmserve.config import EngineConfig
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
+from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.ngram import NgramProposer
 from llmserve.worker.cpu_threads import apply_num_threads
@@ -29,11 +34,12 @@ def device_memory(device: torch.device) -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, path: str, device: torch.device,
-                 dtype: torch.dtype, has_front_beside: bool = False) -> None:
-        """`config` with the device's scheduler defaults resolved; has_front_beside: see cpu_threads."""
-        self.config, self.model_info, self.device, self.dtype = config, model_info, device, dtype
-        model = load_model(path, dtype, device, model_info.max_model_len)
-        self.num_threads = apply_num_threads(config.model.num_threads, model, device.type, has_front_beside)
+                 dtype: torch.dtype, has_front_beside: bool = False, tp: TensorParallel | None = None) -> None:
+        """`config` with the device's scheduler defaults resolved; has_front_beside: see cpu_threads;
+        tp: this rank of a tensor-parallel engine (torch.distributed initialised), None without."""
+        self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
+        model = load_model(path, dtype, device, model_info.max_model_len, tp)
+        self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
         self.draft_info, draft_model = self._load_draft()
         attn_backend = select_attention_backend(device, config.model.attention_backend)
         self.num_blocks = self._num_blocks(model, attn_backend)
@@ -43,7 +49,14 @@ class Worker:
         graphs = self._decode_graphs(model, attn_backend, kv_caches)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, proposer, graphs, config.scheduler.max_num_seqs,
-                                  model_info.max_model_len)
+                                  model_info.max_model_len, tp)
+
+    def _requested_threads(self) -> int | None:
+        """--num-threads; CPU ranks of a tensor-parallel engine share the cores unless told otherwise."""
+        requested = self.config.model.num_threads
+        if requested is None and self.tp is not None and self.device.type == "cpu":
+            return max(1, (os.cpu_count() or 1) // self.tp.size)
+        return requested
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
@@ -71,11 +84,13 @@ class Worker:
 
     def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
         """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
-        cache, block_bytes, budget = self.config.cache, 0, None
-        for info in (self.model_info, self.draft_info):
-            if info is not None:
-                block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads,
-                                               info.head_dim, self.dtype)
+        cache, budget = self.config.cache, None
+        block_bytes = bytes_per_block(self.model_info.num_layers, cache.block_size, model.num_kv_heads,
+                                      self.model_info.head_dim, self.dtype)  # this rank's KV heads
+        if self.draft_info is not None:
+            info = self.draft_info
+            block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads, info.head_dim,
+                                           self.dtype)
         if needs_gpu_profile(cache, self.device):
             sched = self.config.scheduler
             profile = profile_forward(model, attn_backend, model.kv_cache_shape(1, cache.block_size),
@@ -83,7 +98,12 @@ class Worker:
                                       min(sched.max_num_batched_tokens, self.model_info.max_model_len),
                                       sched.max_num_seqs)
             budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
-        return num_kv_blocks(cache, block_bytes, self.model_info.max_model_len, budget)
+        num_blocks = num_kv_blocks(cache, block_bytes, self.model_info.max_model_len, budget)
+        if self.tp is None:
+            return num_blocks
+        agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp.group)  # every rank holds every block
+        return int(agreed.item())
 
     def _decode_graphs(self, model: torch.nn.Module, attn_backend,
                        kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
@@ -91,6 +111,8 @@ class Worker:
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
+        if self.tp is not None:
+            return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
         max_batch = min(cfg.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, self.config.scheduler.max_num_seqs)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device)

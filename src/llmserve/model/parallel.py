@@ -1,0 +1,185 @@
+"""Tensor parallelism inside the model: each of N ranks holds a slice of every layer.
+
+Megatron's split, as vLLM and nano-vllm do it:
+  - column-parallel (qkv_proj, gate_up_proj): each rank computes its slice of the output features; no
+    communication (a column slice of a linear layer is a smaller linear layer).
+  - row-parallel (o_proj, down_proj): each rank multiplies its slice of the input features; an all-reduce
+    sums the partial outputs; the bias is added once (rank 0).
+  - vocab-parallel embedding: each rank looks up the ids in its vocabulary range (zeros elsewhere); an
+    all-reduce sums them. The LM head computes its vocabulary range's logits; an all-gather joins them.
+So a decoder layer costs two all-reduces of [T, hidden], and a step one all-gather of the logits.
+
+Heads are split by KV group, so that a rank's query heads read only its own KV heads: with G query heads
+per KV head, rank r gets a contiguous run of whole groups (uneven when the KV heads do not divide by N:
+9 heads in 3 groups over 2 ranks are 6 + 3). With fewer KV heads than ranks each KV head is replicated on
+N / Hkv ranks, which share its group's query heads. The intermediate size splits as evenly as it can.
+
+`shard_of` names the slice of an HF checkpoint tensor that a rank loads (loader.iter_safetensors reads
+only that slice from the file).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in the tensor-parallel group, and the collectives the layers call."""
+
+    rank: int
+    size: int
+    group: Any = None  # the torch.distributed process group (None: the default one)
+    comm_seconds: float = field(default=0.0, compare=False)  # host time in collectives (benchmarks)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        dist.all_reduce(x, group=self.group)
+        self.comm_seconds += time.perf_counter() - start
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., size * n], rank order."""
+        start = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.comm_seconds += time.perf_counter() - start
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        start = time.perf_counter()
+        dist.broadcast(x, src=src, group=self.group)
+        self.comm_seconds += time.perf_counter() - start
+        return x
+
+
+def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of part `index` of `total` items in `parts` contiguous parts differing by at most 1."""
+    base, extra = divmod(total, parts)
+    return index * base + min(index, extra), base + (index < extra)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one rank holds of a model: heads, intermediate features and vocabulary rows (start, count)."""
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]  # rows of the padded table [size * vocab_per_rank]; count = vocab_per_rank
+    vocab_size: int  # the real vocabulary (rows past it are padding)
+    head_dim: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((first query head, count), (first KV head, count)) of `rank`; ValueError when the heads cannot split."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= size:
+        kv_start, num_kv = split_evenly(num_kv_heads, size, rank)
+        return (kv_start * group, num_kv * group), (kv_start, num_kv)
+    ranks_per_kv = size // num_kv_heads
+    if size % num_kv_heads or group % ranks_per_kv:
+        raise ValueError(f"--tensor-parallel-size {size} cannot split {num_heads} attention heads over "
+                         f"{num_kv_heads} KV heads: with fewer KV heads than ranks, the ranks must be a multiple "
+                         f"of the KV heads and each KV head's {group} query heads must divide by "
+                         f"{ranks_per_kv}")
+    num_q = group // ranks_per_kv
+    return (rank * num_q, num_q), (rank // ranks_per_kv, 1)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def shard_layout(config, size: int, rank: int) -> ShardLayout:
+    """Rank `rank`'s share of an HF config's model over `size` ranks (ValueError when it cannot split)."""
+    q_heads, kv_heads = head_shard(config.num_attention_heads, config.num_key_value_heads, size, rank)
+    if config.intermediate_size < size:
+        raise ValueError(f"--tensor-parallel-size {size} exceeds the intermediate size {config.intermediate_size}")
+    per_rank = -(-config.vocab_size // size)
+    return ShardLayout(q_heads, kv_heads, split_evenly(config.intermediate_size, size, rank),
+                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config))
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """ValueError (with the reason) unless every rank of `size` gets a share of the model."""
+    for rank in range(size):
+        shard_layout(config, size, rank)
+
+
+def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
+    """(dim, start, length) of the slice of checkpoint tensor `hf_name` that the rank loads; None: all of it."""
+    parts = hf_name.split(".")
+    if len(parts) < 2:
+        return None
+    module, kind, d = parts[-2], parts[-1], layout.head_dim
+    (q0, nq), (kv0, nkv), (i0, ni) = layout.q_heads, layout.kv_heads, layout.intermediate
+    if module == "q_proj":
+        return 0, q0 * d, nq * d
+    if module in ("k_proj", "v_proj"):
+        return 0, kv0 * d, nkv * d
+    if module == "o_proj" and kind == "weight":
+        return 1, q0 * d, nq * d
+    if module in ("gate_proj", "up_proj"):
+        return 0, i0, ni
+    if module == "down_proj" and kind == "weight":
+        return 1, i0, ni
+    if module in ("embed_tokens", "lm_head"):
+        v0, nv = layout.vocab
+        return 0, min(v0, layout.vocab_size), max(0, min(nv, layout.vocab_size - v0))
+    return None
+
+
+class ColumnParallelLinear(nn.Linear):
+    """This rank's slice of a linear layer's output features (the loader fills it with those rows)."""
+
+
+class RowParallelLinear(nn.Linear):
+    """This rank's slice of a linear layer's input features: partial outputs summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in / N] -> [T, out], the same on every rank."""
+        out = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(out)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rows [start, start + n) of the embedding table; ids outside them look up zeros."""
+
+    def __init__(self, layout: ShardLayout, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        self.start, num_rows = layout.vocab
+        self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]."""
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
+
+
+def column_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
+    """`out_features` are this rank's (already divided); a plain nn.Linear without tensor parallelism."""
+    return nn.Linear(in_features, out_features, bias=bias) if tp is None else \
+        ColumnParallelLinear(in_features, out_features, bias=bias)
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
+    """`in_features` are this rank's (already divided); a plain nn.Linear without tensor parallelism."""
+    return nn.Linear(in_features, out_features, bias=bias) if tp is None else \
+        RowParallelLinear(in_features, out_features, bias, tp)

@@ -1,0 +1,112 @@
+"""Tensor-parallel layers and sharded loading: 2 gloo ranks reproduce the whole model's logits.
+
+The checkpoints cover the four architectures, uneven splits (3 KV groups over 2 ranks, an odd
+intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head, 2 ranks),
+biases on every projection, and tied embeddings.
+"""
+
+import multiprocessing
+import socket
+
+import pytest
+import torch
+
+from llmserve.model.maker import SHAPES, Shape, make_model, write_checkpoint
+from llmserve.model.parallel import check_tensor_parallel, head_shard, shard_layout, split_evenly
+
+UNEVEN = Shape(48, 2, 6, 3, 99, 511, 512, init_std=0.1)  # 3 KV groups of 2 heads, head_dim 8
+MQA_TIED = Shape(64, 2, 4, 1, 128, 512, 512, is_tied=True, init_std=0.1)  # 1 KV head: replicated
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch(vocab: int):
+    from llmserve.model.testing import PagedBatchBuilder
+
+    builder = PagedBatchBuilder(num_blocks=32, block_size=4, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    rows = [(i, torch.randint(3, vocab, (n,), generator=gen).tolist()) for i, n in enumerate((7, 1, 12))]
+    prefill = builder.step(rows)
+    decode = builder.step([(i, [5 + i]) for i in range(3)])
+    return [prefill, decode]
+
+
+def _logits(path: str, tp=None) -> list[torch.Tensor]:
+    """Logits of a prefill then a decode step of 3 requests (each step's last token per request)."""
+    from llmserve.model.attn_torch import TorchAttentionBackend
+    from llmserve.model.loader import load_model
+    from llmserve.model.testing import allocate_kv_caches
+
+    model = load_model(path, torch.float32, "cpu", tp=tp)
+    backend = TorchAttentionBackend()
+    kv = allocate_kv_caches(model, 32, 4)
+    out = []
+    with torch.inference_mode():
+        for input_ids, positions, attn in _batch(model.config.vocab_size):
+            hidden = model(input_ids, positions, kv, backend.build_metadata(attn), backend)
+            out.append(model.compute_logits(hidden[attn.query_start_loc[1:].long() - 1]))
+    return out
+
+
+def _rank_main(rank: int, size: int, port: int, paths: list[str], results) -> None:
+    import torch.distributed as dist
+
+    from llmserve.model.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        logits = [_logits(p, TensorParallel(rank, size)) for p in paths]
+        results.put((rank, [[t.tolist() for t in steps] for steps in logits]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("tp-model")
+    paths = [make_model(arch, "tiny", str(root / arch), seed=3) for arch in ("llama", "mistral", "qwen2", "qwen3")]
+    paths.append(write_checkpoint("qwen2", UNEVEN, str(root / "uneven"), seed=4))  # q/k/v biases
+    paths.append(write_checkpoint("llama", MQA_TIED, str(root / "mqa-tied"), seed=5))
+    return paths
+
+
+def test_two_ranks_reproduce_the_whole_model(checkpoints):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, checkpoints, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for i, path in enumerate(checkpoints):
+        whole = _logits(path)
+        for rank in range(2):
+            for step, expected in zip(got[rank][i], whole):
+                torch.testing.assert_close(torch.tensor(step), expected, atol=2e-5, rtol=1e-4,
+                                           msg=lambda m: f"{path} rank {rank}: {m}")
+
+
+def test_heads_split_by_kv_group():
+    assert [head_shard(9, 3, 2, r) for r in range(2)] == [((0, 6), (0, 2)), ((6, 3), (2, 1))]
+    assert [head_shard(8, 2, 4, r) for r in range(4)] == [((0, 2), (0, 1)), ((2, 2), (0, 1)),
+                                                          ((4, 2), (1, 1)), ((6, 2), (1, 1))]
+    assert [split_evenly(99, 2, r) for r in range(2)] == [(0, 50), (50, 49)]
+    with pytest.raises(ValueError, match="cannot split 6 attention heads over 2 KV heads"):
+        head_shard(6, 2, 4, 0)  # 2 ranks per KV head, 3 query heads each: no even share
+
+
+def test_smollm2_shape_splits_over_two_ranks():
+    s = SHAPES["smollm2-135m"]
+    config = type("C", (), dict(num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+                                intermediate_size=s.intermediate_size, vocab_size=s.vocab_size,
+                                hidden_size=s.hidden_size, head_dim=None))()
+    check_tensor_parallel(config, 2)
+    assert shard_layout(config, 2, 1).q_heads == (6, 3)
