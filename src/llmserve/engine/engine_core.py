@@ -21,6 +21,7 @@ from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.model import quant
 from llmserve.model.loader import ModelInfo, load_model_info, load_tokenizer, resolve_dtype, resolve_model_path
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
@@ -57,7 +58,9 @@ class EngineCore:
         self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
-        self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
+        self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
+                                                     config.model.quantization)
+        quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         self.worker = Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
@@ -68,8 +71,9 @@ class EngineCore:
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
                                         self.model_info.eos_token_ids)
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
-        logger.info("engine ready: %s on %s (%s, threads: %d), %d KV blocks of %d tokens, max_num_seqs %d, "
-                    "token budget %d, async scheduling %s", name, self.device, self.dtype, self.num_threads,
+        logger.info("engine ready: %s on %s (%s, quantization %s, KV cache %s, threads: %d), %d KV blocks of %d tokens, max_num_seqs %d, "
+                    "token budget %d, async scheduling %s", name, self.device, self.dtype,
+                    self.model_info.quantization or "none", config.cache.kv_cache_dtype, self.num_threads,
                     self.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                     config.scheduler.max_num_batched_tokens, "on" if self.is_async else "off")
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model import cpu_kernels
-from llmserve.model.attention import AttentionBackend, AttentionInputs, as_int32
+from llmserve.model.attention import K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
 
 _MAX_DECODE_BUCKETS = 4
 _BUCKET_OVERHEAD_BLOCKS = 32  # a bucket's fixed cost, in gathered blocks: split only when it pays
@@ -192,6 +192,8 @@ def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
         kg, vg = _new_kv(k, v, group)
     else:
         kg, vg = _gather_kv(kv_cache, group.block_table, group.num_rows)
+        if kg.dtype != q.dtype:  # an fp8 cache: dequantize what was gathered (the reference path)
+            kg, vg = kg.to(q.dtype) * K_SCALE, vg.to(q.dtype) * V_SCALE
     if group.max_query_len == 1:
         return _attend_decode(qg, kg, vg, group.attn_mask, scale)
     return _attend_prefill(qg, kg, vg, group, scale)
@@ -250,9 +252,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        write_kv(kv_cache, metadata.slot_mapping, k, v)
         groups, out = metadata.groups, None
         kernel = metadata.kernel
         if kernel is not None:
