@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model import cpu_kernels
-from llmserve.model.attention import K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
+from llmserve.model.attention import FP8_KV_DTYPE, K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
 
 _MAX_DECODE_BUCKETS = 4
 _BUCKET_OVERHEAD_BLOCKS = 32  # a bucket's fixed cost, in gathered blocks: split only when it pays
@@ -153,9 +153,16 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_rows: int)
     """kv_cache [2, N, bs, Hkv, D], block_table [Bg * nb] -> k, v [Bg, Hkv, nb * bs, D]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     kv_len = block_table.numel() // num_rows * block_size
-    k = kv_cache[0].index_select(0, block_table).view(num_rows, kv_len, num_kv_heads, head_dim)
-    v = kv_cache[1].index_select(0, block_table).view(num_rows, kv_len, num_kv_heads, head_dim)
+    stored = kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_KV_DTYPE else kv_cache  # no float8 index_select
+    k = stored[0].index_select(0, block_table).view(kv_cache.dtype).view(num_rows, kv_len, num_kv_heads, head_dim)
+    v = stored[1].index_select(0, block_table).view(kv_cache.dtype).view(num_rows, kv_len, num_kv_heads, head_dim)
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _as_cached(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [T, Hkv, D] rounded through an fp8 cache: stored, then read back."""
+    fp8_max = torch.finfo(FP8_KV_DTYPE).max
+    return ((x.float() / scale).clamp(-fp8_max, fp8_max).to(FP8_KV_DTYPE).to(x.dtype)) * scale
 
 
 def _new_kv(k: torch.Tensor, v: torch.Tensor, group: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +260,8 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
         write_kv(kv_cache, metadata.slot_mapping, k, v)
+        if kv_cache.dtype == FP8_KV_DTYPE:  # attend to the step's own K/V as the cache holds them, so that a
+            k, v = _as_cached(k, K_SCALE), _as_cached(v, V_SCALE)  # prompt reads the same whether chunked or not
         groups, out = metadata.groups, None
         kernel = metadata.kernel
         if kernel is not None:

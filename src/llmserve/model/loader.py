@@ -95,6 +95,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     An FP8 checkpoint is dequantized as it streams in; `quantization` (int8 | fp8 | None, see
     resolve_quantization) then swaps the Linear layers for quantized ones (model/quant)."""
     from llmserve.model import quant
+    from llmserve.model.quant.checkpoint import weight_block_size
 
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
@@ -103,7 +104,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     model = model.to(dtype=dtype).to_empty(device=device)
     weights = iter_safetensors(path)
     if quant.checkpoint_method(config) is not None:
-        weights = quant.dequantize_weights(weights)
+        weights = quant.dequantize_weights(weights, weight_block_size(config))
     model.load_weights(weights)
     if quantization is not None:
         quant.quantize_model(model, quantization)

@@ -65,18 +65,29 @@ def checkpoint_method(hf_config) -> str | None:
     raise _unsupported(f"quantization_config.quant_method {method!r} is not supported")
 
 
-def block_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float8 [N, K] times scales [n_blocks, k_blocks] (or one, or [N, 1]) -> float32 [N, K]."""
-    w = weight.float()
-    if scale.numel() == 1 or (scale.dim() == 2 and scale.shape[1] == 1 and scale.shape[0] == w.shape[0]):
-        return w * scale.float().reshape(-1, 1) if scale.numel() > 1 else w * scale.float()
-    bn, bk = -(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1])
-    full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+def weight_block_size(hf_config) -> tuple[int, int]:
+    """The [bn, bk] of a fine-grained FP8 checkpoint's block scales (transformers' default 128x128)."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return tuple(qc.get("weight_block_size") or BLOCK)
+
+
+def block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """float8 [N, K] times its scales -> float32 [N, K]. scale: one per tensor ([] or [1]), per output
+    channel ([N, 1]) or per block [ceil(N / bn), ceil(K / bk)]."""
+    w, scale = weight.float(), scale.float()
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    if scale.dim() == 2 and scale.shape == (w.shape[0], 1):
+        return w * scale
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return w * full[: w.shape[0], : w.shape[1]]
 
 
-def dequantize_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors of an FP8 checkpoint -> float32 weights under their plain names.
+def dequantize_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                       block: tuple[int, int] = BLOCK) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of an FP8 checkpoint -> float32 weights under their plain names (block: the
+    checkpoint's weight_block_size).
 
     A weight and its scale may come in either order (and from different shards): each waits for the other.
     """
@@ -89,7 +100,7 @@ def dequantize_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             if name.endswith(suffix):
                 base = name.removesuffix(suffix) + ".weight"
                 if base in pending_weights:
-                    yield base, block_dequantize(pending_weights.pop(base), tensor)
+                    yield base, block_dequantize(pending_weights.pop(base), tensor, block)
                 else:
                     pending_scales[base] = tensor
                 break
@@ -97,7 +108,7 @@ def dequantize_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             if tensor.dtype != FP8_DTYPE:
                 yield name, tensor
             elif name in pending_scales:
-                yield name, block_dequantize(tensor, pending_scales.pop(name))
+                yield name, block_dequantize(tensor, pending_scales.pop(name), block)
             else:
                 pending_weights[name] = tensor
     if pending_weights:
@@ -118,7 +129,7 @@ def _quantize_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.nn.functional.pad(weight.float(), (0, -k % bk, 0, -n % bn))
     blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
     scale = (blocks.abs().amax(dim=(1, 3)) / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)  # [nb, kb]
-    q = block_dequantize(weight.float(), 1.0 / scale)  # weight / scale, block by block
+    q = block_dequantize(weight.float(), 1.0 / scale, BLOCK)  # weight / scale, block by block
     return q.clamp(-448, 448).to(FP8_DTYPE), scale
 
 
