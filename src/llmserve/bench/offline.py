@@ -30,6 +30,8 @@ class OfflineBenchConfig:
     max_num_seqs: int | None = field(default=None, metadata={"help": "engine: most running requests (default: the engine's for the device)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
+    quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8"})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
@@ -55,7 +57,8 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
 
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-              async_scheduling=cfg.async_scheduling)
+              async_scheduling=cfg.async_scheduling, quantization=cfg.quantization,
+              kv_cache_dtype=cfg.kv_cache_dtype)
     llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     runner, core = llm.engine.runner, llm.engine
     runner.times.__init__()
