@@ -19,7 +19,7 @@ from llmserve.model.maker import make_model
 from llmserve.model.quant.checkpoint import block_dequantize, checkpoint_method, write_fp8_checkpoint
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
 from llmserve.model.testing import PagedBatchBuilder, allocate_kv_caches
-from quant_cases import PEAKED, write_peaked
+from quant_cases import write_peaked
 
 # (mean logits cosine, top-1 agreement) against float32. e4m3 keeps 3 mantissa bits: measured per-GEMM
 # error 3.6% vs int8's 0.9% (K = 128 and 1024, random weights), which the random decoder carries to the

@@ -41,7 +41,8 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     them divided by the per-tensor scale and saturated to e4m3's range."""
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     if kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
-        kv_cache, k, v = kv_cache.view(torch.uint8), _to_fp8(k, K_SCALE).view(torch.uint8), _to_fp8(v, V_SCALE).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+        k, v = _to_fp8(k, K_SCALE).view(torch.uint8), _to_fp8(v, V_SCALE).view(torch.uint8)
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 

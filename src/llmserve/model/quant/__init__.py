@@ -40,8 +40,8 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, quantized_linear(linear.weight, linear.bias, method))
-        del linear
-    if method in _QUANTIZED_LM_HEAD and getattr(model, "lm_head", "absent") is None:  # tied: logits through a quantized copy of the table
+    is_tied = getattr(model, "lm_head", "absent") is None
+    if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
         model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)
     return model
 
