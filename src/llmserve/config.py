@@ -40,6 +40,7 @@ class ModelConfig:
     attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch + C++ kernel on CPU) | torch | triton", "choices": ["auto", "torch", "triton"]})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
     max_graph_batch: int | None = field(default=None, metadata={"help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)"})
+    quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
 
@@ -51,6 +52,8 @@ class ModelConfig:
         check_choice("attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         check_min("max-graph-batch", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, ("int8", "fp8", "none"))
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prefixes",
                                                                 "flag": "prefix-caching"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype) | fp8 (float8 e4m3: half "
+                                "a bfloat16 cache's bytes; Triton backend reads it, the CPU torch path is a reference)",
+                                "choices": ["auto", "fp8"]})
 
     def validate(self) -> None:
         check_min("block-size", self.block_size, 1)
@@ -70,6 +76,9 @@ class CacheConfig:
         check_min("num-kv-blocks", self.num_kv_blocks, 2)  # the null block and one more
         check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(self.kv_cache_dtype != "int8", "kv-cache-dtype", "int8 is not supported: no attention kernel of "
+              "ours reads an int8 cache (issue 20); use auto or fp8")
+        check_choice("kv-cache-dtype", self.kv_cache_dtype, ("auto", "fp8"))
 
 
 @dataclass(frozen=True)

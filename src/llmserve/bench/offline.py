@@ -30,6 +30,8 @@ class OfflineBenchConfig:
     max_num_seqs: int | None = field(default=None, metadata={"help": "engine: most running requests (default: the engine's for the device)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
+    quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8"})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
@@ -56,7 +58,8 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
 
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-              async_scheduling=cfg.async_scheduling, tensor_parallel_size=cfg.tensor_parallel_size)
+              async_scheduling=cfg.async_scheduling, tensor_parallel_size=cfg.tensor_parallel_size,
+              quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
     with llm:
         return _measure(cfg, llm, workload)
 

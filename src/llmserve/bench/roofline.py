@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from llmserve.bench.command import add_bench_command
-from llmserve.worker.cpu_threads import num_matmul_params
 
 
 @dataclass(frozen=True)
@@ -29,6 +28,8 @@ class RooflineBenchConfig:
     dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
+    quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
     output_len: int = field(default=256, metadata={"help": "decoded tokens per run"})
     repeats: int = field(default=3, metadata={"help": "timed runs (the median is reported)"})
@@ -57,8 +58,14 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> f
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
-    """Weight bytes a decode step reads: every multiplied weight once (one dtype throughout)."""
-    return num_matmul_params(model) * next(model.parameters()).element_size()
+    """Weight bytes a decode step reads: every multiplied weight once, at its own element size (a
+    quantized layer keeps 1-byte weights and small float scales in buffers)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if getattr(model, "lm_head", None) is None:  # tied: the table is also the lm_head
+        return total
+    embed = model.model.embed_tokens.weight
+    return total - embed.numel() * embed.element_size()
 
 
 def bytes_per_decode_step(weight_bytes: int, kv_bytes_per_token: int, context_len: float) -> float:
@@ -110,10 +117,11 @@ def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
         raise ValueError("output_len must be at least 2")
     path = cfg.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
     llm = LLM(path, dtype=cfg.dtype, device=cfg.device, enforce_eager=cfg.enforce_eager, max_num_seqs=1,
+              quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
               max_model_len=cfg.prompt_len + cfg.output_len + 16, enable_prefix_caching=False)
     engine, info = llm.engine, llm.engine.model_info
     weight_bytes = weight_bytes_read(engine.runner.model)
-    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * engine.dtype.itemsize
+    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * engine.runner.kv_caches[0].element_size()
     bandwidth = copy_bandwidth(engine.device, cfg.copy_mib * 2**20)
     prompt = [random.Random(0).randrange(10, info.vocab_size) for _ in range(cfg.prompt_len)]
     step_s = decode_seconds_per_token(llm, prompt, cfg.output_len, cfg.repeats)

@@ -23,6 +23,7 @@ from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.model import quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
@@ -61,7 +62,9 @@ class EngineCore:
         self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
-        self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len)
+        self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
+                                                     config.model.quantization)
+        quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         self.tp_executor = self._tp_executor(config, path, has_front_beside)
         self.worker = self.tp_executor.worker if self.tp_executor else \
@@ -75,8 +78,9 @@ class EngineCore:
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
                                         self.model_info.eos_token_ids)
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
-        logger.info("engine ready: %s on %s (%s, threads: %d), %d KV blocks of %d tokens, max_num_seqs %d, "
-                    "token budget %d, async scheduling %s", name, self.device, self.dtype, self.num_threads,
+        logger.info("engine ready: %s on %s (%s, quantization %s, KV cache %s, threads: %d), %d KV blocks of %d tokens, max_num_seqs %d, "
+                    "token budget %d, async scheduling %s", name, self.device, self.dtype,
+                    self.model_info.quantization or "none", config.cache.kv_cache_dtype, self.num_threads,
                     self.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                     config.scheduler.max_num_batched_tokens, "on" if self.is_async else "off")
 
@@ -85,6 +89,9 @@ class EngineCore:
         if size == 1:
             return None
         check_tensor_parallel(load_hf_config(path), size)  # before spawning: a clear error in milliseconds
+        if self.model_info.quantization is not None:  # model/quant swaps whole Linear layers, not rank slices
+            raise ValueError(f"--tensor-parallel-size {size} with quantization ({self.model_info.quantization}) "
+                             "is not supported yet: serve the model unquantized (--quantization none) or on one rank")
         if self.device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         from llmserve.worker.tp_executor import TPExecutor

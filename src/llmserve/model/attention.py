@@ -29,6 +29,29 @@ class AttentionInputs:
     block_size: int
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+# Per-tensor scales of an fp8 cache (stored = k / K_SCALE): 1.0, vLLM's default without calibration
+# (K and V of the tested models stay well inside e4m3's +-448). Kernels take them as arguments, so
+# calibrated per-layer scales only change where the values come from.
+K_SCALE = V_SCALE = 1.0
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k/v [T, Hkv, D] at slot_mapping [T] int64 of kv_cache [2, N, bs, Hkv, D]; an fp8 cache gets
+    them divided by the per-tensor scale and saturated to e4m3's range."""
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
+        kv_cache = kv_cache.view(torch.uint8)
+        k, v = _to_fp8(k, K_SCALE).view(torch.uint8), _to_fp8(v, V_SCALE).view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    fp8_max = torch.finfo(FP8_KV_DTYPE).max
+    return (x.float() / scale).clamp(-fp8_max, fp8_max).to(FP8_KV_DTYPE)
+
+
 def as_int32(t: torch.Tensor) -> torch.Tensor:
     """The step's index tensors as the kernels read them (no copy when already int32)."""
     return t if t.dtype == torch.int32 else t.to(torch.int32)

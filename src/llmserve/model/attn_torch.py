@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model import cpu_kernels
-from llmserve.model.attention import AttentionBackend, AttentionInputs, as_int32
+from llmserve.model.attention import FP8_KV_DTYPE, K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
 
 _MAX_DECODE_BUCKETS = 4
 _BUCKET_OVERHEAD_BLOCKS = 32  # a bucket's fixed cost, in gathered blocks: split only when it pays
@@ -153,9 +153,16 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_rows: int)
     """kv_cache [2, N, bs, Hkv, D], block_table [Bg * nb] -> k, v [Bg, Hkv, nb * bs, D]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     kv_len = block_table.numel() // num_rows * block_size
-    k = kv_cache[0].index_select(0, block_table).view(num_rows, kv_len, num_kv_heads, head_dim)
-    v = kv_cache[1].index_select(0, block_table).view(num_rows, kv_len, num_kv_heads, head_dim)
+    stored = kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_KV_DTYPE else kv_cache  # no float8 index_select
+    k = stored[0].index_select(0, block_table).view(kv_cache.dtype).view(num_rows, kv_len, num_kv_heads, head_dim)
+    v = stored[1].index_select(0, block_table).view(kv_cache.dtype).view(num_rows, kv_len, num_kv_heads, head_dim)
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _as_cached(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [T, Hkv, D] rounded through an fp8 cache: stored, then read back."""
+    fp8_max = torch.finfo(FP8_KV_DTYPE).max
+    return ((x.float() / scale).clamp(-fp8_max, fp8_max).to(FP8_KV_DTYPE).to(x.dtype)) * scale
 
 
 def _new_kv(k: torch.Tensor, v: torch.Tensor, group: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +199,8 @@ def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
         kg, vg = _new_kv(k, v, group)
     else:
         kg, vg = _gather_kv(kv_cache, group.block_table, group.num_rows)
+        if kg.dtype != q.dtype:  # an fp8 cache: dequantize what was gathered (the reference path)
+            kg, vg = kg.to(q.dtype) * K_SCALE, vg.to(q.dtype) * V_SCALE
     if group.max_query_len == 1:
         return _attend_decode(qg, kg, vg, group.attn_mask, scale)
     return _attend_prefill(qg, kg, vg, group, scale)
@@ -250,9 +259,9 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        write_kv(kv_cache, metadata.slot_mapping, k, v)
+        if kv_cache.dtype == FP8_KV_DTYPE:  # attend to the step's own K/V as the cache holds them, so that a
+            k, v = _as_cached(k, K_SCALE), _as_cached(v, V_SCALE)  # prompt reads the same whether chunked or not
         groups, out = metadata.groups, None
         kernel = metadata.kernel
         if kernel is not None:

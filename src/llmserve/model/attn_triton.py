@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from llmserve.model import triton_kernels
-from llmserve.model.attention import AttentionBackend, AttentionInputs, as_int32
+from llmserve.model.attention import K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
 
 
 @dataclass
@@ -66,12 +66,10 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        write_kv(kv_cache, metadata.slot_mapping, k, v)
         q = q.contiguous()
         out = torch.empty_like(q)
         triton_kernels.paged_attention(out, q, kv_cache, metadata.block_table, metadata.seq_lens,
                                        metadata.query_start_loc, metadata.tile_rows, metadata.tile_starts,
-                                       metadata.block_q, scale)
+                                       metadata.block_q, scale, K_SCALE, V_SCALE)
         return out

@@ -154,9 +154,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        weight = self.model.embed_tokens.weight if self.is_tied else self.lm_head.weight
         if self.tp is None:
-            return F.linear(hidden, weight).float()
+            if self.lm_head is None:  # tied (a quantized model has its own lm_head: model/quant)
+                return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight if self.is_tied else self.lm_head.weight
         logits = self.tp.all_gather_last(F.linear(hidden, weight))  # each rank's vocabulary rows, in order
         return logits[:, :self.config.vocab_size].float()
 

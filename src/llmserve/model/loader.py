@@ -102,17 +102,41 @@ def iter_safetensors(path: str, shard_of: ShardOf | None = None) -> Iterator[tup
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
-               max_model_len: int | None = None, tp: TensorParallel | None = None):
+               max_model_len: int | None = None, tp: TensorParallel | None = None,
+               quantization: str | None = None):
     """Build the config's architecture on `device` in `dtype` and load its safetensors weights
-    (with tensor parallelism, this rank's slices of them)."""
+    (with tensor parallelism, this rank's slices of them).
+
+    An FP8 checkpoint is dequantized as it streams in; `quantization` (int8 | fp8 | None, see
+    resolve_quantization) then swaps the Linear layers for quantized ones (model/quant)."""
+    from llmserve.model import quant
+    from llmserve.model.quant.checkpoint import weight_block_size
+
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
     with torch.device("meta"):
         model = cls(config, max_model_len=max_model_len, tp=tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     layout = model.layout
-    model.load_weights(iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout)))
+    weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout))
+    if quant.checkpoint_method(config) is not None:
+        weights = quant.dequantize_weights(weights, weight_block_size(config))
+    model.load_weights(weights)
+    if quantization is not None:
+        quant.quantize_model(model, quantization)
     return model.eval().requires_grad_(False)
+
+
+def resolve_quantization(requested: str | None, path: str) -> str | None:
+    """--quantization against the checkpoint: unset = the checkpoint's own method, 'none' = None.
+
+    ValueError when the checkpoint's quantization_config is one llmserve cannot load."""
+    from llmserve.model import quant
+
+    own = quant.checkpoint_method(load_hf_config(path))
+    if requested is None:
+        return own
+    return None if requested == "none" else requested
 
 
 def _read_json(path: str) -> dict:
@@ -160,6 +184,7 @@ class ModelInfo:
     head_dim: int
     hidden_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
+    quantization: str | None = None  # "int8" | "fp8" | None (resolved: see resolve_quantization)
 
 
 def _as_id_list(value) -> list[int]:
@@ -175,8 +200,10 @@ def eos_token_ids(config, path: str) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int | None = None) -> ModelInfo:
-    """Summarise a checkpoint directory; max_model_len defaults to max_position_embeddings."""
+def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int | None = None,
+                    quantization: str | None = None) -> ModelInfo:
+    """Summarise a checkpoint directory; max_model_len defaults to max_position_embeddings;
+    quantization: --quantization (unset: the checkpoint's)."""
     config = load_hf_config(path)
     limit = config.max_position_embeddings
     if max_model_len is not None and not 0 < max_model_len <= limit:
@@ -186,4 +213,5 @@ def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int
         max_model_len=max_model_len or limit, eos_token_ids=eos_token_ids(config, path),
         num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        hidden_size=config.hidden_size, dtype=str(dtype).removeprefix("torch."))
+        hidden_size=config.hidden_size, dtype=str(dtype).removeprefix("torch."),
+        quantization=resolve_quantization(quantization, path))

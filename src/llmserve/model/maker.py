@@ -163,11 +163,20 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
     return out_dir
 
 
-def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
-    """Write a random-weight HF checkpoint of a named shape (see SHAPES) into out_dir; returns out_dir."""
+def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = "float32",
+               quantization: str | None = None) -> str:
+    """Write a random-weight HF checkpoint of a named shape (see SHAPES) into out_dir; returns out_dir.
+
+    quantization: None, or an FP8 format of model/quant/checkpoint.py (fp8: transformers' 128x128 block
+    scales; fp8-channel: compressed-tensors per-channel scales)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    return write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype)
+    write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype)
+    if quantization is not None:
+        from llmserve.model.quant.checkpoint import write_fp8_checkpoint
+
+        write_fp8_checkpoint(out_dir, quantization)
+    return out_dir
 
 
 def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
@@ -178,6 +187,9 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    parser.add_argument("--quantization", choices=["fp8", "fp8-channel"], default=None,
+                        help="write Linear weights in FP8: fp8 = transformers' format (weight_scale_inv, 128x128 "
+                             "blocks), fp8-channel = compressed-tensors (weight_scale per output channel)")
     draft = parser.add_argument_group("a speculative-decoding draft derived from a target (then --arch/--shape are unused)")
     draft.add_argument("--draft-of", default=None, help="target checkpoint directory to derive the draft from")
     draft.add_argument("--draft-layers", type=int, default=None, help="keep the target's first N layers (default: all)")
@@ -193,6 +205,8 @@ def run_make_model(args: argparse.Namespace) -> int:
         path = derive_draft(args.draft_of, args.out, args.draft_layers, args.noise, args.seed)
         print(f"wrote a draft of {args.draft_of} to {path}")
         return 0
-    path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {args.arch} {args.shape} checkpoint to {path}")
+    path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype,
+                      quantization=args.quantization)
+    fmt = f" ({args.quantization})" if args.quantization else ""
+    print(f"wrote {args.arch} {args.shape}{fmt} checkpoint to {path}")
     return 0

@@ -24,7 +24,7 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
-    tile_rows_ptr, tile_starts_ptr, scale,
+    tile_rows_ptr, tile_starts_ptr, scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cp, stride_ch, stride_bt,
     NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -61,8 +61,8 @@ def _paged_attention_kernel(
         block_id = tl.load(block_table_ptr + row * stride_bt + pos // KV_BLOCK_SIZE, mask=is_key, other=0)
         base = block_id.to(tl.int64) * stride_cb + (pos % KV_BLOCK_SIZE) * stride_cp + kv_head * stride_ch  # [N]
         k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=is_key[None, :] & is_dim[:, None],
-                    other=0.0)  # [D, N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+                    other=0.0).to(q.dtype)  # [D, N]; an fp8 cache is dequantized here (k_scale below)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * (qk_scale * k_scale)  # [M, N]
         is_seen = (pos[None, :] <= (context_len + q_idx)[:, None]) & is_key[None, :]
         s = tl.where(is_seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -70,11 +70,11 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])  # [M, N]
         alpha = tl.exp2(m_i - m_safe)
         v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=is_key[:, None] & is_dim[None, :],
-                    other=0.0)  # [N, D]
+                    other=0.0).to(q.dtype)  # [N, D]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    acc = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
 
@@ -86,8 +86,10 @@ def block_q_for(max_query_len: int) -> int:
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_rows: torch.Tensor,
-                    tile_starts: torch.Tensor, block_q: int, scale: float) -> None:
-    """out/q [T, H, D], kv_cache [2, N, bs, Hkv, D], block_table [B, W] int32, seq_lens [B] int32,
+                    tile_starts: torch.Tensor, block_q: int, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
+    """out/q [T, H, D], kv_cache [2, N, bs, Hkv, D] (q's dtype, or float8_e4m3fn holding k / k_scale and
+    v / v_scale), block_table [B, W] int32, seq_lens [B] int32,
     query_start_loc [B + 1] int32, tile_rows/tile_starts [tiles] int32 -> fills out's rows."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
@@ -97,7 +99,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     grid = (tile_rows.shape[0], num_kv_heads)
     _paged_attention_kernel[grid](
         out, q, kv_cache[0], kv_cache[1], block_table, seq_lens, query_start_loc, tile_rows, tile_starts, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * g_pad),
         BLOCK_N=64 if d_pad <= 128 else 32,

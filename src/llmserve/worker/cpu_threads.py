@@ -23,8 +23,8 @@ SMALL_MODEL_PARAMS = 10_000_000
 
 def num_matmul_params(model: torch.nn.Module) -> int:
     """Weights a token is multiplied by: all parameters, less the embedding table when it is not also
-    the lm_head (a lookup reads one row of it)."""
-    total = sum(p.numel() for p in model.parameters())
+    the lm_head (a lookup reads one row of it). A quantized layer keeps its weights in buffers."""
+    total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     if getattr(model, "is_tied", True):
         return total
     return total - model.model.embed_tokens.weight.numel()

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.model import quant
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
 from llmserve.model.parallel import TensorParallel
@@ -38,13 +39,14 @@ class Worker:
         """`config` with the device's scheduler defaults resolved; has_front_beside: see cpu_threads;
         tp: this rank of a tensor-parallel engine (torch.distributed initialised), None without."""
         self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
-        model = load_model(path, dtype, device, model_info.max_model_len, tp)
+        self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
+        model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
         self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
         self.draft_info, draft_model = self._load_draft()
         attn_backend = select_attention_backend(device, config.model.attention_backend)
         self.num_blocks = self._num_blocks(model, attn_backend)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
-                                       model_info.num_layers, dtype, device)
+                                       model_info.num_layers, self.kv_dtype, device)
         proposer = self._proposer(attn_backend, draft_model)
         graphs = self._decode_graphs(model, attn_backend, kv_caches)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
@@ -78,7 +80,7 @@ class Worker:
             return None
         info, block_size = self.draft_info, self.config.cache.block_size
         kv_caches = allocate_kv_caches(draft_model.kv_cache_shape(self.num_blocks, block_size),
-                                       info.num_layers, self.dtype, self.device)
+                                       info.num_layers, self.kv_dtype, self.device)
         return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                   self.model_info.max_model_len, self.device, self.config.model.seed)
 
@@ -86,15 +88,15 @@ class Worker:
         """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
         cache, budget = self.config.cache, None
         block_bytes = bytes_per_block(self.model_info.num_layers, cache.block_size, model.num_kv_heads,
-                                      self.model_info.head_dim, self.dtype)  # this rank's KV heads
+                                      self.model_info.head_dim, self.kv_dtype)  # this rank's KV heads
         if self.draft_info is not None:
             info = self.draft_info
             block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads, info.head_dim,
-                                           self.dtype)
+                                           self.kv_dtype)
         if needs_gpu_profile(cache, self.device):
             sched = self.config.scheduler
             profile = profile_forward(model, attn_backend, model.kv_cache_shape(1, cache.block_size),
-                                      self.model_info.num_layers, self.dtype, self.device,
+                                      self.model_info.num_layers, self.kv_dtype, self.device,
                                       min(sched.max_num_batched_tokens, self.model_info.max_model_len),
                                       sched.max_num_seqs)
             budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)

@@ -1,0 +1,68 @@
+"""Weight quantization of a loaded model (issue 20).
+
+`quantize_model(model, method)` swaps every nn.Linear of the decoder layers (fused qkv, o, fused
+gate/up, down) and the lm_head for a quantized layer (model/quant/linear.py); a tied lm_head gets a
+quantized copy of the embedding table, the lookup keeps the float one. `checkpoint.py` reads (and
+writes) checkpoints already quantized to FP8.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.model.quant.checkpoint import checkpoint_method, dequantize_weights
+from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
+
+__all__ = ["METHODS", "checkpoint_method", "check_supported", "dequantize_weights", "kv_cache_torch_dtype",
+           "quantize_model", "quantized_linear"]
+
+METHODS = ("int8", "fp8")
+_LAYERS = {"int8": Int8Linear, "fp8": Fp8Linear}
+_QUANTIZED_LM_HEAD = ("int8",)
+
+
+def quantized_linear(linear_weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> nn.Module:
+    if method not in _LAYERS:
+        raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
+    return _LAYERS[method].from_float(linear_weight.detach(), None if bias is None else bias.detach())
+
+
+def quantize_model(model: nn.Module, method: str) -> nn.Module:
+    """Replace the model's nn.Linear modules (in place) by `method`'s quantized layers; returns model.
+
+    fp8 leaves the lm_head in the model's dtype, as FP8 checkpoints do (e4m3's 3 mantissa bits move
+    logits by a few percent: top-1 flips where the top two are close); int8 quantizes it too: on CPU
+    a small model's lm_head is its largest GEMM (smollm2-135m: 28M of 135M weights)."""
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and (name != "lm_head" or method in _QUANTIZED_LM_HEAD)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, quantized_linear(linear.weight, linear.bias, method))
+    is_tied = getattr(model, "lm_head", "absent") is None
+    if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
+        model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)
+    return model
+
+
+def check_supported(quantization: str | None, kv_cache_dtype: str, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Start-up check of --quantization / --kv-cache-dtype against the device and dtype: a combination
+    that would not run fails here, naming the flag (ValueError)."""
+    is_cuda = device.type == "cuda"
+    if quantization == "fp8" and is_cuda:
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"--quantization fp8: needs a GPU of compute capability >= 8.9 (Ada, Hopper); "
+                             f"this one is {major}.{minor}: use --quantization int8")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"--quantization fp8: on CUDA the model dtype must be bfloat16 or float16 "
+                             f"(row-wise scaled FP8 GEMMs write 16-bit outputs), got {dtype}")
+    if kv_cache_dtype == "fp8" and is_cuda and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("--kv-cache-dtype fp8: needs a GPU of compute capability >= 8.9 (Ada, Hopper)")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype for --kv-cache-dtype (auto: the model's dtype)."""
+    return FP8_DTYPE if kv_cache_dtype == "fp8" else dtype

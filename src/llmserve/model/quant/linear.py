@@ -1,0 +1,118 @@
+"""Quantized linear layers: weights stored quantized with one scale per output channel, activations
+quantized per token at run time (W8A8 dynamic), the GEMM in the low-precision type.
+
+Int8Linear: int8 weights and activations, `torch._int_mm` (int32 accumulation, exact), then
+x_scale[t] * w_scale[n]. Measured on CPU against float32 F.linear, fbgemm's quantized linear_dynamic
+and `torch._weight_int8pack_mm` (docs/benchmarks.md, issue 20): 1.5-7x float32 at 16-512 rows on the
+smollm2-135m and 8B shapes (576x576 at 16 rows: 0.9x; at one row 0.5-7x). fbgemm is faster at 1-64
+rows but quantizes activations per tensor (a token's output then depends on the rest of the batch) and
+torch deprecates the quantized tensors it needs; per-token scales with an exact integer GEMM keep every token's output independent
+of its batch. On CUDA `_int_mm` wants more than 16 rows: smaller batches are zero-padded (untested on
+a GPU yet).
+
+Fp8Linear: float8_e4m3fn weights and activations through `torch._scaled_mm` with row-wise scales
+(Hopper; CPU runs the same op in torch 2.13, as the reference path the tests use).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT8_MAX = 127.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_MIN_SCALE = 1e-12
+_CUDA_INT_MM_MIN_ROWS = 17
+
+
+def channel_scales(weight: torch.Tensor, qmax: float) -> torch.Tensor:
+    """weight [N, K] -> [N] float32 scales: the largest |w| of each output channel maps to qmax."""
+    return (weight.float().abs().amax(dim=1) / qmax).clamp(min=_MIN_SCALE)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], scales [N] float32), symmetric per output channel."""
+    scale = channel_scales(weight, INT8_MAX)
+    q = torch.round(weight.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (float8_e4m3fn [N, K], scales [N] float32), per output channel."""
+    scale = channel_scales(weight, FP8_MAX)
+    return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _per_token(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (x / scale, scale [T, 1] float32)."""
+    x = x.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / qmax).clamp(min=_MIN_SCALE)
+    return x / scale, scale
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W int8 per output channel and x int8 per token (dynamic)."""
+
+    def __init__(self, weight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight_t", weight_t)  # [K, N] int8: _int_mm's right operand
+        self.register_buffer("scale", scale)  # [N] float32
+        self.register_buffer("bias", bias)
+        self.in_features, self.out_features = weight_t.shape
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+        q, scale = quantize_int8(weight)
+        return cls(q.t().contiguous(), scale, bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[N, K] float32: the weight this layer multiplies by."""
+        return self.weight_t.t().float() * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        xs, x_scale = _per_token(x2, INT8_MAX)
+        xq = torch.round(xs).to(torch.int8)  # |xs| <= 127 by construction
+        rows = xq.shape[0]
+        if xq.is_cuda and rows < _CUDA_INT_MM_MIN_ROWS:
+            xq = F.pad(xq, (0, 0, 0, _CUDA_INT_MM_MIN_ROWS - rows))
+        acc = torch._int_mm(xq, self.weight_t)[:rows]  # [T, N] int32
+        y = acc.float() * x_scale * self.scale
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with W float8_e4m3fn per output channel and x float8 per token (dynamic)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [N, K] float8_e4m3fn; weight.t() is column-major for _scaled_mm
+        self.register_buffer("scale", scale.float().reshape(1, -1))  # [1, N] float32
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
+        q, scale = quantize_fp8(weight)
+        return cls(q, scale, bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.scale.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        xs, x_scale = _per_token(x2, FP8_MAX)
+        xq = xs.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        out_dtype = x.dtype if x.is_cuda else torch.float32  # row-wise _scaled_mm on CUDA: bf16 out
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
+                             bias=None, out_dtype=out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
