@@ -4,6 +4,8 @@ reference: random block tables, mixed lengths, GQA, decode and short multi-query
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -29,6 +31,18 @@ def test_build_failure_falls_back(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="llmserve.model.cpu_kernels"):
         assert cpu_kernels._load() is None
     assert "torch path" in caplog.text
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    for folder in (stale, fresh):
+        folder.mkdir()
+        (folder / "lock").touch()
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 1
+    os.utime(stale / "lock", (old, old))
+    cpu_kernels._clear_stale_lock(str(stale))
+    cpu_kernels._clear_stale_lock(str(fresh))  # a build in progress elsewhere: wait for it, as torch does
+    assert not (stale / "lock").exists() and (fresh / "lock").exists()
 
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),

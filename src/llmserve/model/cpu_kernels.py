@@ -10,12 +10,15 @@ callers keep their plain torch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
 import os
 import platform
 import re
 import sys
+import time
 
 import torch
 
@@ -25,6 +28,7 @@ MAX_QUERY_LEN = 16  # rows longer than this are not decode-like: the caller's to
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention.cpp")
 _NAME = "llmserve_cpu_kernels"
+STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
 
 
 def _cpu_flags() -> set[str]:
@@ -50,9 +54,24 @@ def _build_dir(flags: list[str]) -> str:
 
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
     tag += "-avx2" if "-mavx2" in flags else ""
+    # one directory per source location: two checkouts never rebuild (or lock) each other's build
+    tag += "-" + hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
     path = os.path.join(cache_dir(), "torch_extensions", re.sub(r"[^A-Za-z0-9._-]", "_", tag))
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    """torch's JIT build waits for as long as its lock file exists; a build killed midway leaves one behind."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale CPU kernel build lock (%.0f s old): %s", age, lock)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
 
 
 def _self_test(op) -> None:
@@ -82,8 +101,10 @@ def _load():
         from torch.utils import cpp_extension
 
         flags = _compile_flags()
+        build_dir = _build_dir(flags)
+        _clear_stale_lock(build_dir)
         cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=_build_dir(flags), is_python_module=False, verbose=False)
+                           build_directory=build_dir, is_python_module=False, verbose=False)
         op = torch.ops.llmserve_cpu.paged_attention
         _self_test(op)
     except Exception as e:  # no compiler, no ninja, build or load error: keep the torch path
