@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from llmserve.config import EngineConfig, ModelConfig
-from llmserve.rayserve.app import _argv
+from llmserve.rayserve.app import SAME_LOOP_ENV, _argv, ray_env
 from llmserve.rayserve.asgi import call_asgi
 from llmserve.rayserve.config import Deployment, RayServeConfig
 from llmserve.rayserve.ingress import _app_path
@@ -28,6 +28,8 @@ from llmserve.server.config import ServerConfig
     ({"request_router": "random"}, "request-router"),
     ({"route_prefix": "v1"}, "route-prefix"),
     ({"max_attempts": 0}, "max-attempts"),
+    ({"direct_ingress_port": 70000}, "direct-ingress-port"),
+    ({"direct_ingress_port": 9000, "address": "auto"}, "direct-ingress-port"),
 ])
 def test_bad_values_are_refused_naming_the_flag(changes, flag):
     with pytest.raises(ValueError, match=flag):
@@ -39,6 +41,17 @@ def test_deployment_checks_across_sections():
         Deployment(EngineConfig(model=ModelConfig(device="cuda")), ServerConfig(), RayServeConfig()).validate()
     with pytest.raises(ValueError, match="port"):
         Deployment(EngineConfig(), ServerConfig(port=0), RayServeConfig()).validate()
+    with pytest.raises(ValueError, match="direct-ingress-port"):  # its ports: 8999 and 9000
+        Deployment(EngineConfig(), ServerConfig(port=9000), RayServeConfig(direct_ingress_port=8999,
+                                                                           ingress_replicas=2)).validate()
+
+
+def test_direct_ingress_sets_its_ports_and_the_throughput_preset():
+    assert ray_env(RayServeConfig()) == SAME_LOOP_ENV
+    env = ray_env(RayServeConfig(direct_ingress_port=9100, ingress_replicas=2))
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == (
+        "9100", "9102")  # Ray's range excludes its end
 
 
 def test_autoscaling_config_off_with_a_fixed_count():

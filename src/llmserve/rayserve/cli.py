@@ -60,11 +60,11 @@ def serve_ray_command(args: argparse.Namespace) -> int:
 def run(serve, deployment: Deployment) -> int:
     import ray
 
-    from llmserve.rayserve.app import SAME_LOOP_ENV, build_application
+    from llmserve.rayserve.app import build_application, ray_env
 
     config, server = deployment.ray, deployment.server
-    if config.address is None:  # a Ray of our own: its proxy and controller run on their main loops too
-        os.environ.update(SAME_LOOP_ENV)
+    if config.address is None:  # a Ray of our own: its proxy and controller get the same settings
+        os.environ.update(ray_env(config))
     ray.init(address=config.address, num_cpus=config.num_cpus if config.address is None else None,
              logging_level=server.log_level.upper())
     try:
@@ -73,6 +73,9 @@ def run(serve, deployment: Deployment) -> int:
         serve.run(build_application(deployment), name=config.app_name, route_prefix=config.route_prefix)
         print(f"llmserve: serving on Ray Serve at http://{server.host}:{server.port}{config.route_prefix} "
               f"(application {config.app_name})", file=sys.stderr, flush=True)
+        if config.direct_ingress_port is not None:
+            print(f"llmserve: and without Ray's proxy at http://{server.host}:{config.direct_ingress_port}",
+                  file=sys.stderr, flush=True)
         _wait_for_signal()
         logger.info("stopping: deleting application %s", config.app_name)
         serve.delete(config.app_name)
