@@ -23,6 +23,7 @@ from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.router.testing import shared_tiny_model  # noqa: E402
 from llmserve.server.testing import read_log, wait_until  # noqa: E402
 
+READY_LINE = "without Ray's proxy at"
 STARTUP_TIMEOUT_S = 240.0  # Ray, its controller, the proxy, the ingress and one engine replica on 2 cores
 
 
@@ -54,7 +55,9 @@ def urls(tmp_path_factory):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     direct, proxy = f"http://127.0.0.1:{direct_port}", f"http://127.0.0.1:{proxy_port}"
     try:
-        wait_until(lambda: proc.poll() is not None or _is_up(direct), STARTUP_TIMEOUT_S, "serve-ray up")
+        # the line it prints once serve.run returned, just before it waits for SIGINT/SIGTERM
+        wait_until(lambda: proc.poll() is not None or READY_LINE in read_log(log.fileno()), STARTUP_TIMEOUT_S,
+                   "serve-ray up")
         assert proc.poll() is None, f"serve-ray exited with {proc.returncode}:\n{read_log(log.fileno())}"
         yield direct, proxy, proc
     finally:
