@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # llmserve vs llama.cpp's llama-server, side by side on one CPU machine (issues 19, 20).
 #
-# NEVER RUN IN CI: no test calls this script. It builds C++ (~8 min on 2 cores) and benchmarks for
-# 10-20 minutes per mode.
+# NEVER RUN IN CI: no test calls this script. It builds C++ (8-12 min on 2 cores) and benchmarks for
+# tens of minutes per mode (both levels, 2 cores).
 #
 # usage: scripts/llamacpp/side_by_side.sh [--build] [--mode f32|int8] [--concurrency 16,64] [--out DIR]
 #   --build        build llama-server from the llama-cpp-python source distribution (which vendors
