@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# llmserve vs llama.cpp's llama-server, side by side on one CPU machine (issues 19, 20).
+#
+# NEVER RUN IN CI: no test calls this script. It builds C++ (8-12 min on 2 cores) and benchmarks for
+# tens of minutes per mode (both levels, 2 cores).
+#
+# usage: scripts/llamacpp/side_by_side.sh [--build] [--mode f32|int8] [--concurrency 16,64] [--out DIR]
+#   --build        build llama-server from the llama-cpp-python source distribution (which vendors
+#                  llama.cpp) into $LLAMACPP_CACHE; skipped when the binary is there
+#   --mode f32     ours float32             vs llama.cpp f32 GGUF   (default)
+#   --mode int8    ours --quantization int8 vs llama.cpp Q8_0 GGUF
+#
+# The workload is the anchor of docs/benchmarks.md: smollm2-135m-shaped random checkpoint, 128 requests,
+# prompts 64-512 tokens, outputs 32-256 (ignore_eos), streamed; llama-server runs with -t 2 -np C.
+# Both servers are up at once; one `llmserve bench serve --compare` interleaves them (A B A B).
+# The measurement holds /tmp/llmserve-bench.lock (other benchmarks on the machine wait for it).
+#
+# env: LLAMACPP_CACHE (default ~/.cache/llmserve-llamacpp), LLAMA_CPP_PYTHON_VERSION (0.3.36),
+#      PYTHON (a python that imports llmserve; default: python3), PORT_OURS (8321), PORT_LCPP (8322)
+set -euo pipefail
+
+CACHE=${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+PYTHON=${PYTHON:-python3}
+PORT_OURS=${PORT_OURS:-8321}
+PORT_LCPP=${PORT_LCPP:-8322}
+SRC=$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp
+SERVER_BIN=$CACHE/build/bin/llama-server
+CONVERT_PY=$CACHE/venv/bin/python
+
+BUILD=0 MODE=f32 CONCURRENCY=16,64 OUT=
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --build) BUILD=1; shift ;;
+    --mode) MODE=$2; shift 2 ;;
+    --concurrency) CONCURRENCY=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    *) sed -n '2,19p' "$0"; exit 2 ;;
+  esac
+done
+case $MODE in
+  f32) OURS_FLAGS=(); GGUF_TYPE=f32; LABELS=llmserve-f32,llama.cpp-f32 ;;
+  int8) OURS_FLAGS=(--quantization int8); GGUF_TYPE=q8_0; LABELS=llmserve-int8,llama.cpp-q8_0 ;;
+  *) echo "--mode f32|int8" >&2; exit 2 ;;
+esac
+OUT=${OUT:-/tmp/side-by-side-$MODE}
+MODEL=$CACHE/smollm2-135m
+mkdir -p "$OUT"
+llmserve() { "$PYTHON" -m llmserve.cli "$@"; }
+
+build_llama_cpp() {
+  [[ -x $SERVER_BIN ]] && { echo "llama-server already built: $SERVER_BIN"; return; }
+  mkdir -p "$CACHE"
+  if [[ ! -d $SRC ]]; then
+    "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE"
+    tar xzf "$CACHE/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
+  fi
+  # Nothing that downloads at build time: no curl/openssl, no web UI (prebuilt or built), no tests/examples.
+  cmake -S "$SRC" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+  cmake --build "$CACHE/build" -j"$(nproc)" --target llama-server
+}
+
+converter_venv() {
+  # The converter imports torch, transformers and numpy (taken read-only from llmserve's environment
+  # through a .pth, so only sentencepiece is downloaded) and sentencepiece (installed here).
+  [[ -x $CONVERT_PY ]] && return
+  "$PYTHON" -m venv "$CACHE/venv"
+  local site; site=$("$CONVERT_PY" -c 'import site; print(site.getsitepackages()[0])')
+  "$PYTHON" -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))' > "$site/llmserve-env.pth"
+  "$CONVERT_PY" -m pip install -q sentencepiece
+}
+
+convert() {  # convert OUTTYPE FILE
+  [[ -f $2 ]] && return
+  # The converter names a BPE pre-tokenizer by hashing known models' tokenizations; our checkpoint's
+  # toy tokenizer is not one of them, but its pre-tokenizer is GPT-2's ByteLevel regex: say so.
+  PYTHONPATH=$SRC/gguf-py:$SRC "$CONVERT_PY" - "$SRC/convert_hf_to_gguf.py" "$MODEL" "$1" "$2" <<'EOF'
+import runpy, sys
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+script, model, outtype, outfile = sys.argv[1:]
+sys.argv = [script, model, "--outtype", outtype, "--outfile", outfile]
+runpy.run_path(script, run_name="__main__")
+EOF
+}
+
+wait_healthy() {  # wait_healthy PORT PID
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$1/health" > /dev/null && return
+    kill -0 "$2" 2> /dev/null || { echo "server on :$1 exited; see $OUT" >&2; exit 1; }
+    sleep 1
+  done
+  echo "server on :$1 not healthy after 600 s" >&2; exit 1
+}
+
+[[ $BUILD == 1 ]] && build_llama_cpp
+[[ -x $SERVER_BIN ]] || { echo "no $SERVER_BIN: run with --build" >&2; exit 1; }
+converter_venv
+[[ -d $MODEL ]] || llmserve make-model --arch llama --shape smollm2-135m --out "$MODEL"
+GGUF=$CACHE/smollm2-135m-$GGUF_TYPE.gguf
+convert "$GGUF_TYPE" "$GGUF"
+
+"$SERVER_BIN" --version > "$OUT/llama-server-version.txt" 2>&1 || true
+
+start() {  # start NAME COMMAND...: in the background, logged to $OUT/NAME.log, without the lock's fd
+  "${@:2}" > "$OUT/$1.log" 2>&1 9>&- &
+  PIDS+=($!)
+}
+stop_all() { kill "${PIDS[@]}" 2> /dev/null || true; wait "${PIDS[@]}" 2> /dev/null || true; PIDS=(); }
+
+exec 9> /tmp/llmserve-bench.lock
+echo "waiting for /tmp/llmserve-bench.lock"; flock 9
+PIDS=()
+trap stop_all EXIT
+for C in ${CONCURRENCY//,/ }; do
+  echo "c=$C load average before: $(cat /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
+  start "llmserve-c$C" "$PYTHON" -m llmserve.cli serve --model "$MODEL" --port "$PORT_OURS" \
+    --max-model-len 1024 --kv-cache-memory 3GiB --dtype float32 "${OURS_FLAGS[@]}"
+  # -np C slots (one per bench client) of 768 tokens each: the longest prompt + output.
+  start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_LCPP" -t 2 -np "$C" -c $((C * 768))
+  wait_healthy "$PORT_OURS" "${PIDS[0]}"
+  wait_healthy "$PORT_LCPP" "${PIDS[1]}"
+  llmserve bench serve --url "http://127.0.0.1:$PORT_OURS" --compare "http://127.0.0.1:$PORT_LCPP" \
+    --labels "$LABELS" --tokenizer "$MODEL" --dataset random --input-len 288 --output-len 144 \
+    --range-ratio 0.7778 --num-requests 128 --concurrency "$C" --ignore-eos --stream --seed 20 \
+    --timeout 1800 --out "$OUT/results-c$C.json" | tee "$OUT/table-c$C.txt"
+  stop_all
+done
+echo "load average after: $(cat /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
