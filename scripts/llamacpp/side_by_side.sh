@@ -98,7 +98,7 @@ wait_healthy() {  # wait_healthy PORT PID
 [[ $BUILD == 1 ]] && build_llama_cpp
 [[ -x $SERVER_BIN ]] || { echo "no $SERVER_BIN: run with --build" >&2; exit 1; }
 converter_venv
-[[ -d $MODEL ]] || llmserve make-model --arch llama --shape smollm2-135m --out "$MODEL"
+[[ -d $MODEL ]] || "$PYTHON" -m llmserve.cli make-model --arch llama --shape smollm2-135m --out "$MODEL"
 GGUF=$CACHE/smollm2-135m-$GGUF_TYPE.gguf
 convert "$GGUF_TYPE" "$GGUF"
 
@@ -122,10 +122,12 @@ for C in ${CONCURRENCY//,/ }; do
   start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_LCPP" -t 2 -np "$C" -c $((C * 768))
   wait_healthy "$PORT_OURS" "${PIDS[0]}"
   wait_healthy "$PORT_LCPP" "${PIDS[1]}"
-  llmserve bench serve --url "http://127.0.0.1:$PORT_OURS" --compare "http://127.0.0.1:$PORT_LCPP" \
-    --labels "$LABELS" --tokenizer "$MODEL" --dataset random --input-len 288 --output-len 144 \
-    --range-ratio 0.7778 --num-requests 128 --concurrency "$C" --ignore-eos --stream --seed 20 \
-    --timeout 1800 --out "$OUT/results-c$C.json" | tee "$OUT/table-c$C.txt"
+  # a level with failed requests exits non-zero: its table says so, and the next level still runs
+  "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$PORT_OURS" \
+    --compare "http://127.0.0.1:$PORT_LCPP" --labels "$LABELS" --tokenizer "$MODEL" --dataset random \
+    --input-len 288 --output-len 144 --range-ratio 0.7778 --num-requests 128 --concurrency "$C" \
+    --ignore-eos --stream --seed 20 --timeout 1800 --out "$OUT/results-c$C.json" | tee "$OUT/table-c$C.txt" \
+    || echo "c=$C: bench serve exited non-zero (failed requests: see $OUT/table-c$C.txt)" >&2
   stop_all
 done
 echo "load average after: $(cat /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
