@@ -3,9 +3,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from llmserve.server.testing import StepGateClient
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
@@ -41,3 +45,14 @@ def no_temporary_files_left(request: pytest.FixtureRequest) -> Iterator[None]:
     session_tmp = request.config.stash[SESSION_TMP]
     left = sorted(path.name for path in session_tmp.iterdir() if path.name not in CACHES.values())
     assert not left, f"tests left {len(left)} file(s) in the temporary folder: {left[:10]} (use tmp_path)"
+
+
+@pytest.fixture(scope="module")
+def gate() -> Iterator["StepGateClient"]:
+    """A step gate for the test module's server (start it with `env=gate.env`): one per module, like the
+    servers that use it, so tests hold and step the engine at step boundaries instead of racing it."""
+    from llmserve.server.testing import StepGateClient  # noqa: F811 (the server stack only when asked for)
+
+    with StepGateClient() as step_gate:
+        yield step_gate
+

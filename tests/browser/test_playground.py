@@ -11,18 +11,12 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
-from llmserve.server.testing import StepGateClient, start_tiny_server, wait_until
+from llmserve.server.testing import start_tiny_server, wait_until
 
 API_KEY = "playground-secret"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "size"],
           "properties": {"colour": {"enum": ["red", "green", "blue"]},
                          "size": {"type": "integer", "minimum": 1, "maximum": 9}}}
-
-
-@pytest.fixture(scope="module")
-def gate():
-    with StepGateClient() as gate:
-        yield gate
 
 
 @pytest.fixture(scope="module")

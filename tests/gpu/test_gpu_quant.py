@@ -31,26 +31,21 @@ def _reference(layer, x: torch.Tensor, qmax: float, is_fp8: bool) -> torch.Tenso
     return (q * scale) @ layer.dequantized_weight().double().t()
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, 300])
-def test_int8_layer_on_cuda(rows):
-    w = torch.randn(512, 256, device="cuda") * 0.05
-    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
-    layer = Int8Linear.from_float(w, None)
-    out = layer(x)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), _reference(layer, x.float(), 127.0, False), atol=2e-2, rtol=1e-2)
+LAYERS = {"int8": (Int8Linear, 127.0, False), "fp8": (Fp8Linear, 448.0, True)}
 
 
-@pytest.mark.parametrize("rows", [1, 16, 300])
-def test_fp8_layer_on_cuda(rows):
-    if not _is_hopper():
+@pytest.mark.parametrize("fmt,rows", [("int8", 1), ("int8", 16), ("int8", 17), ("int8", 300),
+                                      ("fp8", 1), ("fp8", 16), ("fp8", 300)])
+def test_quantized_layer_on_cuda(fmt, rows):
+    layer_cls, qmax, is_fp8 = LAYERS[fmt]
+    if is_fp8 and not _is_hopper():
         pytest.skip("FP8 GEMMs need compute capability >= 8.9")
     w = torch.randn(512, 256, device="cuda") * 0.05
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
-    layer = Fp8Linear.from_float(w, None)
+    layer = layer_cls.from_float(w, None)
     out = layer(x)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), _reference(layer, x.float(), 448.0, True), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), _reference(layer, x.float(), qmax, is_fp8), atol=2e-2, rtol=1e-2)
 
 
 @pytest.fixture(scope="module")

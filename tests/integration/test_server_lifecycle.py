@@ -25,12 +25,6 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gate():
-    with StepGateClient() as gate:
-        yield gate
-
-
-@pytest.fixture(scope="module")
 def server(model_dir, gate):
     """One running sequence at a time, three more may wait: four in flight at most."""
     server = start_tiny_server(model_dir, "--max-num-seqs", "1", "--max-queued-requests", "3",

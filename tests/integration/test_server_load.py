@@ -10,17 +10,11 @@ import json
 import httpx
 import pytest
 
-from llmserve.server.testing import StepGateClient, metric_value, start_tiny_server, wait_until
+from llmserve.server.testing import metric_value, start_tiny_server, wait_until
 
 NUM_STREAMS = 200
 MAX_TOKENS = 32
 CANCELLED_MAX_TOKENS = 400
-
-
-@pytest.fixture(scope="module")
-def gate():
-    with StepGateClient() as gate:
-        yield gate
 
 
 @pytest.fixture(scope="module")
