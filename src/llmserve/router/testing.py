@@ -5,78 +5,26 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 
 import httpx
 
-from llmserve.server.testing import read_log
+from llmserve.server.testing import ChildServer
 
 _PORT_RE = re.compile(r"routing .* on http://[^:\s]+:(\d+)")
 
 
-class RouterProcess:
+class RouterProcess(ChildServer):
+    """`with RouterProcess([...flags]) as router:` -> router.url; the replicas it launches are its children."""
+
+    command = ("llmserve.router.cli", "route")
+    port_re = _PORT_RE
+    ready_path = "/v1/models"
+
     def __init__(self, args: list[str], startup_timeout: float = 60.0) -> None:
-        self.args = args
-        self.startup_timeout = startup_timeout
-        self.tmp = tempfile.TemporaryDirectory(prefix="llmserve-router-")  # its replicas' logs and sockets
-        self.env = {**os.environ, "TMPDIR": self.tmp.name}
-        self.log_file = tempfile.TemporaryFile("w+")  # no name: gone when closed, whatever happens
-        self.proc: subprocess.Popen | None = None
-        self.port: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return read_log(self.log_file.fileno())
-
-    def start(self) -> RouterProcess:
-        cmd = [sys.executable, "-m", "llmserve.router.cli", "route", "--host", "127.0.0.1", "--port", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()}")
-            match = _PORT_RE.search(self.log())
-            if match and self._answers(int(match.group(1))):
-                self.port = int(match.group(1))
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"router not up within {self.startup_timeout} s:\n{self.log()}")
-
-    @staticmethod
-    def _answers(port: int) -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        super().__init__(args, startup_timeout=startup_timeout)
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.tmp.cleanup()
-        return None if self.proc is None else self.proc.returncode
-
-    def __enter__(self) -> RouterProcess:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        self.log_file.close()
 
 
 def sample_value(metrics_text: str, name: str, **labels: str) -> float:

@@ -150,12 +150,18 @@ def is_alive(pid: int) -> bool:
         return False
 
 
-class ServerProcess:
-    """`with ServerProcess([...flags]) as server:` -> server.url, server.base_url (…/v1)."""
+class ChildServer:
+    """A `llmserve <command>` HTTP server in a subprocess on a free loopback port: started and waited for
+    until its log names the port and `ready_path` answers 200; stopped with a signal (then SIGKILL, with its
+    children, if it does not exit in time). Its temporary files go to a folder of its own."""
+
+    command: tuple[str, ...] = ()  # the module and subcommand after `python -m`
+    port_re: re.Pattern = re.compile("")
+    ready_path = "/health"
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout: float = 180.0) -> None:
         self.args = args
-        self.tmp = tempfile.TemporaryDirectory(prefix="llmserve-server-")
+        self.tmp = tempfile.TemporaryDirectory(prefix=f"llmserve-{self.command[-1]}-")
         self.env = {**os.environ, "TMPDIR": self.tmp.name, **(env or {})}
         self.startup_timeout = startup_timeout
         self.log_file = tempfile.TemporaryFile("w+")  # no name: gone when closed, whatever happens
@@ -166,46 +172,31 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
-
     def log(self) -> str:
         return read_log(self.log_file.fileno())
 
-    def start(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "llmserve.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               *self.args]
+    def start(self):
+        cmd = [sys.executable, "-m", *self.command, "--host", "127.0.0.1", "--port", "0", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
+                raise RuntimeError(f"{self.command[-1]} exited with {self.proc.returncode} during startup:\n"
+                                   f"{self.log()}")
             if self.port is None:
-                match = _PORT_RE.search(self.log())
+                match = self.port_re.search(self.log())
                 self.port = int(match.group(1)) if match else None
-            if self.port is not None and self._is_healthy():
+            if self.port is not None and self._is_ready():
                 return self
-            time.sleep(0.1)  # polls the log and /health until the deadline
+            time.sleep(0.05)  # polls the log and the ready path until the deadline
         self.stop(signal.SIGKILL)
-        raise TimeoutError(f"server not healthy within {self.startup_timeout} s:\n{self.log()}")
+        raise TimeoutError(f"{self.command[-1]} not ready within {self.startup_timeout} s:\n{self.log()}")
 
-    def _is_healthy(self) -> bool:
+    def _is_ready(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            return httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
-
-    def engine_pid(self) -> int:
-        """The engine-core child (multiprocessing's resource tracker is a child too)."""
-        assert self.proc is not None
-        pids = [pid for pid in child_pids(self.proc.pid) if b"spawn_main" in _cmdline(pid)]
-        assert len(pids) == 1, f"expected one engine child, found {pids}"
-        return pids[0]
-
-    def children(self) -> list[int]:
-        assert self.proc is not None
-        return child_pids(self.proc.pid)
 
     def send_signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -216,7 +207,7 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
-        """Signal and wait; SIGKILL (the server and its children) if it does not exit in time."""
+        """Signal and wait; SIGKILL (the process and its children) if it does not exit in time."""
         if self.proc is None:
             self.tmp.cleanup()
             return None
@@ -233,12 +224,34 @@ class ServerProcess:
         self.tmp.cleanup()
         return self.proc.returncode
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
         self.log_file.close()
+
+
+class ServerProcess(ChildServer):
+    """`with ServerProcess([...flags]) as server:` -> server.url, server.base_url (…/v1)."""
+
+    command = ("llmserve.server.cli", "serve")
+    port_re = _PORT_RE
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def engine_pid(self) -> int:
+        """The engine-core child (multiprocessing's resource tracker is a child too)."""
+        assert self.proc is not None
+        pids = [pid for pid in child_pids(self.proc.pid) if b"spawn_main" in _cmdline(pid)]
+        assert len(pids) == 1, f"expected one engine child, found {pids}"
+        return pids[0]
+
+    def children(self) -> list[int]:
+        assert self.proc is not None
+        return child_pids(self.proc.pid)
 
 
 def read_log(fd: int) -> str:
