@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
+from llmserve.model.linear import Linear, linear
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 
@@ -129,7 +129,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
-        self.lm_head = None if self.is_tied else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
         self.head_dim = _head_dim(config)
@@ -156,10 +156,10 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         if self.tp is None:
             if self.lm_head is None:  # tied (a quantized model has its own lm_head: model/quant)
-                return F.linear(hidden, self.model.embed_tokens.weight).float()
+                return linear(hidden, self.model.embed_tokens.weight).float()
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.is_tied else self.lm_head.weight
-        logits = self.tp.all_gather_last(F.linear(hidden, weight))  # each rank's vocabulary rows, in order
+        logits = self.tp.all_gather_last(linear(hidden, weight))  # each rank's vocabulary rows, in order
         return logits[:, :self.config.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
