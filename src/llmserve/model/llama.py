@@ -61,15 +61,20 @@ class Attention(nn.Module):
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
+        q, k = self._rotate_qk(qkv[:, :num_qk_heads], cos_sin)  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         out = attn_backend.forward(q, k, v.contiguous(), kv_cache, attn_metadata, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rotate_qk(self, qk: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, H + Hkv, D] -> rotated q [T, H, D], k [T, Hkv, D] (views of one tensor without q/k norm:
+        one rotary over both halves)."""
+        if self.q_norm is None:
+            return apply_rotary(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return apply_rotary(self.q_norm(q), *cos_sin), apply_rotary(self.k_norm(k), *cos_sin)
 
 
 class DecoderLayer(nn.Module):
