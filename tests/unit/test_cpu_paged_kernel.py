@@ -136,3 +136,14 @@ def test_kernel_work_split_by_thread_count(num_threads):
     finally:
         torch.set_num_threads(previous)
     check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [128, 40, 36])
+def test_kernel_head_dims(head_dim):
+    """float32: 128 (unrolled), 40 (a multiple of 8, not unrolled) and 36 (the portable path) all match."""
+    rows = random_rows(head_dim)
+    q, k, v, kv_cache, inputs, full = make_case(rows, 16, 3, seed=head_dim, head_dim=head_dim)
+    out, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache, inputs)
+    assert metadata.kernel is not None and metadata.groups == []
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)

@@ -2,7 +2,8 @@
 
 `paged_attention` attends decode-like rows (query_len <= 16) straight from the paged KV cache through
 the block table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP
-over (row, kv head). The build goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3
+over (row, kv head); float32 with head_dim % 8 == 0 runs an AVX2 + FMA path when the build has them
+(csrc/paged_attention_avx2.cpp). The build goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3
 and -fopenmp, plus -mavx2 -mfma when the CPU has both. It needs a C++ compiler and ninja; when the
 build or load fails (or LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and
 callers keep their plain torch path.
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 MAX_QUERY_LEN = 16  # rows longer than this are not decode-like: the caller's torch path attends them
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = [os.path.join(_CSRC, "paged_attention.cpp"), os.path.join(_CSRC, "paged_attention_avx2.cpp")]
+_HEADERS = [os.path.join(_CSRC, "paged_attention.h")]
 _NAME = "llmserve_cpu_kernels"
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
 
@@ -55,10 +58,19 @@ def _build_dir(flags: list[str]) -> str:
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
     tag += "-avx2" if "-mavx2" in flags else ""
     # one directory per source location: two checkouts never rebuild (or lock) each other's build
-    tag += "-" + hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
+    tag += "-" + hashlib.sha256(_CSRC.encode()).hexdigest()[:8]
     path = os.path.join(cache_dir(), "torch_extensions", re.sub(r"[^A-Za-z0-9._-]", "_", tag))
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def _header_digest() -> str:
+    """A define naming the headers' content: torch rebuilds when sources or flags change, not headers."""
+    digest = hashlib.sha256()
+    for header in _HEADERS:
+        with open(header, "rb") as f:
+            digest.update(f.read())
+    return f"-DLLMSERVE_HEADERS_{digest.hexdigest()[:12]}"
 
 
 def _clear_stale_lock(build_dir: str) -> None:
@@ -103,8 +115,9 @@ def _load():
         flags = _compile_flags()
         build_dir = _build_dir(flags)
         _clear_stale_lock(build_dir)
-        cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=build_dir, is_python_module=False, verbose=False)
+        cpp_extension.load(name=_NAME, sources=_SOURCES, extra_cflags=flags + [_header_digest()],
+                           extra_ldflags=["-fopenmp"], build_directory=build_dir, is_python_module=False,
+                           verbose=False)
         op = torch.ops.llmserve_cpu.paged_attention
         _self_test(op)
     except Exception as e:  # no compiler, no ninja, build or load error: keep the torch path

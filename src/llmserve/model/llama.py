@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
+from llmserve.model.linear import Linear, linear
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 
@@ -61,15 +61,20 @@ class Attention(nn.Module):
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
+        q, k = self._rotate_qk(qkv[:, :num_qk_heads], cos_sin)  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         out = attn_backend.forward(q, k, v.contiguous(), kv_cache, attn_metadata, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rotate_qk(self, qk: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, H + Hkv, D] -> rotated q [T, H, D], k [T, Hkv, D] (views of one tensor without q/k norm:
+        one rotary over both halves)."""
+        if self.q_norm is None:
+            return apply_rotary(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return apply_rotary(self.q_norm(q), *cos_sin), apply_rotary(self.k_norm(k), *cos_sin)
 
 
 class DecoderLayer(nn.Module):
@@ -129,7 +134,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
-        self.lm_head = None if self.is_tied else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
         self.head_dim = _head_dim(config)
@@ -156,10 +161,10 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         if self.tp is None:
             if self.lm_head is None:  # tied (a quantized model has its own lm_head: model/quant)
-                return F.linear(hidden, self.model.embed_tokens.weight).float()
+                return linear(hidden, self.model.embed_tokens.weight).float()
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.is_tied else self.lm_head.weight
-        logits = self.tp.all_gather_last(F.linear(hidden, weight))  # each rank's vocabulary rows, in order
+        logits = self.tp.all_gather_last(linear(hidden, weight))  # each rank's vocabulary rows, in order
         return logits[:, :self.config.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

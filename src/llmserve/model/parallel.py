@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model.linear import Linear, linear
+
 
 @dataclass
 class TensorParallel:
@@ -139,11 +141,11 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
     return None
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """This rank's slice of a linear layer's output features (the loader fills it with those rows)."""
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """This rank's slice of a linear layer's input features: partial outputs summed by an all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
@@ -152,7 +154,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in / N] -> [T, out], the same on every rank."""
-        out = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(out)
 
 
@@ -174,12 +176,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def column_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
-    """`out_features` are this rank's (already divided); a plain nn.Linear without tensor parallelism."""
-    return nn.Linear(in_features, out_features, bias=bias) if tp is None else \
+    """`out_features` are this rank's (already divided); a plain Linear without tensor parallelism."""
+    return Linear(in_features, out_features, bias=bias) if tp is None else \
         ColumnParallelLinear(in_features, out_features, bias=bias)
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
-    """`in_features` are this rank's (already divided); a plain nn.Linear without tensor parallelism."""
-    return nn.Linear(in_features, out_features, bias=bias) if tp is None else \
+    """`in_features` are this rank's (already divided); a plain Linear without tensor parallelism."""
+    return Linear(in_features, out_features, bias=bias) if tp is None else \
         RowParallelLinear(in_features, out_features, bias, tp)

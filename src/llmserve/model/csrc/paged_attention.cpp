@@ -16,6 +16,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "paged_attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,8 +30,10 @@
 
 namespace {
 
-constexpr int kMaxQueryLen = 16;
-constexpr int kChunk = 32;  // keys scored, then softmaxed, then accumulated at a time
+using llmserve_cpu::kChunk;
+using llmserve_cpu::kMaxQueryLen;
+using llmserve_cpu::Params;
+using llmserve_cpu::Scratch;
 
 template <typename T>
 inline const float* as_f32(const T* src, float* buf, int n) {
@@ -96,30 +100,6 @@ inline void scale_inplace(float* __restrict y, float a, int d) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) y[i] *= a;
 }
-
-struct Params {
-  const void* q;
-  const void* kv;
-  void* out;
-  const int32_t* block_table;
-  const int32_t* seq_lens;
-  const int32_t* query_start;
-  const int32_t* rows;
-  int64_t q_stride_t, q_stride_h;
-  int64_t bt_stride;
-  int64_t kv_half;  // elements between the K and the V half of the cache
-  int num_items, num_kv_heads, group, head_dim, block_size;
-  int heads_per_item;  // kv heads one work item attends together (all of them when rows are plenty)
-  float scale;
-};
-
-struct Scratch {
-  std::vector<float> q, acc, scores, kbuf, vbuf, max, sum;
-  std::vector<int> valid;
-  Scratch(int m, int d, int heads)
-      : q(m * d), acc(m * d), scores(m * kChunk), kbuf(kChunk * heads * d), vbuf(kChunk * heads * d), max(m),
-        sum(m), valid(m) {}
-};
 
 template <typename T>
 inline void prefetch_token(const T* k, const T* v, int64_t bytes) {
@@ -312,7 +292,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   }
   const int max_m = max_query_len * p.group * p.heads_per_item;
   switch (q.scalar_type()) {
-    case at::kFloat: return dispatch_dim<float>(p, max_m);
+    case at::kFloat:
+      if (llmserve_cpu::attend_f32_avx2(p, max_m)) return;
+      return dispatch_dim<float>(p, max_m);
     case at::kBFloat16: return dispatch_dim<c10::BFloat16>(p, max_m);
     case at::kHalf: return dispatch_dim<c10::Half>(p, max_m);
     default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16");

@@ -1,0 +1,258 @@
+// float32 paged attention with AVX2 + FMA intrinsics: CPU decode's hot path (contract: paged_attention.cpp).
+//
+// Same work items, chunks and online softmax as the portable path; three differences. Keys are scored
+// eight at a time (eight independent FMA chains, then one horizontal-add tree for the eight sums) instead
+// of one dot product and its horizontal sum per key. The softmax's exponentials are a vectorised
+// polynomial (Cephes' expf: < 2 ulp on the inputs here, which are <= 0). Each query's output accumulates
+// in registers over a chunk of values. float32 K/V are read in place from the paged cache.
+
+#include "paged_attention.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+using llmserve_cpu::kChunk;
+using llmserve_cpu::Params;
+using llmserve_cpu::Scratch;
+
+constexpr int kPrefetchAhead = kChunk;  // keys: prefetch the next chunk while computing this one
+
+// [sum(a[0]), sum(a[1]), ..., sum(a[7])]
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // exp(-87) ~ 1.6e-38: stays a normal float
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// scores[c] = q . keys[c][off : off + d] for c < n; d a multiple of 8.
+template <int kD>
+inline void score_keys(const float* q, const float* const* keys, int off, int n, int d_rt, float* scores) {
+  const int d = kD > 0 ? kD : d_rt;
+  int c = 0;
+  for (; c + 8 <= n; c += 8) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[c + j] + off + i), acc[j]);
+    }
+    _mm256_storeu_ps(scores + c, hsum8(acc));
+  }
+  for (; c < n; ++c) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(keys[c] + off + i), acc);
+    }
+    scores[c] = hsum(acc);
+  }
+}
+
+// scores[c] = exp(scores[c] - max) for c < n -> their sum.
+inline float exp_shifted(float* scores, int n, float max) {
+  const __m256 mv = _mm256_set1_ps(max);
+  __m256 sum = _mm256_setzero_ps();
+  int c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + c), mv));
+    _mm256_storeu_ps(scores + c, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float s = hsum(sum);
+  for (; c < n; ++c) {
+    scores[c] = std::exp(scores[c] - max);
+    s += scores[c];
+  }
+  return s;
+}
+
+// acc[0 : 8 * kVecs] += sum over c < n of p[c] * values[c][off : off + 8 * kVecs], acc held in registers.
+template <int kVecs>
+inline void accumulate_span(float* acc, const float* p, const float* const* values, int off, int n) {
+  __m256 a[kVecs];
+  for (int j = 0; j < kVecs; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
+  for (int c = 0; c < n; ++c) {
+    const __m256 pc = _mm256_set1_ps(p[c]);
+    const float* v = values[c] + off;
+    for (int j = 0; j < kVecs; ++j) a[j] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(v + 8 * j), a[j]);
+  }
+  for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
+inline void accumulate(float* acc, const float* p, const float* const* values, int off, int n, int d) {
+  int i = 0;
+  for (; i + 64 <= d; i += 64) accumulate_span<8>(acc + i, p, values, off + i, n);
+  for (; i < d; i += 8) accumulate_span<1>(acc + i, p, values, off + i, n);
+}
+
+// Score, softmax-update and accumulate query vector m of an item over one chunk's nv visible keys.
+template <int kD>
+inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const float* const* kp) {
+  float* sc = w.scores.data() + m * kChunk;
+  score_keys<kD>(w.q.data() + m * d, kp, head_off, nv, d, sc);
+  float cmax = -std::numeric_limits<float>::infinity();
+  for (int c = 0; c < nv; ++c) cmax = std::max(cmax, sc[c]);
+  const float new_max = std::max(w.max[m], cmax);
+  if (new_max > w.max[m]) {
+    const float corr = std::exp(w.max[m] - new_max);  // 0 on the first chunk
+    w.sum[m] *= corr;
+    float* am = w.acc.data() + m * d;
+    for (int i = 0; i < d; ++i) am[i] *= corr;
+    w.max[m] = new_max;
+  }
+  w.sum[m] += exp_shifted(sc, nv, new_max);
+}
+
+struct Item {
+  int first_token, q_len, seq_len, kvh0, hg;
+  const int32_t* table;
+};
+
+inline Item item_of(const Params& p, int item) {
+  const int items_per_row = p.num_kv_heads / p.heads_per_item;
+  const int row = p.rows[item / items_per_row];
+  const int first_token = p.query_start[row];
+  return Item{first_token, p.query_start[row + 1] - first_token, p.seq_lens[row],
+              (item % items_per_row) * p.heads_per_item, p.heads_per_item * p.group,
+              p.block_table + static_cast<int64_t>(row) * p.bt_stride};
+}
+
+// Query vector m of an item: token m / hg, head kvh0 * g + m % hg; its kv head is kvh0 + (m % hg) / g.
+void load_queries(const Params& p, const Item& it, Scratch& w, int d) {
+  const float* q = static_cast<const float*>(p.q);
+  for (int m = 0; m < it.q_len * it.hg; ++m) {
+    const float* src = q + (it.first_token + m / it.hg) * p.q_stride_t + (it.kvh0 * p.group + m % it.hg) * p.q_stride_h;
+    for (int i = 0; i < d; ++i) w.q[m * d + i] = src[i] * p.scale;
+    std::fill(w.acc.data() + m * d, w.acc.data() + (m + 1) * d, 0.f);
+    w.max[m] = -std::numeric_limits<float>::infinity();
+    w.sum[m] = 0.f;
+  }
+}
+
+void store_outputs(const Params& p, const Item& it, const Scratch& w, int d) {
+  float* out = static_cast<float*>(p.out);
+  const int num_heads = p.num_kv_heads * p.group;
+  for (int m = 0; m < it.q_len * it.hg; ++m) {
+    float* dst = out + (static_cast<int64_t>(it.first_token + m / it.hg) * num_heads + it.kvh0 * p.group + m % it.hg) * d;
+    const float inv = 1.f / w.sum[m];
+    for (int i = 0; i < d; ++i) dst[i] = w.acc[m * d + i] * inv;
+  }
+}
+
+template <int kD>
+void attend_item(const Params& p, int item_index, Scratch& w) {
+  const int d = kD > 0 ? kD : p.head_dim;
+  const Item it = item_of(p, item_index);
+  const float* kcache = static_cast<const float*>(p.kv);
+  const float* vcache = kcache + p.kv_half;
+  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * d;
+  auto token_offset = [&](int t) {
+    return static_cast<int64_t>(it.table[t / p.block_size]) * token_stride * p.block_size +
+           (t % p.block_size) * token_stride + static_cast<int64_t>(it.kvh0) * d;
+  };
+  load_queries(p, it, w, d);
+  const int m_count = it.q_len * it.hg;
+  const float* kp[kChunk];
+  const float* vp[kChunk];
+  for (int c0 = 0; c0 < it.seq_len; c0 += kChunk) {
+    const int cn = std::min(kChunk, it.seq_len - c0);
+    for (int c = 0; c < cn; ++c) {
+      const int64_t off = token_offset(c0 + c);
+      kp[c] = kcache + off;
+      vp[c] = vcache + off;
+    }
+    for (int t = c0 + kPrefetchAhead; t < std::min(it.seq_len, c0 + kPrefetchAhead + kChunk); ++t) {
+      const int64_t off = token_offset(t);
+      for (int b = 0; b < p.heads_per_item * d; b += 16) {
+        __builtin_prefetch(kcache + off + b, 0, 1);
+        __builtin_prefetch(vcache + off + b, 0, 1);
+      }
+    }
+    for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: t <= seq_len - q_len + token
+      w.valid[m] = std::min(cn, it.seq_len - it.q_len + m / it.hg - c0 + 1);
+      if (w.valid[m] > 0) score_chunk<kD>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kp);
+    }
+    for (int m = 0; m < m_count; ++m) {
+      if (w.valid[m] > 0) {
+        accumulate(w.acc.data() + m * d, w.scores.data() + m * kChunk, vp, (m % it.hg) / p.group * d, w.valid[m], d);
+      }
+    }
+  }
+  store_outputs(p, it, w, d);
+}
+
+template <int kD>
+void run(const Params& p, int max_m) {
+  int num_threads = std::max(1, std::min<int>(at::get_num_threads(), p.num_items));
+  if (at::in_parallel_region()) num_threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+#endif
+  {
+    Scratch w(max_m, p.head_dim, p.heads_per_item);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int item = 0; item < p.num_items; ++item) attend_item<kD>(p, item, w);
+  }
+}
+
+}  // namespace
+
+namespace llmserve_cpu {
+
+bool attend_f32_avx2(const Params& p, int max_m) {
+  if (p.head_dim % 8 != 0) return false;
+  switch (p.head_dim) {
+    case 64: run<64>(p, max_m); break;
+    case 128: run<128>(p, max_m); break;
+    default: run<0>(p, max_m);
+  }
+  return true;
+}
+
+}  // namespace llmserve_cpu
+
+#else  // no AVX2 + FMA at build time: the portable path serves float32 too
+
+namespace llmserve_cpu {
+bool attend_f32_avx2(const Params&, int) { return false; }
+}  // namespace llmserve_cpu
+
+#endif
