@@ -226,8 +226,8 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput, start: int, budget: int) -> int:
         """Schedules the plain decode rows from running[start] on in one tight loop: one token each, no
-        drafts, room for it in the blocks the runner already holds. Returns how many; the first row that
-        needs more (a prompt chunk, drafts, a new block, or nothing at all) is left to the general path."""
+        drafts; a row whose blocks are full gets one here. Returns how many; the first row that needs
+        more (a prompt chunk, drafts, a preemption, or nothing at all) is left to the general path."""
         block_size, num_lookahead = self.kv.block_size, self.num_lookahead
         req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
         is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
@@ -235,13 +235,16 @@ class Scheduler:
         for i in range(start, end):
             request = self.running[i]
             req_id, num_computed = request.request_id, request.num_computed_tokens
-            num_blocks = len(req_to_blocks[req_id])
             if (len(request.all_token_ids) + request.num_placeholders != num_computed + 1 or request.spec_token_ids
-                    or num_computed + 1 + num_lookahead > num_blocks * block_size
-                    or num_blocks != request.num_runner_blocks
                     or (request.num_placeholders and self._is_done_once_known(request))):
                 return i - start
-            if is_caching and min(num_computed + 1, len(request.all_token_ids)) // block_size > \
+            num_blocks = len(req_to_blocks[req_id])
+            if num_computed + 1 + num_lookahead > num_blocks * block_size or num_blocks != request.num_runner_blocks:
+                new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
+                if new_blocks is None:
+                    return i - start  # out of blocks: the general path preempts
+                self._send_blocks(out, request, new_blocks)
+            elif is_caching and min(num_computed + 1, len(request.all_token_ids)) // block_size > \
                     num_cached_blocks.get(req_id, 0):
                 self.kv.cache_full_blocks(request, num_computed + 1)  # a block fills in this step
             scheduled[req_id] = 1
