@@ -63,3 +63,16 @@ def test_cuda_sampler_matches_the_definitions():
     assert torch.equal(out.sampled_token_ids[is_greedy_like], logits.argmax(dim=-1)[is_greedy_like])
     assert torch.equal(out.logprobs.token_ids[:, 0], out.sampled_token_ids)
     assert torch.allclose(out.logprobs.logprobs, logits.log_softmax(-1).gather(1, out.logprobs.token_ids))
+
+
+def test_argmax_rows_takes_each_rows_first_maximum_like_torch():
+    logits = torch.randn(6, 40)
+    logits[1, 3] = logits[1, 30] = 50.0  # a tie: the first one
+    logits[2, 7] = logits[2, 9] = float("nan")  # NaN counts as the maximum, the first one
+    logits[4] = 0.0  # all equal
+    got = ops.argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got.tolist()[1:3] == [3, 7] and got.tolist()[4] == 0
+    transposed = torch.randn(40, 6).t()  # not contiguous: torch's own argmax
+    assert ops.argmax_rows(transposed).tolist() == transposed.argmax(dim=-1).tolist()

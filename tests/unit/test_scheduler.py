@@ -199,3 +199,17 @@ def test_priority_preemption_never_takes_a_higher_priority_request():
     assert sched.requests["second"].status == RequestStatus.PREEMPTED
     assert out.num_scheduled_tokens == {"first": 1}
     sched.check_integrity()
+
+
+def test_decode_steps_tell_the_runner_only_of_block_changes():
+    sched = make_scheduler(block_size=4)
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=6))
+    out, _ = step(sched)  # the prompt, sent in full; samples token 4
+    assert [r.block_ids for r in out.new_reqs] == [[1]]
+    out, _ = step(sched)  # token 4 fits in block 1
+    assert out.num_scheduled_tokens == {"a": 1} and out.cached_reqs == []
+    out, _ = step(sched)  # token 5 starts block 2
+    assert [(c.req_id, c.new_block_ids, c.num_old_blocks) for c in out.cached_reqs] == [("a", [2], 1)]
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1} and out.cached_reqs == []
+    sched.check_integrity()

@@ -57,7 +57,7 @@ class KVCacheManager:
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
         num_needed = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.block_size)
         if not computed and num_needed <= len(blocks):  # the common decode step: room in its last block
-            self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+            self.cache_full_blocks(request, num_computed_tokens + num_new_tokens)
             return []
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed))
         num_revived = sum(1 for b in computed if b.ref_cnt == 0)
@@ -69,10 +69,10 @@ class KVCacheManager:
         blocks.extend(computed)
         new_blocks = self.pool.allocate(num_new_blocks)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+        self.cache_full_blocks(request, num_computed_tokens + num_new_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that will be full once this step has run (their KV is written in it)."""
         if not self.enable_caching:
             return

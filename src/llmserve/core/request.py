@@ -37,6 +37,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.any_stop_token_ids = self.eos_token_ids | self.stop_token_ids  # check_stop looks further on these
         self.arrival_time = arrival_time
         self.max_tokens = max_tokens  # resolved against the context length by the front
         self.priority = priority
@@ -54,6 +55,7 @@ class Request:
         # Sampling steps scheduled whose token ids are not back yet (async scheduling: the step in
         # flight; 0 between steps without it). Each stands for one token position.
         self.num_placeholders = 0
+        self.num_runner_blocks = 0  # blocks the runner holds for it: the scheduler sends only changes
         # Structured outputs: the grammar the output follows (set by the engine when the params ask for one).
         self.grammar: RequestGrammar | None = None
         self.scheduled_time: float | None = None

@@ -57,6 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_step_prompt_tokens = 0
         self.prefill_budget = 0  # prompt tokens left in the step being scheduled
+        self.step_rows: list[Request] = []  # the step being scheduled: its requests in row order
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -142,27 +143,36 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._admit_compiled()
+        self.step_rows = []
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
         budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
         if not has_preempted:
             self._schedule_waiting(out, budget)
         out.use_speculation = self.can_speculate()
-        self.num_step_prompt_tokens = 0
-        for req_id, num in out.num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            end = request.num_computed_tokens + num
-            self.num_step_prompt_tokens += max(0, min(end, request.num_prompt_tokens) - request.num_computed_tokens)
-            request.num_computed_tokens = end
-            if end >= request.num_tokens_with_placeholders:
-                request.num_placeholders += 1  # this step samples its next token
-                if request.grammar is not None:  # its grammar masks the logits (the runner fills it)
-                    out.grammar = out.grammar or StepGrammar()
-                    out.grammar.add(req_id, request.grammar, out.scheduled_spec_tokens.get(req_id))
+        self._advance_scheduled(out)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         return out
+
+    def _advance_scheduled(self, out: SchedulerOutput) -> None:
+        """The step's requests count their scheduled tokens as computed; one that reaches its last token
+        samples in this step (a placeholder stands for that token until its id is back)."""
+        assert len(self.step_rows) == len(out.num_scheduled_tokens), "step rows and scheduled tokens differ"
+        num_prompt = 0
+        for request, num in zip(self.step_rows, out.num_scheduled_tokens.values()):
+            start = request.num_computed_tokens
+            end = request.num_computed_tokens = start + num
+            if start < request.num_prompt_tokens:
+                num_prompt += min(end, request.num_prompt_tokens) - start
+            if end >= len(request.all_token_ids) + request.num_placeholders:
+                request.num_placeholders += 1  # this step samples its next token
+                if request.grammar is not None:  # its grammar masks the logits (the runner fills it)
+                    out.grammar = out.grammar or StepGrammar()
+                    out.grammar.add(request.request_id, request.grammar,
+                                    out.scheduled_spec_tokens.get(request.request_id))
+        self.num_step_prompt_tokens = num_prompt
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: capped while some request decodes, so that a long
@@ -181,6 +191,10 @@ class Scheduler:
         num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
+            num_decodes = self._schedule_decodes(out, i, budget)
+            if num_decodes:
+                i, budget = i + num_decodes, budget - num_decodes
+                continue
             request = self.running[i]
             if self._is_done_once_known(request):
                 i += 1
@@ -201,15 +215,50 @@ class Scheduler:
             budget, i = budget + budget_back, i - num_before
             if new_blocks is None:
                 continue  # the request itself was preempted: running[i] is now the next one
-            num_old_blocks = len(self.kv.req_to_blocks[request.request_id]) - len(new_blocks)
-            out.cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
-                                                     request.num_computed_tokens, num_old_blocks))
+            self._send_blocks(out, request, new_blocks)
             out.num_scheduled_tokens[request.request_id] = num_new
+            self.step_rows.append(request)
             if drafts:
                 out.scheduled_spec_tokens[request.request_id] = drafts
             budget -= num_new
             i += 1
         return budget, self.num_preemptions > num_preemptions
+
+    def _schedule_decodes(self, out: SchedulerOutput, start: int, budget: int) -> int:
+        """Schedules the plain decode rows from running[start] on in one tight loop: one token each, no
+        drafts; a row whose blocks are full gets one here. Returns how many; the first row that needs
+        more (a prompt chunk, drafts, a preemption, or nothing at all) is left to the general path."""
+        block_size, num_lookahead = self.kv.block_size, self.num_lookahead
+        req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
+        is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
+        end = min(len(self.running), start + budget)
+        for i in range(start, end):
+            request = self.running[i]
+            req_id, num_computed = request.request_id, request.num_computed_tokens
+            if (len(request.all_token_ids) + request.num_placeholders != num_computed + 1 or request.spec_token_ids
+                    or (request.num_placeholders and self._is_done_once_known(request))):
+                return i - start
+            num_blocks = len(req_to_blocks[req_id])
+            if num_computed + 1 + num_lookahead > num_blocks * block_size or num_blocks != request.num_runner_blocks:
+                new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
+                if new_blocks is None:
+                    return i - start  # out of blocks: the general path preempts
+                self._send_blocks(out, request, new_blocks)
+            elif is_caching and min(num_computed + 1, len(request.all_token_ids)) // block_size > \
+                    num_cached_blocks.get(req_id, 0):
+                self.kv.cache_full_blocks(request, num_computed + 1)  # a block fills in this step
+            scheduled[req_id] = 1
+            self.step_rows.append(request)
+        return end - start
+
+    def _send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
+        """Tell the runner of the request's block changes (new blocks, or trimmed ones); nothing if none."""
+        num_blocks = len(self.kv.req_to_blocks[request.request_id])
+        num_old_blocks = num_blocks - len(new_blocks)
+        if new_blocks or num_old_blocks != request.num_runner_blocks:
+            out.cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                                     request.num_computed_tokens, num_old_blocks))
+            request.num_runner_blocks = num_blocks
 
     def _is_done_once_known(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
@@ -251,6 +300,7 @@ class Scheduler:
             return 0
         out.scheduled_spec_tokens.pop(request.request_id, None)
         out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
+        self.step_rows.remove(request)
         if request.num_tokens_with_placeholders - request.num_computed_tokens > 1:
             self.prefill_budget += num  # it was a prompt chunk
         return num
@@ -288,6 +338,7 @@ class Scheduler:
             self._start_running(request, num_hit_tokens)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new
+            self.step_rows.append(request)
             budget -= num_new
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
@@ -300,14 +351,16 @@ class Scheduler:
         self.seen_by_runner.add(request.request_id)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
+        block_ids = self.kv.get_block_ids(request.request_id)
+        request.num_runner_blocks = len(block_ids)
         return NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             sampling_params=request.sampling_params,
-            block_ids=self.kv.get_block_ids(request.request_id),
+            block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
-            stop_token_ids_for_min_tokens=sorted(request.eos_token_ids | request.stop_token_ids),
+            stop_token_ids_for_min_tokens=sorted(request.any_stop_token_ids),
         )
 
     # ---- after the forward ----------------------------------------------------------------------
@@ -320,6 +373,9 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.take_aborted_outputs()
         now = time.time()
+        if self._is_plain_decode(sched_out, runner_out):
+            num_generated = self._update_plain(runner_out, outputs, now)
+            return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
         num_generated = 0
         logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
         proposals = runner_out.spec_token_ids or [None] * len(runner_out.req_ids)
@@ -343,6 +399,33 @@ class Scheduler:
             if self.spec_config.is_enabled and not request.is_finished:
                 self._store_drafts(request, drafts or [])
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
+
+    def _is_plain_decode(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> bool:
+        """The step has only sampled ids to take in: no logprobs, drafts or siblings waiting on a prompt."""
+        return not (runner_out.logprobs or runner_out.prompt_logprobs or runner_out.spec_token_ids
+                    or sched_out.scheduled_spec_tokens or self.spec_config.is_enabled or self.held_siblings)
+
+    def _update_plain(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
+        """update_from_output for a plain step (`_is_plain_decode`): a row that samples one token and
+        stops on nothing takes it in a tight loop; the others go through `_append_tokens`. Returns the
+        number of tokens generated."""
+        num_generated = 0
+        max_model_len = self.max_model_len
+        for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or not token_ids:
+                continue  # aborted during the step, or a prompt chunk
+            request.num_placeholders -= 1
+            num_generated += len(token_ids)
+            num_tokens = len(request.all_token_ids) + 1
+            if (len(token_ids) == 1 and token_ids[0] not in request.any_stop_token_ids
+                    and num_tokens < request.num_prompt_tokens + request.max_tokens and num_tokens < max_model_len
+                    and request.grammar is None and request.first_token_time is not None):
+                request.all_token_ids.append(token_ids[0])
+                outputs.append(EngineCoreOutput(req_id, token_ids, num_cached_tokens=max(request.num_cached_tokens, 0)))
+            else:
+                outputs.append(self._append_tokens(request, token_ids, None, now))
+        return num_generated
 
     def _reject_drafts(self, request: Request, drafts: list[int] | None, num_sampled: int) -> None:
         """Roll `num_computed_tokens` back over the drafts the target rejected (their KV is overwritten)."""

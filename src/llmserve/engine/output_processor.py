@@ -84,7 +84,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
-        self.engine_to_request: dict[str, str] = {}
+        self.engine_to_seq: dict[str, tuple[RequestState, SequenceState]] = {}  # engine request id -> its sequence
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     collector: OutputCollector | None = None, is_delta: bool = False,
@@ -94,10 +94,11 @@ class OutputProcessor:
                                                                    params.skip_special_tokens),
                                         logprobs=[] if params.logprobs is not None else None)
                      for i, eid in enumerate(engine_ids)}
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences, is_delta,
-                                                 collector, arrival_time or time.time())
+        state = RequestState(request_id, prompt, prompt_token_ids, params, sequences, is_delta, collector,
+                             arrival_time or time.time())
+        self.requests[request_id] = state
         for eid in engine_ids:
-            self.engine_to_request[eid] = request_id
+            self.engine_to_seq[eid] = (state, sequences[eid])
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns the engine ids the core must abort."""
@@ -105,7 +106,7 @@ class OutputProcessor:
         if state is None:
             return []
         for eid in state.sequences:
-            self.engine_to_request.pop(eid, None)
+            self.engine_to_seq.pop(eid, None)
         return [eid for eid, seq in state.sequences.items() if seq.finish_reason is None]
 
     def has_unfinished_requests(self) -> bool:
@@ -114,7 +115,7 @@ class OutputProcessor:
     @property
     def num_engine_requests(self) -> int:
         """Engine requests this front still waits on (n > 1 counts n)."""
-        return len(self.engine_to_request)
+        return len(self.engine_to_seq)
 
     def unfinished_engine_ids(self) -> list[str]:
         return [eid for state in self.requests.values() for eid, seq in state.sequences.items()
@@ -124,20 +125,19 @@ class OutputProcessor:
         result = ProcessedOutputs([], [])
         touched: dict[str, RequestState] = {}
         for out in outputs:
-            request_id = self.engine_to_request.get(out.request_id)
-            if request_id is None:
+            entry = self.engine_to_seq.get(out.request_id)
+            if entry is None:
                 continue  # already finished here (stop string) or aborted
-            state = self.requests[request_id]
-            seq = state.sequences[out.request_id]
+            state, seq = entry
             if (state.is_text_deferred and out.finish_reason is None and out.first_token_time is None
                     and out.prompt_logprobs is None):
-                seq.token_ids.extend(out.new_token_ids)  # the common offline step: tokens only
+                seq.token_ids += out.new_token_ids  # the common offline step: tokens only
                 if out.new_logprobs and seq.logprobs is not None:
                     seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
                 continue
             if self._update_sequence(state, seq, out):
                 result.reqs_to_abort.append(out.request_id)
-            touched[request_id] = state
+            touched[state.request_id] = state
         for state in touched.values():
             self._emit(state, result)
         return result

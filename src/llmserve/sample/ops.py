@@ -7,12 +7,21 @@ path (where a sync is free).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llmserve.sample.metadata import PenaltyMetadata
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: each row's first maximum (torch.argmax's tie rule). On the CPU numpy's
+    argmax, ~10x faster than torch's for a few hundred rows (and no OpenMP threads to wake)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def apply_sparse_bias(logits: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:

@@ -61,7 +61,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
                 keep_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        greedy = None if meta.all_random else logits.argmax(dim=-1)  # [B]
+        greedy = None if meta.all_random else ops.argmax_rows(logits)  # [B]
         if meta.all_greedy:
             return greedy, None
         if not keep_probs and meta.is_top_k_everywhere and meta.max_top_k <= MAX_CANDIDATES:

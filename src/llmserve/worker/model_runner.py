@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -47,6 +48,9 @@ class StepTimes:
     num_device_inputs: int = 0  # input tokens read from the last step's sampled ids on the device
 
 
+_ROW, _NUM_COMPUTED = attrgetter("row"), attrgetter("num_computed_tokens")
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
@@ -64,6 +68,7 @@ class ModelRunner:
         self.proposer = proposer
         self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
         self.states: dict[str, CachedRequestState] = {}
+        self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
         self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
         self.in_flight: StepHandle | None = None  # launched last and not finished
         self.times = StepTimes()
@@ -77,19 +82,21 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
-        states = [self.states[r] for r in req_ids]
+        states = list(map(self.states.__getitem__, req_ids))
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
             self.settle()
         inputs = self._prepare(states, sched_out)
-        prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
+        prompt_plan = None
+        if self.prompt_scorers:
+            prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
         t1 = self._mark()
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
             bitmask, indices = sched_out.grammar.fill([req_ids[i] for i in inputs.sample_rows], logits.shape[-1])
             apply_bitmask(logits, bitmask, indices)
         t2 = self._mark()
-        rows = [states[i] for i in inputs.sample_rows]
+        rows = states if len(inputs.sample_rows) == len(states) else [states[i] for i in inputs.sample_rows]
         scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}
         if has_drafts:
             handle = self._verify_step(req_ids, inputs.sample_rows, logits, rows, sched_out)
@@ -131,6 +138,7 @@ class ModelRunner:
         for req_id in req_ids:
             if self.states.pop(req_id, None) is not None:
                 self.batch.remove(req_id)
+                self.prompt_scorers.discard(req_id)
 
     # ---- states from the scheduler's diff ------------------------------------------------------------
 
@@ -143,6 +151,8 @@ class ModelRunner:
             state.row = self.batch.add(new.req_id, state.token_ids, state.block_ids)
             if state.has_penalties:
                 self.sampling.penalty_tokens.add(state)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_scorers.add(new.req_id)
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
@@ -166,8 +176,8 @@ class ModelRunner:
 
     def _prepare(self, states: list[CachedRequestState], sched_out: SchedulerOutput) -> StepInputs:
         num_rows = len(states)
-        rows = np.fromiter((s.row for s in states), np.int64, count=num_rows)  # [B]
-        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, count=num_rows)  # [B]
+        rows = np.fromiter(map(_ROW, states), np.int64, count=num_rows)  # [B]
+        starts = np.fromiter(map(_NUM_COMPUTED, states), np.int64, count=num_rows)  # [B]
         counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=num_rows)  # [B]
         num_drafts = np.zeros(num_rows, np.int64)  # [B]
         for i, state in enumerate(states if sched_out.scheduled_spec_tokens else ()):
@@ -228,8 +238,9 @@ class ModelRunner:
                                                         out.sampled_token_ids[penalized])
         for row in rows:
             row.num_pending += 1
+        num_logprobs = [row.params.logprobs for row in rows] if out.logprobs is not None else []
         return StepHandle(req_ids, np.asarray(sample_rows, np.int64), out.sampled_token_ids,
-                          start_host_copy(out, extra), [row.params.logprobs for row in rows])
+                          start_host_copy(out, extra), num_logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> SamplerOutput:
         """Rank 0 samples; with tensor parallelism it broadcasts the ids to the other ranks, whose persistent
@@ -309,17 +320,21 @@ class ModelRunner:
 
     def _append_one_each(self, handle: StepHandle, sampled: list[list[int]]) -> None:
         """_append_sampled for a step without drafts: one id per sampling row."""
+        req_ids = handle.req_ids
+        if len(handle.sample_rows) != len(req_ids):
+            req_ids = [req_ids[row] for row in handle.sample_rows.tolist()]
         rows: list[int] = []
         tokens: list[int] = []
-        for row, (token_id,) in zip(handle.sample_rows.tolist(), sampled):
-            state = self.states.get(handle.req_ids[row])
+        states = self.states
+        for req_id, token_ids in zip(req_ids, sampled):
+            state = states.get(req_id)
             if state is None or not state.num_pending:
                 continue
             state.num_pending -= 1
-            state.output_token_ids.append(token_id)
-            state.token_ids.append(token_id)
+            state.output_token_ids += token_ids
+            state.token_ids += token_ids
             rows.append(state.row)
-            tokens.append(token_id)
+            tokens += token_ids
         if rows:
             self.batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
 
@@ -355,6 +370,7 @@ class ModelRunner:
     def check_integrity(self) -> None:
         self.batch.check_integrity()
         assert set(self.batch.row_of) == set(self.states), "batch rows and states differ"
+        assert self.prompt_scorers == {r for r, s in self.states.items() if s.params.prompt_logprobs is not None}
         for req_id, state in self.states.items():
             assert self.batch.row_of[req_id] == state.row, "a state's row moved"
             assert self.batch.num_tokens[state.row] == len(state.token_ids), "batch and state tokens differ"

@@ -3,6 +3,8 @@ sampled logprobs turned into per-row host records."""
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from llmserve.engine.messages import Logprobs
@@ -10,6 +12,9 @@ from llmserve.sample.metadata import SamplingMetadata, build_sampling_metadata
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.penalty_tokens import PenaltyTokens
 from llmserve.worker.seeds import position_seed
+
+
+_REQ_ID = attrgetter("req_id")
 
 
 class SamplingInputs:
@@ -24,21 +29,22 @@ class SamplingInputs:
         self.penalty_tokens = PenaltyTokens(vocab_size, device)
         self._key: tuple = ()
         self._meta: SamplingMetadata | None = None
+        self._seeded: list[CachedRequestState] = []  # rows of the last metadata with a generator
         self._generation = 0  # bumped when states are created: a new state may reuse a request id
 
     def invalidate(self) -> None:
         self._generation += 1
 
     def metadata(self, rows: list[CachedRequestState]) -> SamplingMetadata:
-        for row in rows:
-            if row.generator is not None:
-                row.generator.manual_seed(position_seed(row.params.seed, row.num_output_tokens))
-        key = (self._generation, *(row.req_id for row in rows))
+        key = (self._generation, *map(_REQ_ID, rows))
         if key != self._key or self._meta is None:
             self._meta = build_sampling_metadata(rows, self.vocab_size, self.device, with_penalties=False)
             self._meta.penalties = self.penalty_tokens.metadata(rows)
+            self._seeded = [row for row in rows if row.generator is not None]
             is_static = not any(row.is_dynamic for row in rows)
             self._key = key if is_static else ()
+        for row in self._seeded:
+            row.generator.manual_seed(position_seed(row.params.seed, row.num_output_tokens))
         return self._meta
 
 
