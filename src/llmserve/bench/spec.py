@@ -144,7 +144,7 @@ def _build(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str],
     llm = LLM(target, **_engine_kwargs(cfg, name, drafts))
     if name.startswith("oracle="):
         runner = llm.engine.runner
-        runner.proposer = OracleDraft(runner.proposer, reference, float(name.split("=")[1]), runner.vocab_size,
+        runner.speculator.proposer = OracleDraft(runner.speculator.proposer, reference, float(name.split("=")[1]), runner.vocab_size,
                                       cfg.seed)
     return llm, SpecCounter(llm)
 

@@ -324,8 +324,9 @@ class Scheduler:
         logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
         proposals = runner_out.spec_token_ids or [None] * len(runner_out.req_ids)
         prompt_logprobs = runner_out.prompt_logprobs or [None] * len(runner_out.req_ids)
-        for req_id, token_ids, row_logprobs, drafts, row_prompt in zip(
-                runner_out.req_ids, runner_out.sampled_token_ids, logprobs, proposals, prompt_logprobs):
+        accepted = runner_out.num_accepted or [0] * len(runner_out.req_ids)
+        for req_id, token_ids, row_logprobs, drafts, row_prompt, num_accepted in zip(
+                runner_out.req_ids, runner_out.sampled_token_ids, logprobs, proposals, prompt_logprobs, accepted):
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted during the step
@@ -336,7 +337,7 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=row_prompt))
                 continue
             request.num_placeholders -= 1
-            self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), len(token_ids))
+            self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), num_accepted)
             num_generated += len(token_ids)
             outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
             outputs[-1].prompt_logprobs = row_prompt
@@ -344,12 +345,12 @@ class Scheduler:
                 self._store_drafts(request, drafts or [])
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
 
-    def _reject_drafts(self, request: Request, drafts: list[int] | None, num_sampled: int) -> None:
-        """Roll `num_computed_tokens` back over the drafts the target rejected (their KV is overwritten)."""
+    def _reject_drafts(self, request: Request, drafts: list[int] | None, num_accepted: int) -> None:
+        """Roll `num_computed_tokens` back over the drafts the target rejected (their KV is overwritten;
+        the runner takes the count from the next step's diff): the one rollback of a speculative step."""
         if not drafts:
             return
-        num_accepted = num_sampled - 1
-        assert 0 <= num_accepted <= len(drafts), "more tokens than drafts + 1"
+        assert 0 <= num_accepted <= len(drafts), "more drafts accepted than scheduled"
         request.num_computed_tokens -= len(drafts) - num_accepted
         self.spec_counter.observe(len(drafts), num_accepted)
 
