@@ -12,7 +12,7 @@ def test_spec_bench_reports_every_config_and_controls_acceptance(tmp_path, one_e
     path = make_model("llama", "tiny", str(tmp_path / "m"), seed=2)
     cfg = SpecBenchConfig(model=path, configs="none,self,oracle=0.0,oracle=1.0,ngram", concurrency="2",
                           requests_per_slot=1, prompt_len=32, output_len=12, draft_layers=1, rounds=1,
-                          one_engine_at_a_time=one_engine_at_a_time)
+                          speculative_dynamic=False, one_engine_at_a_time=one_engine_at_a_time)
     rows = run(cfg)["levels"]["2"]
     assert set(rows) == {"none", "self", "oracle=0.0", "oracle=1.0", "ngram"}
     assert rows["none"]["ratio_to_none"] == 1.0 and rows["none"]["acceptance_rate"] is None

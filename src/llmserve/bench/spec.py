@@ -41,7 +41,10 @@ class SpecBenchConfig:
     output_len: int = field(default=96, metadata={"help": "output tokens (ignore_eos)"})
     num_speculative_tokens: int = field(default=4, metadata={"help": "k"})
     draft_layers: int = field(default=2, metadata={"help": "layers of the cheap draft behind oracle=A"})
-    speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off rule (default: the engine's)"})
+    speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off cap (default: the engine's)"})
+    speculative_dynamic: bool | None = field(default=None, metadata={"help": "the dynamic rule: speculate only where "
+                                             "it pays (default: the engine's, on); --no-speculative-dynamic "
+                                             "measures speculation itself"})
     rounds: int = field(default=2, metadata={"help": "interleaved rounds; medians are reported"})
     seed: int = field(default=0, metadata={"help": "workload seed"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
@@ -92,6 +95,8 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
     kwargs["num_speculative_tokens"] = cfg.num_speculative_tokens
     if cfg.speculative_max_batch is not None:
         kwargs["speculative_max_batch"] = cfg.speculative_max_batch
+    if cfg.speculative_dynamic is not None:
+        kwargs["speculative_dynamic"] = cfg.speculative_dynamic
     if name == "ngram":
         return {**kwargs, "speculative": "ngram"}
     return {**kwargs, "speculative": "draft", "draft_model": drafts[name]}

@@ -82,6 +82,7 @@ class ModelRunner:
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
             self.settle()
+            self._begin_spec_step(sched_out)
         inputs = self._prepare(states, sched_out)
         prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
         t1 = self._mark()
@@ -116,6 +117,7 @@ class ModelRunner:
                 self.batch.clear_pending()
                 self.in_flight = None
             if self.speculator is not None:
+                self.speculator.end_step()
                 handle.output.spec_token_ids = self._propose(handle)
             self.times.propose += time.perf_counter() - t0
         return handle.output
@@ -129,6 +131,8 @@ class ModelRunner:
         return self.in_flight is not None
 
     def drop_finished(self, req_ids: set[str]) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(req_ids)
         for req_id in req_ids:
             if self.states.pop(req_id, None) is not None:
                 self.batch.remove(req_id)
@@ -338,10 +342,19 @@ class ModelRunner:
         proposals: list[list[int]] = [[] for _ in handle.req_ids]
         rows = [(j, self.states.get(handle.req_ids[j])) for j in handle.sample_rows.tolist()]
         rows = [(j, s) for j, s in rows if s is not None]
-        drafts = self.speculator.propose([s for _, s in rows], handle.use_speculation)
+        drafts = self.speculator.propose([s for _, s in rows], len(handle.req_ids), handle.use_speculation)
         for (j, _), row_drafts in zip(rows, drafts):
             proposals[j] = row_drafts
         return proposals
+
+    def _begin_spec_step(self, sched_out: SchedulerOutput) -> None:
+        """The Speculator times the steps it may speculate in (its rule weighs their cost)."""
+        if self.speculator is None:
+            return
+        num_rows = len(sched_out.num_scheduled_tokens)
+        num_drafts = sum(len(d) for d in sched_out.scheduled_spec_tokens.values())
+        is_decode = sched_out.total_num_scheduled_tokens == num_rows + num_drafts
+        self.speculator.begin_step(num_rows, len(sched_out.scheduled_spec_tokens), is_decode)
 
     # ---- timing --------------------------------------------------------------------------------------
 

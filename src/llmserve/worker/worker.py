@@ -17,6 +17,7 @@ from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolv
 from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.ngram import NgramProposer
+from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
@@ -77,7 +78,8 @@ class Worker:
         spec = self.config.speculative
         if not spec.is_enabled:
             return None
-        return Speculator(self._proposer(attn_backend, draft_model))
+        rule = SpeculationRule(spec.speculative_max_batch, spec.num_speculative_tokens, spec.speculative_dynamic)
+        return Speculator(self._proposer(attn_backend, draft_model), rule)
 
     def _proposer(self, attn_backend, draft_model: torch.nn.Module | None):
         spec = self.config.speculative
