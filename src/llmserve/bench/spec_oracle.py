@@ -46,6 +46,9 @@ class OracleDraft:
             out.append([t if self.rng.random() < self.agreement else (t + 1) % self.vocab_size for t in truth])
         return out, [None] * len(rows)
 
+    def forget(self, req_ids) -> None:
+        self.inner.forget(req_ids)
+
     def _truth(self, prompt: list[int], output: list[int], num: int) -> list[int]:
         """The target's next `num` greedy tokens after `output`, as the reference has them."""
         key = tuple(prompt)

@@ -63,6 +63,9 @@ class DraftModelProposer:
             self._step(rows, active, inputs, [1] * len(active), drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
 
+    def forget(self, req_ids) -> None:
+        """Nothing kept per request: its draft KV lives in the blocks the scheduler frees."""
+
     def _step(self, rows: list[ProposerRow], active: list[int], inputs: list[_DraftInput], counts: list[int],
               drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
         """One draft forward over `active` rows; appends one draft (and its q for random rows) to each."""

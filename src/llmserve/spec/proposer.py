@@ -27,3 +27,7 @@ class Proposer(Protocol):
         """Per row: draft tokens (at most k, possibly none) and their distribution q [k, V] when they
         were sampled from one (None: point-mass drafts, verified by agreement with the target)."""
         ...
+
+    def forget(self, req_ids) -> None:
+        """The requests finished or were preempted: drop what is kept for them."""
+        ...

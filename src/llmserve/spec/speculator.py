@@ -89,3 +89,4 @@ class Speculator:
 
     def forget(self, req_ids) -> None:
         self.rule.forget(req_ids)
+        self.proposer.forget(req_ids)
