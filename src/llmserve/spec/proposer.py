@@ -10,7 +10,8 @@ from llmserve.sampling_params import SamplingParams
 
 
 class ProposerRow(Protocol):
-    """What a proposer reads (and the draft model updates) of the runner's per-request state."""
+    """What a proposer reads (and the draft model updates) of the runner's per-request state
+    (worker.input_batch.CachedRequestState), and what verification reads of it."""
 
     req_id: str
     params: SamplingParams
@@ -20,6 +21,7 @@ class ProposerRow(Protocol):
     stop_token_ids_for_min_tokens: list[int]
     block_ids: list[int]
     num_draft_computed: int
+    draft_probs: torch.Tensor | None  # [k, V] q of the drafts proposed last step (draft model), for verify
 
 
 class Proposer(Protocol):

@@ -20,9 +20,8 @@ import torch
 
 from llmserve.sample.sampler import Sampler
 from llmserve.spec.policy import SpeculationRule, StepCost
-from llmserve.spec.proposer import Proposer
+from llmserve.spec.proposer import Proposer, ProposerRow
 from llmserve.spec.verify import Verified, verify
-from llmserve.worker.input_batch import CachedRequestState
 
 
 @dataclass
@@ -45,7 +44,7 @@ class Speculator:
         self.propose_s = 0.0  # the last proposing, paid for the drafts the next step verifies
         self.num_proposed = 0  # rows it gave drafts
 
-    def verify(self, sampler: Sampler, logits: torch.Tensor, rows: list[CachedRequestState],
+    def verify(self, sampler: Sampler, logits: torch.Tensor, rows: list[ProposerRow],
                drafts: list[list[int]], vocab_size: int) -> Verified:
         """logits [N, V] at the expanded positions of `rows` (k_r + 1 each; k_r = len(drafts[r]))."""
         verified = verify(sampler, logits, rows, drafts, [row.draft_probs for row in rows], vocab_size)
@@ -54,7 +53,7 @@ class Speculator:
                 self.rule.observe_row(row.req_id, num_accepted)
         return verified
 
-    def propose(self, rows: list[CachedRequestState], num_rows: int, may_speculate: bool) -> list[list[int]]:
+    def propose(self, rows: list[ProposerRow], num_rows: int, may_speculate: bool) -> list[list[int]]:
         """Per row (each sampled this step, of `num_rows`): its drafts for the next step, [] where it
         does not speculate; a draft model's q stays on the row for `verify`."""
         start = self.clock()

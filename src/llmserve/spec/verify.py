@@ -15,11 +15,11 @@ from llmserve.engine.messages import Logprobs
 from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.rejection import accepted_lengths, emit_accepted, rejection_sample
 from llmserve.sample.sampler import Sampler, gather_logprobs
-from llmserve.worker.input_batch import CachedRequestState
-from llmserve.worker.seeds import position_seed
+from llmserve.sample.seeds import position_seed
+from llmserve.spec.proposer import ProposerRow
 
 
-def expand_rows(states: list[CachedRequestState], drafts: list[list[int]],
+def expand_rows(states: list[ProposerRow], drafts: list[list[int]],
                 device: torch.device) -> list[PositionRow]:
     rows = []
     for state, row_drafts in zip(states, drafts):
@@ -45,7 +45,7 @@ class Verified:
     logprobs: list | None = None
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]],
+def verify(sampler: Sampler, logits: torch.Tensor, states: list[ProposerRow], drafts: list[list[int]],
            draft_probs: list[torch.Tensor | None], vocab_size: int) -> Verified:
     """logits [N, V] at the expanded positions; draft_probs per row: q [k, V] of a draft model's
     random drafts, or None (point-mass drafts: n-gram, greedy)."""
@@ -105,7 +105,7 @@ def _draws(sampler: Sampler, rows: list[PositionRow], num_positions: int, vocab_
     return uniforms, log_u.log_()
 
 
-def _logprobs(raw_logprobs: torch.Tensor, num_logprobs: int, states: list[CachedRequestState],
+def _logprobs(raw_logprobs: torch.Tensor, num_logprobs: int, states: list[ProposerRow],
               drafts: list[list[int]], emitted: list[list[int]]) -> list:
     """Logprobs of each emitted token at its position, per row (None for rows that did not ask)."""
     positions, tokens, start = [], [], 0
