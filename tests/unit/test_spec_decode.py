@@ -188,10 +188,10 @@ def _top4_distribution(llm: LLM, prefix: list[int], temperature: float) -> dict[
 
 
 def test_dynamic_rule_measures_both_costs_and_keeps_greedy_outputs(target, plain):
-    """The default rule: a plain decode step measures plain_s, the next speculates to measure extra_s,
+    """The dynamic rule: a plain decode step measures plain_s, the next speculates to measure extra_s,
     then it decides per request; whatever it decides, greedy outputs stay those of plain decoding."""
     llm = LLM(target, dtype="float32", max_model_len=256, speculative="ngram", num_speculative_tokens=3,
-              num_kv_blocks=200)
+              num_kv_blocks=200, speculative_dynamic=True)
     counts = SpecCounter(llm)
     prompts = _prompts(4, seed=19)[::2]  # two prompts that repeat a span: n-gram lookup proposes
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

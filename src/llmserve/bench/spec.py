@@ -46,8 +46,7 @@ class SpecBenchConfig:
     draft_layers: int = field(default=2, metadata={"help": "layers of the cheap draft behind oracle=A"})
     speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off cap (default: the engine's)"})
     speculative_dynamic: bool | None = field(default=None, metadata={"help": "the dynamic rule: speculate only where "
-                                             "it pays (default: the engine's, on); --no-speculative-dynamic "
-                                             "measures speculation itself"})
+                                             "it pays (default: the engine's, off)"})
     rounds: int = field(default=2, metadata={"help": "interleaved rounds; medians are reported"})
     seed: int = field(default=0, metadata={"help": "workload seed"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
