@@ -120,6 +120,7 @@ class SpeculativeConfig:
     ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix matched against the prompt and output so far"})
     ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
     speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
+    speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it still loses to the static cap at batch 4-16); off: every request speculates up to --speculative-max-batch"})
 
     @property
     def is_enabled(self) -> bool:
@@ -138,6 +139,8 @@ class SpeculativeConfig:
         check(self.ngram_min <= self.ngram_max, "ngram-max",
               f"must be >= --ngram-min ({self.ngram_min}), got {self.ngram_max}")
         check_min("speculative-max-batch", self.speculative_max_batch, 1)
+        check(isinstance(self.speculative_dynamic, bool), "speculative-dynamic",
+              f"must be true or false, got {self.speculative_dynamic!r}")
         check((self.speculative == "draft") == (self.draft_model is not None), "draft-model",
               "required with --speculative draft, and only then")
 

@@ -15,7 +15,7 @@ REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat sat o
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--speculative", "ngram",
-                               "--num-speculative-tokens", "3")
+                               "--no-speculative-dynamic", "--num-speculative-tokens", "3")
     yield server
     assert server.stop() == 0
 

@@ -81,7 +81,7 @@ def _spec_step(sched, rng, token: int) -> None:
 
     out = sched.schedule()
     req_ids = list(out.num_scheduled_tokens)
-    sampled, proposals = [], []
+    sampled, proposals, accepted = [], [], []
     for req_id in req_ids:
         request = sched.requests[req_id]
         drafts = out.scheduled_spec_tokens.get(req_id, [])
@@ -89,4 +89,5 @@ def _spec_step(sched, rng, token: int) -> None:
         num_accepted = rng.randint(0, len(drafts))
         sampled.append(drafts[:num_accepted] + [token] if is_caught_up else [])
         proposals.append([7] * rng.randint(0, 3) if is_caught_up else [])
-    sched.update_from_output(out, ModelRunnerOutput(req_ids, sampled, spec_token_ids=proposals))
+        accepted.append(num_accepted if is_caught_up else 0)
+    sched.update_from_output(out, ModelRunnerOutput(req_ids, sampled, spec_token_ids=proposals, num_accepted=accepted))

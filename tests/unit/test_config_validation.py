@@ -32,6 +32,7 @@ ENGINE_CASES = [
     (SpeculativeConfig, {"ngram_min": 0}, "ngram-min"),
     (SpeculativeConfig, {"ngram_min": 3, "ngram_max": 2}, "ngram-max"),
     (SpeculativeConfig, {"speculative_max_batch": 0}, "speculative-max-batch"),
+    (SpeculativeConfig, {"speculative_dynamic": "yes"}, "speculative-dynamic"),
     (SpeculativeConfig, {"speculative": "draft"}, "draft-model"),
     (SpeculativeConfig, {"draft_model": "some/dir"}, "draft-model"),
 ]

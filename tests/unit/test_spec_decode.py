@@ -39,7 +39,7 @@ def _prompts(num: int, seed: int) -> list[list[int]]:
 def _spec_llm(target: str, draft: str, kind: str, **kwargs) -> LLM:
     extra = {"draft_model": draft} if kind == "draft" else {}
     return LLM(target, dtype="float32", max_model_len=256, speculative=kind, num_speculative_tokens=3,
-               **extra, **kwargs)
+               speculative_dynamic=False, **extra, **kwargs)  # every step speculates: the mechanism under test
 
 
 def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
@@ -185,3 +185,18 @@ def _top4_distribution(llm: LLM, prefix: list[int], temperature: float) -> dict[
     top = out.outputs[0].logprobs[0].top[:4]  # (token, raw logprob), best first
     weights = torch.tensor([lp for _, lp in top]).div(temperature).softmax(dim=0).tolist()
     return {token: w for (token, _), w in zip(top, weights)}
+
+
+def test_dynamic_rule_measures_both_costs_and_keeps_greedy_outputs(target, plain):
+    """The dynamic rule: a plain decode step measures plain_s, the next speculates to measure extra_s,
+    then it decides per request; whatever it decides, greedy outputs stay those of plain decoding."""
+    llm = LLM(target, dtype="float32", max_model_len=256, speculative="ngram", num_speculative_tokens=3,
+              num_kv_blocks=200, speculative_dynamic=True)
+    counts = SpecCounter(llm)
+    prompts = _prompts(4, seed=19)[::2]  # two prompts that repeat a span: n-gram lookup proposes
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    _assert_same_greedy(target, prompts, _tokens(llm, prompts, params), _tokens(plain, prompts, params))
+    cost = llm.engine.runner.speculator.rule.buckets[2]
+    assert cost.plain_s > 0 and cost.extra_s is not None and cost.num_decisions > 2
+    assert counts.num_draft_tokens > 0
+    _assert_all_free(llm)

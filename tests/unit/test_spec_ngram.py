@@ -108,11 +108,12 @@ def test_agrees_with_the_definition_on_random_sequences(seed):
 @dataclass
 class Row:
     token_ids: list[int]
+    req_id: str = "r"
 
 
 def test_proposer_returns_drafts_per_row_and_no_q():
     proposer = NgramProposer(num_speculative_tokens=2, ngram_min=1, ngram_max=3)
-    rows = [Row([1, 2, 3, 1, 2]), Row([4, 5, 6]), Row([9, 9, 9, 9]), Row([])]
+    rows = [Row([1, 2, 3, 1, 2], "a"), Row([4, 5, 6], "b"), Row([9, 9, 9, 9], "c"), Row([], "d")]
     drafts, probs = proposer.propose(rows)
     assert drafts == [[3, 1], [], [9], []]  # [9]: only one token follows the longest match
     assert probs == [None, None, None, None]
@@ -120,3 +121,22 @@ def test_proposer_returns_drafts_per_row_and_no_q():
 
 def test_proposer_with_no_rows():
     assert NgramProposer(3, 1, 3).propose([]) == ([], [])
+
+
+def test_the_proposer_grows_each_requests_array_and_proposes_as_from_scratch():
+    """Tokens arrive 0..5 at a time (accepted drafts + 1); the kept array never goes stale."""
+    rng = np.random.default_rng(4)
+    proposer = NgramProposer(num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+    rows = [Row(rng.integers(4, size=5).tolist(), "a"), Row(rng.integers(4, size=70).tolist(), "b")]
+    for _ in range(60):
+        drafts, _ = proposer.propose(rows)
+        assert drafts == [propose(row.token_ids, 3, 1, 3) for row in rows]
+        for row in rows:
+            row.token_ids.extend(rng.integers(4, size=int(rng.integers(0, 6))).tolist())
+    proposer.propose(rows)
+    assert proposer.tokens["b"].length == len(rows[1].token_ids)
+    assert proposer.tokens["b"].array.size < 2 * len(rows[1].token_ids) + 64  # grown by doubling
+    proposer.forget(["a", "zz"])
+    assert set(proposer.tokens) == {"b"}
+    rows[0].token_ids[:] = [7, 8, 7]  # a new request under the forgotten id
+    assert proposer.propose(rows[:1])[0] == [[8, 7]]

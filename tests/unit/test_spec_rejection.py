@@ -243,7 +243,7 @@ def test_emit_from_rejection_layout():
 
 
 def test_accept_point_drafts_layout():
-    target = [5, 6, 7, 8, 1, 2, 3, 4, 4]
+    target = [5, 6, 7, 8, 1, 2, 3, 4, 4, 0]  # [N]: 4 + 1 + 2 + 3 positions
     drafts = [[5, 6, 9], [], [2], [9, 4]]
     # the emitted tokens are always a prefix of the row's target tokens
     assert accept_point_drafts(target, drafts) == [[5, 6, 7], [1], [2, 3], [4]]

@@ -17,8 +17,9 @@ def _scheduler(k: int = 5, budget: int = 64, max_batch: int = 8, num_blocks: int
 def _run(sched, sampled: dict[str, list[int]], proposals: dict[str, list[int]]):
     out = sched.schedule()
     req_ids = list(out.num_scheduled_tokens)
+    num_accepted = [max(0, len(sampled.get(r, [])) - 1) for r in req_ids]  # the runner's count: tokens - 1
     runner = ModelRunnerOutput(req_ids, [sampled.get(r, []) for r in req_ids],
-                               spec_token_ids=[proposals.get(r, []) for r in req_ids])
+                               spec_token_ids=[proposals.get(r, []) for r in req_ids], num_accepted=num_accepted)
     return out, sched.update_from_output(out, runner)
 
 
@@ -113,5 +114,5 @@ def test_a_preempted_victim_scheduled_earlier_in_the_step_loses_its_drafts_too()
     assert out.scheduled_spec_tokens == {"high": [6, 7]}
     assert [c.req_id for c in out.cached_reqs] == ["high"]
     assert "low" in out.finished_req_ids and sched.waiting.peek().request_id == "low"
-    sched.update_from_output(out, ModelRunnerOutput(["high"], [[6, 7, 10]], spec_token_ids=[[]]))
+    sched.update_from_output(out, ModelRunnerOutput(["high"], [[6, 7, 10]], spec_token_ids=[[]], num_accepted=[2]))
     sched.check_integrity()

@@ -132,7 +132,8 @@ def test_bitmask_equals_a_per_token_reference_on_random_logits(compiler, llm):
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_drafts_the_grammar_forbids_are_rejected(tiny, llm, kind):
     extra = {"draft_model": tiny} if kind == "draft" else {}  # the target as its own draft: proposes freely
-    spec = LLM(tiny, dtype="float32", max_model_len=512, speculative=kind, num_speculative_tokens=3, **extra)
+    spec = LLM(tiny, dtype="float32", max_model_len=512, speculative=kind, num_speculative_tokens=3,
+               speculative_dynamic=False, **extra)
     prompts = _prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=CONSTRAINTS[i % 5]) for i in range(6)]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -5,8 +5,10 @@ Random weights make acceptance meaningless, so it is controlled (docs/speculativ
   cost of a target-sized draft);
 - `noise=X`: the target with relative weight noise X as draft (real rejection, target-sized);
 - `oracle=A`: a cheap draft (the target's first `--draft-layers` layers, run for its cost) whose
-  tokens are replaced by the target's known greedy continuation, each kept with probability A
-  (Leviathan's per-token acceptance α): the speed-up a draft of that cost and acceptance gives;
+  tokens are replaced by the target's greedy continuation, each kept with probability A (Leviathan's
+  per-token acceptance α): the speed-up a draft of that cost and acceptance gives. The continuation
+  follows the speculative engine's own output (bench/spec_oracle.py), so that A holds in bf16 too; the
+  plain engine's time spent re-deriving it is left out of the timings;
 - `ngram`: prompt lookup on prompts that repeat a span.
 Every configuration runs the same greedy workload at each concurrency, interleaved over `--rounds`
 (on CUDA one engine at a time, each freed before the next: a target-sized engine per configuration
@@ -24,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from llmserve.bench.command import add_bench_command
+from llmserve.bench.spec_oracle import OracleDraft
 
 
 @dataclass(frozen=True)
@@ -41,33 +44,12 @@ class SpecBenchConfig:
     output_len: int = field(default=96, metadata={"help": "output tokens (ignore_eos)"})
     num_speculative_tokens: int = field(default=4, metadata={"help": "k"})
     draft_layers: int = field(default=2, metadata={"help": "layers of the cheap draft behind oracle=A"})
-    speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off rule (default: the engine's)"})
+    speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off cap (default: the engine's)"})
+    speculative_dynamic: bool | None = field(default=None, metadata={"help": "the dynamic rule: speculate only where "
+                                             "it pays (default: the engine's, off)"})
     rounds: int = field(default=2, metadata={"help": "interleaved rounds; medians are reported"})
     seed: int = field(default=0, metadata={"help": "workload seed"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
-
-
-class OracleDraft:
-    """Runs a real draft model (its cost), then proposes the target's known greedy continuation,
-    each token kept with probability `agreement` and replaced by a wrong one otherwise."""
-
-    def __init__(self, inner, reference: dict[tuple[int, ...], list[int]], agreement: float, vocab_size: int,
-                 seed: int) -> None:
-        self.inner = inner
-        self.vocab_size = vocab_size
-        self.reference = reference
-        self.agreement = agreement
-        self.rng = random.Random(seed)
-
-    def propose(self, rows):
-        drafts, _ = self.inner.propose(rows)
-        out = []
-        for row, row_drafts in zip(rows, drafts):
-            ref = self.reference[tuple(row.prompt_token_ids)]
-            start = len(row.output_token_ids)
-            truth = ref[start:start + len(row_drafts)]
-            out.append([t if self.rng.random() < self.agreement else (t + 1) % self.vocab_size for t in truth])
-        return out, [None] * len(rows)
 
 
 def _workload(cfg: SpecBenchConfig, vocab_size: int, num: int, repeating: bool) -> list[list[int]]:
@@ -92,6 +74,8 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
     kwargs["num_speculative_tokens"] = cfg.num_speculative_tokens
     if cfg.speculative_max_batch is not None:
         kwargs["speculative_max_batch"] = cfg.speculative_max_batch
+    if cfg.speculative_dynamic is not None:
+        kwargs["speculative_dynamic"] = cfg.speculative_dynamic
     if name == "ngram":
         return {**kwargs, "speculative": "ngram"}
     return {**kwargs, "speculative": "draft", "draft_model": drafts[name]}
@@ -138,15 +122,37 @@ class SpecCounter:
         llm.engine.step = counting_step
 
 
-def _build(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str], reference: dict):
+def _build(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str], reference: dict, engines: dict):
+    """One configuration's engine; an oracle's reference is continued by the plain engine of its group
+    (built beside it when the group has none)."""
     from llmserve import LLM
 
     llm = LLM(target, **_engine_kwargs(cfg, name, drafts))
     if name.startswith("oracle="):
-        runner = llm.engine.runner
-        runner.proposer = OracleDraft(runner.proposer, reference, float(name.split("=")[1]), runner.vocab_size,
-                                      cfg.seed)
+        if "none" not in engines and "reference" not in engines:
+            engines["reference"] = (LLM(target, **_engine_kwargs(cfg, "none", drafts)), None)
+        plain = engines.get("none", engines.get("reference"))[0]
+        speculator = llm.engine.runner.speculator
+        speculator.proposer = OracleDraft(speculator.proposer, reference, float(name.split("=")[1]),
+                                          llm.engine.runner.vocab_size, cfg.seed, _greedy(plain), cfg.output_len)
     return llm, SpecCounter(llm)
+
+
+def _greedy(llm):
+    """(context, num) -> the engine's greedy continuation of context, num tokens."""
+    from llmserve import SamplingParams
+
+    def continue_greedy(context: list[int], num: int) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=num, ignore_eos=True)
+        return list(llm.generate([context], params)[0].outputs[0].token_ids)
+
+    return continue_greedy
+
+
+def _rebase_s(llm) -> float:
+    """Seconds an oracle engine spent continuing its reference (0 for the others)."""
+    speculator = llm.engine.runner.speculator
+    return getattr(speculator.proposer, "rebase_s", 0.0) if speculator is not None else 0.0
 
 
 def _timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
@@ -179,7 +185,9 @@ def _run(cfg: SpecBenchConfig, scratch: str) -> dict:
     groups = [order] if at_once else [[name] for name in order]
     measured: dict[int, tuple[dict, dict]] = {level: ({}, {}) for level in levels}
     for group in groups:
-        engines = {name: _build(cfg, target, name, drafts, reference) for name in group}
+        engines: dict = {}
+        for name in group:
+            engines[name] = _build(cfg, target, name, drafts, reference, engines)
         if "none" in engines:
             for prompts in workloads.values():
                 for prompt, out in zip(prompts, engines["none"][0].generate(prompts, params)):
@@ -224,9 +232,10 @@ def _measure(cfg: SpecBenchConfig, level: int, names: list[str], engines: dict, 
             llm, counter = engines[name]
             before = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted)
             prompts = workloads[(level, name == "ngram")]
-            seconds = 0.0
+            seconds, rebase_s = 0.0, _rebase_s(llm)
             for i in range(0, len(prompts), level):  # `level` requests at once
                 seconds += _timed(llm, prompts[i:i + level], params)[0]
+            seconds -= _rebase_s(llm) - rebase_s  # an oracle's reference work is not the engine's
             times[name].append(len(prompts) * cfg.output_len / seconds)
             after = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted)
             prev = counts.get(name, (0, 0, 0))

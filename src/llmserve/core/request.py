@@ -55,7 +55,8 @@ class Request:
         # Sampling steps scheduled whose token ids are not back yet (async scheduling: the step in
         # flight; 0 between steps without it). Each stands for one token position.
         self.num_placeholders = 0
-        self.num_runner_blocks = 0  # blocks the runner holds for it: the scheduler sends only changes
+        self.num_runner_blocks = 0  # blocks the runner holds for it: the scheduler sends only changes (-1: a
+        # rollback of rejected drafts the runner has yet to hear of)
         # Structured outputs: the grammar the output follows (set by the engine when the params ask for one).
         self.grammar: RequestGrammar | None = None
         self.scheduled_time: float | None = None

@@ -61,3 +61,4 @@ class ModelRunnerOutput:
     logprobs: list[list] | None = None  # per row: a list of engine.messages.Logprobs, or None
     spec_token_ids: list[list[int]] | None = None  # per row: drafts proposed for the next step
     prompt_logprobs: list | None = None  # per row: engine.messages.PromptLogprobs of its chunk, or None
+    num_accepted: list[int] | None = None  # per row: drafts the target accepted (None: no drafts this step)

@@ -380,8 +380,9 @@ class Scheduler:
         logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
         proposals = runner_out.spec_token_ids or [None] * len(runner_out.req_ids)
         prompt_logprobs = runner_out.prompt_logprobs or [None] * len(runner_out.req_ids)
-        for req_id, token_ids, row_logprobs, drafts, row_prompt in zip(
-                runner_out.req_ids, runner_out.sampled_token_ids, logprobs, proposals, prompt_logprobs):
+        accepted = runner_out.num_accepted or [0] * len(runner_out.req_ids)
+        for req_id, token_ids, row_logprobs, drafts, row_prompt, num_accepted in zip(
+                runner_out.req_ids, runner_out.sampled_token_ids, logprobs, proposals, prompt_logprobs, accepted):
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted during the step
@@ -392,7 +393,7 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=row_prompt))
                 continue
             request.num_placeholders -= 1
-            self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), len(token_ids))
+            self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), num_accepted)
             num_generated += len(token_ids)
             outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
             outputs[-1].prompt_logprobs = row_prompt
@@ -427,13 +428,15 @@ class Scheduler:
                 outputs.append(self._append_tokens(request, token_ids, None, now))
         return num_generated
 
-    def _reject_drafts(self, request: Request, drafts: list[int] | None, num_sampled: int) -> None:
-        """Roll `num_computed_tokens` back over the drafts the target rejected (their KV is overwritten)."""
+    def _reject_drafts(self, request: Request, drafts: list[int] | None, num_accepted: int) -> None:
+        """Roll `num_computed_tokens` back over the drafts the target rejected (their KV is overwritten;
+        the runner takes the count from the next step's diff): the one rollback of a speculative step."""
         if not drafts:
             return
-        num_accepted = num_sampled - 1
-        assert 0 <= num_accepted <= len(drafts), "more tokens than drafts + 1"
-        request.num_computed_tokens -= len(drafts) - num_accepted
+        assert 0 <= num_accepted <= len(drafts), "more drafts accepted than scheduled"
+        if num_accepted < len(drafts):
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            request.num_runner_blocks = -1  # the next step sends the runner this row's diff (`_send_blocks`)
         self.spec_counter.observe(len(drafts), num_accepted)
 
     def _store_drafts(self, request: Request, drafts: list[int]) -> None:

@@ -11,6 +11,9 @@ Two rules (Leviathan et al. 2023; Chen et al. 2023):
   probability p_j(d), else sample p_j without d". `accept_point_drafts` realises it with the sample
   the target would draw anyway at each position: keep d where that sample equals it. Same law, and a
   seeded request's tokens equal what it produces without speculation.
+
+Both rules end the same way: an accept mask over the expanded positions -> `accepted_lengths` per row
+-> `emit_accepted` (the accepted drafts, then one token of the target's).
 """
 
 from __future__ import annotations
@@ -18,19 +21,42 @@ from __future__ import annotations
 import torch
 
 
+def accepted_lengths(is_accepted: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """is_accepted [N] bool over the expanded positions (k_r + 1 per row; the bonus positions are
+    ignored), num_drafts [R] int64 -> [R] int64: per row the number of leading accepted drafts."""
+    num_positions = num_drafts + 1  # [R]
+    starts = torch.cumsum(num_positions, 0) - num_positions  # [R]
+    max_drafts = int(num_drafts.max()) if num_drafts.numel() else 0
+    if max_drafts == 0:
+        return torch.zeros_like(num_drafts)
+    offsets = torch.arange(max_drafts, device=num_drafts.device)  # [K]
+    index = (starts.unsqueeze(1) + offsets).clamp_(max=is_accepted.numel() - 1)  # [R, K]
+    is_draft = offsets < num_drafts.unsqueeze(1)  # [R, K]
+    return (is_accepted[index] & is_draft).long().cumprod(dim=1).sum(dim=1)
+
+
+def emit_accepted(drafts: list[list[int]], num_accepted: list[int], last: list[int]) -> list[list[int]]:
+    """Per row: its `num_accepted` leading drafts, then `last` at the position after them (the token
+    drawn at the first rejection, or the bonus token when every draft was accepted); last [N] expanded."""
+    out, start = [], 0
+    for row_drafts, num in zip(drafts, num_accepted):
+        out.append(row_drafts[:num] + [last[start + num]])
+        start += len(row_drafts) + 1
+    return out
+
+
+def _flat_drafts(drafts: list[list[int]]) -> torch.Tensor:
+    """[N] the drafts at their expanded positions, -1 at the bonus positions (never a token)."""
+    return torch.tensor([t for row in drafts for t in row + [-1]], dtype=torch.int64)
+
+
 def accept_point_drafts(target_tokens: list[int], drafts: list[list[int]]) -> list[list[int]]:
     """target_tokens [N]: the target's own sample (or argmax) at each expanded position.
     Returns per row the emitted tokens: the drafts that agree with it, up to the first that does not,
     then the target's token there (the bonus token when all agree)."""
-    out, start = [], 0
-    for row_drafts in drafts:
-        row = target_tokens[start:start + len(row_drafts) + 1]
-        num_accepted = 0
-        while num_accepted < len(row_drafts) and row_drafts[num_accepted] == row[num_accepted]:
-            num_accepted += 1
-        out.append(row[:num_accepted + 1])
-        start += len(row_drafts) + 1
-    return out
+    is_accepted = _flat_drafts(drafts) == torch.tensor(target_tokens, dtype=torch.int64)  # [N]
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)  # [R]
+    return emit_accepted(drafts, accepted_lengths(is_accepted, num_drafts).tolist(), target_tokens)
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -57,13 +83,8 @@ def emit_from_rejection(is_accepted: list[bool], fallback: list[int], bonus: lis
                         drafts: list[list[int]]) -> list[list[int]]:
     """Per row: the accepted leading drafts, then the residual sample at the first rejection, or the
     bonus token (the target's sample at the last position) when every draft is accepted."""
-    out, start = [], 0
-    for row_drafts in drafts:
-        k = len(row_drafts)
-        num_accepted = 0
-        while num_accepted < k and is_accepted[start + num_accepted]:
-            num_accepted += 1
-        last = bonus[start + k] if num_accepted == k else fallback[start + num_accepted]
-        out.append(row_drafts[:num_accepted] + [last])
-        start += k + 1
-    return out
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)  # [R]
+    num_accepted = accepted_lengths(torch.tensor(is_accepted, dtype=torch.bool), num_drafts).tolist()
+    is_bonus = (_flat_drafts(drafts) < 0).tolist()  # [N]
+    last = [b if at_bonus else f for f, b, at_bonus in zip(fallback, bonus, is_bonus)]
+    return emit_accepted(drafts, num_accepted, last)

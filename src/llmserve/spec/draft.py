@@ -18,7 +18,7 @@ from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.sampler import Sampler
 from llmserve.spec.proposer import ProposerRow
 from llmserve.worker.input_batch import prepare_inputs
-from llmserve.worker.seeds import position_seed
+from llmserve.sample.seeds import position_seed
 
 _DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from positions of their own
 
@@ -62,6 +62,9 @@ class DraftModelProposer:
                       for j in active]
             self._step(rows, active, inputs, [1] * len(active), drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def forget(self, req_ids) -> None:
+        """Nothing kept per request: its draft KV lives in the blocks the scheduler frees."""
 
     def _step(self, rows: list[ProposerRow], active: list[int], inputs: list[_DraftInput], counts: list[int],
               drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:

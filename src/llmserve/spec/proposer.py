@@ -10,7 +10,8 @@ from llmserve.sampling_params import SamplingParams
 
 
 class ProposerRow(Protocol):
-    """What a proposer reads (and the draft model updates) of the runner's per-request state."""
+    """What a proposer reads (and the draft model updates) of the runner's per-request state
+    (worker.input_batch.CachedRequestState), and what verification reads of it."""
 
     req_id: str
     params: SamplingParams
@@ -20,10 +21,15 @@ class ProposerRow(Protocol):
     stop_token_ids_for_min_tokens: list[int]
     block_ids: list[int]
     num_draft_computed: int
+    draft_probs: torch.Tensor | None  # [k, V] q of the drafts proposed last step (draft model), for verify
 
 
 class Proposer(Protocol):
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per row: draft tokens (at most k, possibly none) and their distribution q [k, V] when they
         were sampled from one (None: point-mass drafts, verified by agreement with the target)."""
+        ...
+
+    def forget(self, req_ids) -> None:
+        """The requests finished or were preempted: drop what is kept for them."""
         ...

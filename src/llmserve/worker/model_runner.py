@@ -7,8 +7,10 @@ scheduling the engine launches step N+1 before it finishes step N: rows whose la
 the device read it there (PersistentBatch.gather), and penalties read their rows' tokens there too
 (worker.penalty_tokens). A step with drafts to verify or propose finishes the step in flight first.
 
-With speculative decoding the step also verifies the drafts the scheduler placed after each row's
-real tokens (worker.spec_verify) and asks the proposer for the next step's drafts.
+With speculative decoding the runner's Speculator (spec.speculator) verifies the drafts the scheduler
+placed after each row's real tokens, and proposes the next step's drafts; the output reports per row how
+many drafts were accepted, and the scheduler rolls the rest back (the runner takes its count from the
+next step's diff).
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, Schedu
 from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.model.parallel import TensorParallel
 from llmserve.sample.sampler import Sampler, SamplerOutput
-from llmserve.spec.proposer import Proposer
+from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.input_batch import CachedRequestState, StepInputs, logits_indices, on_device
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
 from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs, host_logprobs
-from llmserve.worker.spec_verify import verify
 from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
 
 
@@ -54,7 +55,7 @@ _ROW, _NUM_COMPUTED = attrgetter("row"), attrgetter("num_computed_tokens")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
-                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None,
+                 speculator: Speculator | None = None, graphs: DecodeGraphs | None = None,
                  max_num_rows: int = 128, max_model_len: int = 4096, tp: TensorParallel | None = None) -> None:
         self.model = model
         self.tp = tp  # tensor parallelism: rank 0 samples, the other ranks take its ids (_sample)
@@ -65,7 +66,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.sampling = SamplingInputs(vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
-        self.proposer = proposer
+        self.speculator = speculator
         self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
         self.states: dict[str, CachedRequestState] = {}
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
@@ -86,6 +87,7 @@ class ModelRunner:
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
             self.settle()
+            self._begin_spec_step(sched_out)
         inputs = self._prepare(states, sched_out)
         prompt_plan = None
         if self.prompt_scorers:
@@ -106,7 +108,7 @@ class ModelRunner:
         handle.prompt_plan = prompt_plan
         t3 = self._mark()
         for state, num in zip(states, sched_out.num_scheduled_tokens.values()):
-            state.num_computed_tokens += num  # rejected drafts are rolled back when the step finishes
+            state.num_computed_tokens += num  # the scheduler rolls rejected drafts back (next step's diff)
         handle.use_speculation = sched_out.use_speculation
         self.in_flight = handle
         self._add_times(t0, t1, t2, t3)
@@ -121,7 +123,8 @@ class ModelRunner:
             if handle is self.in_flight:
                 self.batch.clear_pending()
                 self.in_flight = None
-            if self.proposer is not None:
+            if self.speculator is not None:
+                self.speculator.end_step()
                 handle.output.spec_token_ids = self._propose(handle)
             self.times.propose += time.perf_counter() - t0
         return handle.output
@@ -135,6 +138,8 @@ class ModelRunner:
         return self.in_flight is not None
 
     def drop_finished(self, req_ids: set[str]) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(req_ids)
         for req_id in req_ids:
             if self.states.pop(req_id, None) is not None:
                 self.batch.remove(req_id)
@@ -155,7 +160,9 @@ class ModelRunner:
                 self.prompt_scorers.add(new.req_id)
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
-            assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
+            if state.num_computed_tokens != cached.num_computed_tokens:  # rejected drafts, rolled back there
+                assert cached.num_computed_tokens < state.num_computed_tokens, "runner and scheduler disagree"
+                state.num_computed_tokens = cached.num_computed_tokens
             if not cached.new_block_ids and cached.num_old_blocks == len(state.block_ids):
                 continue  # the common decode step: no block changed
             del state.block_ids[cached.num_old_blocks:]  # blocks of rejected drafts the scheduler took back
@@ -258,10 +265,10 @@ class ModelRunner:
                      rows: list[CachedRequestState], sched_out: SchedulerOutput) -> StepHandle:
         """Drafts: verified on the host now (speculative steps run without overlap)."""
         drafts = [sched_out.scheduled_spec_tokens.get(row.req_id, []) for row in rows]
-        sampled, logprobs = verify(self.sampler, logits, rows, drafts, [r.draft_probs for r in rows],
-                                   self.sampling.vocab_size)
+        verified = self.speculator.verify(self.sampler, logits, rows, drafts, self.sampling.vocab_size)
         handle = StepHandle(req_ids, np.asarray(sample_rows, np.int64), torch.empty(0), HostCopy({}), is_sync=True)
-        handle.host_tokens, handle.host_logprobs = sampled, logprobs
+        handle.host_tokens, handle.host_logprobs = verified.token_ids, verified.logprobs
+        handle.host_num_accepted = verified.num_accepted
         for row in rows:
             row.num_pending += 1
         return handle
@@ -290,11 +297,20 @@ class ModelRunner:
         if handle.prompt_plan is not None:
             prompt_logprobs = host_prompt_logprobs(handle.copy.wait(), handle.prompt_plan, num_rows)
         return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, num_accepted=self._row_accepted(handle))
+
+    @staticmethod
+    def _row_accepted(handle: StepHandle) -> list[int] | None:
+        """Per row of a step that verified drafts: its accepted drafts (0 for rows without any)."""
+        if handle.host_num_accepted is None:
+            return None
+        num_accepted = [0] * len(handle.req_ids)
+        for row, num in zip(handle.sample_rows.tolist(), handle.host_num_accepted):
+            num_accepted[row] = num
+        return num_accepted
 
     def _append_sampled(self, handle: StepHandle, sampled: list[list[int]]) -> None:
-        """The ids join their states (requests finished or preempted meanwhile are gone: skipped);
-        rejected drafts roll num_computed_tokens back."""
+        """The ids join their states (requests finished or preempted meanwhile are gone: skipped)."""
         if not handle.is_sync:
             return self._append_one_each(handle, sampled)
         rows: list[int] = []
@@ -304,8 +320,6 @@ class ModelRunner:
             if state is None or not state.num_pending:
                 continue
             state.num_pending -= 1
-            num_rejected = state.num_computed_tokens - len(state.token_ids) - len(sampled[j]) - state.num_pending + 1
-            state.num_computed_tokens -= num_rejected  # 0 without drafts
             for token_id in sampled[j]:
                 state.append_token(token_id)
             if handle.is_sync and state.has_penalties:  # verified drafts: their ids come from the host
@@ -343,16 +357,19 @@ class ModelRunner:
         proposals: list[list[int]] = [[] for _ in handle.req_ids]
         rows = [(j, self.states.get(handle.req_ids[j])) for j in handle.sample_rows.tolist()]
         rows = [(j, s) for j, s in rows if s is not None]
-        for _, state in rows:
-            state.draft_probs = None
-        wanted = [(j, s) for j, s in rows if handle.use_speculation and s.params.speculative]
-        if not wanted:
-            return proposals
-        drafts, probs = self.proposer.propose([s for _, s in wanted])
-        for (j, state), row_drafts, row_probs in zip(wanted, drafts, probs):
+        drafts = self.speculator.propose([s for _, s in rows], len(handle.req_ids), handle.use_speculation)
+        for (j, _), row_drafts in zip(rows, drafts):
             proposals[j] = row_drafts
-            state.draft_probs = row_probs
         return proposals
+
+    def _begin_spec_step(self, sched_out: SchedulerOutput) -> None:
+        """The Speculator times the steps it may speculate in (its rule weighs their cost)."""
+        if self.speculator is None:
+            return
+        num_rows = len(sched_out.num_scheduled_tokens)
+        num_drafts = sum(len(d) for d in sched_out.scheduled_spec_tokens.values())
+        is_decode = sched_out.total_num_scheduled_tokens == num_rows + num_drafts
+        self.speculator.begin_step(num_rows, len(sched_out.scheduled_spec_tokens), is_decode)
 
     # ---- timing --------------------------------------------------------------------------------------
 

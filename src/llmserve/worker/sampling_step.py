@@ -11,7 +11,7 @@ from llmserve.engine.messages import Logprobs
 from llmserve.sample.metadata import SamplingMetadata, build_sampling_metadata
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.penalty_tokens import PenaltyTokens
-from llmserve.worker.seeds import position_seed
+from llmserve.sample.seeds import position_seed
 
 
 _REQ_ID = attrgetter("req_id")

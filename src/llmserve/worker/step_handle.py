@@ -56,6 +56,7 @@ class StepHandle:
     is_sync: bool = False  # verified on the host at launch (drafts): the ids below, no copy
     host_tokens: list[list[int]] | None = None  # is_sync: per sampling row its emitted ids
     host_logprobs: list | None = None  # is_sync: per sampling row its Logprobs list, or None
+    host_num_accepted: list[int] | None = None  # is_sync: per sampling row its accepted drafts
     use_speculation: bool = False  # propose drafts for the next step once finished
     prompt_plan: Any = None  # worker.prompt_logprobs.PromptLogprobsPlan of the step's scored prompt tokens
 

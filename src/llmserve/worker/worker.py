@@ -17,6 +17,8 @@ from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolv
 from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.ngram import NgramProposer
+from llmserve.spec.policy import SpeculationRule
+from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
@@ -47,10 +49,10 @@ class Worker:
         self.num_blocks = self._num_blocks(model, attn_backend)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        model_info.num_layers, self.kv_dtype, device)
-        proposer = self._proposer(attn_backend, draft_model)
+        speculator = self._speculator(attn_backend, draft_model)
         graphs = self._decode_graphs(model, attn_backend, kv_caches)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
-                                  device, config.model.seed, proposer, graphs, config.scheduler.max_num_seqs,
+                                  device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp)
 
     def _requested_threads(self) -> int | None:
@@ -72,12 +74,17 @@ class Worker:
                              f"({self.model_info.vocab_size}): it must share the tokenizer")
         return info, load_model(path, self.dtype, self.device, self.model_info.max_model_len)
 
+    def _speculator(self, attn_backend, draft_model: torch.nn.Module | None) -> Speculator | None:
+        spec = self.config.speculative
+        if not spec.is_enabled:
+            return None
+        rule = SpeculationRule(spec.speculative_max_batch, spec.num_speculative_tokens, spec.speculative_dynamic)
+        return Speculator(self._proposer(attn_backend, draft_model), rule)
+
     def _proposer(self, attn_backend, draft_model: torch.nn.Module | None):
         spec = self.config.speculative
         if spec.speculative == "ngram":
             return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-        if spec.speculative != "draft":
-            return None
         info, block_size = self.draft_info, self.config.cache.block_size
         kv_caches = allocate_kv_caches(draft_model.kv_cache_shape(self.num_blocks, block_size),
                                        info.num_layers, self.kv_dtype, self.device)

@@ -7,17 +7,19 @@ per-position seed all see that prefix). Rows without drafts are one position, as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmserve.engine.messages import Logprobs
 from llmserve.sample.metadata import PositionRow, build_sampling_metadata
-from llmserve.sample.rejection import accept_point_drafts, emit_from_rejection, rejection_sample
+from llmserve.sample.rejection import accepted_lengths, emit_accepted, rejection_sample
 from llmserve.sample.sampler import Sampler, gather_logprobs
-from llmserve.worker.input_batch import CachedRequestState
-from llmserve.worker.seeds import position_seed
+from llmserve.sample.seeds import position_seed
+from llmserve.spec.proposer import ProposerRow
 
 
-def expand_rows(states: list[CachedRequestState], drafts: list[list[int]],
+def expand_rows(states: list[ProposerRow], drafts: list[list[int]],
                 device: torch.device) -> list[PositionRow]:
     rows = []
     for state, row_drafts in zip(states, drafts):
@@ -32,48 +34,63 @@ def expand_rows(states: list[CachedRequestState], drafts: list[list[int]],
     return rows
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]],
-           draft_probs: list[torch.Tensor | None], vocab_size: int) -> tuple[list[list[int]], list | None]:
+@dataclass
+class Verified:
+    """A step's verification, per row in the order given: the emitted tokens (the accepted drafts, then
+    one token of the target's), how many drafts were accepted, and the emitted tokens' Logprobs where
+    the row asked for them (None when no row did)."""
+
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    logprobs: list | None = None
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, states: list[ProposerRow], drafts: list[list[int]],
+           draft_probs: list[torch.Tensor | None], vocab_size: int) -> Verified:
     """logits [N, V] at the expanded positions; draft_probs per row: q [k, V] of a draft model's
-    random drafts, or None (point-mass drafts: n-gram, greedy). Returns per row the emitted tokens
-    and, where asked, their Logprobs."""
+    random drafts, or None (point-mass drafts: n-gram, greedy)."""
     rows = expand_rows(states, drafts, logits.device)
     meta = build_sampling_metadata(rows, vocab_size, logits.device)
     raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None  # [N, V]
     has_q = not meta.all_greedy and any(q is not None for q in draft_probs)
     out = sampler(logits, meta, keep_probs=has_q)
-    target_tokens = out.sampled_token_ids.tolist()  # [N]
-    if not has_q:
-        emitted = accept_point_drafts(target_tokens, drafts)
-    else:
-        emitted = _rejection(sampler, out.probs, target_tokens, rows, drafts, draft_probs)
+    target = out.sampled_token_ids  # [N]
+    draft_ids = _flat_drafts(drafts, target.device)  # [N], -1 at the bonus positions
+    is_accepted, last = draft_ids == target, target  # the point rule
+    if has_q:
+        is_accepted, last = _rejection(sampler, out.probs, target, rows, drafts, draft_probs, draft_ids)
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=target.device)  # [R]
+    num_accepted = accepted_lengths(is_accepted, num_drafts).tolist()
+    emitted = emit_accepted(drafts, num_accepted, last.tolist())
     if raw_logprobs is None:
-        return emitted, None
-    return emitted, _logprobs(raw_logprobs, meta.max_num_logprobs, states, drafts, emitted)
+        return Verified(emitted, num_accepted)
+    return Verified(emitted, num_accepted, _logprobs(raw_logprobs, meta.max_num_logprobs, states, drafts, emitted))
 
 
-def _rejection(sampler: Sampler, target_probs: torch.Tensor, target_tokens: list[int], rows: list[PositionRow],
-               drafts: list[list[int]], draft_probs: list[torch.Tensor | None]) -> list[list[int]]:
-    """Rows with q: the paper's rule; the others (greedy rows, point drafts): the target's token."""
+def _flat_drafts(drafts: list[list[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor([t for row in drafts for t in row + [-1]], dtype=torch.int64, device=device)
+
+
+def _rejection(sampler: Sampler, target_probs: torch.Tensor, target: torch.Tensor, rows: list[PositionRow],
+               drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+               draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with q: the paper's rule; the others (greedy rows, point drafts): the point rule.
+    Returns is_accepted [N] and the token emitted at each position if it is the first rejected one
+    (the bonus token at bonus positions), both [N]."""
     num_positions, vocab_size = target_probs.shape
     q = torch.zeros_like(target_probs)  # [N, V]
-    draft_ids = torch.zeros(num_positions, dtype=torch.int64)  # [N]
     uses_q = torch.zeros(num_positions, dtype=torch.bool)  # [N]
     start = 0
     for row_drafts, row_q in zip(drafts, draft_probs):
         k = len(row_drafts)
-        draft_ids[start:start + k] = torch.tensor(row_drafts, dtype=torch.int64)
         if row_q is not None and rows[start].params.temperature != 0.0:
             q[start:start + k] = row_q[:k]
             uses_q[start:start + k] = True
         start += k + 1
     uniforms, log_u = _draws(sampler, rows, num_positions, vocab_size, target_probs.device)
-    is_accepted, fallback = rejection_sample(target_probs, q, draft_ids.to(q.device), uniforms, log_u)
-    target = torch.tensor(target_tokens, dtype=torch.int64, device=q.device)
+    is_accepted, fallback = rejection_sample(target_probs, q, draft_ids.clamp(min=0), uniforms, log_u)
     uses_q = uses_q.to(q.device)
-    is_accepted = torch.where(uses_q, is_accepted, draft_ids.to(q.device) == target)
-    fallback = torch.where(uses_q, fallback, target)
-    return emit_from_rejection(is_accepted.tolist(), fallback.tolist(), target_tokens, drafts)
+    return torch.where(uses_q, is_accepted, draft_ids == target), torch.where(uses_q, fallback, target)
 
 
 def _draws(sampler: Sampler, rows: list[PositionRow], num_positions: int, vocab_size: int,
@@ -88,7 +105,7 @@ def _draws(sampler: Sampler, rows: list[PositionRow], num_positions: int, vocab_
     return uniforms, log_u.log_()
 
 
-def _logprobs(raw_logprobs: torch.Tensor, num_logprobs: int, states: list[CachedRequestState],
+def _logprobs(raw_logprobs: torch.Tensor, num_logprobs: int, states: list[ProposerRow],
               drafts: list[list[int]], emitted: list[list[int]]) -> list:
     """Logprobs of each emitted token at its position, per row (None for rows that did not ask)."""
     positions, tokens, start = [], [], 0

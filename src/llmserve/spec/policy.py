@@ -1,0 +1,114 @@
+"""Where to speculate: the dynamic rule (what SGLang and TensorRT-LLM call dynamic speculation).
+
+A speculative row costs extra time (its drafts, their verification) and yields extra tokens (its
+accepted drafts). Both are measured, never assumed:
+- per batch-size bucket (1, 2, 4, 8, ...), an exponential moving average of the seconds of a plain
+  decode step, `plain_s`, and of the extra seconds each speculating row adds to a step, `extra_s`
+  (a step with S of its B rows speculating is modelled as plain_s + S * extra_s);
+- per request, a moving average of the drafts accepted per verified step, `a_r`.
+With S speculating rows a step yields B + sum(a_r over S) tokens in plain_s + S * extra_s seconds, so the
+best set is the m rows of highest a_r for the m that maximises that ratio (m = 0: plain decoding). The
+rule speculates for those rows only, so speculation never buys fewer tokens per second than plain
+decoding, as far as the averages tell.
+
+Unmeasured costs are measured first: a bucket without `plain_s` decodes plainly, then one without
+`extra_s` speculates. Every `probe_every`-th decision of a bucket takes the other choice (a plain step
+while speculating, a speculative step while not), so the averages follow a changing load, and requests
+that were switched off get their acceptance measured again. `--speculative-max-batch` caps it all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EMA_WEIGHT = 0.2  # weight of a new observation in the moving averages
+PROBE_EVERY = 32  # every this many decisions of a bucket, take the other choice to refresh its cost
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One measured decode step (no prompt tokens): its rows, the rows that verified drafts, and the
+    seconds it took, the proposing of those drafts included."""
+
+    num_rows: int
+    num_spec_rows: int
+    seconds: float
+
+
+@dataclass
+class BucketCost:
+    plain_s: float | None = None  # a plain decode step
+    extra_s: float | None = None  # added to a step per speculating row
+    num_decisions: int = 0
+
+
+def bucket_of(num_rows: int) -> int:
+    """The smallest power of two >= num_rows: steps of similar batch sizes share their costs."""
+    return 1 << max(0, num_rows - 1).bit_length()
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA_WEIGHT * (new - old)
+
+
+def best_num_rows(accepted: list[float], num_rows: int, plain_s: float, extra_s: float) -> int:
+    """accepted: per candidate row its expected accepted drafts per step, best first; num_rows: the
+    step's rows (B). Returns how many leading candidates speculate so that
+    (B + their accepted) / (plain_s + m * extra_s) is largest (0 on ties: plain decoding)."""
+    best, best_rate = 0, num_rows / plain_s
+    total = float(num_rows)
+    for m, a in enumerate(accepted, start=1):
+        total += a
+        rate = total / (plain_s + m * max(extra_s, 0.0))
+        if rate > best_rate:
+            best, best_rate = m, rate
+    return best
+
+
+class SpeculationRule:
+    def __init__(self, max_batch: int, num_speculative_tokens: int, is_dynamic: bool = True,
+                 probe_every: int = PROBE_EVERY) -> None:
+        self.max_batch = max_batch
+        self.is_dynamic = is_dynamic
+        self.probe_every = probe_every
+        self.prior = float(num_speculative_tokens)  # a request's acceptance before any is measured
+        self.buckets: dict[int, BucketCost] = {}
+        self.accepted: dict[str, float] = {}  # req_id -> drafts accepted per verified step (average)
+
+    def choose(self, candidates: list[str], num_rows: int) -> list[bool]:
+        """Per candidate (a request that may speculate) of a coming step of `num_rows` rows: whether it
+        proposes drafts."""
+        num = len(candidates)
+        if num == 0 or num_rows > self.max_batch:
+            return [False] * num
+        if not self.is_dynamic:
+            return [True] * num
+        cost = self.buckets.setdefault(bucket_of(num_rows), BucketCost())
+        cost.num_decisions += 1
+        if cost.plain_s is None or cost.extra_s is None:
+            return [cost.plain_s is not None] * num  # measure the plain step first, then the speculative
+        accepted = [self.accepted.get(r, self.prior) for r in candidates]
+        order = sorted(range(num), key=lambda i: -accepted[i])
+        num_spec = best_num_rows([accepted[i] for i in order], num_rows, cost.plain_s, cost.extra_s)
+        if cost.num_decisions % self.probe_every == 0:
+            num_spec = 0 if num_spec else num  # the other choice, to refresh its cost
+        chosen = set(order[:num_spec])
+        return [i in chosen for i in range(num)]
+
+    def observe_step(self, step: StepCost) -> None:
+        if not self.is_dynamic or step.num_rows == 0:
+            return
+        cost = self.buckets.setdefault(bucket_of(step.num_rows), BucketCost())
+        if step.num_spec_rows == 0:
+            cost.plain_s = _average(cost.plain_s, step.seconds)
+        elif cost.plain_s is not None:
+            extra = max(0.0, step.seconds - cost.plain_s) / step.num_spec_rows
+            cost.extra_s = _average(cost.extra_s, extra)
+
+    def observe_row(self, req_id: str, num_accepted: int) -> None:
+        """A verified step of `req_id`: `num_accepted` of its drafts were kept."""
+        self.accepted[req_id] = _average(self.accepted.get(req_id), float(num_accepted))
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.accepted.pop(req_id, None)
