@@ -1,0 +1,160 @@
+"""The scheduler's second half: `update_from_output` takes a step's sampled ids in (stops, the one
+rollback of rejected drafts, the next drafts kept) and reports the step's outputs and stats. A plain
+decode step (one token a row, nothing else asked for) takes a tight loop; everything else the general
+one. `Scheduler` (core/scheduler.py) inherits it and owns the state it reads."""
+
+from __future__ import annotations
+
+import time
+
+from llmserve.config import SpeculativeConfig
+from llmserve.core.grammar_wait import GrammarWaitList
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.request_queue import FCFSQueue, PriorityQueue
+from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from llmserve.core.spec_stats import SpecDecodeCounter
+from llmserve.core.stop import check_stop, follow_grammar
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+
+class OutputUpdate:
+    """What the update reads of the scheduler's state (set by `Scheduler.__init__`); it also calls the
+    scheduler's `_finish` and `_release_siblings`."""
+
+    kv: KVCacheManager
+    spec_config: SpeculativeConfig
+    spec_counter: SpecDecodeCounter
+    num_lookahead: int
+    max_model_len: int
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: FCFSQueue | PriorityQueue
+    compiling: GrammarWaitList
+    held_siblings: dict[str, list[Request]]
+    aborted_outputs: list[EngineCoreOutput]
+    num_preemptions: int
+    num_step_prompt_tokens: int
+
+    def take_aborted_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests aborted since the last step (a step with nothing finished returns them)."""
+        outputs, self.aborted_outputs = self.aborted_outputs, []
+        return outputs
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs = self.take_aborted_outputs()
+        now = time.time()
+        if self._is_plain_decode(sched_out, runner_out):
+            num_generated = self._update_plain(runner_out, outputs, now)
+            return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
+        num_generated = 0
+        logprobs = runner_out.logprobs or [None] * len(runner_out.req_ids)
+        proposals = runner_out.spec_token_ids or [None] * len(runner_out.req_ids)
+        prompt_logprobs = runner_out.prompt_logprobs or [None] * len(runner_out.req_ids)
+        accepted = runner_out.num_accepted or [0] * len(runner_out.req_ids)
+        for req_id, token_ids, row_logprobs, drafts, row_prompt, num_accepted in zip(
+                runner_out.req_ids, runner_out.sampled_token_ids, logprobs, proposals, prompt_logprobs, accepted):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted during the step
+            if self.held_siblings and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._release_siblings(request)
+            if not token_ids:
+                if row_prompt is not None:  # a prefill chunk: only its prompt logprobs to report
+                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=row_prompt))
+                continue
+            request.num_placeholders -= 1
+            self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), num_accepted)
+            num_generated += len(token_ids)
+            outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
+            outputs[-1].prompt_logprobs = row_prompt
+            if self.spec_config.is_enabled and not request.is_finished:
+                self._store_drafts(request, drafts or [])
+        return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
+
+    def _is_plain_decode(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> bool:
+        """The step has only sampled ids to take in: no logprobs, drafts or siblings waiting on a prompt."""
+        return not (runner_out.logprobs or runner_out.prompt_logprobs or runner_out.spec_token_ids
+                    or sched_out.scheduled_spec_tokens or self.spec_config.is_enabled or self.held_siblings)
+
+    def _update_plain(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
+        """update_from_output for a plain step (`_is_plain_decode`): a row that samples one token and
+        stops on nothing takes it in a tight loop; the others go through `_append_tokens`. Returns the
+        number of tokens generated."""
+        num_generated = 0
+        max_model_len = self.max_model_len
+        for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or not token_ids:
+                continue  # aborted during the step, or a prompt chunk
+            request.num_placeholders -= 1
+            num_generated += len(token_ids)
+            num_tokens = len(request.all_token_ids) + 1
+            if (len(token_ids) == 1 and token_ids[0] not in request.any_stop_token_ids
+                    and num_tokens < request.num_prompt_tokens + request.max_tokens and num_tokens < max_model_len
+                    and request.grammar is None and request.first_token_time is not None):
+                request.all_token_ids.append(token_ids[0])
+                outputs.append(EngineCoreOutput(req_id, token_ids, num_cached_tokens=max(request.num_cached_tokens, 0)))
+            else:
+                outputs.append(self._append_tokens(request, token_ids, None, now))
+        return num_generated
+
+    def _reject_drafts(self, request: Request, drafts: list[int] | None, num_accepted: int) -> None:
+        """Roll `num_computed_tokens` back over the drafts the target rejected (their KV is overwritten;
+        the runner takes the count from the next step's diff): the one rollback of a speculative step."""
+        if not drafts:
+            return
+        assert 0 <= num_accepted <= len(drafts), "more drafts accepted than scheduled"
+        if num_accepted < len(drafts):
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            request.num_runner_blocks = -1  # the next step sends the runner this row's diff (`_send_blocks`)
+        self.spec_counter.observe(len(drafts), num_accepted)
+
+    def _store_drafts(self, request: Request, drafts: list[int]) -> None:
+        """Keep the proposals for the next step (never past max_tokens) and give back the blocks that
+        only rejected drafts used."""
+        room = max(0, request.max_tokens - request.num_output_tokens - 1)
+        request.spec_token_ids = drafts[:room]
+        self.kv.trim(request, request.num_tokens + len(request.spec_token_ids) + self.num_lookahead)
+
+    def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs, now: float) -> EngineCoreOutput:
+        accepted: list[int] = []
+        status = None
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            accepted.append(token_id)
+            status = check_stop(request, self.max_model_len)
+            if status is None and request.grammar is not None:
+                status = follow_grammar(request, token_id)
+            if status is not None:
+                break
+        out = EngineCoreOutput(request.request_id, accepted, new_logprobs=row_logprobs,
+                               num_cached_tokens=max(request.num_cached_tokens, 0))
+        if request.first_token_time is None:
+            request.first_token_time = now
+            out.scheduled_time = request.scheduled_time
+            out.first_token_time = now
+        if status is not None:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:  # preempted while its last step was in flight
+                self.waiting.remove(request)
+            self._finish(request, status)
+            out.finish_reason = status.finish_reason()
+            out.stop_reason = request.stop_reason
+        return out
+
+    def _stats(self, sched_out: SchedulerOutput, num_generated: int) -> SchedulerStats:
+        queries, hits = self.kv.take_prefix_stats()
+        num_preemptions, self.num_preemptions = self.num_preemptions, 0
+        return SchedulerStats(num_running=len(self.running),
+                              num_waiting=len(self.waiting) + self._num_held() + len(self.compiling),
+                              kv_cache_usage=self.kv.usage(), num_kv_blocks=self.kv.pool.num_usable_blocks,
+                              num_free_kv_blocks=self.kv.pool.get_num_free_blocks(), prefix_cache_queries=queries,
+                              prefix_cache_hits=hits, num_preemptions=num_preemptions,
+                              num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
+                              num_prompt_tokens=self.num_step_prompt_tokens, num_generation_tokens=num_generated,
+                              timestamp=time.time(), spec=self.spec_counter.take())
+
+    def _num_held(self) -> int:
+        return sum(len(s) for s in self.held_siblings.values())
