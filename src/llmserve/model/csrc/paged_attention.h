@@ -1,8 +1,15 @@
 // Shared by the paged-attention translation units (see paged_attention.cpp for the kernel's contract).
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace llmserve_cpu {
 
@@ -32,6 +39,24 @@ struct Scratch {
       : q(m * d), acc(m * d), scores(m * kChunk), kbuf(kChunk * heads * d), vbuf(kChunk * heads * d), max(m),
         sum(m), valid(m) {}
 };
+
+// Runs attend(p, item, scratch) for every work item on OpenMP threads (as many as ATen's pool, one
+// Scratch each; one thread when already inside a parallel region), items handed out one at a time.
+template <class Attend>
+void for_each_item(const Params& p, int max_m, Attend attend) {
+  int num_threads = std::max(1, std::min<int>(at::get_num_threads(), p.num_items));
+  if (at::in_parallel_region()) num_threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+#endif
+  {
+    Scratch w(max_m, p.head_dim, p.heads_per_item);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int item = 0; item < p.num_items; ++item) attend(p, item, w);
+  }
+}
 
 // float32 rows with AVX2 + FMA (paged_attention_avx2.cpp): false when not built with them or when
 // head_dim is not a multiple of 8; the caller then runs the portable path.

@@ -219,18 +219,7 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
 
 template <int kD>
 void run(const Params& p, int max_m) {
-  int num_threads = std::max(1, std::min<int>(at::get_num_threads(), p.num_items));
-  if (at::in_parallel_region()) num_threads = 1;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-#endif
-  {
-    Scratch w(max_m, p.head_dim, p.heads_per_item);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (int item = 0; item < p.num_items; ++item) attend_item<kD>(p, item, w);
-  }
+  llmserve_cpu::for_each_item(p, max_m, attend_item<kD>);
 }
 
 }  // namespace
