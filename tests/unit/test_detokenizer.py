@@ -56,6 +56,8 @@ def test_concatenation_equals_decode_for_random_ids(tokenizer, seed):
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=seed % 2 == 0)
     pieces = stream(detok, ids, step=1 + seed % 3)
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=seed % 2 == 0)
+    whole = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=seed % 2 == 0)
+    assert whole.decode_all(ids) == whole.output_text == "".join(pieces)  # a finished, never streamed sequence
 
 
 def test_special_tokens_are_skipped_or_kept(tokenizer):

@@ -95,3 +95,52 @@ def test_unset_token_budget_is_the_devices_default(llm):
     expected = 512 if llm.engine.device.type == "cpu" else 2048
     assert llm.engine.config.scheduler.max_num_batched_tokens == expected
     assert llm.engine.scheduler.config.max_num_batched_tokens == expected
+
+
+def _engine_outputs(llm, requests, abort_after_steps: int | None = None) -> dict[str, list]:
+    """Every engine output per request id, stepping the core until all end (aborting all after N steps)."""
+    for request in requests:
+        llm.engine.add_request(request)
+    seen: dict[str, list] = {r.request_id: [] for r in requests}
+    num_steps = 0
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step().outputs:
+            seen[out.request_id].append(out)
+        num_steps += 1
+        if num_steps == abort_after_steps:
+            llm.engine.abort_requests(list(seen))
+    return seen
+
+
+def test_final_only_request_gets_one_output_with_all_its_ids_and_times(llm):
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    every = llm.processor.process("every", [5, 6, 7, 8], params)
+    final = llm.processor.process("final", [5, 6, 7, 8], params, is_final_only=True)
+    seen = _engine_outputs(llm, every + final)
+    assert len(seen["every"]) == 7 and len(seen["final"]) == 1
+    (last,) = seen["final"]
+    assert last.new_token_ids == [t for o in seen["every"] for t in o.new_token_ids]
+    assert last.finish_reason is not None and last.first_token_time is not None and last.scheduled_time is not None
+    llm.engine.check_integrity()
+
+
+def test_aborted_final_only_request_reports_the_ids_it_had(llm):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    every = llm.processor.process("every2", [9, 10, 11], params)
+    final = llm.processor.process("final2", [9, 10, 11], params, is_final_only=True)
+    seen = _engine_outputs(llm, every + final, abort_after_steps=4)
+    ids_every = [t for o in seen["every2"] for t in o.new_token_ids]
+    assert len(ids_every) == 4 and seen["every2"][-1].finish_reason is not None
+    (last,) = seen["final2"]
+    assert last.new_token_ids == ids_every and str(last.finish_reason) == str(seen["every2"][-1].finish_reason)
+    assert llm.engine.num_free_blocks() == llm.engine.scheduler.kv.pool.num_usable_blocks
+
+
+def test_offline_requests_are_final_only_unless_their_tokens_are_read_as_they_come(llm):
+    from llmserve.engine.output_processor import reads_final_only
+
+    assert reads_final_only(SamplingParams(max_tokens=3), collector=None, is_delta=False)
+    assert not reads_final_only(SamplingParams(max_tokens=3, stop=["x"]), collector=None, is_delta=False)
+    assert not reads_final_only(SamplingParams(max_tokens=3, logprobs=1), collector=None, is_delta=False)
+    assert not reads_final_only(SamplingParams(max_tokens=3, prompt_logprobs=0), collector=None, is_delta=False)
+    assert not reads_final_only(SamplingParams(max_tokens=3), collector=None, is_delta=True)

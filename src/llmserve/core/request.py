@@ -31,7 +31,8 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], arrival_time: float, max_tokens: int,
-                 priority: int = 0, parent_id: str | None = None, cache_salt: int = 0) -> None:
+                 priority: int = 0, parent_id: str | None = None, cache_salt: int = 0,
+                 is_final_only: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -43,6 +44,7 @@ class Request:
         self.priority = priority
         self.parent_id = parent_id
         self.cache_salt = cache_salt
+        self.is_final_only = is_final_only  # one output, when it ends, with all its ids (EngineCoreRequest)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -68,7 +70,7 @@ class Request:
         room = max_model_len - len(req.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return cls(req.request_id, req.prompt_token_ids, params, req.eos_token_ids, req.arrival_time,
-                   max_tokens, req.priority, req.parent_id)
+                   max_tokens, req.priority, req.parent_id, is_final_only=req.is_final_only)
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from llmserve.core.scheduler_update import OutputUpdate
+from llmserve.core.scheduler_update import OutputUpdate, aborted_output
 from llmserve.core.spec_stats import SpecDecodeCounter
 from llmserve.engine.messages import EngineCoreOutput
 from llmserve.structured.bitmask import StepGrammar
@@ -100,7 +100,7 @@ class Scheduler(OutputUpdate):
             elif not self._unhold(request) and not self.compiling.remove(request):
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
-            self.aborted_outputs.append(EngineCoreOutput(req_id, [], finish_reason=request.status.finish_reason()))
+            self.aborted_outputs.append(aborted_output(request))
 
     def _unhold(self, request: Request) -> bool:
         for siblings in self.held_siblings.values():
@@ -129,8 +129,7 @@ class Scheduler(OutputUpdate):
                 continue
             logger.error("request %s: its grammar failed to compile: %s", request.request_id, request.grammar.error)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
-            self.aborted_outputs.append(EngineCoreOutput(request.request_id, [],
-                                                         finish_reason=request.status.finish_reason()))
+            self.aborted_outputs.append(aborted_output(request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.aborted_outputs)

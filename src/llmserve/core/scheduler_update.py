@@ -66,8 +66,10 @@ class OutputUpdate:
             request.num_placeholders -= 1
             self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), num_accepted)
             num_generated += len(token_ids)
-            outputs.append(self._append_tokens(request, token_ids, row_logprobs, now))
-            outputs[-1].prompt_logprobs = row_prompt
+            out = self._append_tokens(request, token_ids, row_logprobs, now)
+            if out is not None:
+                out.prompt_logprobs = row_prompt
+                outputs.append(out)
             if self.spec_config.is_enabled and not request.is_finished:
                 self._store_drafts(request, drafts or [])
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
@@ -94,9 +96,13 @@ class OutputUpdate:
                     and num_tokens < request.num_prompt_tokens + request.max_tokens and num_tokens < max_model_len
                     and request.grammar is None and request.first_token_time is not None):
                 request.all_token_ids.append(token_ids[0])
-                outputs.append(EngineCoreOutput(req_id, token_ids, num_cached_tokens=max(request.num_cached_tokens, 0)))
-            else:
-                outputs.append(self._append_tokens(request, token_ids, None, now))
+                if not request.is_final_only:
+                    outputs.append(EngineCoreOutput(req_id, token_ids,
+                                                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+                continue
+            out = self._append_tokens(request, token_ids, None, now)
+            if out is not None:
+                outputs.append(out)
         return num_generated
 
     def _reject_drafts(self, request: Request, drafts: list[int] | None, num_accepted: int) -> None:
@@ -117,7 +123,9 @@ class OutputUpdate:
         request.spec_token_ids = drafts[:room]
         self.kv.trim(request, request.num_tokens + len(request.spec_token_ids) + self.num_lookahead)
 
-    def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs, now: float) -> EngineCoreOutput:
+    def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs,
+                       now: float) -> EngineCoreOutput | None:
+        """The row's ids in, up to a stop -> its output (None: a final-only request that goes on)."""
         accepted: list[int] = []
         status = None
         for token_id in token_ids:
@@ -142,6 +150,8 @@ class OutputUpdate:
             self._finish(request, status)
             out.finish_reason = status.finish_reason()
             out.stop_reason = request.stop_reason
+        if request.is_final_only:
+            return None if status is None else _as_final(out, request)
         return out
 
     def _stats(self, sched_out: SchedulerOutput, num_generated: int) -> SchedulerStats:
@@ -158,3 +168,17 @@ class OutputUpdate:
 
     def _num_held(self) -> int:
         return sum(len(s) for s in self.held_siblings.values())
+
+
+def _as_final(out: EngineCoreOutput, request: Request) -> EngineCoreOutput:
+    """A final-only request's one output: all its ids and its times (no earlier output carried them)."""
+    out.new_token_ids = request.output_token_ids
+    out.scheduled_time = request.scheduled_time
+    out.first_token_time = request.first_token_time
+    return out
+
+
+def aborted_output(request: Request) -> EngineCoreOutput:
+    """The output of a request ended by an abort (its ids too if it is final-only)."""
+    out = EngineCoreOutput(request.request_id, [], finish_reason=request.status.finish_reason())
+    return _as_final(out, request) if request.is_final_only else out

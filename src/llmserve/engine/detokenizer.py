@@ -56,6 +56,14 @@ class IncrementalDetokenizer:
             return self._emit_stable_part(text)
         return ""
 
+    def decode_all(self, token_ids: list[int]) -> str:
+        """The text of all a finished sequence's ids in one decode (for a sequence nothing was added to;
+        what add(token_ids) + flush() returns, without add's token-by-token retreat when the text ends in
+        an incomplete character)."""
+        assert not self._output_text and self._num_read == len(self._window), "ids were added already"
+        self._output_text = self._decode(self._window + token_ids)[len(self._prefix_text):] if token_ids else ""
+        return self._output_text
+
     def flush(self) -> str:
         """Return the held-back text as it decodes now, U+FFFD included (the sequence is over)."""
         text = self._decode(self._window)

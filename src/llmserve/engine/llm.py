@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.engine.engine_core import EngineCore
-from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.output_processor import OutputProcessor, reads_final_only
 from llmserve.engine.processor import Processor
 from llmserve.model.loader import load_generation_defaults, load_tokenizer
 from llmserve.outputs import RequestOutput
@@ -72,7 +72,8 @@ class LLM:
     def _add(self, prompt: str | list[int], params: SamplingParams, priority: int) -> str:
         request_id = str(next(self._ids))
         token_ids = self.processor.tokenize(prompt)
-        requests = self.processor.process(request_id, token_ids, params, priority)
+        requests = self.processor.process(request_id, token_ids, params, priority,
+                                          is_final_only=reads_final_only(params, collector=None, is_delta=False))
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
         for request in requests:
             self.engine.add_request(request)

@@ -32,6 +32,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Siblings of an n > 1 request share this id; all but the first wait for the first's prefill
     # so that they reuse its prompt blocks through the prefix cache.
     parent_id: str | None = None
+    # The front reads only the finished sequence (offline, no stop strings, no logprobs): the core reports
+    # the request once, when it ends, with all its output ids, instead of one output a step.
+    is_final_only: bool = False
 
 
 class Logprobs(msgspec.Struct, array_like=True):

@@ -23,6 +23,19 @@ class OutputCollector(Protocol):
     def put(self, output: RequestOutput) -> None: ...
 
 
+def is_text_deferred(params: SamplingParams, collector: OutputCollector | None, is_delta: bool) -> bool:
+    """Only the final text is ever read (offline, not streamed, no stop string to look for): it is decoded
+    once, when the sequence finishes, not token by token."""
+    return collector is None and not is_delta and not params.stop
+
+
+def reads_final_only(params: SamplingParams, collector: OutputCollector | None, is_delta: bool) -> bool:
+    """Only the finished sequence is read (deferred text, no logprobs): the core may report it once, at its
+    end (EngineCoreRequest.is_final_only)."""
+    return (is_text_deferred(params, collector, is_delta) and params.logprobs is None
+            and params.prompt_logprobs is None)
+
+
 @dataclass
 class SequenceState:
     index: int
@@ -54,9 +67,7 @@ class RequestState:
     is_prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
-        # Only the final text is ever read (offline, not streamed, no stop string to look for): it is
-        # decoded once, when the sequence finishes, not token by token.
-        self.is_text_deferred = self.collector is None and not self.is_delta and not self.params.stop
+        self.is_text_deferred = is_text_deferred(self.params, self.collector, self.is_delta)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
@@ -155,7 +166,7 @@ class OutputProcessor:
             seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
         if state.is_text_deferred:
             if out.finish_reason is not None:
-                seq.text = seq.detokenizer.add(seq.token_ids) + seq.detokenizer.flush()
+                seq.text = seq.detokenizer.decode_all(seq.token_ids)
                 seq.finish_reason = str(out.finish_reason)
                 seq.stop_reason = out.stop_reason
             return False

@@ -56,8 +56,9 @@ class Processor:
                              f"{num_prompt_tokens} prompt tokens (max_model_len {self.max_model_len})")
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                arrival_time: float | None = None) -> list[EngineCoreRequest]:
-        """Validated engine requests: one per sequence (n of them, ids from child_request_id)."""
+                arrival_time: float | None = None, is_final_only: bool = False) -> list[EngineCoreRequest]:
+        """Validated engine requests: one per sequence (n of them, ids from child_request_id).
+        is_final_only: the front reads only finished sequences (EngineCoreRequest.is_final_only)."""
         params.validate()
         params.validate_for_vocab(self.vocab_size)
         if params.structured_outputs is not None:
@@ -65,9 +66,11 @@ class Processor:
         self.check_length(len(prompt_token_ids), params)
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
-            return [EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, priority)]
+            return [EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, priority,
+                                      is_final_only=is_final_only)]
         return [EngineCoreRequest(child_request_id(request_id, i), prompt_token_ids, _child_params(params, i),
-                                  self.eos_token_ids, arrival_time, priority, parent_id=request_id)
+                                  self.eos_token_ids, arrival_time, priority, parent_id=request_id,
+                                  is_final_only=is_final_only)
                 for i in range(params.n)]
 
 
