@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from llmserve.engine.async_llm import OUTPUT_CHUNK_SIZE, AsyncLLM, output_chunks
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from llmserve.model.toy_tokenizer import build_tokenizer
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.testing import until

@@ -20,7 +20,7 @@ from llmserve.bench.client import Target, make_http_client, send_request
 from llmserve.bench.config import BenchServeConfig, DatasetConfig, LoadConfig, OutputConfig, TargetConfig
 from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.runner import run_benchmark
-from llmserve.engine.messages import GrammarStats, SchedulerStats
+from llmserve.messages import GrammarStats, SchedulerStats
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.testing import wait_until
 

@@ -12,7 +12,7 @@ from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.report import format_result, result_to_dict
 from llmserve.bench.runner import base_targets
 from llmserve.bench.scrape import GrammarMetrics, grammar_delta, parse_grammar_totals
-from llmserve.engine.messages import GrammarStats, SchedulerStats
+from llmserve.messages import GrammarStats, SchedulerStats
 from llmserve.server.metrics import ServerMetrics
 from test_bench_config import _cfg
 from test_bench_report import make_result

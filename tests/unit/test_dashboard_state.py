@@ -7,7 +7,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from llmserve.engine.messages import SchedulerStats, SpecDecodeStats
+from llmserve.messages import SchedulerStats, SpecDecodeStats
 from llmserve.router.classifier import AutoRouteConfig
 from llmserve.router.config import AutoscaleConfig, BackendSpec, PoolSpec, RouterConfig, RouterSetup
 from llmserve.router.dashboard import router_state

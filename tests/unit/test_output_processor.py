@@ -3,7 +3,7 @@
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from llmserve.engine.messages import EngineCoreOutput, FinishReason
+from llmserve.messages import EngineCoreOutput, FinishReason
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.model.toy_tokenizer import build_tokenizer
 from llmserve.sampling_params import SamplingParams

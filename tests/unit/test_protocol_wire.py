@@ -6,7 +6,7 @@ import msgspec
 
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig
 from llmserve.engine.core_proc import InKind, OutKind, UtilityCall, UtilityResult, decode_input, frames
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from llmserve.model.loader import ModelInfo
 from llmserve.sampling_params import SamplingParams
 

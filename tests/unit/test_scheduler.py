@@ -1,5 +1,5 @@
 from llmserve.core.request import RequestStatus
-from llmserve.engine.messages import FinishReason
+from llmserve.messages import FinishReason
 
 from core_helpers import EOS, make_request, make_scheduler, step
 

@@ -1,6 +1,6 @@
 """ServerMetrics from engine stats: KV gauges follow every step, speculative decoding counters add up."""
 
-from llmserve.engine.messages import GrammarStats, SchedulerStats, SpecDecodeStats
+from llmserve.messages import GrammarStats, SchedulerStats, SpecDecodeStats
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.testing import metric_value
 

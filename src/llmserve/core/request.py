@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from llmserve.core.block_pool import BlockHash
-from llmserve.engine.messages import EngineCoreRequest, FinishReason
+from llmserve.messages import EngineCoreRequest, FinishReason
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.matcher import RequestGrammar
 

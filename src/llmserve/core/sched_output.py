@@ -58,7 +58,7 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[list] | None = None  # per row: a list of engine.messages.Logprobs, or None
+    logprobs: list[list] | None = None  # per row: a list of llmserve.messages.Logprobs, or None
     spec_token_ids: list[list[int]] | None = None  # per row: drafts proposed for the next step
-    prompt_logprobs: list | None = None  # per row: engine.messages.PromptLogprobs of its chunk, or None
+    prompt_logprobs: list | None = None  # per row: llmserve.messages.PromptLogprobs of its chunk, or None
     num_accepted: list[int] | None = None  # per row: drafts the target accepted (None: no drafts this step)

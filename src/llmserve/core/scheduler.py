@@ -28,7 +28,7 @@ from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from llmserve.core.scheduler_update import OutputUpdate, aborted_output
 from llmserve.core.spec_stats import SpecDecodeCounter
-from llmserve.engine.messages import EngineCoreOutput
+from llmserve.messages import EngineCoreOutput
 from llmserve.structured.bitmask import StepGrammar
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.engine.messages import SpecDecodeStats
+from llmserve.messages import SpecDecodeStats
 
 
 class SpecDecodeCounter:

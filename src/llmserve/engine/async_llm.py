@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_client import EngineCoreClient, EngineDeadError
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.processor import Processor
 from llmserve.outputs import CompletionOutput, RequestOutput

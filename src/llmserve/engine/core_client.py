@@ -25,7 +25,7 @@ import zmq.asyncio
 from llmserve.config import EngineConfig
 from llmserve.engine.core_proc import (InKind, OutKind, ReadyMessage, UtilityCall, UtilityResult, frames,
                                        run_engine_core)
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger("llmserve.engine.core_client")
 

@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.messages import EngineCoreRequest
 from llmserve.engine.step_gate import gate_from_env
 
 logger = logging.getLogger("llmserve.engine.core_proc")

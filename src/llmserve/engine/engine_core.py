@@ -22,7 +22,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
-from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model import quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
@@ -30,16 +30,10 @@ from llmserve.model.parallel import check_tensor_parallel
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
 from llmserve.worker.step_handle import StepHandle
-from llmserve.worker.worker import Worker, device_memory
+from llmserve.worker.worker import Worker, device_memory, resolve_device
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def model_source(config: EngineConfig) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.messages import EngineCoreOutput, FinishReason, PromptLogprobs
+from llmserve.messages import EngineCoreOutput, FinishReason, PromptLogprobs
 from llmserve.engine.processor import child_request_id
 from llmserve.engine.stop import check_stop_strings, hold_back
 from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.grammar import validate as validate_constraint
 

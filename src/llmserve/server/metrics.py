@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, GrammarStats,
+from llmserve.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, GrammarStats,
                                      SchedulerStats, SpecDecodeStats)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

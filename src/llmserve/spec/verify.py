@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.engine.messages import Logprobs
+from llmserve.messages import Logprobs
 from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.rejection import accepted_lengths, emit_accepted, rejection_sample
 from llmserve.sample.sampler import Sampler, gather_logprobs

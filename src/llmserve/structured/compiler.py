@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from llmserve.engine.messages import GrammarStats
+from llmserve.messages import GrammarStats
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured.grammar import build_grammar
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.engine.messages import Logprobs, PromptLogprobs
+from llmserve.messages import Logprobs, PromptLogprobs
 from llmserve.worker.input_batch import CachedRequestState
 
 

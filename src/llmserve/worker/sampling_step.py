@@ -7,7 +7,7 @@ from operator import attrgetter
 
 import torch
 
-from llmserve.engine.messages import Logprobs
+from llmserve.messages import Logprobs
 from llmserve.sample.metadata import SamplingMetadata, build_sampling_metadata
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.penalty_tokens import PenaltyTokens

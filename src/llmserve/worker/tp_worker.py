@@ -75,8 +75,7 @@ def run_tp_worker(config_bytes: bytes, info_bytes: bytes, dtype: str, rank: int,
 
 def _start(config: EngineConfig, info: ModelInfo, dtype: torch.dtype, rank: int, store: dist.Store,
            ctx: zmq.Context, step_address: str, parent_pid: int) -> tuple[ModelRunner, StepSubscriber]:
-    from llmserve.engine.engine_core import resolve_device
-    from llmserve.worker.worker import Worker
+    from llmserve.worker.worker import Worker, resolve_device
 
     device = rank_device(resolve_device(config.model.device), rank)
     store.set(f"joined/{rank}", "1")

@@ -28,6 +28,13 @@ from llmserve.worker.model_runner import ModelRunner
 MAX_DEFAULT_GRAPH_BATCH = 512  # graphs captured up to max_num_seqs, at most this (vLLM's default too)
 
 
+def resolve_device(device: str) -> torch.device:
+    """--device: auto (CUDA when there is one) or a torch device name."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def device_memory(device: torch.device) -> int:
     """Bytes of memory of a CUDA device (0 elsewhere): the scheduler's defaults scale with it."""
     if device.type != "cuda":

@@ -1,0 +1,29 @@
+"""Lower layers never import upper ones: the engine's parts below the engine core (scheduler, runner, model,
+sampler, speculation, grammars) import nothing from the engine, the server, the router or the benchmarks."""
+
+import ast
+import pathlib
+
+import llmserve
+
+SRC = pathlib.Path(llmserve.__file__).parent
+LOWER = ("core", "worker", "model", "sample", "spec", "structured")
+UPPER = ("engine", "server", "router", "bench", "rayserve")
+
+
+def _imported_modules(path: pathlib.Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return names
+
+
+def test_lower_layers_import_no_upper_layer():
+    offending = [f"{path.relative_to(SRC)} imports {name}"
+                 for layer in LOWER for path in sorted((SRC / layer).rglob("*.py"))
+                 for name in _imported_modules(path)
+                 if name.split(".")[:2] in [["llmserve", upper] for upper in UPPER]]
+    assert not offending, offending
