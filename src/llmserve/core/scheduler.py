@@ -229,26 +229,26 @@ class Scheduler(OutputUpdate):
         more (a prompt chunk, drafts, a preemption, or nothing at all) is left to the general path."""
         block_size, num_lookahead = self.kv.block_size, self.num_lookahead
         req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
-        is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
-        end = min(len(self.running), start + budget)
-        for i in range(start, end):
-            request = self.running[i]
-            req_id, num_computed = request.request_id, request.num_computed_tokens
-            if (len(request.all_token_ids) + request.num_placeholders != num_computed + 1 or request.spec_token_ids
+        is_caching, scheduled, add_row = self.kv.enable_caching, out.num_scheduled_tokens, self.step_rows.append
+        rows = self.running[start:start + budget]
+        for i, request in enumerate(rows):
+            req_id, num_after = request.request_id, request.num_computed_tokens + 1  # tokens computed after it
+            num_known = len(request.all_token_ids)
+            if (num_known + request.num_placeholders != num_after or request.spec_token_ids
                     or (request.num_placeholders and self._is_done_once_known(request))):
-                return i - start
+                return i
             num_blocks = len(req_to_blocks[req_id])
-            if num_computed + 1 + num_lookahead > num_blocks * block_size or num_blocks != request.num_runner_blocks:
+            if num_after + num_lookahead > num_blocks * block_size or num_blocks != request.num_runner_blocks:
                 new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
                 if new_blocks is None:
-                    return i - start  # out of blocks: the general path preempts
+                    return i  # out of blocks: the general path preempts
                 self._send_blocks(out, request, new_blocks)
-            elif is_caching and min(num_computed + 1, len(request.all_token_ids)) // block_size > \
+            elif is_caching and (num_after if num_after < num_known else num_known) // block_size > \
                     num_cached_blocks.get(req_id, 0):
-                self.kv.cache_full_blocks(request, num_computed + 1)  # a block fills in this step
+                self.kv.cache_full_blocks(request, num_after)  # a block fills in this step
             scheduled[req_id] = 1
-            self.step_rows.append(request)
-        return end - start
+            add_row(request)
+        return len(rows)
 
     def _send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
         """Tell the runner of the request's block changes (new blocks, or trimmed ones); nothing if none."""
