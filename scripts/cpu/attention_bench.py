@@ -2,7 +2,8 @@
 contexts 300-500), cycling through 12 disjoint row sets so that the KV comes from DRAM as in serving
 (issue 19). NEVER RUN IN CI.
 
-usage: python scripts/cpu/attention_bench.py THREADS ROWS   (ms per layer call at the first quartile, GB/s of KV read)
+usage: python scripts/cpu/attention_bench.py THREADS ROWS [KV_DTYPE]   (ms per layer call at the first quartile,
+GB/s of KV read; KV_DTYPE float32 (default) or float16: --kv-cache-dtype fp16's cache under float32 q)
 """
 import random
 import sys
@@ -22,7 +23,8 @@ for s in range(nsets):
     for i in range(nrows):
         b.add_cached((s, i), rng.randint(300, 500)); rows.append(((s, i), [5]))
     sets.append(b.step(rows)[2])
-kv = torch.randn(2, num_blocks, 16, 3, 64)
+kv_dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
+kv = torch.randn(2, num_blocks, 16, 3, 64).to(kv_dtype)
 q = torch.randn(nrows, 9, 64); out = torch.empty_like(q)
 r = torch.arange(nrows, dtype=torch.int32)
 fs = [lambda inp=inp: cpu_kernels.paged_attention(out, q, kv, inp.block_table, inp.seq_lens, inp.query_start_loc, r, 0.125) for inp in sets]
@@ -32,5 +34,5 @@ for _ in range(4):
     for f in fs:
         t0 = time.thread_time(); f(); ts.append(time.thread_time() - t0)
 ts.sort()
-kvbytes = sum(sets[0].seq_lens.tolist()) * 3 * 64 * 4 * 2
-print(f"rows {nrows} (cold KV): p25 {ts[len(ts)//4]*1e3:.2f} ms per layer-call, {kvbytes/ts[len(ts)//4]/1e9:.1f} GB/s; x30 = {ts[len(ts)//4]*30e3:.0f} ms")
+kvbytes = sum(sets[0].seq_lens.tolist()) * 3 * 64 * kv.element_size() * 2
+print(f"rows {nrows} {kv_dtype} (cold KV): p25 {ts[len(ts)//4]*1e3:.2f} ms per layer-call, {kvbytes/ts[len(ts)//4]/1e9:.1f} GB/s; x30 = {ts[len(ts)//4]*30e3:.0f} ms")

@@ -5,10 +5,12 @@
 # tens of minutes per mode (both levels, 2 cores).
 #
 # usage: scripts/llamacpp/side_by_side.sh [--build] [--mode f32|int8] [--concurrency 16,64] [--out DIR]
+#                                         [--ours-flags "FLAGS"]
 #   --build        build llama-server from the llama-cpp-python source distribution (which vendors
 #                  llama.cpp) into $LLAMACPP_CACHE; skipped when the binary is there
 #   --mode f32     ours float32             vs llama.cpp f32 GGUF   (default)
 #   --mode int8    ours --quantization int8 vs llama.cpp Q8_0 GGUF
+#   --ours-flags   more flags for our server (word-split), e.g. "--kv-cache-dtype fp16"; named in its label
 #
 # The workload is the anchor of docs/benchmarks.md: smollm2-135m-shaped random checkpoint, 128 requests,
 # prompts 64-512 tokens, outputs 32-256 (ignore_eos), streamed; llama-server runs with -t 2 -np C.
@@ -28,14 +30,15 @@ SRC=$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp
 SERVER_BIN=$CACHE/build/bin/llama-server
 CONVERT_PY=$CACHE/venv/bin/python
 
-BUILD=0 MODE=f32 CONCURRENCY=16,64 OUT=
+BUILD=0 MODE=f32 CONCURRENCY=16,64 OUT= EXTRA_FLAGS=
 while [[ $# -gt 0 ]]; do
   case $1 in
     --build) BUILD=1; shift ;;
     --mode) MODE=$2; shift 2 ;;
     --concurrency) CONCURRENCY=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    *) sed -n '2,19p' "$0"; exit 2 ;;
+    --ours-flags) EXTRA_FLAGS=$2; shift 2 ;;
+    *) sed -n '2,21p' "$0"; exit 2 ;;
   esac
 done
 case $MODE in
@@ -43,6 +46,11 @@ case $MODE in
   int8) OURS_FLAGS=(--quantization int8); GGUF_TYPE=q8_0; LABELS=llmserve-int8,llama.cpp-q8_0 ;;
   *) echo "--mode f32|int8" >&2; exit 2 ;;
 esac
+if [[ -n $EXTRA_FLAGS ]]; then
+  read -r -a EXTRA <<< "$EXTRA_FLAGS"
+  OURS_FLAGS+=("${EXTRA[@]}")
+  LABELS="${LABELS%%,*}[${EXTRA_FLAGS// /=}],${LABELS#*,}"
+fi
 OUT=${OUT:-/tmp/side-by-side-$MODE}
 MODEL=$CACHE/smollm2-135m
 mkdir -p "$OUT"

@@ -26,6 +26,7 @@ def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
+KV_CACHE_DTYPES = ("auto", "fp8", "fp16")  # which device/dtype each runs on: model/quant check_supported
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ class CacheConfig:
                                                                 "flag": "prefix-caching"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype) | fp8 (float8 e4m3: half "
-                                "a bfloat16 cache's bytes; Triton backend reads it, the CPU torch path is a reference)",
-                                "choices": ["auto", "fp8"]})
+                                "a bfloat16 cache's bytes; Triton backend reads it, the CPU torch path is a reference) "
+                                "| fp16 (float32 models on CPU: half the bytes, twice the blocks; the CPU kernel reads "
+                                "it with F16C and computes in float32)", "choices": list(KV_CACHE_DTYPES)})
 
     def validate(self) -> None:
         check_min("block-size", self.block_size, 1)
@@ -77,8 +79,8 @@ class CacheConfig:
         check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         check(self.kv_cache_dtype != "int8", "kv-cache-dtype", "int8 is not supported: no attention kernel of "
-              "ours reads an int8 cache (issue 20); use auto or fp8")
-        check_choice("kv-cache-dtype", self.kv_cache_dtype, ("auto", "fp8"))
+              "ours reads an int8 cache (issue 20); use auto, fp8 or fp16")
+        check_choice("kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class OfflineBenchConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})

@@ -29,7 +29,7 @@ class RooflineBenchConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
     output_len: int = field(default=256, metadata={"help": "decoded tokens per run"})
     repeats: int = field(default=3, metadata={"help": "timed runs (the median is reported)"})

@@ -38,11 +38,14 @@ K_SCALE = V_SCALE = 1.0
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k/v [T, Hkv, D] at slot_mapping [T] int64 of kv_cache [2, N, bs, Hkv, D]; an fp8 cache gets
-    them divided by the per-tensor scale and saturated to e4m3's range."""
+    them divided by the per-tensor scale and saturated to e4m3's range, a float16 cache (of a float32
+    model) gets them rounded to float16."""
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     if kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
         kv_cache = kv_cache.view(torch.uint8)
         k, v = _to_fp8(k, K_SCALE).view(torch.uint8), _to_fp8(v, V_SCALE).view(torch.uint8)
+    elif kv_cache.dtype != k.dtype:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 

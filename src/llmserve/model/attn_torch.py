@@ -159,8 +159,10 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_rows: int)
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _as_cached(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x [T, Hkv, D] rounded through an fp8 cache: stored, then read back."""
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x [T, Hkv, D] rounded through a cache of another dtype (fp8 with its scale, float16): stored, then read back."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x.to(cache_dtype).to(x.dtype)
     fp8_max = torch.finfo(FP8_KV_DTYPE).max
     return ((x.float() / scale).clamp(-fp8_max, fp8_max).to(FP8_KV_DTYPE).to(x.dtype)) * scale
 
@@ -199,8 +201,10 @@ def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
         kg, vg = _new_kv(k, v, group)
     else:
         kg, vg = _gather_kv(kv_cache, group.block_table, group.num_rows)
-        if kg.dtype != q.dtype:  # an fp8 cache: dequantize what was gathered (the reference path)
+        if kg.dtype == FP8_KV_DTYPE:  # dequantize what was gathered (the reference path)
             kg, vg = kg.to(q.dtype) * K_SCALE, vg.to(q.dtype) * V_SCALE
+        elif kg.dtype != q.dtype:  # a float16 cache of a float32 model: upcast what was gathered
+            kg, vg = kg.to(q.dtype), vg.to(q.dtype)
     if group.max_query_len == 1:
         return _attend_decode(qg, kg, vg, group.attn_mask, scale)
     return _attend_prefill(qg, kg, vg, group, scale)
@@ -260,8 +264,9 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
         write_kv(kv_cache, metadata.slot_mapping, k, v)
-        if kv_cache.dtype == FP8_KV_DTYPE:  # attend to the step's own K/V as the cache holds them, so that a
-            k, v = _as_cached(k, K_SCALE), _as_cached(v, V_SCALE)  # prompt reads the same whether chunked or not
+        if kv_cache.dtype != k.dtype:  # the step's own K/V as the cache holds them (fp8, float16): a prompt
+            # reads the same whether chunked or not
+            k, v = _as_cached(k, kv_cache.dtype, K_SCALE), _as_cached(v, kv_cache.dtype, V_SCALE)
         groups, out = metadata.groups, None
         kernel = metadata.kernel
         if kernel is not None:

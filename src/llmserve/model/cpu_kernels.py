@@ -3,8 +3,9 @@
 `paged_attention` attends decode-like rows (query_len <= 16) straight from the paged KV cache through
 the block table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP
 over (row, kv head); float32 with head_dim % 8 == 0 runs an AVX2 + FMA path when the build has them
-(csrc/paged_attention_avx2.cpp). The build goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3
-and -fopenmp, plus -mavx2 -mfma when the CPU has both. It needs a C++ compiler and ninja; when the
+(csrc/paged_attention_avx2.cpp). A float32 model's cache may be float16 (--kv-cache-dtype fp16): the AVX2
+path widens it with F16C. The build goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3
+and -fopenmp, plus -mavx2 -mfma (and -mf16c) when the CPU has them. It needs a C++ compiler and ninja; when the
 build or load fails (or LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and
 callers keep their plain torch path.
 """
@@ -48,7 +49,7 @@ def _cpu_flags() -> set[str]:
 def _compile_flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]
     if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in _cpu_flags() else [])
     return flags
 
 
@@ -87,14 +88,20 @@ def _clear_stale_lock(build_dir: str) -> None:
 
 
 def _self_test(op) -> None:
-    """A tiny case against plain torch: a miscompiled kernel must not serve."""
+    """A tiny case against plain torch, over a float32 and a float16 cache: a miscompiled kernel must not serve."""
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 5, 4, 1, 8, generator=gen)
     q = torch.randn(3, 2, 8, generator=gen)  # row 0: 1 query over 6 keys; row 1: 2 queries over 3 keys
+    _self_test_case(op, q, kv)
+    _self_test_case(op, q, kv.half())
+
+
+def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor) -> None:
     table = torch.tensor([[3, 1], [4, 0]], dtype=torch.int32)
     out = torch.zeros_like(q)
     op(out, q, kv, table, torch.tensor([6, 3], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32),
        torch.tensor([0, 1], dtype=torch.int32), 0.5)
+    kv = kv.float()
     keys = [torch.cat([kv[:, 3], kv[:, 1]], dim=1)[:, :6, 0], kv[:, 4, :3, 0]]  # [2, S, 8] each
     for row, (a, b) in enumerate([(0, 1), (1, 3)]):
         k, v = keys[row]
@@ -142,15 +149,18 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype
-            and q.dtype in SUPPORTED_DTYPES and kv_cache.is_contiguous() and q.stride(-1) == 1)
+    """q and the cache share a supported dtype, or q is float32 over a float16 cache (--kv-cache-dtype fp16)."""
+    is_f16_of_f32 = q.dtype == torch.float32 and kv_cache.dtype == torch.float16
+    return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in SUPPORTED_DTYPES
+            and (q.dtype == kv_cache.dtype or is_f16_of_f32) and kv_cache.is_contiguous() and q.stride(-1) == 1)
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
     """Writes out[t] for every token t of the listed rows: causal attention over the row's cached KV.
 
-    out, q [T, H, D]; kv_cache [2, N, bs, Hkv, D] (already holding this step's K/V); block_table
+    out, q [T, H, D]; kv_cache [2, N, bs, Hkv, D] (already holding this step's K/V; q's dtype, or float16
+    under float32 q); block_table
     [B, W], seq_lens [B], query_start_loc [B + 1], rows [R]: int32. Rows need 1 <= query_len <= 16.
     """
     _op()(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale))

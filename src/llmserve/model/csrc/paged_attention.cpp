@@ -4,7 +4,8 @@
 // head (M = q * G query vectors) read the row's keys 0..s-1 once, straight from the paged cache
 // through the block table, with an online softmax in float32. Query j of a row sees keys
 // 0..s-q+j (causal). No K/V copy is made; float32 reads in place, bfloat16/float16 are converted
-// one key chunk at a time.
+// one key chunk at a time. The cache shares q's dtype, or is float16 under float32 q and out
+// (--kv-cache-dtype fp16 of a float32 model).
 //
 // kv_cache [2, N, block_size, Hkv, D] contiguous; q [T, H, D] (last dim contiguous);
 // out [T, H, D] contiguous, written only at the tokens of `rows`; block_table [B, W] int32 (row
@@ -109,7 +110,8 @@ inline void prefetch_token(const T* k, const T* v, int64_t bytes) {
   }
 }
 
-template <typename T, int kD>
+// T: q and out; KV: the cache (T, or c10::Half under float q).
+template <typename T, typename KV, int kD>
 void attend_item(const Params& p, int item, Scratch& w) {
   const int d = kD > 0 ? kD : p.head_dim;
   const int items_per_row = p.num_kv_heads / p.heads_per_item;
@@ -123,8 +125,8 @@ void attend_item(const Params& p, int item, Scratch& w) {
   const int m_count = q_len * hg;  // query vector m: token m / hg, head kvh0 * g + m % hg, kv head .. / g
   const int span = p.heads_per_item * d;  // the item's contiguous part of one token's K (or V)
   const T* q = static_cast<const T*>(p.q);
-  const T* kcache = static_cast<const T*>(p.kv);
-  const T* vcache = kcache + p.kv_half;
+  const KV* kcache = static_cast<const KV*>(p.kv);
+  const KV* vcache = kcache + p.kv_half;
   const int32_t* table = p.block_table + static_cast<int64_t>(row) * p.bt_stride;
   const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * d;
   const int64_t block_stride = token_stride * p.block_size;
@@ -147,12 +149,12 @@ void attend_item(const Params& p, int item, Scratch& w) {
     const int cn = std::min(kChunk, seq_len - c0);
     for (int c = 0; c < cn; ++c) {
       const int64_t off = token_offset(c0 + c);
-      kp[c] = as_f32<T>(kcache + off, w.kbuf.data() + c * span, span);
-      vp[c] = as_f32<T>(vcache + off, w.vbuf.data() + c * span, span);
+      kp[c] = as_f32<KV>(kcache + off, w.kbuf.data() + c * span, span);
+      vp[c] = as_f32<KV>(vcache + off, w.vbuf.data() + c * span, span);
     }
     for (int t = c0 + kChunk; t < std::min(seq_len, c0 + 2 * kChunk); ++t) {  // the next chunk, while computing
       const int64_t off = token_offset(t);
-      prefetch_token(kcache + off, vcache + off, static_cast<int64_t>(span) * sizeof(T));
+      prefetch_token(kcache + off, vcache + off, static_cast<int64_t>(span) * sizeof(KV));
     }
     for (int m = 0; m < m_count; ++m) {
       // keys this query sees in the chunk: t <= seq_len - q_len + j
@@ -205,17 +207,12 @@ void attend_item(const Params& p, int item, Scratch& w) {
   }
 }
 
-template <typename T, int kD>
-void run(const Params& p, int max_m) {
-  llmserve_cpu::for_each_item(p, max_m, attend_item<T, kD>);
-}
-
-template <typename T>
+template <typename T, typename KV = T>
 void dispatch_dim(const Params& p, int max_m) {
   switch (p.head_dim) {
-    case 64: return run<T, 64>(p, max_m);
-    case 128: return run<T, 128>(p, max_m);
-    default: return run<T, 0>(p, max_m);
+    case 64: return llmserve_cpu::for_each_item(p, max_m, attend_item<T, KV, 64>);
+    case 128: return llmserve_cpu::for_each_item(p, max_m, attend_item<T, KV, 128>);
+    default: return llmserve_cpu::for_each_item(p, max_m, attend_item<T, KV, 0>);
   }
 }
 
@@ -227,8 +224,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
               "paged_attention: kv_cache must be a contiguous [2, N, bs, Hkv, D]");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_attention: out must be contiguous like q");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "paged_attention: q, out and kv_cache must share a dtype");
+  const bool kv_is_f16_of_f32 = q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((q.scalar_type() == kv_cache.scalar_type() || kv_is_f16_of_f32) && out.scalar_type() == q.scalar_type(),
+              "paged_attention: q, out and kv_cache must share a dtype (or float32 q/out over a float16 cache)");
   for (const at::Tensor* t : {&block_table, &seq_lens, &query_start, &rows}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), "paged_attention: int32 CPU metadata");
   }
@@ -280,9 +278,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     max_query_len = std::max(max_query_len, q_len);
   }
   const int max_m = max_query_len * p.group * p.heads_per_item;
+  if (kv_is_f16_of_f32) {
+    if (llmserve_cpu::attend_f32_avx2(p, max_m, true)) return;
+    return dispatch_dim<float, c10::Half>(p, max_m);
+  }
   switch (q.scalar_type()) {
     case at::kFloat:
-      if (llmserve_cpu::attend_f32_avx2(p, max_m)) return;
+      if (llmserve_cpu::attend_f32_avx2(p, max_m, false)) return;
       return dispatch_dim<float>(p, max_m);
     case at::kBFloat16: return dispatch_dim<c10::BFloat16>(p, max_m);
     case at::kHalf: return dispatch_dim<c10::Half>(p, max_m);

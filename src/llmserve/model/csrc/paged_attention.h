@@ -58,8 +58,9 @@ void for_each_item(const Params& p, int max_m, Attend attend) {
   }
 }
 
-// float32 rows with AVX2 + FMA (paged_attention_avx2.cpp): false when not built with them or when
-// head_dim is not a multiple of 8; the caller then runs the portable path.
-bool attend_f32_avx2(const Params& p, int max_m);
+// float32 rows with AVX2 + FMA (paged_attention_avx2.cpp) over a float32 cache, or a float16 one
+// (kv_is_f16, read with F16C): false when not built with them or when head_dim is not a multiple of 8;
+// the caller then runs the portable path.
+bool attend_f32_avx2(const Params& p, int max_m, bool kv_is_f16);
 
 }  // namespace llmserve_cpu

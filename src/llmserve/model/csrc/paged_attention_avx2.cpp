@@ -4,7 +4,9 @@
 // eight at a time (eight independent FMA chains, then one horizontal-add tree for the eight sums) instead
 // of one dot product and its horizontal sum per key. The softmax's exponentials are a vectorised
 // polynomial (Cephes' expf: < 2 ulp on the inputs here, which are <= 0). Each query's output accumulates
-// in registers over a chunk of values. float32 K/V are read in place from the paged cache.
+// in registers over a chunk of values. K/V are read in place from the paged cache: float32 as they are,
+// float16 (--kv-cache-dtype fp16) widened eight at a time with F16C; all arithmetic is float32, so an f16
+// cache gives the same result as an f32 cache holding the same (f16-rounded) values.
 
 #include "paged_attention.h"
 
@@ -28,6 +30,12 @@ using llmserve_cpu::Params;
 using llmserve_cpu::Scratch;
 
 constexpr int kPrefetchAhead = kChunk;  // keys: prefetch the next chunk while computing this one
+
+// Eight cached K/V elements as float32: loaded as they are, or widened from float16 (F16C).
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+#ifdef __F16C__
+inline __m256 load8(const uint16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+#endif
 
 // [sum(a[0]), sum(a[1]), ..., sum(a[7])]
 inline __m256 hsum8(const __m256* a) {
@@ -61,9 +69,9 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
-// scores[c] = q . keys[c][off : off + d] for c < n; d a multiple of 8.
-template <int kD>
-inline void score_keys(const float* q, const float* const* keys, int off, int n, int d_rt, float* scores) {
+// scores[c] = q . keys[c][off : off + d] for c < n; d a multiple of 8; KV: float or uint16_t (f16 bits).
+template <int kD, typename KV>
+inline void score_keys(const float* q, const KV* const* keys, int off, int n, int d_rt, float* scores) {
   const int d = kD > 0 ? kD : d_rt;
   int c = 0;
   for (; c + 8 <= n; c += 8) {
@@ -71,14 +79,14 @@ inline void score_keys(const float* q, const float* const* keys, int off, int n,
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[c + j] + off + i), acc[j]);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(keys[c + j] + off + i), acc[j]);
     }
     _mm256_storeu_ps(scores + c, hsum8(acc));
   }
   for (; c < n; ++c) {
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(keys[c] + off + i), acc);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(keys[c] + off + i), acc);
     }
     scores[c] = hsum(acc);
   }
@@ -103,27 +111,28 @@ inline float exp_shifted(float* scores, int n, float max) {
 }
 
 // acc[0 : 8 * kVecs] += sum over c < n of p[c] * values[c][off : off + 8 * kVecs], acc held in registers.
-template <int kVecs>
-inline void accumulate_span(float* acc, const float* p, const float* const* values, int off, int n) {
+template <int kVecs, typename KV>
+inline void accumulate_span(float* acc, const float* p, const KV* const* values, int off, int n) {
   __m256 a[kVecs];
   for (int j = 0; j < kVecs; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
   for (int c = 0; c < n; ++c) {
     const __m256 pc = _mm256_set1_ps(p[c]);
-    const float* v = values[c] + off;
-    for (int j = 0; j < kVecs; ++j) a[j] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(v + 8 * j), a[j]);
+    const KV* v = values[c] + off;
+    for (int j = 0; j < kVecs; ++j) a[j] = _mm256_fmadd_ps(pc, load8(v + 8 * j), a[j]);
   }
   for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
-inline void accumulate(float* acc, const float* p, const float* const* values, int off, int n, int d) {
+template <typename KV>
+inline void accumulate(float* acc, const float* p, const KV* const* values, int off, int n, int d) {
   int i = 0;
   for (; i + 64 <= d; i += 64) accumulate_span<8>(acc + i, p, values, off + i, n);
   for (; i < d; i += 8) accumulate_span<1>(acc + i, p, values, off + i, n);
 }
 
 // Score, softmax-update and accumulate query vector m of an item over one chunk's nv visible keys.
-template <int kD>
-inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const float* const* kp) {
+template <int kD, typename KV>
+inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const KV* const* kp) {
   float* sc = w.scores.data() + m * kChunk;
   score_keys<kD>(w.q.data() + m * d, kp, head_off, nv, d, sc);
   float cmax = -std::numeric_limits<float>::infinity();
@@ -175,12 +184,13 @@ void store_outputs(const Params& p, const Item& it, const Scratch& w, int d) {
   }
 }
 
-template <int kD>
+template <int kD, typename KV>
 void attend_item(const Params& p, int item_index, Scratch& w) {
   const int d = kD > 0 ? kD : p.head_dim;
   const Item it = item_of(p, item_index);
-  const float* kcache = static_cast<const float*>(p.kv);
-  const float* vcache = kcache + p.kv_half;
+  const KV* kcache = static_cast<const KV*>(p.kv);
+  const KV* vcache = kcache + p.kv_half;
+  const int span_bytes = p.heads_per_item * d * static_cast<int>(sizeof(KV));  // the item's part of a token's K
   const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * d;
   auto token_offset = [&](int t) {
     return static_cast<int64_t>(it.table[t / p.block_size]) * token_stride * p.block_size +
@@ -188,8 +198,8 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
   };
   load_queries(p, it, w, d);
   const int m_count = it.q_len * it.hg;
-  const float* kp[kChunk];
-  const float* vp[kChunk];
+  const KV* kp[kChunk];
+  const KV* vp[kChunk];
   for (int c0 = 0; c0 < it.seq_len; c0 += kChunk) {
     const int cn = std::min(kChunk, it.seq_len - c0);
     for (int c = 0; c < cn; ++c) {
@@ -199,14 +209,14 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     }
     for (int t = c0 + kPrefetchAhead; t < std::min(it.seq_len, c0 + kPrefetchAhead + kChunk); ++t) {
       const int64_t off = token_offset(t);
-      for (int b = 0; b < p.heads_per_item * d; b += 16) {
-        __builtin_prefetch(kcache + off + b, 0, 1);
-        __builtin_prefetch(vcache + off + b, 0, 1);
+      for (int b = 0; b < span_bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kcache + off) + b, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(vcache + off) + b, 0, 1);
       }
     }
     for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: t <= seq_len - q_len + token
       w.valid[m] = std::min(cn, it.seq_len - it.q_len + m / it.hg - c0 + 1);
-      if (w.valid[m] > 0) score_chunk<kD>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kp);
+      if (w.valid[m] > 0) score_chunk<kD, KV>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kp);
     }
     for (int m = 0; m < m_count; ++m) {
       if (w.valid[m] > 0) {
@@ -217,23 +227,31 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
   store_outputs(p, it, w, d);
 }
 
-template <int kD>
-void run(const Params& p, int max_m) {
-  llmserve_cpu::for_each_item(p, max_m, attend_item<kD>);
+template <typename KV>
+void dispatch_dim(const Params& p, int max_m) {
+  switch (p.head_dim) {
+    case 64: return llmserve_cpu::for_each_item(p, max_m, attend_item<64, KV>);
+    case 128: return llmserve_cpu::for_each_item(p, max_m, attend_item<128, KV>);
+    default: return llmserve_cpu::for_each_item(p, max_m, attend_item<0, KV>);
+  }
 }
 
 }  // namespace
 
 namespace llmserve_cpu {
 
-bool attend_f32_avx2(const Params& p, int max_m) {
+bool attend_f32_avx2(const Params& p, int max_m, bool kv_is_f16) {
   if (p.head_dim % 8 != 0) return false;
-  switch (p.head_dim) {
-    case 64: run<64>(p, max_m); break;
-    case 128: run<128>(p, max_m); break;
-    default: run<0>(p, max_m);
+  if (!kv_is_f16) {
+    dispatch_dim<float>(p, max_m);
+    return true;
   }
+#ifdef __F16C__
+  dispatch_dim<uint16_t>(p, max_m);
   return true;
+#else
+  return false;  // no F16C at build time: the portable path widens the f16 cache
+#endif
 }
 
 }  // namespace llmserve_cpu
@@ -241,7 +259,7 @@ bool attend_f32_avx2(const Params& p, int max_m) {
 #else  // no AVX2 + FMA at build time: the portable path serves float32 too
 
 namespace llmserve_cpu {
-bool attend_f32_avx2(const Params&, int) { return false; }
+bool attend_f32_avx2(const Params&, int, bool) { return false; }
 }  // namespace llmserve_cpu
 
 #endif

@@ -50,19 +50,32 @@ def check_supported(quantization: str | None, kv_cache_dtype: str, device: torch
                     dtype: torch.dtype) -> None:
     """Start-up check of --quantization / --kv-cache-dtype against the device and dtype: a combination
     that would not run fails here, naming the flag (ValueError)."""
+    if quantization == "fp8" and device.type == "cuda":
+        _check_fp8_on_cuda(device, dtype)
+    _check_kv_cache_dtype(kv_cache_dtype, device, dtype)
+
+
+def _check_fp8_on_cuda(device: torch.device, dtype: torch.dtype) -> None:
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"--quantization fp8: needs a GPU of compute capability >= 8.9 (Ada, Hopper); "
+                         f"this one is {major}.{minor}: use --quantization int8")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"--quantization fp8: on CUDA the model dtype must be bfloat16 or float16 "
+                         f"(row-wise scaled FP8 GEMMs write 16-bit outputs), got {dtype}")
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, dtype: torch.dtype) -> None:
     is_cuda = device.type == "cuda"
-    if quantization == "fp8" and is_cuda:
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
-            raise ValueError(f"--quantization fp8: needs a GPU of compute capability >= 8.9 (Ada, Hopper); "
-                             f"this one is {major}.{minor}: use --quantization int8")
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"--quantization fp8: on CUDA the model dtype must be bfloat16 or float16 "
-                             f"(row-wise scaled FP8 GEMMs write 16-bit outputs), got {dtype}")
     if kv_cache_dtype == "fp8" and is_cuda and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("--kv-cache-dtype fp8: needs a GPU of compute capability >= 8.9 (Ada, Hopper)")
+    if kv_cache_dtype == "fp16" and (is_cuda or dtype != torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"--kv-cache-dtype fp16: supported for float32 models on CPU only (the CPU attention "
+                         f"kernel reads it); this engine runs {name} on {device.type}: use auto"
+                         + (" or fp8" if is_cuda else ""))
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's storage dtype for --kv-cache-dtype (auto: the model's dtype)."""
-    return FP8_DTYPE if kv_cache_dtype == "fp8" else dtype
+    return {"fp8": FP8_DTYPE, "fp16": torch.float16}.get(kv_cache_dtype, dtype)

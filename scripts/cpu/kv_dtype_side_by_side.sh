@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Two of our float32 servers side by side on one CPU machine: KV cache float32 (auto) vs --kv-cache-dtype
+# fp16 (issue 19), on the anchor workload of scripts/llamacpp/side_by_side.sh (128 requests, prompts
+# 64-512, outputs 32-256, ignore_eos, streamed, seed 20), one `bench serve --compare` per level
+# (interleaved A B A B). NEVER RUN IN CI: tens of minutes per level on 2 cores.
+#
+# usage: scripts/cpu/kv_dtype_side_by_side.sh [--concurrency 16,64] [--out DIR]
+# env: PYTHON (a python that imports llmserve; default python3), MODEL (default: the side-by-side
+#      checkpoint in ~/.cache/llmserve-llamacpp/smollm2-135m, made when absent), PORT_A (8331), PORT_B (8332)
+# The measurement holds /tmp/llmserve-bench.lock.
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+MODEL=${MODEL:-${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}/smollm2-135m}
+PORT_A=${PORT_A:-8331}
+PORT_B=${PORT_B:-8332}
+CONCURRENCY=16,64 OUT=/tmp/kv-dtype-side-by-side
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --concurrency) CONCURRENCY=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    *) sed -n '2,10p' "$0"; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+[[ -d $MODEL ]] || "$PYTHON" -m llmserve.cli make-model --arch llama --shape smollm2-135m --out "$MODEL"
+
+start() {  # start NAME PORT FLAGS...: our server in the background, logged to $OUT/NAME.log, without the lock's fd
+  "$PYTHON" -m llmserve.cli serve --model "$MODEL" --port "$2" --max-model-len 1024 --kv-cache-memory 3GiB \
+    --dtype float32 "${@:3}" > "$OUT/$1.log" 2>&1 9>&- &
+  PIDS+=($!)
+}
+stop_all() { kill "${PIDS[@]}" 2> /dev/null || true; wait "${PIDS[@]}" 2> /dev/null || true; PIDS=(); }
+wait_healthy() {  # wait_healthy PORT PID
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$1/health" > /dev/null && return
+    kill -0 "$2" 2> /dev/null || { echo "server on :$1 exited; see $OUT" >&2; exit 1; }
+    sleep 1
+  done
+  echo "server on :$1 not healthy after 600 s" >&2; exit 1
+}
+
+exec 9> /tmp/llmserve-bench.lock
+echo "waiting for /tmp/llmserve-bench.lock"; flock 9
+PIDS=()
+trap stop_all EXIT
+for C in ${CONCURRENCY//,/ }; do
+  echo "c=$C load average before: $(cat /proc/loadavg) at $(date -u +%H:%M:%S)" | tee -a "$OUT/loadavg.txt"
+  start "kv-f32-c$C" "$PORT_A"
+  start "kv-fp16-c$C" "$PORT_B" --kv-cache-dtype fp16
+  wait_healthy "$PORT_A" "${PIDS[0]}"
+  wait_healthy "$PORT_B" "${PIDS[1]}"
+  grep -h "engine ready" "$OUT/kv-f32-c$C.log" "$OUT/kv-fp16-c$C.log" | tee -a "$OUT/engines.txt" || true
+  "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$PORT_A" \
+    --compare "http://127.0.0.1:$PORT_B" --labels kv-f32,kv-fp16 --tokenizer "$MODEL" --dataset random \
+    --input-len 288 --output-len 144 --range-ratio 0.7778 --num-requests 128 --concurrency "$C" \
+    --ignore-eos --stream --seed 20 --timeout 1800 --out "$OUT/results-c$C.json" | tee "$OUT/table-c$C.txt" \
+    || echo "c=$C: bench serve exited non-zero (failed requests: see $OUT/table-c$C.txt)" >&2
+  stop_all
+done
+echo "load average after: $(cat /proc/loadavg) at $(date -u +%H:%M:%S)" | tee -a "$OUT/loadavg.txt"
