@@ -20,7 +20,7 @@ def _state(i: int, rng: random.Random, batch: PersistentBatch) -> CachedRequestS
     prompt = [rng.randrange(V) for _ in range(rng.randint(1, 12))]
     output = [rng.randrange(V) for _ in range(rng.randint(0, 6))]  # resumed after a preemption
     state = CachedRequestState(req_id=str(i), prompt_token_ids=prompt, params=params, generator=None, block_ids=[],
-                               num_computed_tokens=0, stop_token_ids_for_min_tokens=[], batch=batch)
+                               stop_token_ids_for_min_tokens=[], batch=batch)
     state.row = batch.add(state.req_id, prompt + output, [], state.has_penalties)
     return state
 

@@ -14,16 +14,15 @@ from llmserve.worker.persistent_batch import PersistentBatch, flat_positions, sl
 
 @dataclass
 class CachedRequestState:
-    """What the runner knows of a request between steps (also a sample.SamplingRow). Its token history
-    and its count of ids still on the device live in its row of the runner's PersistentBatch (`batch`,
-    row `row`): the properties below read them there."""
+    """What the runner knows of a request between steps (also a sample.SamplingRow). What changes every
+    step (its token history, computed count, count of ids still on the device) lives in its row of the
+    runner's PersistentBatch (`batch`, row `row`): the properties below read it there."""
 
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
     block_ids: list[int]
-    num_computed_tokens: int
     stop_token_ids_for_min_tokens: list[int]
     batch: PersistentBatch
     row: int = -1  # its row in `batch`
@@ -47,6 +46,15 @@ class CachedRequestState:
     def output_token_ids(self) -> list[int]:
         """Output ids on the host (a new list each time)."""
         return self.batch.token_ids[self.row, len(self.prompt_token_ids):self.batch.num_tokens[self.row]].tolist()
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is computed, or scheduled in a launched step (drafts until rolled back)."""
+        return int(self.batch.num_computed[self.row])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, num: int) -> None:
+        self.batch.num_computed[self.row] = num
 
     @property
     def num_pending(self) -> int:

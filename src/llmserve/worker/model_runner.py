@@ -49,7 +49,7 @@ class StepTimes:
     num_device_inputs: int = 0  # input tokens read from the last step's sampled ids on the device
 
 
-_ROW, _NUM_COMPUTED = attrgetter("row"), attrgetter("num_computed_tokens")
+_ROW = attrgetter("row")
 _NONE = type(None)  # called: None
 
 
@@ -73,6 +73,7 @@ class ModelRunner:
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
         self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
         self.in_flight: StepHandle | None = None  # launched last and not finished
+        self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # _step_rows
         self.times = StepTimes()
         self.sync_timing = False
 
@@ -84,15 +85,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
-        states = list(map(self.states.__getitem__, req_ids))
+        states, step_rows = self._step_rows(req_ids)  # step_rows [B]: the rows' batch rows
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
             self.settle()
             self._begin_spec_step(sched_out)
-        inputs, batch_rows = self._prepare(states, sched_out)  # batch_rows [S]: the sampling rows' rows
         prompt_plan = None
         if self.prompt_scorers:
             prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
+        inputs, batch_rows = self._prepare(states, step_rows, sched_out)  # batch_rows [S]: the sampling rows'
         t1 = self._mark()
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
@@ -108,8 +109,6 @@ class ModelRunner:
             handle = self._sample_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, scored)
         handle.prompt_plan = prompt_plan
         t3 = self._mark()
-        for state, num in zip(states, sched_out.num_scheduled_tokens.values()):
-            state.num_computed_tokens += num  # the scheduler rolls rejected drafts back (next step's diff)
         handle.use_speculation = sched_out.use_speculation
         self.in_flight = handle
         self._add_times(t0, t1, t2, t3)
@@ -145,6 +144,15 @@ class ModelRunner:
             if self.states.pop(req_id, None) is not None:
                 self.batch.remove(req_id)
                 self.prompt_scorers.discard(req_id)
+                self._last_rows = None
+
+    def _step_rows(self, req_ids: list[str]) -> tuple[list[CachedRequestState], np.ndarray]:
+        """The step's states and [B] their batch rows: the last step's while the same requests run in the
+        same order and no state came or went (the common decode step)."""
+        if self._last_rows is None or self._last_rows[0] != req_ids:
+            states = list(map(self.states.__getitem__, req_ids))
+            self._last_rows = req_ids, states, np.fromiter(map(_ROW, states), np.int64, count=len(states))
+        return self._last_rows[1], self._last_rows[2]
 
     # ---- states from the scheduler's diff ------------------------------------------------------------
 
@@ -154,6 +162,7 @@ class ModelRunner:
             self.sampling.invalidate()
         for new in sched_out.new_reqs:
             state = self.states[new.req_id] = self._new_state(new)
+            self._last_rows = None
             if state.has_penalties:
                 self.sampling.penalty_tokens.add(state)
             if new.sampling_params.prompt_logprobs is not None:
@@ -176,19 +185,20 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
         state = CachedRequestState(
             req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids), params=new.sampling_params,
-            generator=generator, block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            generator=generator, block_ids=list(new.block_ids),
             stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens, batch=self.batch)
         state.row = self.batch.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids], state.block_ids,
-                                   state.has_penalties)
+                                   state.has_penalties, new.num_computed_tokens)
         return state
 
     # ---- inputs and forward -------------------------------------------------------------------------
 
-    def _prepare(self, states: list[CachedRequestState], sched_out: SchedulerOutput) -> tuple[StepInputs, np.ndarray]:
-        """The step's inputs on the device, and [S] the batch rows of its sampling rows."""
+    def _prepare(self, states: list[CachedRequestState], rows: np.ndarray,
+                 sched_out: SchedulerOutput) -> tuple[StepInputs, np.ndarray]:
+        """The step's inputs on the device, and [S] the batch rows of its sampling rows; the rows [B]
+        count their scheduled tokens computed (the scheduler rolls rejected drafts back: next step's diff)."""
         num_rows = len(states)
-        rows = np.fromiter(map(_ROW, states), np.int64, count=num_rows)  # [B]
-        starts = np.fromiter(map(_NUM_COMPUTED, states), np.int64, count=num_rows)  # [B]
+        starts = self.batch.num_computed[rows]  # [B]
         counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=num_rows)  # [B]
         num_drafts = np.zeros(num_rows, np.int64)  # [B]
         for i, state in enumerate(states if sched_out.scheduled_spec_tokens else ()):
@@ -197,6 +207,7 @@ class ModelRunner:
                 self.batch.set_drafts(state.row, drafts)
                 num_drafts[i] = len(drafts)
         arrays = self.batch.gather(rows, starts, counts)
+        self.batch.num_computed[rows] = starts + counts
         sample_rows = arrays.sample_rows
         batch_rows = rows[sample_rows]  # [S]
         self.batch.mark_sampled(batch_rows)
@@ -295,21 +306,14 @@ class ModelRunner:
             self._append_one_each(handle, sampled)
             token_ids = rows_of_samples(sampled.reshape(-1, 1).tolist(), handle.sample_rows, num_rows)
         row_logprobs = None if logprobs is None else rows_of_samples(logprobs, handle.sample_rows, num_rows, _NONE)
+        num_accepted = None  # per row of a step that verified drafts: its accepted drafts (0 without any)
+        if handle.host_num_accepted is not None:
+            num_accepted = rows_of_samples(handle.host_num_accepted, handle.sample_rows, num_rows, int)
         prompt_logprobs = None
         if handle.prompt_plan is not None:
             prompt_logprobs = host_prompt_logprobs(handle.copy.wait(), handle.prompt_plan, num_rows)
         return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs,
-                                 prompt_logprobs=prompt_logprobs, num_accepted=self._row_accepted(handle))
-
-    @staticmethod
-    def _row_accepted(handle: StepHandle) -> list[int] | None:
-        """Per row of a step that verified drafts: its accepted drafts (0 for rows without any)."""
-        if handle.host_num_accepted is None:
-            return None
-        num_accepted = [0] * len(handle.req_ids)
-        for row, num in zip(handle.sample_rows.tolist(), handle.host_num_accepted):
-            num_accepted[row] = num
-        return num_accepted
+                                 prompt_logprobs=prompt_logprobs, num_accepted=num_accepted)
 
     def _append_sampled(self, handle: StepHandle, sampled: list[list[int]]) -> None:
         """A step that verified drafts: per sampling row its emitted ids join its batch row (rows whose

@@ -38,6 +38,8 @@ def flat_positions(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, 
     """Per row `counts` tokens from `starts`: (cu [B + 1], row of each token [T], positions [T])."""
     cu = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
+    if cu[-1] == len(counts) and (counts == 1).all():  # one token per row (decode steps)
+        return cu, np.arange(len(counts)), starts.copy()
     row_of_token = np.repeat(np.arange(len(counts)), counts)  # [T]
     positions = np.arange(int(cu[-1])) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
     return cu, row_of_token, positions
@@ -56,6 +58,7 @@ class PersistentBatch:
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_rows, min(INITIAL_TOKEN_COLUMNS, max_model_len)), np.int64)  # [R, L]
         self.num_tokens = np.zeros(max_num_rows, np.int64)  # [R] ids known on the host (drafts excluded)
+        self.num_computed = np.zeros(max_num_rows, np.int64)  # [R] tokens whose KV is computed or scheduled
         self.num_drafts = np.zeros(max_num_rows, np.int64)  # [R] draft ids written after them
         self.block_table = np.zeros((max_num_rows, INITIAL_BLOCK_COLUMNS), np.int32)  # [R, W]
         self.num_blocks = np.zeros(max_num_rows, np.int64)  # [R]
@@ -69,7 +72,8 @@ class PersistentBatch:
 
     # ---- rows in and out ----------------------------------------------------------------------------
 
-    def add(self, req_id: str, token_ids: list[int], block_ids: list[int], has_penalties: bool = False) -> int:
+    def add(self, req_id: str, token_ids: list[int], block_ids: list[int], has_penalties: bool = False,
+            num_computed: int = 0) -> int:
         """A row for a new request (a resumed one comes back with its outputs in `token_ids`)."""
         if not self.free_rows:
             self._grow_rows()
@@ -78,6 +82,7 @@ class PersistentBatch:
         self.num_tokens[row] = self.num_drafts[row] = self.num_blocks[row] = self.num_pending[row] = 0
         self.last_sample_index[row] = -1
         self.has_penalties[row] = has_penalties
+        self.num_computed[row] = num_computed
         self.serial[row] = self.num_added
         self.num_added += 1
         self.append_tokens(row, token_ids)
@@ -169,7 +174,7 @@ class PersistentBatch:
         old = len(self.num_tokens)
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-        for name in ("num_tokens", "num_drafts", "num_blocks", "num_pending", "has_penalties"):
+        for name in ("num_tokens", "num_computed", "num_drafts", "num_blocks", "num_pending", "has_penalties"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros_like(getattr(self, name))]))
         for name in ("last_sample_index", "serial"):
             setattr(self, name, np.concatenate([getattr(self, name), np.full(old, -1, np.int64)]))
