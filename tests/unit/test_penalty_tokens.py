@@ -9,23 +9,26 @@ from llmserve.sample.sampler import process_logits
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.penalty_tokens import PenaltyTokens
+from llmserve.worker.persistent_batch import PersistentBatch
 
 V = 40
 
 
-def _state(i: int, rng: random.Random) -> CachedRequestState:
+def _state(i: int, rng: random.Random, batch: PersistentBatch) -> CachedRequestState:
     params = SamplingParams(repetition_penalty=[1.0, 1.3][i % 2], presence_penalty=[0.0, 0.4, 0.7][i % 3],
                             frequency_penalty=[0.0, 0.25][(i // 2) % 2])
     prompt = [rng.randrange(V) for _ in range(rng.randint(1, 12))]
     output = [rng.randrange(V) for _ in range(rng.randint(0, 6))]  # resumed after a preemption
-    return CachedRequestState(req_id=str(i), prompt_token_ids=prompt, output_token_ids=output, params=params,
-                              generator=None, block_ids=[], num_computed_tokens=0, stop_token_ids_for_min_tokens=[],
-                              row=(7 * i) % 11)
+    state = CachedRequestState(req_id=str(i), prompt_token_ids=prompt, params=params, generator=None, block_ids=[],
+                               stop_token_ids_for_min_tokens=[], batch=batch)
+    state.row = batch.add(state.req_id, prompt + output, [], state.has_penalties)
+    return state
 
 
 def test_device_tokens_give_the_host_penalties():
     rng = random.Random(0)
-    states = [_state(i, rng) for i in range(9)]
+    batch = PersistentBatch(4, 64, 16)  # grows its rows as the states arrive
+    states = [_state(i, rng, batch) for i in range(9)]
     tokens = PenaltyTokens(V, torch.device("cpu"))
     for state in states:
         if state.has_penalties:
@@ -44,7 +47,7 @@ def test_device_tokens_give_the_host_penalties():
         penalized = [j for j, s in enumerate(rows) if s.has_penalties]
         tokens.append_sampled([rows[j].row for j in penalized], sampled[penalized])
         for j, state in enumerate(rows):
-            state.append_token(int(sampled[j]))
+            batch.append_tokens(state.row, [int(sampled[j])])
     assert any(not s.has_penalties for s in states)  # rows without penalties are left out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -221,14 +222,18 @@ def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int]
 def _kernel_rows(inputs: AttentionInputs, query_start: list[int]) -> tuple[KernelRows | None, list[int]]:
     """Split off the decode-like rows (query_len 1, or <= 16 over a cached prefix) -> (them, the rest)."""
     query_lens, seq_lens = inputs.query_lens_cpu, inputs.seq_lens_cpu
-    is_kernel = [n == 1 or (n <= cpu_kernels.MAX_QUERY_LEN and n < s) for n, s in zip(query_lens, seq_lens)]
-    rows = [i for i, ok in enumerate(is_kernel) if ok]
-    rest = [i for i, ok in enumerate(is_kernel) if not ok]
+    if max(query_lens, default=0) == 1:  # a decode step: every row, no per-row test
+        rows, rest, row_index = list(range(len(query_lens))), [], torch.arange(len(query_lens), dtype=torch.int32)
+    else:
+        is_kernel = [n == 1 or (n <= cpu_kernels.MAX_QUERY_LEN and n < s) for n, s in zip(query_lens, seq_lens)]
+        rows = [i for i, ok in enumerate(is_kernel) if ok]
+        rest = [i for i, ok in enumerate(is_kernel) if not ok]
+        row_index = torch.tensor(rows, dtype=torch.int32)
     if not rows:
         return None, rest
-    assert -(-max(seq_lens[i] for i in rows) // inputs.block_size) <= inputs.block_table.shape[1], \
+    assert -(-max(map(seq_lens.__getitem__, rows)) // inputs.block_size) <= inputs.block_table.shape[1], \
         "block table narrower than the longest sequence"
-    kernel = KernelRows(rows=torch.tensor(rows, dtype=torch.int32), block_table=as_int32(inputs.block_table),
+    kernel = KernelRows(rows=row_index, block_table=as_int32(inputs.block_table),
                         seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),
                         make_groups=lambda: _row_groups(rows, inputs, query_start))
     return kernel, rest
@@ -250,11 +255,8 @@ class TorchAttentionBackend(AttentionBackend):
                 and cpu_kernels.available())
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
-        query_lens = inputs.query_lens_cpu
-        query_start = [0] * len(query_lens)
-        for i in range(1, len(query_lens)):
-            query_start[i] = query_start[i - 1] + query_lens[i - 1]
-        kernel, rows = None, list(range(len(query_lens)))
+        query_start = list(accumulate(inputs.query_lens_cpu, initial=0))[:-1]  # [B]
+        kernel, rows = None, list(range(len(query_start)))
         if self._kernel_enabled(inputs):
             kernel, rows = _kernel_rows(inputs, query_start)
         return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping.long(),

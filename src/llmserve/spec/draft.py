@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llmserve.model.attention import AttentionBackend
@@ -27,7 +28,7 @@ _DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from posi
 class _DraftInput:
     """What prepare_inputs reads of a row, for one draft forward."""
 
-    token_ids: list[int]
+    token_ids: np.ndarray | list[int]  # [L]
     num_computed_tokens: int
     block_ids: list[int]
 
@@ -58,8 +59,8 @@ class DraftModelProposer:
             active = [j for j, r in enumerate(rows) if len(r.token_ids) + i < self.max_model_len]
             if not active:
                 break
-            inputs = [_DraftInput(rows[j].token_ids + drafts[j], len(rows[j].token_ids) + i - 1, rows[j].block_ids)
-                      for j in active]
+            inputs = [_DraftInput([*rows[j].token_ids.tolist(), *drafts[j]], len(rows[j].token_ids) + i - 1,
+                                  rows[j].block_ids) for j in active]
             self._step(rows, active, inputs, [1] * len(active), drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
 

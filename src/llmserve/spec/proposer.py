@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from llmserve.sampling_params import SamplingParams
@@ -15,9 +16,9 @@ class ProposerRow(Protocol):
 
     req_id: str
     params: SamplingParams
-    token_ids: list[int]  # prompt + output so far
+    token_ids: np.ndarray  # [L] prompt + output so far (a view: read it, do not keep it)
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # a new list per read
     stop_token_ids_for_min_tokens: list[int]
     block_ids: list[int]
     num_draft_computed: int

@@ -33,7 +33,7 @@ from llmserve.worker.input_batch import CachedRequestState, StepInputs, logits_i
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
 from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs, host_logprobs
-from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
+from llmserve.worker.step_handle import HostCopy, StepHandle, rows_of_samples, start_host_copy
 
 
 @dataclass
@@ -49,7 +49,8 @@ class StepTimes:
     num_device_inputs: int = 0  # input tokens read from the last step's sampled ids on the device
 
 
-_ROW, _NUM_COMPUTED = attrgetter("row"), attrgetter("num_computed_tokens")
+_ROW = attrgetter("row")
+_NONE = type(None)  # called: None
 
 
 class ModelRunner:
@@ -72,6 +73,7 @@ class ModelRunner:
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
         self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
         self.in_flight: StepHandle | None = None  # launched last and not finished
+        self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # _step_rows
         self.times = StepTimes()
         self.sync_timing = False
 
@@ -83,15 +85,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
-        states = list(map(self.states.__getitem__, req_ids))
+        states, step_rows = self._step_rows(req_ids)  # step_rows [B]: the rows' batch rows
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
             self.settle()
             self._begin_spec_step(sched_out)
-        inputs = self._prepare(states, sched_out)
         prompt_plan = None
         if self.prompt_scorers:
             prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
+        inputs, batch_rows = self._prepare(states, step_rows, sched_out)  # batch_rows [S]: the sampling rows'
         t1 = self._mark()
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
@@ -101,14 +103,12 @@ class ModelRunner:
         rows = states if len(inputs.sample_rows) == len(states) else [states[i] for i in inputs.sample_rows]
         scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}
         if has_drafts:
-            handle = self._verify_step(req_ids, inputs.sample_rows, logits, rows, sched_out)
+            handle = self._verify_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, sched_out)
             handle.copy = HostCopy.start(scored)
         else:
-            handle = self._sample_step(req_ids, inputs.sample_rows, logits, rows, scored)
+            handle = self._sample_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, scored)
         handle.prompt_plan = prompt_plan
         t3 = self._mark()
-        for state, num in zip(states, sched_out.num_scheduled_tokens.values()):
-            state.num_computed_tokens += num  # the scheduler rolls rejected drafts back (next step's diff)
         handle.use_speculation = sched_out.use_speculation
         self.in_flight = handle
         self._add_times(t0, t1, t2, t3)
@@ -144,6 +144,15 @@ class ModelRunner:
             if self.states.pop(req_id, None) is not None:
                 self.batch.remove(req_id)
                 self.prompt_scorers.discard(req_id)
+                self._last_rows = None
+
+    def _step_rows(self, req_ids: list[str]) -> tuple[list[CachedRequestState], np.ndarray]:
+        """The step's states and [B] their batch rows: the last step's while the same requests run in the
+        same order and no state came or went (the common decode step)."""
+        if self._last_rows is None or self._last_rows[0] != req_ids:
+            states = list(map(self.states.__getitem__, req_ids))
+            self._last_rows = req_ids, states, np.fromiter(map(_ROW, states), np.int64, count=len(states))
+        return self._last_rows[1], self._last_rows[2]
 
     # ---- states from the scheduler's diff ------------------------------------------------------------
 
@@ -153,7 +162,7 @@ class ModelRunner:
             self.sampling.invalidate()
         for new in sched_out.new_reqs:
             state = self.states[new.req_id] = self._new_state(new)
-            state.row = self.batch.add(new.req_id, state.token_ids, state.block_ids)
+            self._last_rows = None
             if state.has_penalties:
                 self.sampling.penalty_tokens.add(state)
             if new.sampling_params.prompt_logprobs is not None:
@@ -170,21 +179,26 @@ class ModelRunner:
             self.batch.set_blocks(state.row, cached.num_old_blocks, cached.new_block_ids)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        """The request's state, and its row in the batch (a resumed request brings its outputs)."""
         generator = None
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=self.device)
-        return CachedRequestState(
-            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
-            output_token_ids=list(new.output_token_ids), params=new.sampling_params, generator=generator,
-            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-            stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens)
+        state = CachedRequestState(
+            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids), params=new.sampling_params,
+            generator=generator, block_ids=list(new.block_ids),
+            stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens, batch=self.batch)
+        state.row = self.batch.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids], state.block_ids,
+                                   state.has_penalties, new.num_computed_tokens)
+        return state
 
     # ---- inputs and forward -------------------------------------------------------------------------
 
-    def _prepare(self, states: list[CachedRequestState], sched_out: SchedulerOutput) -> StepInputs:
+    def _prepare(self, states: list[CachedRequestState], rows: np.ndarray,
+                 sched_out: SchedulerOutput) -> tuple[StepInputs, np.ndarray]:
+        """The step's inputs on the device, and [S] the batch rows of its sampling rows; the rows [B]
+        count their scheduled tokens computed (the scheduler rolls rejected drafts back: next step's diff)."""
         num_rows = len(states)
-        rows = np.fromiter(map(_ROW, states), np.int64, count=num_rows)  # [B]
-        starts = np.fromiter(map(_NUM_COMPUTED, states), np.int64, count=num_rows)  # [B]
+        starts = self.batch.num_computed[rows]  # [B]
         counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=num_rows)  # [B]
         num_drafts = np.zeros(num_rows, np.int64)  # [B]
         for i, state in enumerate(states if sched_out.scheduled_spec_tokens else ()):
@@ -193,11 +207,12 @@ class ModelRunner:
                 self.batch.set_drafts(state.row, drafts)
                 num_drafts[i] = len(drafts)
         arrays = self.batch.gather(rows, starts, counts)
-        self.batch.mark_sampled(rows[arrays.sample_rows])
+        self.batch.num_computed[rows] = starts + counts
         sample_rows = arrays.sample_rows
-        indices = logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64),
-                                         num_drafts[sample_rows])
-        return self._to_device(arrays, indices)
+        batch_rows = rows[sample_rows]  # [S]
+        self.batch.mark_sampled(batch_rows)
+        indices = logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64), num_drafts[sample_rows])
+        return self._to_device(arrays, indices), batch_rows
 
     def _to_device(self, arrays: StepArrays, sample_indices: np.ndarray) -> StepInputs:
         input_ids = on_device(arrays.input_ids, self.device)
@@ -230,24 +245,29 @@ class ModelRunner:
     # ---- sampling -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _sample_step(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
+    def _sample_step(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, logits: torch.Tensor,
                      rows: list[CachedRequestState], extra: dict[str, torch.Tensor]) -> StepHandle:
         """Sample on the device and start copying the ids (and `extra` tensors) to the host; the rows'
         next token is pending."""
         if not rows:
             empty = SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
-            return StepHandle(req_ids, np.asarray(sample_rows, np.int64), empty.sampled_token_ids,
-                              start_host_copy(empty, extra))
+            return self._handle(req_ids, sample_rows, batch_rows, empty.sampled_token_ids,
+                                start_host_copy(empty, extra))
         out = self._sample(logits, rows)
-        penalized = [j for j, row in enumerate(rows) if row.has_penalties]
-        if penalized:
-            self.sampling.penalty_tokens.append_sampled([rows[j].row for j in penalized],
-                                                        out.sampled_token_ids[penalized])
-        for row in rows:
-            row.num_pending += 1
+        is_penalized = self.batch.has_penalties[batch_rows]  # [S]
+        if is_penalized.any():
+            penalized = np.flatnonzero(is_penalized)  # [S']
+            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
+                                                        out.sampled_token_ids[torch.from_numpy(penalized)])
+        self.batch.num_pending[batch_rows] += 1
         num_logprobs = [row.params.logprobs for row in rows] if out.logprobs is not None else []
-        return StepHandle(req_ids, np.asarray(sample_rows, np.int64), out.sampled_token_ids,
-                          start_host_copy(out, extra), num_logprobs)
+        return self._handle(req_ids, sample_rows, batch_rows, out.sampled_token_ids, start_host_copy(out, extra),
+                            num_logprobs)
+
+    def _handle(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, sampled: torch.Tensor,
+                copy: HostCopy, num_logprobs: list[int | None] | None = None, is_sync: bool = False) -> StepHandle:
+        return StepHandle(req_ids, np.asarray(sample_rows, np.int64), sampled, copy, batch_rows,
+                          self.batch.serial[batch_rows], num_logprobs or [], is_sync=is_sync)
 
     def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> SamplerOutput:
         """Rank 0 samples; with tensor parallelism it broadcasts the ids to the other ranks, whose persistent
@@ -261,96 +281,71 @@ class ModelRunner:
         return SamplerOutput(self.tp.broadcast(ids), None)
 
     @torch.inference_mode()
-    def _verify_step(self, req_ids: list[str], sample_rows: list[int], logits: torch.Tensor,
+    def _verify_step(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, logits: torch.Tensor,
                      rows: list[CachedRequestState], sched_out: SchedulerOutput) -> StepHandle:
         """Drafts: verified on the host now (speculative steps run without overlap)."""
         drafts = [sched_out.scheduled_spec_tokens.get(row.req_id, []) for row in rows]
         verified = self.speculator.verify(self.sampler, logits, rows, drafts, self.sampling.vocab_size)
-        handle = StepHandle(req_ids, np.asarray(sample_rows, np.int64), torch.empty(0), HostCopy({}), is_sync=True)
+        handle = self._handle(req_ids, sample_rows, batch_rows, torch.empty(0), HostCopy({}), is_sync=True)
         handle.host_tokens, handle.host_logprobs = verified.token_ids, verified.logprobs
         handle.host_num_accepted = verified.num_accepted
-        for row in rows:
-            row.num_pending += 1
+        self.batch.num_pending[batch_rows] += 1
         return handle
 
     def _sampled_output(self, handle: StepHandle) -> ModelRunnerOutput:
-        """Per row of the step its sampled ids (empty for a partial prefill), appended to the states."""
-        sampled, logprobs = handle.host_tokens, handle.host_logprobs
-        if not handle.is_sync:
-            host = handle.copy.wait()
-            sampled = [[t] for t in host["sampled"].tolist()]
-            logprobs = host_logprobs(host, handle.num_logprobs)
+        """Per row of the step its sampled ids (empty for a partial prefill), appended to the batch."""
         num_rows = len(handle.req_ids)
-        if len(sampled) == num_rows and logprobs is None:
-            token_ids = sampled  # every row sampled (decode steps): already in row order
+        if handle.is_sync:
+            logprobs = handle.host_logprobs
+            self._append_sampled(handle, handle.host_tokens)
+            token_ids = rows_of_samples(handle.host_tokens, handle.sample_rows, num_rows)
         else:
-            token_ids = [[] for _ in handle.req_ids]
-            for j, row in enumerate(handle.sample_rows.tolist()):
-                token_ids[row] = sampled[j]
-        row_logprobs: list | None = None
-        if logprobs is not None:
-            row_logprobs = [None] * num_rows
-            for j, row in enumerate(handle.sample_rows.tolist()):
-                row_logprobs[row] = logprobs[j]
-        self._append_sampled(handle, sampled)
+            host = handle.copy.wait()
+            sampled = host["sampled"].numpy()  # [S]
+            logprobs = host_logprobs(host, handle.num_logprobs)
+            self._append_one_each(handle, sampled)
+            token_ids = rows_of_samples(sampled.reshape(-1, 1).tolist(), handle.sample_rows, num_rows)
+        row_logprobs = None if logprobs is None else rows_of_samples(logprobs, handle.sample_rows, num_rows, _NONE)
+        num_accepted = None  # per row of a step that verified drafts: its accepted drafts (0 without any)
+        if handle.host_num_accepted is not None:
+            num_accepted = rows_of_samples(handle.host_num_accepted, handle.sample_rows, num_rows, int)
         prompt_logprobs = None
         if handle.prompt_plan is not None:
             prompt_logprobs = host_prompt_logprobs(handle.copy.wait(), handle.prompt_plan, num_rows)
         return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs,
-                                 prompt_logprobs=prompt_logprobs, num_accepted=self._row_accepted(handle))
-
-    @staticmethod
-    def _row_accepted(handle: StepHandle) -> list[int] | None:
-        """Per row of a step that verified drafts: its accepted drafts (0 for rows without any)."""
-        if handle.host_num_accepted is None:
-            return None
-        num_accepted = [0] * len(handle.req_ids)
-        for row, num in zip(handle.sample_rows.tolist(), handle.host_num_accepted):
-            num_accepted[row] = num
-        return num_accepted
+                                 prompt_logprobs=prompt_logprobs, num_accepted=num_accepted)
 
     def _append_sampled(self, handle: StepHandle, sampled: list[list[int]]) -> None:
-        """The ids join their states (requests finished or preempted meanwhile are gone: skipped)."""
-        if not handle.is_sync:
-            return self._append_one_each(handle, sampled)
+        """A step that verified drafts: per sampling row its emitted ids join its batch row (rows whose
+        request finished or was preempted meanwhile are skipped)."""
+        batch = self.batch
+        is_held = batch.still_held(handle.batch_rows, handle.serials).tolist()
         rows: list[int] = []
         tokens: list[int] = []
-        for j, row in enumerate(handle.sample_rows.tolist()):
-            state = self.states.get(handle.req_ids[row])
-            if state is None or not state.num_pending:
+        for row, row_ids, held in zip(handle.batch_rows.tolist(), sampled, is_held):
+            if not held:
                 continue
-            state.num_pending -= 1
-            for token_id in sampled[j]:
-                state.append_token(token_id)
-            if handle.is_sync and state.has_penalties:  # verified drafts: their ids come from the host
-                self.sampling.penalty_tokens.append_host(state.row, sampled[j])
-            if len(sampled[j]) == 1:
-                rows.append(state.row)
-                tokens.append(sampled[j][0])
+            batch.num_pending[row] -= 1
+            if batch.has_penalties[row]:  # verified drafts: their ids come from the host
+                self.sampling.penalty_tokens.append_host(row, row_ids)
+            if len(row_ids) == 1:
+                rows.append(row)
+                tokens.append(row_ids[0])
             else:
-                self.batch.append_tokens(state.row, sampled[j])
+                batch.append_tokens(row, row_ids)
         if rows:
-            self.batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
+            batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
 
-    def _append_one_each(self, handle: StepHandle, sampled: list[list[int]]) -> None:
-        """_append_sampled for a step without drafts: one id per sampling row."""
-        req_ids = handle.req_ids
-        if len(handle.sample_rows) != len(req_ids):
-            req_ids = [req_ids[row] for row in handle.sample_rows.tolist()]
-        rows: list[int] = []
-        tokens: list[int] = []
-        states = self.states
-        for req_id, token_ids in zip(req_ids, sampled):
-            state = states.get(req_id)
-            if state is None or not state.num_pending:
-                continue
-            state.num_pending -= 1
-            state.output_token_ids += token_ids
-            state.token_ids += token_ids
-            rows.append(state.row)
-            tokens += token_ids
-        if rows:
-            self.batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
+    def _append_one_each(self, handle: StepHandle, sampled: np.ndarray) -> None:
+        """A step without drafts: each sampling row's one id [S] joins its batch row (rows whose request
+        finished or was preempted meanwhile are skipped)."""
+        rows = handle.batch_rows  # [S]
+        is_held = self.batch.still_held(rows, handle.serials)  # [S]
+        if not is_held.all():
+            rows, sampled = rows[is_held], sampled[is_held]
+        if len(rows):
+            self.batch.num_pending[rows] -= 1
+            self.batch.append_one_each(rows, sampled)
 
     def _propose(self, handle: StepHandle) -> list[list[int]]:
         """Drafts for the next step, per row of this step (none for rows that did not sample)."""
@@ -389,6 +384,11 @@ class ModelRunner:
         assert set(self.batch.row_of) == set(self.states), "batch rows and states differ"
         assert self.prompt_scorers == {r for r, s in self.states.items() if s.params.prompt_logprobs is not None}
         for req_id, state in self.states.items():
-            assert self.batch.row_of[req_id] == state.row, "a state's row moved"
-            assert self.batch.num_tokens[state.row] == len(state.token_ids), "batch and state tokens differ"
+            assert self.batch.row_of[req_id] == state.row and state.batch is self.batch, "a state's row moved"
+            assert self.batch.has_penalties[state.row] == state.has_penalties, "a row's penalty flag is stale"
+            assert self.batch.num_tokens[state.row] >= len(state.prompt_token_ids), "a row lost prompt tokens"
+        if self.in_flight is None:
+            assert not self.batch.num_pending[list(self.batch.row_of.values())].any(), "ids pending, no step"
+            for state in filter(attrgetter("has_penalties"), self.states.values()):
+                assert self.sampling.penalty_tokens.num_output[state.row] == state.num_output_tokens
 

@@ -1,6 +1,8 @@
 """The runner's persistent input batch: every request it holds keeps a row in preallocated host arrays
 (token ids, computed count, block table), updated from each step's diff. A step's flat inputs are
-gathered from those rows with a few numpy ops instead of being rebuilt from Python lists.
+gathered from those rows with a few numpy ops instead of being rebuilt from Python lists. The rows are
+also the one home of what changes per request every step (its token history, its count of sampled ids
+still on the device): a step's bookkeeping is a few numpy ops over its rows, not a loop over requests.
 
 Async scheduling: a row may end in one token that was sampled on the device by the step launched
 last and is not on the host yet. `gather` leaves such tokens to the caller as (token index, index in
@@ -36,6 +38,8 @@ def flat_positions(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, 
     """Per row `counts` tokens from `starts`: (cu [B + 1], row of each token [T], positions [T])."""
     cu = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
+    if cu[-1] == len(counts) and (counts == 1).all():  # one token per row (decode steps)
+        return cu, np.arange(len(counts)), starts.copy()
     row_of_token = np.repeat(np.arange(len(counts)), counts)  # [T]
     positions = np.arange(int(cu[-1])) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
     return cu, row_of_token, positions
@@ -54,22 +58,33 @@ class PersistentBatch:
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_rows, min(INITIAL_TOKEN_COLUMNS, max_model_len)), np.int64)  # [R, L]
         self.num_tokens = np.zeros(max_num_rows, np.int64)  # [R] ids known on the host (drafts excluded)
+        self.num_computed = np.zeros(max_num_rows, np.int64)  # [R] tokens whose KV is computed or scheduled
         self.num_drafts = np.zeros(max_num_rows, np.int64)  # [R] draft ids written after them
         self.block_table = np.zeros((max_num_rows, INITIAL_BLOCK_COLUMNS), np.int32)  # [R, W]
         self.num_blocks = np.zeros(max_num_rows, np.int64)  # [R]
         self.last_sample_index = np.full(max_num_rows, -1, np.int64)  # [R] row in the last step's samples
+        self.num_pending = np.zeros(max_num_rows, np.int64)  # [R] ids sampled on the device, not on the host yet
+        self.has_penalties = np.zeros(max_num_rows, bool)  # [R] its sampling reads its output ids
+        self.serial = np.full(max_num_rows, -1, np.int64)  # [R] which request holds the row (-1: none)
+        self.num_added = 0  # requests added so far: the next one's serial
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_rows - 1, -1, -1))
 
     # ---- rows in and out ----------------------------------------------------------------------------
 
-    def add(self, req_id: str, token_ids: list[int], block_ids: list[int]) -> int:
+    def add(self, req_id: str, token_ids: list[int], block_ids: list[int], has_penalties: bool = False,
+            num_computed: int = 0) -> int:
+        """A row for a new request (a resumed one comes back with its outputs in `token_ids`)."""
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
         self.row_of[req_id] = row
-        self.num_tokens[row] = self.num_drafts[row] = self.num_blocks[row] = 0
+        self.num_tokens[row] = self.num_drafts[row] = self.num_blocks[row] = self.num_pending[row] = 0
         self.last_sample_index[row] = -1
+        self.has_penalties[row] = has_penalties
+        self.num_computed[row] = num_computed
+        self.serial[row] = self.num_added
+        self.num_added += 1
         self.append_tokens(row, token_ids)
         self.set_blocks(row, 0, block_ids)
         return row
@@ -78,6 +93,7 @@ class PersistentBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.last_sample_index[row] = -1
+            self.serial[row] = -1  # ids of steps still in flight for it no longer find it
             self.free_rows.append(row)
 
     def set_blocks(self, row: int, num_kept: int, new_block_ids: list[int]) -> None:
@@ -95,8 +111,8 @@ class PersistentBatch:
         self.num_drafts[row] = 0
 
     def append_one_each(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """One token per row (the common decode step), vectorized."""
-        ends = self.num_tokens[rows]
+        """One token per row (the common decode step), vectorized; rows [S], token_ids [S]."""
+        ends = self.num_tokens[rows]  # [S]
         self._ensure_token_columns(int(ends.max()) + 1)
         self.token_ids[rows, ends] = token_ids
         self.num_tokens[rows] = ends + 1
@@ -135,6 +151,10 @@ class PersistentBatch:
         self.last_sample_index[:] = -1
         self.last_sample_index[rows] = np.arange(len(rows))
 
+    def still_held(self, rows: np.ndarray, serials: np.ndarray) -> np.ndarray:
+        """[S] bool: row i still holds the request that held it when `serials` [S] was read."""
+        return self.serial[rows] == serials
+
     def clear_pending(self) -> None:
         """The last launched step's ids reached the host: no row has a token on the device only."""
         self.last_sample_index[:] = -1
@@ -154,9 +174,10 @@ class PersistentBatch:
         old = len(self.num_tokens)
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-        for name in ("num_tokens", "num_drafts", "num_blocks"):
-            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(old, np.int64)]))
-        self.last_sample_index = np.concatenate([self.last_sample_index, np.full(old, -1, np.int64)])
+        for name in ("num_tokens", "num_computed", "num_drafts", "num_blocks", "num_pending", "has_penalties"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros_like(getattr(self, name))]))
+        for name in ("last_sample_index", "serial"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.full(old, -1, np.int64)]))
         self.free_rows = list(range(2 * old - 1, old - 1, -1)) + self.free_rows
 
     def check_integrity(self) -> None:
@@ -164,6 +185,9 @@ class PersistentBatch:
         assert len(set(rows)) == len(rows), "two requests share a row"
         assert not set(rows) & set(self.free_rows), "a held row is also free"
         assert len(rows) + len(self.free_rows) == len(self.num_tokens), "rows lost"
+        assert (self.serial[rows] >= 0).all() and (self.serial[self.free_rows] == -1).all(), "row serials"
+        assert len(set(self.serial[rows].tolist())) == len(rows), "two rows share a serial"
+        assert ((self.num_pending[rows] >= 0) & (self.num_pending[rows] <= 2)).all(), "pending ids miscounted"
 
 
 def _widen(array: np.ndarray, num_columns: int) -> np.ndarray:

@@ -9,7 +9,7 @@ the step returns (the same code path with a device that never runs ahead).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ class StepHandle:
     sample_rows: np.ndarray  # [S] rows that sampled
     sampled: torch.Tensor  # [S] int64 on the device: the next step's inputs read it there
     copy: HostCopy
+    batch_rows: np.ndarray  # [S] int64 their rows in the runner's PersistentBatch
+    serials: np.ndarray  # [S] int64 those rows' serials at launch (a row taken over meanwhile differs)
     num_logprobs: list[int | None] = field(default_factory=list)  # [S] per sampling row, asked count
     output: ModelRunnerOutput | None = None  # set once finished
     is_sync: bool = False  # verified on the host at launch (drafts): the ids below, no copy
@@ -67,3 +69,13 @@ def start_host_copy(out: SamplerOutput, extra: dict[str, torch.Tensor] | None = 
         tensors.update(lp_ids=out.logprobs.token_ids, lp_values=out.logprobs.logprobs,
                        lp_ranks=out.logprobs.sampled_ranks)
     return HostCopy.start(tensors)
+
+
+def rows_of_samples(sampled: list, sample_rows: np.ndarray, num_rows: int, fill: Callable[[], Any] = list) -> list:
+    """Per sampling row values [S] -> per row of the step [num_rows]; rows that did not sample get `fill()`."""
+    if len(sampled) == num_rows:
+        return sampled  # every row sampled: already in row order
+    per_row = [fill() for _ in range(num_rows)]
+    for value, row in zip(sampled, sample_rows.tolist()):
+        per_row[row] = value
+    return per_row
