@@ -9,6 +9,7 @@
 #      checkpoint in ~/.cache/llmserve-llamacpp/smollm2-135m, made when absent), PORT_A (8331), PORT_B (8332)
 # The measurement holds /tmp/llmserve-bench.lock.
 set -euo pipefail
+source "$(dirname "$0")/../lib/servers.sh"
 
 PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}/smollm2-135m}
@@ -29,15 +30,6 @@ start() {  # start NAME PORT FLAGS...: our server in the background, logged to $
   "$PYTHON" -m llmserve.cli serve --model "$MODEL" --port "$2" --max-model-len 1024 --kv-cache-memory 3GiB \
     --dtype float32 "${@:3}" > "$OUT/$1.log" 2>&1 9>&- &
   PIDS+=($!)
-}
-stop_all() { kill "${PIDS[@]}" 2> /dev/null || true; wait "${PIDS[@]}" 2> /dev/null || true; PIDS=(); }
-wait_healthy() {  # wait_healthy PORT PID
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$1/health" > /dev/null && return
-    kill -0 "$2" 2> /dev/null || { echo "server on :$1 exited; see $OUT" >&2; exit 1; }
-    sleep 1
-  done
-  echo "server on :$1 not healthy after 600 s" >&2; exit 1
 }
 
 exec 9> /tmp/llmserve-bench.lock

@@ -20,6 +20,7 @@
 # env: LLAMACPP_CACHE (default ~/.cache/llmserve-llamacpp), LLAMA_CPP_PYTHON_VERSION (0.3.36),
 #      PYTHON (a python that imports llmserve; default: python3), PORT_OURS (8321), PORT_LCPP (8322)
 set -euo pipefail
+source "$(dirname "$0")/../lib/servers.sh"
 
 CACHE=${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -94,14 +95,6 @@ runpy.run_path(script, run_name="__main__")
 EOF
 }
 
-wait_healthy() {  # wait_healthy PORT PID
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$1/health" > /dev/null && return
-    kill -0 "$2" 2> /dev/null || { echo "server on :$1 exited; see $OUT" >&2; exit 1; }
-    sleep 1
-  done
-  echo "server on :$1 not healthy after 600 s" >&2; exit 1
-}
 
 [[ $BUILD == 1 ]] && build_llama_cpp
 [[ -x $SERVER_BIN ]] || { echo "no $SERVER_BIN: run with --build" >&2; exit 1; }
@@ -116,7 +109,6 @@ start() {  # start NAME COMMAND...: in the background, logged to $OUT/NAME.log, 
   "${@:2}" > "$OUT/$1.log" 2>&1 9>&- &
   PIDS+=($!)
 }
-stop_all() { kill "${PIDS[@]}" 2> /dev/null || true; wait "${PIDS[@]}" 2> /dev/null || true; PIDS=(); }
 
 exec 9> /tmp/llmserve-bench.lock
 echo "waiting for /tmp/llmserve-bench.lock"; flock 9
