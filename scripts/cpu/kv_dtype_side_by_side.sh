@@ -26,28 +26,22 @@ done
 mkdir -p "$OUT"
 [[ -d $MODEL ]] || "$PYTHON" -m llmserve.cli make-model --arch llama --shape smollm2-135m --out "$MODEL"
 
-start() {  # start NAME PORT FLAGS...: our server in the background, logged to $OUT/NAME.log, without the lock's fd
-  "$PYTHON" -m llmserve.cli serve --model "$MODEL" --port "$2" --max-model-len 1024 --kv-cache-memory 3GiB \
-    --dtype float32 "${@:3}" > "$OUT/$1.log" 2>&1 9>&- &
-  PIDS+=($!)
+ours() {  # ours NAME PORT FLAGS...: our f32 server in the background
+  start "$1" "$PYTHON" -m llmserve.cli serve --model "$MODEL" --port "$2" --max-model-len 1024 \
+    --kv-cache-memory 3GiB --dtype float32 "${@:3}"
 }
 
-exec 9> /tmp/llmserve-bench.lock
-echo "waiting for /tmp/llmserve-bench.lock"; flock 9
+take_bench_lock
 PIDS=()
 trap stop_all EXIT
 for C in ${CONCURRENCY//,/ }; do
   echo "c=$C load average before: $(cat /proc/loadavg) at $(date -u +%H:%M:%S)" | tee -a "$OUT/loadavg.txt"
-  start "kv-f32-c$C" "$PORT_A"
-  start "kv-fp16-c$C" "$PORT_B" --kv-cache-dtype fp16
+  ours "kv-f32-c$C" "$PORT_A"
+  ours "kv-fp16-c$C" "$PORT_B" --kv-cache-dtype fp16
   wait_healthy "$PORT_A" "${PIDS[0]}"
   wait_healthy "$PORT_B" "${PIDS[1]}"
   grep -h "engine ready" "$OUT/kv-f32-c$C.log" "$OUT/kv-fp16-c$C.log" | tee -a "$OUT/engines.txt" || true
-  "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$PORT_A" \
-    --compare "http://127.0.0.1:$PORT_B" --labels kv-f32,kv-fp16 --tokenizer "$MODEL" --dataset random \
-    --input-len 288 --output-len 144 --range-ratio 0.7778 --num-requests 128 --concurrency "$C" \
-    --ignore-eos --stream --seed 20 --timeout 1800 --out "$OUT/results-c$C.json" | tee "$OUT/table-c$C.txt" \
-    || echo "c=$C: bench serve exited non-zero (failed requests: see $OUT/table-c$C.txt)" >&2
+  compare_anchor "$PORT_A" "$PORT_B" kv-f32,kv-fp16 "$C"
   stop_all
 done
 echo "load average after: $(cat /proc/loadavg) at $(date -u +%H:%M:%S)" | tee -a "$OUT/loadavg.txt"

@@ -105,13 +105,7 @@ convert "$GGUF_TYPE" "$GGUF"
 
 "$SERVER_BIN" --version > "$OUT/llama-server-version.txt" 2>&1 || true
 
-start() {  # start NAME COMMAND...: in the background, logged to $OUT/NAME.log, without the lock's fd
-  "${@:2}" > "$OUT/$1.log" 2>&1 9>&- &
-  PIDS+=($!)
-}
-
-exec 9> /tmp/llmserve-bench.lock
-echo "waiting for /tmp/llmserve-bench.lock"; flock 9
+take_bench_lock
 PIDS=()
 trap stop_all EXIT
 for C in ${CONCURRENCY//,/ }; do
@@ -122,12 +116,7 @@ for C in ${CONCURRENCY//,/ }; do
   start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_LCPP" -t 2 -np "$C" -c $((C * 768))
   wait_healthy "$PORT_OURS" "${PIDS[0]}"
   wait_healthy "$PORT_LCPP" "${PIDS[1]}"
-  # a level with failed requests exits non-zero: its table says so, and the next level still runs
-  "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$PORT_OURS" \
-    --compare "http://127.0.0.1:$PORT_LCPP" --labels "$LABELS" --tokenizer "$MODEL" --dataset random \
-    --input-len 288 --output-len 144 --range-ratio 0.7778 --num-requests 128 --concurrency "$C" \
-    --ignore-eos --stream --seed 20 --timeout 1800 --out "$OUT/results-c$C.json" | tee "$OUT/table-c$C.txt" \
-    || echo "c=$C: bench serve exited non-zero (failed requests: see $OUT/table-c$C.txt)" >&2
+  compare_anchor "$PORT_OURS" "$PORT_LCPP" "$LABELS" "$C"
   stop_all
 done
 echo "load average after: $(cat /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
