@@ -60,6 +60,11 @@ class TPExecutor:
         self.procs = self._spawn(config, model_info, dtype, size)
         self.on_failure: Callable[[str], None] | None = None  # called from the monitor thread
         self.is_closed = False
+        # The monitor thread and the step thread both ask why a rank died; reaping a child (waitpid) from
+        # two threads at once leaves one of them without its exit status, so one asks at a time and the
+        # first answer is kept.
+        self._death_lock = threading.Lock()
+        self._death_reason: str | None = None
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         try:
             self._wait_joined(size, deadline)
@@ -136,7 +141,15 @@ class TPExecutor:
 
     def _death(self, timeout: float) -> str | None:
         """Why the first dead rank died (waiting up to `timeout` for one), or None while all live."""
+        if self._death_reason is not None:
+            return self._death_reason
         dead = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout)
+        with self._death_lock:
+            if self._death_reason is None:
+                self._death_reason = self._first_death(dead)
+            return self._death_reason
+
+    def _first_death(self, dead: list) -> str | None:
         for rank, proc in enumerate(self.procs, start=1):
             if proc.sentinel in dead:
                 proc.join(1.0)  # the sentinel closes a moment before the exit status exists
