@@ -14,14 +14,16 @@ from llmserve.worker.penalty_tokens import PenaltyTokens
 from llmserve.sample.seeds import position_seed
 
 
-_REQ_ID = attrgetter("req_id")
+_REQ_ID, _IS_PLAIN_GREEDY = attrgetter("req_id"), attrgetter("is_plain_greedy")
 
 
 class SamplingInputs:
     """Builds a step's SamplingMetadata, reusing the last one while the same rows sample in the same
     order and none has inputs that change with its tokens (penalties, min_tokens): the common decode
-    step then costs no host-to-device copy. Seeded rows' generators are set for their position;
-    penalties read their tokens on the device (`penalty_tokens`)."""
+    step then costs no host-to-device copy. Rows that are all plain greedy (nothing but an argmax) share
+    one metadata whatever the rows, so a batch that loses or gains such rows builds nothing either.
+    Seeded rows' generators are set for their position; penalties read their tokens on the device
+    (`penalty_tokens`)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -31,13 +33,16 @@ class SamplingInputs:
         self._meta: SamplingMetadata | None = None
         self._seeded: list[CachedRequestState] = []  # rows of the last metadata with a generator
         self._generation = 0  # bumped when states are created: a new state may reuse a request id
+        self._plain_greedy = SamplingMetadata(vocab_size, all_greedy=True, all_random=False)
 
     def invalidate(self) -> None:
         self._generation += 1
 
     def metadata(self, rows: list[CachedRequestState]) -> SamplingMetadata:
         key = (self._generation, *map(_REQ_ID, rows))
-        if key != self._key or self._meta is None:
+        if key != self._key and all(map(_IS_PLAIN_GREEDY, rows)):
+            self._key, self._meta, self._seeded = key, self._plain_greedy, []
+        elif key != self._key or self._meta is None:
             self._meta = build_sampling_metadata(rows, self.vocab_size, self.device, with_penalties=False)
             self._meta.penalties = self.penalty_tokens.metadata(rows)
             self._seeded = [row for row in rows if row.generator is not None]
