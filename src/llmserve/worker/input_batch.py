@@ -117,6 +117,8 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], b
 def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host array -> tensor on device; on CUDA through pinned memory, non_blocking (the host never waits)."""
     tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor  # what .to(device) would return, without its dispatch
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
