@@ -41,6 +41,8 @@ class Request:
         self.any_stop_token_ids = self.eos_token_ids | self.stop_token_ids  # check_stop looks further on these
         self.arrival_time = arrival_time
         self.max_tokens = max_tokens  # resolved against the context length by the front
+        self.max_num_tokens = len(prompt_token_ids) + max_tokens  # where the length stop is (the scheduler
+        # caps it at the context length)
         self.priority = priority
         self.parent_id = parent_id
         self.cache_salt = cache_salt

@@ -57,13 +57,17 @@ class Scheduler(OutputUpdate):
         self.num_preemptions = 0
         self.num_step_prompt_tokens = 0
         self.prefill_budget = 0  # prompt tokens left in the step being scheduled
-        self.step_rows: list[Request] = []  # the step being scheduled: its requests in row order
+        # The step being scheduled: rows that `_advance_scheduled` moves on once all are scheduled (plain
+        # decode rows move on as `_schedule_decodes` schedules them), and how many rows that made.
+        self.rows_to_advance: list[Request] = []
+        self.num_step_rows = 0
 
     # ---- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
+        request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if request.grammar is not None:  # queued once compiled (at once on a cache hit): _admit_compiled
             self.num_structured += 1
             self.compiling.add(request)
@@ -142,7 +146,7 @@ class Scheduler(OutputUpdate):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._admit_compiled()
-        self.step_rows = []
+        self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
         budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
@@ -158,9 +162,10 @@ class Scheduler(OutputUpdate):
     def _advance_scheduled(self, out: SchedulerOutput) -> None:
         """The step's requests count their scheduled tokens as computed; one that reaches its last token
         samples in this step (a placeholder stands for that token until its id is back)."""
-        assert len(self.step_rows) == len(out.num_scheduled_tokens), "step rows and scheduled tokens differ"
+        assert self.num_step_rows == len(out.num_scheduled_tokens), "step rows and scheduled tokens differ"
         num_prompt = 0
-        for request, num in zip(self.step_rows, out.num_scheduled_tokens.values()):
+        for request in self.rows_to_advance:
+            num = out.num_scheduled_tokens[request.request_id]
             start = request.num_computed_tokens
             end = request.num_computed_tokens = start + num
             if start < request.num_prompt_tokens:
@@ -171,7 +176,7 @@ class Scheduler(OutputUpdate):
                     out.grammar = out.grammar or StepGrammar()
                     out.grammar.add(request.request_id, request.grammar,
                                     out.scheduled_spec_tokens.get(request.request_id))
-        self.num_step_prompt_tokens = num_prompt
+        self.num_step_prompt_tokens += num_prompt
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: capped while some request decodes, so that a long
@@ -193,6 +198,7 @@ class Scheduler(OutputUpdate):
             num_decodes = self._schedule_decodes(out, i, budget)
             if num_decodes:
                 i, budget = i + num_decodes, budget - num_decodes
+                self.num_step_rows += num_decodes
                 continue
             request = self.running[i]
             if self._is_done_once_known(request):
@@ -216,7 +222,8 @@ class Scheduler(OutputUpdate):
                 continue  # the request itself was preempted: running[i] is now the next one
             self._send_blocks(out, request, new_blocks)
             out.num_scheduled_tokens[request.request_id] = num_new
-            self.step_rows.append(request)
+            self.rows_to_advance.append(request)
+            self.num_step_rows += 1
             if drafts:
                 out.scheduled_spec_tokens[request.request_id] = drafts
             budget -= num_new
@@ -225,11 +232,13 @@ class Scheduler(OutputUpdate):
 
     def _schedule_decodes(self, out: SchedulerOutput, start: int, budget: int) -> int:
         """Schedules the plain decode rows from running[start] on in one tight loop: one token each, no
-        drafts; a row whose blocks are full gets one here. Returns how many; the first row that needs
-        more (a prompt chunk, drafts, a preemption, or nothing at all) is left to the general path."""
+        drafts; a row whose blocks are full gets one here. Each samples in this step, so it moves on at
+        once (`_advance_scheduled` for one row; a row with a grammar is left to it). Returns how many; the
+        first row that needs more (a prompt chunk, drafts, a preemption, or nothing) is left to the
+        general path."""
         block_size, num_lookahead = self.kv.block_size, self.num_lookahead
         req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
-        is_caching, scheduled, add_row = self.kv.enable_caching, out.num_scheduled_tokens, self.step_rows.append
+        is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
         rows = self.running[start:start + budget]
         for i, request in enumerate(rows):
             req_id, num_after = request.request_id, request.num_computed_tokens + 1  # tokens computed after it
@@ -247,7 +256,13 @@ class Scheduler(OutputUpdate):
                     num_cached_blocks.get(req_id, 0):
                 self.kv.cache_full_blocks(request, num_after)  # a block fills in this step
             scheduled[req_id] = 1
-            add_row(request)
+            if request.grammar is not None:
+                self.rows_to_advance.append(request)
+                continue
+            request.num_computed_tokens = num_after
+            request.num_placeholders += 1
+            if num_after <= request.num_prompt_tokens:  # its last prompt token
+                self.num_step_prompt_tokens += 1
         return len(rows)
 
     def _send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
@@ -261,10 +276,7 @@ class Scheduler(OutputUpdate):
 
     def _is_done_once_known(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
-        if request.num_placeholders == 0:
-            return False
-        num_outputs = request.num_output_tokens + request.num_placeholders
-        return num_outputs >= request.max_tokens or request.num_tokens_with_placeholders >= self.max_model_len
+        return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
 
     def _allocate_or_preempt(self, out: SchedulerOutput, request: Request,
                              num_new: int) -> tuple[list[KVBlock] | None, int, int]:
@@ -299,7 +311,14 @@ class Scheduler(OutputUpdate):
             return 0
         out.scheduled_spec_tokens.pop(request.request_id, None)
         out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
-        self.step_rows.remove(request)
+        self.num_step_rows -= 1
+        if request in self.rows_to_advance:
+            self.rows_to_advance.remove(request)
+        else:  # a plain decode row, moved on as it was scheduled: back
+            request.num_computed_tokens -= 1
+            request.num_placeholders -= 1
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_step_prompt_tokens -= 1
         if request.num_tokens_with_placeholders - request.num_computed_tokens > 1:
             self.prefill_budget += num  # it was a prompt chunk
         return num
@@ -337,7 +356,8 @@ class Scheduler(OutputUpdate):
             self._start_running(request, num_hit_tokens)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new
-            self.step_rows.append(request)
+            self.rows_to_advance.append(request)
+            self.num_step_rows += 1
             budget -= num_new
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:

@@ -84,7 +84,6 @@ class OutputUpdate:
         stops on nothing takes it in a tight loop; the others go through `_append_tokens`. Returns the
         number of tokens generated."""
         num_generated = 0
-        max_model_len = self.max_model_len
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or not token_ids:
@@ -93,7 +92,7 @@ class OutputUpdate:
             num_generated += len(token_ids)
             num_tokens = len(request.all_token_ids) + 1
             if (len(token_ids) == 1 and token_ids[0] not in request.any_stop_token_ids
-                    and num_tokens < request.num_prompt_tokens + request.max_tokens and num_tokens < max_model_len
+                    and num_tokens < request.max_num_tokens
                     and request.grammar is None and request.first_token_time is not None):
                 request.all_token_ids.append(token_ids[0])
                 if not request.is_final_only:

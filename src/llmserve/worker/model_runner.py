@@ -70,6 +70,7 @@ class ModelRunner:
         self.speculator = speculator
         self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
         self.states: dict[str, CachedRequestState] = {}
+        self.num_not_plain_greedy = 0  # states whose sampling needs per-row inputs (SamplingInputs)
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
         self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
         self.in_flight: StepHandle | None = None  # launched last and not finished
@@ -141,7 +142,9 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.forget(req_ids)
         for req_id in req_ids:
-            if self.states.pop(req_id, None) is not None:
+            state = self.states.pop(req_id, None)
+            if state is not None:
+                self.num_not_plain_greedy -= not state.is_plain_greedy
                 self.batch.remove(req_id)
                 self.prompt_scorers.discard(req_id)
                 self._last_rows = None
@@ -162,6 +165,7 @@ class ModelRunner:
             self.sampling.invalidate()
         for new in sched_out.new_reqs:
             state = self.states[new.req_id] = self._new_state(new)
+            self.num_not_plain_greedy += not state.is_plain_greedy
             self._last_rows = None
             if state.has_penalties:
                 self.sampling.penalty_tokens.add(state)
@@ -273,7 +277,7 @@ class ModelRunner:
         """Rank 0 samples; with tensor parallelism it broadcasts the ids to the other ranks, whose persistent
         batches need them (only rank 0 answers the engine, so they skip logprobs)."""
         if self.tp is None or self.tp.rank == 0:
-            out = self.sampler(logits, self.sampling.metadata(rows))
+            out = self.sampler(logits, self.sampling.metadata(rows, self.num_not_plain_greedy == 0))
             if self.tp is not None:
                 self.tp.broadcast(out.sampled_token_ids)
             return out
@@ -383,6 +387,7 @@ class ModelRunner:
         self.batch.check_integrity()
         assert set(self.batch.row_of) == set(self.states), "batch rows and states differ"
         assert self.prompt_scorers == {r for r, s in self.states.items() if s.params.prompt_logprobs is not None}
+        assert self.num_not_plain_greedy == sum(not s.is_plain_greedy for s in self.states.values())
         for req_id, state in self.states.items():
             assert self.batch.row_of[req_id] == state.row and state.batch is self.batch, "a state's row moved"
             assert self.batch.has_penalties[state.row] == state.has_penalties, "a row's penalty flag is stale"

@@ -38,7 +38,11 @@ class SamplingInputs:
     def invalidate(self) -> None:
         self._generation += 1
 
-    def metadata(self, rows: list[CachedRequestState]) -> SamplingMetadata:
+    def metadata(self, rows: list[CachedRequestState], is_all_plain_greedy: bool = False) -> SamplingMetadata:
+        """`is_all_plain_greedy`: the caller knows every row is plain greedy (it counts its states)."""
+        if is_all_plain_greedy:
+            self._key, self._meta, self._seeded = (), self._plain_greedy, []
+            return self._meta
         key = (self._generation, *map(_REQ_ID, rows))
         if key != self._key and all(map(_IS_PLAIN_GREEDY, rows)):
             self._key, self._meta, self._seeded = key, self._plain_greedy, []
