@@ -27,3 +27,11 @@ def test_lower_layers_import_no_upper_layer():
                  for name in _imported_modules(path)
                  if name.split(".")[:2] in [["llmserve", upper] for upper in UPPER]]
     assert not offending, offending
+
+
+def test_speculation_imports_nothing_from_the_runner():
+    """The runner holds the speculator (worker -> spec), so spec/ may not import worker/ (a cycle)."""
+    offending = [f"{path.relative_to(SRC)} imports {name}"
+                 for path in sorted((SRC / "spec").rglob("*.py")) for name in _imported_modules(path)
+                 if name.split(".")[:2] == ["llmserve", "worker"]]
+    assert not offending, offending

@@ -17,9 +17,9 @@ import torch
 from llmserve.model.attention import AttentionBackend
 from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.sampler import Sampler
-from llmserve.spec.proposer import ProposerRow
-from llmserve.worker.input_batch import prepare_inputs
 from llmserve.sample.seeds import position_seed
+from llmserve.spec.draft_inputs import prepare_inputs
+from llmserve.spec.proposer import ProposerRow
 
 _DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from positions of their own
 

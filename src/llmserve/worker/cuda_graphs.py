@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmserve.worker.input_batch import StepInputs
+from llmserve.model.step_inputs import StepInputs
 
 if TYPE_CHECKING:  # triton is imported only where the Triton backend is used
     from llmserve.model.attn_triton import TritonAttentionBackend

@@ -1,4 +1,4 @@
-"""Per-request state the model runner keeps across steps, and the step's flat input tensors."""
+"""Per-request state the model runner keeps across steps."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.model.attention import AttentionInputs
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.persistent_batch import PersistentBatch, flat_positions, slot_mapping
+from llmserve.worker.persistent_batch import PersistentBatch
 
 
 @dataclass
@@ -69,80 +68,3 @@ class CachedRequestState:
         """Output tokens sampled so far, the ones still on the device included."""
         row = self.row
         return int(self.batch.num_tokens[row] + self.batch.num_pending[row]) - len(self.prompt_token_ids)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn: AttentionInputs
-    logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
-    sample_rows: list[int]  # [S] row index of each sampling row
-
-
-def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
-                   device: torch.device, drafts: list[list[int]] | None = None) -> StepInputs:
-    """Flatten the step's rows into token, position, slot and block-table tensors (numpy, no per-token loop).
-
-    `drafts` per row: draft tokens scheduled after the row's real tokens (speculative decoding)."""
-    num_rows = len(states)
-    num_drafts = np.asarray([len(d) for d in drafts] if drafts else [0] * num_rows, dtype=np.int64)  # [B]
-    counts = np.asarray(num_scheduled, dtype=np.int64)  # [B]
-    starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)  # [B]
-    cu, row_of_token, positions = flat_positions(starts, counts)  # [B + 1], [T], [T]
-    num_tokens = int(cu[-1])
-    input_ids = np.fromiter(_token_slices(states, starts, counts, drafts), dtype=np.int64, count=num_tokens)
-    block_table = _block_table(states)  # [B, max_blocks]
-    slots = slot_mapping(block_table, row_of_token, positions, block_size)
-    seq_lens = starts + counts
-    sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + num_drafts[i]]
-    attn = AttentionInputs(
-        query_start_loc=on_device(cu.astype(np.int32), device),
-        seq_lens=on_device(seq_lens.astype(np.int32), device),
-        block_table=on_device(block_table, device),
-        slot_mapping=on_device(slots, device),
-        query_lens_cpu=counts.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-        block_size=block_size,
-    )
-    return StepInputs(
-        input_ids=on_device(input_ids, device),
-        positions=on_device(positions, device),
-        attn=attn,
-        logits_indices=on_device(logits_indices(cu[1:][sample_rows], num_drafts[sample_rows]), device),
-        sample_rows=sample_rows,
-    )
-
-
-def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> tensor on device; on CUDA through pinned memory, non_blocking (the host never waits)."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor  # what .to(device) would return, without its dispatch
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-    """Per sampling row (its tokens end at `ends`): the last num_drafts + 1 token indices, flattened."""
-    if not num_drafts.any():
-        return ends - 1
-    counts = num_drafts + 1  # [S]
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # [N]
-    return np.repeat(ends - counts, counts) + offsets
-
-
-def _token_slices(states: list[CachedRequestState], starts: np.ndarray, counts: np.ndarray,
-                  drafts: list[list[int]] | None):
-    for i, (state, start, count) in enumerate(zip(states, starts.tolist(), counts.tolist())):
-        tokens = state.token_ids + drafts[i] if drafts and drafts[i] else state.token_ids
-        yield from tokens[start:start + count]
-
-
-def _block_table(states: list[CachedRequestState]) -> np.ndarray:
-    max_blocks = max(len(s.block_ids) for s in states)
-    table = np.zeros((len(states), max_blocks), dtype=np.int32)  # 0 = the null block
-    for i, state in enumerate(states):
-        table[i, :len(state.block_ids)] = state.block_ids
-    return table

@@ -25,11 +25,12 @@ import torch
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.model.parallel import TensorParallel
+from llmserve.model.step_inputs import StepInputs, logits_indices, on_device
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
-from llmserve.worker.input_batch import CachedRequestState, StepInputs, logits_indices, on_device
+from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
 from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs, host_logprobs

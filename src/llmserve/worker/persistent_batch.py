@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmserve.model.step_inputs import flat_positions, slot_mapping
+
 INITIAL_TOKEN_COLUMNS = 256
 INITIAL_BLOCK_COLUMNS = 16
 
@@ -32,24 +34,6 @@ class StepArrays:
     sample_rows: np.ndarray  # [S] int64: rows whose last token here is the last known or pending one
     pending_tokens: np.ndarray  # [P] int64: token indices whose id is on the device only
     pending_sources: np.ndarray  # [P] int64: their index in the last launched step's sampled ids
-
-
-def flat_positions(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row `counts` tokens from `starts`: (cu [B + 1], row of each token [T], positions [T])."""
-    cu = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=cu[1:])
-    if cu[-1] == len(counts) and (counts == 1).all():  # one token per row (decode steps)
-        return cu, np.arange(len(counts)), starts.copy()
-    row_of_token = np.repeat(np.arange(len(counts)), counts)  # [T]
-    positions = np.arange(int(cu[-1])) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
-    return cu, row_of_token, positions
-
-
-def slot_mapping(block_table: np.ndarray, row_of_token: np.ndarray, positions: np.ndarray,
-                 block_size: int) -> np.ndarray:
-    """[T] cache slot of each token: its block's id * block_size + offset."""
-    block_ids = block_table[row_of_token, positions // block_size].astype(np.int64)
-    return block_ids * block_size + positions % block_size
 
 
 class PersistentBatch:

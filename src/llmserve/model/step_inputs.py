@@ -1,0 +1,57 @@
+"""A forward's inputs (the runner's and the draft model's): the record and the numpy helpers that build it
+(flat token positions, cache slots, the rows' logits indices) and the host-to-device copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmserve.model.attention import AttentionInputs
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionInputs
+    logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
+    sample_rows: list[int]  # [S] row index of each sampling row
+
+
+def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> tensor on device; on CUDA through pinned memory, non_blocking (the host never waits)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor  # what .to(device) would return, without its dispatch
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Per sampling row (its tokens end at `ends`): the last num_drafts + 1 token indices, flattened."""
+    if not num_drafts.any():
+        return ends - 1
+    counts = num_drafts + 1  # [S]
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # [N]
+    return np.repeat(ends - counts, counts) + offsets
+
+
+def flat_positions(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row `counts` tokens from `starts`: (cu [B + 1], row of each token [T], positions [T])."""
+    cu = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    if cu[-1] == len(counts) and (counts == 1).all():  # one token per row (decode steps)
+        return cu, np.arange(len(counts)), starts.copy()
+    row_of_token = np.repeat(np.arange(len(counts)), counts)  # [T]
+    positions = np.arange(int(cu[-1])) - cu[:-1][row_of_token] + starts[row_of_token]  # [T]
+    return cu, row_of_token, positions
+
+
+def slot_mapping(block_table: np.ndarray, row_of_token: np.ndarray, positions: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """[T] cache slot of each token: its block's id * block_size + offset."""
+    block_ids = block_table[row_of_token, positions // block_size].astype(np.int64)
+    return block_ids * block_size + positions % block_size
