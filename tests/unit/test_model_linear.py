@@ -49,3 +49,47 @@ def test_model_layers_are_linear_subclasses():
     """Quantization swaps every nn.Linear: the layers stay nn.Linear subclasses through `linear`."""
     assert isinstance(column_linear(4, 8, False, None), Linear)
     assert isinstance(row_linear(4, 8, True, None), torch.nn.Linear)
+
+
+needs_packing = pytest.mark.skipif(not linear_mod._has_packing(), reason="torch without oneDNN weight packing")
+
+
+@needs_packing
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_a_packed_linear_matches_f_linear_at_every_row_count_and_keeps_one_copy(has_bias):
+    gen = torch.Generator().manual_seed(7)
+    layer = Linear(384, 520, bias=has_bias).requires_grad_(False)
+    torch.nn.init.normal_(layer.weight, generator=gen)
+    w, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
+    assert linear_mod.pack_linears(torch.nn.Sequential(layer)) == 1
+    assert layer.weight is None and [n for n, _ in layer.named_parameters()] == (["bias"] if has_bias else [])
+    with torch.inference_mode():
+        for rows in [1, 3, 16, 17, 33, 300]:
+            x = torch.randn(rows, 384, generator=gen)
+            torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        x = torch.randn(2, 5, 384, generator=gen)  # leading dimensions are kept
+        torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_only_large_float32_cpu_weights_without_grad_are_packed():
+    small, bf16, trained = Linear(64, 64), Linear(512, 512).bfloat16(), Linear(512, 512)
+    for layer in (small, bf16):
+        layer.requires_grad_(False)
+    assert linear_mod.pack_linears(torch.nn.Sequential(small, bf16, trained)) == 0
+    assert all(layer.packed_weight is None and layer.weight is not None for layer in (small, bf16, trained))
+
+
+@needs_packing
+def test_a_loaded_cpu_model_is_packed_and_generates_what_the_unpacked_one_does(tmp_path, monkeypatch):
+    from llmserve import LLM, SamplingParams
+    from llmserve.model.maker import make_model
+
+    path = make_model("llama", "demo", str(tmp_path), seed=3)  # its MLP weights are large enough to pack
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(10, 50))]
+    packed = LLM(path, dtype="float32")
+    assert any(m.packed_weight is not None for m in packed.engine.runner.model.modules() if isinstance(m, Linear))
+    got = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
+    monkeypatch.setattr(Linear, "pack", lambda self: False)
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
+    assert got == want

@@ -163,8 +163,8 @@ class CausalLM(nn.Module):
             if self.lm_head is None:  # tied (a quantized model has its own lm_head: model/quant)
                 return linear(hidden, self.model.embed_tokens.weight).float()
             return self.lm_head(hidden).float()
-        weight = self.model.embed_tokens.weight if self.is_tied else self.lm_head.weight
-        logits = self.tp.all_gather_last(linear(hidden, weight))  # each rank's vocabulary rows, in order
+        rows = linear(hidden, self.model.embed_tokens.weight) if self.is_tied else self.lm_head.matmul(hidden, None)
+        logits = self.tp.all_gather_last(rows)  # each rank's vocabulary rows, in order
         return logits[:, :self.config.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

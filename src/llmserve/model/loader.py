@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.model.linear import pack_linears
 from llmserve.model.parallel import TensorParallel, shard_of
 from llmserve.model.registry import architecture_of, get_model_class
 
@@ -124,7 +125,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     model.load_weights(weights)
     if quantization is not None:
         quant.quantize_model(model, quantization)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    pack_linears(model)  # float32 on CPU: weights laid out once for oneDNN (model/linear.py)
+    return model
 
 
 def resolve_quantization(requested: str | None, path: str) -> str | None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model.linear import Linear, linear
+from llmserve.model.linear import Linear
 
 
 @dataclass
@@ -154,7 +154,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in / N] -> [T, out], the same on every rank."""
-        out = linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        out = self.matmul(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(out)
 
 
