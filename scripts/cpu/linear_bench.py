@@ -1,5 +1,6 @@
-"""float32 linear layers of the smollm2-135m shape: F.linear (MKL sgemm) vs oneDNN's `_linear_pointwise` vs
-x @ w.T vs MKL's packed GEMM (issue 19). NEVER RUN IN CI.
+"""float32 linear layers of the smollm2-135m shape: F.linear (MKL sgemm) vs oneDNN's `_linear_pointwise` on the
+plain weight and on the weight packed once for 16 rows (what model/linear.py's `Linear.pack` does) vs x @ w.T
+vs MKL's packed GEMM (issue 19). NEVER RUN IN CI.
 
 usage: python scripts/cpu/linear_bench.py THREADS ROWS[,ROWS...]   (ms per call at the first quartile)
 """
@@ -30,6 +31,10 @@ for k, n in shapes:
         try:
             res["dnn_lp"] = t(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
         except Exception as e: res["dnn_lp"] = str(e)[:40]
+        try:
+            pw = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            res["dnn_packed16"] = t(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""))
+        except Exception as e: res["dnn_packed16"] = str(e)[:40]
         try:
             mw = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
             res["mkl_packed"] = t(lambda: torch.ops.mkl._mkl_linear(x, mw, w, None, rows))
