@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One lease on an H100 (the device tool): install without network, run the GPU tests, then measure the
+# targets of issues 15 (host overhead), 20 (fp8) and 18 (speculation) on the Llama-3.1-8B shape in bf16.
+# Each stage has its own time limit and the run keeps a deadline, so a stage that breaks or hangs costs
+# only its own slot. Everything lands in $OUT: summary.txt (one line a stage, printed last) and res.tgz
+# (every log and results JSON).
+#
+#   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
+#   stages: comma list of tests,roofline,offline,serve,fp8,spec (default: all, in that order)
+#   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
+set -u
+BUDGET=${1:-560}
+STAGES=${2:-tests,roofline,offline,serve,fp8,spec}
+SHAPE=${SHAPE:-llama-3.1-8b}
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-/tmp/h100-out}
+RES=/tmp/h100-res
+MODEL=/tmp/model-$SHAPE
+mkdir -p "$OUT" "$RES"
+T0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - T0 )); }
+note() { echo "[$(elapsed)s] $*" | tee -a "$OUT/summary.txt"; }
+left() { echo $(( BUDGET - $(elapsed) )); }
+pack() { tar -czf "$OUT/res.tgz" -C "$RES" . 2>/dev/null; }
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# run NAME LIMIT CMD...: the command under min(LIMIT, time left - 15 s), output to $RES/NAME.log
+run() {
+    local name=$1 limit=$2; shift 2
+    local avail=$(( $(left) - 15 ))
+    (( avail < limit )) && limit=$avail
+    if (( limit < 20 )); then note "$name: skipped, no time left"; return 1; fi
+    timeout -k 5 "$limit" "$@" >"$RES/$name.log" 2>&1
+    local rc=$?
+    note "$name: rc=$rc ($limit s allowed) | $(grep -E '^\| c=|tok/s|passed|failed|rror' "$RES/$name.log" | tail -1 | cut -c1-200)"
+    pack
+    return $rc
+}
+PY=${PY:-python3}
+L=("$PY" -c 'import sys; from llmserve.cli import main; sys.exit(main())')  # the CLI, wherever pip put scripts
+
+if [ "$DEVICE" = cuda ] && [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+[ "$DEVICE" = cuda ] && { python3 -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install.log" 2>&1 || note "install failed"; }
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,driver_version --format=csv >"$RES/gpu.txt" 2>&1
+note "install done; $(tail -1 "$RES/gpu.txt"); torch $("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
+export PYTHONUNBUFFERED=1
+
+# The 8B checkpoint is written on the CPU while the tests use the GPU.
+("${L[@]}" make-model --arch llama --shape "$SHAPE" --dtype "${DTYPE:-bfloat16}" --out "$MODEL" >"$RES/make_model.log" 2>&1; echo "rc=$?" >>"$RES/make_model.log") &
+MAKER=$!
+
+if want tests; then
+    run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 tests/gpu \
+        tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py
+fi
+wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
+
+if want roofline; then
+    run roofline_bf16 70 "${L[@]}" bench roofline --model "$MODEL" --prompt-len 128 --output-len 256 --repeats 2 --out "$RES/roof_bf16.json"
+fi
+if want offline; then
+    run offline_8b 80 "${L[@]}" bench offline --model "$MODEL" --no-split-steps --out "$RES/offline_8b.json"
+    run offline_smollm2 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --out "$RES/offline_smollm2.json"
+fi
+if want serve; then
+    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 >"$RES/server.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 1 150); do kill -0 $SERVER 2>/dev/null || break; "$PY" -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null && break; sleep 1; done
+    note "server up after $(elapsed)s: $(grep -iE 'blocks|graph' "$RES/server.log" | tail -1 | cut -c1-160)"
+    S=("${L[@]}" bench serve --url http://127.0.0.1:8000 --tokenizer "$MODEL" --dataset random --input-len 200
+       --output-len 180 --ignore-eos --no-progress)
+    run serve_c64 45 "${S[@]}" --concurrency 64 --num-requests 256 --out "$RES/serve_c64.json"
+    run serve_c256 60 "${S[@]}" --concurrency 256 --num-requests 512 --out "$RES/serve_c256.json"
+    run serve_c1024 75 "${S[@]}" --concurrency 1024 --num-requests 1024 --out "$RES/serve_c1024.json"
+    run serve_c1 25 "${S[@]}" --concurrency 1 --num-requests 4 --out "$RES/serve_c1.json"
+    kill $SERVER; wait $SERVER 2>/dev/null
+fi
+if want fp8; then
+    run roofline_fp8 70 "${L[@]}" bench roofline --model "$MODEL" --prompt-len 128 --output-len 256 --repeats 2 \
+        --quantization fp8 --out "$RES/roof_fp8.json"
+fi
+if want spec; then
+    run spec 110 "${L[@]}" bench spec --model "$MODEL" --configs none,oracle=0.8,ngram --concurrency 1,8 --rounds 1 \
+        --out "$RES/spec.json"
+fi
+pack
+echo "=== summary"; cat "$OUT/summary.txt"
+for f in "$RES"/*.log; do echo "=== $(basename "$f")"; tail -n 12 "$f" | cut -c1-220; done 2>/dev/null | tail -c 9000
