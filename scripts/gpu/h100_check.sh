@@ -6,7 +6,8 @@
 # (every log and results JSON).
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
-#   stages: comma list of tests,roofline,offline,serve,fp8,spec (default: all, in that order)
+#   stages: comma list of tests,fp8probe,roofline,offline,serve,fp8,spec (default: all but fp8probe, in that
+#   order); TESTS: the test paths (default below); SPEC_ARGS: extra `bench spec` arguments
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -52,8 +53,12 @@ export PYTHONUNBUFFERED=1
 MAKER=$!
 
 if want tests; then
-    run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 tests/gpu \
-        tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py
+    TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py}
+    # shellcheck disable=SC2086
+    run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 $TESTS
+fi
+if want fp8probe; then
+    run fp8probe 60 "$PY" scripts/gpu/fp8_probe.py 1,8,64,256
 fi
 wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 
@@ -82,8 +87,9 @@ if want fp8; then
         --quantization fp8 --out "$RES/roof_fp8.json"
 fi
 if want spec; then
+    # shellcheck disable=SC2086
     run spec 110 "${L[@]}" bench spec --model "$MODEL" --configs none,oracle=0.8,ngram --concurrency 1,8 --rounds 1 \
-        --out "$RES/spec.json"
+        ${SPEC_ARGS:-} --out "$RES/spec.json"
 fi
 pack
 echo "=== summary"; cat "$OUT/summary.txt"

@@ -105,3 +105,25 @@ def test_async_scheduling_gives_the_in_order_tokens(checkpoint, enforce_eager):
 def test_async_scheduling_is_the_cuda_default(checkpoint):
     llm = LLM(checkpoint, dtype="bfloat16", **ENGINE)
     assert llm.engine.is_async
+
+
+def test_to_device_pins_lists_and_numpy_arrays():
+    """Host values go through pinned memory with non_blocking copies; torch pins no tensor made from
+    numpy, so an array is copied into pinned memory (a numpy index array once crashed the engine)."""
+    import numpy as np
+
+    from llmserve.sample.metadata import to_device
+
+    cuda = torch.device("cuda")
+    assert to_device(np.array([4, 5], dtype=np.int32), torch.int64, cuda).tolist() == [4, 5]
+    assert to_device([[1, 2], [3, 4]], torch.int32, cuda).cpu().tolist() == [[1, 2], [3, 4]]
+
+
+def test_penalised_requests_run_with_overlap(checkpoint):
+    """A penalised row's sampled ids are appended on the device (numpy batch rows, pinned copies)."""
+    llm = LLM(checkpoint, dtype="bfloat16", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.2,
+                            frequency_penalty=0.5)
+    outs = llm.generate(_prompts(6, seed=7), params)
+    assert llm.engine.is_async and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    llm.engine.check_integrity()

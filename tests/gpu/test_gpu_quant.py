@@ -1,7 +1,7 @@
 """Quantization on a CUDA device (marked gpu, skipped without one): the FP8 and int8 layers through
 torch._scaled_mm / torch._int_mm against a float64 reference of their quantized operands, the engine's
 greedy tokens in each format independent of batching (CUDA graphs on), and the FP8 KV cache doubling
-the blocks of a bf16 one. Written without a GPU (issue 20): first run pending, see docs/gpu.md."""
+the blocks of a bf16 one. First H100 run: docs/gpu.md, "Status"."""
 
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ def _is_hopper() -> bool:
 
 
 def _reference(layer, x: torch.Tensor, qmax: float, is_fp8: bool) -> torch.Tensor:
-    scale = (x.double().abs().amax(1, keepdim=True) / qmax).clamp(min=1e-12)
-    xs = x.double() / scale
-    q = xs.float().to(FP8_DTYPE).double() if is_fp8 else torch.round(xs)
-    return (q * scale) @ layer.dequantized_weight().double().t()
+    """The layer's own quantized operands (per-token scales computed in float32, as the layer does: a
+    scale rounded otherwise moves an element across an FP8 step, 32 x scale near 448), multiplied in
+    float64."""
+    scale = (x.float().abs().amax(1, keepdim=True) / qmax).clamp(min=1e-12)
+    xs = x.float() / scale
+    q = xs.clamp(-qmax, qmax).to(FP8_DTYPE).double() if is_fp8 else torch.round(xs).double()
+    return (q * scale.double()) @ layer.dequantized_weight().double().t()
 
 
 LAYERS = {"int8": (Int8Linear, 127.0, False), "fp8": (Fp8Linear, 448.0, True)}

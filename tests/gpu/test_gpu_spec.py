@@ -52,7 +52,8 @@ def test_speculative_greedy_equals_plain_on_cuda(target, draft, kind):
     prompts = _prompts(16, seed=3)
     want = _tokens(LLM(target, **ENGINE), prompts)
     extra = {"draft_model": draft} if kind == "draft" else {}
-    llm = LLM(target, speculative=kind, num_speculative_tokens=3, speculative_dynamic=False, **extra, **ENGINE)
+    llm = LLM(target, speculative=kind, num_speculative_tokens=3, speculative_dynamic=False,
+              speculative_max_batch=16, **extra, **ENGINE)  # every row of every step speculates
     counts = SpecCounter(llm)
     got = _tokens(llm, prompts)
     assert counts.num_accepted > 0

@@ -16,6 +16,7 @@ def tiny(tmp_path_factory):
 
 
 def _llm(path, is_async: bool, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 512)  # on CUDA too: no profile of a device other engines still hold
     return LLM(path, dtype="float32", async_scheduling=is_async, **kwargs)
 
 

@@ -2,6 +2,8 @@
 
 import random
 
+import numpy as np
+
 import torch
 
 from llmserve.sample.metadata import build_sampling_metadata
@@ -61,3 +63,14 @@ def test_engine_serves_penalised_requests_past_the_buffers_first_sizes(tmp_path)
                            SamplingParams(max_tokens=40, repetition_penalty=1.2, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40] * 12
     llm.engine.check_integrity()
+
+
+def test_to_device_takes_numpy_arrays_without_aliasing_them():
+    """The runner hands numpy index arrays (batch rows) to to_device; the tensor is a copy in the dtype asked."""
+    from llmserve.sample.metadata import to_device
+
+    rows = np.array([3, 1, 2], dtype=np.int32)
+    got = to_device(rows, torch.int64, torch.device("cpu"))
+    rows[0] = 9
+    assert got.dtype == torch.int64 and got.tolist() == [3, 1, 2]
+    assert to_device([1, 2], torch.int32, torch.device("cpu")).tolist() == [1, 2]

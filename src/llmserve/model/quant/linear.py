@@ -57,15 +57,17 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.register_buffer("weight_t", weight_t)  # [K, N] int8: _int_mm's right operand
+        self.register_buffer("weight_t", weight_t)  # [K, N] int8: _int_mm's right operand (layout: from_float)
         self.register_buffer("scale", scale)  # [N] float32
         self.register_buffer("bias", bias)
         self.in_features, self.out_features = weight_t.shape
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
-        q, scale = quantize_int8(weight)
-        return cls(q.t().contiguous(), scale, bias)
+        q, scale = quantize_int8(weight)  # q [N, K]
+        # _int_mm's right operand [K, N]: column-major on CUDA, the layout of cuBLASLt's int8 GEMM (a
+        # row-major one failed there with CUBLAS_STATUS_NOT_SUPPORTED), row-major on CPU (measured faster)
+        return cls(q.t() if q.is_cuda else q.t().contiguous(), scale, bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """[N, K] float32: the weight this layer multiplies by."""
