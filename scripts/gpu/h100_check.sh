@@ -68,6 +68,8 @@ fi
 if want offline; then
     run offline_8b 80 "${L[@]}" bench offline --model "$MODEL" --no-split-steps --out "$RES/offline_8b.json"
     run offline_smollm2 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --out "$RES/offline_smollm2.json"
+    run offline_smollm2_sync 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --no-async-scheduling
+    run offline_smollm2_prof 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --profile "$RES/profile_smollm2.txt"
 fi
 if want serve; then
     "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 >"$RES/server.log" 2>&1 &
@@ -80,6 +82,9 @@ if want serve; then
     run serve_c256 60 "${S[@]}" --concurrency 256 --num-requests 512 --out "$RES/serve_c256.json"
     run serve_c1024 75 "${S[@]}" --concurrency 1024 --num-requests 1024 --out "$RES/serve_c1024.json"
     run serve_c1 25 "${S[@]}" --concurrency 1 --num-requests 4 --out "$RES/serve_c1.json"
+    # the checkpoint's sampling defaults (above) vs greedy: what the sampler costs a served step
+    run serve_c64_greedy 45 "${S[@]}" --concurrency 64 --num-requests 256 --extra-body '{"temperature": 0}' \
+        --out "$RES/serve_c64_greedy.json"
     kill $SERVER; wait $SERVER 2>/dev/null
 fi
 if want fp8; then

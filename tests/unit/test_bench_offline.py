@@ -33,3 +33,10 @@ def test_model_sampling_takes_the_generation_config(tiny):
     assert model.temperature > 0
     assert (model.temperature, model.top_p, model.top_k, model.repetition_penalty) == \
         (defaults.temperature, defaults.top_p, defaults.top_k, defaults.repetition_penalty)
+
+
+def test_profile_writes_the_engine_step_functions(tiny, tmp_path):
+    path = tmp_path / "profile.txt"
+    run(OfflineBenchConfig(model=tiny, num_requests=4, prompt_len="4-8", output_len="3-5", profile=str(path)))
+    text = path.read_text()
+    assert "cumulative" in text and "step" in text and "schedule" in text

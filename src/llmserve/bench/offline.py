@@ -39,6 +39,8 @@ class OfflineBenchConfig:
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
     baseline_batch_size: int = field(default=16, metadata={"help": "static batch size of the hf baseline"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+    profile: str | None = field(default=None, metadata={"help": "run the timed workload under cProfile and write its "
+                                                        "top functions (by own and by cumulative time) to this text file"})
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -75,9 +77,11 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     if tp is not None:
         tp.comm_seconds = 0.0
     params = [_sampling_params(llm, cfg.sampling, n) for _, n in workload]
+    profiler = _start_profile(cfg.profile)
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
     elapsed = time.perf_counter() - start
+    _write_profile(profiler, cfg.profile)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     t = runner.times
     steps = max(t.num_steps, 1)
@@ -92,6 +96,33 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
             # rank 0's host time in collectives (all-reduces, logits all-gather, ids broadcast), waits for the
             # other ranks included; on CUDA without split_steps it times the launches only
             "collective_share": None if tp is None else tp.comm_seconds / elapsed}
+
+
+def _start_profile(path: str | None):
+    """A running cProfile.Profile when a profile is asked for (it slows the host: the figures of a profiled
+    run are not the benchmark's), else None."""
+    if path is None:
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _write_profile(profiler, path: str | None, num_lines: int = 40) -> None:
+    if profiler is None:
+        return
+    import io
+    import pstats
+
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(num_lines)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
 
 
 def _sampling_params(llm, sampling: str, max_tokens: int):
