@@ -117,3 +117,35 @@ def test_abort_while_a_step_is_in_flight(tiny):
         engine.check_integrity()
     assert engine.num_free_blocks() == engine.scheduler.kv.pool.num_usable_blocks
     assert set(engine.runner.states) <= engine.scheduler.finished_req_ids  # dropped with the next step
+
+
+def test_steps_that_find_no_drafts_back_off_into_overlap(tiny):
+    """Every row may speculate (cap above the batch), but 4-gram lookup finds no drafts here: the steps
+    after one that found none overlap (fed on the device; without the back-off every step would run in
+    order) and the tokens stay the in-order ones."""
+    prompts = _prompts(6)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    in_order, overlapped = _run_both(tiny, prompts, params, speculative="ngram", speculative_max_batch=16,
+                                     ngram_min=4, ngram_max=4)
+    assert _tokens(overlapped) == _tokens(in_order)
+
+
+def test_draft_backoff_doubles_up_to_its_cap_and_resets_on_drafts():
+    from llmserve.core.spec_stats import MAX_SKIPPED_STEPS, DraftBackoff
+
+    backoff = DraftBackoff(is_enabled=True)
+    runs = []
+    for _ in range(7):
+        backoff.observe(0)
+        run = 0
+        while backoff.is_skipping:
+            backoff.on_scheduled()
+            run += 1
+        runs.append(run)
+    assert runs == [1, 2, 4, 8, 16, MAX_SKIPPED_STEPS, MAX_SKIPPED_STEPS]
+    backoff.observe(3)
+    backoff.observe(0)
+    assert backoff.num_skips_left == 1
+    off = DraftBackoff(is_enabled=False)
+    off.observe(0)
+    assert not off.is_skipping

@@ -27,7 +27,7 @@ from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from llmserve.core.scheduler_update import OutputUpdate, aborted_output
-from llmserve.core.spec_stats import SpecDecodeCounter
+from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
 from llmserve.messages import EngineCoreOutput
 from llmserve.structured.bitmask import StepGrammar
 
@@ -43,6 +43,7 @@ class Scheduler(OutputUpdate):
         self.spec_config = spec_config
         self.num_lookahead = spec_config.num_lookahead_tokens
         self.spec_counter = SpecDecodeCounter(spec_config.num_speculative_tokens)
+        self.draft_backoff = DraftBackoff(is_enabled=bool(config.async_scheduling))
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -153,6 +154,7 @@ class Scheduler(OutputUpdate):
         if not has_preempted:
             self._schedule_waiting(out, budget)
         out.use_speculation = self.can_speculate()
+        self.draft_backoff.on_scheduled()
         self._advance_scheduled(out)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
@@ -188,8 +190,10 @@ class Scheduler(OutputUpdate):
 
     def can_speculate(self) -> bool:
         """Whether the next step may schedule drafts: speculation pays off only while the batch is small
-        (the rule: docs/speculative.md); the engine runs such steps without overlap."""
-        return self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
+        (the rule: docs/speculative.md), and not while a run of steps that found no drafts backs off
+        (core/spec_stats.DraftBackoff); the engine runs such steps without overlap."""
+        return (self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
+                and not self.draft_backoff.is_skipping)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
         num_preemptions = self.num_preemptions

@@ -72,6 +72,8 @@ class OutputUpdate:
                 outputs.append(out)
             if self.spec_config.is_enabled and not request.is_finished:
                 self._store_drafts(request, drafts or [])
+        if sched_out.use_speculation:
+            self.draft_backoff.observe(sum(bool(d) for d in proposals))
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
 
     def _is_plain_decode(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> bool:

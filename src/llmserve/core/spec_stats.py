@@ -32,3 +32,38 @@ class SpecDecodeCounter:
                                 self.accepted_per_position)
         self._reset()
         return stats
+
+
+MAX_SKIPPED_STEPS = 16  # the longest run of overlapped steps between two that look for drafts
+
+
+class DraftBackoff:
+    """With async scheduling, a step that may carry drafts runs in order: the next step's drafts need
+    this step's tokens on the host. When such a step finds drafts for no row (n-gram lookup that matches
+    nothing, a rule that turned every row off), that order bought nothing; the next 1, 2, 4, ... up to
+    MAX_SKIPPED_STEPS steps then run overlapped without looking, and the first step that finds drafts
+    again ends the back-off. Without async scheduling nothing overlaps and nothing is skipped."""
+
+    def __init__(self, is_enabled: bool) -> None:
+        self.is_enabled = is_enabled
+        self.num_to_skip = 0  # length of the current skip run
+        self.num_skips_left = 0
+
+    @property
+    def is_skipping(self) -> bool:
+        return self.num_skips_left > 0
+
+    def on_scheduled(self) -> None:
+        """A step was scheduled (while skipping: one skip used)."""
+        if self.num_skips_left:
+            self.num_skips_left -= 1
+
+    def observe(self, num_rows_with_drafts: int) -> None:
+        """A step that looked for drafts found them for this many rows."""
+        if not self.is_enabled:
+            return
+        if num_rows_with_drafts:
+            self.num_to_skip = 0
+            return
+        self.num_to_skip = min(max(1, 2 * self.num_to_skip), MAX_SKIPPED_STEPS)
+        self.num_skips_left = self.num_to_skip
