@@ -93,3 +93,25 @@ def test_a_loaded_cpu_model_is_packed_and_generates_what_the_unpacked_one_does(t
     monkeypatch.setattr(Linear, "pack", lambda self: False)
     want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
     assert got == want
+
+
+@needs_onednn
+def test_a_tied_lm_head_gets_a_packed_copy_with_the_same_logits_and_weight_counts():
+    """The embedding lookup keeps the plain table; the logits go through a packed copy, which the weight
+    counts (threads, roofline bytes) do not count twice."""
+    from dataclasses import replace
+
+    from llmserve.bench.roofline import weight_bytes_read
+    from llmserve.model.llama import CausalLM
+    from llmserve.model.maker import SHAPES, build_config
+    from llmserve.worker.cpu_threads import num_matmul_params
+
+    config = build_config("llama", replace(SHAPES["demo"], is_tied=True), "float32")
+    model = CausalLM(config).eval().requires_grad_(False)
+    hidden = torch.randn(5, config.hidden_size)
+    want = model.compute_logits(hidden)
+    counts = (num_matmul_params(model), weight_bytes_read(model))
+    assert linear_mod.pack_linears(model) > 0 and model.tied_head_packed is not None
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+    assert (num_matmul_params(model), weight_bytes_read(model)) == counts
+    assert model.model.embed_tokens.weight is not None  # the lookup's table stays

@@ -19,7 +19,10 @@ re-lays it out into its blocked format on every call. A `Linear` whose weight qu
 at load (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU weight-prepacking pass calls) and
 keeps only that copy. smollm2-135m's shapes, 2 threads, AMD EPYC (docs/benchmarks.md, issue 19): at 16 rows
 576->3072 146 -> 193 GFLOP/s, 1536->576 132 -> 167, 576->576 119 -> 145; at 64 rows 1.13-1.8x. The layout is
-chosen for PACK_ROWS_HINT rows and serves any row count.
+chosen for PACK_ROWS_HINT rows and serves any row count. A tied lm_head cannot give its plain weight
+up (the embedding lookup reads it): the model keeps a packed copy beside it (`CausalLM.pack_tied_lm_head`;
++113 MB for smollm2-135m), which took its 16-row logits from 13.9 to 9.5 ms and its 64-row ones from 32.8
+to 18.5 ms (2 threads, AMD EPYC with AVX-512).
 """
 
 from __future__ import annotations
@@ -58,6 +61,17 @@ def can_pack(weight: torch.Tensor) -> bool:
     """Whether a Linear with this weight is packed for oneDNN at load (`Linear.pack`)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
             and weight.numel() >= MIN_ONEDNN_WEIGHT and not weight.requires_grad and _has_packing())
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout of a [out, in] weight that `can_pack` accepts (a new tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., in] float32 -> [..., out] through a weight `packed` for oneDNN (no bias)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [T, in]
+    return _onednn_linear(flat, packed_weight, None).reshape(*x.shape[:-1], out_features)
 
 
 EXACT_ROWS = 32  # row counts up to this one run as they are (decode batches of a few rows)
@@ -103,6 +117,8 @@ class Linear(nn.Linear):
         """x [..., in] -> [..., out] with the given bias (a row-parallel rank adds it on one rank only)."""
         if self.packed_weight is None:
             return linear(x, self.weight, bias)
+        if bias is None:
+            return packed_linear(x, self.packed_weight, self.out_features)
         flat = x.reshape(-1, self.in_features).contiguous()  # [T, in]
         return _onednn_linear(flat, self.packed_weight, bias).reshape(*x.shape[:-1], self.out_features)
 
@@ -110,12 +126,15 @@ class Linear(nn.Linear):
         """Lay the loaded weight out once for oneDNN and drop the plain copy (`can_pack` says when)."""
         if not can_pack(self.weight):
             return False
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
+        self.packed_weight = packed(self.weight)
         del self.weight  # only the packed copy is kept: the layer's memory does not double
         self.weight = None
         return True
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every float32 CPU `Linear` of a loaded model for oneDNN; returns how many were packed."""
-    return sum(module.pack() for module in model.modules() if isinstance(module, Linear))
+    """Pack every float32 CPU `Linear` of a loaded model for oneDNN, and a tied lm_head (the model's
+    `pack_tied_lm_head`); returns how many weights were packed."""
+    num_packed = sum(module.pack() for module in model.modules() if isinstance(module, Linear))
+    pack_head = getattr(model, "pack_tied_lm_head", None)
+    return num_packed + bool(pack_head is not None and pack_head())

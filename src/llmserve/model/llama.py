@@ -22,7 +22,7 @@ from torch import nn
 
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
-from llmserve.model.linear import Linear, linear
+from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 
@@ -135,9 +135,20 @@ class CausalLM(nn.Module):
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
         self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)
+        # A tied head's table laid out for oneDNN (pack_tied_lm_head); a plain attribute, not a buffer:
+        # weight counts (cpu_threads, roofline) count the table once
+        self.tied_head_packed: torch.Tensor | None = None
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
         self.head_dim = _head_dim(config)
+
+    def pack_tied_lm_head(self) -> bool:
+        """Keep a oneDNN-packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""
+        table = self.model.embed_tokens.weight
+        if not (self.is_tied and self.lm_head is None and self.tp is None and can_pack(table)):
+            return False
+        self.tied_head_packed = packed(table)
+        return True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -161,6 +172,8 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         if self.tp is None:
             if self.lm_head is None:  # tied (a quantized model has its own lm_head: model/quant)
+                if self.tied_head_packed is not None:
+                    return packed_linear(hidden, self.tied_head_packed, self.config.vocab_size)
                 return linear(hidden, self.model.embed_tokens.weight).float()
             return self.lm_head(hidden).float()
         rows = linear(hidden, self.model.embed_tokens.weight) if self.is_tied else self.lm_head.matmul(hidden, None)
