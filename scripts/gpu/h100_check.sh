@@ -58,7 +58,7 @@ if want tests; then
     run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 $TESTS
 fi
 if want fp8probe; then
-    run fp8probe 60 "$PY" scripts/gpu/fp8_probe.py 1,8,64,256
+    run fp8probe 90 "$PY" scripts/gpu/fp8_probe.py 1,2,4,8,64,256
 fi
 wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 

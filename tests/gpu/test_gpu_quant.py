@@ -77,3 +77,14 @@ def test_fp8_kv_doubles_blocks(checkpoint):
     blocks = {kv: LLM(checkpoint, dtype="bfloat16", device="cuda", max_model_len=256, kv_cache_memory="64MiB",
                       kv_cache_dtype=kv).engine.num_blocks for kv in ("auto", "fp8")}
     assert blocks["fp8"] == 2 * blocks["auto"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
+def test_fp8_triton_path_matches_torchs_ops(rows):
+    """Fp8Linear on CUDA (fp8_triton: a GEMV up to 4 rows, else its quantization kernel + _scaled_mm)
+    against torch's own per-token quantization and _scaled_mm: the same FP8 operands, float32 sums."""
+    if not _is_hopper():
+        pytest.skip("FP8 GEMMs need compute capability >= 8.9")
+    layer = Fp8Linear.from_float(torch.randn(4096, 1024, device="cuda") * 0.05, None)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), layer.matmul_torch(x).float(), atol=2e-2, rtol=1e-2)

@@ -1,0 +1,101 @@
+"""Triton kernels of the FP8 linear layer on CUDA (issue 20), for what torch's ops do slowly at decode sizes.
+
+Measured on an H100 (docs/benchmarks.md, "FP8 on the H100"): per-token quantization of the activation
+through torch is six kernels, 13-14 us a linear, as much as the GEMM it feeds; and `torch._scaled_mm`
+reads an FP8 weight at only 1.0-1.4 TB/s for a handful of rows. Two kernels replace them:
+
+- `quantize_rows`: one launch. A program per row finds its largest |x|, then writes x / scale in
+  float8_e4m3fn and the scale (what `_per_token` + clamp + cast compute in torch).
+- `fp8_gemv`: for up to GEMV_MAX_ROWS rows, the whole layer in one launch: each program takes BLOCK_N
+  output channels, quantizes the (few, small) activation rows to FP8 exactly as `quantize_rows` does,
+  and walks K accumulating x_q * w_q in float32, then scales by x_scale * w_scale. The products and the
+  float32 sums are what `_scaled_mm` computes, so a row's output does not depend on which path its batch
+  took beyond summation order. The weight is read once, in full-width loads along K.
+
+Both are checked on CPU through Triton's interpreter (whose float32 -> float8 rounding can differ by
+one FP8 step from the GPU's round-to-nearest-even; the tests allow that) and on CUDA in tests/gpu.
+Their speed is a prediction until a GPU measures it (scripts/gpu/fp8_probe.py prints both paths).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+GEMV_MAX_ROWS = 4  # more rows: quantize_rows + torch._scaled_mm (tensor cores)
+
+
+@triton.jit
+def _row_scale(x_ptr, row, stride_x, K, BLOCK_K: tl.constexpr):
+    """max |x[row, :]| / 448 (at least MIN_SCALE), in float32."""
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    return tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    scale = _row_scale(x_ptr, row, stride_x, K, BLOCK_K)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (float8_e4m3fn [T, K], scales [T, 1] float32), one scale per row (token)."""
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=1024, num_warps=4)
+    return q, scale
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    x_scale = tl.zeros([M_PAD], dtype=tl.float32) + 1.0
+    for m in tl.static_range(M_PAD):  # each row's scale, as quantize_rows computes it
+        if m < M:
+            x_scale = tl.where(offs_m == m, _row_scale(x_ptr, m, stride_x, K, BLOCK_K), x_scale)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        xq = tl.minimum(tl.maximum(x / x_scale[:, None], -448.0), 448.0)
+        xq = xq.to(tl.float8e4nv).to(tl.float32)  # [M_PAD, BLOCK_K], the FP8 activation
+        w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        acc += tl.sum(xq[:, None, :] * w[None, :, :], axis=2)  # [M_PAD, BLOCK_N]
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    out = acc * x_scale[:, None] * w_scale[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS), weight [N, K] float8_e4m3fn, w_scale [N] float32 -> [M, N] in x's
+    dtype: x quantized per row to FP8, multiplied, scaled (Fp8Linear's numerics)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    assert rows <= GEMV_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_n = 16
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, w_scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M_PAD=triton.next_power_of_2(max(rows, 1)), BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+    return out
