@@ -12,7 +12,30 @@ import pytest
 import torch
 
 from llmserve.sample.ops import exponential_race
-from llmserve.sample.rejection import accept_point_drafts, emit_from_rejection, rejection_sample
+from llmserve.sample.rejection import accepted_lengths, emit_accepted, rejection_sample
+
+
+def _num_accepted(is_accepted: list[bool], drafts: list[list[int]]) -> list[int]:
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+    return accepted_lengths(torch.tensor(is_accepted, dtype=torch.bool), num_drafts).tolist()
+
+
+def emit_from_rejection(is_accepted: list[bool], fallback: list[int], bonus: list[int],
+                        drafts: list[list[int]]) -> list[list[int]]:
+    """Per row: the accepted leading drafts, then the residual sample at the first rejection, or the bonus
+    token (the target's sample at the row's last position, start + k) when every draft is accepted."""
+    last, start = list(fallback), 0
+    for row in drafts:
+        last[start + len(row)] = bonus[start + len(row)]
+        start += len(row) + 1
+    return emit_accepted(drafts, _num_accepted(is_accepted, drafts), last)
+
+
+def accept_point_drafts(target_tokens: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """The point rule (spec/verify.py): keep drafts while they equal the target's own token there."""
+    flat = [t for row in drafts for t in row + [None]]  # None at the bonus positions
+    is_accepted = [d == t for d, t in zip(flat, target_tokens)]
+    return emit_accepted(drafts, _num_accepted(is_accepted, drafts), target_tokens)
 
 # Chi-square critical values at p = 0.001, by degrees of freedom (no scipy in the venv).
 CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}

@@ -8,8 +8,8 @@ Two rules (Leviathan et al. 2023; Chen et al. 2023):
 - drafts with a distribution q (a draft model): accept draft d at position j with probability
   min(1, p_j(d) / q_j(d)); at the first rejection emit a sample of max(0, p_j - q_j), normalised.
 - point-mass drafts (n-gram lookup, and every greedy row): q = 1 on d, so the rule is "accept with
-  probability p_j(d), else sample p_j without d". `accept_point_drafts` realises it with the sample
-  the target would draw anyway at each position: keep d where that sample equals it. Same law, and a
+  probability p_j(d), else sample p_j without d". spec/verify.py realises it with the sample the
+  target would draw anyway at each position: keep d where that sample equals it. Same law, and a
   seeded request's tokens equal what it produces without speculation.
 
 Both rules end the same way: an accept mask over the expanded positions -> `accepted_lengths` per row
@@ -45,20 +45,6 @@ def emit_accepted(drafts: list[list[int]], num_accepted: list[int], last: list[i
     return out
 
 
-def _flat_drafts(drafts: list[list[int]]) -> torch.Tensor:
-    """[N] the drafts at their expanded positions, -1 at the bonus positions (never a token)."""
-    return torch.tensor([t for row in drafts for t in row + [-1]], dtype=torch.int64)
-
-
-def accept_point_drafts(target_tokens: list[int], drafts: list[list[int]]) -> list[list[int]]:
-    """target_tokens [N]: the target's own sample (or argmax) at each expanded position.
-    Returns per row the emitted tokens: the drafts that agree with it, up to the first that does not,
-    then the target's token there (the bonus token when all agree)."""
-    is_accepted = _flat_drafts(drafts) == torch.tensor(target_tokens, dtype=torch.int64)  # [N]
-    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)  # [R]
-    return emit_accepted(drafts, accepted_lengths(is_accepted, num_drafts).tolist(), target_tokens)
-
-
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                      uniforms: torch.Tensor, log_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The paper's test at each expanded position, vectorised.
@@ -77,14 +63,3 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     residual = torch.where(is_empty, target_probs, residual)
     fallback = residual.div_(log_u).argmin(dim=1)  # exponential race: argmax r / E, E = -log U
     return is_accepted, fallback
-
-
-def emit_from_rejection(is_accepted: list[bool], fallback: list[int], bonus: list[int],
-                        drafts: list[list[int]]) -> list[list[int]]:
-    """Per row: the accepted leading drafts, then the residual sample at the first rejection, or the
-    bonus token (the target's sample at the last position) when every draft is accepted."""
-    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)  # [R]
-    num_accepted = accepted_lengths(torch.tensor(is_accepted, dtype=torch.bool), num_drafts).tolist()
-    is_bonus = (_flat_drafts(drafts) < 0).tolist()  # [N]
-    last = [b if at_bonus else f for f, b, at_bonus in zip(fallback, bonus, is_bonus)]
-    return emit_accepted(drafts, num_accepted, last)
