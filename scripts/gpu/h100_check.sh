@@ -53,7 +53,7 @@ export PYTHONUNBUFFERED=1
 MAKER=$!
 
 if want tests; then
-    TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py}
+    TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py tests/unit/test_fp8_triton.py}
     # shellcheck disable=SC2086
     run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 $TESTS
 fi
