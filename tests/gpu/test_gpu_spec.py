@@ -4,7 +4,6 @@ every draft. Same tolerance policy as test_gpu_engine.py: a difference is allowe
 
 from __future__ import annotations
 
-import random
 import warnings
 
 import pytest
@@ -12,35 +11,14 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.bench.spec import SpecCounter
-from llmserve.model.draft_maker import derive_draft
-from llmserve.model.maker import make_model
 
 from greedy_check import check_greedy_against_hf
+from spec_cases import draft, repeating_prompts, target  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 ENGINE = dict(device="cuda", dtype="float32", max_model_len=256, num_kv_blocks=400, max_num_batched_tokens=128)
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return make_model("llama", "tiny", str(tmp_path_factory.mktemp("gpu-spec-target")), seed=2)
-
-
-@pytest.fixture(scope="module")
-def draft(target, tmp_path_factory):
-    return derive_draft(target, str(tmp_path_factory.mktemp("gpu-spec-draft")), num_layers=1, noise=0.2, seed=1)
-
-
-def _prompts(num: int, seed: int) -> list[list[int]]:
-    """Half repeat a span (n-gram lookup finds matches), half are random."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(num):
-        span = [rng.randrange(3, 500) for _ in range(rng.randint(3, 20))]
-        prompts.append(span * 3 if i % 2 == 0 else span + [rng.randrange(3, 500) for _ in range(30)])
-    return prompts
 
 
 def _tokens(llm: LLM, prompts) -> list[list[int]]:
@@ -49,7 +27,7 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_speculative_greedy_equals_plain_on_cuda(target, draft, kind):
-    prompts = _prompts(16, seed=3)
+    prompts = repeating_prompts(16, seed=3)
     want = _tokens(LLM(target, **ENGINE), prompts)
     extra = {"draft_model": draft} if kind == "draft" else {}
     llm = LLM(target, speculative=kind, num_speculative_tokens=3, speculative_dynamic=False,
@@ -74,6 +52,6 @@ def test_target_as_its_own_draft_accepts_every_draft_on_cuda(target):
     llm = LLM(target, speculative="draft", draft_model=target, num_speculative_tokens=3, speculative_dynamic=False,
               **ENGINE)
     counts = SpecCounter(llm)
-    _tokens(llm, _prompts(4, seed=5))
+    _tokens(llm, repeating_prompts(4, seed=5))
     assert counts.num_draft_tokens > 0 and counts.num_accepted == counts.num_draft_tokens
     llm.engine.check_integrity()

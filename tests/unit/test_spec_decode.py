@@ -1,7 +1,6 @@
 """Speculative decoding through the engine: exact greedy outputs, seeds, preemption, prefix hits, n > 1,
 aborts, opt-out; KV accounting after rejected drafts."""
 
-import random
 import warnings
 
 import pytest
@@ -9,31 +8,9 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.bench.spec import SpecCounter
-from llmserve.model.draft_maker import derive_draft
-from llmserve.model.maker import make_model
 
 from greedy_check import check_greedy_against_hf
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return make_model("llama", "tiny", str(tmp_path_factory.mktemp("target")), seed=2)
-
-
-@pytest.fixture(scope="module")
-def draft(target, tmp_path_factory):
-    """The target's first layer with 20% weight noise: accepts some drafts, rejects others."""
-    return derive_draft(target, str(tmp_path_factory.mktemp("draft")), num_layers=1, noise=0.2, seed=1)
-
-
-def _prompts(num: int, seed: int) -> list[list[int]]:
-    """Prompts that repeat a span (n-gram lookup finds matches) mixed with plain random ones."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(num):
-        span = [rng.randrange(3, 500) for _ in range(rng.randint(3, 20))]
-        prompts.append(span * 3 if i % 2 == 0 else span + [rng.randrange(3, 500) for _ in range(30)])
-    return prompts
+from spec_cases import draft, repeating_prompts, target  # noqa: F401 (fixtures)
 
 
 def _spec_llm(target: str, draft: str, kind: str, **kwargs) -> LLM:
@@ -70,7 +47,7 @@ def plain(target):
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_greedy_identical_with_preemption_prefix_hits_and_n2(target, draft, plain, kind):
-    prompts = _prompts(12, seed=3)
+    prompts = repeating_prompts(12, seed=3)
     prompts += [prompts[0][:40] + [7, 8, 9], prompts[0][:40] + [9, 8, 7]]  # prefix hits on prompt 0's blocks
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
     want = _tokens(plain, prompts, params)
@@ -86,7 +63,7 @@ def test_greedy_identical_with_preemption_prefix_hits_and_n2(target, draft, plai
 def test_target_as_its_own_draft_accepts_everything(target, plain):
     llm = _spec_llm(target, target, "draft", num_kv_blocks=200)
     counts = SpecCounter(llm)
-    prompts = _prompts(4, seed=5)
+    prompts = repeating_prompts(4, seed=5)
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)):
         llm.generate(prompts, params)
@@ -98,7 +75,7 @@ def test_seeded_sampling_with_ngram_equals_plain_sampling(target, plain):
     """Point-mass drafts are verified against the sample the target draws anyway: same tokens."""
     llm = _spec_llm(target, None, "ngram", num_kv_blocks=200)
     counts = SpecCounter(llm)
-    prompts = _prompts(6, seed=7)
+    prompts = repeating_prompts(6, seed=7)
     params = SamplingParams(temperature=0.2, top_p=0.9, max_tokens=30, ignore_eos=True, seed=11,
                             repetition_penalty=1.1, min_tokens=5)
     assert _tokens(llm, prompts, params) == _tokens(plain, prompts, params)
@@ -107,11 +84,11 @@ def test_seeded_sampling_with_ngram_equals_plain_sampling(target, plain):
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible(target, draft):
-    prompts = _prompts(4, seed=9)
+    prompts = repeating_prompts(4, seed=9)
     params = SamplingParams(temperature=0.9, max_tokens=25, ignore_eos=True, seed=3)
     first = _tokens(_spec_llm(target, draft, "draft", num_kv_blocks=200), prompts, params)
     llm = _spec_llm(target, draft, "draft", num_kv_blocks=200)
-    llm.generate(_prompts(3, seed=10), SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True))
+    llm.generate(repeating_prompts(3, seed=10), SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True))
     assert _tokens(llm, prompts, params) == first
     _assert_all_free(llm)
 
@@ -120,7 +97,7 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(target, draft):
 def test_aborts_during_speculation_free_every_block(target, draft, kind):
     llm = _spec_llm(target, draft, kind, num_kv_blocks=60)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(6, seed=13)):
+    for i, prompt in enumerate(repeating_prompts(6, seed=13)):
         for request in llm.processor.process(f"r{i}", prompt, params, 0):
             llm.engine.add_request(request)
     for _ in range(6):
@@ -135,7 +112,7 @@ def test_aborts_during_speculation_free_every_block(target, draft, kind):
 def test_opt_out_requests_get_no_drafts_and_logprobs_match(target, plain):
     llm = _spec_llm(target, None, "ngram", num_kv_blocks=200)
     counts = SpecCounter(llm)
-    prompts = _prompts(4, seed=15)
+    prompts = repeating_prompts(4, seed=15)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative=False))
     assert counts.num_draft_tokens == 0
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -158,7 +135,7 @@ _CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27}
 def test_sampled_tokens_through_a_draft_model_follow_the_targets_distribution(target, draft, plain):
     """Many unseeded samples of token 2 (verified against one draft by rejection sampling) per value of
     token 1, against the target's own top-4 distribution at temperature 1.5."""
-    prompt = _prompts(1, seed=17)[0]
+    prompt = repeating_prompts(1, seed=17)[0]
     params = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, ignore_eos=True)
     llm = _spec_llm(target, draft, "draft", num_kv_blocks=2000, max_num_seqs=256, speculative_max_batch=1000)
     counts = SpecCounter(llm)
@@ -193,7 +170,7 @@ def test_dynamic_rule_measures_both_costs_and_keeps_greedy_outputs(target, plain
     llm = LLM(target, dtype="float32", max_model_len=256, speculative="ngram", num_speculative_tokens=3,
               num_kv_blocks=200, speculative_dynamic=True)
     counts = SpecCounter(llm)
-    prompts = _prompts(4, seed=19)[::2]  # two prompts that repeat a span: n-gram lookup proposes
+    prompts = repeating_prompts(4, seed=19)[::2]  # two prompts that repeat a span: n-gram lookup proposes
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     _assert_same_greedy(target, prompts, _tokens(llm, prompts, params), _tokens(plain, prompts, params))
     cost = llm.engine.runner.speculator.rule.buckets[2]
