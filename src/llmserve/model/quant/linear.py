@@ -90,25 +90,6 @@ class Int8Linear(nn.Module):
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
-    def matmul_torch(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N] through torch's ops: per-token quantization, then `_scaled_mm`."""
-        xs, x_scale = _per_token(x, FP8_MAX)
-        xq = xs.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        out_dtype = x.dtype if x.is_cuda else torch.float32  # row-wise _scaled_mm on CUDA: bf16 out
-        return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=None,
-                                out_dtype=out_dtype)
-
-    def _matmul_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N] through the Triton kernels of fp8_triton: one GEMV launch for a few rows,
-        else one quantization launch and `_scaled_mm`."""
-        from llmserve.model.quant import fp8_triton
-
-        if x.shape[0] <= fp8_triton.GEMV_MAX_ROWS:
-            return fp8_triton.fp8_gemv(x, self.weight, self.scale.reshape(-1))
-        xq, x_scale = fp8_triton.quantize_rows(x)
-        return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=None,
-                                out_dtype=x.dtype)
-
 
 class Fp8Linear(nn.Module):
     """y = x W^T + b with W float8_e4m3fn per output channel and x float8 per token (dynamic)."""
@@ -135,3 +116,22 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def matmul_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] through torch's ops: per-token quantization, then `_scaled_mm`."""
+        xs, x_scale = _per_token(x, FP8_MAX)
+        xq = xs.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        out_dtype = x.dtype if x.is_cuda else torch.float32  # row-wise _scaled_mm on CUDA: bf16 out
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=None,
+                                out_dtype=out_dtype)
+
+    def _matmul_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] through the Triton kernels of fp8_triton: one GEMV launch for a few rows,
+        else one quantization launch and `_scaled_mm`."""
+        from llmserve.model.quant import fp8_triton
+
+        if x.shape[0] <= fp8_triton.GEMV_MAX_ROWS:
+            return fp8_triton.fp8_gemv(x, self.weight, self.scale.reshape(-1))
+        xq, x_scale = fp8_triton.quantize_rows(x)
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=None,
+                                out_dtype=x.dtype)
