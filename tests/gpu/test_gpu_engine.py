@@ -107,15 +107,16 @@ def test_async_scheduling_is_the_cuda_default(checkpoint):
     assert llm.engine.is_async
 
 
-def test_to_device_pins_lists_and_numpy_arrays():
-    """Host values go through pinned memory with non_blocking copies; torch pins no tensor made from
-    numpy, so an array is copied into pinned memory (a numpy index array once crashed the engine)."""
+def test_host_values_reach_the_device_through_pinned_memory():
+    """Lists through sample.metadata.to_device, numpy arrays through model.step_inputs.on_device (torch
+    pins no tensor made from numpy: handing an array to to_device once crashed the engine)."""
     import numpy as np
 
+    from llmserve.model.step_inputs import on_device
     from llmserve.sample.metadata import to_device
 
     cuda = torch.device("cuda")
-    assert to_device(np.array([4, 5], dtype=np.int32), torch.int64, cuda).tolist() == [4, 5]
+    assert on_device(np.array([4, 5], dtype=np.int64), cuda).tolist() == [4, 5]
     assert to_device([[1, 2], [3, 4]], torch.int32, cuda).cpu().tolist() == [[1, 2], [3, 4]]
 
 

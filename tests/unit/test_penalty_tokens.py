@@ -47,7 +47,7 @@ def test_device_tokens_give_the_host_penalties():
         assert torch.allclose(on_device, on_host), step
         sampled = torch.randint(0, V, (len(rows),))
         penalized = [j for j, s in enumerate(rows) if s.has_penalties]
-        tokens.append_sampled([rows[j].row for j in penalized], sampled[penalized])
+        tokens.append_sampled(np.array([rows[j].row for j in penalized]), sampled[penalized])  # as the runner
         for j, state in enumerate(rows):
             batch.append_tokens(state.row, [int(sampled[j])])
     assert any(not s.has_penalties for s in states)  # rows without penalties are left out
@@ -64,13 +64,3 @@ def test_engine_serves_penalised_requests_past_the_buffers_first_sizes(tmp_path)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40] * 12
     llm.engine.check_integrity()
 
-
-def test_to_device_takes_numpy_arrays_without_aliasing_them():
-    """The runner hands numpy index arrays (batch rows) to to_device; the tensor is a copy in the dtype asked."""
-    from llmserve.sample.metadata import to_device
-
-    rows = np.array([3, 1, 2], dtype=np.int32)
-    got = to_device(rows, torch.int64, torch.device("cpu"))
-    rows[0] = 9
-    assert got.dtype == torch.int64 and got.tolist() == [3, 1, 2]
-    assert to_device([1, 2], torch.int32, torch.device("cpu")).tolist() == [1, 2]

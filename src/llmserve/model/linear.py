@@ -68,10 +68,11 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., in] float32 -> [..., out] through a weight `packed` for oneDNN (no bias)."""
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] float32 -> [..., out] through a weight `packed` for oneDNN."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [T, in]
-    return _onednn_linear(flat, packed_weight, None).reshape(*x.shape[:-1], out_features)
+    return _onednn_linear(flat, packed_weight, bias).reshape(*x.shape[:-1], out_features)
 
 
 EXACT_ROWS = 32  # row counts up to this one run as they are (decode batches of a few rows)
@@ -117,10 +118,7 @@ class Linear(nn.Linear):
         """x [..., in] -> [..., out] with the given bias (a row-parallel rank adds it on one rank only)."""
         if self.packed_weight is None:
             return linear(x, self.weight, bias)
-        if bias is None:
-            return packed_linear(x, self.packed_weight, self.out_features)
-        flat = x.reshape(-1, self.in_features).contiguous()  # [T, in]
-        return _onednn_linear(flat, self.packed_weight, bias).reshape(*x.shape[:-1], self.out_features)
+        return packed_linear(x, self.packed_weight, self.out_features, bias)
 
     def pack(self) -> bool:
         """Lay the loaded weight out once for oneDNN and drop the plain copy (`can_pack` says when)."""

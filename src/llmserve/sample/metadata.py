@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from llmserve.sampling_params import SamplingParams
@@ -205,13 +204,10 @@ def _padded(token_lists: list[list[int]], pad_id: int, device: torch.device) -> 
     return to_device(padded, torch.int64, device)
 
 
-def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list or numpy array -> tensor on device; pinned + non_blocking on CUDA so the host never waits."""
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> tensor on device; pinned + non_blocking on CUDA so the host never waits (numpy arrays:
+    model.step_inputs.on_device)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
     is_cuda = device.type == "cuda"
-    if not isinstance(values, np.ndarray):
-        host = torch.tensor(values, dtype=dtype, pin_memory=is_cuda)
-    elif is_cuda:  # torch pins no tensor made from numpy: copy into pinned memory
-        host = torch.empty(values.shape, dtype=dtype, pin_memory=True).copy_(torch.from_numpy(values))
-    else:
-        host = torch.from_numpy(values).to(dtype, copy=True)  # never aliases the caller's array
-    return host.to(device, non_blocking=is_cuda)
+    return torch.tensor(values, dtype=dtype, pin_memory=is_cuda).to(device, non_blocking=is_cuda)

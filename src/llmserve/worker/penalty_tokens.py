@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from llmserve.model.step_inputs import on_device
 from llmserve.sample.metadata import PenaltyMetadata, to_device
 from llmserve.worker.input_batch import CachedRequestState
 
@@ -38,12 +39,12 @@ class PenaltyTokens:
             self.output_ids[row, start:start + len(token_ids)] = to_device(token_ids, torch.int64, self.device)
         self.num_output[row] = start + len(token_ids)
 
-    def append_sampled(self, rows: list[int], sampled: torch.Tensor) -> None:
-        """rows [S'] take one id each from sampled [S'] (device), without a host sync."""
-        ends = self.num_output[rows]
+    def append_sampled(self, rows: np.ndarray, sampled: torch.Tensor) -> None:
+        """rows [S'] (batch rows) take one id each from sampled [S'] (device), without a host sync."""
+        ends = self.num_output[rows]  # [S'] int64
         self.output_ids = self._fit_columns(self.output_ids, int(ends.max()) + 1)
-        columns = to_device(ends.tolist(), torch.int64, self.device)
-        self.output_ids[to_device(rows, torch.int64, self.device), columns] = sampled
+        index = on_device(np.stack([rows.astype(np.int64), ends]), self.device)  # [2, S']: rows, columns
+        self.output_ids[index[0], index[1]] = sampled
         self.num_output[rows] = ends + 1
 
     def metadata(self, states: list[CachedRequestState]) -> PenaltyMetadata | None:

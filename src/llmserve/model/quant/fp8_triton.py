@@ -12,8 +12,9 @@ reads an FP8 weight at only 1.0-1.4 TB/s for a handful of rows. Two kernels repl
   float32 sums are what `_scaled_mm` computes, so a row's output does not depend on which path its batch
   took beyond summation order. The weight is read once, in full-width loads along K.
 
-Both are checked on CPU through Triton's interpreter (whose float32 -> float8 rounding can differ by
-one FP8 step from the GPU's round-to-nearest-even; the tests allow that) and on CUDA in tests/gpu.
+Both are checked on CPU through Triton's interpreter, on inputs whose FP8 values are exact (its
+float32 -> float8 conversion goes wrong where a value rounds up into the next power of two), and on
+CUDA in tests/gpu. The kernels' 448.0 and 1e-12 are linear.FP8_MAX and its smallest scale.
 Their speed is a prediction until a GPU measures it (scripts/gpu/fp8_probe.py prints both paths).
 """
 
@@ -23,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12
 GEMV_MAX_ROWS = 4  # more rows: quantize_rows + torch._scaled_mm (tensor cores)
 
 
