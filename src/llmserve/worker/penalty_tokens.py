@@ -43,7 +43,7 @@ class PenaltyTokens:
         """rows [S'] (batch rows) take one id each from sampled [S'] (device), without a host sync."""
         ends = self.num_output[rows]  # [S'] int64
         self.output_ids = self._fit_columns(self.output_ids, int(ends.max()) + 1)
-        index = on_device(np.stack([rows.astype(np.int64), ends]), self.device)  # [2, S']: rows, columns
+        index = on_device(np.stack([rows, ends]), self.device)  # [2, S'] int64: rows, columns
         self.output_ids[index[0], index[1]] = sampled
         self.num_output[rows] = ends + 1
 
