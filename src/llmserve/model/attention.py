@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.model import cpu_kernels
+
 
 @dataclass
 class AttentionInputs:
@@ -41,6 +43,8 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     them divided by the per-tensor scale and saturated to e4m3's range, a float16 cache (of a float32
     model) gets them rounded to float16."""
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if kv_cache.dtype in (torch.float32, torch.float16) and cpu_kernels.can_fuse(k) and kv_cache.is_contiguous():
+        return cpu_kernels.write_kv(kv_cache, slot_mapping, k, v)  # one pass, no index_copy_ dispatch
     if kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
         kv_cache = kv_cache.view(torch.uint8)
         k, v = _to_fp8(k, K_SCALE).view(torch.uint8), _to_fp8(v, V_SCALE).view(torch.uint8)

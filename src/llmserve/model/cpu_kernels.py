@@ -8,6 +8,10 @@ path widens it with F16C. The build goes to <llmserve cache>/torch_extensions/<t
 and -fopenmp, plus -mavx2 -mfma (and -mf16c) when the CPU has them. It needs a C++ compiler and ninja; when the
 build or load fails (or LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and
 callers keep their plain torch path.
+
+The same build holds the fused elementwise ops of a float32 decoder layer (csrc/fused_ops.cpp): RMSNorm
+(with the residual add, in place), SiLU-and-mul, rotary in place and the K/V write into the paged cache;
+`can_fuse(x)` says when the model's layers call them instead of their chains of torch ops.
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
 MAX_QUERY_LEN = 16  # rows longer than this are not decode-like: the caller's torch path attends them
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, "paged_attention.cpp"), os.path.join(_CSRC, "paged_attention_avx2.cpp")]
-_HEADERS = [os.path.join(_CSRC, "paged_attention.h")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h")]
 _NAME = "llmserve_cpu_kernels"
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
 
@@ -87,13 +92,21 @@ def _clear_stale_lock(build_dir: str) -> None:
             os.remove(lock)
 
 
-def _self_test(op) -> None:
-    """A tiny case against plain torch, over a float32 and a float16 cache: a miscompiled kernel must not serve."""
+def _self_test(ops) -> None:
+    """Tiny cases against plain torch (attention over a float32 and a float16 cache, the fused ops): a
+    miscompiled kernel must not serve."""
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 5, 4, 1, 8, generator=gen)
     q = torch.randn(3, 2, 8, generator=gen)  # row 0: 1 query over 6 keys; row 1: 2 queries over 3 keys
-    _self_test_case(op, q, kv)
-    _self_test_case(op, q, kv.half())
+    _self_test_case(ops.paged_attention, q, kv)
+    _self_test_case(ops.paged_attention, q, kv.half())
+    x, weight = torch.randn(3, 20, generator=gen), torch.randn(20, generator=gen)
+    normed, silu = torch.empty_like(x), torch.empty(3, 10)
+    ops.rms_norm(normed, x, weight, 1e-6)
+    ops.silu_mul(silu, x)
+    expected = (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), F.silu(x[:, :10]) * x[:, 10:])
+    if not all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip((normed, silu), expected)):
+        raise RuntimeError("self-test mismatch (fused ops)")
 
 
 def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor) -> None:
@@ -125,27 +138,27 @@ def _load():
         cpp_extension.load(name=_NAME, sources=_SOURCES, extra_cflags=flags + [_header_digest()],
                            extra_ldflags=["-fopenmp"], build_directory=build_dir, is_python_module=False,
                            verbose=False)
-        op = torch.ops.llmserve_cpu.paged_attention
-        _self_test(op)
+        ops = torch.ops.llmserve_cpu
+        _self_test(ops)
     except Exception as e:  # no compiler, no ninja, build or load error: keep the torch path
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         logger.warning("CPU paged-attention kernel unavailable, using the torch path (%s: %s)",
                        type(e).__name__, first_line)
         logger.debug("CPU kernel build failure", exc_info=True)
         return None
-    logger.info("CPU paged-attention kernel loaded (%s)", " ".join(flags))
-    return op
+    logger.info("CPU kernels loaded (%s)", " ".join(flags))
+    return ops
 
 
 @functools.cache
-def _op():
-    """The loaded op, or None: built (or found failing) once per process."""
+def _ops():
+    """The loaded ops' namespace, or None: built (or found failing) once per process."""
     return _load()
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call; False on any failure)."""
-    return _op() is not None
+    """Whether the kernels are built and loaded (builds them on the first call; False on any failure)."""
+    return _ops() is not None
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -163,4 +176,39 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     under float32 q); block_table
     [B, W], seq_lens [B], query_start_loc [B + 1], rows [R]: int32. Rows need 1 <= query_len <= 16.
     """
-    _op()(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale))
+    _ops().paged_attention(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale))
+
+
+def can_fuse(x: torch.Tensor) -> bool:
+    """Whether the fused ops below take x: float32 on CPU, outside autograd, kernels built."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, n] contiguous -> weight * (x * rsqrt(mean(x^2) + eps)), a new tensor."""
+    out = torch.empty_like(x)
+    _ops().rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, x and residual [T, n] contiguous: residual += x, then x = rms_norm(residual)."""
+    _ops().add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] contiguous -> silu(gate) * up [T, I]."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    _ops().silu_mul(out, gate_up)
+    return out
+
+
+def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox rotary in place: qk [T, heads, D] (any row/head strides), cos/sin [T, 1, D/2] contiguous."""
+    _ops().rotary(qk, cos, sin)
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] float32 (any row/head strides) into kv_cache [2, N, bs, Hkv, D] (float32, or float16:
+    rounded to nearest even) at slot_mapping [T] int64."""
+    _ops().write_kv(kv_cache, slot_mapping, k, v)

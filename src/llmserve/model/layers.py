@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model import cpu_kernels
 from llmserve.model.parallel import TensorParallel, column_linear, row_linear
 
 
@@ -26,7 +27,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x [..., hidden] -> normed; with residual: (normed(x + residual), x + residual)."""
+        """x [..., hidden] -> normed; with residual: (normed(x + residual), x + residual).
+
+        float32 on CPU, 2-D and contiguous: one fused op (cpu_kernels); with a residual it works in place
+        (x's memory then holds the normed rows and residual's the sum, which it returns)."""
+        if x.dim() == 2 and x.is_contiguous() and cpu_kernels.can_fuse(x):
+            if residual is None:
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous():
+                cpu_kernels.add_rms_norm_(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is not None:
             x = x + residual
             residual = x
@@ -112,7 +122,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos/sin [T, 1, D/2] -> rotated x [T, heads, D]."""
+    """x [T, heads, D], cos/sin [T, 1, D/2] -> rotated x [T, heads, D]; float32 on CPU in place (cpu_kernels)."""
+    if x.stride(-1) == 1 and cpu_kernels.can_fuse(x):
+        cpu_kernels.rotary_(x, cos, sin)
+        return x
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -129,5 +142,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)

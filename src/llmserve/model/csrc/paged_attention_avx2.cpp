@@ -8,6 +8,7 @@
 // float16 (--kv-cache-dtype fp16) widened eight at a time with F16C; all arithmetic is float32, so an f16
 // cache gives the same result as an f32 cache holding the same (f16-rounded) values.
 
+#include "avx2_math.h"
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
@@ -28,6 +29,7 @@ namespace {
 using llmserve_cpu::kChunk;
 using llmserve_cpu::Params;
 using llmserve_cpu::Scratch;
+using llmserve_cpu::exp_nonpositive;
 
 constexpr int kPrefetchAhead = kChunk;  // keys: prefetch the next chunk while computing this one
 
@@ -49,24 +51,6 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial).
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // exp(-87) ~ 1.6e-38: stays a normal float
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
 // scores[c] = q . keys[c][off : off + d] for c < n; d a multiple of 8; KV: float or uint16_t (f16 bits).

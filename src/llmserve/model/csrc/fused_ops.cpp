@@ -1,0 +1,181 @@
+// Fused elementwise ops of a float32 decoder layer on CPU (JIT-built by llmserve/model/cpu_kernels.py).
+//
+// Each replaces a chain of torch ops (one dispatch, one pass over memory instead of several, and rows
+// split over ATen's threads only when there is enough work for them):
+//   rms_norm      out = w * (x * rsqrt(mean(x^2) + eps))                      (HF's order of operations)
+//   add_rms_norm  residual += x; x = w * (residual * rsqrt(mean(residual^2) + eps))       (both in place)
+//   silu_mul      out = silu(gate_up[:, :I]) * gate_up[:, I:]
+//   rotary        neox rotary in place over qk [T, heads, D] (a strided view), cos/sin [T, 1, D/2]
+//   write_kv      k, v [T, Hkv, D] (strided views) into the paged cache [2, N, bs, Hkv, D] at slot_mapping
+// Each row is computed the same way whatever the number of rows: outputs do not depend on the batch.
+// float32 only, except write_kv: the cache may be float32 or float16 (a float32 model's fp16 KV cache).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "avx2_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;  // rows go to other threads only in chunks of this much work
+
+int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
+
+void check_rows(const at::Tensor& t, int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols &&
+                  t.is_contiguous(),
+              what, ": expected a contiguous float32 [", rows, ", ", cols, "] tensor");
+}
+
+// out[i] = w[i] * (x[i] * r) with r = 1 / sqrt(mean(x^2) + eps)
+inline void norm_row(float* __restrict out, const float* __restrict x, const float* __restrict w, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, rows, n, "rms_norm x");
+  check_rows(out, rows, n, "rms_norm out");
+  check_rows(weight.view({1, -1}), 1, n, "rms_norm weight");
+  float *o = out.data_ptr<float>(), *w = weight.data_ptr<float>();
+  const float* xs = x.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row(o + t * n, xs + t * n, w, n, static_cast<float>(eps));
+  });
+}
+
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, rows, n, "add_rms_norm x");
+  check_rows(residual, rows, n, "add_rms_norm residual");
+  check_rows(weight.view({1, -1}), 1, n, "add_rms_norm weight");
+  float *xs = x.data_ptr<float>(), *res = residual.data_ptr<float>(), *w = weight.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float *xr = xs + t * n, *rr = res + t * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) rr[i] = xr[i] + rr[i];
+      norm_row(xr, rr, w, n, static_cast<float>(eps));
+    }
+  });
+}
+
+// out[i] = g[i] / (1 + exp(-g[i])) * u[i]
+inline void silu_mul_row(float* __restrict out, const float* __restrict g, const float* __restrict u, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = llmserve_cpu::exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|), never overflows
+    const __m256 is_neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, is_neg), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), n = out.size(1);
+  check_rows(gate_up, rows, 2 * n, "silu_mul gate_up");
+  check_rows(out, rows, n, "silu_mul out");
+  float* o = out.data_ptr<float>();
+  const float* gu = gate_up.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(o + t * n, gu + t * 2 * n, gu + t * 2 * n + n, n);
+  });
+}
+
+void rotary(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(qk.scalar_type() == at::kFloat && qk.dim() == 3 && qk.stride(2) == 1, "rotary: float32 [T, heads, D]");
+  const int64_t rows = qk.size(0), heads = qk.size(1), half = qk.size(2) / 2;
+  TORCH_CHECK(qk.size(2) % 2 == 0, "rotary: head_dim must be even");
+  for (const at::Tensor* t : {&cos, &sin}) check_rows(t->view({rows, -1}), rows, half, "rotary cos/sin");
+  float* base = qk.data_ptr<float>();
+  const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+  const int64_t st = qk.stride(0), sh = qk.stride(1);
+  at::parallel_for(0, rows, grain_rows(heads * 2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = cs + t * half, *s = sn + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float *x1 = base + t * st + h * sh, *x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * c[i] - b * s[i];
+          x2[i] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  });
+}
+
+template <typename C>
+void store_rows(C* cache, const int64_t* slots, const at::Tensor& src, int64_t rows, int64_t heads, int64_t d) {
+  const float* x = src.data_ptr<float>();
+  const int64_t st = src.stride(0), sh = src.stride(1);
+  for (int64_t t = 0; t < rows; ++t) {
+    C* dst = cache + slots[t] * heads * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* row = x + t * st + h * sh;
+      if constexpr (std::is_same_v<C, float>) {
+        std::memcpy(dst + h * d, row, d * sizeof(float));
+      } else {
+        for (int64_t i = 0; i < d; ++i) dst[h * d + i] = static_cast<C>(row[i]);  // round to nearest even
+      }
+    }
+  }
+}
+
+void write_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), "write_kv: cache [2, N, bs, Hkv, D]");
+  const int64_t rows = k.size(0), heads = kv_cache.size(3), d = kv_cache.size(4);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == rows && t->size(1) == heads &&
+                    t->size(2) == d && t->stride(2) == 1,
+                "write_kv: k/v must be float32 [T, Hkv, D] with a contiguous last dim");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == rows && slot_mapping.is_contiguous(),
+              "write_kv: slot_mapping int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
+  const int64_t half = kv_cache.stride(0);
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: {
+      float* c = kv_cache.data_ptr<float>();
+      store_rows(c, slots, k, rows, heads, d);
+      return store_rows(c + half, slots, v, rows, heads, d);
+    }
+    case at::kHalf: {
+      c10::Half* c = kv_cache.data_ptr<c10::Half>();
+      store_rows(c, slots, k, rows, heads, d);
+      return store_rows(c + half, slots, v, rows, heads, d);
+    }
+    default: TORCH_CHECK(false, "write_kv: the cache must be float32 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm);
+  m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()", &silu_mul);
+  m.def("rotary(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()", &rotary);
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor slot_mapping, Tensor k, Tensor v) -> ()", &write_kv);
+}
