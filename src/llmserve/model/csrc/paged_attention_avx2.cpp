@@ -184,6 +184,19 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
   const int m_count = it.q_len * it.hg;
   const KV* kp[kChunk];
   const KV* vp[kChunk];
+  // The next chunk's K/V are prefetched a few tokens at a time between the queries' work: issued all at
+  // once, hundreds of prefetches stall on the fill buffers instead of overlapping the arithmetic.
+  int next_t = 0, next_end = 0;
+  auto prefetch_tokens = [&](int n) {
+    for (const int stop = std::min(next_end, next_t + n); next_t < stop; ++next_t) {
+      const int64_t off = token_offset(next_t);
+      for (int b = 0; b < span_bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kcache + off) + b, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(vcache + off) + b, 0, 1);
+      }
+    }
+  };
+  const int tokens_per_slice = (kPrefetchAhead + 2 * m_count - 1) / (2 * m_count);  // 2 * m_count slices a chunk
   for (int c0 = 0; c0 < it.seq_len; c0 += kChunk) {
     const int cn = std::min(kChunk, it.seq_len - c0);
     for (int c = 0; c < cn; ++c) {
@@ -191,21 +204,18 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
       kp[c] = kcache + off;
       vp[c] = vcache + off;
     }
-    for (int t = c0 + kPrefetchAhead; t < std::min(it.seq_len, c0 + kPrefetchAhead + kChunk); ++t) {
-      const int64_t off = token_offset(t);
-      for (int b = 0; b < span_bytes; b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kcache + off) + b, 0, 1);
-        __builtin_prefetch(reinterpret_cast<const char*>(vcache + off) + b, 0, 1);
-      }
-    }
+    next_t = c0 + kPrefetchAhead;
+    next_end = std::min(it.seq_len, c0 + kPrefetchAhead + kChunk);
     for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: t <= seq_len - q_len + token
       w.valid[m] = std::min(cn, it.seq_len - it.q_len + m / it.hg - c0 + 1);
       if (w.valid[m] > 0) score_chunk<kD, KV>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kp);
+      prefetch_tokens(tokens_per_slice);
     }
     for (int m = 0; m < m_count; ++m) {
       if (w.valid[m] > 0) {
         accumulate(w.acc.data() + m * d, w.scores.data() + m * kChunk, vp, (m % it.hg) / p.group * d, w.valid[m], d);
       }
+      prefetch_tokens(tokens_per_slice);
     }
   }
   store_outputs(p, it, w, d);
