@@ -71,6 +71,8 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] float32 -> [..., out] through a weight `packed` for oneDNN."""
+    if x.dim() == 2 and x.shape[0] <= EXACT_ROWS and x.is_contiguous():  # decode batches: one call, no views
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [T, in]
     return _onednn_linear(flat, packed_weight, bias).reshape(*x.shape[:-1], out_features)
 
