@@ -100,8 +100,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x [T, in] float32, weight [out, in] plain or packed -> [T, out] through oneDNN, rows bucketed."""
     num_rows = x.shape[0]
     num_padded = bucket_rows(num_rows)
-    if num_padded != num_rows:
-        x = F.pad(x, (0, 0, 0, num_padded - num_rows))  # [Tb, in], zero rows after x's
+    if num_padded != num_rows:  # [Tb, in], zero rows after x's (F.pad would first fill all of it)
+        padded = x.new_empty(num_padded, x.shape[1])
+        padded[:num_rows].copy_(x)
+        padded[num_rows:].zero_()
+        x = padded
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:num_rows]  # [T, out]
 
 
