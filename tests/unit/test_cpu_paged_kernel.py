@@ -50,7 +50,7 @@ needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("block_size", [16, 4, 6])  # 6: the kernel's division path (others shift)
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("seed", range(3))
 def test_kernel_matches_torch_path_and_reference(block_size, group, seed):
