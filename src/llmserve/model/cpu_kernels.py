@@ -142,7 +142,7 @@ def _load():
         _self_test(ops)
     except Exception as e:  # no compiler, no ninja, build or load error: keep the torch path
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        logger.warning("CPU paged-attention kernel unavailable, using the torch path (%s: %s)",
+        logger.warning("CPU kernels unavailable, using the torch path (%s: %s)",
                        type(e).__name__, first_line)
         logger.debug("CPU kernel build failure", exc_info=True)
         return None

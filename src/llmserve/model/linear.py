@@ -71,8 +71,8 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] float32 -> [..., out] through a weight `packed` for oneDNN."""
-    if x.dim() == 2 and x.shape[0] <= EXACT_ROWS and x.is_contiguous():  # decode batches: one call, no views
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    if x.dim() == 2:  # the layers' case: no reshapes around the call
+        return _onednn_linear(x.contiguous(), packed_weight, bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [T, in]
     return _onednn_linear(flat, packed_weight, bias).reshape(*x.shape[:-1], out_features)
 
@@ -100,12 +100,12 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x [T, in] float32, weight [out, in] plain or packed -> [T, out] through oneDNN, rows bucketed."""
     num_rows = x.shape[0]
     num_padded = bucket_rows(num_rows)
-    if num_padded != num_rows:  # [Tb, in], zero rows after x's (F.pad would first fill all of it)
-        padded = x.new_empty(num_padded, x.shape[1])
-        padded[:num_rows].copy_(x)
-        padded[num_rows:].zero_()
-        x = padded
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:num_rows]  # [T, out]
+    if num_padded == num_rows:  # decode batches (<= EXACT_ROWS) and bucket sizes: one call, no views
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    padded = x.new_empty(num_padded, x.shape[1])  # [Tb, in], zero rows after x's (F.pad would fill it all first)
+    padded[:num_rows].copy_(x)
+    padded[num_rows:].zero_()
+    return torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [], "")[:num_rows]  # [T, out]
 
 
 class Linear(nn.Linear):

@@ -179,10 +179,10 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
   // a power-of-two block size (the usual 16) divides by shifting: two divisions a token cost as much as
   // a fifth of the chunk's arithmetic
   const bool is_pow2 = (p.block_size & (p.block_size - 1)) == 0;
-  const int shift = __builtin_ctz(static_cast<unsigned>(p.block_size)), mask = p.block_size - 1;
+  const int shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
   const int64_t block_stride = token_stride * p.block_size;
   auto token_offset = [&](int t) {
-    const int block = is_pow2 ? t >> shift : t / p.block_size, slot = is_pow2 ? t & mask : t % p.block_size;
+    const int block = is_pow2 ? t >> shift : t / p.block_size, slot = t - block * p.block_size;
     return static_cast<int64_t>(it.table[block]) * block_stride + slot * token_stride + static_cast<int64_t>(it.kvh0) * d;
   };
   load_queries(p, it, w, d);
