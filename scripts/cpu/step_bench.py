@@ -2,6 +2,7 @@
 op table. NEVER RUN IN CI.
 
 usage: python scripts/cpu/step_bench.py THREADS DECODE_ROWS PREFILL_LENS [MODEL]
+  (SDPA_PROMPTS=1 in the environment: prompts through torch's SDPA instead of the C++ kernel)
   e.g. `step_bench.py 1 16 ""` (16 decode rows, contexts 300-500), `step_bench.py 1 0 512` (one 512-token prompt).
 Thread-CPU time is the figure to trust on a shared machine with THREADS=1 (wall time there counts others' load).
 """
@@ -18,7 +19,8 @@ from llmserve.model.testing import PagedBatchBuilder, allocate_kv_caches
 torch.set_num_threads(int(sys.argv[1]))
 M = sys.argv[4] if len(sys.argv) > 4 else os.path.expanduser("~/.cache/llmserve-llamacpp/smollm2-135m")
 model = load_model(M, torch.float32, "cpu", 1024)
-backend = select_attention_backend(torch.device("cpu"))
+backend = select_attention_backend(torch.device("cpu"), "auto", torch.float32)
+backend.kernel_takes_prompts = backend.kernel_takes_prompts and os.environ.get("SDPA_PROMPTS") != "1"
 bs = 16
 caches = allocate_kv_caches(model, 4000, bs)
 def case(ndec, prefill):

@@ -1,5 +1,6 @@
 """The C++ CPU paged-attention kernel (llmserve.model.cpu_kernels) against the torch path and a naive
-reference: random block tables, mixed lengths, GQA, decode and short multi-query rows."""
+reference: random block tables, mixed lengths, GQA, decode and short multi-query rows, and whole prompts
+and long chunks split in tiles of 16 query tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from llmserve.model import cpu_kernels
+from llmserve.model.attention import select_attention_backend
 from llmserve.model.attn_torch import TorchAttentionBackend
 from attention_cases import SCALE, check_against_reference, make_case, random_rows, reference, run_backend
 
@@ -75,6 +77,47 @@ def test_kernel_rows_mixed_with_prefill_groups(block_size):
     torch_out, _ = run_backend(TorchAttentionBackend(use_cpu_kernel=False), q, k, v, kv_cache, inputs)
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
     check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
+
+
+PROMPT_ROWS = [(0, 200), (40, 1), (33, 40), (0, 17), (299, 1), (7, 3), (0, 1), (90, 64), (0, 33)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 6])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("num_threads", [1, 2, 16])  # 16: one kv head per work item
+def test_kernel_takes_prompts_in_tiles(block_size, group, num_threads):
+    """With kernel_takes_prompts every row goes to the kernel (no SDPA group): fresh prompts and long chunks
+    over a cache, tiled by 16 query tokens, causal within and across tiles."""
+    q, k, v, kv_cache, inputs, full = make_case(PROMPT_ROWS, block_size, group, seed=block_size + group)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, metadata = run_backend(TorchAttentionBackend(kernel_takes_prompts=True), q, k, v, kv_cache, inputs)
+    finally:
+        torch.set_num_threads(previous)
+    assert metadata.kernel.rows.tolist() == list(range(len(PROMPT_ROWS))) and metadata.groups == []
+    torch_out, _ = run_backend(TorchAttentionBackend(use_cpu_kernel=False), q, k, v, kv_cache, inputs)
+    torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,head_dim,atol", [(torch.float32, 36, 1e-5), (torch.bfloat16, 64, 2e-2)])
+def test_portable_path_tiles_prompts_too(dtype, head_dim, atol):
+    """The portable path (head_dim not a multiple of 8; half dtypes) reads the same work items."""
+    q, k, v, kv_cache, inputs, full = make_case(PROMPT_ROWS, 16, 3, seed=4, dtype=dtype, head_dim=head_dim)
+    out, metadata = run_backend(TorchAttentionBackend(kernel_takes_prompts=True), q, k, v, kv_cache, inputs)
+    assert metadata.groups == []
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=atol)
+
+
+@needs_kernel
+def test_backend_takes_prompts_for_float32_models_only():
+    assert select_attention_backend(torch.device("cpu"), "auto", torch.float32).kernel_takes_prompts == \
+        cpu_kernels.attends_prompts(torch.float32)
+    assert not select_attention_backend(torch.device("cpu"), "auto", torch.bfloat16).kernel_takes_prompts
+    assert not select_attention_backend(torch.device("cpu")).kernel_takes_prompts
 
 
 @needs_kernel

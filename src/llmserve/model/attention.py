@@ -83,8 +83,10 @@ class AttentionBackend(ABC):
         """
 
 
-def select_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
-    """The backend for a device: 'auto' = Triton on CUDA (torch when Triton is missing), torch on CPU.
+def select_attention_backend(device: torch.device, name: str = "auto",
+                             dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend for a device (and the model's dtype): 'auto' = Triton on CUDA (torch when Triton is
+    missing), torch on CPU.
 
     'triton' off CUDA runs the kernel through Triton's interpreter (TRITON_INTERPRET=1): for tests only.
     On CPU the torch backend builds (or loads) its C++ kernel now, so that the first step does not wait.
@@ -99,9 +101,10 @@ def select_attention_backend(device: torch.device, name: str = "auto") -> Attent
     from llmserve.model import cpu_kernels
     from llmserve.model.attn_torch import TorchAttentionBackend
 
-    if not is_cuda:
-        cpu_kernels.available()
-    return TorchAttentionBackend()
+    if is_cuda:
+        return TorchAttentionBackend()
+    cpu_kernels.available()
+    return TorchAttentionBackend(kernel_takes_prompts=dtype is not None and cpu_kernels.attends_prompts(dtype))
 
 
 def _has_triton() -> bool:

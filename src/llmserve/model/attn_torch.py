@@ -219,10 +219,12 @@ def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int]
     return [_build_group(inputs, group_rows, query_start) for group_rows in row_groups]
 
 
-def _kernel_rows(inputs: AttentionInputs, query_start: list[int]) -> tuple[KernelRows | None, list[int]]:
-    """Split off the decode-like rows (query_len 1, or <= 16 over a cached prefix) -> (them, the rest)."""
+def _kernel_rows(inputs: AttentionInputs, query_start: list[int],
+                 takes_prompts: bool) -> tuple[KernelRows | None, list[int]]:
+    """Split off the rows the kernel attends (all of them when it takes prompts, else the decode-like ones:
+    query_len 1, or <= 16 over a cached prefix) -> (them, the rest)."""
     query_lens, seq_lens = inputs.query_lens_cpu, inputs.seq_lens_cpu
-    if max(query_lens, default=0) == 1:  # a decode step: every row, no per-row test
+    if takes_prompts or max(query_lens, default=0) == 1:  # every row, no per-row test
         rows, rest, row_index = list(range(len(query_lens))), [], torch.arange(len(query_lens), dtype=torch.int32)
     else:
         is_kernel = [n == 1 or (n <= cpu_kernels.MAX_QUERY_LEN and n < s) for n, s in zip(query_lens, seq_lens)]
@@ -243,12 +245,15 @@ class TorchAttentionBackend(AttentionBackend):
     """Batched paged attention with torch SDPA: a few calls per layer, whatever the batch.
 
     use_cpu_kernel: None = the C++ kernel for decode-like rows on CPU whenever it builds; False = never.
+    kernel_takes_prompts: the kernel attends prompt rows too (`cpu_kernels.attends_prompts` of the model's
+    dtype); else SDPA does.
     """
 
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool | None = None):
+    def __init__(self, use_cpu_kernel: bool | None = None, kernel_takes_prompts: bool = False):
         self.use_cpu_kernel = use_cpu_kernel
+        self.kernel_takes_prompts = kernel_takes_prompts
 
     def _kernel_enabled(self, inputs: AttentionInputs) -> bool:
         return (self.use_cpu_kernel is not False and inputs.block_table.device.type == "cpu"
@@ -258,7 +263,7 @@ class TorchAttentionBackend(AttentionBackend):
         query_start = list(accumulate(inputs.query_lens_cpu, initial=0))[:-1]  # [B]
         kernel, rows = None, list(range(len(query_start)))
         if self._kernel_enabled(inputs):
-            kernel, rows = _kernel_rows(inputs, query_start)
+            kernel, rows = _kernel_rows(inputs, query_start, self.kernel_takes_prompts)
         return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping.long(),
                                       groups=_row_groups(rows, inputs, query_start), kernel=kernel)
 

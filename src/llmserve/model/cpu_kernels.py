@@ -1,9 +1,10 @@
 """Optional C++ CPU kernels, JIT-built on first use with torch.utils.cpp_extension.
 
-`paged_attention` attends decode-like rows (query_len <= 16) straight from the paged KV cache through
-the block table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP
-over (row, kv head); float32 with head_dim % 8 == 0 runs an AVX2 + FMA path when the build has them
-(csrc/paged_attention_avx2.cpp). A float32 model's cache may be float16 (--kv-cache-dtype fp16): the AVX2
+`paged_attention` attends rows of any query length straight from the paged KV cache through the block
+table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP over work items
+(a row's tile of up to 16 query tokens, per kv head or all); float32 with head_dim % 8 == 0 runs an
+AVX2 + FMA path when the build has them (csrc/paged_attention_avx2.cpp). That path also beats torch's
+SDPA on whole prompts (`attends_prompts`); the portable one is kept to decode-like rows. A float32 model's cache may be float16 (--kv-cache-dtype fp16): the AVX2
 path widens it with F16C. The build goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3
 and -fopenmp, plus -mavx2 -mfma (and -mf16c) when the CPU has them. It needs a C++ compiler and ninja; when the
 build or load fails (or LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-MAX_QUERY_LEN = 16  # rows longer than this are not decode-like: the caller's torch path attends them
+MAX_QUERY_LEN = 16  # decode-like rows: up to this many query tokens over a cached prefix
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp")]
@@ -174,9 +175,16 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
 
     out, q [T, H, D]; kv_cache [2, N, bs, Hkv, D] (already holding this step's K/V; q's dtype, or float16
     under float32 q); block_table
-    [B, W], seq_lens [B], query_start_loc [B + 1], rows [R]: int32. Rows need 1 <= query_len <= 16.
+    [B, W], seq_lens [B], query_start_loc [B + 1], rows [R]: int32. Rows need 1 <= query_len <= seq_len.
     """
     _ops().paged_attention(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale))
+
+
+def attends_prompts(dtype: torch.dtype) -> bool:
+    """Whether `paged_attention` should take a model's prompt rows too: float32 through the AVX2 path, which
+    attends a 512-token prompt 1.7x faster than torch's SDPA (docs/benchmarks.md, issue 19); the portable
+    path (bfloat16, float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows."""
+    return dtype == torch.float32 and "-mavx2" in _compile_flags() and available()
 
 
 def can_fuse(x: torch.Tensor) -> bool:

@@ -52,7 +52,7 @@ class Worker:
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
         self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
         self.draft_info, draft_model = self._load_draft()
-        attn_backend = select_attention_backend(device, config.model.attention_backend)
+        attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
         self.num_blocks = self._num_blocks(model, attn_backend)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        model_info.num_layers, self.kv_dtype, device)

@@ -1,9 +1,10 @@
-// Fused paged attention for decode-like rows on CPU (JIT-built by llmserve/model/cpu_kernels.py).
+// Fused paged attention on CPU (JIT-built by llmserve/model/cpu_kernels.py): decode rows, chunks over a
+// cached prefix and whole prompts alike.
 //
-// For each (row, kv head), in parallel: the row's q query tokens times the G query heads of the kv
-// head (M = q * G query vectors) read the row's keys 0..s-1 once, straight from the paged cache
-// through the block table, with an online softmax in float32. Query j of a row sees keys
-// 0..s-q+j (causal). No K/V copy is made; float32 reads in place, bfloat16/float16 are converted
+// For each work item (a row's tile of at most 16 query tokens, for one kv head or all), in parallel: its
+// q query tokens times the G query heads of a kv head (M = q * G query vectors) read the keys they see
+// once, straight from the paged cache through the block table, with an online softmax in float32.
+// Query j of a row of q tokens over s keys sees keys 0..s-q+j (causal). No K/V copy is made; float32 reads in place, bfloat16/float16 are converted
 // one key chunk at a time. The cache shares q's dtype, or is float16 under float32 q and out
 // (--kv-cache-dtype fp16 of a float32 model).
 //
@@ -33,7 +34,10 @@ namespace {
 
 using llmserve_cpu::kChunk;
 using llmserve_cpu::kMaxQueryLen;
+using llmserve_cpu::Item;
+using llmserve_cpu::item_of;
 using llmserve_cpu::Params;
+using llmserve_cpu::WorkItem;
 using llmserve_cpu::Scratch;
 
 template <typename T>
@@ -114,20 +118,16 @@ inline void prefetch_token(const T* k, const T* v, int64_t bytes) {
 template <typename T, typename KV, int kD>
 void attend_item(const Params& p, int item, Scratch& w) {
   const int d = kD > 0 ? kD : p.head_dim;
-  const int items_per_row = p.num_kv_heads / p.heads_per_item;
-  const int row = p.rows[item / items_per_row];
-  const int kvh0 = (item % items_per_row) * p.heads_per_item;  // first kv head of the item
-  const int first_token = p.query_start[row];
-  const int q_len = p.query_start[row + 1] - first_token;
-  const int seq_len = p.seq_lens[row];
+  const Item it = item_of(p, item);
+  const int kvh0 = it.kvh0, first_token = it.first_token, q_len = it.q_len, seq_len = it.seq_len;
   const int g = p.group;
-  const int hg = p.heads_per_item * g;  // query heads of the item: kvh0 * g .. kvh0 * g + hg - 1
+  const int hg = it.hg;  // query heads of the item: kvh0 * g .. kvh0 * g + hg - 1
   const int m_count = q_len * hg;  // query vector m: token m / hg, head kvh0 * g + m % hg, kv head .. / g
   const int span = p.heads_per_item * d;  // the item's contiguous part of one token's K (or V)
   const T* q = static_cast<const T*>(p.q);
   const KV* kcache = static_cast<const KV*>(p.kv);
   const KV* vcache = kcache + p.kv_half;
-  const int32_t* table = p.block_table + static_cast<int64_t>(row) * p.bt_stride;
+  const int32_t* table = it.table;
   const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * d;
   const int64_t block_stride = token_stride * p.block_size;
 
@@ -216,6 +216,31 @@ void dispatch_dim(const Params& p, int max_m) {
   }
 }
 
+// The step's work items: row by row, tile by tile, kv head group by group; items that attend more
+// (prompt tiles late in a long row) first when any row has more than one query token, so that the
+// dynamic schedule does not end on one long item.
+std::vector<WorkItem> work_items(const Params& p, int64_t num_rows, int num_tiles, bool has_long_rows) {
+  const int num_groups = p.num_kv_heads / p.heads_per_item;
+  std::vector<WorkItem> items;
+  items.reserve(static_cast<size_t>(num_tiles) * num_groups);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int row = p.rows[r], q_len = p.query_start[row + 1] - p.query_start[row];
+    for (int q0 = 0; q0 < q_len; q0 += kMaxQueryLen) {
+      for (int h = 0; h < num_groups; ++h) {
+        items.push_back(WorkItem{row, h * p.heads_per_item, q0, std::min(kMaxQueryLen, q_len - q0)});
+      }
+    }
+  }
+  if (has_long_rows) {
+    auto work = [&](const WorkItem& w) {
+      const int row_q_len = p.query_start[w.row + 1] - p.query_start[w.row];
+      return static_cast<int64_t>(w.q_len) * (p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len);
+    };
+    std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return work(a) > work(b); });
+  }
+  return items;
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& rows,
                      double scale) {
@@ -252,32 +277,35 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   p.group = q.size(1) / num_kv_heads;
   p.head_dim = head_dim;
   p.block_size = kv_cache.size(2);
-  // All kv heads of a row in one item (each token's K/V read as one contiguous span) when rows are plenty
-  // for the threads; one kv head per item otherwise.
-  const int64_t num_threads = std::max(1, at::get_num_threads());
-  p.heads_per_item = rows.numel() >= 4 * num_threads ? num_kv_heads : 1;
-  p.num_items = rows.numel() * (num_kv_heads / p.heads_per_item);
   p.scale = static_cast<float>(scale);
-  if (p.num_items == 0) return;
+  if (rows.numel() == 0) return;
   // Validate what the kernel will index (O(rows + blocks read), cheap next to the attention itself).
   const int64_t num_rows = seq_lens.numel(), num_tokens = q.size(0), num_blocks = kv_cache.size(1);
   TORCH_CHECK(query_start.numel() == num_rows + 1 && block_table.size(0) == num_rows, "paged_attention: B mismatch");
-  int max_query_len = 1;
+  int num_tiles = 0, max_tile = 1;
   for (int64_t r = 0; r < rows.numel(); ++r) {
     const int row = p.rows[r];
     TORCH_CHECK(row >= 0 && row < num_rows, "paged_attention: row index out of range");
     const int start = p.query_start[row], q_len = p.query_start[row + 1] - start, seq_len = p.seq_lens[row];
-    TORCH_CHECK(q_len >= 1 && q_len <= kMaxQueryLen && start >= 0 && start + q_len <= num_tokens,
-                "paged_attention: query_len must be 1..16 and within q");
+    TORCH_CHECK(q_len >= 1 && start >= 0 && start + q_len <= num_tokens,
+                "paged_attention: query_len must be >= 1 and within q");
     TORCH_CHECK(seq_len >= q_len && (seq_len + p.block_size - 1) / p.block_size <= block_table.size(1),
                 "paged_attention: seq_len shorter than query_len or past the block table");
     const int32_t* table = p.block_table + row * p.bt_stride;
     for (int b = 0; b < (seq_len + p.block_size - 1) / p.block_size; ++b) {
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_attention: block id out of range");
     }
-    max_query_len = std::max(max_query_len, q_len);
+    num_tiles += (q_len + kMaxQueryLen - 1) / kMaxQueryLen;
+    max_tile = std::max(max_tile, std::min(q_len, kMaxQueryLen));
   }
-  const int max_m = max_query_len * p.group * p.heads_per_item;
+  // All kv heads of a tile in one item (each token's K/V read as one contiguous span) when tiles are
+  // plenty for the threads; one kv head per item otherwise.
+  const int64_t num_threads = std::max(1, at::get_num_threads());
+  p.heads_per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
+  const std::vector<WorkItem> items = work_items(p, rows.numel(), num_tiles, max_tile > 1);
+  p.items = items.data();
+  p.num_items = static_cast<int>(items.size());
+  const int max_m = max_tile * p.group * p.heads_per_item;
   if (kv_is_f16_of_f32) {
     if (llmserve_cpu::attend_f32_avx2(p, max_m, true)) return;
     return dispatch_dim<float, c10::Half>(p, max_m);

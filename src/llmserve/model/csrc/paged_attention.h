@@ -13,8 +13,14 @@
 
 namespace llmserve_cpu {
 
-constexpr int kMaxQueryLen = 16;
+constexpr int kMaxQueryLen = 16;  // query tokens one work item attends (a longer row is split in tiles)
 constexpr int kChunk = 32;  // keys scored, then softmaxed, then accumulated at a time
+
+// One work item: query tokens q_begin .. q_begin + q_len - 1 of a row (a tile of at most kMaxQueryLen),
+// for the kv heads kvh0 .. kvh0 + heads_per_item - 1.
+struct WorkItem {
+  int32_t row, kvh0, q_begin, q_len;
+};
 
 struct Params {
   const void* q;
@@ -24,6 +30,7 @@ struct Params {
   const int32_t* seq_lens;
   const int32_t* query_start;
   const int32_t* rows;
+  const WorkItem* items;  // [num_items]
   int64_t q_stride_t, q_stride_h;
   int64_t bt_stride;
   int64_t kv_half;  // elements between the K and the V half of the cache
@@ -39,6 +46,21 @@ struct Scratch {
       : q(m * d), acc(m * d), scores(m * kChunk), kbuf(kChunk * heads * d), vbuf(kChunk * heads * d), max(m),
         sum(m), valid(m) {}
 };
+
+// What a work item attends: its first token in q, its query tokens, the keys its last query sees
+// (0 .. seq_len - 1; query j sees 0 .. seq_len - q_len + j), its first kv head, its query heads
+// (hg = heads_per_item * group) and its row's block table.
+struct Item {
+  int first_token, q_len, seq_len, kvh0, hg;
+  const int32_t* table;
+};
+
+inline Item item_of(const Params& p, int index) {
+  const WorkItem& w = p.items[index];
+  const int start = p.query_start[w.row], row_q_len = p.query_start[w.row + 1] - start;
+  return Item{start + w.q_begin, w.q_len, p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len, w.kvh0,
+              p.heads_per_item * p.group, p.block_table + static_cast<int64_t>(w.row) * p.bt_stride};
+}
 
 // Runs attend(p, item, scratch) for every work item on OpenMP threads (as many as ATen's pool, one
 // Scratch each; one thread when already inside a parallel region), items handed out one at a time.

@@ -26,6 +26,8 @@
 
 namespace {
 
+using llmserve_cpu::Item;
+using llmserve_cpu::item_of;
 using llmserve_cpu::kChunk;
 using llmserve_cpu::Params;
 using llmserve_cpu::Scratch;
@@ -53,10 +55,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
-// scores[c] = q . keys[c][off : off + d] for c < n; d a multiple of 8; KV: float or uint16_t (f16 bits).
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// scores[c] = q . keys[c][off : off + d] for c < n -> their max; d a multiple of 8; KV: float or
+// uint16_t (f16 bits).
 template <int kD, typename KV>
-inline void score_keys(const float* q, const KV* const* keys, int off, int n, int d_rt, float* scores) {
+inline float score_keys(const float* q, const KV* const* keys, int off, int n, int d_rt, float* scores) {
   const int d = kD > 0 ? kD : d_rt;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int c = 0;
   for (; c + 8 <= n; c += 8) {
     __m256 acc[8];
@@ -65,15 +75,20 @@ inline void score_keys(const float* q, const KV* const* keys, int off, int n, in
       const __m256 qv = _mm256_loadu_ps(q + i);
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(keys[c + j] + off + i), acc[j]);
     }
-    _mm256_storeu_ps(scores + c, hsum8(acc));
+    const __m256 sums = hsum8(acc);
+    _mm256_storeu_ps(scores + c, sums);
+    vmax = _mm256_max_ps(vmax, sums);
   }
+  float max = hmax(vmax);
   for (; c < n; ++c) {
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 8) {
       acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(keys[c] + off + i), acc);
     }
     scores[c] = hsum(acc);
+    max = std::max(max, scores[c]);
   }
+  return max;
 }
 
 // scores[c] = exp(scores[c] - max) for c < n -> their sum.
@@ -114,13 +129,9 @@ inline void accumulate(float* acc, const float* p, const KV* const* values, int 
   for (; i < d; i += 8) accumulate_span<1>(acc + i, p, values, off + i, n);
 }
 
-// Score, softmax-update and accumulate query vector m of an item over one chunk's nv visible keys.
-template <int kD, typename KV>
-inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const KV* const* kp) {
-  float* sc = w.scores.data() + m * kChunk;
-  score_keys<kD>(w.q.data() + m * d, kp, head_off, nv, d, sc);
-  float cmax = -std::numeric_limits<float>::infinity();
-  for (int c = 0; c < nv; ++c) cmax = std::max(cmax, sc[c]);
+// Query vector m's online softmax over one chunk whose nv scores (max cmax) are in its scores row:
+// rescale what it holds to the new max, exponentiate the chunk's scores in place, add up their sum.
+inline void fold_chunk(Scratch& w, int m, int d, int nv, float cmax) {
   const float new_max = std::max(w.max[m], cmax);
   if (new_max > w.max[m]) {
     const float corr = std::exp(w.max[m] - new_max);  // 0 on the first chunk
@@ -129,21 +140,13 @@ inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const KV
     for (int i = 0; i < d; ++i) am[i] *= corr;
     w.max[m] = new_max;
   }
-  w.sum[m] += exp_shifted(sc, nv, new_max);
+  w.sum[m] += exp_shifted(w.scores.data() + m * kChunk, nv, new_max);
 }
 
-struct Item {
-  int first_token, q_len, seq_len, kvh0, hg;
-  const int32_t* table;
-};
-
-inline Item item_of(const Params& p, int item) {
-  const int items_per_row = p.num_kv_heads / p.heads_per_item;
-  const int row = p.rows[item / items_per_row];
-  const int first_token = p.query_start[row];
-  return Item{first_token, p.query_start[row + 1] - first_token, p.seq_lens[row],
-              (item % items_per_row) * p.heads_per_item, p.heads_per_item * p.group,
-              p.block_table + static_cast<int64_t>(row) * p.bt_stride};
+// Score and softmax-fold query vector m over one chunk's nv visible keys.
+template <int kD, typename KV>
+inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const KV* const* kp) {
+  fold_chunk(w, m, d, nv, score_keys<kD>(w.q.data() + m * d, kp, head_off, nv, d, w.scores.data() + m * kChunk));
 }
 
 // Query vector m of an item: token m / hg, head kvh0 * g + m % hg; its kv head is kvh0 + (m % hg) / g.
