@@ -64,8 +64,8 @@ class Attention(nn.Module):
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
         q, k = self._rotate_qk(qkv[:, :num_qk_heads], cos_sin)  # [T, H, D], [T, Hkv, D]
-        v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
-        out = attn_backend.forward(q, k, v.contiguous(), kv_cache, attn_metadata, self.scale)  # [T, H, D]
+        v = qkv[:, num_qk_heads:]  # [T, Hkv, D], a strided view like k: the backends copy both into the cache
+        out = attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _rotate_qk(self, qk: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
