@@ -4,11 +4,12 @@
 table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP over work items
 (a row's tile of up to 16 query tokens, per kv head or all); float32 with head_dim % 8 == 0 runs an
 AVX2 + FMA path when the build has them (csrc/paged_attention_avx2.cpp). That path also beats torch's
-SDPA on whole prompts (`attends_prompts`); the portable one is kept to decode-like rows. A float32 model's cache may be float16 (--kv-cache-dtype fp16): the AVX2
-path widens it with F16C. The build goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3
-and -fopenmp, plus -mavx2 -mfma (and -mf16c) when the CPU has them. It needs a C++ compiler and ninja; when the
-build or load fails (or LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and
-callers keep their plain torch path.
+SDPA on whole prompts (`attends_prompts`); the portable one is kept to decode-like rows. A float32
+model's cache may be float16 (--kv-cache-dtype fp16): the AVX2 path widens it with F16C. The build
+goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3 and -fopenmp, plus -mavx2 -mfma
+(and -mf16c) when the CPU has them. It needs a C++ compiler and ninja; when the build or load fails (or
+LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and callers keep their plain
+torch path.
 
 The same build holds the fused elementwise ops of a float32 decoder layer (csrc/fused_ops.cpp): RMSNorm
 (with the residual add, in place), SiLU-and-mul, rotary in place and the K/V write into the paged cache;

@@ -4,9 +4,9 @@
 // For each work item (a row's tile of at most 16 query tokens, for one kv head or all), in parallel: its
 // q query tokens times the G query heads of a kv head (M = q * G query vectors) read the keys they see
 // once, straight from the paged cache through the block table, with an online softmax in float32.
-// Query j of a row of q tokens over s keys sees keys 0..s-q+j (causal). No K/V copy is made; float32 reads in place, bfloat16/float16 are converted
-// one key chunk at a time. The cache shares q's dtype, or is float16 under float32 q and out
-// (--kv-cache-dtype fp16 of a float32 model).
+// Query j of a row of q tokens over s keys sees keys 0..s-q+j (causal). No K/V copy is made; float32
+// reads in place, bfloat16/float16 are converted one key chunk at a time. The cache shares q's dtype,
+// or is float16 under float32 q and out (--kv-cache-dtype fp16 of a float32 model).
 //
 // kv_cache [2, N, block_size, Hkv, D] contiguous; q [T, H, D] (last dim contiguous);
 // out [T, H, D] contiguous, written only at the tokens of `rows`; block_table [B, W] int32 (row
@@ -236,7 +236,8 @@ std::vector<WorkItem> work_items(const Params& p, int64_t num_rows, int num_tile
       const int row_q_len = p.query_start[w.row + 1] - p.query_start[w.row];
       return static_cast<int64_t>(w.q_len) * (p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len);
     };
-    std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return work(a) > work(b); });
+    std::stable_sort(items.begin(), items.end(),
+                     [&](const WorkItem& a, const WorkItem& b) { return work(a) > work(b); });
   }
   return items;
 }
