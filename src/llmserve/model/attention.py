@@ -98,7 +98,6 @@ def select_attention_backend(device: torch.device, name: str = "auto",
         from llmserve.model.attn_triton import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from llmserve.model import cpu_kernels
     from llmserve.model.attn_torch import TorchAttentionBackend
 
     if is_cuda:

@@ -271,9 +271,6 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
         write_kv(kv_cache, metadata.slot_mapping, k, v)
-        if kv_cache.dtype != k.dtype:  # the step's own K/V as the cache holds them (fp8, float16): a prompt
-            # reads the same whether chunked or not
-            k, v = _as_cached(k, kv_cache.dtype, K_SCALE), _as_cached(v, kv_cache.dtype, V_SCALE)
         groups, out = metadata.groups, None
         kernel = metadata.kernel
         if kernel is not None:
@@ -281,10 +278,13 @@ class TorchAttentionBackend(AttentionBackend):
                 out = q.new_empty(q.shape)
                 cpu_kernels.paged_attention(out, q, kv_cache, kernel.block_table, kernel.seq_lens,
                                             kernel.query_start_loc, kernel.rows, scale)
-                if not groups:
+                if not groups:  # the kernel read everything from the cache: k/v are not needed again
                     return out
             else:  # a dtype or layout the kernel does not take: the same rows through torch
                 groups = kernel.fallback_groups() + groups
+        if kv_cache.dtype != k.dtype:  # the step's own K/V as the cache holds them (fp8, float16): a prompt
+            # reads the same whether chunked or not
+            k, v = _as_cached(k, kv_cache.dtype, K_SCALE), _as_cached(v, kv_cache.dtype, V_SCALE)
         if out is None and len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == q.shape[0]:
             return _attend_group(q, k, v, kv_cache, groups[0], scale)
         if out is None:
