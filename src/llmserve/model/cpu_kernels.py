@@ -14,6 +14,10 @@ torch path.
 The same build holds the fused elementwise ops of a float32 decoder layer (csrc/fused_ops.cpp): RMSNorm
 (with the residual add, in place), SiLU-and-mul, rotary in place and the K/V write into the paged cache;
 `can_fuse(x)` says when the model's layers call them instead of their chains of torch ops.
+
+And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `packs_linears`): a weight packed once
+into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
+instead of oneDNN where it is built.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ logger = logging.getLogger(__name__)
 MAX_QUERY_LEN = 16  # decode-like rows: up to this many query tokens over a cached prefix
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
+                                                      "linear_avx2.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h")]
 _NAME = "llmserve_cpu_kernels"
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
@@ -109,6 +114,12 @@ def _self_test(ops) -> None:
     expected = (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), F.silu(x[:, :10]) * x[:, 10:])
     if not all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip((normed, silu), expected)):
         raise RuntimeError("self-test mismatch (fused ops)")
+    if "-mavx2" in _compile_flags():
+        w, bias, x = torch.randn(21, 9, generator=gen), torch.randn(21, generator=gen), torch.randn(7, 9, generator=gen)
+        out = torch.empty(7, 21)
+        ops.packed_linear(out, x, ops.pack_linear_weight(w), bias)
+        if not torch.allclose(out, F.linear(x, w, bias), atol=1e-5, rtol=1e-5):
+            raise RuntimeError("self-test mismatch (packed linear)")
 
 
 def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor) -> None:
@@ -221,3 +232,21 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     """k/v [T, Hkv, D] float32 (any row/head strides) into kv_cache [2, N, bs, Hkv, D] (float32, or float16:
     rounded to nearest even) at slot_mapping [T] int64."""
     _ops().write_kv(kv_cache, slot_mapping, k, v)
+
+
+def packs_linears() -> bool:
+    """Whether float32 linear layers can use `pack_linear_weight` / `packed_linear` (an AVX2 + FMA build)."""
+    return "-mavx2" in _compile_flags() and available()
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> its panels [ceil(N / 16), K, 16] (a new tensor; zero columns pad the last)."""
+    return _ops().pack_linear_weight(weight.detach().contiguous())
+
+
+def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] contiguous float32, panels from `pack_linear_weight`, bias [N] or None -> [T, N]."""
+    out = x.new_empty(x.shape[0], out_features)
+    _ops().packed_linear(out, x, panels, bias)
+    return out

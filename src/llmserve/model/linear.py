@@ -1,4 +1,5 @@
-"""The linear layer every model layer uses: F.linear, except float32 on CPU, which goes through oneDNN.
+"""The linear layer every model layer uses: F.linear, except float32 on CPU, which goes through oneDNN or,
+for weights packed at load, our AVX2 kernel (below).
 
 torch's CPU F.linear calls MKL's sgemm. On the AMD EPYC development machines oneDNN's matmul
 (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU fusions call) is faster on the shapes
@@ -23,6 +24,13 @@ chosen for PACK_ROWS_HINT rows and serves any row count. A tied lm_head cannot g
 up (the embedding lookup reads it): the model keeps a packed copy beside it (`CausalLM.pack_tied_lm_head`;
 +113 MB for smollm2-135m), which took its 16-row logits from 13.9 to 9.5 ms and its 64-row ones from 32.8
 to 18.5 ms (2 threads, AMD EPYC with AVX-512).
+
+Where the CPU kernels are built with AVX2 + FMA (`cpu_kernels.packs_linears`), weights are packed for
+our own kernel instead (csrc/linear_avx2.cpp: 16-column panels streamed with prefetches): at decode sizes
+the weights come from DRAM, and oneDNN waits for them where ours overlaps their stream with the FMAs
+(smollm2-135m's 30 layers of linears at 16 rows, 2 threads, held to AVX2: 42 -> 27 ms; docs/benchmarks.md,
+issue 19). Its outputs do not depend on the batch. The two layouts tell themselves apart by rank: ours
+is [P, K, 16], oneDNN's keeps [N, K].
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmserve.model import cpu_kernels
 
 
 @functools.cache
@@ -58,23 +68,29 @@ def _has_packing() -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether a Linear with this weight is packed for oneDNN at load (`Linear.pack`)."""
+    """Whether a Linear with this weight is packed at load (`Linear.pack`), for our kernel or oneDNN."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.numel() >= MIN_ONEDNN_WEIGHT and not weight.requires_grad and _has_packing())
+            and weight.numel() >= MIN_ONEDNN_WEIGHT and not weight.requires_grad
+            and (cpu_kernels.packs_linears() or _has_packing()))
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked layout of a [out, in] weight that `can_pack` accepts (a new tensor)."""
+    """A [out, in] weight that `can_pack` accepts, laid out for our AVX2 kernel where it is built
+    ([P, in, 16] panels), else for oneDNN (a new tensor either way)."""
+    if cpu_kernels.packs_linears():
+        return cpu_kernels.pack_linear_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] float32 -> [..., out] through a weight `packed` for oneDNN."""
-    if x.dim() == 2:  # the layers' case: no reshapes around the call
-        return _onednn_linear(x.contiguous(), packed_weight, bias)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [T, in]
-    return _onednn_linear(flat, packed_weight, bias).reshape(*x.shape[:-1], out_features)
+    """x [..., in] float32 -> [..., out] through a weight from `packed`."""
+    flat = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()  # [T, in]
+    if packed_weight.dim() == 3:  # our kernel's panels [P, in, 16]
+        out = cpu_kernels.packed_linear(flat, packed_weight, out_features, bias)
+    else:
+        out = _onednn_linear(flat, packed_weight, bias)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
 
 
 EXACT_ROWS = 32  # row counts up to this one run as they are (decode batches of a few rows)
@@ -110,11 +126,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class Linear(nn.Linear):
     """nn.Linear through `linear` (quantization still finds it as an nn.Linear and swaps it); on CPU in
-    float32 its weight may be packed for oneDNN once loaded (`pack`)."""
+    float32 its weight may be packed once loaded (`pack`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.register_buffer("packed_weight", None, persistent=False)  # oneDNN's layout of weight (pack)
+        self.register_buffer("packed_weight", None, persistent=False)  # weight laid out by `packed`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -126,7 +142,7 @@ class Linear(nn.Linear):
         return packed_linear(x, self.packed_weight, self.out_features, bias)
 
     def pack(self) -> bool:
-        """Lay the loaded weight out once for oneDNN and drop the plain copy (`can_pack` says when)."""
+        """Lay the loaded weight out once for our kernel or oneDNN and drop the plain copy (`can_pack`)."""
         if not can_pack(self.weight):
             return False
         self.packed_weight = packed(self.weight)
@@ -136,7 +152,7 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every float32 CPU `Linear` of a loaded model for oneDNN, and a tied lm_head (the model's
+    """Pack every float32 CPU `Linear` of a loaded model (`packed`), and a tied lm_head (the model's
     `pack_tied_lm_head`); returns how many weights were packed."""
     num_packed = sum(module.pack() for module in model.modules() if isinstance(module, Linear))
     pack_head = getattr(model, "pack_tied_lm_head", None)

@@ -135,7 +135,7 @@ class CausalLM(nn.Module):
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
         self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)
-        # A tied head's table laid out for oneDNN (pack_tied_lm_head); a plain attribute, not a buffer:
+        # A tied head's table packed for the CPU GEMM (pack_tied_lm_head); a plain attribute, not a buffer:
         # weight counts (cpu_threads, roofline) count the table once
         self.tied_head_packed: torch.Tensor | None = None
         self.num_layers = config.num_hidden_layers
@@ -143,7 +143,7 @@ class CausalLM(nn.Module):
         self.head_dim = _head_dim(config)
 
     def pack_tied_lm_head(self) -> bool:
-        """Keep a oneDNN-packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""
+        """Keep a packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""
         table = self.model.embed_tokens.weight
         if not (self.is_tied and self.lm_head is None and self.tp is None and can_pack(table)):
             return False
