@@ -1,6 +1,6 @@
 """csrc/linear_avx2.cpp: float32 linear layers through 16-column weight panels (AVX2 + FMA builds), against a
-float64 reference; outputs independent of the batch; model/linear.py packs for it and still serves oneDNN's
-layout where it is not built."""
+float64 reference; outputs independent of the batch; model/linear.py packs for it on CPUs without AVX-512
+and for oneDNN on the others."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from llmserve.model import cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.linear import Linear
 
-needs_panels = pytest.mark.skipif(not cpu_kernels.packs_linears(), reason="CPU kernels without AVX2 + FMA")
+needs_panels = pytest.mark.skipif(not cpu_kernels.has_linear_kernel(), reason="CPU kernels without AVX2 + FMA")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -65,7 +65,9 @@ def test_bad_arguments_are_refused():
 
 
 @needs_panels
-def test_linear_layers_are_packed_into_panels():
+def test_linear_layers_are_packed_into_panels_without_avx512(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert cpu_kernels.packs_linears()
     layer = Linear(384, 520).requires_grad_(False)
     w, b = layer.weight.clone(), layer.bias.clone()
     assert linear_mod.pack_linears(torch.nn.Sequential(layer)) == 1
@@ -75,8 +77,15 @@ def test_linear_layers_are_packed_into_panels():
 
 
 @pytest.mark.skipif(not linear_mod._has_packing(), reason="torch without oneDNN weight packing")
-def test_without_the_kernels_layers_are_packed_for_onednn(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "packs_linears", lambda: False)
+def test_with_avx512_layers_are_packed_for_onednn(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    assert not cpu_kernels.packs_linears()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN held to AVX2: ours is the faster again
+    assert cpu_kernels.packs_linears() == cpu_kernels.has_linear_kernel()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert not cpu_kernels.packs_linears()
     layer = Linear(384, 520, bias=True).requires_grad_(False)
     w, b = layer.weight.clone(), layer.bias.clone()
     assert linear_mod.pack_linears(torch.nn.Sequential(layer)) == 1

@@ -15,9 +15,9 @@ The same build holds the fused elementwise ops of a float32 decoder layer (csrc/
 (with the residual add, in place), SiLU-and-mul, rotary in place and the K/V write into the paged cache;
 `can_fuse(x)` says when the model's layers call them instead of their chains of torch ops.
 
-And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `packs_linears`): a weight packed once
-into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
-instead of oneDNN where it is built.
+And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `has_linear_kernel`): a weight packed
+once into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
+instead of oneDNN on CPUs without AVX-512 (`packs_linears`).
 """
 
 from __future__ import annotations
@@ -47,15 +47,16 @@ _NAME = "llmserve_cpu_kernels"
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _compile_flags() -> list[str]:
@@ -114,7 +115,7 @@ def _self_test(ops) -> None:
     expected = (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), F.silu(x[:, :10]) * x[:, 10:])
     if not all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip((normed, silu), expected)):
         raise RuntimeError("self-test mismatch (fused ops)")
-    if "-mavx2" in _compile_flags():
+    if "-mavx2" in _compile_flags():  # the packed linear
         w, bias, x = torch.randn(21, 9, generator=gen), torch.randn(21, generator=gen), torch.randn(7, 9, generator=gen)
         out = torch.empty(7, 21)
         ops.packed_linear(out, x, ops.pack_linear_weight(w), bias)
@@ -234,9 +235,24 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     _ops().write_kv(kv_cache, slot_mapping, k, v)
 
 
-def packs_linears() -> bool:
-    """Whether float32 linear layers can use `pack_linear_weight` / `packed_linear` (an AVX2 + FMA build)."""
+def has_linear_kernel() -> bool:
+    """Whether `pack_linear_weight` / `packed_linear` run here (an AVX2 + FMA build)."""
     return "-mavx2" in _compile_flags() and available()
+
+
+def packs_linears() -> bool:
+    """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: on CPUs
+    without AVX-512. There oneDNN runs AVX2 code, which our kernel beats at every row count (smollm2-135m's
+    linears, AMD EPYC held to AVX2: 1.5x at 16 rows, 1.2x at 64, 1.0-1.05x at 256-512); with AVX-512,
+    oneDNN's 512-bit kernels are ~10% faster at prefill sizes (512 rows) on a Zen 4, ours 1.25-1.4x at
+    1-16 rows (docs/benchmarks.md, issue 19)."""
+    return not _onednn_has_avx512() and has_linear_kernel()
+
+
+def _onednn_has_avx512() -> bool:
+    """The CPU has AVX-512 and oneDNN may use it (ONEDNN_MAX_CPU_ISA, e.g. AVX2, caps it below)."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    return "avx512f" in _cpu_flags() and cap.startswith(("ALL", "DEFAULT", "AVX512", "AVX10", "AMX"))
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

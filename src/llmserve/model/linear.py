@@ -25,12 +25,13 @@ up (the embedding lookup reads it): the model keeps a packed copy beside it (`Ca
 +113 MB for smollm2-135m), which took its 16-row logits from 13.9 to 9.5 ms and its 64-row ones from 32.8
 to 18.5 ms (2 threads, AMD EPYC with AVX-512).
 
-Where the CPU kernels are built with AVX2 + FMA (`cpu_kernels.packs_linears`), weights are packed for
-our own kernel instead (csrc/linear_avx2.cpp: 16-column panels streamed with prefetches): at decode sizes
-the weights come from DRAM, and oneDNN waits for them where ours overlaps their stream with the FMAs
-(smollm2-135m's 30 layers of linears at 16 rows, 2 threads, held to AVX2: 42 -> 27 ms; docs/benchmarks.md,
-issue 19). Its outputs do not depend on the batch. The two layouts tell themselves apart by rank: ours
-is [P, K, 16], oneDNN's keeps [N, K].
+On CPUs without AVX-512, where the CPU kernels are built with AVX2 + FMA (`cpu_kernels.packs_linears`),
+weights are packed for our own kernel instead (csrc/linear_avx2.cpp: 16-column panels streamed with
+prefetches): oneDNN's AVX2 code waits for weights coming from DRAM at decode sizes, where ours overlaps
+their stream with the FMAs (smollm2-135m's 16-row decode step on an AMD EPYC held to AVX2: 76.9 -> 50.2 ms;
+docs/benchmarks.md, issue 19), and its outputs do not depend on the batch. With AVX-512, oneDNN's kernels
+stay (faster at prefill sizes). The two layouts tell themselves apart by rank: ours is [P, K, 16],
+oneDNN's keeps [N, K].
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] weight that `can_pack` accepts, laid out for our AVX2 kernel where it is built
-    ([P, in, 16] panels), else for oneDNN (a new tensor either way)."""
+    """A [out, in] weight that `can_pack` accepts, laid out for our AVX2 kernel where it is chosen
+    ([P, in, 16] panels: `cpu_kernels.packs_linears`), else for oneDNN (a new tensor either way)."""
     if cpu_kernels.packs_linears():
         return cpu_kernels.pack_linear_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
