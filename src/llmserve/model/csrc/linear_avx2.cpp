@@ -56,7 +56,7 @@ constexpr bool kHasAvx2 = true;
 // otherwise from what c holds. pf, when set, is prefetched one line per k.
 template <int ROWS>
 inline void block(const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc, const float* bias,
-           bool first, const float* pf) {
+                  bool first, const float* pf) {
   __m256 acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < 2; ++j)
@@ -93,7 +93,7 @@ void rows_block(int rows, const float* a, int64_t lda, const float* b, int kc, f
 // 16-wide tile, then its valid columns are copied out.
 void run_unit(const Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
   const float* b = g.panels + p * g.k * kPanel;
-  const float* end = g.panels + g.num_panels * g.k * kPanel;
+  const int64_t num_elements = g.num_panels * g.k * kPanel;
   const int64_t num_cols = std::min(kPanel, g.n - p * kPanel);
   const bool is_full = num_cols == kPanel;
   alignas(32) float tile[kRowBlock * kPanel];
@@ -105,13 +105,13 @@ void run_unit(const Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool pre
   }
   for (int64_t k0 = 0; k0 < g.k; k0 += kChunk) {
     const int kc = static_cast<int>(std::min(kChunk, g.k - k0));
-    const float* pf = b + (k0 + kPrefetchRows) * kPanel;
-    pf = prefetch && pf + kc * kPanel <= end ? pf : nullptr;
+    const int64_t pf_offset = (p * g.k + k0 + kPrefetchRows) * kPanel;  // into the next panel near the end
+    const float* pf = prefetch && pf_offset + kc * kPanel <= num_elements ? g.panels + pf_offset : nullptr;
     for (int64_t r = 0; r < num_rows; r += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r));
       float* c = is_full ? g.out + (row0 + r) * g.n + p * kPanel : tile + r * kPanel;
       rows_block(rows, g.x + (row0 + r) * g.k + k0, g.k, b + k0 * kPanel, kc, c, is_full ? g.n : kPanel, bias,
-                    k0 == 0, r == 0 ? pf : nullptr);
+                 k0 == 0, r == 0 ? pf : nullptr);
     }
   }
   if (!is_full)
