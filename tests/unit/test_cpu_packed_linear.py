@@ -12,7 +12,7 @@ from llmserve.model import cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.linear import Linear
 
-needs_panels = pytest.mark.skipif(not cpu_kernels.has_linear_kernel(), reason="CPU kernels without AVX2 + FMA")
+needs_panels = pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="CPU kernels without AVX2 + FMA")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -83,7 +83,7 @@ def test_with_avx512_layers_are_packed_for_onednn(monkeypatch):
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     assert not cpu_kernels.packs_linears()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN held to AVX2: ours is the faster again
-    assert cpu_kernels.packs_linears() == cpu_kernels.has_linear_kernel()
+    assert cpu_kernels.packs_linears() == cpu_kernels.has_avx2_kernels()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
     assert not cpu_kernels.packs_linears()
     layer = Linear(384, 520, bias=True).requires_grad_(False)

@@ -15,7 +15,7 @@ The same build holds the fused elementwise ops of a float32 decoder layer (csrc/
 (with the residual add, in place), SiLU-and-mul, rotary in place and the K/V write into the paged cache;
 `can_fuse(x)` says when the model's layers call them instead of their chains of torch ops.
 
-And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `has_linear_kernel`): a weight packed
+And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `has_avx2_kernels`): a weight packed
 once into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
 instead of oneDNN on CPUs without AVX-512 (`packs_linears`).
 """
@@ -197,7 +197,7 @@ def attends_prompts(dtype: torch.dtype) -> bool:
     """Whether `paged_attention` should take a model's prompt rows too: float32 through the AVX2 path, which
     attends a 512-token prompt 1.7x faster than torch's SDPA (docs/benchmarks.md, issue 19); the portable
     path (bfloat16, float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows."""
-    return dtype == torch.float32 and "-mavx2" in _compile_flags() and available()
+    return dtype == torch.float32 and has_avx2_kernels()
 
 
 def can_fuse(x: torch.Tensor) -> bool:
@@ -235,8 +235,9 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     _ops().write_kv(kv_cache, slot_mapping, k, v)
 
 
-def has_linear_kernel() -> bool:
-    """Whether `pack_linear_weight` / `packed_linear` run here (an AVX2 + FMA build)."""
+def has_avx2_kernels() -> bool:
+    """Whether the build is an AVX2 + FMA one and loaded: attention's fast path (`attends_prompts`) and
+    `pack_linear_weight` / `packed_linear` run here."""
     return "-mavx2" in _compile_flags() and available()
 
 
@@ -246,7 +247,7 @@ def packs_linears() -> bool:
     linears, AMD EPYC held to AVX2: 1.5x at 16 rows, 1.2x at 64, 1.0-1.05x at 256-512); with AVX-512,
     oneDNN's 512-bit kernels are ~10% faster at prefill sizes (512 rows) on a Zen 4, ours 1.25-1.4x at
     1-16 rows (docs/benchmarks.md, issue 19)."""
-    return not _onednn_has_avx512() and has_linear_kernel()
+    return not _onednn_has_avx512() and has_avx2_kernels()
 
 
 def _onednn_has_avx512() -> bool:
