@@ -17,7 +17,9 @@ The same build holds the fused elementwise ops of a float32 decoder layer (csrc/
 
 And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `has_avx2_kernels`): a weight packed
 once into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
-instead of oneDNN on CPUs without AVX-512 (`packs_linears`).
+instead of oneDNN on CPUs without AVX-512 (`packs_linears`). Likewise int8 linear layers
+(csrc/int8_linear_avx2.cpp): on CPUs where oneDNN has no VNNI its s8 GEMM is inexact, and
+model/quant/linear.py's Int8Linear runs this exact one instead (`packs_int8`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ MAX_QUERY_LEN = 16  # decode-like rows: up to this many query tokens over a cach
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
-                                                      "linear_avx2.cpp")]
+                                                      "linear_avx2.cpp", "int8_linear_avx2.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h")]
 _NAME = "llmserve_cpu_kernels"
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
@@ -121,6 +123,19 @@ def _self_test(ops) -> None:
         ops.packed_linear(out, x, ops.pack_linear_weight(w), bias)
         if not torch.allclose(out, F.linear(x, w, bias), atol=1e-5, rtol=1e-5):
             raise RuntimeError("self-test mismatch (packed linear)")
+        _self_test_int8(ops, gen)
+
+
+def _self_test_int8(ops, gen: torch.Generator) -> None:
+    """The int8 linear against its definition in float64 (exact integer sums; K odd, N not a multiple of 16)."""
+    q = torch.randint(-127, 128, (21, 9), generator=gen, dtype=torch.int8)
+    w_scale, x = torch.rand(21, generator=gen) + 0.5, torch.randn(5, 9, generator=gen)
+    out = torch.empty(5, 21)
+    ops.int8_linear(out, x, ops.pack_int8_weight(q), w_scale, None)
+    x_scale = (x.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-12)
+    expected = (torch.round(x / x_scale).double() @ q.double().t()) * x_scale.double() * w_scale.double()
+    if not torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5):
+        raise RuntimeError("self-test mismatch (int8 linear)")
 
 
 def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor) -> None:
@@ -250,6 +265,25 @@ def packs_linears() -> bool:
     return not _onednn_has_avx512() and has_avx2_kernels()
 
 
+def packs_int8() -> bool:
+    """Whether model/quant/linear.py's Int8Linear should run `int8_linear` rather than torch._int_mm: on
+    CPUs where oneDNN has no VNNI. There its s8 GEMM multiplies with vpmaddubsw, whose int16 pair sums
+    saturate (held to AVX2 on an AMD EPYC: off by up to 55,195 on a [7, 300] x [300, 64] product, wrong
+    logits); ours widens to int16 and is exact (docs/benchmarks.md, issue 20)."""
+    return not _onednn_has_vnni() and has_avx2_kernels()
+
+
+def _onednn_has_vnni() -> bool:
+    """The CPU has VNNI (AVX-512 or AVX) and oneDNN may use it (ONEDNN_MAX_CPU_ISA may cap it below)."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    flags = _cpu_flags()
+    if cap.startswith("AVX2_VNNI"):
+        return "avx_vnni" in flags
+    is_vnni_cap = cap.startswith(("ALL", "DEFAULT", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
+                                  "AVX512_CORE_AMX", "AVX10", "AMX"))
+    return is_vnni_cap and bool({"avx512_vnni", "avx_vnni"} & flags)
+
+
 def _onednn_has_avx512() -> bool:
     """The CPU has AVX-512 and oneDNN may use it (ONEDNN_MAX_CPU_ISA, e.g. AVX2, caps it below)."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
@@ -266,4 +300,24 @@ def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """x [T, K] contiguous float32, panels from `pack_linear_weight`, bias [N] or None -> [T, N]."""
     out = x.new_empty(x.shape[0], out_features)
     _ops().packed_linear(out, x, panels, bias)
+    return out
+
+
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] int8 -> its panels [ceil(N / 16), ceil(K / 2), 32] int8 (zeros pad N and K)."""
+    return _ops().pack_int8_weight(weight.detach().contiguous())
+
+
+def unpack_int8_weight(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [N, K] int8 weight that `pack_int8_weight` packed into `panels` (a new tensor)."""
+    num_panels, num_pairs, _ = panels.shape
+    columns = panels.view(num_panels, num_pairs, 16, 2).permute(0, 2, 1, 3).reshape(num_panels * 16, 2 * num_pairs)
+    return columns[:out_features, :in_features].contiguous()
+
+
+def int8_linear(x: torch.Tensor, panels: torch.Tensor, w_scale: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] contiguous float32 quantized per row, times the int8 panels, scaled -> [T, N] float32."""
+    out = x.new_empty(x.shape[0], out_features)
+    _ops().int8_linear(out, x, panels, w_scale, bias)
     return out

@@ -8,6 +8,8 @@ writes) checkpoints already quantized to FP8.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -20,6 +22,7 @@ __all__ = ["METHODS", "checkpoint_method", "check_supported", "dequantize_weight
 METHODS = ("int8", "fp8")
 _LAYERS = {"int8": Int8Linear, "fp8": Fp8Linear}
 _QUANTIZED_LM_HEAD = ("int8",)
+logger = logging.getLogger(__name__)
 
 
 def quantized_linear(linear_weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> nn.Module:
@@ -43,6 +46,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     is_tied = getattr(model, "lm_head", "absent") is None
     if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
         model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)
+    if any(getattr(m, "panels", None) is not None for m in model.modules() if isinstance(m, Int8Linear)):
+        logger.info("int8: oneDNN has no VNNI on this CPU, and its int8 GEMM is inexact without it: the int8 "
+                    "layers run llmserve's exact AVX2 kernel (csrc/int8_linear_avx2.cpp)")
     return model
 
 

@@ -8,7 +8,9 @@ smollm2-135m and 8B shapes (576x576 at 16 rows: 0.9x; at one row 0.5-7x). fbgemm
 rows but quantizes activations per tensor (a token's output then depends on the rest of the batch) and
 torch deprecates the quantized tensors it needs; per-token scales with an exact integer GEMM keep every token's output independent
 of its batch. On CUDA `_int_mm` wants more than 16 rows: smaller batches are zero-padded (untested on
-a GPU yet).
+a GPU yet). On CPUs where oneDNN has no VNNI, `_int_mm` is not exact (its AVX2 s8 GEMM saturates int16
+pair sums), so there the layer keeps its weight in our kernel's panels and runs `cpu_kernels.int8_linear`
+(the same quantization, exact sums: csrc/int8_linear_avx2.cpp).
 
 Fp8Linear: float8_e4m3fn weights and activations through `torch._scaled_mm` with row-wise scales
 (Hopper; CPU runs the same op in torch 2.13, as the reference path the tests use). On CUDA the
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmserve.model import cpu_kernels
 
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -57,28 +61,46 @@ def _per_token(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor
 class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 per output channel and x int8 per token (dynamic)."""
 
-    def __init__(self, weight_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight_t: torch.Tensor | None, scale: torch.Tensor, bias: torch.Tensor | None,
+                 panels: torch.Tensor | None = None, in_features: int = 0):
+        """Either weight_t [K, N] int8 (torch._int_mm's right operand) or panels (cpu_kernels.pack_int8_weight
+        of the [N, K] weight; in_features names K)."""
         super().__init__()
-        self.register_buffer("weight_t", weight_t)  # [K, N] int8: _int_mm's right operand (layout: from_float)
+        assert (weight_t is None) != (panels is None), "one weight layout"
+        self.register_buffer("weight_t", weight_t)  # [K, N] int8 (layout: from_float), or None
+        self.register_buffer("panels", panels)  # [ceil(N / 16), ceil(K / 2), 32] int8, or None
         self.register_buffer("scale", scale)  # [N] float32
         self.register_buffer("bias", bias)
-        self.in_features, self.out_features = weight_t.shape
+        self.out_features = scale.numel()
+        self.in_features = weight_t.shape[0] if weight_t is not None else in_features
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
         q, scale = quantize_int8(weight)  # q [N, K]
+        if not q.is_cuda and cpu_kernels.packs_int8():  # no VNNI: our exact kernel (_int_mm's is not)
+            return cls(None, scale, None if bias is None else bias.float().contiguous(),
+                       panels=cpu_kernels.pack_int8_weight(q), in_features=q.shape[1])
         # _int_mm's right operand [K, N]: column-major on CUDA, the layout of cuBLASLt's int8 GEMM (a
         # row-major one failed there with CUBLAS_STATUS_NOT_SUPPORTED), row-major on CPU (measured faster)
         return cls(q.t() if q.is_cuda else q.t().contiguous(), scale, bias)
 
+    def quantized_weight(self) -> torch.Tensor:
+        """[N, K] int8."""
+        if self.panels is not None:
+            return cpu_kernels.unpack_int8_weight(self.panels, self.out_features, self.in_features)
+        return self.weight_t.t()
+
     def dequantized_weight(self) -> torch.Tensor:
         """[N, K] float32: the weight this layer multiplies by."""
-        return self.weight_t.t().float() * self.scale[:, None]
+        return self.quantized_weight().float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.panels is not None:
+            y = cpu_kernels.int8_linear(x2.float().contiguous(), self.panels, self.scale, self.out_features, self.bias)
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         xs, x_scale = _per_token(x2, INT8_MAX)
         xq = torch.round(xs).to(torch.int8)  # |xs| <= 127 by construction
         rows = xq.shape[0]
