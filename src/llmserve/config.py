@@ -26,7 +26,7 @@ def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
-KV_CACHE_DTYPES = ("auto", "fp8", "fp16")  # which device/dtype each runs on: model/quant check_supported
+KV_CACHE_DTYPES = ("auto", "fp8", "fp16", "int8")  # which device/dtype each runs on: model/quant check_supported
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,9 @@ class CacheConfig:
     kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype) | fp8 (float8 e4m3: half "
                                 "a bfloat16 cache's bytes; Triton backend reads it, the CPU torch path is a reference) "
                                 "| fp16 (float32 models on CPU: half the bytes, twice the blocks; the CPU kernel reads "
-                                "it with F16C and computes in float32)", "choices": list(KV_CACHE_DTYPES)})
+                                "it with F16C and computes in float32) | int8 (float32 models on CPU with the AVX2 kernels: a "
+                                "quarter of the bytes plus a scale per token and kv head, the kernel widens it and "
+                                "computes in float32)", "choices": list(KV_CACHE_DTYPES)})
 
     def validate(self) -> None:
         check_min("block-size", self.block_size, 1)
@@ -78,8 +80,6 @@ class CacheConfig:
         check_min("num-kv-blocks", self.num_kv_blocks, 2)  # the null block and one more
         check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        check(self.kv_cache_dtype != "int8", "kv-cache-dtype", "int8 is not supported: no attention kernel of "
-              "ours reads an int8 cache (issue 20); use auto, fp8 or fp16")
         check_choice("kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
@@ -171,6 +171,8 @@ class EngineConfig:
             section.validate()
         check_model_len(self, max_model_len or self.model.max_model_len)
         check_tensor_parallel_combinations(self)
+        check(self.cache.kv_cache_dtype != "int8" or self.model.attention_backend != "triton", "kv-cache-dtype",
+              "int8 is read by the CPU attention kernel only (--attention-backend auto or torch), not by triton")
 
 
 def check_tensor_parallel_combinations(config: EngineConfig) -> None:

@@ -90,7 +90,7 @@ def test_fp16_kv_cache_holds_twice_the_blocks_of_float32_for_the_same_bytes(peak
 
 def test_fp16_kv_config_and_start_up_checks(peaked):
     EngineConfig(cache=CacheConfig(kv_cache_dtype="fp16")).validate()
-    with pytest.raises(ValueError, match="--kv-cache-dtype: must be one of auto, fp8, fp16; got 'f16'"):
+    with pytest.raises(ValueError, match="--kv-cache-dtype: must be one of auto, fp8, fp16, int8; got 'f16'"):
         EngineConfig(cache=CacheConfig(kv_cache_dtype="f16")).validate()
     quant.check_supported(None, "fp16", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="--kv-cache-dtype fp16: supported for float32 models on CPU only.*"

@@ -70,7 +70,7 @@ def test_fp8_checkpoint_from_make_model_serves(tmp_path):
 
 @pytest.mark.parametrize("config, message", [
     (EngineConfig(model=ModelConfig(quantization="int4")), "--quantization: must be one of int8, fp8, none"),
-    (EngineConfig(cache=CacheConfig(kv_cache_dtype="int8")), "--kv-cache-dtype: int8 is not supported"),
+    (EngineConfig(cache=CacheConfig(kv_cache_dtype="int4")), "--kv-cache-dtype: must be one of auto, fp8, fp16, int8"),
     (EngineConfig(cache=CacheConfig(kv_cache_dtype="e5m2")), "--kv-cache-dtype: must be one of auto, fp8"),
 ])
 def test_config_refuses_unknown_values(config, message):

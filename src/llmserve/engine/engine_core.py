@@ -58,7 +58,8 @@ class EngineCore:
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
                                                      config.model.quantization)
-        quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype)
+        quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
+                              self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         self.tp_executor = self._tp_executor(config, path, has_front_beside)
         self.worker = self.tp_executor.worker if self.tp_executor else \

@@ -6,6 +6,8 @@ FlexAttention, CUDA graphs) slots in behind the same two calls.
 
 Layout of one layer's KV cache: kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 = keys, 1 = values). Block 0 is the null block: never allocated, used to pad block tables.
+An int8 cache (--kv-cache-dtype int8, CPU) is [2, num_blocks, block_size, num_kv_heads, head_dim + 4]: each
+token's kv head row quantized symmetrically (`quantize_int8_rows`), its float32 scale in the last 4 bytes.
 """
 
 from __future__ import annotations
@@ -41,17 +43,35 @@ K_SCALE = V_SCALE = 1.0
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k/v [T, Hkv, D] at slot_mapping [T] int64 of kv_cache [2, N, bs, Hkv, D]; an fp8 cache gets
     them divided by the per-tensor scale and saturated to e4m3's range, a float16 cache (of a float32
-    model) gets them rounded to float16."""
-    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    if kv_cache.dtype in (torch.float32, torch.float16) and cpu_kernels.can_fuse(k) and kv_cache.is_contiguous():
+    model) gets them rounded to float16, an int8 one gets them quantized per row (`quantize_int8_rows`)."""
+    num_kv_heads, row_width = kv_cache.shape[3], kv_cache.shape[4]  # head_dim (+ 4 for int8: the scale)
+    is_fusable = cpu_kernels.can_fuse(k) and kv_cache.is_contiguous()
+    if kv_cache.dtype in (torch.float32, torch.float16, torch.int8) and is_fusable:
         return cpu_kernels.write_kv(kv_cache, slot_mapping, k, v)  # one pass, no index_copy_ dispatch
-    if kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
+    if kv_cache.dtype == torch.int8:  # rows of D + 4 (the scale)
+        k, v = quantize_int8_rows(k.float()), quantize_int8_rows(v.float())
+    elif kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
         kv_cache = kv_cache.view(torch.uint8)
         k, v = _to_fp8(k, K_SCALE).view(torch.uint8), _to_fp8(v, V_SCALE).view(torch.uint8)
     elif kv_cache.dtype != k.dtype:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    kv_cache[0].view(-1, num_kv_heads, row_width).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, row_width).index_copy_(0, slot_mapping, v)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] float32 -> [..., D + 4] int8 as an int8 cache holds it (what the CPU kernels' write_kv stores):
+    round(x / scale) with scale = max|x| / 127 per row (1 for an all-zero row), then the scale's 4 bytes."""
+    absmax = x.abs().amax(-1, keepdim=True)  # [..., 1]
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_int8_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D + 4] int8 rows of an int8 cache -> [..., D] float32 (q * scale)."""
+    scale = rows[..., -4:].contiguous().view(torch.float32)  # [..., 1]
+    return rows[..., :-4].float() * scale
 
 
 def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:

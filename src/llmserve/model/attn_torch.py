@@ -282,6 +282,9 @@ class TorchAttentionBackend(AttentionBackend):
                     return out
             else:  # a dtype or layout the kernel does not take: the same rows through torch
                 groups = kernel.fallback_groups() + groups
+        if groups and kv_cache.dtype == torch.int8:
+            raise RuntimeError("an int8 KV cache is read by the CPU attention kernel only, and it must take every "
+                               "row (--kv-cache-dtype int8 needs the AVX2 kernels and a float32 model)")
         if kv_cache.dtype != k.dtype:  # the step's own K/V as the cache holds them (fp8, float16): a prompt
             # reads the same whether chunked or not
             k, v = _as_cached(k, kv_cache.dtype, K_SCALE), _as_cached(v, kv_cache.dtype, V_SCALE)

@@ -10,9 +10,15 @@ DEFAULT_CPU_FRACTION = 0.25  # of available RAM, when no budget is given
 DEFAULT_CPU_CAP = 8 * 2**30
 
 
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Cache elements of one token's kv head: head_dim, plus 4 int8 holding the row's float32 scale for an int8
+    cache (--kv-cache-dtype int8; model/attention.py)."""
+    return head_dim + 4 if dtype == torch.int8 else head_dim
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * elem
 
 
 def available_cpu_memory() -> int:
@@ -54,5 +60,6 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, budg
 
 def allocate_kv_caches(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer."""
+    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer (D + 4 for int8: `row_width`)."""
+    shape = (*shape[:-1], row_width(shape[-1], dtype))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

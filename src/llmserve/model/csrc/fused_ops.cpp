@@ -8,7 +8,9 @@
 //   rotary        neox rotary in place over qk [T, heads, D] (a strided view), cos/sin [T, 1, D/2]
 //   write_kv      k, v [T, Hkv, D] (strided views) into the paged cache [2, N, bs, Hkv, D] at slot_mapping
 // Each row is computed the same way whatever the number of rows: outputs do not depend on the batch.
-// float32 only, except write_kv: the cache may be float32 or float16 (a float32 model's fp16 KV cache).
+// float32 only, except write_kv: the cache may be float32, float16 (a float32 model's fp16 KV cache) or int8
+// [2, N, bs, Hkv, D + 4] (--kv-cache-dtype int8): each kv head's row quantized symmetrically, scale =
+// max|x| / 127, then its D int8 values and the float32 scale.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -141,9 +143,31 @@ void store_rows(C* cache, const int64_t* slots, const at::Tensor& src, int64_t r
   }
 }
 
+// int8 rows of width d + 4: round(x / scale) with scale = max|x| / 127 (1 for an all-zero row), then the scale
+void store_rows_int8(int8_t* cache, const int64_t* slots, const at::Tensor& src, int64_t rows, int64_t heads,
+                     int64_t d) {
+  const float* x = src.data_ptr<float>();
+  const int64_t st = src.stride(0), sh = src.stride(1), width = d + 4;
+  for (int64_t t = 0; t < rows; ++t) {
+    int8_t* dst = cache + slots[t] * heads * width;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* row = x + t * st + h * sh;
+      float absmax = 0.f;
+      for (int64_t i = 0; i < d; ++i) absmax = std::max(absmax, std::fabs(row[i]));
+      const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
+      int8_t* out = dst + h * width;
+      for (int64_t i = 0; i < d; ++i) {
+        out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(row[i] / scale), -127.f, 127.f));
+      }
+      std::memcpy(out + d, &scale, sizeof(scale));
+    }
+  }
+}
+
 void write_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), "write_kv: cache [2, N, bs, Hkv, D]");
-  const int64_t rows = k.size(0), heads = kv_cache.size(3), d = kv_cache.size(4);
+  const bool is_int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t rows = k.size(0), heads = kv_cache.size(3), d = kv_cache.size(4) - (is_int8 ? 4 : 0);
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == rows && t->size(1) == heads &&
@@ -166,7 +190,12 @@ void write_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Ten
       store_rows(c, slots, k, rows, heads, d);
       return store_rows(c + half, slots, v, rows, heads, d);
     }
-    default: TORCH_CHECK(false, "write_kv: the cache must be float32 or float16");
+    case at::kChar: {
+      int8_t* c = kv_cache.data_ptr<int8_t>();
+      store_rows_int8(c, slots, k, rows, heads, d);
+      return store_rows_int8(c + half, slots, v, rows, heads, d);
+    }
+    default: TORCH_CHECK(false, "write_kv: the cache must be float32, float16 or int8");
   }
 }
 

@@ -6,7 +6,9 @@
 // once, straight from the paged cache through the block table, with an online softmax in float32.
 // Query j of a row of q tokens over s keys sees keys 0..s-q+j (causal). No K/V copy is made; float32
 // reads in place, bfloat16/float16 are converted one key chunk at a time. The cache shares q's dtype,
-// or is float16 under float32 q and out (--kv-cache-dtype fp16 of a float32 model).
+// or is float16 under float32 q and out (--kv-cache-dtype fp16 of a float32 model), or int8 under float32
+// q and out (--kv-cache-dtype int8; AVX2 builds only): then its last dim is D + 4, each kv head's row of D
+// values followed by the float32 scale they were quantized with.
 //
 // kv_cache [2, N, block_size, Hkv, D] contiguous; q [T, H, D] (last dim contiguous);
 // out [T, H, D] contiguous, written only at the tokens of `rows`; block_table [B, W] int32 (row
@@ -250,9 +252,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
               "paged_attention: kv_cache must be a contiguous [2, N, bs, Hkv, D]");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_attention: out must be contiguous like q");
-  const bool kv_is_f16_of_f32 = q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK((q.scalar_type() == kv_cache.scalar_type() || kv_is_f16_of_f32) && out.scalar_type() == q.scalar_type(),
-              "paged_attention: q, out and kv_cache must share a dtype (or float32 q/out over a float16 cache)");
+  const bool is_f32_q = q.scalar_type() == at::kFloat;
+  const bool kv_is_f16_of_f32 = is_f32_q && kv_cache.scalar_type() == at::kHalf;
+  const bool kv_is_i8 = is_f32_q && kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((q.scalar_type() == kv_cache.scalar_type() || kv_is_f16_of_f32 || kv_is_i8) && out.scalar_type() == q.scalar_type(),
+              "paged_attention: q, out and kv_cache must share a dtype (or float32 q/out over a float16 or int8 cache)");
   for (const at::Tensor* t : {&block_table, &seq_lens, &query_start, &rows}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), "paged_attention: int32 CPU metadata");
   }
@@ -260,7 +264,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   TORCH_CHECK(seq_lens.is_contiguous() && query_start.is_contiguous() && rows.is_contiguous(),
               "paged_attention: contiguous seq_lens, query_start, rows");
   const int num_kv_heads = kv_cache.size(3);
-  const int head_dim = kv_cache.size(4);
+  const int head_stride = kv_cache.size(4), head_dim = kv_is_i8 ? head_stride - 4 : head_stride;
   TORCH_CHECK(q.size(2) == head_dim && q.size(1) % num_kv_heads == 0, "paged_attention: q heads/head_dim mismatch");
   Params p;
   p.q = q.data_ptr();
@@ -277,6 +281,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   p.num_kv_heads = num_kv_heads;
   p.group = q.size(1) / num_kv_heads;
   p.head_dim = head_dim;
+  p.head_stride = head_stride;
   p.block_size = kv_cache.size(2);
   p.scale = static_cast<float>(scale);
   if (rows.numel() == 0) return;
@@ -307,13 +312,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   p.items = items.data();
   p.num_items = static_cast<int>(items.size());
   const int max_m = max_tile * p.group * p.heads_per_item;
+  if (kv_is_i8) {
+    TORCH_CHECK(llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kI8),
+                "paged_attention: an int8 cache needs the AVX2 build and head_dim % 8 == 0");
+    return;
+  }
   if (kv_is_f16_of_f32) {
-    if (llmserve_cpu::attend_f32_avx2(p, max_m, true)) return;
+    if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kF16)) return;
     return dispatch_dim<float, c10::Half>(p, max_m);
   }
   switch (q.scalar_type()) {
     case at::kFloat:
-      if (llmserve_cpu::attend_f32_avx2(p, max_m, false)) return;
+      if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kF32)) return;
       return dispatch_dim<float>(p, max_m);
     case at::kBFloat16: return dispatch_dim<c10::BFloat16>(p, max_m);
     case at::kHalf: return dispatch_dim<c10::Half>(p, max_m);

@@ -35,6 +35,8 @@ struct Params {
   int64_t bt_stride;
   int64_t kv_half;  // elements between the K and the V half of the cache
   int num_items, num_kv_heads, group, head_dim, block_size;
+  int head_stride;  // cache elements from one kv head's row to the next: head_dim, or head_dim + 4 for an int8
+                    // cache (each row ends in its float32 scale)
   int heads_per_item;  // kv heads one work item attends together (all of them when rows are plenty)
   float scale;
 };
@@ -80,9 +82,12 @@ void for_each_item(const Params& p, int max_m, Attend attend) {
   }
 }
 
-// float32 rows with AVX2 + FMA (paged_attention_avx2.cpp) over a float32 cache, or a float16 one
-// (kv_is_f16, read with F16C): false when not built with them or when head_dim is not a multiple of 8;
-// the caller then runs the portable path.
-bool attend_f32_avx2(const Params& p, int max_m, bool kv_is_f16);
+// The cache element type under float32 q: float32, float16 (--kv-cache-dtype fp16), or int8 with a float32
+// scale per token and kv head (--kv-cache-dtype int8: x = q * scale).
+enum class KvType { kF32, kF16, kI8 };
+// float32 rows with AVX2 + FMA (paged_attention_avx2.cpp) over such a cache (float16 read with F16C):
+// false when not built with them or when head_dim is not a multiple of 8; the caller then runs the
+// portable path (which reads no int8 cache).
+bool attend_f32_avx2(const Params& p, int max_m, KvType kv);
 
 }  // namespace llmserve_cpu

@@ -5,8 +5,10 @@
 // of one dot product and its horizontal sum per key. The softmax's exponentials are a vectorised
 // polynomial (Cephes' expf: < 2 ulp on the inputs here, which are <= 0). Each query's output accumulates
 // in registers over a chunk of values. K/V are read in place from the paged cache: float32 as they are,
-// float16 (--kv-cache-dtype fp16) widened eight at a time with F16C; all arithmetic is float32, so an f16
-// cache gives the same result as an f32 cache holding the same (f16-rounded) values.
+// float16 (--kv-cache-dtype fp16) widened eight at a time with F16C; int8 (--kv-cache-dtype int8) rows are
+// widened and scaled once a chunk into float32 buffers that every query vector of the item then reads. All
+// arithmetic is float32, so an f16 cache gives the same result as an f32 cache holding the same
+// (f16-rounded) values, and an int8 one as an f32 cache holding its dequantized values.
 
 #include "avx2_math.h"
 #include "paged_attention.h"
@@ -16,6 +18,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+
+#include <type_traits>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -37,6 +41,28 @@ constexpr int kPrefetchAhead = kChunk;  // keys: prefetch the next chunk while c
 
 // Eight cached K/V elements as float32: loaded as they are, or widened from float16 (F16C).
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+
+template <typename KV>
+constexpr bool kIsInt8 = std::is_same<KV, int8_t>::value;
+
+// An int8 cache's chunk: for each of its n tokens, `heads` rows of d int8 each followed by its float32 scale ->
+// float32 rows (value times scale) in buf [n, heads, d]; rows[c] then points at token c's.
+inline void widen_int8_rows(const int8_t* const* src, int n, int heads, int d, float* buf, const float** rows) {
+  for (int c = 0; c < n; ++c) {
+    float* dst = buf + static_cast<int64_t>(c) * heads * d;
+    rows[c] = dst;
+    for (int h = 0; h < heads; ++h, dst += d) {
+      const int8_t* x = src[c] + h * (d + 4);
+      float scale;
+      __builtin_memcpy(&scale, x + d, sizeof(scale));
+      const __m256 sv = _mm256_set1_ps(scale);
+      for (int i = 0; i < d; i += 8) {
+        const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + i)));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), sv));
+      }
+    }
+  }
+}
 #ifdef __F16C__
 inline __m256 load8(const uint16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 #endif
@@ -177,8 +203,9 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
   const Item it = item_of(p, item_index);
   const KV* kcache = static_cast<const KV*>(p.kv);
   const KV* vcache = kcache + p.kv_half;
-  const int span_bytes = p.heads_per_item * d * static_cast<int>(sizeof(KV));  // the item's part of a token's K
-  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * d;
+  const int hs = p.head_stride;  // d, or d + 4 for an int8 cache (its scale)
+  const int span_bytes = p.heads_per_item * hs * static_cast<int>(sizeof(KV));  // the item's part of a token's K
+  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * hs;
   // a power-of-two block size (the usual 16) divides by shifting: two divisions a token cost as much as
   // a fifth of the chunk's arithmetic
   const bool is_pow2 = (p.block_size & (p.block_size - 1)) == 0;
@@ -186,12 +213,14 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
   const int64_t block_stride = token_stride * p.block_size;
   auto token_offset = [&](int t) {
     const int block = is_pow2 ? t >> shift : t / p.block_size, slot = t - block * p.block_size;
-    return static_cast<int64_t>(it.table[block]) * block_stride + slot * token_stride + static_cast<int64_t>(it.kvh0) * d;
+    return static_cast<int64_t>(it.table[block]) * block_stride + slot * token_stride + static_cast<int64_t>(it.kvh0) * hs;
   };
   load_queries(p, it, w, d);
   const int m_count = it.q_len * it.hg;
   const KV* kp[kChunk];
   const KV* vp[kChunk];
+  const float* kf[kChunk];  // an int8 cache: the chunk's rows widened (widen_int8_rows)
+  const float* vf[kChunk];
   // The next chunk's K/V are prefetched a few tokens at a time between the queries' work: issued all at
   // once, hundreds of prefetches stall on the fill buffers instead of overlapping the arithmetic.
   int next_t = 0, next_end = 0;
@@ -214,14 +243,24 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     }
     next_t = c0 + kPrefetchAhead;
     next_end = std::min(it.seq_len, c0 + kPrefetchAhead + kChunk);
+    if constexpr (kIsInt8<KV>) {  // widened once, then read by every query vector as a float32 cache
+      widen_int8_rows(kp, cn, p.heads_per_item, d, w.kbuf.data(), kf);
+      widen_int8_rows(vp, cn, p.heads_per_item, d, w.vbuf.data(), vf);
+    }
     for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: t <= seq_len - q_len + token
       w.valid[m] = std::min(cn, it.seq_len - it.q_len + m / it.hg - c0 + 1);
-      if (w.valid[m] > 0) score_chunk<kD, KV>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kp);
+      if (w.valid[m] > 0) {
+        if constexpr (kIsInt8<KV>) score_chunk<kD, float>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kf);
+        else score_chunk<kD, KV>(w, m, d, (m % it.hg) / p.group * hs, w.valid[m], kp);
+      }
       prefetch_tokens(tokens_per_slice);
     }
     for (int m = 0; m < m_count; ++m) {
       if (w.valid[m] > 0) {
-        accumulate(w.acc.data() + m * d, w.scores.data() + m * kChunk, vp, (m % it.hg) / p.group * d, w.valid[m], d);
+        float* acc = w.acc.data() + m * d;
+        const float* scores = w.scores.data() + m * kChunk;
+        if constexpr (kIsInt8<KV>) accumulate(acc, scores, vf, (m % it.hg) / p.group * d, w.valid[m], d);
+        else accumulate(acc, scores, vp, (m % it.hg) / p.group * hs, w.valid[m], d);
       }
       prefetch_tokens(tokens_per_slice);
     }
@@ -242,10 +281,14 @@ void dispatch_dim(const Params& p, int max_m) {
 
 namespace llmserve_cpu {
 
-bool attend_f32_avx2(const Params& p, int max_m, bool kv_is_f16) {
+bool attend_f32_avx2(const Params& p, int max_m, KvType kv) {
   if (p.head_dim % 8 != 0) return false;
-  if (!kv_is_f16) {
+  if (kv == KvType::kF32) {
     dispatch_dim<float>(p, max_m);
+    return true;
+  }
+  if (kv == KvType::kI8) {
+    dispatch_dim<int8_t>(p, max_m);
     return true;
   }
 #ifdef __F16C__
@@ -261,7 +304,7 @@ bool attend_f32_avx2(const Params& p, int max_m, bool kv_is_f16) {
 #else  // no AVX2 + FMA at build time: the portable path serves float32 too
 
 namespace llmserve_cpu {
-bool attend_f32_avx2(const Params&, int, bool) { return false; }
+bool attend_f32_avx2(const Params&, int, KvType) { return false; }
 }  // namespace llmserve_cpu
 
 #endif

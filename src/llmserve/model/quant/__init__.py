@@ -13,6 +13,7 @@ import logging
 import torch
 from torch import nn
 
+from llmserve.model import cpu_kernels
 from llmserve.model.quant.checkpoint import checkpoint_method, dequantize_weights
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
 
@@ -53,12 +54,15 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
 
 
 def check_supported(quantization: str | None, kv_cache_dtype: str, device: torch.device,
-                    dtype: torch.dtype) -> None:
-    """Start-up check of --quantization / --kv-cache-dtype against the device and dtype: a combination
-    that would not run fails here, naming the flag (ValueError)."""
+                    dtype: torch.dtype, head_dim: int | None = None) -> None:
+    """Start-up check of --quantization / --kv-cache-dtype against the device, dtype and (when given) the
+    model's head_dim: a combination that would not run fails here, naming the flag (ValueError)."""
     if quantization == "fp8" and device.type == "cuda":
         _check_fp8_on_cuda(device, dtype)
     _check_kv_cache_dtype(kv_cache_dtype, device, dtype)
+    if kv_cache_dtype == "int8" and head_dim is not None and head_dim % 8:
+        raise ValueError(f"--kv-cache-dtype int8: the CPU kernel reads it for head_dim a multiple of 8; this "
+                         f"model's is {head_dim}: use auto or fp16")
 
 
 def _check_fp8_on_cuda(device: torch.device, dtype: torch.dtype) -> None:
@@ -75,6 +79,12 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, dtype: torc
     is_cuda = device.type == "cuda"
     if kv_cache_dtype == "fp8" and is_cuda and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("--kv-cache-dtype fp8: needs a GPU of compute capability >= 8.9 (Ada, Hopper)")
+    if kv_cache_dtype == "int8" and (is_cuda or dtype != torch.float32 or not cpu_kernels.has_avx2_kernels()):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"--kv-cache-dtype int8: supported for float32 models on CPU with llmserve's AVX2 kernels "
+                         f"built (only their attention reads it); this engine runs {name} on {device.type}"
+                         + ("" if is_cuda or dtype != torch.float32 else " without them")
+                         + ": use auto" + (" or fp8" if is_cuda else " or fp16" if dtype == torch.float32 else ""))
     if kv_cache_dtype == "fp16" and (is_cuda or dtype != torch.float32):
         name = str(dtype).removeprefix("torch.")
         raise ValueError(f"--kv-cache-dtype fp16: supported for float32 models on CPU only (the CPU attention "
@@ -84,4 +94,4 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, dtype: torc
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's storage dtype for --kv-cache-dtype (auto: the model's dtype)."""
-    return {"fp8": FP8_DTYPE, "fp16": torch.float16}.get(kv_cache_dtype, dtype)
+    return {"fp8": FP8_DTYPE, "fp16": torch.float16, "int8": torch.int8}.get(kv_cache_dtype, dtype)
