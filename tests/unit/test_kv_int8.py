@@ -2,8 +2,7 @@
 own float32 scale. The AVX2 attention kernel reads it against the float64 reference over the dequantized K/V
 (tight); the kernels' write_kv stores exactly what the torch quantization gives; the engine with it
 generates exactly what a float32 cache of the dequantized K/V generates, holds 4 D / (D + 4) times the
-blocks, and refuses
-the dtypes, devices and builds nothing reads it on."""
+blocks, and refuses the dtypes, devices and builds nothing reads it on."""
 
 from __future__ import annotations
 
