@@ -6,8 +6,10 @@
 # (every log and results JSON).
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
-#   stages: comma list of tests,fp8probe,roofline,offline,serve,fp8,spec (default: all but fp8probe, in that
-#   order); TESTS: the test paths (default below); SPEC_ARGS: extra `bench spec` arguments
+#   stages: comma list of tests,fp8probe,roofline,offline,serve,fp8,fp8serve,spec (default: all but fp8probe and
+#   fp8serve, in that order); TESTS: the test paths (default below); SPEC_ARGS: extra `bench spec` arguments
+#   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype fp8, the same KV bytes) at
+#   once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -90,6 +92,27 @@ fi
 if want fp8; then
     run roofline_fp8 70 "${L[@]}" bench roofline --model "$MODEL" --prompt-len 128 --output-len 256 --repeats 2 \
         --quantization fp8 --out "$RES/roof_fp8.json"
+fi
+if want fp8serve; then
+    KV=${FP8_KV_MEMORY:-16GiB}
+    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 --kv-cache-memory "$KV" \
+        >"$RES/server_bf16.log" 2>&1 &
+    BF16=$!
+    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8001 --kv-cache-memory "$KV" \
+        --quantization fp8 --kv-cache-dtype fp8 >"$RES/server_fp8.log" 2>&1 &
+    FP8=$!
+    for pair in 8000:$BF16 8001:$FP8; do
+        for _ in $(seq 1 200); do
+            kill -0 "${pair#*:}" 2>/dev/null || break
+            "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${pair%%:*}/health', timeout=2)" 2>/dev/null && break
+            sleep 1
+        done
+    done
+    note "fp8serve up after $(elapsed)s; KV blocks bf16 / fp8+fp8-KV (target: twice): $(grep -o '[0-9]* KV blocks' "$RES/server_bf16.log" | tail -1) / $(grep -o '[0-9]* KV blocks' "$RES/server_fp8.log" | tail -1)"
+    run serve_fp8_c256 150 "${L[@]}" bench serve --url http://127.0.0.1:8000 --compare http://127.0.0.1:8001 \
+        --labels bf16,fp8 --tokenizer "$MODEL" --dataset random --input-len 200 --output-len 180 --ignore-eos \
+        --no-progress --concurrency 256 --num-requests ${FP8_NUM_REQUESTS:-512} --out "$RES/serve_fp8_c256.json"
+    kill $BF16 $FP8 2>/dev/null; wait $BF16 $FP8 2>/dev/null
 fi
 if want spec; then
     # shellcheck disable=SC2086
