@@ -276,10 +276,14 @@ def packs_int8() -> bool:
     return not _onednn_has_vnni() and has_avx2_kernels()
 
 
+def _onednn_isa_cap() -> str:
+    """oneDNN's ISA ceiling from ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), upper case; ALL when unset."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+
+
 def _onednn_has_vnni() -> bool:
     """The CPU has VNNI (AVX-512 or AVX) and oneDNN may use it (ONEDNN_MAX_CPU_ISA may cap it below)."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    flags = _cpu_flags()
+    cap, flags = _onednn_isa_cap(), _cpu_flags()
     if cap.startswith("AVX2_VNNI"):
         return "avx_vnni" in flags
     is_vnni_cap = cap.startswith(("ALL", "DEFAULT", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
@@ -289,7 +293,7 @@ def _onednn_has_vnni() -> bool:
 
 def _onednn_has_avx512() -> bool:
     """The CPU has AVX-512 and oneDNN may use it (ONEDNN_MAX_CPU_ISA, e.g. AVX2, caps it below)."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    cap = _onednn_isa_cap()
     return "avx512f" in _cpu_flags() and cap.startswith(("ALL", "DEFAULT", "AVX512", "AVX10", "AMX"))
 
 
