@@ -44,7 +44,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp")]
-_HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h")]
 _NAME = "llmserve_cpu_kernels"
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
 

@@ -12,8 +12,8 @@
 // the weights are widened to int16 and multiplied with vpmaddwd: each int32 lane gains x[k] w[k] +
 // x[k+1] w[k+1] (<= 2 * 127 * 127), exactly, so the int32 sums are exact for any K up to 133,000.
 //
-// The schedule is csrc/linear_avx2.cpp's: threads take contiguous runs of (panel, 64-row block) units; a
-// unit walks K in chunks of 128 pairs (a 4 KB panel chunk stays in L1) with 6 rows x 16 columns in 12 ymm
+// The schedule is csrc/linear_avx2.cpp's (panel_gemm.h): threads take contiguous runs of (panel, 64-row
+// block) units; a unit walks K in chunks of 128 pairs (a 4 KB panel chunk stays in L1) with 6 rows x 16 columns in 12 ymm
 // accumulators, partial sums kept in an int32 tile; the first row block of a panel prefetches the weight
 // stream ahead into L2. Integer sums are exact, so a row's output never depends on its batch.
 
@@ -21,6 +21,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "panel_gemm.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +33,7 @@ namespace {
 constexpr int64_t kPanel = 16;          // output columns a panel
 constexpr int64_t kPairBytes = 2 * kPanel;  // one pair of k of a panel: 32 int8
 constexpr int64_t kChunkPairs = 128;    // pairs of k a row block passes over at a time (4 KB of panel)
-constexpr int64_t kRowBlock = 64;       // rows of x a work unit covers
+constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;  // rows of x a work unit covers
 constexpr int64_t kPrefetchPairs = 512;  // pairs of k ahead the weight stream is prefetched (16 KB)
 
 at::Tensor pack_int8_weight(const at::Tensor& weight) {
@@ -115,20 +117,7 @@ inline void block(const int16_t* a, int64_t lda, const int8_t* b, int kc, int32_
     for (int j = 0; j < 2; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(c + r * kPanel + 8 * j), acc[r][j]);
 }
 
-constexpr int kMaxRows = 6;
-
-// block<rows>, inlined into its caller (through a pointer GCC keeps the accumulators on the stack)
-void rows_block(int rows, const int16_t* a, int64_t lda, const int8_t* b, int kc, int32_t* c, bool first,
-                const int8_t* pf) {
-  switch (rows) {
-    case 1: return block<1>(a, lda, b, kc, c, first, pf);
-    case 2: return block<2>(a, lda, b, kc, c, first, pf);
-    case 3: return block<3>(a, lda, b, kc, c, first, pf);
-    case 4: return block<4>(a, lda, b, kc, c, first, pf);
-    case 5: return block<5>(a, lda, b, kc, c, first, pf);
-    default: return block<6>(a, lda, b, kc, c, first, pf);
-  }
-}
+constexpr int kMaxRows = llmserve_cpu::kPanelMaxRows;
 
 // The int32 sums of a unit's rows -> out: (acc * x_scale[row]) * w_scale[col] (+ bias[col]), valid columns only.
 void write_out(const Int8Gemm& g, int64_t p, int64_t row0, int64_t num_rows, const int32_t* tile) {
@@ -154,20 +143,18 @@ void run_unit(const Int8Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool
     const int8_t* pf = prefetch && pf_offset + kc * kPairBytes <= num_bytes ? g.panels + pf_offset : nullptr;
     for (int64_t r = 0; r < num_rows; r += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r));
-      rows_block(rows, g.xq + (row0 + r) * lda + 2 * k0, lda, b + k0 * kPairBytes, kc, tile + r * kPanel, k0 == 0,
-                 r == 0 ? pf : nullptr);
+      llmserve_cpu::with_rows(rows, [&](auto num) {
+        block<decltype(num)::value>(g.xq + (row0 + r) * lda + 2 * k0, lda, b + k0 * kPairBytes, kc, tile + r * kPanel,
+                                    k0 == 0, r == 0 ? pf : nullptr);
+      });
     }
   }
   write_out(g, p, row0, num_rows, tile);
 }
 
 void run(const Int8Gemm& g) {
-  const int64_t num_row_blocks = (g.m + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, g.num_panels * num_row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t p = unit / num_row_blocks, row0 = (unit % num_row_blocks) * kRowBlock;
-      run_unit(g, p, row0, std::min(kRowBlock, g.m - row0), unit == begin || row0 == 0);
-    }
+  llmserve_cpu::for_each_panel_unit(g.num_panels, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
+    run_unit(g, p, row0, num_rows, prefetch);
   });
 }
 

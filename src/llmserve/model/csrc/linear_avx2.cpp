@@ -4,8 +4,8 @@
 //                       64-byte cache line per k, zero columns padding the last panel (done once, at load)
 //   packed_linear       out [M, N] = x [M, K] @ w^T (+ bias [N])
 //
-// Threads take contiguous runs of (panel, 64-row block) units, so each streams its own stretch of the packed
-// weight. A unit walks K in chunks of 128: the panel's 8 KB chunk stays in L1 while every block of up to 6
+// Threads take contiguous runs of (panel, 64-row block) units (panel_gemm.h), so each streams its own stretch
+// of the packed weight. A unit walks K in chunks of 128: the panel's 8 KB chunk stays in L1 while every block of up to 6
 // rows of x passes over it, 6 rows x 16 columns held in 12 ymm accumulators. At decode sizes (a few rows)
 // the weights come from DRAM, so the first row block of a panel prefetches the stream 256 k-rows (16 KB)
 // ahead into L2, which overlaps the weights' stream with the FMAs instead of waiting for it.
@@ -13,9 +13,10 @@
 // Every output element is one FMA chain over k in order (chunks accumulate through `out`): results do not
 // depend on the number of rows, a row's position or the thread count.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+
+#include "panel_gemm.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -24,7 +25,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;       // output columns a panel: two ymm registers
 constexpr int64_t kChunk = 128;      // k-rows of a panel a row block passes over at a time (8 KB)
-constexpr int64_t kRowBlock = 64;    // rows of x a work unit covers
+constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;  // rows of x a work unit covers
 constexpr int64_t kPrefetchRows = 256;  // k-rows ahead the weight stream is prefetched
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -74,20 +75,7 @@ inline void block(const float* a, int64_t lda, const float* b, int kc, float* c,
     for (int j = 0; j < 2; ++j) _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);
 }
 
-constexpr int kMaxRows = 6;
-
-// block<rows>, inlined into its caller: called through a pointer, GCC keeps the accumulators on the stack
-void rows_block(int rows, const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc,
-                const float* bias, bool first, const float* pf) {
-  switch (rows) {
-    case 1: return block<1>(a, lda, b, kc, c, ldc, bias, first, pf);
-    case 2: return block<2>(a, lda, b, kc, c, ldc, bias, first, pf);
-    case 3: return block<3>(a, lda, b, kc, c, ldc, bias, first, pf);
-    case 4: return block<4>(a, lda, b, kc, c, ldc, bias, first, pf);
-    case 5: return block<5>(a, lda, b, kc, c, ldc, bias, first, pf);
-    default: return block<6>(a, lda, b, kc, c, ldc, bias, first, pf);
-  }
-}
+constexpr int kMaxRows = llmserve_cpu::kPanelMaxRows;
 
 // One unit: panel p over rows [row0, row0 + num_rows). A panel whose columns run past N goes through a
 // 16-wide tile, then its valid columns are copied out.
@@ -110,8 +98,10 @@ void run_unit(const Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool pre
     for (int64_t r = 0; r < num_rows; r += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r));
       float* c = is_full ? g.out + (row0 + r) * g.n + p * kPanel : tile + r * kPanel;
-      rows_block(rows, g.x + (row0 + r) * g.k + k0, g.k, b + k0 * kPanel, kc, c, is_full ? g.n : kPanel, bias,
-                 k0 == 0, r == 0 ? pf : nullptr);
+      llmserve_cpu::with_rows(rows, [&](auto num) {
+        block<decltype(num)::value>(g.x + (row0 + r) * g.k + k0, g.k, b + k0 * kPanel, kc, c, is_full ? g.n : kPanel,
+                                    bias, k0 == 0, r == 0 ? pf : nullptr);
+      });
     }
   }
   if (!is_full)
@@ -120,13 +110,8 @@ void run_unit(const Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool pre
 }
 
 void run(const Gemm& g) {
-  const int64_t num_row_blocks = (g.m + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, g.num_panels * num_row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t p = unit / num_row_blocks, row0 = (unit % num_row_blocks) * kRowBlock;
-      // the thread's first unit of a panel prefetches it (and on into the next panel, its next unit)
-      run_unit(g, p, row0, std::min(kRowBlock, g.m - row0), unit == begin || row0 == 0);
-    }
+  llmserve_cpu::for_each_panel_unit(g.num_panels, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
+    run_unit(g, p, row0, num_rows, prefetch);
   });
 }
 
