@@ -13,9 +13,10 @@
 // x[k+1] w[k+1] (<= 2 * 127 * 127), exactly, so the int32 sums are exact for any K up to 133,000.
 //
 // The schedule is csrc/linear_avx2.cpp's (panel_gemm.h): threads take contiguous runs of (panel, 64-row
-// block) units; a unit walks K in chunks of 128 pairs (a 4 KB panel chunk stays in L1) with 6 rows x 16 columns in 12 ymm
-// accumulators, partial sums kept in an int32 tile; the first row block of a panel prefetches the weight
-// stream ahead into L2. Integer sums are exact, so a row's output never depends on its batch.
+// block) units; a unit walks K in chunks of 128 pairs (a 4 KB panel chunk stays in L1) with 6 rows x 16
+// columns in 12 ymm accumulators, partial sums kept in an int32 tile; the first row block of a panel
+// prefetches the weight stream ahead into L2. Integer sums are exact, so a row's output never depends on its
+// batch.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
