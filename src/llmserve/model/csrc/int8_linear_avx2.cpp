@@ -13,8 +13,8 @@
 // x[k+1] w[k+1] (<= 2 * 127 * 127), exactly, so the int32 sums are exact for any K up to 133,000.
 //
 // The schedule is csrc/linear_avx2.cpp's (panel_gemm.h): threads take contiguous runs of (panel, 64-row
-// block) units; a unit walks K in chunks of 128 pairs (a 4 KB panel chunk stays in L1) with 6 rows x 16
-// columns in 12 ymm accumulators, partial sums kept in an int32 tile; the first row block of a panel
+// block) units; a unit walks K in chunks of 128 pairs (a 4 KB panel chunk stays in L1) with 4 rows x 16
+// columns in 8 ymm accumulators, partial sums kept in an int32 tile; the first row block of a panel
 // prefetches the weight stream ahead into L2. Integer sums are exact, so a row's output never depends on its
 // batch.
 
@@ -36,6 +36,8 @@ constexpr int64_t kPairBytes = 2 * kPanel;  // one pair of k of a panel: 32 int8
 constexpr int64_t kChunkPairs = 128;    // pairs of k a row block passes over at a time (4 KB of panel)
 constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;  // rows of x a work unit covers
 constexpr int64_t kPrefetchPairs = 512;  // pairs of k ahead the weight stream is prefetched (16 KB)
+constexpr int kMaxRows = 4;  // rows of x a register block holds: with 6 (plus a madd's temporary) GCC spilled
+                             // accumulators to the stack (1.3-1.7x slower at 16-64 rows)
 
 at::Tensor pack_int8_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "pack_int8_weight: int8 [N, K] expected");
@@ -118,8 +120,6 @@ inline void block(const int16_t* a, int64_t lda, const int8_t* b, int kc, int32_
     for (int j = 0; j < 2; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(c + r * kPanel + 8 * j), acc[r][j]);
 }
 
-constexpr int kMaxRows = llmserve_cpu::kPanelMaxRows;
-
 // The int32 sums of a unit's rows -> out: (acc * x_scale[row]) * w_scale[col] (+ bias[col]), valid columns only.
 void write_out(const Int8Gemm& g, int64_t p, int64_t row0, int64_t num_rows, const int32_t* tile) {
   const int64_t col0 = p * kPanel, num_cols = std::min(kPanel, g.n - col0);
@@ -142,13 +142,10 @@ void run_unit(const Int8Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool
     const int kc = static_cast<int>(std::min(kChunkPairs, g.num_pairs - k0));
     const int64_t pf_offset = (p * g.num_pairs + k0 + kPrefetchPairs) * kPairBytes;  // into the next panel near the end
     const int8_t* pf = prefetch && pf_offset + kc * kPairBytes <= num_bytes ? g.panels + pf_offset : nullptr;
-    for (int64_t r = 0; r < num_rows; r += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r));
-      llmserve_cpu::with_rows(rows, [&](auto num) {
-        block<decltype(num)::value>(g.xq + (row0 + r) * lda + 2 * k0, lda, b + k0 * kPairBytes, kc, tile + r * kPanel,
-                                    k0 == 0, r == 0 ? pf : nullptr);
-      });
-    }
+    llmserve_cpu::for_each_row_block<kMaxRows>(num_rows, [&](auto rows, int64_t r) {
+      block<decltype(rows)::value>(g.xq + (row0 + r) * lda + 2 * k0, lda, b + k0 * kPairBytes, kc, tile + r * kPanel,
+                                   k0 == 0, r == 0 ? pf : nullptr);
+    });
   }
   write_out(g, p, row0, num_rows, tile);
 }

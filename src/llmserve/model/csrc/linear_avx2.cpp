@@ -27,6 +27,7 @@ constexpr int64_t kPanel = 16;       // output columns a panel: two ymm register
 constexpr int64_t kChunk = 128;      // k-rows of a panel a row block passes over at a time (8 KB)
 constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;  // rows of x a work unit covers
 constexpr int64_t kPrefetchRows = 256;  // k-rows ahead the weight stream is prefetched
+constexpr int kMaxRows = 6;  // rows of x a register block holds: 12 accumulators + 2 panel rows + 1 broadcast
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_linear_weight: float32 [N, K] expected");
@@ -75,8 +76,6 @@ inline void block(const float* a, int64_t lda, const float* b, int kc, float* c,
     for (int j = 0; j < 2; ++j) _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);
 }
 
-constexpr int kMaxRows = llmserve_cpu::kPanelMaxRows;
-
 // One unit: panel p over rows [row0, row0 + num_rows). A panel whose columns run past N goes through a
 // 16-wide tile, then its valid columns are copied out.
 void run_unit(const Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
@@ -95,14 +94,11 @@ void run_unit(const Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool pre
     const int kc = static_cast<int>(std::min(kChunk, g.k - k0));
     const int64_t pf_offset = (p * g.k + k0 + kPrefetchRows) * kPanel;  // into the next panel near the end
     const float* pf = prefetch && pf_offset + kc * kPanel <= num_elements ? g.panels + pf_offset : nullptr;
-    for (int64_t r = 0; r < num_rows; r += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r));
+    llmserve_cpu::for_each_row_block<kMaxRows>(num_rows, [&](auto rows, int64_t r) {
       float* c = is_full ? g.out + (row0 + r) * g.n + p * kPanel : tile + r * kPanel;
-      llmserve_cpu::with_rows(rows, [&](auto num) {
-        block<decltype(num)::value>(g.x + (row0 + r) * g.k + k0, g.k, b + k0 * kPanel, kc, c, is_full ? g.n : kPanel,
-                                    bias, k0 == 0, r == 0 ? pf : nullptr);
-      });
-    }
+      block<decltype(rows)::value>(g.x + (row0 + r) * g.k + k0, g.k, b + k0 * kPanel, kc, c, is_full ? g.n : kPanel,
+                                   bias, k0 == 0, r == 0 ? pf : nullptr);
+    });
   }
   if (!is_full)
     for (int64_t r = 0; r < num_rows; ++r)

@@ -10,7 +10,6 @@
 namespace llmserve_cpu {
 
 constexpr int64_t kPanelRowBlock = 64;  // rows of x a work unit covers
-constexpr int kPanelMaxRows = 6;        // rows of x a register block holds
 
 // unit(p, row0, num_rows, prefetch) for every (panel p, 64-row block from row0) of an m-row product. Threads
 // take contiguous runs of units, so each streams its own stretch of the packed weight; `prefetch` is set on a
@@ -26,17 +25,21 @@ void for_each_panel_unit(int64_t num_panels, int64_t m, Unit unit) {
   });
 }
 
-// block(std::integral_constant<int, R>{}) with R = rows (1 .. kPanelMaxRows): one inlined instance per row
-// count. (Called through a table of function pointers, GCC kept the accumulators on the stack: 2.5x slower.)
-template <class Block>
-inline void with_rows(int rows, Block block) {
-  switch (rows) {
-    case 1: return block(std::integral_constant<int, 1>{});
-    case 2: return block(std::integral_constant<int, 2>{});
-    case 3: return block(std::integral_constant<int, 3>{});
-    case 4: return block(std::integral_constant<int, 4>{});
-    case 5: return block(std::integral_constant<int, 5>{});
-    default: return block(std::integral_constant<int, kPanelMaxRows>{});
+// block(std::integral_constant<int, R>{}, r) for the register blocks of a unit's num_rows rows: R rows
+// (1 .. kMaxRows) from row r, one inlined instance per row count. (Called through a table of function
+// pointers, GCC kept the accumulators on the stack: 2.5x slower.)
+template <int kMaxRows, class Block>
+inline void for_each_row_block(int64_t num_rows, Block block) {
+  static_assert(1 <= kMaxRows && kMaxRows <= 6, "register blocks of 1 to 6 rows");
+  for (int64_t r = 0; r < num_rows; r += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, num_rows - r)) {
+      case 1: block(std::integral_constant<int, 1>{}, r); break;
+      case 2: block(std::integral_constant<int, std::min(2, kMaxRows)>{}, r); break;
+      case 3: block(std::integral_constant<int, std::min(3, kMaxRows)>{}, r); break;
+      case 4: block(std::integral_constant<int, std::min(4, kMaxRows)>{}, r); break;
+      case 5: block(std::integral_constant<int, std::min(5, kMaxRows)>{}, r); break;
+      default: block(std::integral_constant<int, kMaxRows>{}, r); break;
+    }
   }
 }
 

@@ -60,9 +60,8 @@ def check_supported(quantization: str | None, kv_cache_dtype: str, device: torch
     if quantization == "fp8" and device.type == "cuda":
         _check_fp8_on_cuda(device, dtype)
     _check_kv_cache_dtype(kv_cache_dtype, device, dtype)
-    if kv_cache_dtype == "int8" and head_dim is not None and head_dim % 8:
-        raise ValueError(f"--kv-cache-dtype int8: the CPU kernel reads it for head_dim a multiple of 8; this "
-                         f"model's is {head_dim}: use auto or fp16")
+    if kv_cache_dtype == "int8":
+        _check_int8_kv_cache(device, dtype, head_dim)
 
 
 def _check_fp8_on_cuda(device: torch.device, dtype: torch.dtype) -> None:
@@ -79,17 +78,29 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, dtype: torc
     is_cuda = device.type == "cuda"
     if kv_cache_dtype == "fp8" and is_cuda and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("--kv-cache-dtype fp8: needs a GPU of compute capability >= 8.9 (Ada, Hopper)")
-    if kv_cache_dtype == "int8" and (is_cuda or dtype != torch.float32 or not cpu_kernels.has_avx2_kernels()):
-        name = str(dtype).removeprefix("torch.")
-        raise ValueError(f"--kv-cache-dtype int8: supported for float32 models on CPU with llmserve's AVX2 kernels "
-                         f"built (only their attention reads it); this engine runs {name} on {device.type}"
-                         + ("" if is_cuda or dtype != torch.float32 else " without them")
-                         + ": use auto" + (" or fp8" if is_cuda else " or fp16" if dtype == torch.float32 else ""))
     if kv_cache_dtype == "fp16" and (is_cuda or dtype != torch.float32):
         name = str(dtype).removeprefix("torch.")
         raise ValueError(f"--kv-cache-dtype fp16: supported for float32 models on CPU only (the CPU attention "
                          f"kernel reads it); this engine runs {name} on {device.type}: use auto"
                          + (" or fp8" if is_cuda else ""))
+
+
+def _check_int8_kv_cache(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> None:
+    """--kv-cache-dtype int8 runs where the CPU kernels' attention reads it: float32 on CPU, AVX2 build."""
+    runs = f"{str(dtype).removeprefix('torch.')} on {device.type}"
+    if device.type == "cuda":
+        reason, instead = runs, "auto or fp8"
+    elif dtype != torch.float32:
+        reason, instead = runs, "auto"
+    elif not cpu_kernels.has_avx2_kernels():
+        reason, instead = runs + " without them", "auto or fp16"
+    else:
+        if head_dim is not None and head_dim % 8:
+            raise ValueError(f"--kv-cache-dtype int8: the CPU kernel reads it for head_dim a multiple of 8; this "
+                             f"model's is {head_dim}: use auto or fp16")
+        return
+    raise ValueError(f"--kv-cache-dtype int8: supported for float32 models on CPU with llmserve's AVX2 kernels "
+                     f"built (only their attention reads it); this engine runs {reason}: use {instead}")
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
