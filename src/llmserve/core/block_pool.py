@@ -1,14 +1,15 @@
 """The pool of KV blocks: ref counts, an O(1) free list, and the prefix-cache hash index.
 
-A block is free when its ref count is 0. Free blocks sit in a doubly linked queue ordered for
-eviction (least recently freed first); a free block may still hold cached KV (it has a hash) and is
-"revived" by a prefix hit, which removes it from the middle of the queue in O(1).
+A block is free when its ref count is 0. Free blocks sit in a queue ordered for eviction
+(least recently freed first); a free block may still hold cached KV (it has a hash) and is "revived" by
+a prefix hit, which removes it from the middle of the queue in O(1).
 Block 0 is the null block: never handed out, used to pad block tables.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -20,64 +21,44 @@ class BlockHash:
     token_ids: tuple[int, ...]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-    prev_free: KVBlock | None = field(default=None, repr=False)
-    next_free: KVBlock | None = field(default=None, repr=False)
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) popleft, append and remove-from-middle."""
+    """Free blocks in eviction order, with O(1) popleft, append, appendleft and remove-from-middle: an
+    OrderedDict keyed by block id. Blocks hold no links to each other, so a pool that is dropped is freed
+    by reference counting alone (the engine freezes its start-up heap out of the cyclic collector's
+    passes: engine/engine_core.py)."""
 
     def __init__(self, blocks: list[KVBlock]) -> None:
-        self._head = KVBlock(-1)  # sentinels
-        self._tail = KVBlock(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
+        self._queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._queue)
 
     def popleft(self) -> KVBlock:
-        block = self._head.next_free
-        assert block is not self._tail, "no free blocks"
-        self.remove(block)
-        return block
+        assert self._queue, "no free blocks"
+        return self._queue.popitem(last=False)[1]
 
     def remove(self, block: KVBlock) -> None:
-        assert block.prev_free is not None and block.next_free is not None, "block not in queue"
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
+        removed = self._queue.pop(block.block_id, None)
+        assert removed is block, "block not in queue"
 
     def append(self, block: KVBlock) -> None:
-        assert block.prev_free is None and block.next_free is None, "block already queued"
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
+        assert block.block_id not in self._queue, "block already queued"
+        self._queue[block.block_id] = block
 
     def appendleft(self, block: KVBlock) -> None:
-        assert block.prev_free is None and block.next_free is None, "block already queued"
-        first = self._head.next_free
-        self._head.next_free = block
-        block.prev_free = self._head
-        block.next_free = first
-        first.prev_free = block
-        self.num_free_blocks += 1
+        self.append(block)
+        self._queue.move_to_end(block.block_id, last=False)
 
     def block_ids(self) -> list[int]:
-        ids, block = [], self._head.next_free
-        while block is not self._tail:
-            ids.append(block.block_id)
-            block = block.next_free
-        return ids
+        return list(self._queue)
 
 
 class BlockPool:
