@@ -19,6 +19,7 @@ from llmserve.model.step_inputs import flat_positions, slot_mapping
 
 INITIAL_TOKEN_COLUMNS = 256
 INITIAL_BLOCK_COLUMNS = 16
+_NONE = np.zeros(0, np.int64)  # no pending tokens (never written)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class PersistentBatch:
         self.block_table = np.zeros((max_num_rows, INITIAL_BLOCK_COLUMNS), np.int32)  # [R, W]
         self.num_blocks = np.zeros(max_num_rows, np.int64)  # [R]
         self.last_sample_index = np.full(max_num_rows, -1, np.int64)  # [R] row in the last step's samples
+        self.has_pending = False  # some row's last_sample_index is set (a launched step's ids not on the host)
         self.num_pending = np.zeros(max_num_rows, np.int64)  # [R] ids sampled on the device, not on the host yet
         self.has_penalties = np.zeros(max_num_rows, bool)  # [R] its sampling reads its output ids
         self.serial = np.full(max_num_rows, -1, np.int64)  # [R] which request holds the row (-1: none)
@@ -114,26 +116,40 @@ class PersistentBatch:
     def gather(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> StepArrays:
         """The step's inputs: row i computes counts[i] tokens from position starts[i]."""
         cu, row_of_token, positions = flat_positions(starts, counts)
-        batch_rows = rows[row_of_token]  # [T]
+        batch_rows = rows if len(positions) == len(rows) else rows[row_of_token]  # [T] (one token a row: rows)
         num_known = self.num_tokens[rows] + self.num_drafts[rows]  # [B]
-        is_known = positions < num_known[row_of_token]  # [T]
-        columns = np.minimum(positions, self.token_ids.shape[1] - 1)
-        input_ids = np.where(is_known, self.token_ids[batch_rows, columns], 0)
-        pending_tokens = np.flatnonzero(~is_known)
-        pending_sources = self.last_sample_index[batch_rows[pending_tokens]]
-        assert (pending_sources >= 0).all(), "a token is neither on the host nor in the last step's samples"
         seq_lens = starts + counts
-        num_pending = (self.last_sample_index[rows] >= 0).astype(np.int64)
-        sample_rows = np.flatnonzero(seq_lens == num_known + num_pending)
+        if self.has_pending:
+            input_ids, pending_tokens, pending_sources = self._with_pending(batch_rows, positions, num_known[row_of_token])
+            num_known = num_known + (self.last_sample_index[rows] >= 0)
+        else:  # nothing in flight: every token is on the host
+            assert (seq_lens <= num_known).all(), "a token is neither on the host nor in flight"
+            input_ids, pending_tokens = self.token_ids[batch_rows, positions], _NONE
+            pending_sources = _NONE
+        sample_rows = np.flatnonzero(seq_lens == num_known)
         block_table = self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
         return StepArrays(input_ids, positions, cu.astype(np.int32), seq_lens, block_table,
                           slot_mapping(block_table, row_of_token, positions, self.block_size), sample_rows,
                           pending_tokens, pending_sources)
 
+    def _with_pending(self, batch_rows: np.ndarray, positions: np.ndarray,
+                      num_known: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Input ids [T] with 0 where a token is on the device only; those tokens' indices [P] and their
+        index in the last launched step's sampled ids [P]."""
+        is_known = positions < num_known  # [T]
+        columns = np.minimum(positions, self.token_ids.shape[1] - 1)
+        input_ids = np.where(is_known, self.token_ids[batch_rows, columns], 0)
+        pending_tokens = np.flatnonzero(~is_known)
+        pending_sources = self.last_sample_index[batch_rows[pending_tokens]]
+        assert (pending_sources >= 0).all(), "a token is neither on the host nor in the last step's samples"
+        return input_ids, pending_tokens, pending_sources
+
     def mark_sampled(self, rows: np.ndarray) -> None:
         """`rows` (in order) sample in the step just launched: their next token is its sample j."""
-        self.last_sample_index[:] = -1
+        if self.has_pending:
+            self.last_sample_index[:] = -1
         self.last_sample_index[rows] = np.arange(len(rows))
+        self.has_pending = len(rows) > 0
 
     def still_held(self, rows: np.ndarray, serials: np.ndarray) -> np.ndarray:
         """[S] bool: row i still holds the request that held it when `serials` [S] was read."""
@@ -141,7 +157,9 @@ class PersistentBatch:
 
     def clear_pending(self) -> None:
         """The last launched step's ids reached the host: no row has a token on the device only."""
-        self.last_sample_index[:] = -1
+        if self.has_pending:
+            self.last_sample_index[:] = -1
+            self.has_pending = False
 
     # ---- capacity -----------------------------------------------------------------------------------
 
@@ -172,6 +190,7 @@ class PersistentBatch:
         assert (self.serial[rows] >= 0).all() and (self.serial[self.free_rows] == -1).all(), "row serials"
         assert len(set(self.serial[rows].tolist())) == len(rows), "two rows share a serial"
         assert ((self.num_pending[rows] >= 0) & (self.num_pending[rows] <= 2)).all(), "pending ids miscounted"
+        assert self.has_pending or (self.last_sample_index == -1).all(), "a sample index set, none pending"
 
 
 def _widen(array: np.ndarray, num_columns: int) -> np.ndarray:
