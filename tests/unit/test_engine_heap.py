@@ -1,4 +1,4 @@
-"""The engine freezes its start-up heap out of the cyclic collector's passes (engine_core.freeze_startup_heap):
+"""The engine freezes its start-up heap out of the cyclic collector's passes (llmserve/heap.py):
 that is safe only while a dropped engine is freed by reference counting alone, i.e. holds no reference
 cycles (a frozen cycle is never collected)."""
 

@@ -32,7 +32,7 @@ class FreeBlockQueue:
     """Free blocks in eviction order, with O(1) popleft, append, appendleft and remove-from-middle: an
     OrderedDict keyed by block id. Blocks hold no links to each other, so a pool that is dropped is freed
     by reference counting alone (the engine freezes its start-up heap out of the cyclic collector's
-    passes: engine/engine_core.py)."""
+    passes: llmserve/heap.py)."""
 
     def __init__(self, blocks: list[KVBlock]) -> None:
         self._queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in blocks)

@@ -12,9 +12,7 @@ broadcasts each step to the other ranks first (worker/tp_executor.py).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
 import logging
 import time
 
@@ -24,6 +22,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
+from llmserve.heap import freeze_startup_heap
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model import quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
@@ -45,20 +44,6 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
 
         return "llmserve-demo", demo_model_path()
     return config.model.model, resolve_model_path(config.model.model, config.model.revision)
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now (the engine's KV blocks, the model, the imported libraries: about a
-    million objects for a small model with many blocks) out of the cyclic collector's passes. A full
-    collection otherwise walks them all, ~250 ms, stalling a step whenever one runs (docs/benchmarks.md,
-    issue 15). Frozen objects are still freed by reference counting; the engine holds no reference
-    cycles of its own (tests/unit/test_engine_heap.py), so a dropped engine is freed. At exit the heap is
-    unfrozen again, so that the interpreter's last collection frees it as usual (extensions such as
-    triton's check for that)."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once, however many engines a process makes
-    atexit.register(gc.unfreeze)
 
 
 class EngineCore:

@@ -9,7 +9,6 @@ open request ends with a 503 error (a stream with an error event, then [DONE]) a
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import socket
@@ -21,6 +20,7 @@ import uvicorn
 from llmserve.aio import run_service
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.heap import freeze_startup_heap
 from llmserve.server.api_server import build_app
 from llmserve.server.config import ServerConfig
 from llmserve.server.errors import service_unavailable
@@ -159,14 +159,6 @@ def serving_context(engine: AsyncLLM, config: ServerConfig) -> ServingContext:
     metrics.set_cache_size(engine.client.num_kv_blocks)
     engine.stat_logger = metrics
     return ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs, TokenTexts(engine.tokenizer))
-
-
-def freeze_startup_heap() -> None:
-    """Move what start-up allocated (tokenizer, model info, the app, imported modules) out of the GC's
-    reach, as vLLM's API server does: a full collection then walks only what serving allocates. On the
-    tiny model at c=512 full collections otherwise stalled the event loop for up to ~1 s."""
-    gc.collect()
-    gc.freeze()
 
 
 def run(engine_config: EngineConfig, config: ServerConfig) -> int:
