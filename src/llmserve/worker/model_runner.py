@@ -80,10 +80,12 @@ class ModelRunner:
         self.sync_timing = False
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish(self.launch(sched_out))
+        """launch and finish at once: the step's sampled ids never wait on the device, so the batch keeps
+        no pending-id bookkeeping for them (no row is taken over before they are appended)."""
+        return self.finish(self.launch(sched_out, finishes_at_once=True))
 
     @torch.inference_mode()  # every tensor the runner keeps is made and updated in inference mode
-    def launch(self, sched_out: SchedulerOutput) -> StepHandle:
+    def launch(self, sched_out: SchedulerOutput, finishes_at_once: bool = False) -> StepHandle:
         t0 = time.perf_counter()
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
@@ -95,7 +97,8 @@ class ModelRunner:
         prompt_plan = None
         if self.prompt_scorers:
             prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
-        inputs, batch_rows = self._prepare(states, step_rows, sched_out)  # batch_rows [S]: the sampling rows'
+        inputs, batch_rows = self._prepare(states, step_rows, sched_out, finishes_at_once)  # batch_rows [S]: the
+        # sampling rows'
         t1 = self._mark()
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
@@ -108,7 +111,7 @@ class ModelRunner:
             handle = self._verify_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, sched_out)
             handle.copy = HostCopy.start(scored)
         else:
-            handle = self._sample_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, scored)
+            handle = self._sample_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, scored, finishes_at_once)
         handle.prompt_plan = prompt_plan
         t3 = self._mark()
         handle.use_speculation = sched_out.use_speculation
@@ -198,10 +201,11 @@ class ModelRunner:
 
     # ---- inputs and forward -------------------------------------------------------------------------
 
-    def _prepare(self, states: list[CachedRequestState], rows: np.ndarray,
-                 sched_out: SchedulerOutput) -> tuple[StepInputs, np.ndarray]:
+    def _prepare(self, states: list[CachedRequestState], rows: np.ndarray, sched_out: SchedulerOutput,
+                 finishes_at_once: bool) -> tuple[StepInputs, np.ndarray]:
         """The step's inputs on the device, and [S] the batch rows of its sampling rows; the rows [B]
-        count their scheduled tokens computed (the scheduler rolls rejected drafts back: next step's diff)."""
+        count their scheduled tokens computed (the scheduler rolls rejected drafts back: next step's diff).
+        Unless the step finishes at once, the next step's inputs may find its sampled ids on the device."""
         num_rows = len(states)
         starts = self.batch.num_computed[rows]  # [B]
         counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=num_rows)  # [B]
@@ -215,7 +219,8 @@ class ModelRunner:
         self.batch.num_computed[rows] = starts + counts
         sample_rows = arrays.sample_rows
         batch_rows = rows[sample_rows]  # [S]
-        self.batch.mark_sampled(batch_rows)
+        if not finishes_at_once:
+            self.batch.mark_sampled(batch_rows)
         indices = logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64), num_drafts[sample_rows])
         return self._to_device(arrays, indices), batch_rows
 
@@ -251,9 +256,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _sample_step(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, logits: torch.Tensor,
-                     rows: list[CachedRequestState], extra: dict[str, torch.Tensor]) -> StepHandle:
-        """Sample on the device and start copying the ids (and `extra` tensors) to the host; the rows'
-        next token is pending."""
+                     rows: list[CachedRequestState], extra: dict[str, torch.Tensor],
+                     finishes_at_once: bool = False) -> StepHandle:
+        """Sample on the device and start copying the ids (and `extra` tensors) to the host; unless the step
+        finishes at once, the rows' next token is pending (and the handle keeps the rows' serials)."""
         if not rows:
             empty = SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
             return self._handle(req_ids, sample_rows, batch_rows, empty.sampled_token_ids,
@@ -264,15 +270,19 @@ class ModelRunner:
             penalized = np.flatnonzero(is_penalized)  # [S']
             self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
                                                         out.sampled_token_ids[torch.from_numpy(penalized)])
-        self.batch.num_pending[batch_rows] += 1
+        if not finishes_at_once:
+            self.batch.num_pending[batch_rows] += 1
         num_logprobs = [row.params.logprobs for row in rows] if out.logprobs is not None else []
         return self._handle(req_ids, sample_rows, batch_rows, out.sampled_token_ids, start_host_copy(out, extra),
-                            num_logprobs)
+                            num_logprobs, is_pending=not finishes_at_once)
 
     def _handle(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, sampled: torch.Tensor,
-                copy: HostCopy, num_logprobs: list[int | None] | None = None, is_sync: bool = False) -> StepHandle:
+                copy: HostCopy, num_logprobs: list[int | None] | None = None, is_sync: bool = False,
+                is_pending: bool = True) -> StepHandle:
+        """is_pending: the rows' ids wait on the device until `finish` (their serials tell it which rows
+        changed hands meanwhile)."""
         return StepHandle(req_ids, np.asarray(sample_rows, np.int64), sampled, copy, batch_rows,
-                          self.batch.serial[batch_rows], num_logprobs or [], is_sync=is_sync)
+                          self.batch.serial[batch_rows] if is_pending else None, num_logprobs or [], is_sync=is_sync)
 
     def _sample(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> SamplerOutput:
         """Rank 0 samples; with tensor parallelism it broadcasts the ids to the other ranks, whose persistent
@@ -343,13 +353,14 @@ class ModelRunner:
 
     def _append_one_each(self, handle: StepHandle, sampled: np.ndarray) -> None:
         """A step without drafts: each sampling row's one id [S] joins its batch row (rows whose request
-        finished or was preempted meanwhile are skipped)."""
+        finished or was preempted meanwhile are skipped; a step finished at once had no meanwhile)."""
         rows = handle.batch_rows  # [S]
-        is_held = self.batch.still_held(rows, handle.serials)  # [S]
-        if not is_held.all():
-            rows, sampled = rows[is_held], sampled[is_held]
-        if len(rows):
+        if handle.serials is not None:  # its ids were pending
+            is_held = self.batch.still_held(rows, handle.serials)  # [S]
+            if not is_held.all():
+                rows, sampled = rows[is_held], sampled[is_held]
             self.batch.num_pending[rows] -= 1
+        if len(rows):
             self.batch.append_one_each(rows, sampled)
 
     def _propose(self, handle: StepHandle) -> list[list[int]]:

@@ -52,7 +52,8 @@ class StepHandle:
     sampled: torch.Tensor  # [S] int64 on the device: the next step's inputs read it there
     copy: HostCopy
     batch_rows: np.ndarray  # [S] int64 their rows in the runner's PersistentBatch
-    serials: np.ndarray  # [S] int64 those rows' serials at launch (a row taken over meanwhile differs)
+    serials: np.ndarray | None  # [S] int64 those rows' serials at launch (a row taken over meanwhile differs);
+    # None: the step finished at once (ModelRunner.execute), its ids never pending
     num_logprobs: list[int | None] = field(default_factory=list)  # [S] per sampling row, asked count
     output: ModelRunnerOutput | None = None  # set once finished
     is_sync: bool = False  # verified on the host at launch (drafts): the ids below, no copy

@@ -25,6 +25,7 @@ import multiprocessing.connection
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 import torch
@@ -106,16 +107,16 @@ class TPExecutor:
 
     # ---- the runner's interface -------------------------------------------------------------------
 
-    def launch(self, sched_out: SchedulerOutput) -> StepHandle:
+    def launch(self, sched_out: SchedulerOutput, finishes_at_once: bool = False) -> StepHandle:
         self.check_workers()
         self.publisher.execute(sched_out)
-        return self._guarded(self.runner.launch, sched_out)
+        return self._guarded(partial(self.runner.launch, finishes_at_once=finishes_at_once), sched_out)
 
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
         return self._guarded(self.runner.finish, handle)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish(self.launch(sched_out))
+        return self.finish(self.launch(sched_out, finishes_at_once=True))
 
     def drop_finished(self, req_ids: set[str]) -> None:
         if req_ids:
