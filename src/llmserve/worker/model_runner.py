@@ -97,8 +97,8 @@ class ModelRunner:
         prompt_plan = None
         if self.prompt_scorers:
             prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
-        inputs, batch_rows = self._prepare(states, step_rows, sched_out, finishes_at_once)  # batch_rows [S]: the
-        # sampling rows'
+        # batch_rows [S]: the sampling rows'
+        inputs, batch_rows = self._prepare(states, step_rows, sched_out, finishes_at_once)
         t1 = self._mark()
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
