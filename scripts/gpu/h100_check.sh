@@ -26,6 +26,13 @@ note() { echo "[$(elapsed)s] $*" | tee -a "$OUT/summary.txt"; }
 left() { echo $(( BUDGET - $(elapsed) )); }
 pack() { tar -czf "$OUT/res.tgz" -C "$RES" . 2>/dev/null; }
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
+wait_up() {  # wait_up PORT PID TRIES: until the server answers /health, exits, or TRIES seconds pass
+    for _ in $(seq 1 "$3"); do
+        kill -0 "$2" 2>/dev/null || return
+        "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null && return
+        sleep 1
+    done
+}
 # run NAME LIMIT CMD...: the command under min(LIMIT, time left - 15 s), output to $RES/NAME.log
 run() {
     local name=$1 limit=$2; shift 2
@@ -76,7 +83,7 @@ fi
 if want serve; then
     "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 >"$RES/server.log" 2>&1 &
     SERVER=$!
-    for _ in $(seq 1 150); do kill -0 $SERVER 2>/dev/null || break; "$PY" -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null && break; sleep 1; done
+    wait_up 8000 $SERVER 150
     note "server up after $(elapsed)s: $(grep -iE 'blocks|graph' "$RES/server.log" | tail -1 | cut -c1-160)"
     S=("${L[@]}" bench serve --url http://127.0.0.1:8000 --tokenizer "$MODEL" --dataset random --input-len 200
        --output-len 180 --ignore-eos --no-progress)
@@ -101,13 +108,8 @@ if want fp8serve; then
     "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8001 --kv-cache-memory "$KV" \
         --quantization fp8 --kv-cache-dtype fp8 >"$RES/server_fp8.log" 2>&1 &
     FP8=$!
-    for pair in 8000:$BF16 8001:$FP8; do
-        for _ in $(seq 1 200); do
-            kill -0 "${pair#*:}" 2>/dev/null || break
-            "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${pair%%:*}/health', timeout=2)" 2>/dev/null && break
-            sleep 1
-        done
-    done
+    wait_up 8000 $BF16 200
+    wait_up 8001 $FP8 200
     note "fp8serve up after $(elapsed)s; KV blocks bf16 / fp8+fp8-KV (target: twice): $(grep -o '[0-9]* KV blocks' "$RES/server_bf16.log" | tail -1) / $(grep -o '[0-9]* KV blocks' "$RES/server_fp8.log" | tail -1)"
     run serve_fp8_c256 150 "${L[@]}" bench serve --url http://127.0.0.1:8000 --compare http://127.0.0.1:8001 \
         --labels bf16,fp8 --tokenizer "$MODEL" --dataset random --input-len 200 --output-len 180 --ignore-eos \
