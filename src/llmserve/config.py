@@ -26,6 +26,7 @@ def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
+CPU_SCHEDULER_STEPS = 4  # decode forwards a CPU engine step may run (SchedulerConfig.num_scheduler_steps)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp16", "int8")  # which device/dtype each runs on: model/quant check_supported
 
 
@@ -97,9 +98,19 @@ class SchedulerConfig:
     async_scheduling: bool | None = field(default=None, metadata={"help": "schedule and prepare step N+1 while the "
                                           "device runs step N (default: on for CUDA, off on CPU, where the host is "
                                           "the device and nothing overlaps)"})
+    num_scheduler_steps: int | None = field(default=None, metadata={"help": "decode forwards one engine step may "
+                                            "run back to back when no request watches its tokens one by one (every "
+                                            "running request reports only its final output: offline generate, "
+                                            "non-streamed requests), none waits for a seat and none has drafts or a "
+                                            "grammar: scheduling, bookkeeping and outputs once per this many tokens "
+                                            f"(default: {CPU_SCHEDULER_STEPS} on CPU, where that host work competes with the forward; 1, "
+                                            "off, with async scheduling, which overlaps it instead)"})
 
     def validate(self) -> None:
         check_min("max-num-seqs", self.max_num_seqs, 1)
+        check_min("num-scheduler-steps", self.num_scheduler_steps, 1)
+        check(not (self.async_scheduling and (self.num_scheduler_steps or 1) > 1), "num-scheduler-steps",
+              f"{self.num_scheduler_steps} runs without async scheduling: add --no-async-scheduling")
         check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
         check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
         check_choice("policy", self.policy, ("fcfs", "priority"))
@@ -109,7 +120,9 @@ class SchedulerConfig:
         is_big_gpu = device_type == "cuda" and device_memory >= LARGE_GPU_MEMORY
         defaults = {"max_num_seqs": 128 if device_type != "cuda" else 1024 if is_big_gpu else 256,
                     "max_num_batched_tokens": 512 if device_type != "cuda" else 8192 if is_big_gpu else 2048,
-                    "async_scheduling": device_type == "cuda"}
+                    "async_scheduling": device_type == "cuda" and (self.num_scheduler_steps or 1) == 1}
+        is_async = defaults["async_scheduling"] if self.async_scheduling is None else self.async_scheduling
+        defaults["num_scheduler_steps"] = 1 if is_async or device_type == "cuda" else CPU_SCHEDULER_STEPS
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
         return dataclasses.replace(self, **unset) if unset else self
 

@@ -45,6 +45,9 @@ class SchedulerOutput:
     # Structured outputs: the grammars of the rows that sample this step (the runner fills their bitmask
     # once the forward is launched, so on a GPU the fill overlaps it).
     grammar: StepGrammar | None = None
+    # Multi-step decoding (core/decode_steps.py): every row is a plain decode row that runs
+    # num_scheduled_tokens[row] forwards of one token each, back to back; this many forwards in all.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

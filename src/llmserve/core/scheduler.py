@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.core.block_pool import KVBlock
+from llmserve.core.decode_steps import decode_step_counts
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
@@ -116,6 +117,8 @@ class Scheduler(OutputUpdate):
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if status != RequestStatus.FINISHED_ABORTED:  # blocks a multi-step's last forwards filled
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
         self.kv.free(request)
         self._release_siblings(request)
         self.num_structured -= request.grammar is not None
@@ -150,9 +153,10 @@ class Scheduler(OutputUpdate):
         self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
-        budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
-        if not has_preempted:
-            self._schedule_waiting(out, budget)
+        if not self._schedule_decode_steps(out, budget):
+            budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
+            if not has_preempted:
+                self._schedule_waiting(out, budget)
         out.use_speculation = self.can_speculate()
         self.draft_backoff.on_scheduled()
         self._advance_scheduled(out)
@@ -194,6 +198,34 @@ class Scheduler(OutputUpdate):
         (core/spec_stats.DraftBackoff); the engine runs such steps without overlap."""
         return (self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
                 and not self.draft_backoff.is_skipping)
+
+    def _schedule_decode_steps(self, out: SchedulerOutput, budget: int) -> bool:
+        """A multi-step (core/decode_steps.py) where one can run: every running request decodes its
+        counted tokens, one a forward; False (nothing scheduled) where none can."""
+        num_steps = self.config.num_scheduler_steps or 1
+        if (num_steps == 1 or len(self.running) > budget or self.spec_config.is_enabled or self.held_siblings
+                or len(self.compiling) or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
+            return False  # a request waiting for a seat (or a grammar) would wait out the whole window
+        counts = decode_step_counts(self.running, num_steps, self.kv)
+        if counts is None:
+            return False
+        kv, block_size, scheduled = self.kv, self.kv.block_size, out.num_scheduled_tokens
+        req_to_blocks, num_cached_blocks, is_caching = kv.req_to_blocks, kv.num_cached_blocks, kv.enable_caching
+        for request, num in zip(self.running, counts):
+            req_id, num_after = request.request_id, request.num_computed_tokens + num
+            num_blocks = len(req_to_blocks[req_id])
+            if num_after > num_blocks * block_size or num_blocks != request.num_runner_blocks:
+                new_blocks = kv.allocate_slots(request, num)
+                assert new_blocks is not None, "blocks counted free are not"
+                self._send_blocks(out, request, new_blocks)
+            elif is_caching and len(request.all_token_ids) // block_size > num_cached_blocks.get(req_id, 0):
+                kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
+            scheduled[req_id] = num
+            request.num_computed_tokens = num_after
+            request.num_placeholders = num
+        self.num_step_rows = len(counts)
+        out.num_steps = max(counts)
+        return True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
         num_preemptions = self.num_preemptions

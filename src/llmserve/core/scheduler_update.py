@@ -82,21 +82,20 @@ class OutputUpdate:
                     or sched_out.scheduled_spec_tokens or self.spec_config.is_enabled or self.held_siblings)
 
     def _update_plain(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
-        """update_from_output for a plain step (`_is_plain_decode`): a row that samples one token and
-        stops on nothing takes it in a tight loop; the others go through `_append_tokens`. Returns the
-        number of tokens generated."""
+        """update_from_output for a plain step (`_is_plain_decode`; a multi-step's rows bring one id per
+        forward they ran): a row whose ids stop on nothing takes them in a tight loop; the others go
+        through `_append_tokens`. Returns the number of tokens generated."""
         num_generated = 0
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or not token_ids:
                 continue  # aborted during the step, or a prompt chunk
-            request.num_placeholders -= 1
+            request.num_placeholders -= len(token_ids)
             num_generated += len(token_ids)
-            num_tokens = len(request.all_token_ids) + 1
-            if (len(token_ids) == 1 and token_ids[0] not in request.any_stop_token_ids
-                    and num_tokens < request.max_num_tokens
+            num_tokens = len(request.all_token_ids) + len(token_ids)
+            if (num_tokens < request.max_num_tokens and request.any_stop_token_ids.isdisjoint(token_ids)
                     and request.grammar is None and request.first_token_time is not None):
-                request.all_token_ids.append(token_ids[0])
+                request.all_token_ids += token_ids
                 if not request.is_final_only:
                     outputs.append(EngineCoreOutput(req_id, token_ids,
                                                     num_cached_tokens=max(request.num_cached_tokens, 0)))

@@ -31,6 +31,7 @@ from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.input_batch import CachedRequestState
+from llmserve.worker.multi_step import run_decode_steps
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
 from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs, host_logprobs
@@ -75,13 +76,16 @@ class ModelRunner:
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
         self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
         self.in_flight: StepHandle | None = None  # launched last and not finished
-        self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # _step_rows
+        self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # step_rows
         self.times = StepTimes()
         self.sync_timing = False
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """launch and finish at once: the step's sampled ids never wait on the device, so the batch keeps
-        no pending-id bookkeeping for them (no row is taken over before they are appended)."""
+        no pending-id bookkeeping for them (no row is taken over before they are appended). A multi-step
+        runs its forwards here (worker/multi_step.py)."""
+        if sched_out.num_steps > 1:
+            return run_decode_steps(self, sched_out)
         return self.finish(self.launch(sched_out, finishes_at_once=True))
 
     @torch.inference_mode()  # every tensor the runner keeps is made and updated in inference mode
@@ -89,7 +93,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
-        states, step_rows = self._step_rows(req_ids)  # step_rows [B]: the rows' batch rows
+        states, step_rows = self.step_rows(req_ids)  # step_rows [B]: the rows' batch rows
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
             self.settle()
@@ -115,6 +119,23 @@ class ModelRunner:
         handle.prompt_plan = prompt_plan
         t3 = self._mark()
         handle.use_speculation = sched_out.use_speculation
+        self.in_flight = handle
+        self._add_times(t0, t1, t2, t3)
+        return handle
+
+    @torch.inference_mode()
+    def launch_next_decode(self, req_ids: list[str], states: list[CachedRequestState],
+                           rows: np.ndarray) -> StepHandle:
+        """A multi-step's forward after its first (worker/multi_step.py): these requests (batch rows [B]) each
+        decode one token, with no diff to take in; launched to finish at once."""
+        t0 = time.perf_counter()
+        arrays = self.batch.next_decode(rows)
+        inputs = self._to_device(arrays, arrays.sample_rows)
+        t1 = self._mark()
+        hidden, logits = self._forward(inputs, False)  # [B, hidden], [B, V]
+        t2 = self._mark()
+        handle = self._sample_step(req_ids, inputs.sample_rows, rows, logits, states, {}, finishes_at_once=True)
+        t3 = self._mark()
         self.in_flight = handle
         self._add_times(t0, t1, t2, t3)
         return handle
@@ -153,7 +174,7 @@ class ModelRunner:
                 self.prompt_scorers.discard(req_id)
                 self._last_rows = None
 
-    def _step_rows(self, req_ids: list[str]) -> tuple[list[CachedRequestState], np.ndarray]:
+    def step_rows(self, req_ids: list[str]) -> tuple[list[CachedRequestState], np.ndarray]:
         """The step's states and [B] their batch rows: the last step's while the same requests run in the
         same order and no state came or went (the common decode step)."""
         if self._last_rows is None or self._last_rows[0] != req_ids:
@@ -315,10 +336,8 @@ class ModelRunner:
             self._append_sampled(handle, handle.host_tokens)
             token_ids = rows_of_samples(handle.host_tokens, handle.sample_rows, num_rows)
         else:
-            host = handle.copy.wait()
-            sampled = host["sampled"].numpy()  # [S]
-            logprobs = host_logprobs(host, handle.num_logprobs)
-            self._append_one_each(handle, sampled)
+            sampled = self._take_sampled(handle)  # [S]
+            logprobs = host_logprobs(handle.copy.wait(), handle.num_logprobs)
             token_ids = rows_of_samples(sampled.reshape(-1, 1).tolist(), handle.sample_rows, num_rows)
         row_logprobs = None if logprobs is None else rows_of_samples(logprobs, handle.sample_rows, num_rows, _NONE)
         num_accepted = None  # per row of a step that verified drafts: its accepted drafts (0 without any)
@@ -350,6 +369,20 @@ class ModelRunner:
                 batch.append_tokens(row, row_ids)
         if rows:
             batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
+
+    def finish_sampled(self, handle: StepHandle) -> np.ndarray:
+        """`finish` for one forward of a multi-step (worker/multi_step.py, which makes one output of all its
+        forwards): the sampled ids [S] only, appended to the batch."""
+        sampled = self._take_sampled(handle)
+        if handle is self.in_flight:
+            self.in_flight = None  # launched to finish at once: no id was left pending
+        return sampled
+
+    def _take_sampled(self, handle: StepHandle) -> np.ndarray:
+        """A step without drafts: its sampled ids [S] on the host, appended to the batch."""
+        sampled = handle.copy.wait()["sampled"].numpy()  # [S]
+        self._append_one_each(handle, sampled)
+        return sampled
 
     def _append_one_each(self, handle: StepHandle, sampled: np.ndarray) -> None:
         """A step without drafts: each sampling row's one id [S] joins its batch row (rows whose request

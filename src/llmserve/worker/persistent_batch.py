@@ -132,6 +132,18 @@ class PersistentBatch:
                           slot_mapping(block_table, row_of_token, positions, self.block_size), sample_rows,
                           pending_tokens, pending_sources)
 
+    def next_decode(self, rows: np.ndarray) -> StepArrays:
+        """A multi-step's later forwards (worker/multi_step.py): each row [B] computes the token after its
+        computed ones, on the host (sampled by the forward before), and samples; the rows count it computed."""
+        positions = self.num_computed[rows]  # [B]
+        seq_lens = positions + 1
+        self.num_computed[rows] = seq_lens
+        block_table = self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
+        every = np.arange(len(rows))
+        return StepArrays(self.token_ids[rows, positions], positions, np.arange(len(rows) + 1, dtype=np.int32),
+                          seq_lens, block_table, slot_mapping(block_table, every, positions, self.block_size), every,
+                          _NONE, _NONE)
+
     def _with_pending(self, batch_rows: np.ndarray, positions: np.ndarray,
                       num_known: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Input ids [T] with 0 where a token is on the device only; those tokens' indices [P] and their

@@ -38,6 +38,7 @@ class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
     num_scheduled_tokens: dict[str, int] = {}  # in row order (msgpack maps keep it)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
+    num_steps: int = 1
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -47,12 +48,12 @@ _DECODERS = {StepKind.EXECUTE: msgspec.msgpack.Decoder(StepMessage), StepKind.DR
 
 def step_message(sched_out: SchedulerOutput) -> StepMessage:
     return StepMessage(sched_out.new_reqs, sched_out.cached_reqs, sched_out.num_scheduled_tokens,
-                       sched_out.total_num_scheduled_tokens, list(sched_out.finished_req_ids))
+                       sched_out.total_num_scheduled_tokens, list(sched_out.finished_req_ids), sched_out.num_steps)
 
 
 def scheduler_output(msg: StepMessage) -> SchedulerOutput:
     return SchedulerOutput(msg.new_reqs, msg.cached_reqs, msg.num_scheduled_tokens, msg.total_num_scheduled_tokens,
-                           set(msg.finished_req_ids))
+                           set(msg.finished_req_ids), num_steps=msg.num_steps)
 
 
 class StepPublisher:

@@ -116,7 +116,10 @@ class TPExecutor:
         return self._guarded(self.runner.finish, handle)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish(self.launch(sched_out, finishes_at_once=True))
+        """The step on every rank at once (the other ranks run `ModelRunner.execute` too: serve_steps)."""
+        self.check_workers()
+        self.publisher.execute(sched_out)
+        return self._guarded(self.runner.execute, sched_out)
 
     def drop_finished(self, req_ids: set[str]) -> None:
         if req_ids:

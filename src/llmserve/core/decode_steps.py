@@ -1,0 +1,37 @@
+"""Multi-step decoding: one engine step that runs several decode forwards back to back.
+
+Where no request watches its tokens one by one (each reports only its final output), the host work of a
+step (scheduling, the bookkeeping of its sampled ids, outputs) need not run after every forward: the
+scheduler gives each running request up to `num_scheduler_steps` tokens at once, the runner runs that
+many forwards of one token a row (a row drops out after its own count), and `update_from_output` takes
+each row's ids in one go. vLLM's V0 engine called this multi-step scheduling. A request that stops on a
+token inside the window (EOS, a stop token) ends there; the forwards it ran past it are the cost (at most
+`num_scheduler_steps - 1` tokens a request). A request that arrives meanwhile waits for the window's end.
+"""
+
+from __future__ import annotations
+
+from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
+from llmserve.core.request import Request
+
+
+def decode_step_counts(running: list[Request], num_steps: int, kv: KVCacheManager) -> list[int] | None:
+    """Per running request the forwards it runs in a multi-step (`num_steps`, or fewer where its
+    max_tokens or the context ends sooner), or None when no such step can run now: a row that is not in
+    plain decode (a prompt chunk, a token in flight, drafts), one whose tokens are read as they come or
+    that follows a grammar, too few free blocks for all of them, or no row with two tokens to go."""
+    counts: list[int] = []
+    num_new_blocks = 0
+    block_size, req_to_blocks = kv.block_size, kv.req_to_blocks
+    for request in running:
+        num_known = len(request.all_token_ids)
+        if (num_known != request.num_computed_tokens + 1 or request.num_placeholders or not request.is_final_only
+                or request.grammar is not None or request.spec_token_ids):
+            return None
+        num = min(num_steps, request.max_num_tokens - num_known)
+        counts.append(num)
+        num_new_blocks += max(0, cdiv(request.num_computed_tokens + num, block_size)
+                              - len(req_to_blocks[request.request_id]))
+    if not counts or max(counts) < 2 or num_new_blocks > kv.pool.get_num_free_blocks():
+        return None
+    return counts

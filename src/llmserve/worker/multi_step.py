@@ -1,0 +1,41 @@
+"""The runner's side of multi-step decoding (core/decode_steps.py): one scheduled step of up to k
+forwards of one token a row, each launched and finished like a plain step, and one output of them all.
+
+Row i runs num_scheduled_tokens[i] forwards and drops out after its last; the step's diffs (new blocks,
+finished requests) reach the runner with the first forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from llmserve.worker.model_runner import ModelRunner
+
+
+def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    """Per row of the step its sampled ids, one a forward it ran."""
+    req_ids = list(sched_out.num_scheduled_tokens)
+    counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=len(req_ids))  # [B]
+    sampled = np.zeros((len(req_ids), sched_out.num_steps), np.int64)  # [B, k]
+    first = dataclasses.replace(sched_out, num_scheduled_tokens=dict.fromkeys(req_ids, 1),
+                                total_num_scheduled_tokens=len(req_ids), num_steps=1)
+    sampled[:, 0] = runner.finish_sampled(runner.launch(first, finishes_at_once=True))
+    step_ids, (states, batch_rows) = req_ids, runner.step_rows(req_ids)  # batch_rows [B]
+    rows = np.arange(len(req_ids))  # [B'] the rows of the next forward
+    for j in range(1, sched_out.num_steps):
+        is_left = counts[rows] > j  # [B']
+        if not is_left.all():  # some rows ran their last forward
+            rows, batch_rows = rows[is_left], batch_rows[is_left]
+            step_ids = [req_ids[i] for i in rows.tolist()]
+            states = [states[i] for i in np.flatnonzero(is_left).tolist()]
+        sampled[rows, j] = runner.finish_sampled(runner.launch_next_decode(step_ids, states, batch_rows))
+    token_ids = sampled.tolist()
+    for i in np.flatnonzero(counts < sched_out.num_steps).tolist():
+        del token_ids[i][counts[i]:]
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids)
