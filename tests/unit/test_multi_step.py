@@ -67,11 +67,14 @@ def test_seeded_sampling_matches_and_seats_stay_full_while_others_wait(path):
     prompts, _ = _workload()
     params = [SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=6 + 5 * i, ignore_eos=True)
               for i in range(len(prompts))]
-    expected = _run(_llm(path, 1, max_num_seqs=3), prompts, params)
+    plain = _llm(path, 1, max_num_seqs=3)
+    expected = _run(plain, prompts, params)
     multi = _llm(path, 3, max_num_seqs=3)
     steps = _record_steps(multi)
     assert _run(multi, prompts, params) == expected
     assert 3 in steps
+    # while requests wait, a window ends with its first row: the same forwards, none with an idle seat
+    assert multi.engine.runner.times.num_steps == plain.engine.runner.times.num_steps
 
 
 def test_preemption_falls_back_to_single_forwards(path):
@@ -113,9 +116,9 @@ def test_streamed_requests_run_one_forward_a_step(path):
     assert num_tokens == 12 and set(steps) == {1}
 
 
-def _request(req_id: str, num_prompt: int, max_tokens: int, is_final_only: bool = True) -> Request:
+def _request(req_id: str, num_prompt: int, max_tokens: int) -> Request:
     return Request(req_id, list(range(3, 3 + num_prompt)), SamplingParams(max_tokens=max_tokens), [], 0.0, max_tokens,
-                   is_final_only=is_final_only)
+                   is_final_only=True)
 
 
 def _decoding(kv: KVCacheManager, request: Request, num_output: int) -> Request:
@@ -131,12 +134,12 @@ def test_decode_step_counts_caps_rows_and_refuses_what_cannot_run():
     rows = [_decoding(kv, _request("a", 5, 10), 1), _decoding(kv, _request("b", 3, 3), 1)]
     assert decode_step_counts(rows, 4, kv) == [4, 2]  # b has 2 tokens left to max_tokens
     assert decode_step_counts(rows[1:], 4, kv) == [2]
+    assert decode_step_counts(rows, 4, kv, is_even=True) == [2, 2]  # requests wait: all end with b
     assert decode_step_counts([_decoding(kv, _request("c", 3, 2), 1)], 4, kv) is None, "no row with 2 to go"
     prompt = _request("d", 9, 5)
     assert kv.allocate_slots(prompt, 4) is not None
     prompt.num_computed_tokens = 4
     assert decode_step_counts(rows + [prompt], 4, kv) is None, "a prompt chunk"
-    assert decode_step_counts(rows + [_decoding(kv, _request("e", 2, 9, is_final_only=False), 1)], 4, kv) is None
     tight = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False)  # 2 usable blocks
     row = _decoding(tight, _request("f", 4, 20), 1)  # 1 block held, 1 free: 4 more tokens fit
     assert decode_step_counts([row], 4, tight) == [4]

@@ -1,6 +1,6 @@
 """`llmserve bench offline`: the engine in-process on a fixed random workload, all submitted at once.
 
-Prints output tokens/s and the mean engine step split into scheduling (+ bookkeeping), input
+Prints output tokens/s and the mean step (one forward; a multi-step runs several) split into scheduling (+ bookkeeping), input
 preparation, forward and sampling. On CUDA the split synchronises the device at each part's end
 (else the forward's kernels, queued asynchronously, would be timed where the host next waits), which
 also turns the overlap of async scheduling off: `--no-split-steps` measures throughput as served. `--baseline hf` runs the same workload through transformers'
@@ -33,6 +33,7 @@ class OfflineBenchConfig:
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
+    num_scheduler_steps: int | None = field(default=None, metadata={"help": "engine: decode forwards a step may run for requests that report only their final output (default: the engine's for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
@@ -60,7 +61,8 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
 
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-              async_scheduling=cfg.async_scheduling, tensor_parallel_size=cfg.tensor_parallel_size,
+              async_scheduling=cfg.async_scheduling, num_scheduler_steps=cfg.num_scheduler_steps,
+              tensor_parallel_size=cfg.tensor_parallel_size,
               quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
     with llm:
         return _measure(cfg, llm, workload)
@@ -91,7 +93,8 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
             "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
                              "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
             "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions,
-            "async_scheduling": core.is_async, "split_steps": cfg.split_steps,
+            "async_scheduling": core.is_async, "num_scheduler_steps": core.config.scheduler.num_scheduler_steps,
+            "split_steps": cfg.split_steps,
             "tensor_parallel_size": cfg.tensor_parallel_size,
             # rank 0's host time in collectives (all-reduces, logits all-gather, ids broadcast), waits for the
             # other ranks included; on CUDA without split_steps it times the launches only
@@ -159,11 +162,11 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
 def _print(results: dict) -> None:
     e = results["engine"]
     print(f"llmserve  {e['device']} {e['dtype']}: {e['num_output_tokens']} output tokens in {e['elapsed_s']:.1f} s"
-          f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} steps ({e['num_preemptions']} preemptions, "
-          f"async scheduling {'on' if e['async_scheduling'] else 'off'})")
+          f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} forwards ({e['num_preemptions']} preemptions, "
+          f"async scheduling {'on' if e['async_scheduling'] else 'off'}, up to {e['num_scheduler_steps']} forwards a step)")
     split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
     if e["split_steps"]:
-        print(f"mean step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
+        print(f"mean forward step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
     if e["collective_share"] is not None:
         print(f"tensor parallel {e['tensor_parallel_size']}: collectives {100 * e['collective_share']:.1f}% of the "
               f"run on rank 0")

@@ -15,23 +15,25 @@ from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.core.request import Request
 
 
-def decode_step_counts(running: list[Request], num_steps: int, kv: KVCacheManager) -> list[int] | None:
+def decode_step_counts(running: list[Request], num_steps: int, kv: KVCacheManager,
+                       is_even: bool = False) -> list[int] | None:
     """Per running request the forwards it runs in a multi-step (`num_steps`, or fewer where its
-    max_tokens or the context ends sooner), or None when no such step can run now: a row that is not in
-    plain decode (a prompt chunk, a token in flight, drafts), one whose tokens are read as they come or
-    that follows a grammar, too few free blocks for all of them, or no row with two tokens to go."""
+    max_tokens or the context ends sooner; with `is_even` all run as many as the shortest), or None when
+    no such step can run now: a row that is not in plain decode (a prompt chunk to go, a token in flight),
+    too few free blocks for all of them, or no row with two tokens to go. The caller checks the rest (no
+    drafts, grammars or streamed requests)."""
     counts: list[int] = []
-    num_new_blocks = 0
-    block_size, req_to_blocks = kv.block_size, kv.req_to_blocks
     for request in running:
         num_known = len(request.all_token_ids)
-        if (num_known != request.num_computed_tokens + 1 or request.num_placeholders or not request.is_final_only
-                or request.grammar is not None or request.spec_token_ids):
+        if num_known != request.num_computed_tokens + 1:
             return None
-        num = min(num_steps, request.max_num_tokens - num_known)
-        counts.append(num)
-        num_new_blocks += max(0, cdiv(request.num_computed_tokens + num, block_size)
-                              - len(req_to_blocks[request.request_id]))
-    if not counts or max(counts) < 2 or num_new_blocks > kv.pool.get_num_free_blocks():
+        counts.append(min(num_steps, request.max_num_tokens - num_known))
+    if is_even and counts:
+        counts = [min(counts)] * len(counts)
+    if not counts or max(counts) < 2:
         return None
-    return counts
+    num_free = kv.pool.get_num_free_blocks()
+    if num_free < len(running) * cdiv(num_steps, kv.block_size):  # the bound does not settle it: count
+        num_free -= sum(max(0, cdiv(request.num_computed_tokens + num, kv.block_size)
+                            - len(kv.req_to_blocks[request.request_id])) for request, num in zip(running, counts))
+    return counts if num_free >= 0 else None

@@ -72,6 +72,14 @@ class KVCacheManager:
         self.cache_full_blocks(request, num_computed_tokens + num_new_tokens)
         return new_blocks
 
+    def grow(self, request: Request, num_slots: int) -> list[KVBlock]:
+        """The new blocks that give a running request `num_slots` slots (a decode step's: no prefix hits,
+        blocks the caller counted free)."""
+        blocks = self.req_to_blocks[request.request_id]
+        new_blocks = self.pool.allocate(max(0, cdiv(num_slots, self.block_size) - len(blocks)))
+        blocks.extend(new_blocks)
+        return new_blocks
+
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that will be full once this step has run (their KV is written in it)."""
         if not self.enable_caching:

@@ -53,6 +53,7 @@ class Scheduler(OutputUpdate):
         self.held_siblings: dict[str, list[Request]] = {}  # first sibling id -> siblings waiting for it
         self.compiling = GrammarWaitList()  # structured requests whose grammar is not compiled yet
         self.num_structured = 0  # unfinished requests with a grammar
+        self.num_streamed = 0  # unfinished requests whose tokens are read as they come (not is_final_only)
         self.finished_req_ids: set[str] = set()  # since the last step, for the runner
         self.seen_by_runner: set[str] = set()
         self.aborted_outputs: list[EngineCoreOutput] = []
@@ -70,6 +71,7 @@ class Scheduler(OutputUpdate):
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        self.num_streamed += not request.is_final_only
         if request.grammar is not None:  # queued once compiled (at once on a cache hit): _admit_compiled
             self.num_structured += 1
             self.compiling.add(request)
@@ -122,6 +124,7 @@ class Scheduler(OutputUpdate):
         self.kv.free(request)
         self._release_siblings(request)
         self.num_structured -= request.grammar is not None
+        self.num_streamed -= not request.is_final_only
         del self.requests[request.request_id]
         if request.request_id in self.seen_by_runner:
             self.seen_by_runner.discard(request.request_id)
@@ -203,10 +206,12 @@ class Scheduler(OutputUpdate):
         """A multi-step (core/decode_steps.py) where one can run: every running request decodes its
         counted tokens, one a forward; False (nothing scheduled) where none can."""
         num_steps = self.config.num_scheduler_steps or 1
-        if (num_steps == 1 or len(self.running) > budget or self.spec_config.is_enabled or self.held_siblings
-                or len(self.compiling) or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
+        if (num_steps == 1 or len(self.running) > budget or self.spec_config.is_enabled or self.num_streamed
+                or self.num_structured or self.held_siblings
+                or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
             return False  # a request waiting for a seat (or a grammar) would wait out the whole window
-        counts = decode_step_counts(self.running, num_steps, self.kv)
+        # while requests wait for a seat the window ends when its first row does: no seat idles meanwhile
+        counts = decode_step_counts(self.running, num_steps, self.kv, is_even=bool(len(self.waiting)))
         if counts is None:
             return False
         kv, block_size, scheduled = self.kv, self.kv.block_size, out.num_scheduled_tokens
@@ -215,10 +220,8 @@ class Scheduler(OutputUpdate):
             req_id, num_after = request.request_id, request.num_computed_tokens + num
             num_blocks = len(req_to_blocks[req_id])
             if num_after > num_blocks * block_size or num_blocks != request.num_runner_blocks:
-                new_blocks = kv.allocate_slots(request, num)
-                assert new_blocks is not None, "blocks counted free are not"
-                self._send_blocks(out, request, new_blocks)
-            elif is_caching and len(request.all_token_ids) // block_size > num_cached_blocks.get(req_id, 0):
+                self._send_blocks(out, request, kv.grow(request, num_after))
+            if is_caching and len(request.all_token_ids) // block_size > num_cached_blocks.get(req_id, 0):
                 kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
             scheduled[req_id] = num
             request.num_computed_tokens = num_after
@@ -429,6 +432,7 @@ class Scheduler(OutputUpdate):
             assert request.num_computed_tokens <= request.num_tokens_with_placeholders, \
                 "computed past the tokens (drafts not rolled back)"
         assert self.num_structured == sum(r.grammar is not None for r in self.requests.values())
+        assert self.num_streamed == sum(not r.is_final_only for r in self.requests.values())
         assert all(r.request_id in self.requests for r in self.compiling.requests)
         owners = set(self.kv.req_to_blocks)
         assert owners <= {r.request_id for r in self.running}, "a non-running request holds blocks"

@@ -44,6 +44,9 @@ class OutputUpdate:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.take_aborted_outputs()
         now = time.time()
+        if sched_out.num_steps > 1:
+            num_generated = self._update_window(runner_out, outputs, now)
+            return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
         if self._is_plain_decode(sched_out, runner_out):
             num_generated = self._update_plain(runner_out, outputs, now)
             return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
@@ -82,20 +85,21 @@ class OutputUpdate:
                     or sched_out.scheduled_spec_tokens or self.spec_config.is_enabled or self.held_siblings)
 
     def _update_plain(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
-        """update_from_output for a plain step (`_is_plain_decode`; a multi-step's rows bring one id per
-        forward they ran): a row whose ids stop on nothing takes them in a tight loop; the others go
-        through `_append_tokens`. Returns the number of tokens generated."""
+        """update_from_output for a plain step (`_is_plain_decode`): a row that samples one token and
+        stops on nothing takes it in a tight loop; the others go through `_append_tokens`. Returns the
+        number of tokens generated."""
         num_generated = 0
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or not token_ids:
                 continue  # aborted during the step, or a prompt chunk
-            request.num_placeholders -= len(token_ids)
+            request.num_placeholders -= 1
             num_generated += len(token_ids)
-            num_tokens = len(request.all_token_ids) + len(token_ids)
-            if (num_tokens < request.max_num_tokens and request.any_stop_token_ids.isdisjoint(token_ids)
+            num_tokens = len(request.all_token_ids) + 1
+            if (len(token_ids) == 1 and token_ids[0] not in request.any_stop_token_ids
+                    and num_tokens < request.max_num_tokens
                     and request.grammar is None and request.first_token_time is not None):
-                request.all_token_ids += token_ids
+                request.all_token_ids.append(token_ids[0])
                 if not request.is_final_only:
                     outputs.append(EngineCoreOutput(req_id, token_ids,
                                                     num_cached_tokens=max(request.num_cached_tokens, 0)))
@@ -103,6 +107,27 @@ class OutputUpdate:
             out = self._append_tokens(request, token_ids, None, now)
             if out is not None:
                 outputs.append(out)
+        return num_generated
+
+    def _update_window(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
+        """update_from_output for a multi-step (core/decode_steps.py), whose rows report only their final
+        output, follow no grammar and have their first token: a row whose ids stop on nothing only takes
+        them in; the others go through `_append_tokens`. Returns the number of tokens generated."""
+        num_generated = 0
+        for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted during the step
+            num_generated += len(token_ids)
+            request.num_placeholders = 0
+            known = request.all_token_ids
+            if (len(known) + len(token_ids) < request.max_num_tokens
+                    and request.any_stop_token_ids.isdisjoint(token_ids)):
+                known += token_ids
+                continue
+            out = self._append_tokens(request, token_ids, None, now)
+            if out is not None:
+                outputs.append(out)  # it ended
         return num_generated
 
     def _reject_drafts(self, request: Request, drafts: list[int] | None, num_accepted: int) -> None:

@@ -196,6 +196,7 @@ class ModelRunner:
                 self.sampling.penalty_tokens.add(state)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_scorers.add(new.req_id)
+        appended: list[tuple[int, int, int]] = []  # (row, column, block id): one new block after the old ones
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
             if state.num_computed_tokens != cached.num_computed_tokens:  # rejected drafts, rolled back there
@@ -203,9 +204,14 @@ class ModelRunner:
                 state.num_computed_tokens = cached.num_computed_tokens
             if not cached.new_block_ids and cached.num_old_blocks == len(state.block_ids):
                 continue  # the common decode step: no block changed
+            if len(cached.new_block_ids) == 1 and cached.num_old_blocks == len(state.block_ids):
+                appended.append((state.row, cached.num_old_blocks, cached.new_block_ids[0]))  # a decode row grew
+            else:
+                self.batch.set_blocks(state.row, cached.num_old_blocks, cached.new_block_ids)
             del state.block_ids[cached.num_old_blocks:]  # blocks of rejected drafts the scheduler took back
             state.block_ids.extend(cached.new_block_ids)
-            self.batch.set_blocks(state.row, cached.num_old_blocks, cached.new_block_ids)
+        if appended:
+            self.batch.append_blocks(np.array(appended, np.int64))
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         """The request's state, and its row in the batch (a resumed request brings its outputs)."""
@@ -256,7 +262,8 @@ class ModelRunner:
             seq_lens=on_device(arrays.seq_lens.astype(np.int32), self.device),
             block_table=on_device(arrays.block_table, self.device),
             slot_mapping=on_device(arrays.slot_mapping, self.device),
-            query_lens_cpu=np.diff(arrays.query_start_loc).tolist(),
+            query_lens_cpu=[1] * len(arrays.seq_lens) if len(input_ids) == len(arrays.seq_lens)  # one token a row
+            else np.diff(arrays.query_start_loc).tolist(),
             seq_lens_cpu=arrays.seq_lens.tolist(),
             block_size=self.block_size,
         )
@@ -286,8 +293,8 @@ class ModelRunner:
             return self._handle(req_ids, sample_rows, batch_rows, empty.sampled_token_ids,
                                 start_host_copy(empty, extra))
         out = self._sample(logits, rows)
-        is_penalized = self.batch.has_penalties[batch_rows]  # [S]
-        if is_penalized.any():
+        is_penalized = self.batch.has_penalties[batch_rows] if self.num_not_plain_greedy else None  # [S]
+        if is_penalized is not None and is_penalized.any():  # (a plain greedy row has no penalties)
             penalized = np.flatnonzero(is_penalized)  # [S']
             self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
                                                         out.sampled_token_ids[torch.from_numpy(penalized)])

@@ -28,13 +28,19 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
     sampled[:, 0] = runner.finish_sampled(runner.launch(first, finishes_at_once=True))
     step_ids, (states, batch_rows) = req_ids, runner.step_rows(req_ids)  # batch_rows [B]
     rows = np.arange(len(req_ids))  # [B'] the rows of the next forward
+    num_all = int(counts.min())  # forwards that every row runs
     for j in range(1, sched_out.num_steps):
-        is_left = counts[rows] > j  # [B']
-        if not is_left.all():  # some rows ran their last forward
-            rows, batch_rows = rows[is_left], batch_rows[is_left]
-            step_ids = [req_ids[i] for i in rows.tolist()]
-            states = [states[i] for i in np.flatnonzero(is_left).tolist()]
-        sampled[rows, j] = runner.finish_sampled(runner.launch_next_decode(step_ids, states, batch_rows))
+        if j >= num_all:
+            is_left = counts[rows] > j  # [B']
+            if not is_left.all():  # some rows ran their last forward
+                rows, batch_rows = rows[is_left], batch_rows[is_left]
+                step_ids = [req_ids[i] for i in rows.tolist()]
+                states = [states[i] for i in np.flatnonzero(is_left).tolist()]
+        ids = runner.finish_sampled(runner.launch_next_decode(step_ids, states, batch_rows))  # [B']
+        if len(rows) == len(req_ids):
+            sampled[:, j] = ids
+        else:
+            sampled[rows, j] = ids
     token_ids = sampled.tolist()
     for i in np.flatnonzero(counts < sched_out.num_steps).tolist():
         del token_ids[i][counts[i]:]

@@ -89,6 +89,13 @@ class PersistentBatch:
         self.block_table[row, num_kept:end] = new_block_ids
         self.num_blocks[row] = end
 
+    def append_blocks(self, appended: np.ndarray) -> None:
+        """One block after each row's blocks, vectorized; appended [N, 3]: (row, its block count, block id)."""
+        rows, columns = appended[:, 0], appended[:, 1]  # [N]
+        self._ensure_block_columns(int(columns.max()) + 1)
+        self.block_table[rows, columns] = appended[:, 2]
+        self.num_blocks[rows] = columns + 1
+
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         start = int(self.num_tokens[row])
         self._ensure_token_columns(start + len(token_ids))
