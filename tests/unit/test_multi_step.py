@@ -1,6 +1,8 @@
 """Multi-step decoding (core/decode_steps.py, worker/multi_step.py): the same outputs as one forward a step,
 only where no request reads its tokens as they come, and the bookkeeping intact."""
 
+import itertools
+
 import pytest
 
 from llmserve import LLM, SamplingParams
@@ -75,6 +77,21 @@ def test_seeded_sampling_matches_and_seats_stay_full_while_others_wait(path):
     assert 3 in steps
     # while requests wait, a window ends with its first row: the same forwards, none with an idle seat
     assert multi.engine.runner.times.num_steps == plain.engine.runner.times.num_steps
+
+
+def test_a_window_ended_by_input_rolls_back_the_forwards_it_did_not_run(path):
+    """The engine-core process ends a window when input arrives (EngineCore.end_windows_when): each row
+    reports the ids it got, the scheduler takes the rest of its count back, and nothing else changes."""
+    prompts, params = _workload()
+    plain = _llm(path, 1)
+    expected = _run(plain, prompts, params)
+    multi = _llm(path, 8)
+    num_asked = itertools.count(1)
+    multi.engine.end_windows_when(lambda: next(num_asked) % 3 == 0)  # every third forward of the run
+    steps = _record_steps(multi)
+    assert _run(multi, prompts, params) == expected
+    assert 8 in steps and multi.engine.runner.times.num_steps == plain.engine.runner.times.num_steps
+    assert len(steps) > multi.engine.runner.times.num_steps / 3, "windows ended after 3 forwards at most"
 
 
 def test_preemption_falls_back_to_single_forwards(path):

@@ -45,7 +45,7 @@ class OutputUpdate:
         outputs = self.take_aborted_outputs()
         now = time.time()
         if sched_out.num_steps > 1:
-            num_generated = self._update_window(runner_out, outputs, now)
+            num_generated = self._update_window(sched_out, runner_out, outputs, now)
             return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
         if self._is_plain_decode(sched_out, runner_out):
             num_generated = self._update_plain(runner_out, outputs, now)
@@ -109,17 +109,21 @@ class OutputUpdate:
                 outputs.append(out)
         return num_generated
 
-    def _update_window(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
+    def _update_window(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
+                       outputs: list[EngineCoreOutput], now: float) -> int:
         """update_from_output for a multi-step (core/decode_steps.py), whose rows report only their final
         output, follow no grammar and have their first token: a row whose ids stop on nothing only takes
-        them in; the others go through `_append_tokens`. Returns the number of tokens generated."""
+        them in; the others go through `_append_tokens`. A window the runner ended early gave a row fewer
+        ids than forwards counted: the rest is rolled back. Returns the number of tokens generated."""
         num_generated = 0
+        scheduled = sched_out.num_scheduled_tokens
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted during the step
             num_generated += len(token_ids)
             request.num_placeholders = 0
+            request.num_computed_tokens -= scheduled[req_id] - len(token_ids)  # forwards the window did not run
             known = request.all_token_ids
             if (len(known) + len(token_ids) < request.max_num_tokens
                     and request.any_stop_token_ids.isdisjoint(token_ids)):

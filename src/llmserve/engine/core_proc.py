@@ -161,6 +161,7 @@ class EngineCoreProc:
                                               name="core-output")
         if core.tp_executor is not None:
             core.tp_executor.on_failure = self._fail_fast
+        core.end_windows_when(lambda: not self.inputs.empty())  # arrivals end a multi-step early
 
     def _fail_fast(self, reason: str) -> None:
         """A tensor-parallel rank died (the executor's monitor thread calls this): tell the front and exit

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -106,6 +107,13 @@ class EngineCore:
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
             core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
         self.scheduler.add_request(core_request)
+
+    def end_windows_when(self, has_input: Callable[[], bool]) -> None:
+        """A multi-step ends after the forward where `has_input()` turns true (worker/multi_step.py), so that
+        a request that arrives meanwhile waits one forward, not the window; not with tensor parallelism,
+        whose ranks run each window whole (they cannot see this engine's input)."""
+        if self.tp_executor is None:
+            self.runner.window_interrupt = has_input
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -16,6 +16,7 @@ next step's diff).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -79,6 +80,9 @@ class ModelRunner:
         self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # step_rows
         self.times = StepTimes()
         self.sync_timing = False
+        # Asked between a multi-step's forwards (worker/multi_step.py): True ends the window there (input
+        # came for the engine: a new request, an abort). None: windows run whole.
+        self.window_interrupt: Callable[[], bool] | None = None
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """launch and finish at once: the step's sampled ids never wait on the device, so the batch keeps

@@ -2,7 +2,9 @@
 forwards of one token a row, each launched and finished like a plain step, and one output of them all.
 
 Row i runs num_scheduled_tokens[i] forwards and drops out after its last; the step's diffs (new blocks,
-finished requests) reach the runner with the first forward.
+finished requests) reach the runner with the first forward. The runner's `window_interrupt` may end the
+window after any forward (input came for the engine): each row then reports the ids it got, and the
+scheduler rolls the rest of its count back.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
     rows = np.arange(len(req_ids))  # [B'] the rows of the next forward
     num_all = int(counts.min())  # forwards that every row runs
     for j in range(1, sched_out.num_steps):
+        if runner.window_interrupt is not None and runner.window_interrupt():
+            counts = np.minimum(counts, j)  # [B] the forwards each row ran
+            break
         if j >= num_all:
             is_left = counts[rows] > j  # [B']
             if not is_left.all():  # some rows ran their last forward
@@ -42,6 +47,6 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
         else:
             sampled[rows, j] = ids
     token_ids = sampled.tolist()
-    for i in np.flatnonzero(counts < sched_out.num_steps).tolist():
+    for i in np.flatnonzero(counts < sampled.shape[1]).tolist():
         del token_ids[i][counts[i]:]
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids)
