@@ -53,16 +53,17 @@ def _workload(stop_token: int | None = None):
 
 
 def test_greedy_outputs_match_one_forward_a_step_with_stops_inside_windows(path):
-    plain, multi = _llm(path, 1), _llm(path, 4)
     prompts, params = _workload()
-    expected = _run(plain, prompts, params)
-    stop = expected[9][0][6]  # a token request 9 samples 7th: stops land inside windows
+    stop = _run(_llm(path, 1), prompts, params)[9][0][6]  # request 9's 7th token: stops land inside windows
+    plain, multi = _llm(path, 1), _llm(path, 4)
     prompts, params = _workload(stop)
     expected = _run(plain, prompts, params)
     steps = _record_steps(multi)
     assert _run(multi, prompts, params) == expected
     assert any(r == "stop" for _, r, _ in expected) and 4 in steps, "stops and 4-forward steps both happened"
     assert multi.engine.runner.times.num_steps > len(steps), "fewer engine steps than forwards"
+    # a row that samples its stop id inside a window runs no further forward: no token computed in vain
+    assert multi.engine.runner.times.num_tokens == plain.engine.runner.times.num_tokens
 
 
 def test_seeded_sampling_matches_and_seats_stay_full_while_others_wait(path):

@@ -124,12 +124,14 @@ class OutputUpdate:
             num_generated += len(token_ids)
             request.num_placeholders = 0
             request.num_computed_tokens -= scheduled[req_id] - len(token_ids)  # forwards the window did not run
-            known = request.all_token_ids
-            if (len(known) + len(token_ids) < request.max_num_tokens
-                    and request.any_stop_token_ids.isdisjoint(token_ids)):
+            if request.any_stop_token_ids.isdisjoint(token_ids):  # (its count stops at max_num_tokens)
+                known = request.all_token_ids
                 known += token_ids
-                continue
-            out = self._append_tokens(request, token_ids, None, now)
+                if len(known) < request.max_num_tokens:
+                    continue
+                out = self._append_tokens(request, [], None, now, RequestStatus.FINISHED_LENGTH)
+            else:  # a stop id: taken in one by one (min_tokens)
+                out = self._append_tokens(request, token_ids, None, now)
             if out is not None:
                 outputs.append(out)  # it ended
         return num_generated
@@ -152,11 +154,11 @@ class OutputUpdate:
         request.spec_token_ids = drafts[:room]
         self.kv.trim(request, request.num_tokens + len(request.spec_token_ids) + self.num_lookahead)
 
-    def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs,
-                       now: float) -> EngineCoreOutput | None:
-        """The row's ids in, up to a stop -> its output (None: a final-only request that goes on)."""
+    def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs, now: float,
+                       status: RequestStatus | None = None) -> EngineCoreOutput | None:
+        """The row's ids in, up to a stop -> its output (None: a final-only request that goes on). `status`:
+        the stop its ids already reached (taken in by the caller)."""
         accepted: list[int] = []
-        status = None
         for token_id in token_ids:
             request.append_output_token(token_id)
             accepted.append(token_id)

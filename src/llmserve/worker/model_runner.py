@@ -49,6 +49,7 @@ class StepTimes:
     sample: float = 0.0
     propose: float = 0.0
     num_steps: int = 0
+    num_tokens: int = 0  # tokens the forwards computed (their KV written)
     num_device_inputs: int = 0  # input tokens read from the last step's sampled ids on the device
 
 
@@ -203,7 +204,8 @@ class ModelRunner:
         appended: list[tuple[int, int, int]] = []  # (row, column, block id): one new block after the old ones
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
-            if state.num_computed_tokens != cached.num_computed_tokens:  # rejected drafts, rolled back there
+            if self.speculator is not None and state.num_computed_tokens != cached.num_computed_tokens:
+                # rejected drafts, rolled back there (without drafts the two counts never part)
                 assert cached.num_computed_tokens < state.num_computed_tokens, "runner and scheduler disagree"
                 state.num_computed_tokens = cached.num_computed_tokens
             if not cached.new_block_ids and cached.num_old_blocks == len(state.block_ids):
@@ -277,6 +279,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
+        self.times.num_tokens += len(inputs.input_ids)
         if self.graphs is not None and self.graphs.can_run(inputs, has_drafts):
             hidden = self.graphs.run(inputs)  # [B, hidden]
         else:

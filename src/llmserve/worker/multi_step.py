@@ -4,7 +4,8 @@ forwards of one token a row, each launched and finished like a plain step, and o
 Row i runs num_scheduled_tokens[i] forwards and drops out after its last; the step's diffs (new blocks,
 finished requests) reach the runner with the first forward. The runner's `window_interrupt` may end the
 window after any forward (input came for the engine): each row then reports the ids it got, and the
-scheduler rolls the rest of its count back.
+scheduler rolls the rest of its count back. A row that samples an id it stops on (EOS, a stop id, past
+min_tokens) runs no further forward: a window costs no compute past a stop.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from llmserve.worker.input_batch import CachedRequestState
     from llmserve.worker.model_runner import ModelRunner
 
 
@@ -29,8 +31,11 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
                                 total_num_scheduled_tokens=len(req_ids), num_steps=1)
     sampled[:, 0] = runner.finish_sampled(runner.launch(first, finishes_at_once=True))
     step_ids, (states, batch_rows) = req_ids, runner.step_rows(req_ids)  # batch_rows [B]
+    stop_ids = _stop_ids(states)  # [N] ids some row stops on, or None
     rows = np.arange(len(req_ids))  # [B'] the rows of the next forward
     num_all = int(counts.min())  # forwards that every row runs
+    if stop_ids is not None:
+        num_all = min(num_all, _end_stopped(sampled[:, 0], stop_ids, rows, states, counts, 1))
     for j in range(1, sched_out.num_steps):
         if runner.window_interrupt is not None and runner.window_interrupt():
             counts = np.minimum(counts, j)  # [B] the forwards each row ran
@@ -46,7 +51,27 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
             sampled[:, j] = ids
         else:
             sampled[rows, j] = ids
+        if stop_ids is not None:
+            num_all = min(num_all, _end_stopped(ids, stop_ids, rows, states, counts, j + 1))
     token_ids = sampled.tolist()
     for i in np.flatnonzero(counts < sampled.shape[1]).tolist():
         del token_ids[i][counts[i]:]
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids)
+
+
+def _stop_ids(states: list[CachedRequestState]) -> np.ndarray | None:
+    """[N] the ids that end some row of the window (EOS unless ignored, stop_token_ids), or None if none do."""
+    ids = {token_id for state in states for token_id in state.stop_token_ids_for_min_tokens}
+    return np.fromiter(ids, np.int64, count=len(ids)) if ids else None
+
+
+def _end_stopped(ids: np.ndarray, stop_ids: np.ndarray, rows: np.ndarray, states: list[CachedRequestState],
+                 counts: np.ndarray, num_ran: int) -> int:
+    """Rows [B'] whose id [B'] of the forward just run ends them (a stop id, past min_tokens) run no more
+    forwards: their counts [B] become `num_ran` (the scheduler stops them at that id). Returns the
+    smallest count now."""
+    for i in np.flatnonzero(np.isin(ids, stop_ids)).tolist():
+        state = states[i]
+        if int(ids[i]) in state.stop_token_ids_for_min_tokens and state.num_output_tokens >= state.params.min_tokens:
+            counts[rows[i]] = num_ran
+    return int(counts.min())
