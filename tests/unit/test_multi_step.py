@@ -66,6 +66,17 @@ def test_greedy_outputs_match_one_forward_a_step_with_stops_inside_windows(path)
     assert multi.engine.runner.times.num_tokens == plain.engine.runner.times.num_tokens
 
 
+def test_a_window_whose_every_row_stops_ends_there(path):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = _run(_llm(path, 1), [[4, 5, 6]], params)[0][0]
+    stop = full[3]
+    multi = _llm(path, 8)
+    out = _run(multi, [[4, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                  stop_token_ids=[stop]))[0]
+    assert out == (full[:full.index(stop) + 1], "stop", stop)
+    assert multi.engine.runner.times.num_tokens == 3 + full.index(stop), "no forward after the stop"
+
+
 def test_seeded_sampling_matches_and_seats_stay_full_while_others_wait(path):
     prompts, _ = _workload()
     params = [SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=6 + 5 * i, ignore_eos=True)

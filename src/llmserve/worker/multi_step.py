@@ -42,6 +42,8 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
             break
         if j >= num_all:
             is_left = counts[rows] > j  # [B']
+            if not is_left.any():
+                break  # every row ran its last forward (rows stopped early)
             if not is_left.all():  # some rows ran their last forward
                 rows, batch_rows = rows[is_left], batch_rows[is_left]
                 step_ids = [req_ids[i] for i in rows.tolist()]
