@@ -101,10 +101,11 @@ class SchedulerConfig:
     num_scheduler_steps: int | None = field(default=None, metadata={"help": "decode forwards one engine step may "
                                             "run back to back when no request watches its tokens one by one (every "
                                             "running request reports only its final output: offline generate, "
-                                            "non-streamed requests), none waits for a seat and none has drafts or a "
-                                            "grammar: scheduling, bookkeeping and outputs once per this many tokens "
-                                            f"(default: {CPU_SCHEDULER_STEPS} on CPU, where that host work competes with the forward; 1, "
-                                            "off, with async scheduling, which overlaps it instead)"})
+                                            "non-streamed requests), none waits for a free seat and none has drafts "
+                                            "or a grammar: scheduling, bookkeeping and outputs once per this many "
+                                            f"tokens (default: {CPU_SCHEDULER_STEPS} on CPU, where that host work "
+                                            "competes with the forward; 1, off, with async scheduling, which "
+                                            "overlaps it instead)"})
 
     def validate(self) -> None:
         check_min("max-num-seqs", self.max_num_seqs, 1)

@@ -1,7 +1,7 @@
 """`llmserve bench offline`: the engine in-process on a fixed random workload, all submitted at once.
 
-Prints output tokens/s and the mean step (one forward; a multi-step runs several) split into scheduling (+ bookkeeping), input
-preparation, forward and sampling. On CUDA the split synchronises the device at each part's end
+Prints output tokens/s and the mean step (one forward; a multi-step runs several) split into scheduling
+(+ bookkeeping), input preparation, forward and sampling. On CUDA the split synchronises the device at each part's end
 (else the forward's kernels, queued asynchronously, would be timed where the host next waits), which
 also turns the overlap of async scheduling off: `--no-split-steps` measures throughput as served. `--baseline hf` runs the same workload through transformers'
 generate() in static batches, as the naive reference.
@@ -33,7 +33,9 @@ class OfflineBenchConfig:
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
-    num_scheduler_steps: int | None = field(default=None, metadata={"help": "engine: decode forwards a step may run for requests that report only their final output (default: the engine's for the device)"})
+    num_scheduler_steps: int | None = field(default=None, metadata={"help": "engine: decode forwards a step may run "
+                                            "for requests that report only their final output (default: the engine's "
+                                            "for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
@@ -163,7 +165,8 @@ def _print(results: dict) -> None:
     e = results["engine"]
     print(f"llmserve  {e['device']} {e['dtype']}: {e['num_output_tokens']} output tokens in {e['elapsed_s']:.1f} s"
           f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} forwards ({e['num_preemptions']} preemptions, "
-          f"async scheduling {'on' if e['async_scheduling'] else 'off'}, up to {e['num_scheduler_steps']} forwards a step)")
+          f"async scheduling {'on' if e['async_scheduling'] else 'off'}, up to {e['num_scheduler_steps']} "
+          "forwards a step)")
     split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
     if e["split_steps"]:
         print(f"mean forward step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")

@@ -4,9 +4,10 @@ Where no request watches its tokens one by one (each reports only its final outp
 step (scheduling, the bookkeeping of its sampled ids, outputs) need not run after every forward: the
 scheduler gives each running request up to `num_scheduler_steps` tokens at once, the runner runs that
 many forwards of one token a row (a row drops out after its own count), and `update_from_output` takes
-each row's ids in one go. vLLM's V0 engine called this multi-step scheduling. A request that stops on a
-token inside the window (EOS, a stop token) ends there; the forwards it ran past it are the cost (at most
-`num_scheduler_steps - 1` tokens a request). A request that arrives meanwhile waits for the window's end.
+each row's ids in one go. vLLM's V0 engine called this multi-step scheduling. A row that samples a token
+it stops on (EOS, a stop id) runs no further forward of the window (worker/multi_step.py). While requests
+wait for a free seat a window ends when its first row does; in the engine-core process a request (or an
+abort) that arrives meanwhile ends the window after the forward it arrives in.
 """
 
 from __future__ import annotations
