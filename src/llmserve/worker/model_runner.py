@@ -300,8 +300,8 @@ class ModelRunner:
             return self._handle(req_ids, sample_rows, batch_rows, empty.sampled_token_ids,
                                 start_host_copy(empty, extra))
         out = self._sample(logits, rows)
-        is_penalized = self.batch.has_penalties[batch_rows] if self.num_not_plain_greedy else None  # [S]
-        if is_penalized is not None and is_penalized.any():  # (a plain greedy row has no penalties)
+        # (plain greedy rows have no penalties: nothing to look up when every row is one)
+        if self.num_not_plain_greedy and (is_penalized := self.batch.has_penalties[batch_rows]).any():  # [S]
             penalized = np.flatnonzero(is_penalized)  # [S']
             self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
                                                         out.sampled_token_ids[torch.from_numpy(penalized)])

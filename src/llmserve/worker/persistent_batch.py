@@ -134,9 +134,8 @@ class PersistentBatch:
             input_ids, pending_tokens = self.token_ids[batch_rows, positions], _NONE
             pending_sources = _NONE
         sample_rows = np.flatnonzero(seq_lens == num_known)
-        block_table = self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
-        return StepArrays(input_ids, positions, cu.astype(np.int32), seq_lens, block_table,
-                          slot_mapping(block_table, row_of_token, positions, self.block_size), sample_rows,
+        block_table, slots = self._blocks_and_slots(rows, row_of_token, positions)
+        return StepArrays(input_ids, positions, cu.astype(np.int32), seq_lens, block_table, slots, sample_rows,
                           pending_tokens, pending_sources)
 
     def next_decode(self, rows: np.ndarray) -> StepArrays:
@@ -145,11 +144,16 @@ class PersistentBatch:
         positions = self.num_computed[rows]  # [B]
         seq_lens = positions + 1
         self.num_computed[rows] = seq_lens
-        block_table = self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
         every = np.arange(len(rows))
+        block_table, slots = self._blocks_and_slots(rows, every, positions)
         return StepArrays(self.token_ids[rows, positions], positions, np.arange(len(rows) + 1, dtype=np.int32),
-                          seq_lens, block_table, slot_mapping(block_table, every, positions, self.block_size), every,
-                          _NONE, _NONE)
+                          seq_lens, block_table, slots, every, _NONE, _NONE)
+
+    def _blocks_and_slots(self, rows: np.ndarray, row_of_token: np.ndarray,
+                          positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' block table [B, W] (as wide as the widest row) and each token's cache slot [T]."""
+        block_table = self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
+        return block_table, slot_mapping(block_table, row_of_token, positions, self.block_size)
 
     def _with_pending(self, batch_rows: np.ndarray, positions: np.ndarray,
                       num_known: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
