@@ -31,6 +31,7 @@ from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.decode_window import DecodeWindow
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.multi_step import run_decode_steps
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
@@ -128,22 +129,21 @@ class ModelRunner:
         self._add_times(t0, t1, t2, t3)
         return handle
 
-    @torch.inference_mode()
-    def launch_next_decode(self, req_ids: list[str], states: list[CachedRequestState],
-                           rows: np.ndarray) -> StepHandle:
-        """A multi-step's forward after its first (worker/multi_step.py): these requests (batch rows [B]) each
-        decode one token, with no diff to take in; launched to finish at once."""
+    def window_forward(self, window: DecodeWindow, j: int, input_ids: np.ndarray) -> np.ndarray:
+        """Forward j of a multi-step (worker/multi_step.py; j >= 1): the window's rows [B] decode one token
+        each, `input_ids` [B] the ids forward j - 1 sampled; their sampled ids [B] on the host, appended to
+        the batch. No handle: nothing of it stays pending."""
         t0 = time.perf_counter()
-        arrays = self.batch.next_decode(rows)
-        inputs = self._to_device(arrays, arrays.sample_rows)
+        inputs = window.inputs(j, input_ids)
         t1 = self._mark()
-        hidden, logits = self._forward(inputs, False)  # [B, hidden], [B, V]
+        _, logits = self._forward(inputs, False)  # [B, V]
         t2 = self._mark()
-        handle = self._sample_step(req_ids, inputs.sample_rows, rows, logits, states, {}, finishes_at_once=True)
-        t3 = self._mark()
-        self.in_flight = handle
-        self._add_times(t0, t1, t2, t3)
-        return handle
+        sampled = self._sample(logits, window.states).sampled_token_ids  # [B]
+        self._note_penalized(window.batch_rows, sampled)
+        host = sampled.numpy() if sampled.device.type == "cpu" else sampled.cpu().numpy()  # [B]
+        window.append(host)
+        self._add_times(t0, t1, t2, self._mark())
+        return host
 
     @torch.inference_mode()
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
@@ -300,16 +300,19 @@ class ModelRunner:
             return self._handle(req_ids, sample_rows, batch_rows, empty.sampled_token_ids,
                                 start_host_copy(empty, extra))
         out = self._sample(logits, rows)
-        # (plain greedy rows have no penalties: nothing to look up when every row is one)
-        if self.num_not_plain_greedy and (is_penalized := self.batch.has_penalties[batch_rows]).any():  # [S]
-            penalized = np.flatnonzero(is_penalized)  # [S']
-            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
-                                                        out.sampled_token_ids[torch.from_numpy(penalized)])
+        self._note_penalized(batch_rows, out.sampled_token_ids)
         if not finishes_at_once:
             self.batch.num_pending[batch_rows] += 1
         num_logprobs = [row.params.logprobs for row in rows] if out.logprobs is not None else []
         return self._handle(req_ids, sample_rows, batch_rows, out.sampled_token_ids, start_host_copy(out, extra),
                             num_logprobs, is_pending=not finishes_at_once)
+
+    def _note_penalized(self, batch_rows: np.ndarray, sampled: torch.Tensor) -> None:
+        """Rows [S] with penalties keep their sampled ids [S] on the device (their seen-token state).
+        Plain greedy rows have none: nothing to look up when every row is one."""
+        if self.num_not_plain_greedy and (is_penalized := self.batch.has_penalties[batch_rows]).any():  # [S]
+            penalized = np.flatnonzero(is_penalized)  # [S']
+            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized], sampled[torch.from_numpy(penalized)])
 
     def _handle(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, sampled: torch.Tensor,
                 copy: HostCopy, num_logprobs: list[int | None] | None = None, is_sync: bool = False,

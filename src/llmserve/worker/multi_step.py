@@ -14,28 +14,32 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from llmserve.worker.decode_window import DecodeWindow
 
 if TYPE_CHECKING:
     from llmserve.worker.input_batch import CachedRequestState
     from llmserve.worker.model_runner import ModelRunner
 
 
+@torch.inference_mode()  # one context for the window's forwards (`ModelRunner.window_forward`)
 def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
     """Per row of the step its sampled ids, one a forward it ran."""
     req_ids = list(sched_out.num_scheduled_tokens)
     counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=len(req_ids))  # [B]
-    sampled = np.zeros((len(req_ids), sched_out.num_steps), np.int64)  # [B, k]
+    sampled = np.zeros((sched_out.num_steps, len(req_ids)), np.int64)  # [k, B]
     first = dataclasses.replace(sched_out, num_scheduled_tokens=dict.fromkeys(req_ids, 1),
                                 total_num_scheduled_tokens=len(req_ids), num_steps=1)
-    sampled[:, 0] = runner.finish_sampled(runner.launch(first, finishes_at_once=True))
-    step_ids, (states, batch_rows) = req_ids, runner.step_rows(req_ids)  # batch_rows [B]
+    ids = sampled[0] = runner.finish_sampled(runner.launch(first, finishes_at_once=True))  # [B]
+    states, batch_rows = runner.step_rows(req_ids)  # batch_rows [B]
+    window = DecodeWindow(runner.batch, states, batch_rows, sched_out.num_steps, runner.device)
     stop_ids = _stop_ids(states)  # [N] ids some row stops on, or None
     rows = np.arange(len(req_ids))  # [B'] the rows of the next forward
     num_all = int(counts.min())  # forwards that every row runs
     if stop_ids is not None:
-        num_all = min(num_all, _end_stopped(sampled[:, 0], stop_ids, rows, states, counts, 1))
+        num_all = min(num_all, _end_stopped(ids, stop_ids, rows, states, counts, 1))
     for j in range(1, sched_out.num_steps):
         if runner.window_interrupt is not None and runner.window_interrupt():
             counts = np.minimum(counts, j)  # [B] the forwards each row ran
@@ -45,18 +49,18 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
             if not is_left.any():
                 break  # every row ran its last forward (rows stopped early)
             if not is_left.all():  # some rows ran their last forward
-                rows, batch_rows = rows[is_left], batch_rows[is_left]
-                step_ids = [req_ids[i] for i in rows.tolist()]
-                states = [states[i] for i in np.flatnonzero(is_left).tolist()]
-        ids = runner.finish_sampled(runner.launch_next_decode(step_ids, states, batch_rows))  # [B']
+                kept = np.flatnonzero(is_left)
+                rows, ids = rows[kept], ids[kept]
+                window.keep(kept)
+        ids = runner.window_forward(window, j, ids)  # [B']
         if len(rows) == len(req_ids):
-            sampled[:, j] = ids
+            sampled[j] = ids
         else:
-            sampled[rows, j] = ids
+            sampled[j, rows] = ids
         if stop_ids is not None:
-            num_all = min(num_all, _end_stopped(ids, stop_ids, rows, states, counts, j + 1))
-    token_ids = sampled.tolist()
-    for i in np.flatnonzero(counts < sampled.shape[1]).tolist():
+            num_all = min(num_all, _end_stopped(ids, stop_ids, rows, window.states, counts, j + 1))
+    token_ids = sampled.T.tolist()
+    for i in np.flatnonzero(counts < sampled.shape[0]).tolist():
         del token_ids[i][counts[i]:]
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids)
 

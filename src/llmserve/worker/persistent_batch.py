@@ -98,7 +98,7 @@ class PersistentBatch:
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         start = int(self.num_tokens[row])
-        self._ensure_token_columns(start + len(token_ids))
+        self.ensure_token_columns(start + len(token_ids))
         self.token_ids[row, start:start + len(token_ids)] = token_ids
         self.num_tokens[row] = start + len(token_ids)
         self.num_drafts[row] = 0
@@ -106,7 +106,7 @@ class PersistentBatch:
     def append_one_each(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """One token per row (the common decode step), vectorized; rows [S], token_ids [S]."""
         ends = self.num_tokens[rows]  # [S]
-        self._ensure_token_columns(int(ends.max()) + 1)
+        self.ensure_token_columns(int(ends.max()) + 1)
         self.token_ids[rows, ends] = token_ids
         self.num_tokens[rows] = ends + 1
         self.num_drafts[rows] = 0
@@ -114,7 +114,7 @@ class PersistentBatch:
     def set_drafts(self, row: int, drafts: list[int]) -> None:
         """Draft ids scheduled after the row's tokens for this step (overwritten by later tokens)."""
         start = int(self.num_tokens[row])
-        self._ensure_token_columns(start + len(drafts))
+        self.ensure_token_columns(start + len(drafts))
         self.token_ids[row, start:start + len(drafts)] = drafts
         self.num_drafts[row] = len(drafts)
 
@@ -137,17 +137,6 @@ class PersistentBatch:
         block_table, slots = self._blocks_and_slots(rows, row_of_token, positions)
         return StepArrays(input_ids, positions, cu.astype(np.int32), seq_lens, block_table, slots, sample_rows,
                           pending_tokens, pending_sources)
-
-    def next_decode(self, rows: np.ndarray) -> StepArrays:
-        """A multi-step's later forwards (worker/multi_step.py): each row [B] computes the token after its
-        computed ones, on the host (sampled by the forward before), and samples; the rows count it computed."""
-        positions = self.num_computed[rows]  # [B]
-        seq_lens = positions + 1
-        self.num_computed[rows] = seq_lens
-        every = np.arange(len(rows))
-        block_table, slots = self._blocks_and_slots(rows, every, positions)
-        return StepArrays(self.token_ids[rows, positions], positions, np.arange(len(rows) + 1, dtype=np.int32),
-                          seq_lens, block_table, slots, every, _NONE, _NONE)
 
     def _blocks_and_slots(self, rows: np.ndarray, row_of_token: np.ndarray,
                           positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +175,7 @@ class PersistentBatch:
 
     # ---- capacity -----------------------------------------------------------------------------------
 
-    def _ensure_token_columns(self, num: int) -> None:
+    def ensure_token_columns(self, num: int) -> None:
         assert num <= self.max_model_len + 64, "more tokens than the context length"
         if num > self.token_ids.shape[1]:
             self.token_ids = _widen(self.token_ids, num)
