@@ -106,6 +106,36 @@ def test_a_window_ended_by_input_rolls_back_the_forwards_it_did_not_run(path):
     assert len(steps) > multi.engine.runner.times.num_steps / 3, "windows ended after 3 forwards at most"
 
 
+def _record_finishes(llm: LLM) -> dict[str, int]:
+    """Per request from now on, the forwards run when its final output left the engine."""
+    finished_at: dict[str, int] = {}
+    step = llm.engine.step
+
+    def recording():
+        outputs = step()
+        for out in outputs.outputs:
+            if out.finish_reason is not None:
+                finished_at[out.request_id] = llm.engine.runner.times.num_steps
+        return outputs
+
+    llm.engine.step = recording
+    return finished_at
+
+
+def test_an_engine_read_as_it_goes_ends_windows_where_a_row_finishes(path):
+    """In the engine-core process (EngineCore.end_windows_when) a finished request's output leaves after
+    the forward of its last token, as with one forward a step, not at the end of its window."""
+    prompt_stop = _run(_llm(path, 1), *_workload())[9][0][6]
+    prompts, params = _workload(prompt_stop)
+    plain, multi = _llm(path, 1), _llm(path, 8)
+    plain_finishes, multi_finishes = _record_finishes(plain), _record_finishes(multi)
+    multi.engine.end_windows_when(lambda: False)  # no input comes: finishes alone end the windows
+    steps = _record_steps(multi)
+    assert _run(multi, prompts, params) == _run(plain, prompts, params)
+    assert multi_finishes == plain_finishes and len(multi_finishes) == len(prompts)
+    assert 8 in steps and len(steps) < multi.engine.runner.times.num_steps, "windows ran"
+
+
 def test_preemption_falls_back_to_single_forwards(path):
     prompts = [[i + 3] * 20 for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

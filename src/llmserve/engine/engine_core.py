@@ -109,11 +109,14 @@ class EngineCore:
         self.scheduler.add_request(core_request)
 
     def end_windows_when(self, has_input: Callable[[], bool]) -> None:
-        """A multi-step ends after the forward where `has_input()` turns true (worker/multi_step.py), so that
-        a request that arrives meanwhile waits one forward, not the window; not with tensor parallelism,
-        whose ranks run each window whole (they cannot see this engine's input)."""
+        """For an engine whose outputs are read as they come (the engine-core process), a multi-step ends
+        after the forward where `has_input()` turns true, or where some row ran its last forward
+        (worker/multi_step.py): a request that arrives meanwhile waits one forward, not the window, and a
+        finished request's output leaves at once (its client may be waiting to send the next). Not with
+        tensor parallelism, whose ranks run each window whole (they cannot see this engine's input)."""
         if self.tp_executor is None:
             self.runner.window_interrupt = has_input
+            self.runner.window_ends_at_finish = True
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

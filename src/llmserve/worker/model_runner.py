@@ -85,6 +85,7 @@ class ModelRunner:
         # Asked between a multi-step's forwards (worker/multi_step.py): True ends the window there (input
         # came for the engine: a new request, an abort). None: windows run whole.
         self.window_interrupt: Callable[[], bool] | None = None
+        self.window_ends_at_finish = False  # a window ends after the forward where some row ran its last
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """launch and finish at once: the step's sampled ids never wait on the device, so the batch keeps

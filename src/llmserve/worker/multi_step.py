@@ -1,11 +1,13 @@
 """The runner's side of multi-step decoding (core/decode_steps.py): one scheduled step of up to k
-forwards of one token a row, each launched and finished like a plain step, and one output of them all.
+forwards of one token a row and one output of them all. The first forward is launched like a plain
+step (it takes in the step's diff: new blocks, finished requests); the later ones run over a
+DecodeWindow (worker/decode_window.py), each row's input the id the forward before sampled.
 
-Row i runs num_scheduled_tokens[i] forwards and drops out after its last; the step's diffs (new blocks,
-finished requests) reach the runner with the first forward. The runner's `window_interrupt` may end the
-window after any forward (input came for the engine): each row then reports the ids it got, and the
-scheduler rolls the rest of its count back. A row that samples an id it stops on (EOS, a stop id, past
-min_tokens) runs no further forward: a window costs no compute past a stop.
+Row i runs num_scheduled_tokens[i] forwards and drops out after its last. The runner's `window_interrupt`
+may end the window after any forward (input came for the engine), and with `window_ends_at_finish` (an
+engine whose outputs are read as they come) the window ends where a row ran its last: each row then
+reports the ids it got, and the scheduler rolls the rest of its count back. A row that samples an id it
+stops on (EOS, a stop id, past min_tokens) runs no further forward: a window costs no compute past a stop.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
         if runner.window_interrupt is not None and runner.window_interrupt():
             counts = np.minimum(counts, j)  # [B] the forwards each row ran
             break
-        if j >= num_all:
+        if j >= num_all:  # some row ran its last forward
+            if runner.window_ends_at_finish:
+                counts = np.minimum(counts, j)
+                break
             is_left = counts[rows] > j  # [B']
             if not is_left.any():
                 break  # every row ran its last forward (rows stopped early)
