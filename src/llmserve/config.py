@@ -26,7 +26,7 @@ def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
-CPU_SCHEDULER_STEPS = 32  # decode forwards a CPU engine step may run (SchedulerConfig.num_scheduler_steps)
+CPU_SCHEDULER_STEPS = 64  # decode forwards a CPU engine step may run (SchedulerConfig.num_scheduler_steps)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp16", "int8")  # which device/dtype each runs on: model/quant check_supported
 
 

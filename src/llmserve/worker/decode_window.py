@@ -26,18 +26,18 @@ class DecodeWindow:
 
     def __init__(self, batch: PersistentBatch, states: list[CachedRequestState], batch_rows: np.ndarray,
                  num_forwards: int, device: torch.device) -> None:
-        self.batch, self.device, self._all_states = batch, device, states
+        self.batch, self.device = batch, device
         firsts = batch.num_computed[batch_rows] - 1  # [B0] each row's position in the window's first forward
         self.positions = firsts[None, :] + np.arange(num_forwards)[:, None]  # [k, B0]
         # room for every id it samples (a row's last id goes at most right after the context's last token)
         batch.ensure_token_columns(min(int(firsts.max()) + num_forwards, batch.max_model_len) + 1)
-        width = max(1, int(batch.num_blocks[batch_rows].max()))
-        block_table = batch.block_table[batch_rows, :width]  # [B0, W]
-        # a row's forwards past its count would index past its blocks: clipped (they never run)
-        block_columns = np.minimum(self.positions // batch.block_size, width - 1)  # [k, B0]
-        block_ids = block_table[np.arange(len(batch_rows))[None, :], block_columns].astype(np.int64)  # [k, B0]
-        self.slots = block_ids * batch.block_size + self.positions % batch.block_size  # [k, B0]
+        block_table = batch.block_table[batch_rows, :max(1, int(batch.num_blocks[batch_rows].max()))]  # [B0, W]
+        self.slots = _slots(block_table, self.positions, batch.block_size)  # [k, B0]
         self._arange = on_device(np.arange(len(batch_rows) + 1, dtype=np.int64), device)  # [B0 + 1]
+        self._arange_int32 = self._arange.int()  # [B0 + 1]
+        self._all_rows = list(range(len(batch_rows)))
+        self._all_states = np.empty(len(states), dtype=object)  # [B0]
+        self._all_states[:] = states
         self.columns: np.ndarray | None = None  # None: all B0 rows
         self._states: list[CachedRequestState] | None = states
         self._seq_lens = firsts + 1  # [B] the last forward's (`inputs` sets it)
@@ -47,15 +47,15 @@ class DecodeWindow:
         num_rows = len(batch_rows)
         self.batch_rows, self.block_table = batch_rows, block_table  # [B], [B, W]
         self.block_table_device = on_device(block_table, self.device)
-        self.query_start_loc = self._arange[:num_rows + 1].int()  # [B + 1] int32
+        self.query_start_loc = self._arange_int32[:num_rows + 1]  # [B + 1]
         self.logits_indices = self._arange[:num_rows]  # [B]
-        self.sample_rows = list(range(num_rows))
+        self.sample_rows = self._all_rows[:num_rows]
 
     @property
     def states(self) -> list[CachedRequestState]:
         """The rows' states (listed when asked: plain greedy sampling never asks)."""
         if self._states is None:
-            self._states = [self._all_states[i] for i in self.columns.tolist()]
+            self._states = self._all_states[self.columns].tolist()
         return self._states
 
     def keep(self, kept: np.ndarray) -> None:
@@ -84,3 +84,11 @@ class DecodeWindow:
         token at its position."""
         self.batch.token_ids[self.batch_rows, self._seq_lens] = token_ids
         self.batch.num_tokens[self.batch_rows] = self._seq_lens + 1
+
+
+def _slots(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """[k, B] cache slots of the tokens at positions [k, B] of rows with blocks block_table [B, W]. A row's
+    forwards past its count would index past its blocks: clipped (they never run)."""
+    columns = np.minimum(positions // block_size, block_table.shape[1] - 1)  # [k, B]
+    block_ids = block_table[np.arange(block_table.shape[0])[None, :], columns].astype(np.int64)  # [k, B]
+    return block_ids * block_size + positions % block_size

@@ -202,7 +202,7 @@ class ModelRunner:
                 self.sampling.penalty_tokens.add(state)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_scorers.add(new.req_id)
-        appended: list[tuple[int, int, int]] = []  # (row, column, block id): one new block after the old ones
+        appended: list[tuple[int, int, int]] = []  # (row, column, block id): new blocks after the old ones
         for cached in sched_out.cached_reqs:
             state = self.states[cached.req_id]
             if self.speculator is not None and state.num_computed_tokens != cached.num_computed_tokens:
@@ -211,8 +211,9 @@ class ModelRunner:
                 state.num_computed_tokens = cached.num_computed_tokens
             if not cached.new_block_ids and cached.num_old_blocks == len(state.block_ids):
                 continue  # the common decode step: no block changed
-            if len(cached.new_block_ids) == 1 and cached.num_old_blocks == len(state.block_ids):
-                appended.append((state.row, cached.num_old_blocks, cached.new_block_ids[0]))  # a decode row grew
+            if cached.num_old_blocks == len(state.block_ids):  # a decode row grew (one block, or a window's)
+                appended.extend((state.row, cached.num_old_blocks + i, block_id)
+                                for i, block_id in enumerate(cached.new_block_ids))
             else:
                 self.batch.set_blocks(state.row, cached.num_old_blocks, cached.new_block_ids)
             del state.block_ids[cached.num_old_blocks:]  # blocks of rejected drafts the scheduler took back

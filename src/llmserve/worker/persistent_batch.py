@@ -90,11 +90,13 @@ class PersistentBatch:
         self.num_blocks[row] = end
 
     def append_blocks(self, appended: np.ndarray) -> None:
-        """One block after each row's blocks, vectorized; appended [N, 3]: (row, its block count, block id)."""
+        """Blocks after rows' blocks, vectorized; appended [N, 3]: (row, column, block id), a row's in a run of
+        consecutive columns from its block count."""
         rows, columns = appended[:, 0], appended[:, 1]  # [N]
         self._ensure_block_columns(int(columns.max()) + 1)
         self.block_table[rows, columns] = appended[:, 2]
-        self.num_blocks[rows] = columns + 1
+        is_last = np.append(rows[1:] != rows[:-1], True)  # [N] a row's last new block
+        self.num_blocks[rows[is_last]] = columns[is_last] + 1
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         start = int(self.num_tokens[row])
