@@ -100,10 +100,10 @@ class SchedulerConfig:
                                           "the device and nothing overlaps)"})
     num_scheduler_steps: int | None = field(default=None, metadata={"help": "decode forwards one engine step may "
                                             "run back to back when no request watches its tokens one by one (every "
-                                            "running request reports only its final output: offline generate, "
-                                            "non-streamed requests), none waits for a free seat and none has drafts "
-                                            "or a grammar: scheduling, bookkeeping and outputs once per this many "
-                                            f"tokens (default: {CPU_SCHEDULER_STEPS} on CPU, where that host work "
+                                            "running request reports only its final output, as offline generate's "
+                                            "do; the server reads every token), none waits for a free seat and none "
+                                            "has drafts or a grammar: scheduling, bookkeeping and outputs once per "
+                                            f"this many tokens (default: {CPU_SCHEDULER_STEPS} on CPU, where that host work "
                                             "competes with the forward; 1, off, with async scheduling, which "
                                             "overlaps it instead)"})
 

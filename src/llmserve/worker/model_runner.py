@@ -35,9 +35,10 @@ from llmserve.worker.decode_window import DecodeWindow
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.multi_step import run_decode_steps
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
-from llmserve.worker.prompt_logprobs import host_prompt_logprobs, plan_prompt_logprobs, score_prompt
-from llmserve.worker.sampling_step import SamplingInputs, host_logprobs
-from llmserve.worker.step_handle import HostCopy, StepHandle, rows_of_samples, start_host_copy
+from llmserve.worker.prompt_logprobs import plan_prompt_logprobs, score_prompt
+from llmserve.worker.sampling_step import SamplingInputs
+from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
+from llmserve.worker.step_output import StepOutput
 
 
 @dataclass
@@ -55,7 +56,6 @@ class StepTimes:
 
 
 _ROW = attrgetter("row")
-_NONE = type(None)  # called: None
 
 
 class ModelRunner:
@@ -78,6 +78,7 @@ class ModelRunner:
         self.num_not_plain_greedy = 0  # states whose sampling needs per-row inputs (SamplingInputs)
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
         self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
+        self.step_output = StepOutput(self.batch, self.sampling.penalty_tokens)
         self.in_flight: StepHandle | None = None  # launched last and not finished
         self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # step_rows
         self.times = StepTimes()
@@ -151,7 +152,7 @@ class ModelRunner:
         """The step's output (waits for its sampled ids); steps finish in the order they launched."""
         if handle.output is None:
             t0 = time.perf_counter()
-            handle.output = self._sampled_output(handle)
+            handle.output = self.step_output.output(handle)
             if handle is self.in_flight:
                 self.batch.clear_pending()
                 self.in_flight = None
@@ -347,73 +348,13 @@ class ModelRunner:
         self.batch.num_pending[batch_rows] += 1
         return handle
 
-    def _sampled_output(self, handle: StepHandle) -> ModelRunnerOutput:
-        """Per row of the step its sampled ids (empty for a partial prefill), appended to the batch."""
-        num_rows = len(handle.req_ids)
-        if handle.is_sync:
-            logprobs = handle.host_logprobs
-            self._append_sampled(handle, handle.host_tokens)
-            token_ids = rows_of_samples(handle.host_tokens, handle.sample_rows, num_rows)
-        else:
-            sampled = self._take_sampled(handle)  # [S]
-            logprobs = host_logprobs(handle.copy.wait(), handle.num_logprobs)
-            token_ids = rows_of_samples(sampled.reshape(-1, 1).tolist(), handle.sample_rows, num_rows)
-        row_logprobs = None if logprobs is None else rows_of_samples(logprobs, handle.sample_rows, num_rows, _NONE)
-        num_accepted = None  # per row of a step that verified drafts: its accepted drafts (0 without any)
-        if handle.host_num_accepted is not None:
-            num_accepted = rows_of_samples(handle.host_num_accepted, handle.sample_rows, num_rows, int)
-        prompt_logprobs = None
-        if handle.prompt_plan is not None:
-            prompt_logprobs = host_prompt_logprobs(handle.copy.wait(), handle.prompt_plan, num_rows)
-        return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=token_ids, logprobs=row_logprobs,
-                                 prompt_logprobs=prompt_logprobs, num_accepted=num_accepted)
-
-    def _append_sampled(self, handle: StepHandle, sampled: list[list[int]]) -> None:
-        """A step that verified drafts: per sampling row its emitted ids join its batch row (rows whose
-        request finished or was preempted meanwhile are skipped)."""
-        batch = self.batch
-        is_held = batch.still_held(handle.batch_rows, handle.serials).tolist()
-        rows: list[int] = []
-        tokens: list[int] = []
-        for row, row_ids, held in zip(handle.batch_rows.tolist(), sampled, is_held):
-            if not held:
-                continue
-            batch.num_pending[row] -= 1
-            if batch.has_penalties[row]:  # verified drafts: their ids come from the host
-                self.sampling.penalty_tokens.append_host(row, row_ids)
-            if len(row_ids) == 1:
-                rows.append(row)
-                tokens.append(row_ids[0])
-            else:
-                batch.append_tokens(row, row_ids)
-        if rows:
-            batch.append_one_each(np.asarray(rows, np.int64), np.asarray(tokens, np.int64))
-
     def finish_sampled(self, handle: StepHandle) -> np.ndarray:
         """`finish` for one forward of a multi-step (worker/multi_step.py, which makes one output of all its
         forwards): the sampled ids [S] only, appended to the batch."""
-        sampled = self._take_sampled(handle)
+        sampled = self.step_output.take(handle)
         if handle is self.in_flight:
             self.in_flight = None  # launched to finish at once: no id was left pending
         return sampled
-
-    def _take_sampled(self, handle: StepHandle) -> np.ndarray:
-        """A step without drafts: its sampled ids [S] on the host, appended to the batch."""
-        sampled = handle.copy.wait()["sampled"].numpy()  # [S]
-        self._append_one_each(handle, sampled)
-        return sampled
-
-    def _append_one_each(self, handle: StepHandle, sampled: np.ndarray) -> None:
-        """A step without drafts: each sampling row's one id [S] joins its batch row (rows whose request
-        finished or was preempted meanwhile are skipped; a step finished at once had no meanwhile)."""
-        rows = handle.batch_rows  # [S]
-        if handle.serials is not None:  # its ids were pending
-            is_held = self.batch.still_held(rows, handle.serials)  # [S]
-            if not is_held.all():
-                rows, sampled = rows[is_held], sampled[is_held]
-            self.batch.num_pending[rows] -= 1
-        if len(rows):
-            self.batch.append_one_each(rows, sampled)
 
     def _propose(self, handle: StepHandle) -> list[list[int]]:
         """Drafts for the next step, per row of this step (none for rows that did not sample)."""
