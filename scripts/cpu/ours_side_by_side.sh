@@ -2,7 +2,7 @@
 # Two of our float32 servers side by side on one CPU machine, differing only in flags (issues 19, 20):
 # e.g. float32 weights vs --quantization int8, or KV cache auto vs --kv-cache-dtype fp16. The workload is
 # the anchor of scripts/llamacpp/side_by_side.sh (128 requests, prompts 64-512, outputs 32-256,
-# ignore_eos, streamed, seed 20), one `bench serve --compare` per level (interleaved A B A B).
+# ignore_eos, streamed, seed 20), one `bench serve --compare` per level (interleaved A B, B A).
 # NEVER RUN IN CI: tens of minutes per level on 2 cores.
 #
 # usage: scripts/cpu/ours_side_by_side.sh --labels A,B [--a-flags "FLAGS"] [--b-flags "FLAGS"]

@@ -22,7 +22,7 @@ take_bench_lock() {  # hold /tmp/llmserve-bench.lock (fd 9) until the script exi
   echo "waiting for /tmp/llmserve-bench.lock"; flock 9
 }
 
-compare_anchor() {  # compare_anchor PORT_A PORT_B LABELS C: the anchor workload on both, A B A B
+compare_anchor() {  # compare_anchor PORT_A PORT_B LABELS C: the anchor workload on both, A B, B A
   # a level with failed requests exits non-zero: its table says so, and the next level still runs
   "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$1" \
     --compare "http://127.0.0.1:$2" --labels "$3" --tokenizer "$MODEL" --dataset random \

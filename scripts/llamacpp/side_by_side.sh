@@ -14,7 +14,7 @@
 #
 # The workload is the anchor of docs/benchmarks.md: smollm2-135m-shaped random checkpoint, 128 requests,
 # prompts 64-512 tokens, outputs 32-256 (ignore_eos), streamed; llama-server runs with -t 2 -np C.
-# Both servers are up at once; one `llmserve bench serve --compare` interleaves them (A B A B).
+# Both servers are up at once; one `llmserve bench serve --compare` interleaves them (A B, B A).
 # The measurement holds /tmp/llmserve-bench.lock (other benchmarks on the machine wait for it).
 #
 # env: LLAMACPP_CACHE (default ~/.cache/llmserve-llamacpp), LLAMA_CPP_PYTHON_VERSION (0.3.36),

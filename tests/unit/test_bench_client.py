@@ -228,8 +228,8 @@ def test_compare_interleaves_same_requests(fake):
     assert [t.label for t in result.servers] == ["fast", "slow"]
     assert [lv.name for lv in result.levels] == ["c=1", "c=4"]
     calls = log[start:]
-    # probe a, probe b, warm-up a, warm-up b, then per level: 4 on a, 4 on b, 4 on a, 4 on b
-    assert [c[0] for c in calls] == ["a", "b", "a", "b"] + (["a"] * 4 + ["b"] * 4) * 4
+    # probe a, probe b, warm-up a, warm-up b, then per level: 4 on a, 4 on b, then 4 on b, 4 on a (each first once)
+    assert [c[0] for c in calls] == ["a", "b", "a", "b"] + (["a"] * 4 + ["b"] * 8 + ["a"] * 4) * 2
     measured = calls[4:]
     for level in range(2):
         chunk = measured[16 * level: 16 * (level + 1)]

@@ -21,7 +21,7 @@ class TargetConfig:
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "base URL of the OpenAI-compatible server"})
     model: str | None = field(default=None, metadata={"help": "model name to send; unset: the first id /v1/models lists"})
     endpoint: str = field(default="completions", metadata={"help": "completions | chat", "choices": list(ENDPOINTS)})
-    compare: str | None = field(default=None, metadata={"help": "base URL of a second server, run on the same requests, interleaved A B A B"})
+    compare: str | None = field(default=None, metadata={"help": "base URL of a second server, run on the same requests, interleaved A B, B A, ..."})
     compare_model: str | None = field(default=None, metadata={"help": "model name for --compare; unset: the first id its /v1/models lists"})
     labels: str | None = field(default=None, metadata={"help": "names of the servers in tables and plots, e.g. llmserve,vllm; unset: host:port"})
     stream: bool = field(default=True, metadata={"help": "stream tokens (SSE); --no-stream measures end-to-end latency only"})
@@ -53,7 +53,7 @@ class LoadConfig:
     num_requests: int = field(default=100, metadata={"help": "measured requests per load level and server"})
     warmup: int = field(default=2, metadata={"help": "unmeasured requests sent to each server before the first level"})
     rounds: int = field(default=2, metadata={"help": "with --compare: each level's requests are split into this many "
-                                             "rounds, run A B A B (a closed loop's round starts with --concurrency "
+                                             "rounds, run A B, B A, ... (a closed loop's round starts with --concurrency "
                                              "requests at once; 1 = one uninterrupted run per server)"})
     seed: int = field(default=0, metadata={"help": "seed of the datasets and the arrival times"})
 

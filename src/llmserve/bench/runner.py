@@ -1,7 +1,9 @@
 """A benchmark run: probe the servers, warm them up, then each load level on each server.
 
-With two servers, each level's requests are split into `rounds` slices run A B A B ..., every slice on the
-same requests (and arrival times) for both, so slow drift on a noisy machine hits both alike. A server's
+With two servers, each level's requests are split into `rounds` slices run A B, B A, A B, ..., every slice on
+the same requests (and arrival times) for both, so slow drift on a noisy machine hits both alike, and each
+server goes first as often as the other (the server measured right after the other's slice was measured
+up to 1.3x faster than the same server measured first: docs/benchmarks.md, issue 15 round 9). A server's
 duration at a level is the sum of its slices' wall times.
 """
 
@@ -152,8 +154,8 @@ async def _run_level(client: httpx.AsyncClient, targets: list[Target], level: Le
     records: dict[str, list[RequestRecord]] = {t.label: [] for t in targets}
     durations = dict.fromkeys(records, 0.0)
     before = await scrape.scrape_all(client, targets)
-    for indices in slices:
-        for target in targets:
+    for round_index, indices in enumerate(slices):
+        for target in targets if round_index % 2 == 0 else targets[::-1]:
             bar.set_description(f"{target.label} {level.name}")
             recs, seconds = await _run_slice(_sender(client, target, bar), work, indices.tolist(), level)
             for rec in recs:

@@ -15,7 +15,7 @@ TTFT, TPOT, ITL, E2E latency (mean, median, p90, p99), request and token through
 load shapes:
   closed loop   --concurrency 1,4,16,64      (one level per value; a finished request is replaced at once)
   open loop     --request-rate 2,4 [--burstiness 1.0] [--concurrency CAP]
-side by side:   --compare URL2               (same requests, interleaved A B A B in --rounds slices per level)
+side by side:   --compare URL2               (same requests, interleaved A B, B A, ... in --rounds slices per level)
 structured:     --json-schema FILE           (every request asks for JSON that follows the schema; its output
                                              ends when the JSON is complete, ignore_eos or not; from a server
                                              that exports llmserve's grammar metrics on /metrics, each level
