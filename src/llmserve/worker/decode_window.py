@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from llmserve.model.attention import AttentionInputs
-from llmserve.model.step_inputs import StepInputs, on_device
+from llmserve.model.step_inputs import StepInputs, on_device, slot_mapping
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.persistent_batch import PersistentBatch
 
@@ -32,7 +32,10 @@ class DecodeWindow:
         # room for every id it samples (a row's last id goes at most right after the context's last token)
         batch.ensure_token_columns(min(int(firsts.max()) + num_forwards, batch.max_model_len) + 1)
         block_table = batch.block_table[batch_rows, :max(1, int(batch.num_blocks[batch_rows].max()))]  # [B0, W]
-        self.slots = _slots(block_table, self.positions, batch.block_size)  # [k, B0]
+        # a row's forwards past its count would index past its blocks: clipped (they never run)
+        last_slot = block_table.shape[1] * batch.block_size - 1
+        self.slots = slot_mapping(block_table, np.arange(len(batch_rows))[None, :],
+                                  np.minimum(self.positions, last_slot), batch.block_size)  # [k, B0]
         self._arange = on_device(np.arange(len(batch_rows) + 1, dtype=np.int64), device)  # [B0 + 1]
         self._arange_int32 = self._arange.int()  # [B0 + 1]
         self._all_rows = list(range(len(batch_rows)))
@@ -85,10 +88,3 @@ class DecodeWindow:
         self.batch.token_ids[self.batch_rows, self._seq_lens] = token_ids
         self.batch.num_tokens[self.batch_rows] = self._seq_lens + 1
 
-
-def _slots(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """[k, B] cache slots of the tokens at positions [k, B] of rows with blocks block_table [B, W]. A row's
-    forwards past its count would index past its blocks: clipped (they never run)."""
-    columns = np.minimum(positions // block_size, block_table.shape[1] - 1)  # [k, B]
-    block_ids = block_table[np.arange(block_table.shape[0])[None, :], columns].astype(np.int64)  # [k, B]
-    return block_ids * block_size + positions % block_size
