@@ -27,6 +27,7 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from llmserve.core.scheduler_preempt import Preemption
 from llmserve.core.scheduler_update import OutputUpdate, aborted_output
 from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
 from llmserve.messages import EngineCoreOutput
@@ -35,7 +36,7 @@ from llmserve.structured.bitmask import StepGrammar
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(OutputUpdate):
+class Scheduler(Preemption, OutputUpdate):
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig()) -> None:
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
@@ -316,64 +317,6 @@ class Scheduler(OutputUpdate):
     def _is_done_once_known(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
         return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
-
-    def _allocate_or_preempt(self, out: SchedulerOutput, request: Request,
-                             num_new: int) -> tuple[list[KVBlock] | None, int, int]:
-        """Blocks for `request`'s new tokens, preempting the lowest-priority running request until they fit.
-
-        Returns the new blocks (None when `request` itself was preempted), the token budget given back by
-        victims scheduled earlier in this step, and how many victims stood before `request` in `running`.
-        """
-        budget_back = num_before = 0
-        while True:
-            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead)
-            if new_blocks is not None:
-                return new_blocks, budget_back, num_before
-            victim = self._pick_victim()
-            num_before += self.running.index(victim) < self.running.index(request)
-            budget_back += self._unschedule(out, victim)
-            self._preempt(victim)
-            if victim is request:
-                return None, budget_back, num_before
-
-    def _pick_victim(self) -> Request:
-        """The lowest-priority running request (the newest under FCFS), perhaps one scheduled earlier in
-        this step; never one that outranks the request asking for blocks (it is running too)."""
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
-    def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
-        """Take `request` out of this step's output (it is being preempted); returns its scheduled tokens."""
-        num = out.num_scheduled_tokens.pop(request.request_id, 0)
-        if num == 0:
-            return 0
-        out.scheduled_spec_tokens.pop(request.request_id, None)
-        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
-        self.num_step_rows -= 1
-        if request in self.rows_to_advance:
-            self.rows_to_advance.remove(request)
-        else:  # a plain decode row, moved on as it was scheduled: back
-            request.num_computed_tokens -= 1
-            request.num_placeholders -= 1
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                self.num_step_prompt_tokens -= 1
-        if request.num_tokens_with_placeholders - request.num_computed_tokens > 1:
-            self.prefill_budget += num  # it was a prompt chunk
-        return num
-
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        if request.request_id in self.seen_by_runner:
-            self.seen_by_runner.discard(request.request_id)
-            self.finished_req_ids.add(request.request_id)
-        self.waiting.add_front(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
