@@ -215,15 +215,13 @@ class Scheduler(Preemption, OutputUpdate):
         counts = decode_step_counts(self.running, num_steps, self.kv, is_even=bool(len(self.waiting)))
         if counts is None:
             return False
-        kv, block_size, scheduled = self.kv, self.kv.block_size, out.num_scheduled_tokens
-        req_to_blocks, num_cached_blocks, is_caching = kv.req_to_blocks, kv.num_cached_blocks, kv.enable_caching
+        kv, scheduled = self.kv, out.num_scheduled_tokens
         for request, num in zip(self.running, counts):
             req_id, num_after = request.request_id, request.num_computed_tokens + num
-            num_blocks = len(req_to_blocks[req_id])
-            if num_after > num_blocks * block_size or num_blocks != request.num_runner_blocks:
+            num_blocks = len(kv.req_to_blocks[req_id])
+            if num_after > num_blocks * kv.block_size or num_blocks != request.num_runner_blocks:
                 self._send_blocks(out, request, kv.grow(request, num_after))
-            if is_caching and len(request.all_token_ids) // block_size > num_cached_blocks.get(req_id, 0):
-                kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
+            kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
             scheduled[req_id] = num
             request.num_computed_tokens = num_after
             request.num_placeholders = num

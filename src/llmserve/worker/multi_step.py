@@ -57,11 +57,7 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
                 kept = np.flatnonzero(is_left)
                 rows, ids = rows[kept], ids[kept]
                 window.keep(kept)
-        ids = runner.window_forward(window, j, ids)  # [B']
-        if len(rows) == len(req_ids):
-            sampled[j] = ids
-        else:
-            sampled[j, rows] = ids
+        ids = sampled[j, rows] = runner.window_forward(window, j, ids)  # [B']
         if stop_ids is not None:
             num_all = min(num_all, _end_stopped(ids, stop_ids, rows, window.states, counts, j + 1))
     token_ids = sampled.T.tolist()
