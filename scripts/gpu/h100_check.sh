@@ -6,8 +6,8 @@
 # (every log and results JSON).
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
-#   stages: comma list of tests,fp8probe,roofline,offline,serve,fp8,fp8serve,spec (default: all but fp8probe and
-#   fp8serve, in that order); TESTS: the test paths (default below); SPEC_ARGS: extra `bench spec` arguments
+#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,fp8,fp8serve,spec (default: all but
+#   fp8probe, fp8sweep and fp8serve, in that order); TESTS: the test paths (default below); SPEC_ARGS: extra `bench spec` arguments
 #   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype fp8, the same KV bytes) at
 #   once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
@@ -68,6 +68,9 @@ if want tests; then
 fi
 if want fp8probe; then
     run fp8probe 90 "$PY" scripts/gpu/fp8_probe.py 1,2,4,8,64,256
+fi
+if want fp8sweep; then  # the FP8 GEMV's tilings per shape (its three fastest, and the fastest over all)
+    run fp8sweep 100 "$PY" scripts/gpu/fp8_probe.py --sweep
 fi
 wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 

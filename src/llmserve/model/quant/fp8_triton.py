@@ -6,7 +6,7 @@ reads an FP8 weight at only 1.0-1.4 TB/s for a handful of rows. Two kernels repl
 
 - `quantize_rows`: one launch. A program per row finds its largest |x|, then writes x / scale in
   float8_e4m3fn and the scale (what `_per_token` + clamp + cast compute in torch).
-- `fp8_gemv`: for up to GEMV_MAX_ROWS rows, the whole layer in one launch: each program takes BLOCK_N
+- `fp8_gemv`: for up to GEMV_MAX_ROWS rows (the kernel takes up to 4), the whole layer in one launch: each program takes BLOCK_N
   output channels, quantizes the (few, small) activation rows to FP8 exactly as `quantize_rows` does,
   and walks K accumulating x_q * w_q in float32, then scales by x_scale * w_scale. The products and the
   float32 sums are what `_scaled_mm` computes, so a row's output does not depend on which path its batch
@@ -20,11 +20,30 @@ Their speed is a prediction until a GPU measures it (scripts/gpu/fp8_probe.py pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_ROWS = 4  # more rows: quantize_rows + torch._scaled_mm (tensor cores)
+# More rows: quantize_rows + torch._scaled_mm (tensor cores). Measured on an H100 (fp8_probe.py --sweep,
+# 2026-11-27): at 4 rows the GEMV took 1.9x its 1-row time, and more than the other path for gate_up and down.
+GEMV_MAX_ROWS = 1
+GEMV_KERNEL_MAX_ROWS = 4  # what fp8_gemv accepts (its rows are unrolled)
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    """How fp8_gemv splits the weight: BLOCK_N output channels a program, BLOCK_K of K a load. The
+    default is the fastest of 27 tilings summed over the four Llama-3.1-8B linears at 1 and 4 rows on an
+    H100 (fp8_probe.py --sweep: 385 us against 835 for 16 x 256 x 4 warps)."""
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 2
+
+
+GEMV_TILING = GemvTiling()
 
 
 @triton.jit
@@ -85,16 +104,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, stride_x, stri
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS), weight [N, K] float8_e4m3fn, w_scale [N] float32 -> [M, N] in x's
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+             tiling: GemvTiling = GEMV_TILING) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_KERNEL_MAX_ROWS), weight [N, K] float8_e4m3fn, w_scale [N] float32 -> [M, N] in x's
     dtype: x quantized per row to FP8, multiplied, scaled (Fp8Linear's numerics)."""
     rows, k = x.shape
     n = weight.shape[0]
-    assert rows <= GEMV_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    assert rows <= GEMV_KERNEL_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_n = 16
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _fp8_gemv_kernel[(triton.cdiv(n, tiling.block_n),)](
         x, weight, w_scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(max(rows, 1)), BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+        M_PAD=triton.next_power_of_2(max(rows, 1)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        num_warps=tiling.num_warps)
     return out
