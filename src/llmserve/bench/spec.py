@@ -13,7 +13,8 @@ Random weights make acceptance meaningless, so it is controlled (docs/speculativ
 Every configuration runs the same greedy workload at each concurrency, interleaved over `--rounds`
 (on CUDA one engine at a time, each freed before the next: a target-sized engine per configuration
 does not fit beside the others); the table reports median output tok/s, the ratio to plain decoding
-and the measured acceptance.
+and the measured acceptance, and the milliseconds a step spends in the runner's `finish` (its output and,
+speculating, the next drafts: the proposing's cost beside plain decoding's).
 """
 
 from __future__ import annotations
@@ -224,21 +225,26 @@ def _free(engines: dict) -> None:
 
 def _measure(cfg: SpecBenchConfig, level: int, names: list[str], engines: dict, workloads: dict,
              params) -> tuple[dict, dict]:
-    """Per configuration: output tok/s of each round, and (drafts, draft tokens, accepted) summed."""
+    """Per configuration: output tok/s of each round, and (drafts, draft tokens, accepted, engine steps,
+    seconds in the runner's `finish`: a step's output and, speculating, the next step's drafts) summed (an
+    oracle's reference work left out)."""
     times: dict[str, list[float]] = {n: [] for n in names}
     counts: dict[str, tuple[int, int, int]] = {}
     for _ in range(cfg.rounds):
         for name in names:
             llm, counter = engines[name]
-            before = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted)
+            steps = llm.engine.runner.times
+            before = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted, steps.num_steps,
+                      steps.propose)
             prompts = workloads[(level, name == "ngram")]
             seconds, rebase_s = 0.0, _rebase_s(llm)
             for i in range(0, len(prompts), level):  # `level` requests at once
                 seconds += _timed(llm, prompts[i:i + level], params)[0]
             seconds -= _rebase_s(llm) - rebase_s  # an oracle's reference work is not the engine's
             times[name].append(len(prompts) * cfg.output_len / seconds)
-            after = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted)
-            prev = counts.get(name, (0, 0, 0))
+            after = (counter.num_drafts, counter.num_draft_tokens, counter.num_accepted, steps.num_steps,
+                     steps.propose - (_rebase_s(llm) - rebase_s))
+            prev = counts.get(name, (0, 0, 0, 0, 0.0))
             counts[name] = tuple(p + a - b for p, a, b in zip(prev, after, before))
     return times, counts
 
@@ -247,21 +253,23 @@ def _rows(names: list[str], times: dict, counts: dict) -> dict:
     plain = statistics.median(times.get("none") or [float("nan")])
     rows = {}
     for name in names:
-        drafts, draft_tokens, accepted = counts[name]
+        drafts, draft_tokens, accepted, num_steps, finish_s = counts[name]
         tok_s = statistics.median(times[name])
         rows[name] = {"output_tok_s": tok_s, "ratio_to_none": tok_s / plain, "all_tok_s": times[name],
                       "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-                      "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+                      "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+                      "finish_ms_per_step": 1e3 * finish_s / num_steps if num_steps else None}
     return rows
 
 
 def _print_level(level: int, rows: dict) -> None:
     print(f"concurrency {level}")
-    print(f"  {'config':<12} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'tokens/step':>11}")
+    print(f"  {'config':<12} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'tokens/step':>11} {'finish ms/step':>14}")
     for name, r in rows.items():
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         length = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        print(f"  {name:<12} {r['output_tok_s']:>8.1f} {r['ratio_to_none']:>5.2f}x {acc:>7} {length:>11}")
+        finish = "-" if r["finish_ms_per_step"] is None else f"{r['finish_ms_per_step']:.2f}"
+        print(f"  {name:<12} {r['output_tok_s']:>8.1f} {r['ratio_to_none']:>5.2f}x {acc:>7} {length:>11} {finish:>14}")
 
 
 def add_bench_spec_parser(subparsers):

@@ -4,7 +4,9 @@ It runs inside the engine step on its own paged KV cache, which has the target's
 and is indexed by the same block tables, so the scheduler's allocation covers both (plus k
 lookahead slots for the tokens it proposes). Each proposal first catches the draft up on the real
 tokens it has not seen (the prompt the first time; then the tokens accepted last step), sampling the
-first draft at the last of them, then runs k - 1 single-token forwards.
+first draft at the last of them, then runs k - 1 single-token forwards. When every row is plain greedy
+and a `DraftChain` is given (CUDA graphs of the draft), those k - 1 forwards stay on the device
+(spec.draft_chain); otherwise each is built and sampled on the host.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import numpy as np
 import torch
 
 from llmserve.model.attention import AttentionBackend
+from llmserve.sample import ops
 from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
+from llmserve.spec.draft_chain import DraftChain
 from llmserve.spec.draft_inputs import prepare_inputs
 from llmserve.spec.proposer import ProposerRow
 
@@ -36,7 +40,7 @@ class _DraftInput:
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, num_speculative_tokens: int, max_model_len: int, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, chain: DraftChain | None = None) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per draft layer [2, num_blocks, block_size, Hkv, D]
@@ -45,9 +49,13 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.device = device
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed + 1))
+        self.chain = chain
+        self.num_chained = 0  # proposals whose later forwards ran on the device
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        if self._can_chain(rows):
+            return self._propose_chained(rows), [None] * len(rows)
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
@@ -63,6 +71,28 @@ class DraftModelProposer:
                                   rows[j].block_ids) for j in active]
             self._step(rows, active, inputs, [1] * len(active), drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def _can_chain(self, rows: list[ProposerRow]) -> bool:
+        """Every row plain greedy, none reaching max_model_len within k drafts, and a captured size fits."""
+        if self.chain is None or self.k < 2 or not all(r.is_plain_greedy for r in rows):
+            return False
+        if any(len(r.token_ids) + self.k - 1 >= self.max_model_len for r in rows):
+            return False
+        return self.chain.fits(len(rows), max(len(r.block_ids) for r in rows))
+
+    def _propose_chained(self, rows: list[ProposerRow]) -> list[list[int]]:
+        """The catch-up forward on the host's inputs, then the chain on the device; one copy to the host."""
+        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
+        lengths = np.asarray([len(r.token_ids) for r in rows], dtype=np.int64)  # [B]
+        counts = [len(r.token_ids) - r.num_draft_computed for r in rows]
+        step = prepare_inputs(inputs, counts, self.block_size, self.device)
+        metadata = self.attn_backend.build_metadata(step.attn)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.attn_backend)
+        first = ops.argmax_rows(self.model.compute_logits(hidden[step.logits_indices]).float())  # [B]
+        for row in rows:
+            row.num_draft_computed = len(row.token_ids)
+        self.num_chained += 1
+        return self.chain.run(first, lengths, step.attn.block_table, self.k).tolist()
 
     def forget(self, req_ids) -> None:
         """Nothing kept per request: its draft KV lives in the blocks the scheduler frees."""

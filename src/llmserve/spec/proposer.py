@@ -22,6 +22,7 @@ class ProposerRow(Protocol):
     stop_token_ids_for_min_tokens: list[int]
     block_ids: list[int]
     num_draft_computed: int
+    is_plain_greedy: bool  # greedy with nothing else applied: its drafts are the draft model's argmax
     draft_probs: torch.Tensor | None  # [k, V] q of the drafts proposed last step (draft model), for verify
 
 

@@ -84,8 +84,12 @@ class DecodeGraphs:
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
         attn = inputs.attn
         num_rows = len(attn.query_lens_cpu)
-        return (not has_drafts and num_rows <= self.sizes[-1] and inputs.input_ids.shape[0] == num_rows
-                and attn.block_table.shape[1] <= self.max_blocks)
+        return (not has_drafts and inputs.input_ids.shape[0] == num_rows
+                and self.fits(num_rows, attn.block_table.shape[1]))
+
+    def fits(self, num_rows: int, num_block_columns: int) -> bool:
+        """Whether a decode batch of this many rows and block-table columns has a captured size."""
+        return num_rows <= self.sizes[-1] and num_block_columns <= self.max_blocks
 
     def _padded_size(self, num_rows: int) -> int:
         return next(s for s in self.sizes if s >= num_rows)
@@ -94,13 +98,20 @@ class DecodeGraphs:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """A decode step's hidden states [B, hidden] through the smallest captured size >= B."""
         attn = inputs.attn
-        num_rows, width = attn.block_table.shape
+        return self.run_rows(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.seq_lens, attn.block_table)
+
+    @torch.inference_mode()
+    def run_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions, slot_mapping [B] int64, seq_lens [B] int32, block_table [B, W] int32, all
+        on the device -> hidden states [B, hidden] (a view of the graph's output: read before the next run)."""
+        num_rows, width = block_table.shape
         size = self._padded_size(num_rows)
-        self.input_ids[:num_rows].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:num_rows].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:num_rows].copy_(attn.slot_mapping, non_blocking=True)
-        self.seq_lens[:num_rows].copy_(attn.seq_lens, non_blocking=True)
-        self.block_table[:num_rows, :width].copy_(attn.block_table, non_blocking=True)
+        self.input_ids[:num_rows].copy_(input_ids, non_blocking=True)
+        self.positions[:num_rows].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_rows].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:num_rows].copy_(seq_lens, non_blocking=True)
+        self.block_table[:num_rows, :width].copy_(block_table, non_blocking=True)
         self.block_table[:num_rows, width:].zero_()
         self._reset_padding(num_rows, size)
         if not self.use_graphs:

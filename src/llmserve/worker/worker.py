@@ -16,6 +16,7 @@ from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
 from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
+from llmserve.spec.draft_chain import DraftChain
 from llmserve.spec.ngram import NgramProposer
 from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
@@ -57,7 +58,8 @@ class Worker:
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        model_info.num_layers, self.kv_dtype, device)
         speculator = self._speculator(attn_backend, draft_model)
-        graphs = self._decode_graphs(model, attn_backend, kv_caches)
+        max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
+        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp)
@@ -95,8 +97,11 @@ class Worker:
         info, block_size = self.draft_info, self.config.cache.block_size
         kv_caches = allocate_kv_caches(draft_model.kv_cache_shape(self.num_blocks, block_size),
                                        info.num_layers, self.kv_dtype, self.device)
+        max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
+        graphs = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch)
+        chain = DraftChain(draft_model, graphs, block_size, self.device) if graphs is not None else None
         return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
-                                  self.model_info.max_model_len, self.device, self.config.model.seed)
+                                  self.model_info.max_model_len, self.device, self.config.model.seed, chain)
 
     def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
         """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
@@ -121,16 +126,16 @@ class Worker:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp.group)  # every rank holds every block
         return int(agreed.item())
 
-    def _decode_graphs(self, model: torch.nn.Module, attn_backend,
-                       kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
-        """CUDA graphs of decode batches, captured now (CUDA with the Triton backend, unless --enforce-eager)."""
+    def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
+                       max_batch: int) -> DecodeGraphs | None:
+        """CUDA graphs of `model`'s decode batches up to max_batch rows, captured now (CUDA with the Triton
+        backend, unless --enforce-eager): the target's, and a draft model's for its later forwards."""
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
         if self.tp is not None:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
-        max_batch = min(cfg.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, self.config.scheduler.max_num_seqs)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device)
         graphs.capture()
         return graphs

@@ -1,0 +1,83 @@
+"""The draft model's later forwards on the device (spec.draft_chain): the drafts it proposes are the
+host path's (same rows, same draft KV), and greedy speculation through it still equals plain decoding.
+On CPU the decode-graph buffers run eagerly and the Triton attention under its interpreter (tests/gpu
+runs the captured graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from llmserve import LLM, SamplingParams  # noqa: E402
+from llmserve.spec.draft_chain import DraftChain  # noqa: E402
+from llmserve.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+
+from spec_cases import draft, repeating_prompts, target  # noqa: E402, F401 (fixtures)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, attention_backend="triton", device=DEVICE)
+K = 3
+
+
+def _chained_llm(target: str, draft: str) -> LLM:
+    llm = LLM(target, speculative="draft", draft_model=draft, num_speculative_tokens=K, speculative_dynamic=False,
+              speculative_max_batch=8, enforce_eager=True, **ENGINE)
+    proposer = llm.engine.runner.speculator.proposer
+    graphs = DecodeGraphs(proposer.model, proposer.attn_backend, proposer.kv_caches, max_batch=4, max_blocks=8,
+                          device=torch.device(DEVICE), use_graphs=False)
+    proposer.chain = DraftChain(proposer.model, graphs, proposer.block_size, torch.device(DEVICE))
+    return llm
+
+
+def _record_both_paths(proposer) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Each proposal computed twice from the same state: through the host path, then the chain."""
+    calls = []
+    original = proposer.propose
+
+    def propose(rows):
+        if not proposer._can_chain(rows):
+            return original(rows)
+        computed = [row.num_draft_computed for row in rows]
+        chain, proposer.chain = proposer.chain, None
+        host, _ = original(rows)
+        proposer.chain = chain
+        for row, num in zip(rows, computed):
+            row.num_draft_computed = num
+        chained, probs = original(rows)
+        calls.append((host, chained))
+        return chained, probs
+
+    proposer.propose = propose
+    return calls
+
+
+def test_chained_drafts_are_the_host_paths(target, draft):
+    llm = _chained_llm(target, draft)
+    calls = _record_both_paths(llm.engine.runner.speculator.proposer)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm.generate(repeating_prompts(4, seed=5), params)
+    assert calls and llm.engine.runner.speculator.proposer.num_chained >= len(calls)
+    assert {len(row) for host, _ in calls for row in host} == {K}
+    pairs = [(h, c) for host, chained in calls for hr, cr in zip(host, chained) for h, c in zip(hr, cr)]
+    assert sum(h == c for h, c in pairs) >= 0.95 * len(pairs), pairs  # float sums of a padded batch: near-ties
+    llm.engine.check_integrity()
+
+
+def test_greedy_speculation_through_the_chain_equals_plain(target, draft):
+    prompts = repeating_prompts(6, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(target, enforce_eager=True, **ENGINE)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = _chained_llm(target, draft)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.runner.speculator.proposer.num_chained > 0
+    assert sum(a == b for a, b in zip(got, want)) >= len(want) - 1, (got, want)  # one near-tie allowed
+    llm.engine.check_integrity()
+
+
+def test_sampled_rows_take_the_host_path(target, draft):
+    llm = _chained_llm(target, draft)
+    llm.generate(repeating_prompts(2, seed=9), SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True))
+    assert llm.engine.runner.speculator.proposer.num_chained == 0
