@@ -57,4 +57,5 @@ def test_target_as_its_own_draft_accepts_every_draft_on_cuda(target):
     _tokens(llm, repeating_prompts(4, seed=5))
     assert counts.num_draft_tokens > 0 and counts.num_accepted == counts.num_draft_tokens
     assert llm.engine.runner.speculator.proposer.num_chained > 0  # through the draft's graphs, still exact
+    assert llm.engine.runner.verify_graphs.graphs  # verification steps replay captured graphs too
     llm.engine.check_integrity()

@@ -4,9 +4,9 @@
 all layers) and copies the two small tile arrays to the device; `forward` writes the step's K/V into
 the paged cache at the slot mapping and launches the kernel once per layer.
 
-For CUDA graphs, `graph_metadata` wraps persistent buffers instead: a decode batch of B rows has one
-tile per row (tile_rows = 0..B-1, tile_starts = 0), so only the buffers' contents change between
-replays, never their addresses or the grid.
+For CUDA graphs, `graph_metadata` wraps persistent buffers instead: a batch of B rows of the same few
+queries (decode: one; verification: 1 + k) has one tile per row (tile_rows = 0..B-1, tile_starts = 0),
+so only the buffers' contents change between replays, never their addresses or the grid.
 """
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def graph_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, tile_rows: torch.Tensor,
-                       tile_starts: torch.Tensor) -> TritonAttentionMetadata:
-        """Metadata over persistent decode buffers (one query per row) for CUDA-graph capture."""
+                       tile_starts: torch.Tensor, queries_per_row: int = 1) -> TritonAttentionMetadata:
+        """Metadata over persistent buffers (every row `queries_per_row` queries, one tile) for CUDA graphs."""
+        block_q = triton_kernels.block_q_for(queries_per_row)
+        assert queries_per_row <= block_q, "a captured row's queries must fit one tile"
         return TritonAttentionMetadata(slot_mapping, block_table, seq_lens, query_start_loc, tile_rows,
-                                       tile_starts, triton_kernels.block_q_for(1))
+                                       tile_starts, block_q)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:

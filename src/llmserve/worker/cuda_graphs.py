@@ -1,11 +1,12 @@
 """CUDA graphs for decode steps: the model forward of a batch of one-token rows, captured once per
-padded batch size at start-up and replayed each step.
+padded batch size at start-up and replayed each step; and, with speculative decoding, of verification
+steps (`queries_per_row` = 1 + k: every row its last token and k drafts).
 
-A step of B decode rows (no prefill chunk, no drafts) runs in the smallest captured size >= B. Its
-inputs are copied into persistent buffers (the captured kernels read them at fixed addresses); the
-rows past B are padding: token 0 at position 0, one key, block table all null block, slot 0, so
-they write only into the null block (never allocated) and read only from it. The logits are taken
-outside the graph from the first B hidden rows.
+A step of B such rows (no prefill chunk) runs in the smallest captured size >= B. Its inputs are copied
+into persistent buffers (the captured kernels read them at fixed addresses); the rows past B are
+padding: token 0 at position 0, as many keys as queries, block table all null block, slot 0, so they
+write only into the null block (never allocated) and read only from it. The logits are taken outside
+the graph from the first B rows' hidden states.
 
 `use_graphs=False` keeps the same buffers and padding but calls the model eagerly: that path runs
 on CPU (with the Triton backend under TRITON_INTERPRET) so the tests check the padding logic
@@ -36,34 +37,36 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
-                 max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True) -> None:
+                 max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True,
+                 queries_per_row: int = 1) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_batch)
         self.max_blocks = max_blocks
         self.use_graphs = use_graphs
+        self.q = queries_per_row  # Q; at most one attention tile (16 queries)
         n = self.sizes[-1]
         int32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.input_ids = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
+        self.positions = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
+        self.slot_mapping = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
         self.block_table = torch.zeros(n, max_blocks, **int32)  # [n, W]
-        self.seq_lens = torch.ones(n, **int32)  # [n]
-        self.query_start_loc = torch.arange(n + 1, **int32)  # [n + 1]: one query per row
+        self.seq_lens = torch.full((n,), self.q, **int32)  # [n]
+        self.query_start_loc = torch.arange(n + 1, **int32) * self.q  # [n + 1]: Q queries a row
         self.tile_rows = torch.arange(n, **int32)  # [n]: one tile per row
         self.tile_starts = torch.zeros(n, **int32)  # [n]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [size, hidden]
+        self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [size * Q, hidden]
 
     def _metadata(self, size: int):
-        return self.backend.graph_metadata(self.slot_mapping[:size], self.block_table[:size], self.seq_lens[:size],
-                                           self.query_start_loc[:size + 1], self.tile_rows[:size],
-                                           self.tile_starts[:size])
+        return self.backend.graph_metadata(self.slot_mapping[:size * self.q], self.block_table[:size],
+                                           self.seq_lens[:size], self.query_start_loc[:size + 1],
+                                           self.tile_rows[:size], self.tile_starts[:size], self.q)
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size),
-                          self.backend)
+        return self.model(self.input_ids[:size * self.q], self.positions[:size * self.q], self.kv_caches,
+                          self._metadata(size), self.backend)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -82,10 +85,11 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for decode batches %s", self.sizes)
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
+        """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts)."""
         attn = inputs.attn
         num_rows = len(attn.query_lens_cpu)
-        return (not has_drafts and inputs.input_ids.shape[0] == num_rows
-                and self.fits(num_rows, attn.block_table.shape[1]))
+        return (has_drafts == (self.q > 1) and inputs.input_ids.shape[0] == num_rows * self.q
+                and max(attn.query_lens_cpu) == self.q and self.fits(num_rows, attn.block_table.shape[1]))
 
     def fits(self, num_rows: int, num_block_columns: int) -> bool:
         """Whether a decode batch of this many rows and block-table columns has a captured size."""
@@ -96,35 +100,37 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """A decode step's hidden states [B, hidden] through the smallest captured size >= B."""
+        """A step's hidden states [B * Q, hidden] through the smallest captured size >= B."""
         attn = inputs.attn
         return self.run_rows(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.seq_lens, attn.block_table)
 
     @torch.inference_mode()
     def run_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions, slot_mapping [B] int64, seq_lens [B] int32, block_table [B, W] int32, all
-        on the device -> hidden states [B, hidden] (a view of the graph's output: read before the next run)."""
+        """input_ids, positions, slot_mapping [B * Q] int64, seq_lens [B] int32, block_table [B, W] int32,
+        all on the device -> hidden states [B * Q, hidden] (a view of the graph's output: read it before the
+        next run)."""
         num_rows, width = block_table.shape
-        size = self._padded_size(num_rows)
-        self.input_ids[:num_rows].copy_(input_ids, non_blocking=True)
-        self.positions[:num_rows].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num_rows].copy_(slot_mapping, non_blocking=True)
+        size, num_tokens = self._padded_size(num_rows), num_rows * self.q
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:num_rows].copy_(seq_lens, non_blocking=True)
         self.block_table[:num_rows, :width].copy_(block_table, non_blocking=True)
         self.block_table[:num_rows, width:].zero_()
         self._reset_padding(num_rows, size)
         if not self.use_graphs:
-            return self._forward(size)[:num_rows]
+            return self._forward(size)[:num_tokens]
         self.graphs[size].replay()
-        return self.hidden[size][:num_rows]
+        return self.hidden[size][:num_tokens]
 
     def _reset_padding(self, num_rows: int, size: int) -> None:
         """Rows num_rows..size-1 back to the null row (a previous, larger batch may have used them)."""
         if num_rows == size:
             return
-        self.input_ids[num_rows:size].zero_()
-        self.positions[num_rows:size].zero_()
-        self.slot_mapping[num_rows:size].zero_()
-        self.seq_lens[num_rows:size].fill_(1)
+        tokens = slice(num_rows * self.q, size * self.q)
+        self.input_ids[tokens].zero_()
+        self.positions[tokens].zero_()
+        self.slot_mapping[tokens].zero_()
+        self.seq_lens[num_rows:size].fill_(self.q)
         self.block_table[num_rows:size].zero_()

@@ -74,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.speculator = speculator
         self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
+        self.verify_graphs: DecodeGraphs | None = None  # of verification steps (speculation; set by the Worker)
         self.states: dict[str, CachedRequestState] = {}
         self.num_not_plain_greedy = 0  # states whose sampling needs per-row inputs (SamplingInputs)
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
@@ -283,8 +284,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
         self.times.num_tokens += len(inputs.input_ids)
-        if self.graphs is not None and self.graphs.can_run(inputs, has_drafts):
-            hidden = self.graphs.run(inputs)  # [B, hidden]
+        graphs = self.verify_graphs if has_drafts else self.graphs
+        if graphs is not None and graphs.can_run(inputs, has_drafts):
+            hidden = graphs.run(inputs)  # [T, hidden]
         else:
             metadata = self.attn_backend.build_metadata(inputs.attn)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)

@@ -26,6 +26,7 @@ from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
 from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
 
+MAX_GRAPH_QUERIES = 16  # a captured row's queries fit one attention tile (triton_kernels.block_q_for)
 MAX_DEFAULT_GRAPH_BATCH = 512  # graphs captured up to max_num_seqs, at most this (vLLM's default too)
 
 
@@ -63,6 +64,11 @@ class Worker:
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp)
+        spec = config.speculative
+        if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
+            self.runner.verify_graphs = self._decode_graphs(
+                model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
+                queries_per_row=spec.num_speculative_tokens + 1)
 
     def _requested_threads(self) -> int | None:
         """--num-threads; CPU ranks of a tensor-parallel engine share the cores unless told otherwise."""
@@ -127,15 +133,17 @@ class Worker:
         return int(agreed.item())
 
     def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
-                       max_batch: int) -> DecodeGraphs | None:
-        """CUDA graphs of `model`'s decode batches up to max_batch rows, captured now (CUDA with the Triton
-        backend, unless --enforce-eager): the target's, and a draft model's for its later forwards."""
+                       max_batch: int, queries_per_row: int = 1) -> DecodeGraphs | None:
+        """CUDA graphs of `model`'s batches of up to max_batch rows of `queries_per_row` queries, captured now
+        (CUDA with the Triton backend, unless --enforce-eager): the target's decode and verification
+        steps, and a draft model's later forwards."""
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
         if self.tp is not None:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
-        graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device)
+        graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
+                              queries_per_row=queries_per_row)
         graphs.capture()
         return graphs

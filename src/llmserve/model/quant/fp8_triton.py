@@ -26,9 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-# More rows: quantize_rows + torch._scaled_mm (tensor cores). Measured on an H100 (fp8_probe.py --sweep,
-# 2026-11-27): at 4 rows the GEMV took 1.9x its 1-row time, and more than the other path for gate_up and down.
-GEMV_MAX_ROWS = 1
+# Rows up to this take the GEMV; more: quantize_rows + torch._scaled_mm (tensor cores). Off (0): on an H100
+# (2026-11-27) one-row steps through the GEMV made batch-1 decode 1.15x bf16 (152.5 vs 132.7 tok/s) but broke
+# greedy batching invariance (tests/gpu/test_gpu_quant.py: 5 of 8 sequences kept, the FP8 sums of a row
+# differing by path feed the next layer's per-token scale); 1 turns it on. At 4 rows it took 1.9x its
+# 1-row time, more than _scaled_mm for gate_up and down.
+GEMV_MAX_ROWS = 0
 GEMV_KERNEL_MAX_ROWS = 4  # what fp8_gemv accepts (its rows are unrolled)
 
 
