@@ -8,7 +8,7 @@
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
 #   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,fp8,fp8serve,spec (default: all but
 #   fp8probe, fp8sweep and fp8serve, in that order); TESTS: the test paths (default below); SPEC_ARGS: extra `bench spec` arguments
-#   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype fp8, the same KV bytes) at
+#   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the same KV bytes) at
 #   once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
@@ -62,7 +62,7 @@ export PYTHONUNBUFFERED=1
 MAKER=$!
 
 if want tests; then
-    TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py tests/unit/test_fp8_triton.py}
+    TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py tests/unit/test_fp8_triton.py tests/unit/test_draft_chain.py}
     # shellcheck disable=SC2086
     run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 $TESTS
 fi
@@ -109,7 +109,7 @@ if want fp8serve; then
         >"$RES/server_bf16.log" 2>&1 &
     BF16=$!
     "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8001 --kv-cache-memory "$KV" \
-        --quantization fp8 --kv-cache-dtype fp8 >"$RES/server_fp8.log" 2>&1 &
+        --quantization fp8 --kv-cache-dtype "${FP8_KV:-fp8}" >"$RES/server_fp8.log" 2>&1 &
     FP8=$!
     wait_up 8000 $BF16 200
     wait_up 8001 $FP8 200
