@@ -3,6 +3,8 @@
 Each row with drafts d[0..k) is expanded into k + 1 sampling positions; position j samples as the
 request would at output index n + j with d[:j] already appended (penalties, min_tokens and the
 per-position seed all see that prefix). Rows without drafts are one position, as without speculation.
+When every row is plain greedy, the sampler would take the argmax at each position: that is taken
+directly, with no per-position sampling rows.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.messages import Logprobs
+from llmserve.sample import ops
 from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.rejection import accepted_lengths, emit_accepted, rejection_sample
 from llmserve.sample.sampler import Sampler, gather_logprobs
@@ -49,6 +52,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[ProposerRow], dr
            draft_probs: list[torch.Tensor | None], vocab_size: int) -> Verified:
     """logits [N, V] at the expanded positions; draft_probs per row: q [k, V] of a draft model's
     random drafts, or None (point-mass drafts: n-gram, greedy)."""
+    if all(state.is_plain_greedy for state in states):
+        return _verify_plain_greedy(logits, drafts)
     rows = expand_rows(states, drafts, logits.device)
     meta = build_sampling_metadata(rows, vocab_size, logits.device)
     raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None  # [N, V]
@@ -65,6 +70,21 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[ProposerRow], dr
     if raw_logprobs is None:
         return Verified(emitted, num_accepted)
     return Verified(emitted, num_accepted, _logprobs(raw_logprobs, meta.max_num_logprobs, states, drafts, emitted))
+
+
+def _verify_plain_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> Verified:
+    """Every row plain greedy (what the sampler would do is the argmax): the argmax at each position
+    [N], one copy to the host, and each row's drafts accepted while they equal it."""
+    target = ops.argmax_rows(logits).tolist()  # [N]
+    emitted, num_accepted, start = [], [], 0
+    for row_drafts in drafts:
+        num = 0
+        while num < len(row_drafts) and row_drafts[num] == target[start + num]:
+            num += 1
+        num_accepted.append(num)
+        emitted.append(row_drafts[:num] + [target[start + num]])
+        start += len(row_drafts) + 1
+    return Verified(emitted, num_accepted)
 
 
 def _flat_drafts(drafts: list[list[int]], device: torch.device) -> torch.Tensor:
