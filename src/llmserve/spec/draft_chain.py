@@ -11,15 +11,26 @@ come to the host once, at the end. The forwards run through the draft's decode C
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
 from llmserve.sample import ops
-from llmserve.worker.cuda_graphs import DecodeGraphs
+
+
+class DecodeForward(Protocol):
+    """The draft model's decode forward over persistent buffers (worker.cuda_graphs.DecodeGraphs; spec/
+    may not import worker/, which holds the speculator)."""
+
+    def fits(self, num_rows: int, num_block_columns: int) -> bool: ...
+
+    def run_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor: ...
 
 
 class DraftChain:
-    def __init__(self, model: torch.nn.Module, graphs: DecodeGraphs, block_size: int,
+    def __init__(self, model: torch.nn.Module, graphs: DecodeForward, block_size: int,
                  device: torch.device) -> None:
         self.model = model
         self.graphs = graphs  # the draft model's decode graphs (or their eager buffers: use_graphs=False)
