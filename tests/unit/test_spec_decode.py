@@ -165,7 +165,7 @@ def _top4_distribution(llm: LLM, prefix: list[int], temperature: float) -> dict[
 
 
 def test_dynamic_rule_measures_both_costs_and_keeps_greedy_outputs(target, plain):
-    """The dynamic rule: a plain decode step measures plain_s, the next speculates to measure extra_s,
+    """The dynamic rule: a plain decode step measures plain_s, the next speculates to measure row_s (and fixed_s),
     then it decides per request; whatever it decides, greedy outputs stay those of plain decoding."""
     llm = LLM(target, dtype="float32", max_model_len=256, speculative="ngram", num_speculative_tokens=3,
               num_kv_blocks=200, speculative_dynamic=True)
@@ -174,6 +174,6 @@ def test_dynamic_rule_measures_both_costs_and_keeps_greedy_outputs(target, plain
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     _assert_same_greedy(target, prompts, _tokens(llm, prompts, params), _tokens(plain, prompts, params))
     cost = llm.engine.runner.speculator.rule.buckets[2]
-    assert cost.plain_s > 0 and cost.extra_s is not None and cost.num_decisions > 2
+    assert cost.plain_s > 0 and cost.row_s is not None and cost.num_decisions > 2
     assert counts.num_draft_tokens > 0
     _assert_all_free(llm)

@@ -25,10 +25,25 @@ def test_buckets_are_powers_of_two():
 
 def test_best_rows_maximise_tokens_per_second():
     # B = 4, plain 1 s, 0.1 s per speculating row: 4/1, 7/1.1, 10/1.2 (best), 10.1/1.3, 10.1/1.4 tok/s
-    assert best_num_rows([3.0, 3.0, 0.1, 0.0], 4, 1.0, 0.1) == 2
-    assert best_num_rows([1.0], 1, 1.0, 1.0) == 0  # 2 tokens in 2 s ties plain decoding: plain
-    assert best_num_rows([1.01], 1, 1.0, 1.0) == 1
-    assert best_num_rows([], 3, 1.0, 0.1) == 0
+    assert best_num_rows([3.0, 3.0, 0.1, 0.0], 4, 1.0, 0.0, 0.1) == 2
+    assert best_num_rows([1.0], 1, 1.0, 0.0, 1.0) == 0  # 2 tokens in 2 s ties plain decoding: plain
+    assert best_num_rows([1.01], 1, 1.0, 0.0, 1.0) == 1
+    assert best_num_rows([], 3, 1.0, 0.0, 0.1) == 0
+
+
+def test_a_fixed_proposing_cost_is_paid_once_per_step():
+    """The CPU figures of the first rule's failure (smollm2 target, 2-layer draft, B = 4): plain 26 ms, the
+    draft's forwards 22 ms a step, 10 ms a speculating row, 2.7 drafts accepted a row. All four rows pay
+    (14.8 tokens in 88 ms beat 4 in 26); one row alone would not (6.7 in 58 ms)."""
+    assert best_num_rows([2.7] * 4, 4, 0.026, 0.022, 0.010) == 4
+    assert best_num_rows([2.7], 4, 0.026, 0.022, 0.010) == 0
+    rule = SpeculationRule(max_batch=64, num_speculative_tokens=4)
+    rule.observe_step(StepCost(4, 0, 0.026))
+    rule.observe_step(StepCost(4, 1, 0.058, propose_s=0.022))  # one row speculated: 22 ms fixed, 10 ms its own
+    assert rule.buckets[4].fixed_s == pytest.approx(0.022) and rule.buckets[4].row_s == pytest.approx(0.010)
+    for req_id in "abcd":
+        rule.observe_row(req_id, 2.7)
+    assert rule.choose(list("abcd"), 4) == [True] * 4
 
 
 def test_costs_are_measured_plain_first_then_speculative():
@@ -37,7 +52,7 @@ def test_costs_are_measured_plain_first_then_speculative():
     rule.observe_step(StepCost(1, 0, 0.010))
     assert rule.choose(["a"], 1) == [True]  # no speculative cost yet: speculate to measure it
     rule.observe_step(StepCost(1, 1, 0.030))
-    assert rule.buckets[1].plain_s == pytest.approx(0.010) and rule.buckets[1].extra_s == pytest.approx(0.020)
+    assert rule.buckets[1].plain_s == pytest.approx(0.010) and rule.buckets[1].row_s == pytest.approx(0.020)
     assert rule.choose(["a"], 2) == [False]  # another bucket: measured on its own
 
 
@@ -81,10 +96,10 @@ def test_every_probe_interval_takes_the_other_choice():
 def test_spec_step_before_a_plain_one_teaches_nothing_and_negative_extra_is_zero():
     rule = SpeculationRule(max_batch=8, num_speculative_tokens=4)
     rule.observe_step(StepCost(2, 2, 0.050))
-    assert rule.buckets[2].extra_s is None
+    assert rule.buckets[2].row_s is None
     rule.observe_step(StepCost(2, 0, 0.020))
     rule.observe_step(StepCost(2, 1, 0.015))  # faster than plain (noise): free, not negative
-    assert rule.buckets[2].extra_s == 0.0
+    assert rule.buckets[2].row_s == 0.0
 
 
 def test_the_cap_and_the_static_rule():
@@ -114,20 +129,21 @@ class FakeRow:
 
 
 class SlowProposer:
-    """Proposes [7, 7] per row and takes 5 ms of the fake clock."""
+    """Proposes [7, 7] per row and takes 5 ms of the fake clock, after catching up on `max_catch_up` tokens."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: FakeClock, max_catch_up: int = 1) -> None:
         self.clock = clock
+        self.max_catch_up = max_catch_up
 
     def propose(self, rows):
         self.clock.now += 0.005
         return [[7, 7] for _ in rows], [None] * len(rows)
 
 
-def _speculator():
+def _speculator(max_catch_up: int = 1):
     clock = FakeClock()
     rule = SpeculationRule(max_batch=8, num_speculative_tokens=2)
-    return Speculator(SlowProposer(clock), rule, clock), clock, rule
+    return Speculator(SlowProposer(clock, max_catch_up), rule, clock), clock, rule
 
 
 def _step(speculator, clock, rows, num_spec_rows: int, seconds: float, is_decode: bool = True):
@@ -144,8 +160,22 @@ def test_speculator_charges_the_proposing_to_the_step_that_verifies():
     assert rule.buckets[2].plain_s is None
     assert _step(speculator, clock, rows, 0, 0.020) == [[7, 7], []]  # plain measured; `b` opted out
     assert rule.buckets[2].plain_s == pytest.approx(0.020)
-    _step(speculator, clock, rows, 1, 0.030)  # verification 30 ms + the 5 ms proposing: 15 ms extra
-    assert rule.buckets[2].extra_s == pytest.approx(0.015)
+    _step(speculator, clock, rows, 1, 0.030)  # verification 30 ms (10 ms more than plain) + 5 ms proposing
+    assert rule.buckets[2].row_s == pytest.approx(0.010) and rule.buckets[2].fixed_s == pytest.approx(0.005)
+
+
+def test_a_long_catch_up_is_left_out_of_the_proposing_cost():
+    """k = 2: a proposal that first caught up on more than k + 1 tokens paid for switching, not speculating."""
+    speculator, clock, rule = _speculator(max_catch_up=4)
+    rows = [FakeRow("a")]
+    _step(speculator, clock, rows, 0, 0.020)
+    _step(speculator, clock, rows, 1, 0.030)
+    assert rule.buckets[1].row_s == pytest.approx(0.010) and rule.buckets[1].fixed_s is None
+    speculator.proposer.max_catch_up = 3
+    _step(speculator, clock, rows, 1, 0.030)  # verifies drafts of the long catch-up; proposes after a short one
+    assert rule.buckets[1].fixed_s is None
+    _step(speculator, clock, rows, 1, 0.030)
+    assert rule.buckets[1].fixed_s == pytest.approx(0.005)
 
 
 def test_speculator_skips_a_step_whose_proposed_drafts_were_dropped():
@@ -153,6 +183,6 @@ def test_speculator_skips_a_step_whose_proposed_drafts_were_dropped():
     rows = [FakeRow("a")]
     _step(speculator, clock, rows, 0, 0.020)  # plain measured, then drafts proposed
     _step(speculator, clock, rows, 0, 0.040)  # the scheduler placed none: says nothing
-    assert rule.buckets[1].plain_s == pytest.approx(0.020) and rule.buckets[1].extra_s is None
+    assert rule.buckets[1].plain_s == pytest.approx(0.020) and rule.buckets[1].row_s is None
     speculator.propose(rows, 1, may_speculate=False)
     assert rows[0].draft_probs is None and speculator.num_proposed == 0

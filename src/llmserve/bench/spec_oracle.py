@@ -38,6 +38,10 @@ class OracleDraft:
         self.num_rebases = 0
         self.rebase_s = 0.0
 
+    @property
+    def max_catch_up(self) -> int:
+        return self.inner.max_catch_up
+
     def propose(self, rows):
         drafts, _ = self.inner.propose(rows)  # the draft model's cost
         out = []

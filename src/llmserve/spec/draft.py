@@ -51,9 +51,11 @@ class DraftModelProposer:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed + 1))
         self.chain = chain
         self.num_chained = 0  # proposals whose later forwards ran on the device
+        self.max_catch_up = 0  # the most real tokens a row caught up on in the last proposal
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        self.max_catch_up = max(len(r.token_ids) - r.num_draft_computed for r in rows)
         if self._can_chain(rows):
             return self._propose_chained(rows), [None] * len(rows)
         drafts: list[list[int]] = [[] for _ in rows]

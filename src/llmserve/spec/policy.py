@@ -1,20 +1,26 @@
 """Where to speculate: the dynamic rule (what SGLang and TensorRT-LLM call dynamic speculation).
 
-A speculative row costs extra time (its drafts, their verification) and yields extra tokens (its
-accepted drafts). Both are measured, never assumed:
-- per batch-size bucket (1, 2, 4, 8, ...), an exponential moving average of the seconds of a plain
-  decode step, `plain_s`, and of the extra seconds each speculating row adds to a step, `extra_s`
-  (a step with S of its B rows speculating is modelled as plain_s + S * extra_s);
+A speculative step costs extra time (the proposing of its drafts, their verification) and yields extra
+tokens (its accepted drafts). Both are measured, never assumed:
+- per batch-size bucket (1, 2, 4, 8, ...), moving averages of the seconds of a plain decode step,
+  `plain_s`; of the proposing a speculative step pays once whatever its rows, `fixed_s` (a draft model's
+  k forwards read its weights for any number of rows; n-gram lookup costs next to nothing); and of what
+  each speculating row adds to the verification, `row_s` (its k more tokens through the target). A step
+  with S of its B rows speculating is modelled as plain_s + fixed_s + S * row_s;
 - per request, a moving average of the drafts accepted per verified step, `a_r`.
-With S speculating rows a step yields B + sum(a_r over S) tokens in plain_s + S * extra_s seconds, so the
-best set is the m rows of highest a_r for the m that maximises that ratio (m = 0: plain decoding). The
-rule speculates for those rows only, so speculation never buys fewer tokens per second than plain
-decoding, as far as the averages tell.
+With S speculating rows a step yields B + sum(a_r over S) tokens in that time, so the best set is the m
+rows of highest a_r for the m that maximises the ratio (m = 0: plain decoding). The rule speculates for
+those rows only, so speculation never buys fewer tokens per second than plain decoding, as far as the
+averages tell. (A single per-row average, the rule's first form, charged a step of one speculating row
+the whole draft cost and switched speculation off where it paid: docs/speculative.md.)
 
 Unmeasured costs are measured first: a bucket without `plain_s` decodes plainly, then one without
-`extra_s` speculates. Every `probe_every`-th decision of a bucket takes the other choice (a plain step
-while speculating, a speculative step while not), so the averages follow a changing load, and requests
-that were switched off get their acceptance measured again. `--speculative-max-batch` caps it all.
+`row_s` speculates. A proposal that first caught the draft up on more tokens than a verified step
+accepts (after plain steps, or a prompt) is left out of `fixed_s`: that catch-up is the price of having
+switched, not of speculating. Every `probe_every`-th decision of a bucket takes the other choice (a
+plain step while speculating, a speculative step while not), so the averages follow a changing load,
+and requests that were switched off get their acceptance measured again. `--speculative-max-batch` caps
+it all.
 """
 
 from __future__ import annotations
@@ -28,17 +34,21 @@ PROBE_EVERY = 32  # every this many decisions of a bucket, take the other choice
 @dataclass(frozen=True)
 class StepCost:
     """One measured decode step (no prompt tokens): its rows, the rows that verified drafts, and the
-    seconds it took, the proposing of those drafts included."""
+    seconds it took, the proposing of those drafts (propose_s) included; has_long_catch_up: that
+    proposing first caught the draft up on more tokens than a verified step accepts."""
 
     num_rows: int
     num_spec_rows: int
     seconds: float
+    propose_s: float = 0.0
+    has_long_catch_up: bool = False
 
 
 @dataclass
 class BucketCost:
     plain_s: float | None = None  # a plain decode step
-    extra_s: float | None = None  # added to a step per speculating row
+    fixed_s: float | None = None  # the proposing of a speculative step (None: not measured, taken as 0)
+    row_s: float | None = None  # added to the verification per speculating row
     num_decisions: int = 0
 
 
@@ -51,15 +61,15 @@ def _average(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
 
 
-def best_num_rows(accepted: list[float], num_rows: int, plain_s: float, extra_s: float) -> int:
+def best_num_rows(accepted: list[float], num_rows: int, plain_s: float, fixed_s: float, row_s: float) -> int:
     """accepted: per candidate row its expected accepted drafts per step, best first; num_rows: the
     step's rows (B). Returns how many leading candidates speculate so that
-    (B + their accepted) / (plain_s + m * extra_s) is largest (0 on ties: plain decoding)."""
+    (B + their accepted) / (plain_s + fixed_s + m * row_s) is largest (0 on ties: plain decoding)."""
     best, best_rate = 0, num_rows / plain_s
     total = float(num_rows)
     for m, a in enumerate(accepted, start=1):
         total += a
-        rate = total / (plain_s + m * max(extra_s, 0.0))
+        rate = total / (plain_s + max(fixed_s, 0.0) + m * max(row_s, 0.0))
         if rate > best_rate:
             best, best_rate = m, rate
     return best
@@ -71,6 +81,7 @@ class SpeculationRule:
         self.max_batch = max_batch
         self.is_dynamic = is_dynamic
         self.probe_every = probe_every
+        self.num_speculative_tokens = num_speculative_tokens  # k
         self.prior = float(num_speculative_tokens)  # a request's acceptance before any is measured
         self.buckets: dict[int, BucketCost] = {}
         self.accepted: dict[str, float] = {}  # req_id -> drafts accepted per verified step (average)
@@ -85,11 +96,12 @@ class SpeculationRule:
             return [True] * num
         cost = self.buckets.setdefault(bucket_of(num_rows), BucketCost())
         cost.num_decisions += 1
-        if cost.plain_s is None or cost.extra_s is None:
+        if cost.plain_s is None or cost.row_s is None:
             return [cost.plain_s is not None] * num  # measure the plain step first, then the speculative
         accepted = [self.accepted.get(r, self.prior) for r in candidates]
         order = sorted(range(num), key=lambda i: -accepted[i])
-        num_spec = best_num_rows([accepted[i] for i in order], num_rows, cost.plain_s, cost.extra_s)
+        num_spec = best_num_rows([accepted[i] for i in order], num_rows, cost.plain_s, cost.fixed_s or 0.0,
+                                 cost.row_s)
         if cost.num_decisions % self.probe_every == 0:
             num_spec = 0 if num_spec else num  # the other choice, to refresh its cost
         chosen = set(order[:num_spec])
@@ -102,8 +114,10 @@ class SpeculationRule:
         if step.num_spec_rows == 0:
             cost.plain_s = _average(cost.plain_s, step.seconds)
         elif cost.plain_s is not None:
-            extra = max(0.0, step.seconds - cost.plain_s) / step.num_spec_rows
-            cost.extra_s = _average(cost.extra_s, extra)
+            verify_extra = max(0.0, step.seconds - step.propose_s - cost.plain_s)
+            cost.row_s = _average(cost.row_s, verify_extra / step.num_spec_rows)
+            if not step.has_long_catch_up:
+                cost.fixed_s = _average(cost.fixed_s, step.propose_s)
 
     def observe_row(self, req_id: str, num_accepted: int) -> None:
         """A verified step of `req_id`: `num_accepted` of its drafts were kept."""

@@ -27,6 +27,8 @@ class ProposerRow(Protocol):
 
 
 class Proposer(Protocol):
+    max_catch_up: int  # the most real tokens a row's draft model caught up on in the last proposal (n-gram: 0)
+
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per row: draft tokens (at most k, possibly none) and their distribution q [k, V] when they
         were sampled from one (None: point-mass drafts, verified by agreement with the target)."""

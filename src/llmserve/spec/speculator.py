@@ -42,6 +42,7 @@ class Speculator:
         self.clock = clock
         self.step: _Step | None = None
         self.propose_s = 0.0  # the last proposing, paid for the drafts the next step verifies
+        self.has_long_catch_up = False  # the last proposing caught the draft up on more than a step accepts
         self.num_proposed = 0  # rows it gave drafts
 
     def verify(self, sampler: Sampler, logits: torch.Tensor, rows: list[ProposerRow],
@@ -63,8 +64,10 @@ class Speculator:
         candidates = [i for i, row in enumerate(rows) if may_speculate and row.params.speculative]
         chosen = self.rule.choose([rows[i].req_id for i in candidates], num_rows) if candidates else []
         wanted = [i for i, is_chosen in zip(candidates, chosen) if is_chosen]
+        self.has_long_catch_up = False
         if wanted:
             drafts, probs = self.proposer.propose([rows[i] for i in wanted])
+            self.has_long_catch_up = self.proposer.max_catch_up > self.rule.num_speculative_tokens + 1
             for i, row_drafts, row_probs in zip(wanted, drafts, probs):
                 proposals[i] = row_drafts
                 rows[i].draft_probs = row_probs
@@ -84,7 +87,8 @@ class Speculator:
         if step is None or not step.is_decode or (step.num_spec_rows == 0 and self.num_proposed):
             return
         seconds = self.clock() - step.started + self.propose_s
-        self.rule.observe_step(StepCost(step.num_rows, step.num_spec_rows, seconds))
+        self.rule.observe_step(StepCost(step.num_rows, step.num_spec_rows, seconds, self.propose_s,
+                                        self.has_long_catch_up))
 
     def forget(self, req_ids) -> None:
         self.rule.forget(req_ids)
