@@ -7,9 +7,10 @@
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
 #   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,fp8,fp8serve,spec (default: all but
-#   fp8probe, fp8sweep and fp8serve, in that order); TESTS: the test paths (default below); SPEC_ARGS: extra `bench spec` arguments
-#   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the same KV bytes) at
-#   once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
+#   fp8probe, fp8sweep and fp8serve, in that order); TESTS: the test paths (default below); SPEC_ARGS: extra
+#   `bench spec` arguments
+#   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the
+#   same KV bytes) at once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}

@@ -25,7 +25,8 @@ def test_plain_greedy_shortcut_emits_what_sampling_emits():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3 + 1 + 5, 50, generator=gen)  # rows with 2, 0 and 4 drafts: 3 + 1 + 5 positions
     target = logits.argmax(dim=-1).tolist()
-    drafts = [[target[0], 7 if target[1] != 7 else 8], [], [target[4], target[5], target[6], 9 if target[7] != 9 else 8]]
+    wrong_1, wrong_7 = (7 if target[1] != 7 else 8), (9 if target[7] != 9 else 8)
+    drafts = [[target[0], wrong_1], [], [target[4], target[5], target[6], wrong_7]]
     sampler = Sampler(torch.Generator().manual_seed(1))
     fast = verify(sampler, logits, [_Row(True) for _ in drafts], drafts, [None] * 3, 50)
     slow = verify(sampler, logits, [_Row(False) for _ in drafts], drafts, [None] * 3, 50)

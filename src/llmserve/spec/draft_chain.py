@@ -44,8 +44,9 @@ class DraftChain:
     def run(self, first: torch.Tensor, lengths: np.ndarray, table: torch.Tensor, k: int) -> torch.Tensor:
         """first [B] int64 on the device: each row's first draft (sampled at its last real token);
         lengths [B] on the host: the rows' real tokens (the first draft's position); table [B, W] int32 on
-        the device, the rows' blocks (covering positions up to lengths + k - 2). Returns the drafts [B, k] on the device: first, then k - 1 argmaxes,
-        forward i feeding draft i - 1 at position lengths + i - 1."""
+        the device, the rows' blocks (covering positions up to lengths + k - 2). Returns the drafts [B, k]
+        on the device: first, then k - 1 argmaxes, forward i feeding draft i - 1 at position
+        lengths + i - 1."""
         rows = torch.arange(len(lengths), device=self.device)  # [B]
         start = torch.from_numpy(lengths.astype(np.int64)).to(self.device, non_blocking=True)  # [B]
         drafts = [first]

@@ -82,7 +82,8 @@ class DecodeGraphs:
                 self.hidden[size] = self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batches %s", self.sizes)
+        logger.info("captured CUDA graphs for batches %s of %d quer%s a row", self.sizes, self.q,
+                    "y" if self.q == 1 else "ies")
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
         """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts)."""
