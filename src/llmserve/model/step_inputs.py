@@ -52,6 +52,8 @@ def flat_positions(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, 
 
 def slot_mapping(block_table: np.ndarray, row_of_token: np.ndarray, positions: np.ndarray,
                  block_size: int) -> np.ndarray:
-    """[T] cache slot of each token: its block's id * block_size + offset."""
-    block_ids = block_table[row_of_token, positions // block_size].astype(np.int64)
+    """[T] cache slot of each token: its block's id * block_size + offset (numpy arrays, or torch tensors
+    on the device: the draft chain's)."""
+    block_ids = block_table[row_of_token, positions // block_size]
+    block_ids = block_ids.long() if isinstance(block_ids, torch.Tensor) else block_ids.astype(np.int64)
     return block_ids * block_size + positions % block_size

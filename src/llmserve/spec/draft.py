@@ -22,6 +22,7 @@ from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
 from llmserve.spec.draft_chain import DraftChain
+from llmserve.model.step_inputs import StepInputs
 from llmserve.spec.draft_inputs import prepare_inputs
 from llmserve.spec.proposer import ProposerRow
 
@@ -55,13 +56,13 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        self.max_catch_up = max(len(r.token_ids) - r.num_draft_computed for r in rows)
+        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
+        counts = [len(r.token_ids) - r.num_draft_computed for r in rows]  # the real tokens each catches up on
+        self.max_catch_up = max(counts)
         if self._can_chain(rows):
-            return self._propose_chained(rows), [None] * len(rows)
+            return self._propose_chained(rows, inputs, counts), [None] * len(rows)
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
-        counts = [len(r.token_ids) - r.num_draft_computed for r in rows]
         self._step(rows, list(range(len(rows))), inputs, counts, drafts, probs)
         for row in rows:
             row.num_draft_computed = len(row.token_ids)
@@ -82,15 +83,12 @@ class DraftModelProposer:
             return False
         return self.chain.fits(len(rows), max(len(r.block_ids) for r in rows))
 
-    def _propose_chained(self, rows: list[ProposerRow]) -> list[list[int]]:
+    def _propose_chained(self, rows: list[ProposerRow], inputs: list[_DraftInput],
+                         counts: list[int]) -> list[list[int]]:
         """The catch-up forward on the host's inputs, then the chain on the device; one copy to the host."""
-        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
         lengths = np.asarray([len(r.token_ids) for r in rows], dtype=np.int64)  # [B]
-        counts = [len(r.token_ids) - r.num_draft_computed for r in rows]
-        step = prepare_inputs(inputs, counts, self.block_size, self.device)
-        metadata = self.attn_backend.build_metadata(step.attn)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.attn_backend)
-        first = ops.argmax_rows(self.model.compute_logits(hidden[step.logits_indices]).float())  # [B]
+        logits, step = self._forward(inputs, counts)  # [B, V]
+        first = ops.argmax_rows(logits)  # [B]
         for row in rows:
             row.num_draft_computed = len(row.token_ids)
         self.num_chained += 1
@@ -102,15 +100,20 @@ class DraftModelProposer:
     def _step(self, rows: list[ProposerRow], active: list[int], inputs: list[_DraftInput], counts: list[int],
               drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
         """One draft forward over `active` rows; appends one draft (and its q for random rows) to each."""
-        step = prepare_inputs(inputs, counts, self.block_size, self.device)
-        metadata = self.attn_backend.build_metadata(step.attn)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.attn_backend)
-        logits = self.model.compute_logits(hidden[step.logits_indices]).float()  # [A, V]
+        logits, _ = self._forward(inputs, counts)  # [A, V]
         tokens, q = self._sample(logits, [rows[j] for j in active], [drafts[j] for j in active])
         for a, j in enumerate(active):
             drafts[j].append(tokens[a])
             if q is not None and rows[j].params.temperature != 0.0:
                 probs[j].append(q[a])
+
+    def _forward(self, inputs: list[_DraftInput], counts: list[int]) -> tuple[torch.Tensor, StepInputs]:
+        """One draft forward of `counts` tokens a row -> float32 logits [A, V] at each row's last token,
+        and the forward's inputs."""
+        step = prepare_inputs(inputs, counts, self.block_size, self.device)
+        metadata = self.attn_backend.build_metadata(step.attn)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.attn_backend)
+        return self.model.compute_logits(hidden[step.logits_indices]).float(), step
 
     def _sample(self, logits: torch.Tensor, rows: list[ProposerRow],
                 drafts: list[list[int]]) -> tuple[list[int], torch.Tensor | None]:

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from llmserve.model.step_inputs import slot_mapping
 from llmserve.sample import ops
 
 
@@ -52,7 +53,7 @@ class DraftChain:
         drafts = [first]
         for i in range(1, k):
             positions = start + (i - 1)  # [B]
-            slots = table[rows, positions // self.block_size].long() * self.block_size + positions % self.block_size
+            slots = slot_mapping(table, rows, positions, self.block_size)  # [B]
             hidden = self.graphs.run_rows(drafts[-1], positions, slots, (positions + 1).int(), table)  # [B, H]
             drafts.append(ops.argmax_rows(self.model.compute_logits(hidden).float()))  # [B]
         return torch.stack(drafts, dim=1)  # [B, k]

@@ -31,7 +31,7 @@ class DecodeWindow:
         self.positions = firsts[None, :] + np.arange(num_forwards)[:, None]  # [k, B0]
         # room for every id it samples (a row's last id goes at most right after the context's last token)
         batch.ensure_token_columns(min(int(firsts.max()) + num_forwards, batch.max_model_len) + 1)
-        block_table = batch.block_table[batch_rows, :max(1, int(batch.num_blocks[batch_rows].max()))]  # [B0, W]
+        block_table = batch.rows_block_table(batch_rows)  # [B0, W]
         # a row's forwards past its count would index past its blocks: clipped (they never run)
         last_slot = block_table.shape[1] * batch.block_size - 1
         self.slots = slot_mapping(block_table, np.arange(len(batch_rows))[None, :],

@@ -43,13 +43,11 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
     if stop_ids is not None:
         num_all = min(num_all, _end_stopped(ids, stop_ids, rows, states, counts, 1))
     for j in range(1, sched_out.num_steps):
-        if runner.window_interrupt is not None and runner.window_interrupt():
+        ends_at_finish = j >= num_all and runner.window_ends_at_finish  # some row ran its last forward
+        if ends_at_finish or (runner.window_interrupt is not None and runner.window_interrupt()):
             counts = np.minimum(counts, j)  # [B] the forwards each row ran
             break
         if j >= num_all:  # some row ran its last forward
-            if runner.window_ends_at_finish:
-                counts = np.minimum(counts, j)
-                break
             is_left = counts[rows] > j  # [B']
             if not is_left.any():
                 break  # every row ran its last forward (rows stopped early)

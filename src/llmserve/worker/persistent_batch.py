@@ -142,9 +142,13 @@ class PersistentBatch:
 
     def _blocks_and_slots(self, rows: np.ndarray, row_of_token: np.ndarray,
                           positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows' block table [B, W] (as wide as the widest row) and each token's cache slot [T]."""
-        block_table = self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
+        """The rows' block table [B, W] and each token's cache slot [T]."""
+        block_table = self.rows_block_table(rows)
         return block_table, slot_mapping(block_table, row_of_token, positions, self.block_size)
+
+    def rows_block_table(self, rows: np.ndarray) -> np.ndarray:
+        """The rows' block table [B, W], as wide as the widest row's blocks (at least one column)."""
+        return self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
 
     def _with_pending(self, batch_rows: np.ndarray, positions: np.ndarray,
                       num_known: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
