@@ -216,3 +216,42 @@ def test_scheduler_config_defaults_and_validation():
         SchedulerConfig(num_scheduler_steps=0).validate()
     with pytest.raises(ValueError, match="no-async-scheduling"):
         SchedulerConfig(num_scheduler_steps=2, async_scheduling=True).validate()
+
+
+def _windows_of_spec_engine(path: str, prompts, params, **spec) -> tuple[list, list[int], list]:
+    llm = _llm(path, 8, speculative="ngram", speculative_max_batch=16, ngram_min=4, ngram_max=4, **spec)
+    steps = _record_steps(llm)
+    return _run(llm, prompts, params), steps, llm
+
+
+def test_a_speculating_engine_runs_windows_while_it_backs_off_from_steps_without_drafts(path):
+    """4-gram lookup finds nothing in these prompts: after a step that looked and found nothing, the
+    back-off's skipped forwards run as windows (1, 2, 4, 8 forwards: capped by the skips left and by
+    num_scheduler_steps), and the greedy tokens stay those of one forward a step without speculation."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _run(_llm(path, 1), prompts, params)
+    got, steps, llm = _windows_of_spec_engine(path, prompts, params)
+    assert got == expected
+    assert max(steps) == 8 and set(steps) >= {1, 2, 4}
+
+
+
+def test_a_window_uses_as_many_skips_as_it_runs_forwards():
+    from llmserve.core.spec_stats import DraftBackoff
+
+    backoff = DraftBackoff(is_enabled=True)
+    for _ in range(4):
+        backoff.observe(0)  # runs of 1, 2, 4, 8
+        backoff.on_scheduled(backoff.num_skips_left)
+    backoff.observe(0)
+    assert backoff.num_skips_left == 16
+    backoff.on_scheduled(5)
+    assert backoff.num_skips_left == 11 and backoff.is_skipping
+    backoff.on_scheduled(64)
+    assert backoff.num_skips_left == 0 and not backoff.is_skipping
+    backoff.observe(0)
+    backoff.reset()  # a new request that may speculate
+    assert not backoff.is_skipping
+    backoff.observe(0)
+    assert backoff.num_skips_left == 1

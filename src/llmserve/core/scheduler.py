@@ -45,7 +45,8 @@ class Scheduler(Preemption, OutputUpdate):
         self.spec_config = spec_config
         self.num_lookahead = spec_config.num_lookahead_tokens
         self.spec_counter = SpecDecodeCounter(spec_config.num_speculative_tokens)
-        self.draft_backoff = DraftBackoff(is_enabled=bool(config.async_scheduling))
+        self.draft_backoff = DraftBackoff(is_enabled=bool(config.async_scheduling)
+                                          or (config.num_scheduler_steps or 1) > 1)
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -162,7 +163,7 @@ class Scheduler(Preemption, OutputUpdate):
             if not has_preempted:
                 self._schedule_waiting(out, budget)
         out.use_speculation = self.can_speculate()
-        self.draft_backoff.on_scheduled()
+        self.draft_backoff.on_scheduled(out.num_steps)
         self._advance_scheduled(out)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
@@ -206,8 +207,8 @@ class Scheduler(Preemption, OutputUpdate):
     def _schedule_decode_steps(self, out: SchedulerOutput, budget: int) -> bool:
         """A multi-step (core/decode_steps.py) where one can run: every running request decodes its
         counted tokens, one a forward; False (nothing scheduled) where none can."""
-        num_steps = self.config.num_scheduler_steps or 1
-        if (num_steps == 1 or len(self.running) > budget or self.spec_config.is_enabled or self.num_streamed
+        num_steps = self._window_forwards()
+        if (num_steps == 1 or len(self.running) > budget or self.num_streamed
                 or self.num_structured or self.held_siblings
                 or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
             return False  # a request waiting for a seat (or a grammar) would wait out the whole window
@@ -228,6 +229,14 @@ class Scheduler(Preemption, OutputUpdate):
         self.num_step_rows = len(counts)
         out.num_steps = max(counts)
         return True
+
+    def _window_forwards(self) -> int:
+        """The most forwards a multi-step may run now: none with speculation on, except while it backs
+        off after a step that found no drafts (core/spec_stats.DraftBackoff), for the forwards it skips."""
+        num_steps = self.config.num_scheduler_steps or 1
+        if not self.spec_config.is_enabled:
+            return num_steps
+        return min(num_steps, self.draft_backoff.num_skips_left) if self.draft_backoff.is_skipping else 1
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
         num_preemptions = self.num_preemptions
@@ -348,6 +357,8 @@ class Scheduler(Preemption, OutputUpdate):
             request.scheduled_time = time.time()
         self.running.append(request)
         self.seen_by_runner.add(request.request_id)
+        if request.sampling_params.speculative:
+            self.draft_backoff.reset()  # a new row to look for drafts in
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         block_ids = self.kv.get_block_ids(request.request_id)

@@ -80,9 +80,10 @@ class OutputUpdate:
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
 
     def _is_plain_decode(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> bool:
-        """The step has only sampled ids to take in: no logprobs, drafts or siblings waiting on a prompt."""
+        """The step has only sampled ids to take in: no logprobs, drafts or siblings waiting on a prompt,
+        and it did not look for drafts (the back-off counts the steps that found none)."""
         return not (runner_out.logprobs or runner_out.prompt_logprobs or runner_out.spec_token_ids
-                    or sched_out.scheduled_spec_tokens or self.spec_config.is_enabled or self.held_siblings)
+                    or sched_out.scheduled_spec_tokens or sched_out.use_speculation or self.held_siblings)
 
     def _update_plain(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
         """update_from_output for a plain step (`_is_plain_decode`): a row that samples one token and

@@ -34,15 +34,18 @@ class SpecDecodeCounter:
         return stats
 
 
-MAX_SKIPPED_STEPS = 16  # the longest run of overlapped steps between two that look for drafts
+MAX_SKIPPED_STEPS = 16  # the most forwards (overlapped, or a window's) between two steps that look for drafts
 
 
 class DraftBackoff:
-    """With async scheduling, a step that may carry drafts runs in order: the next step's drafts need
-    this step's tokens on the host. When such a step finds drafts for no row (n-gram lookup that matches
-    nothing, a rule that turned every row off), that order bought nothing; the next 1, 2, 4, ... up to
-    MAX_SKIPPED_STEPS steps then run overlapped without looking, and the first step that finds drafts
-    again ends the back-off. Without async scheduling nothing overlaps and nothing is skipped."""
+    """A step that may carry drafts pays for it even when it finds none: with async scheduling it runs in
+    order (the next step's drafts need this step's tokens on the host), and on CPU it runs alone where a
+    plain engine would run a multi-step window (core/decode_steps.py). When such a step finds drafts for
+    no row (n-gram lookup that matches nothing, a rule that turned every row off), that bought nothing;
+    the next 1, 2, 4, ... up to MAX_SKIPPED_STEPS forwards then run without looking (overlapped, or in a
+    window of at most that many forwards). The first step that finds drafts again ends the back-off, and
+    so does a request that may speculate starting to run (its rows were not looked at). With neither
+    overlap nor windows nothing is gained and nothing is skipped."""
 
     def __init__(self, is_enabled: bool) -> None:
         self.is_enabled = is_enabled
@@ -53,10 +56,13 @@ class DraftBackoff:
     def is_skipping(self) -> bool:
         return self.num_skips_left > 0
 
-    def on_scheduled(self) -> None:
-        """A step was scheduled (while skipping: one skip used)."""
-        if self.num_skips_left:
-            self.num_skips_left -= 1
+    def on_scheduled(self, num_forwards: int = 1) -> None:
+        """A step of `num_forwards` forwards was scheduled (while skipping: as many skips used)."""
+        self.num_skips_left = max(0, self.num_skips_left - num_forwards)
+
+    def reset(self) -> None:
+        """Look for drafts again from the next step."""
+        self.num_to_skip = self.num_skips_left = 0
 
     def observe(self, num_rows_with_drafts: int) -> None:
         """A step that looked for drafts found them for this many rows."""

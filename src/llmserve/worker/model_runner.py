@@ -359,14 +359,15 @@ class ModelRunner:
         return sampled
 
     def _propose(self, handle: StepHandle) -> list[list[int]]:
-        """Drafts for the next step, per row of this step (none for rows that did not sample)."""
+        """Drafts for the next step, per row of this step (none for rows that did not sample); [] when no
+        row has any (the scheduler then takes the step in as a plain one)."""
         proposals: list[list[int]] = [[] for _ in handle.req_ids]
         rows = [(j, self.states.get(handle.req_ids[j])) for j in handle.sample_rows.tolist()]
         rows = [(j, s) for j, s in rows if s is not None]
         drafts = self.speculator.propose([s for _, s in rows], len(handle.req_ids), handle.use_speculation)
         for (j, _), row_drafts in zip(rows, drafts):
             proposals[j] = row_drafts
-        return proposals
+        return proposals if any(drafts) else []
 
     def _begin_spec_step(self, sched_out: SchedulerOutput) -> None:
         """The Speculator times the steps it may speculate in (its rule weighs their cost)."""
