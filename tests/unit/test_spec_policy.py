@@ -84,13 +84,29 @@ def test_acceptance_is_a_moving_average_and_forgotten_with_the_request():
     assert rule.choose(["a"], 1) == [True]
 
 
-def test_every_probe_interval_takes_the_other_choice():
+@pytest.mark.parametrize("req_id, accepted, choices", [("good", 4, [True, True, True, False] * 2),
+                                                       ("bad", 0, [False, False, False, True] * 2)])
+def test_every_probe_interval_takes_the_other_choice(req_id, accepted, choices):
     rule = _measured_rule(1, 0.010, 0.020, probe_every=4)
-    rule.observe_row("good", 4)
-    rule.observe_row("bad", 0)
+    rule.observe_row(req_id, accepted)
     # the two measuring decisions happened before any choose(): decisions 1..8 from here
-    assert [rule.choose(["good"], 1)[0] for _ in range(8)] == [True, True, True, False] * 2
-    assert [rule.choose(["bad"], 1)[0] for _ in range(8)] == [False, False, False, True] * 2
+    assert [rule.choose([req_id], 1)[0] for _ in range(8)] == choices
+
+
+def test_a_row_left_out_drifts_back_to_the_pooled_acceptance_and_is_tried_again():
+    """Batch 2 (plain 20 ms, 10 ms more per speculating row): "b" was unlucky once (0 accepted) while
+    the pool accepts 3 a step. Left out, its estimate moves toward the pool step by step until it
+    speculates again; one that was never measured keeps the prior."""
+    rule = _measured_rule(2, 0.020, 0.040)
+    for _ in range(10):
+        rule.observe_row("a", 3)
+    rule.observe_row("b", 0)
+    choices = [rule.choose(["a", "b"], 2) for _ in range(10)]
+    assert choices[0] == [True, False]
+    assert [True, True] in choices
+    first_back = choices.index([True, True])
+    assert all(c == [True, False] for c in choices[:first_back])
+    assert rule.accepted["b"] > 1.0
 
 
 def test_spec_step_before_a_plain_one_teaches_nothing_and_negative_extra_is_zero():

@@ -7,7 +7,11 @@ tokens (its accepted drafts). Both are measured, never assumed:
   k forwards read its weights for any number of rows; n-gram lookup costs next to nothing); and of what
   each speculating row adds to the verification, `row_s` (its k more tokens through the target). A step
   with S of its B rows speculating is modelled as plain_s + fixed_s + S * row_s;
-- per request, a moving average of the drafts accepted per verified step, `a_r`.
+- per request, a moving average of the drafts accepted per verified step, `a_r`; and over all requests,
+  the pooled average `a_pool`. A candidate the rule leaves out of a step has its `a_r` moved toward
+  `a_pool` (as a verified step would move it), so that a request that was unlucky in a few steps is
+  tried again rather than left out for good: a row that never speculates is never measured, and at
+  batch 8 on CPU the first rule kept the same 2 of 8 rows out for a whole run (docs/benchmarks.md).
 With S speculating rows a step yields B + sum(a_r over S) tokens in that time, so the best set is the m
 rows of highest a_r for the m that maximises the ratio (m = 0: plain decoding). The rule speculates for
 those rows only, so speculation never buys fewer tokens per second than plain decoding, as far as the
@@ -85,6 +89,7 @@ class SpeculationRule:
         self.prior = float(num_speculative_tokens)  # a request's acceptance before any is measured
         self.buckets: dict[int, BucketCost] = {}
         self.accepted: dict[str, float] = {}  # req_id -> drafts accepted per verified step (average)
+        self.pooled: float | None = None  # the same over every verified row
 
     def choose(self, candidates: list[str], num_rows: int) -> list[bool]:
         """Per candidate (a request that may speculate) of a coming step of `num_rows` rows: whether it
@@ -105,7 +110,16 @@ class SpeculationRule:
         if cost.num_decisions % self.probe_every == 0:
             num_spec = 0 if num_spec else num  # the other choice, to refresh its cost
         chosen = set(order[:num_spec])
+        self._regress_left_out([r for i, r in enumerate(candidates) if i not in chosen])
         return [i in chosen for i in range(num)]
+
+    def _regress_left_out(self, req_ids: list[str]) -> None:
+        """Move the estimates of the candidates left out of a step toward the pooled acceptance."""
+        if self.pooled is None:
+            return
+        for req_id in req_ids:
+            if req_id in self.accepted:
+                self.accepted[req_id] = _average(self.accepted[req_id], self.pooled)
 
     def observe_step(self, step: StepCost) -> None:
         if not self.is_dynamic or step.num_rows == 0:
@@ -122,6 +136,7 @@ class SpeculationRule:
     def observe_row(self, req_id: str, num_accepted: int) -> None:
         """A verified step of `req_id`: `num_accepted` of its drafts were kept."""
         self.accepted[req_id] = _average(self.accepted.get(req_id), float(num_accepted))
+        self.pooled = _average(self.pooled, float(num_accepted))
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
