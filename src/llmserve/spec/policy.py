@@ -11,7 +11,7 @@ tokens (its accepted drafts). Both are measured, never assumed:
   the pooled average `a_pool`. A candidate the rule leaves out of a step has its `a_r` moved toward
   `a_pool` (as a verified step would move it), so that a request that was unlucky in a few steps is
   tried again rather than left out for good: a row that never speculates is never measured, and at
-  batch 8 on CPU the first rule kept the same 2 of 8 rows out for a whole run (docs/benchmarks.md).
+  batch 8 on CPU the rule without this kept the same 2 of 8 rows out for a whole run (docs/benchmarks.md).
 With S speculating rows a step yields B + sum(a_r over S) tokens in that time, so the best set is the m
 rows of highest a_r for the m that maximises the ratio (m = 0: plain decoding). The rule speculates for
 those rows only, so speculation never buys fewer tokens per second than plain decoding, as far as the
