@@ -6,9 +6,10 @@
 # (every log and results JSON).
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
-#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,fp8,fp8serve,spec (default: all but
-#   fp8probe, fp8sweep and fp8serve, in that order); TESTS: the test paths (default below); SPEC_ARGS: extra
-#   `bench spec` arguments
+#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,fp8,fp8serve,specprof,spec,specdyn
+#   (default: all but fp8probe, fp8sweep, fp8serve, specprof and specdyn, in that order); TESTS: the test
+#   paths (default below); SPEC_ARGS: extra `bench spec` arguments, SPEC_CONFIGS / SPEC_CONCURRENCY its
+#   configurations and batch sizes
 #   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the
 #   same KV bytes) at once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
@@ -120,10 +121,18 @@ if want fp8serve; then
         --no-progress --concurrency 256 --num-requests ${FP8_NUM_REQUESTS:-512} --out "$RES/serve_fp8_c256.json"
     kill $BF16 $FP8 2>/dev/null; wait $BF16 $FP8 2>/dev/null
 fi
+if want specprof; then  # where a speculative step's time goes (oracle=0.8 beside plain)
+    run specprof 200 "$PY" scripts/gpu/spec_profile.py "$MODEL" ${SPECPROF_BATCHES:-1,8} "$RES/spec_profile.txt"
+    grep -E '^batch|synchronised|profiled|accepted' "$RES/spec_profile.txt" | tee -a "$OUT/summary.txt"
+fi
 if want spec; then
     # shellcheck disable=SC2086
-    run spec 110 "${L[@]}" bench spec --model "$MODEL" --configs none,oracle=0.8,ngram --concurrency 1,8 --rounds 1 \
-        ${SPEC_ARGS:-} --out "$RES/spec.json"
+    run spec 110 "${L[@]}" bench spec --model "$MODEL" --configs ${SPEC_CONFIGS:-none,oracle=0.8,ngram} \
+        --concurrency ${SPEC_CONCURRENCY:-1,8} --rounds 1 ${SPEC_ARGS:-} --out "$RES/spec.json"
+fi
+if want specdyn; then  # the dynamic rule where speculating would cost throughput (issue 18: none below 0.97x)
+    run specdyn 110 "${L[@]}" bench spec --model "$MODEL" --configs none,oracle=0.8 --speculative-dynamic \
+        --concurrency ${SPECDYN_CONCURRENCY:-32} --rounds 1 --out "$RES/specdyn.json"
 fi
 pack
 echo "=== summary"; cat "$OUT/summary.txt"

@@ -35,8 +35,9 @@ def test_speculative_greedy_equals_plain_on_cuda(target, draft, kind):
     counts = SpecCounter(llm)
     got = _tokens(llm, prompts)
     assert counts.num_accepted > 0
-    if kind == "draft":  # the draft's later forwards replayed its captured graphs (spec.draft_chain)
-        assert llm.engine.runner.speculator.proposer.num_chained > 0
+    if kind == "draft":  # the draft's later forwards replayed its captured graphs (spec.draft_chain), and
+        proposer = llm.engine.runner.speculator.proposer  # proposals were queued behind their verification
+        assert proposer.num_chained > 0 and proposer.num_early > 0
     hf = None
     for prompt, a, b in zip(prompts, got, want):
         if a != b:
@@ -56,6 +57,7 @@ def test_target_as_its_own_draft_accepts_every_draft_on_cuda(target):
     counts = SpecCounter(llm)
     _tokens(llm, repeating_prompts(4, seed=5))
     assert counts.num_draft_tokens > 0 and counts.num_accepted == counts.num_draft_tokens
-    assert llm.engine.runner.speculator.proposer.num_chained > 0  # through the draft's graphs, still exact
+    proposer = llm.engine.runner.speculator.proposer
+    assert proposer.num_chained > 0 and proposer.num_early > 0  # through the draft's graphs, still exact
     assert llm.engine.runner.verify_graphs.graphs  # verification steps replay captured graphs too
     llm.engine.check_integrity()

@@ -21,13 +21,16 @@ ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, attention_ba
 K = 3
 
 
-def _chained_llm(target: str, draft: str) -> LLM:
+def _chained_llm(target: str, draft: str, after_verify: bool = False) -> LLM:
+    """after_verify: with the catch-up buffers too, so proposals can be queued behind their verification."""
     llm = LLM(target, speculative="draft", draft_model=draft, num_speculative_tokens=K, speculative_dynamic=False,
               speculative_max_batch=8, enforce_eager=True, **ENGINE)
     proposer = llm.engine.runner.speculator.proposer
-    graphs = DecodeGraphs(proposer.model, proposer.attn_backend, proposer.kv_caches, max_batch=4, max_blocks=8,
-                          device=torch.device(DEVICE), use_graphs=False)
-    proposer.chain = DraftChain(proposer.model, graphs, proposer.block_size, torch.device(DEVICE))
+    buffers = dict(max_batch=8, max_blocks=8, device=torch.device(DEVICE), use_graphs=False)
+    graphs = DecodeGraphs(proposer.model, proposer.attn_backend, proposer.kv_caches, **buffers)
+    catch_up = DecodeGraphs(proposer.model, proposer.attn_backend, proposer.kv_caches, queries_per_row=K + 2,
+                            **buffers) if after_verify else None
+    proposer.chain = DraftChain(proposer.model, graphs, proposer.block_size, torch.device(DEVICE), catch_up)
     return llm
 
 
@@ -99,4 +102,64 @@ def test_verification_steps_through_graph_buffers_equal_plain(target, draft):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert runs and all(n % (K + 1) == 0 for n in runs)
     assert sum(a == b for a, b in zip(got, want)) >= len(want) - 1, (got, want)  # one near-tie allowed
+    llm.engine.check_integrity()
+
+
+def _record_early_and_chained(proposer) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Each proposal queued behind its verification, and the chain's from the same state (the draft KV of
+    the real tokens the early catch-up wrote is recomputed by the chain's own catch-up)."""
+    calls = []
+    original = proposer.propose
+
+    def propose(rows):
+        if proposer.early is None:
+            return original(rows)
+        computed = [row.num_draft_computed for row in rows]
+        early, probs = original(rows)
+        assert proposer.early is None
+        for row, num in zip(rows, computed):
+            row.num_draft_computed = num
+        chained, _ = original(rows)
+        calls.append((early, chained))
+        return chained, probs
+
+    proposer.propose = propose
+    return calls
+
+
+def test_drafts_queued_behind_verification_are_the_chains(target, draft):
+    llm = _chained_llm(target, draft, after_verify=True)
+    proposer = llm.engine.runner.speculator.proposer
+    calls = _record_early_and_chained(proposer)
+    llm.generate(repeating_prompts(4, seed=5), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert calls and proposer.num_early == len(calls)
+    pairs = [(e, c) for early, chained in calls for er, cr in zip(early, chained) for e, c in zip(er, cr)]
+    assert {len(row) for early, _ in calls for row in early} == {K}
+    assert sum(e == c for e, c in pairs) >= 0.95 * len(pairs), pairs  # float sums of other shapes: near-ties
+    llm.engine.check_integrity()
+
+
+def test_greedy_speculation_queued_behind_verification_equals_plain(target, draft):
+    prompts = repeating_prompts(4, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(target, enforce_eager=True, **ENGINE).generate(prompts, params)]
+    llm = _chained_llm(target, draft, after_verify=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    proposer = llm.engine.runner.speculator.proposer
+    assert proposer.num_early > 0 and proposer.early is None
+    assert sum(a == b for a, b in zip(got, want)) >= len(want) - 1, (got, want)  # one near-tie allowed
+    llm.engine.check_integrity()
+
+
+def test_stops_inside_accepted_drafts_equal_plain_with_queued_proposals(target, draft):
+    """Rows that stop partway through a step's accepted drafts end where plain decoding ends them."""
+    prompts = repeating_prompts(2, seed=13)
+    plain = LLM(target, enforce_eager=True, **ENGINE)
+    first = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stops = [o.outputs[0].token_ids[7] for o in first]
+    params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]) for stop in stops]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = _chained_llm(target, draft, after_verify=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want and llm.engine.runner.speculator.proposer.num_early > 0
     llm.engine.check_integrity()

@@ -42,6 +42,12 @@ class OracleDraft:
     def max_catch_up(self) -> int:
         return self.inner.max_catch_up
 
+    def can_propose_early(self, rows, num_block_columns: int) -> bool:
+        return self.inner.can_propose_early(rows, num_block_columns)
+
+    def propose_early(self, rows, step) -> None:
+        self.inner.propose_early(rows, step)
+
     def propose(self, rows):
         drafts, _ = self.inner.propose(rows)  # the draft model's cost
         out = []

@@ -6,7 +6,9 @@ lookahead slots for the tokens it proposes). Each proposal first catches the dra
 tokens it has not seen (the prompt the first time; then the tokens accepted last step), sampling the
 first draft at the last of them, then runs k - 1 single-token forwards. When every row is plain greedy
 and a `DraftChain` is given (CUDA graphs of the draft), those k - 1 forwards stay on the device
-(spec.draft_chain); otherwise each is built and sampled on the host.
+(spec.draft_chain); otherwise each is built and sampled on the host. After a verification step whose
+rows all carried k drafts, the whole proposal can be queued on the device right behind it
+(`propose_early`, the chain's `run_after_verify`); `propose` then only brings its drafts to the host.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from llmserve.sample import ops
 from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
-from llmserve.spec.draft_chain import DraftChain
+from llmserve.spec.draft_chain import DraftChain, VerifiedStep
 from llmserve.model.step_inputs import StepInputs
 from llmserve.spec.draft_inputs import prepare_inputs
 from llmserve.spec.proposer import ProposerRow
@@ -52,13 +54,46 @@ class DraftModelProposer:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed + 1))
         self.chain = chain
         self.num_chained = 0  # proposals whose later forwards ran on the device
+        self.num_early = 0  # proposals queued behind their verification (propose_early)
         self.max_catch_up = 0  # the most real tokens a row caught up on in the last proposal
+        # propose_early's proposal: the rows' ids, their drafts [B, k] and new lengths [B] on the device
+        self.early: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
+
+    def can_propose_early(self, rows: list[ProposerRow], num_block_columns: int) -> bool:
+        """Rows about to be verified with k drafts each: plain greedy, their draft KV caught up to the
+        verification's first token, room for 2k more positions, and captured sizes that fit."""
+        if self.chain is None or self.k < 2 or not all(r.is_plain_greedy for r in rows):
+            return False
+        if any(r.num_draft_computed < len(r.token_ids) - 1 or len(r.token_ids) + 2 * self.k >= self.max_model_len
+               for r in rows):
+            return False
+        return self.chain.fits_after_verify(len(rows), num_block_columns)
+
+    def propose_early(self, rows: list[ProposerRow], step: VerifiedStep) -> None:
+        """Queue the rows' next proposal behind their verification (can_propose_early said yes)."""
+        drafts, lengths = self.chain.run_after_verify(step, self.k)
+        self.early = [r.req_id for r in rows], drafts, lengths
+
+    def _take_early(self, rows: list[ProposerRow]) -> list[list[int]] | None:
+        """The early proposal's drafts when it was made for these rows at their current lengths."""
+        early, self.early = self.early, None
+        if early is None or early[0] != [r.req_id for r in rows]:
+            return None
+        if early[2].tolist() != [len(r.token_ids) for r in rows]:  # the step kept fewer tokens (a stop)
+            return None
+        self.num_early += 1
+        return early[1].tolist()
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
         counts = [len(r.token_ids) - r.num_draft_computed for r in rows]  # the real tokens each catches up on
         self.max_catch_up = max(counts)
+        early = self._take_early(rows)
+        if early is not None:
+            for row in rows:
+                row.num_draft_computed = len(row.token_ids)
+            return early, [None] * len(rows)
         if self._can_chain(rows):
             return self._propose_chained(rows, inputs, counts), [None] * len(rows)
         drafts: list[list[int]] = [[] for _ in rows]

@@ -65,6 +65,12 @@ class NgramProposer:
         drafts = [propose_ngram(self._array(row), self.k, self.ngram_min, self.ngram_max) for row in rows]
         return drafts, [None] * len(rows)
 
+    def can_propose_early(self, rows: list[ProposerRow], num_block_columns: int) -> bool:
+        return False  # its lookups read the accepted tokens on the host
+
+    def propose_early(self, rows: list[ProposerRow], step) -> None:
+        raise NotImplementedError("n-gram drafts are proposed on the host")
+
     def _array(self, row: ProposerRow) -> np.ndarray:
         tokens = self.tokens.get(row.req_id)
         if tokens is None:

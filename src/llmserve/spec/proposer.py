@@ -34,6 +34,15 @@ class Proposer(Protocol):
         were sampled from one (None: point-mass drafts, verified by agreement with the target)."""
         ...
 
+    def can_propose_early(self, rows: list[ProposerRow], num_block_columns: int) -> bool:
+        """Whether `propose_early` can queue these rows' next proposal on the device behind their
+        verification (each row k drafts; the step's block table has `num_block_columns` columns)."""
+        ...
+
+    def propose_early(self, rows: list[ProposerRow], step) -> None:
+        """Queue it (spec.draft_chain.VerifiedStep `step`); the next `propose` of the same rows returns it."""
+        ...
+
     def forget(self, req_ids) -> None:
         """The requests finished or were preempted: drop what is kept for them."""
         ...

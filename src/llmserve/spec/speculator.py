@@ -8,20 +8,28 @@ many drafts were accepted: the scheduler rolls `num_computed_tokens` back over t
 spec.policy). Around a step it also times it (`begin_step` / `end_step`), so that the rule knows what
 drafting and verifying cost. The scheduler only places drafts under its token budget and its
 `--speculative-max-batch` cap.
+
+When every row of a verification step carries k drafts and the rule would have each propose again, a
+proposer that can (a draft model with its graphs: spec.draft_chain) queues the next proposal on the
+device right behind the verification, before the host waits for the target's tokens: one wait for both,
+and no host work between the two on the device's clock. The rule's choice for the next step is then
+made at verification (from the acceptance measured up to the step before) and kept for `propose`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from llmserve.sample import ops
 from llmserve.sample.sampler import Sampler
+from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.policy import SpeculationRule, StepCost
 from llmserve.spec.proposer import Proposer, ProposerRow
-from llmserve.spec.verify import Verified, verify
+from llmserve.spec.verify import Verified, verify, verify_greedy_ids
 
 
 @dataclass
@@ -44,11 +52,19 @@ class Speculator:
         self.propose_s = 0.0  # the last proposing, paid for the drafts the next step verifies
         self.has_long_catch_up = False  # the last proposing caught the draft up on more than a step accepts
         self.num_proposed = 0  # rows it gave drafts
+        self.early_choice: tuple[list[str], list[bool]] | None = None  # the rule's choice made at verification
 
-    def verify(self, sampler: Sampler, logits: torch.Tensor, rows: list[ProposerRow],
-               drafts: list[list[int]], vocab_size: int) -> Verified:
-        """logits [N, V] at the expanded positions of `rows` (k_r + 1 each; k_r = len(drafts[r]))."""
-        verified = verify(sampler, logits, rows, drafts, [row.draft_probs for row in rows], vocab_size)
+    def verify(self, sampler: Sampler, logits: torch.Tensor, rows: list[ProposerRow], drafts: list[list[int]],
+               vocab_size: int, step: VerifiedStep | None = None, may_speculate: bool = False) -> Verified:
+        """logits [N, V] at the expanded positions of `rows` (k_r + 1 each; k_r = len(drafts[r])); `step`: the
+        step's tokens, positions and blocks on the device when it holds only these rows (target unset), and
+        `may_speculate` whether they may propose after it (as `propose` will be told)."""
+        if step is not None and self._can_propose_early(rows, drafts, step, may_speculate):
+            target = ops.argmax_rows(logits)  # [N]: what greedy verification takes at each position
+            self.proposer.propose_early(rows, replace(step, target=target))
+            verified = verify_greedy_ids(target.tolist(), drafts)
+        else:
+            verified = verify(sampler, logits, rows, drafts, [row.draft_probs for row in rows], vocab_size)
         for row, row_drafts, num_accepted in zip(rows, drafts, verified.num_accepted):
             if row_drafts:
                 self.rule.observe_row(row.req_id, num_accepted)
@@ -62,7 +78,7 @@ class Speculator:
             row.draft_probs = None
         proposals: list[list[int]] = [[] for _ in rows]
         candidates = [i for i, row in enumerate(rows) if may_speculate and row.params.speculative]
-        chosen = self.rule.choose([rows[i].req_id for i in candidates], num_rows) if candidates else []
+        chosen = self._choose([rows[i].req_id for i in candidates], num_rows)
         wanted = [i for i, is_chosen in zip(candidates, chosen) if is_chosen]
         self.has_long_catch_up = False
         if wanted:
@@ -74,6 +90,26 @@ class Speculator:
         self.num_proposed = sum(bool(p) for p in proposals)
         self.propose_s = self.clock() - start
         return proposals
+
+    def _can_propose_early(self, rows: list[ProposerRow], drafts: list[list[int]], step: VerifiedStep,
+                           may_speculate: bool) -> bool:
+        """Every row verifies k drafts, all will propose again (the rule's choice, kept), and the proposer
+        can queue it on the device."""
+        k = self.rule.num_speculative_tokens
+        if not may_speculate or any(len(d) != k for d in drafts):
+            return False
+        if step.input_ids.shape[0] != len(rows) * (k + 1) or not all(row.params.speculative for row in rows):
+            return False
+        req_ids = [row.req_id for row in rows]
+        self.early_choice = req_ids, self.rule.choose(req_ids, len(rows))
+        return all(self.early_choice[1]) and self.proposer.can_propose_early(rows, step.block_table.shape[1])
+
+    def _choose(self, req_ids: list[str], num_rows: int) -> list[bool]:
+        """The rule's choice for these candidates: the one made at verification when it was for them."""
+        early, self.early_choice = self.early_choice, None
+        if early is not None and early[0] == req_ids:
+            return early[1]
+        return self.rule.choose(req_ids, num_rows) if req_ids else []
 
     def begin_step(self, num_rows: int, num_spec_rows: int, is_decode: bool) -> None:
         """A step that may speculate is launched (such steps run one at a time)."""

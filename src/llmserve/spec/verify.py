@@ -75,7 +75,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[ProposerRow], dr
 def _verify_plain_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> Verified:
     """Every row plain greedy (what the sampler would do is the argmax): the argmax at each position
     [N], one copy to the host, and each row's drafts accepted while they equal it."""
-    target = ops.argmax_rows(logits).tolist()  # [N]
+    return verify_greedy_ids(ops.argmax_rows(logits).tolist(), drafts)
+
+
+def verify_greedy_ids(target: list[int], drafts: list[list[int]]) -> Verified:
+    """Greedy verification from the target's argmax at each expanded position ([N], on the host)."""
     emitted, num_accepted, start = [], [], 0
     for row_drafts in drafts:
         num = 0

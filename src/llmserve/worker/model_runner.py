@@ -28,6 +28,7 @@ from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.model.parallel import TensorParallel
 from llmserve.model.step_inputs import StepInputs, logits_indices, on_device
 from llmserve.sample.sampler import Sampler, SamplerOutput
+from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
@@ -121,7 +122,7 @@ class ModelRunner:
         rows = states if len(inputs.sample_rows) == len(states) else [states[i] for i in inputs.sample_rows]
         scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}
         if has_drafts:
-            handle = self._verify_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, sched_out)
+            handle = self._verify_step(req_ids, inputs, batch_rows, logits, rows, sched_out)
             handle.copy = HostCopy.start(scored)
         else:
             handle = self._sample_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, scored, finishes_at_once)
@@ -339,12 +340,17 @@ class ModelRunner:
         return SamplerOutput(self.tp.broadcast(ids), None)
 
     @torch.inference_mode()
-    def _verify_step(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, logits: torch.Tensor,
+    def _verify_step(self, req_ids: list[str], inputs: StepInputs, batch_rows: np.ndarray, logits: torch.Tensor,
                      rows: list[CachedRequestState], sched_out: SchedulerOutput) -> StepHandle:
-        """Drafts: verified on the host now (speculative steps run without overlap)."""
+        """Drafts: verified on the host now (speculative steps run without overlap); the next drafts may be
+        queued on the device first (Speculator.verify)."""
         drafts = [sched_out.scheduled_spec_tokens.get(row.req_id, []) for row in rows]
-        verified = self.speculator.verify(self.sampler, logits, rows, drafts, self.sampling.vocab_size)
-        handle = self._handle(req_ids, sample_rows, batch_rows, torch.empty(0), HostCopy({}), is_sync=True)
+        step = None
+        if len(rows) == len(req_ids):  # every row samples: the step holds only rows being verified
+            step = VerifiedStep(inputs.input_ids, inputs.positions, inputs.attn.block_table)
+        verified = self.speculator.verify(self.sampler, logits, rows, drafts, self.sampling.vocab_size, step,
+                                          sched_out.use_speculation)
+        handle = self._handle(req_ids, inputs.sample_rows, batch_rows, torch.empty(0), HostCopy({}), is_sync=True)
         handle.host_tokens, handle.host_logprobs = verified.token_ids, verified.logprobs
         handle.host_num_accepted = verified.num_accepted
         self.batch.num_pending[batch_rows] += 1

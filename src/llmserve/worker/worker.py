@@ -105,7 +105,12 @@ class Worker:
                                        info.num_layers, self.kv_dtype, self.device)
         max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
         graphs = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch)
-        chain = DraftChain(draft_model, graphs, block_size, self.device) if graphs is not None else None
+        chain = None
+        if graphs is not None:  # and the catch-up after a verification: k + 1 tokens and the bonus a row
+            k = spec.num_speculative_tokens
+            catch_up = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch, queries_per_row=k + 2) \
+                if k + 2 <= MAX_GRAPH_QUERIES else None
+            chain = DraftChain(draft_model, graphs, block_size, self.device, catch_up)
         return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                   self.model_info.max_model_len, self.device, self.config.model.seed, chain)
 
