@@ -137,6 +137,7 @@ class SpeculativeConfig:
     ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
     speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
     speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it still loses to the static cap at batch 4-16); off: every request speculates up to --speculative-max-batch"})
+    speculative_queue_drafts: bool = field(default=False, metadata={"help": "draft model on CUDA with graphs: queue the next step's proposal on the device behind each verification whose rows all carried k drafts, so the host waits once for both (experimental: measured slower on an H100, docs/benchmarks.md)"})
 
     @property
     def is_enabled(self) -> bool:
@@ -157,6 +158,8 @@ class SpeculativeConfig:
         check_min("speculative-max-batch", self.speculative_max_batch, 1)
         check(isinstance(self.speculative_dynamic, bool), "speculative-dynamic",
               f"must be true or false, got {self.speculative_dynamic!r}")
+        check(isinstance(self.speculative_queue_drafts, bool), "speculative-queue-drafts",
+              f"must be true or false, got {self.speculative_queue_drafts!r}")
         check((self.speculative == "draft") == (self.draft_model is not None), "draft-model",
               "required with --speculative draft, and only then")
 

@@ -30,6 +30,8 @@ def test_speculative_greedy_equals_plain_on_cuda(target, draft, kind):
     prompts = repeating_prompts(16, seed=3)
     want = _tokens(LLM(target, **ENGINE), prompts)
     extra = {"draft_model": draft} if kind == "draft" else {}
+    if kind == "draft":
+        extra["speculative_queue_drafts"] = True
     llm = LLM(target, speculative=kind, num_speculative_tokens=3, speculative_dynamic=False,
               speculative_max_batch=16, **extra, **ENGINE)  # every row of every step speculates
     counts = SpecCounter(llm)
@@ -53,7 +55,7 @@ def test_speculative_greedy_equals_plain_on_cuda(target, draft, kind):
 
 def test_target_as_its_own_draft_accepts_every_draft_on_cuda(target):
     llm = LLM(target, speculative="draft", draft_model=target, num_speculative_tokens=3, speculative_dynamic=False,
-              **ENGINE)
+              speculative_queue_drafts=True, **ENGINE)
     counts = SpecCounter(llm)
     _tokens(llm, repeating_prompts(4, seed=5))
     assert counts.num_draft_tokens > 0 and counts.num_accepted == counts.num_draft_tokens

@@ -33,6 +33,7 @@ ENGINE_CASES = [
     (SpeculativeConfig, {"ngram_min": 3, "ngram_max": 2}, "ngram-max"),
     (SpeculativeConfig, {"speculative_max_batch": 0}, "speculative-max-batch"),
     (SpeculativeConfig, {"speculative_dynamic": "yes"}, "speculative-dynamic"),
+    (SpeculativeConfig, {"speculative_queue_drafts": 1}, "speculative-queue-drafts"),
     (SpeculativeConfig, {"speculative": "draft"}, "draft-model"),
     (SpeculativeConfig, {"draft_model": "some/dir"}, "draft-model"),
 ]

@@ -48,6 +48,8 @@ class SpecBenchConfig:
     speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off cap (default: the engine's)"})
     speculative_dynamic: bool | None = field(default=None, metadata={"help": "the dynamic rule: speculate only where "
                                              "it pays (default: the engine's, off)"})
+    speculative_queue_drafts: bool | None = field(default=None, metadata={"help": "queue each proposal behind its "
+                                                  "verification on the device (default: the engine's, off)"})
     rounds: int = field(default=2, metadata={"help": "interleaved rounds; medians are reported"})
     seed: int = field(default=0, metadata={"help": "workload seed"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
@@ -77,6 +79,8 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
         kwargs["speculative_max_batch"] = cfg.speculative_max_batch
     if cfg.speculative_dynamic is not None:
         kwargs["speculative_dynamic"] = cfg.speculative_dynamic
+    if cfg.speculative_queue_drafts is not None and name != "ngram":
+        kwargs["speculative_queue_drafts"] = cfg.speculative_queue_drafts
     if name == "ngram":
         return {**kwargs, "speculative": "ngram"}
     return {**kwargs, "speculative": "draft", "draft_model": drafts[name]}

@@ -106,10 +106,10 @@ class Worker:
         max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
         graphs = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch)
         chain = None
-        if graphs is not None:  # and the catch-up after a verification: k + 1 tokens and the bonus a row
-            k = spec.num_speculative_tokens
-            catch_up = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch, queries_per_row=k + 2) \
-                if k + 2 <= MAX_GRAPH_QUERIES else None
+        if graphs is not None:  # and the catch-up after a verification (k + 1 tokens and the bonus a row)
+            k, catch_up = spec.num_speculative_tokens, None
+            if spec.speculative_queue_drafts and k + 2 <= MAX_GRAPH_QUERIES:
+                catch_up = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch, queries_per_row=k + 2)
             chain = DraftChain(draft_model, graphs, block_size, self.device, catch_up)
         return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                   self.model_info.max_model_len, self.device, self.config.model.seed, chain)
