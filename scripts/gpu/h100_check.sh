@@ -122,7 +122,7 @@ if want fp8serve; then
     kill $BF16 $FP8 2>/dev/null; wait $BF16 $FP8 2>/dev/null
 fi
 if want specprof; then  # where a speculative step's time goes (oracle=0.8 beside plain)
-    run specprof 200 "$PY" scripts/gpu/spec_profile.py "$MODEL" ${SPECPROF_BATCHES:-1,8} "$RES/spec_profile.txt"
+    run specprof 200 "$PY" scripts/gpu/spec_profile.py "$MODEL" ${SPECPROF_BATCHES:-1} "$RES/spec_profile.txt"
     grep -E '^batch|synchronised|profiled|accepted' "$RES/spec_profile.txt" | tee -a "$OUT/summary.txt"
 fi
 if want spec; then

@@ -5,13 +5,19 @@ synchronised timers (prepare / forward / verify+sample / finish with the next dr
 run (the device's busy time per step against the step's wall time, the top kernels and host ops); a
 cProfile run (the host's functions; time in `tolist`/`item` is the host waiting for the device).
 
-    python scripts/gpu/spec_profile.py MODEL [batch sizes, default 1,8] [out file]
+    python scripts/gpu/spec_profile.py MODEL [batch sizes, default 1] [out file]
+    SPECPROF_QUEUE=1: the oracle engine with --speculative-queue-drafts
+
+An oracle's reference work (the plain engine continuing its reference) is left out of the step times, as
+`bench spec` leaves it out; the profilers' runs include it (its functions and kernels are the plain
+engine's: `continue_greedy` in the host profile).
 """
 
 from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 import tempfile
@@ -20,7 +26,7 @@ import time
 import torch
 
 from llmserve import SamplingParams
-from llmserve.bench.spec import SpecBenchConfig, _build, _make_drafts, _workload
+from llmserve.bench.spec import SpecBenchConfig, _build, _make_drafts, _rebase_s, _workload
 from llmserve.model.loader import load_hf_config
 
 
@@ -29,10 +35,11 @@ def _steps(llm) -> int:
 
 
 def _timed(llm, prompts, params) -> tuple[float, int]:
-    steps = _steps(llm)
+    """Seconds (an oracle's reference work left out) and runner steps of one generate."""
+    steps, rebase_s = _steps(llm), _rebase_s(llm)
     start = time.perf_counter()
     llm.generate(prompts, params)
-    return time.perf_counter() - start, _steps(llm) - steps
+    return time.perf_counter() - start - (_rebase_s(llm) - rebase_s), _steps(llm) - steps
 
 
 def _torch_profile(llm, prompts, params, out) -> None:
@@ -82,9 +89,10 @@ def _split(llm, prompts, params, out) -> None:
 
 def main() -> None:
     model = sys.argv[1]
-    levels = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,8").split(",")]
+    levels = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1").split(",")]
     out = open(sys.argv[3], "w") if len(sys.argv) > 3 else sys.stdout
-    cfg = SpecBenchConfig(model=model, configs="none,oracle=0.8", output_len=96, requests_per_slot=1)
+    cfg = SpecBenchConfig(model=model, configs="none,oracle=0.8", output_len=96, requests_per_slot=1,
+                          speculative_queue_drafts=os.environ.get("SPECPROF_QUEUE") == "1")
     params = SamplingParams(temperature=0, max_tokens=cfg.output_len, ignore_eos=True)
     vocab_size = load_hf_config(model).vocab_size
     with tempfile.TemporaryDirectory() as scratch:
