@@ -100,9 +100,11 @@ class Speculator:
             return False
         if step.input_ids.shape[0] != len(rows) * (k + 1) or not all(row.params.speculative for row in rows):
             return False
+        if not self.proposer.can_propose_early(rows, step.block_table.shape[1]):
+            return False  # the rule chooses at `propose`, as without queued proposals
         req_ids = [row.req_id for row in rows]
         self.early_choice = req_ids, self.rule.choose(req_ids, len(rows))
-        return all(self.early_choice[1]) and self.proposer.can_propose_early(rows, step.block_table.shape[1])
+        return all(self.early_choice[1])
 
     def _choose(self, req_ids: list[str], num_rows: int) -> list[bool]:
         """The rule's choice for these candidates: the one made at verification when it was for them."""
