@@ -87,11 +87,11 @@ def test_a_loaded_cpu_model_is_packed_and_generates_what_the_unpacked_one_does(t
     path = make_model("llama", "demo", str(tmp_path), seed=3)  # its MLP weights are large enough to pack
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 8], list(range(10, 50))]
-    packed = LLM(path, dtype="float32")
+    packed = LLM(path, dtype="float32", num_kv_blocks=1024)
     assert any(m.packed_weight is not None for m in packed.engine.runner.model.modules() if isinstance(m, Linear))
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
     monkeypatch.setattr(Linear, "pack", lambda self: False)
-    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", num_kv_blocks=1024).generate(prompts, params)]
     assert got == want
 
 

@@ -20,7 +20,9 @@ def path(tmp_path_factory):
 
 
 def _llm(path: str, num_steps: int, **kwargs) -> LLM:
-    return LLM(path, dtype="float32", num_scheduler_steps=num_steps, **{"max_model_len": 128, **kwargs})
+    """A cache of 512 blocks unless told: the default (a share of free memory) takes seconds to allocate."""
+    return LLM(path, dtype="float32", num_scheduler_steps=num_steps,
+               **{"max_model_len": 128, "num_kv_blocks": 512, **kwargs})
 
 
 def _record_steps(llm: LLM) -> list[int]:

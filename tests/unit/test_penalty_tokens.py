@@ -58,7 +58,7 @@ def test_engine_serves_penalised_requests_past_the_buffers_first_sizes(tmp_path)
     from llmserve import LLM, SamplingParams
     from llmserve.model.maker import make_model
 
-    llm = LLM(make_model("llama", "tiny", str(tmp_path / "m"), seed=0), dtype="float32", max_num_seqs=4)
+    llm = LLM(make_model("llama", "tiny", str(tmp_path / "m"), seed=0), dtype="float32", max_num_seqs=4, num_kv_blocks=1024)
     outputs = llm.generate([[5 + i] * (3 + i) for i in range(12)],
                            SamplingParams(max_tokens=40, repetition_penalty=1.2, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40] * 12

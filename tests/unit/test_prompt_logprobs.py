@@ -29,7 +29,7 @@ def _reference(path, prompt: list[int]) -> torch.Tensor:
 def test_prompt_logprobs_match_transformers_through_chunks_and_cache(tiny, is_async):
     prompt = [(5 * j + 11) % 450 + 3 for j in range(70)]
     reference = _reference(tiny, prompt)
-    llm = LLM(tiny, dtype="float32", max_num_batched_tokens=32, async_scheduling=is_async)
+    llm = LLM(tiny, dtype="float32", max_num_batched_tokens=32, async_scheduling=is_async, num_kv_blocks=1024)
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
     for _ in range(2):  # the second run would hit the prefix cache: the prompt is computed anyway
         out = llm.generate([prompt], params)[0]
@@ -46,7 +46,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_cache(tiny, is_as
 
 
 def test_requests_without_prompt_logprobs_get_none(tiny):
-    out = LLM(tiny, dtype="float32").generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0]
+    out = LLM(tiny, dtype="float32", num_kv_blocks=1024).generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0]
     assert out.prompt_logprobs is None
 
 

@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    return LLM(tiny, dtype="float32", max_model_len=512)
+    return LLM(tiny, dtype="float32", max_model_len=512, num_kv_blocks=1024)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_bitmask_equals_a_per_token_reference_on_random_logits(compiler, llm):
 def test_drafts_the_grammar_forbids_are_rejected(tiny, llm, kind):
     extra = {"draft_model": tiny} if kind == "draft" else {}  # the target as its own draft: proposes freely
     spec = LLM(tiny, dtype="float32", max_model_len=512, speculative=kind, num_speculative_tokens=3,
-               speculative_dynamic=False, **extra)
+               speculative_dynamic=False, num_kv_blocks=1024, **extra)
     prompts = _prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=CONSTRAINTS[i % 5]) for i in range(6)]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -150,7 +150,7 @@ def test_overlapped_steps_give_the_in_order_outputs(tiny, llm):
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=80, ignore_eos=i % 2 == 0,
                              structured_outputs=CONSTRAINTS[i % 5] if i % 2 else None) for i in range(8)]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    overlapped = LLM(tiny, dtype="float32", max_model_len=512, async_scheduling=True)
+    overlapped = LLM(tiny, dtype="float32", max_model_len=512, async_scheduling=True, num_kv_blocks=1024)
     assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)] == want
     overlapped.engine.check_integrity()
 
