@@ -62,7 +62,9 @@ class DraftModelProposer:
     def can_propose_early(self, rows: list[ProposerRow], num_block_columns: int) -> bool:
         """Rows about to be verified with k drafts each: plain greedy, their draft KV caught up to the
         verification's first token, room for 2k more positions, and captured sizes that fit."""
-        if self.chain is None or self.k < 2 or not all(r.is_plain_greedy for r in rows):
+        if self.chain is None or self.chain.catch_up is None or self.k < 2:
+            return False  # the first check a step makes without --speculative-queue-drafts
+        if not all(r.is_plain_greedy for r in rows):
             return False
         if any(r.num_draft_computed < len(r.token_ids) - 1 or len(r.token_ids) + 2 * self.k >= self.max_model_len
                for r in rows):
@@ -79,14 +81,13 @@ class DraftModelProposer:
         early, self.early = self.early, None
         if early is None or early[0] != [r.req_id for r in rows]:
             return None
-        if early[2].tolist() != [len(r.token_ids) for r in rows]:  # the step kept fewer tokens (a stop)
+        if early[2].tolist() != [len(r.token_ids) for r in rows]:  # a guard: made at these rows' lengths
             return None
         self.num_early += 1
         return early[1].tolist()
 
     @torch.inference_mode()
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
         counts = [len(r.token_ids) - r.num_draft_computed for r in rows]  # the real tokens each catches up on
         self.max_catch_up = max(counts)
         early = self._take_early(rows)
@@ -94,6 +95,7 @@ class DraftModelProposer:
             for row in rows:
                 row.num_draft_computed = len(row.token_ids)
             return early, [None] * len(rows)
+        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
         if self._can_chain(rows):
             return self._propose_chained(rows, inputs, counts), [None] * len(rows)
         drafts: list[list[int]] = [[] for _ in rows]
