@@ -61,7 +61,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache bytes, e.g. 4GiB (default: a fraction of free memory)"})
+    kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache bytes, e.g. 4GiB (default on CPU: "
+                                        "a quarter of available RAM, at most 8GiB and twice what --max-num-seqs "
+                                        "sequences of --max-model-len fill; on CUDA: what --gpu-memory-utilization "
+                                        "leaves)"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "exact number of KV blocks (overrides --kv-cache-memory)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prefixes",
                                                                 "flag": "prefix-caching"})

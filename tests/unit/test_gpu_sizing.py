@@ -33,6 +33,16 @@ def test_num_kv_blocks_from_a_measured_budget():
     assert num_kv_blocks(CacheConfig(num_kv_blocks=7), block_bytes=1000, max_model_len=64, budget=10**9) == 7
 
 
+def test_cpu_default_holds_twice_what_the_seats_fill_and_an_explicit_budget_is_kept():
+    cache = CacheConfig(block_size=16)  # the default budget is gigabytes: far over 4 seats of 64 tokens
+    assert num_kv_blocks(cache, block_bytes=1000, max_model_len=64, max_num_seqs=4) == 2 * 4 * 4 + 1
+    assert num_kv_blocks(cache, block_bytes=1000, max_model_len=65, max_num_seqs=4) == 2 * 4 * 5 + 1
+    sized = CacheConfig(block_size=16, kv_cache_memory="100000")
+    assert num_kv_blocks(sized, block_bytes=1000, max_model_len=64, max_num_seqs=4) == 100
+    measured = num_kv_blocks(cache, block_bytes=1000, max_model_len=64, budget=100_000, max_num_seqs=4)
+    assert measured == 100  # a GPU's measured budget is not capped: spare blocks keep prefixes
+
+
 def test_only_an_unsized_cuda_cache_is_profiled():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert needs_gpu_profile(CacheConfig(), cuda)

@@ -173,3 +173,29 @@ def test_chat_template_from_chat_template_jinja(tmp_path, tiny_path):
     tok = load_tokenizer(path)
     prompt = tok.apply_chat_template([{"role": "user", "content": "yo"}], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("yo<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _top_gaps(path: str) -> torch.Tensor:
+    """(top-1 minus top-2 logit) / the logits' std at every position of a random 64-token context."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits[0]  # [64, vocab]
+    top = logits.topk(2, dim=-1).values  # [64, 2]
+    return (top[:, 0] - top[:, 1]) / logits.std(dim=-1)
+
+
+def test_peaked_logits_rescale_only_the_head_rows_and_open_the_top_gap(tmp_path):
+    from safetensors.torch import load_file
+    parser = argparse.ArgumentParser()
+    add_make_model_parser(parser.add_subparsers())
+    args = parser.parse_args(["make-model", "--shape", "tiny", "--out", str(tmp_path / "p"), "--peaked-logits"])
+    assert args.func(args) == 0
+    plain = load_file(os.path.join(make_model("llama", "tiny", str(tmp_path / "a")), "model.safetensors"))
+    peaked = load_file(str(tmp_path / "p" / "model.safetensors"))
+    assert [n for n in plain if not torch.equal(plain[n], peaked[n])] == ["lm_head.weight"]
+    ratio = peaked["lm_head.weight"] / plain["lm_head.weight"]  # [vocab, hidden]: one positive scale a row
+    assert (ratio > 0).all() and torch.allclose(ratio, ratio[:, :1].expand_as(ratio))
+    gaps, plain_gaps = _top_gaps(str(tmp_path / "p")), _top_gaps(str(tmp_path / "a"))
+    assert gaps.median() > 3 * plain_gaps.median()  # tiny: 1.30 against 0.24 logit standard deviations

@@ -105,10 +105,23 @@ def _param_specs(arch: str, config) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Norm weights near 1, everything else (weights, biases) normal(0, std)."""
+                   dtype: torch.dtype, is_peaked: bool = False) -> torch.Tensor:
+    """Norm weights near 1, everything else (weights, biases) normal(0, std); `_peak`ed if is_peaked."""
     mean, scale = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, std)
-    return torch.empty(shape, dtype=torch.float32).normal_(mean, scale, generator=gen).to(dtype)
+    tensor = torch.empty(shape, dtype=torch.float32).normal_(mean, scale, generator=gen)
+    return (_peak(tensor) if is_peaked else tensor).to(dtype)
+
+
+def _peak(tensor: torch.Tensor) -> torch.Tensor:
+    """The lm_head's rows scaled by 3 * lognormal(0, 1) (their own generator, seed 0): the top logit then
+    usually leads the second by several logit standard deviations, where plain random weights leave
+    near-ties that rounding flips (bf16 against f32, a 5-token verification against a decode step)."""
+    row_scale = torch.exp(torch.randn(tensor.shape[0], 1, generator=torch.Generator().manual_seed(0)))
+    return tensor * (3 * row_scale)
+
+
+def _head_name(config) -> str:
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
 
 def _plan_shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -124,14 +137,16 @@ def _plan_shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int) -> lis
     return shards
 
 
-def _write_weights(out_dir: str, arch: str, config, shape: Shape, seed: int, dtype: torch.dtype) -> None:
+def _write_weights(out_dir: str, arch: str, config, shape: Shape, seed: int, dtype: torch.dtype,
+                   is_peaked: bool) -> None:
     from safetensors.torch import save_file
     gen = torch.Generator().manual_seed(seed)
+    peaked = _head_name(config) if is_peaked else None
     shards = _plan_shards(_param_specs(arch, config), torch.finfo(dtype).bits // 8)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: _random_tensor(n, s, shape.init_std, gen, dtype) for n, s in shard}
+        tensors = {n: _random_tensor(n, s, shape.init_std, gen, dtype, n == peaked) for n, s in shard}
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -148,8 +163,10 @@ def _write_generation_config(out_dir: str) -> None:
         json.dump(config, f, indent=2)
 
 
-def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
-    """Write a random checkpoint of an explicit Shape into out_dir (created if needed)."""
+def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype: str = "float32",
+                     is_peaked: bool = False) -> str:
+    """Write a random checkpoint of an explicit Shape into out_dir (created if needed); is_peaked: the
+    lm_head's rows rescaled (`_peak`) so that greedy decoding has clear winners."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
@@ -157,21 +174,21 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
     os.makedirs(out_dir, exist_ok=True)
     config = build_config(arch, shape, dtype)
     config.save_pretrained(out_dir)
-    _write_weights(out_dir, arch, config, shape, seed, _DTYPES[dtype])
+    _write_weights(out_dir, arch, config, shape, seed, _DTYPES[dtype], is_peaked)
     toy_tokenizer.save_tokenizer(out_dir, shape.vocab_size, shape.max_position)
     _write_generation_config(out_dir)
     return out_dir
 
 
 def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = "float32",
-               quantization: str | None = None) -> str:
+               quantization: str | None = None, is_peaked: bool = False) -> str:
     """Write a random-weight HF checkpoint of a named shape (see SHAPES) into out_dir; returns out_dir.
 
     quantization: None, or an FP8 format of model/quant/checkpoint.py (fp8: transformers' 128x128 block
     scales; fp8-channel: compressed-tensors per-channel scales)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype)
+    write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype, is_peaked)
     if quantization is not None:
         from llmserve.model.quant.checkpoint import write_fp8_checkpoint
 
@@ -190,6 +207,9 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--quantization", choices=["fp8", "fp8-channel"], default=None,
                         help="write Linear weights in FP8: fp8 = transformers' format (weight_scale_inv, 128x128 "
                              "blocks), fp8-channel = compressed-tensors (weight_scale per output channel)")
+    parser.add_argument("--peaked-logits", action="store_true",
+                        help="scale the lm_head's rows (3 x lognormal) so that the top logit leads by several "
+                             "standard deviations: greedy outputs that rounding (bf16, batch shapes) does not flip")
     draft = parser.add_argument_group("a speculative-decoding draft derived from a target (then --arch/--shape are unused)")
     draft.add_argument("--draft-of", default=None, help="target checkpoint directory to derive the draft from")
     draft.add_argument("--draft-layers", type=int, default=None, help="keep the target's first N layers (default: all)")
@@ -206,7 +226,8 @@ def run_make_model(args: argparse.Namespace) -> int:
         print(f"wrote a draft of {args.draft_of} to {path}")
         return 0
     path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype,
-                      quantization=args.quantization)
+                      quantization=args.quantization, is_peaked=args.peaked_logits)
     fmt = f" ({args.quantization})" if args.quantization else ""
+    fmt += ", peaked logits" if args.peaked_logits else ""
     print(f"wrote {args.arch} {args.shape}{fmt} checkpoint to {path}")
     return 0
