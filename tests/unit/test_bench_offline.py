@@ -39,4 +39,4 @@ def test_profile_writes_the_engine_step_functions(tiny, tmp_path):
     path = tmp_path / "profile.txt"
     run(OfflineBenchConfig(model=tiny, num_requests=4, prompt_len="4-8", output_len="3-5", profile=str(path)))
     text = path.read_text()
-    assert "cumulative" in text and "step" in text and "schedule" in text
+    assert "cumulative" in text and all(f"({name})" in text for name in ("step", "schedule", "execute", "update_from_output"))

@@ -257,3 +257,21 @@ def test_a_window_uses_as_many_skips_as_it_runs_forwards():
     assert not backoff.is_skipping
     backoff.observe(0)
     assert backoff.num_skips_left == 1
+
+
+def test_the_dynamic_rule_prices_plain_decoding_by_the_windows_it_backs_off_into(path):
+    """Each back-off window whose rows all run its forwards is reported to the rule (rows, forwards), and
+    the bucket of its rows then prices plain decoding by it (`window_s`)."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = _llm(path, 8, speculative="ngram", speculative_max_batch=16, ngram_min=4, ngram_max=4,
+               speculative_dynamic=True)
+    rule = llm.engine.runner.speculator.rule
+    windows: list[tuple[int, int]] = []
+    observe = rule.observe_window
+    rule.observe_window = lambda rows, forwards, seconds: (windows.append((rows, forwards)),
+                                                           observe(rows, forwards, seconds))
+    steps = _record_steps(llm)
+    _run(llm, prompts, params)
+    assert windows and sorted(windows) == sorted((6, n) for n in steps if n > 1)  # the rows run in lockstep
+    assert rule.buckets[8].window_s is not None and rule.buckets[8].window_s > 0

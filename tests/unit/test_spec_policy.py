@@ -46,6 +46,25 @@ def test_a_fixed_proposing_cost_is_paid_once_per_step():
     assert rule.choose(list("abcd"), 4) == [True] * 4
 
 
+def test_plain_decoding_is_priced_by_its_window_forwards_where_windows_ran():
+    """On CPU a plain engine decodes in multi-step windows: B = 4 rows, a single plain step 26 ms, a window's
+    forward 15 ms. Four rows accepting 2.7 drafts beat the single step (14.8 tokens in 88 ms against 4 in
+    26) but not the window (4 in 15 ms); the speculative step is still priced from the single step."""
+    assert best_num_rows([2.7] * 4, 4, 0.026, 0.022, 0.010, window_s=0.015) == 0
+    assert best_num_rows([2.7] * 4, 4, 0.026, 0.022, 0.010, window_s=0.025) == 4
+    rule = SpeculationRule(max_batch=64, num_speculative_tokens=4)
+    rule.observe_step(StepCost(4, 0, 0.026))
+    rule.observe_step(StepCost(4, 4, 0.088, propose_s=0.022))
+    for req_id in "abcd":
+        rule.observe_row(req_id, 2.7)
+    assert rule.choose(list("abcd"), 4) == [True] * 4
+    rule.observe_window(4, 1, 0.010)  # one forward is a single step's: not a window
+    rule.observe_window(3, 16, 16 * 0.015)  # 3 rows: bucket 4
+    assert rule.buckets[4].window_s == pytest.approx(0.015) and rule.buckets[4].plain_s == pytest.approx(0.026)
+    assert rule.choose(list("abcd"), 4) == [False] * 4
+    assert rule.buckets[4].row_s == pytest.approx(0.010)  # the window did not move the speculative step's price
+
+
 def test_costs_are_measured_plain_first_then_speculative():
     rule = SpeculationRule(max_batch=8, num_speculative_tokens=4)
     assert rule.choose(["a"], 1) == [False]  # no plain cost yet: a plain step measures it

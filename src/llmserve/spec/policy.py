@@ -13,7 +13,11 @@ tokens (its accepted drafts). Both are measured, never assumed:
   tried again rather than left out for good: a row that never speculates is never measured, and at
   batch 8 on CPU the rule without this kept the same 2 of 8 rows out for a whole run (docs/benchmarks.md).
 With S speculating rows a step yields B + sum(a_r over S) tokens in that time, so the best set is the m
-rows of highest a_r for the m that maximises the ratio (m = 0: plain decoding). The rule speculates for
+rows of highest a_r for the m that maximises the ratio against plain decoding's B tokens a forward.
+Plain decoding's forward is `window_s` where measured: on CPU a plain step that finds no drafts backs off
+into multi-step windows (core/spec_stats.DraftBackoff), whose forwards skip a step's host work each, so a
+window's seconds a forward are what plain decoding costs there (`plain_s`, a single step, still prices
+the speculative step); elsewhere `plain_s`. The rule speculates for
 those rows only, so speculation never buys fewer tokens per second than plain decoding, as far as the
 averages tell. (A single per-row average, the rule's first form, charged a step of one speculating row
 the whole draft cost and switched speculation off where it paid: docs/speculative.md.)
@@ -51,6 +55,7 @@ class StepCost:
 @dataclass
 class BucketCost:
     plain_s: float | None = None  # a plain decode step
+    window_s: float | None = None  # a forward of a plain multi-step window (None: no window measured)
     fixed_s: float | None = None  # the proposing of a speculative step (None: not measured, taken as 0)
     row_s: float | None = None  # added to the verification per speculating row
     num_decisions: int = 0
@@ -65,11 +70,13 @@ def _average(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
 
 
-def best_num_rows(accepted: list[float], num_rows: int, plain_s: float, fixed_s: float, row_s: float) -> int:
+def best_num_rows(accepted: list[float], num_rows: int, plain_s: float, fixed_s: float, row_s: float,
+                  window_s: float | None = None) -> int:
     """accepted: per candidate row its expected accepted drafts per step, best first; num_rows: the
     step's rows (B). Returns how many leading candidates speculate so that
-    (B + their accepted) / (plain_s + fixed_s + m * row_s) is largest (0 on ties: plain decoding)."""
-    best, best_rate = 0, num_rows / plain_s
+    (B + their accepted) / (plain_s + fixed_s + m * row_s) is largest, plain decoding's rate being
+    B / window_s where windows were measured, else B / plain_s (m = 0, also on ties)."""
+    best, best_rate = 0, num_rows / (plain_s if window_s is None else window_s)
     total = float(num_rows)
     for m, a in enumerate(accepted, start=1):
         total += a
@@ -106,7 +113,7 @@ class SpeculationRule:
         accepted = [self.accepted.get(r, self.prior) for r in candidates]
         order = sorted(range(num), key=lambda i: -accepted[i])
         num_spec = best_num_rows([accepted[i] for i in order], num_rows, cost.plain_s, cost.fixed_s or 0.0,
-                                 cost.row_s)
+                                 cost.row_s, cost.window_s)
         if cost.num_decisions % self.probe_every == 0:
             num_spec = 0 if num_spec else num  # the other choice, to refresh its cost
         chosen = set(order[:num_spec])
@@ -132,6 +139,12 @@ class SpeculationRule:
             cost.row_s = _average(cost.row_s, verify_extra / step.num_spec_rows)
             if not step.has_long_catch_up:
                 cost.fixed_s = _average(cost.fixed_s, step.propose_s)
+
+    def observe_window(self, num_rows: int, num_forwards: int, seconds: float) -> None:
+        """A plain multi-step window: `num_forwards` forwards of `num_rows` rows each took `seconds`."""
+        if self.is_dynamic and num_rows and num_forwards > 1:
+            cost = self.buckets.setdefault(bucket_of(num_rows), BucketCost())
+            cost.window_s = _average(cost.window_s, seconds / num_forwards)
 
     def observe_row(self, req_id: str, num_accepted: int) -> None:
         """A verified step of `req_id`: `num_accepted` of its drafts were kept."""

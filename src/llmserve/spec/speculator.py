@@ -128,6 +128,10 @@ class Speculator:
         self.rule.observe_step(StepCost(step.num_rows, step.num_spec_rows, seconds, self.propose_s,
                                         self.has_long_catch_up))
 
+    def observe_window(self, num_rows: int, num_forwards: int, seconds: float) -> None:
+        """A plain multi-step window ran (worker/multi_step.py): plain decoding's cost a forward there."""
+        self.rule.observe_window(num_rows, num_forwards, seconds)
+
     def forget(self, req_ids) -> None:
         self.rule.forget(req_ids)
         self.proposer.forget(req_ids)

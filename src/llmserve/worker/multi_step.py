@@ -13,6 +13,7 @@ stops on (EOS, a stop id, past min_tokens) runs no further forward: a window cos
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 @torch.inference_mode()  # one context for the window's forwards (`ModelRunner.window_forward`)
 def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRunnerOutput:
     """Per row of the step its sampled ids, one a forward it ran."""
+    started = time.perf_counter()
     req_ids = list(sched_out.num_scheduled_tokens)
     counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=len(req_ids))  # [B]
     sampled = np.zeros((sched_out.num_steps, len(req_ids)), np.int64)  # [k, B]
@@ -61,6 +63,8 @@ def run_decode_steps(runner: ModelRunner, sched_out: SchedulerOutput) -> ModelRu
     token_ids = sampled.T.tolist()
     for i in np.flatnonzero(counts < sampled.shape[0]).tolist():
         del token_ids[i][counts[i]:]
+    if runner.speculator is not None and counts.min() == counts.max():  # every row ran every forward
+        runner.speculator.observe_window(len(req_ids), int(counts[0]), time.perf_counter() - started)
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids)
 
 
