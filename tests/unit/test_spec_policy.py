@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec.policy import SpeculationRule, StepCost, best_num_rows, bucket_of
+from llmserve.spec.policy import WINDOW_TRIES, SpeculationRule, StepCost, best_num_rows, bucket_of
 from llmserve.spec.speculator import Speculator
 
 
@@ -63,6 +63,29 @@ def test_plain_decoding_is_priced_by_its_window_forwards_where_windows_ran():
     assert rule.buckets[4].window_s == pytest.approx(0.015) and rule.buckets[4].plain_s == pytest.approx(0.026)
     assert rule.choose(list("abcd"), 4) == [False] * 4
     assert rule.buckets[4].row_s == pytest.approx(0.010)  # the window did not move the speculative step's price
+
+
+def test_an_engine_with_windows_measures_a_plain_window_third():
+    rule = SpeculationRule(max_batch=8, num_speculative_tokens=4, has_windows=True)
+    rule.observe_step(StepCost(1, 0, 0.010))
+    assert rule.choose(["a"], 1) == [True]
+    rule.observe_step(StepCost(1, 1, 0.030))
+    rule.observe_row("a", 4)
+    assert rule.choose(["a"], 1) == [False]  # 5 tokens in 30 ms beat 1 in 10, but the window is unmeasured
+    rule.observe_window(1, 2, 0.016)
+    assert rule.choose(["a"], 1) == [True]  # 5 in 30 ms beat 1 in 8
+    for _ in range(10):
+        rule.observe_window(1, 16, 16 * 0.005)  # longer windows, 5 ms a forward: 1 in ~5.3 ms beats 5 in 30
+    assert rule.choose(["a"], 1) == [False]
+
+
+def test_a_bucket_that_runs_no_window_goes_without_its_price_after_a_few_tries():
+    """Streamed requests run no windows: the rule must not decode plainly for ever waiting for one."""
+    rule = SpeculationRule(max_batch=8, num_speculative_tokens=4, has_windows=True)
+    rule.observe_step(StepCost(1, 0, 0.010))
+    rule.observe_step(StepCost(1, 1, 0.030))
+    rule.observe_row("a", 4)
+    assert [rule.choose(["a"], 1) for _ in range(WINDOW_TRIES + 1)] == [[False]] * WINDOW_TRIES + [[True]]
 
 
 def test_costs_are_measured_plain_first_then_speculative():

@@ -23,7 +23,10 @@ averages tell. (A single per-row average, the rule's first form, charged a step 
 the whole draft cost and switched speculation off where it paid: docs/speculative.md.)
 
 Unmeasured costs are measured first: a bucket without `plain_s` decodes plainly, then one without
-`row_s` speculates. A proposal that first caught the draft up on more tokens than a verified step
+`row_s` speculates, then, on an engine that runs windows (`has_windows`), one without `window_s` decodes
+plainly again until the back-off has run a window (its second plain choice backs off for 2 forwards: a
+rule that rarely chose plain decoding never learnt its windows' price otherwise), for at most
+`WINDOW_TRIES` decisions (streamed requests, for one, run no windows). A proposal that first caught the draft up on more tokens than a verified step
 accepts (after plain steps, or a prompt) is left out of `fixed_s`: that catch-up is the price of having
 switched, not of speculating. Every `probe_every`-th decision of a bucket takes the other choice (a
 plain step while speculating, a speculative step while not), so the averages follow a changing load,
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 EMA_WEIGHT = 0.2  # weight of a new observation in the moving averages
 PROBE_EVERY = 32  # every this many decisions of a bucket, take the other choice to refresh its cost
+WINDOW_TRIES = 4  # plain choices a bucket makes for want of a window's price before it goes without
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class StepCost:
 class BucketCost:
     plain_s: float | None = None  # a plain decode step
     window_s: float | None = None  # a forward of a plain multi-step window (None: no window measured)
+    num_window_tries: int = 0  # plain choices made to measure window_s
     fixed_s: float | None = None  # the proposing of a speculative step (None: not measured, taken as 0)
     row_s: float | None = None  # added to the verification per speculating row
     num_decisions: int = 0
@@ -88,9 +93,11 @@ def best_num_rows(accepted: list[float], num_rows: int, plain_s: float, fixed_s:
 
 class SpeculationRule:
     def __init__(self, max_batch: int, num_speculative_tokens: int, is_dynamic: bool = True,
-                 probe_every: int = PROBE_EVERY) -> None:
+                 probe_every: int = PROBE_EVERY, has_windows: bool = False) -> None:
+        """has_windows: plain decoding backs off into multi-step windows (CPU), whose price is measured."""
         self.max_batch = max_batch
         self.is_dynamic = is_dynamic
+        self.has_windows = has_windows
         self.probe_every = probe_every
         self.num_speculative_tokens = num_speculative_tokens  # k
         self.prior = float(num_speculative_tokens)  # a request's acceptance before any is measured
@@ -110,6 +117,9 @@ class SpeculationRule:
         cost.num_decisions += 1
         if cost.plain_s is None or cost.row_s is None:
             return [cost.plain_s is not None] * num  # measure the plain step first, then the speculative
+        if self.has_windows and cost.window_s is None and cost.num_window_tries < WINDOW_TRIES:
+            cost.num_window_tries += 1
+            return [False] * num  # then plain decoding's windows
         accepted = [self.accepted.get(r, self.prior) for r in candidates]
         order = sorted(range(num), key=lambda i: -accepted[i])
         num_spec = best_num_rows([accepted[i] for i in order], num_rows, cost.plain_s, cost.fixed_s or 0.0,

@@ -93,7 +93,8 @@ class Worker:
         spec = self.config.speculative
         if not spec.is_enabled:
             return None
-        rule = SpeculationRule(spec.speculative_max_batch, spec.num_speculative_tokens, spec.speculative_dynamic)
+        rule = SpeculationRule(spec.speculative_max_batch, spec.num_speculative_tokens, spec.speculative_dynamic,
+                               has_windows=(self.config.scheduler.num_scheduler_steps or 1) > 1)
         return Speculator(self._proposer(attn_backend, draft_model), rule)
 
     def _proposer(self, attn_backend, draft_model: torch.nn.Module | None):
