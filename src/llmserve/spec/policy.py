@@ -14,21 +14,23 @@ tokens (its accepted drafts). Both are measured, never assumed:
   batch 8 on CPU the rule without this kept the same 2 of 8 rows out for a whole run (docs/benchmarks.md).
 With S speculating rows a step yields B + sum(a_r over S) tokens in that time, so the best set is the m
 rows of highest a_r for the m that maximises the ratio against plain decoding's B tokens a forward.
-Plain decoding's forward is `window_s` where measured: on CPU a plain step that finds no drafts backs off
-into multi-step windows (core/spec_stats.DraftBackoff), whose forwards skip a step's host work each, so a
-window's seconds a forward are what plain decoding costs there (`plain_s`, a single step, still prices
-the speculative step); elsewhere `plain_s`. The rule speculates for
-those rows only, so speculation never buys fewer tokens per second than plain decoding, as far as the
-averages tell. (A single per-row average, the rule's first form, charged a step of one speculating row
+Plain decoding's forward is priced at `window_s` where measured: on CPU a plain step that finds no drafts
+backs off into multi-step windows (core/spec_stats.DraftBackoff), and a window's seconds a forward are
+what plain decoding costs there; elsewhere at `plain_s` (which still prices the speculative step, a single
+step). Every cost here is the runner's share of a step (launch to tokens on the host, with the proposing):
+the engine's scheduling and update are not in it, so what windows save there the rule does not see (at 16
+rows on CPU a window's forward cost the runner what a single step did: docs/benchmarks.md). The rule
+speculates for those rows only, so speculation never buys fewer tokens per second than plain decoding,
+as far as the averages tell. (A single per-row average, the rule's first form, charged a step of one speculating row
 the whole draft cost and switched speculation off where it paid: docs/speculative.md.)
 
 Unmeasured costs are measured first: a bucket without `plain_s` decodes plainly, then one without
 `row_s` speculates, then, on an engine that runs windows (`has_windows`), one without `window_s` decodes
 plainly again until the back-off has run a window (its second plain choice backs off for 2 forwards: a
 rule that rarely chose plain decoding never learnt its windows' price otherwise), for at most
-`WINDOW_TRIES` decisions (streamed requests, for one, run no windows). A proposal that first caught the draft up on more tokens than a verified step
-accepts (after plain steps, or a prompt) is left out of `fixed_s`: that catch-up is the price of having
-switched, not of speculating. Every `probe_every`-th decision of a bucket takes the other choice (a
+`WINDOW_TRIES` decisions (streamed requests, for one, run no windows). A proposal that first caught the
+draft up on more tokens than a verified step accepts (after plain steps, or a prompt) is left out of
+`fixed_s`: that catch-up is the price of having switched, not of speculating. Every `probe_every`-th decision of a bucket takes the other choice (a
 plain step while speculating, a speculative step while not), so the averages follow a changing load,
 and requests that were switched off get their acceptance measured again. `--speculative-max-batch` caps
 it all.
