@@ -21,8 +21,8 @@ step). Every cost here is the runner's share of a step (launch to tokens on the 
 the engine's scheduling and update are not in it, so what windows save there the rule does not see (at 16
 rows on CPU a window's forward cost the runner what a single step did: docs/benchmarks.md). The rule
 speculates for those rows only, so speculation never buys fewer tokens per second than plain decoding,
-as far as the averages tell. (A single per-row average, the rule's first form, charged a step of one speculating row
-the whole draft cost and switched speculation off where it paid: docs/speculative.md.)
+as far as the averages tell. (A single per-row average, the rule's first form, charged a step of one
+speculating row the whole draft cost and switched speculation off where it paid: docs/speculative.md.)
 
 Unmeasured costs are measured first: a bucket without `plain_s` decodes plainly, then one without
 `row_s` speculates, then, on an engine that runs windows (`has_windows`), one without `window_s` decodes
@@ -30,8 +30,9 @@ plainly again until the back-off has run a window (its second plain choice backs
 rule that rarely chose plain decoding never learnt its windows' price otherwise), for at most
 `WINDOW_TRIES` decisions (streamed requests, for one, run no windows). A proposal that first caught the
 draft up on more tokens than a verified step accepts (after plain steps, or a prompt) is left out of
-`fixed_s`: that catch-up is the price of having switched, not of speculating. Every `probe_every`-th decision of a bucket takes the other choice (a
-plain step while speculating, a speculative step while not), so the averages follow a changing load,
+`fixed_s`: that catch-up is the price of having switched, not of speculating. Every `probe_every`-th
+decision of a bucket takes the other choice (a plain step while speculating, a speculative step while
+not), so the averages follow a changing load,
 and requests that were switched off get their acceptance measured again. `--speculative-max-batch` caps
 it all.
 """
