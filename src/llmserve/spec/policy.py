@@ -32,9 +32,8 @@ rule that rarely chose plain decoding never learnt its windows' price otherwise)
 draft up on more tokens than a verified step accepts (after plain steps, or a prompt) is left out of
 `fixed_s`: that catch-up is the price of having switched, not of speculating. Every `probe_every`-th
 decision of a bucket takes the other choice (a plain step while speculating, a speculative step while
-not), so the averages follow a changing load,
-and requests that were switched off get their acceptance measured again. `--speculative-max-batch` caps
-it all.
+not), so the averages follow a changing load, and requests that were switched off get their acceptance
+measured again. `--speculative-max-batch` caps it all.
 """
 
 from __future__ import annotations
