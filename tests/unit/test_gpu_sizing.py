@@ -27,10 +27,11 @@ def test_kv_budget_is_the_rest_of_the_allowed_share():
 
 def test_num_kv_blocks_from_a_measured_budget():
     cache = CacheConfig(block_size=16)
-    assert num_kv_blocks(cache, block_bytes=1000, max_model_len=64, budget=10_500) == 10
+    assert num_kv_blocks(cache, block_bytes=1000, max_model_len=64, max_num_seqs=4, budget=10_500) == 10
     with pytest.raises(ValueError, match="fewer than one sequence"):
-        num_kv_blocks(cache, block_bytes=1000, max_model_len=256, budget=10_500)
-    assert num_kv_blocks(CacheConfig(num_kv_blocks=7), block_bytes=1000, max_model_len=64, budget=10**9) == 7
+        num_kv_blocks(cache, block_bytes=1000, max_model_len=256, max_num_seqs=4, budget=10_500)
+    assert num_kv_blocks(CacheConfig(num_kv_blocks=7), block_bytes=1000, max_model_len=64, max_num_seqs=4,
+                         budget=10**9) == 7
 
 
 def test_cpu_default_holds_twice_what_the_seats_fill_and_an_explicit_budget_is_kept():

@@ -42,20 +42,19 @@ def needs_gpu_profile(cache: CacheConfig, device: torch.device) -> bool:
     return device.type == "cuda" and cache.kv_cache_memory is None and cache.num_kv_blocks is None
 
 
-def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, budget: int | None = None,
-                  max_num_seqs: int | None = None) -> int:
+def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, max_num_seqs: int,
+                  budget: int | None = None) -> int:
     """Blocks that fit the budget (plus the null block); at least one full-length sequence must fit.
 
     budget: bytes measured on a GPU; None = --num-kv-blocks, --kv-cache-memory or the CPU default, which
     is capped by what max_num_seqs sequences of max_model_len tokens fill (`cpu_cap_blocks`)."""
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
-    elif budget is not None:
-        num_blocks = budget // block_bytes
+    elif budget is not None or cache.kv_cache_memory is not None:
+        num_blocks = (kv_cache_budget(cache) if budget is None else budget) // block_bytes
     else:
-        num_blocks = kv_cache_budget(cache) // block_bytes
-        if cache.kv_cache_memory is None and max_num_seqs is not None:
-            num_blocks = min(num_blocks, cpu_cap_blocks(max_num_seqs, max_model_len, cache.block_size))
+        num_blocks = min(kv_cache_budget(cache) // block_bytes,
+                         cpu_cap_blocks(max_num_seqs, max_model_len, cache.block_size))
     num_needed = -(-max_model_len // cache.block_size) + 1
     if num_blocks < num_needed:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than one "

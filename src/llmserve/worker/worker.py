@@ -131,8 +131,8 @@ class Worker:
                                       min(sched.max_num_batched_tokens, self.model_info.max_model_len),
                                       sched.max_num_seqs)
             budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
-        num_blocks = num_kv_blocks(cache, block_bytes, self.model_info.max_model_len, budget,
-                                   self.config.scheduler.max_num_seqs)
+        num_blocks = num_kv_blocks(cache, block_bytes, self.model_info.max_model_len,
+                                   self.config.scheduler.max_num_seqs, budget)
         if self.tp is None:
             return num_blocks
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
