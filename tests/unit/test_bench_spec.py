@@ -18,7 +18,8 @@ def test_spec_bench_reports_every_config_and_controls_acceptance(tmp_path, one_e
     assert rows["none"]["ratio_to_none"] == 1.0 and rows["none"]["acceptance_rate"] is None
     assert rows["self"]["acceptance_rate"] == 1.0 and rows["oracle=1.0"]["acceptance_rate"] == 1.0
     assert rows["oracle=0.0"]["acceptance_rate"] == 0.0
-    assert all(r["output_tok_s"] > 0 for r in rows.values())
+    assert all(r["output_tok_s"] > 0 and r["tpot_ms"] > 0 for r in rows.values())
+    assert rows["none"]["decode_ratio_to_none"] == 1.0  # plain decoding's TPOT over itself
 
 
 def test_oracle_reference_follows_the_speculative_engines_output(tmp_path):
