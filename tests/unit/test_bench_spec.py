@@ -42,3 +42,16 @@ def test_oracle_reference_follows_the_speculative_engines_output(tmp_path):
     assert counter.num_draft_tokens > 0 and counter.num_accepted == counter.num_draft_tokens
     assert llm.engine.runner.speculator.proposer.num_rebases >= len(prompts)
     assert got == [o.outputs[0].token_ids for o in engines["none"][0].generate(prompts, params)]
+
+
+def test_ngram_on_a_copying_target_accepts_its_drafts():
+    """`--copying` makes a target that continues the workload's repeated spans: prompt lookup's drafts hold."""
+    cfg = SpecBenchConfig(shape="demo", copying=True, configs="none,ngram", concurrency="1", requests_per_slot=2,
+                          prompt_len=64, output_len=24, rounds=1, speculative_dynamic=False)
+    rows = run(cfg)["levels"]["1"]
+    assert rows["ngram"]["acceptance_rate"] > 0.9 and rows["ngram"]["mean_accepted_length"] > 4
+
+
+def test_copying_needs_a_made_target():
+    with pytest.raises(ValueError, match="--copying makes the target"):
+        SpecBenchConfig(model="/some/checkpoint", copying=True)

@@ -9,7 +9,8 @@ Random weights make acceptance meaningless, so it is controlled (docs/speculativ
   per-token acceptance α): the speed-up a draft of that cost and acceptance gives. The continuation
   follows the speculative engine's own output (bench/spec_oracle.py), so that A holds in bf16 too; the
   plain engine's time spent re-deriving it is left out of the timings;
-- `ngram`: prompt lookup on prompts that repeat a span.
+- `ngram`: prompt lookup on prompts that repeat a span (which only a target that copies continues:
+  `make-model --copying`, or `--copying` here).
 Every configuration runs the same greedy workload at each concurrency, interleaved over `--rounds`
 (on CUDA one engine at a time, each freed before the next: a target-sized engine per configuration
 does not fit beside the others); the table reports median output tok/s, the ratio to plain decoding
@@ -37,6 +38,8 @@ from llmserve.bench.spec_oracle import OracleDraft
 class SpecBenchConfig:
     model: str | None = field(default=None, metadata={"help": "target checkpoint (default: make --shape)"})
     shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made target"})
+    copying: bool = field(default=False, metadata={"help": "make the target with copying weights (make-model "
+                          "--copying): it continues repeated spans, so n-gram lookup finds drafts it accepts"})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
     one_engine_at_a_time: bool | None = field(default=None, metadata={"help": "build, run and free each "
                                               "configuration's engine in turn (default: on CUDA)"})
@@ -56,6 +59,11 @@ class SpecBenchConfig:
     rounds: int = field(default=2, metadata={"help": "interleaved rounds; medians are reported"})
     seed: int = field(default=0, metadata={"help": "workload seed"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+
+    def __post_init__(self) -> None:
+        if self.copying and self.model is not None:
+            raise ValueError("--copying makes the target: give it without --model (or make the model with "
+                             "`llmserve make-model --copying`)")
 
 
 def _workload(cfg: SpecBenchConfig, vocab_size: int, num: int, repeating: bool) -> list[list[int]]:
@@ -181,7 +189,8 @@ def _run(cfg: SpecBenchConfig, scratch: str) -> dict:
     from llmserve.model.loader import load_hf_config
     from llmserve.model.maker import make_model
 
-    target = cfg.model or make_model("llama", cfg.shape, os.path.join(scratch, "target"), seed=0)
+    target = cfg.model or make_model("llama", cfg.shape, os.path.join(scratch, "target"), seed=0,
+                                     is_copying=cfg.copying)
     vocab_size = load_hf_config(target).vocab_size
     names = cfg.configs.split(",")
     levels = [int(c) for c in cfg.concurrency.split(",")]

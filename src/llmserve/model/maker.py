@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.model import toy_tokenizer
+from llmserve.model.copying import COPYING_ARCHS, copying_plan, copying_tensor
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -104,12 +105,10 @@ def _param_specs(arch: str, config) -> list[tuple[str, tuple[int, ...]]]:
     return names
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator,
-                   dtype: torch.dtype, is_peaked: bool = False) -> torch.Tensor:
-    """Norm weights near 1, everything else (weights, biases) normal(0, std); `_peak`ed if is_peaked."""
+def _random_tensor(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:
+    """Norm weights near 1, everything else (weights, biases) normal(0, std); float32."""
     mean, scale = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, std)
-    tensor = torch.empty(shape, dtype=torch.float32).normal_(mean, scale, generator=gen)
-    return (_peak(tensor) if is_peaked else tensor).to(dtype)
+    return torch.empty(shape, dtype=torch.float32).normal_(mean, scale, generator=gen)
 
 
 def _peak(tensor: torch.Tensor) -> torch.Tensor:
@@ -137,16 +136,33 @@ def _plan_shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int) -> lis
     return shards
 
 
-def _write_weights(out_dir: str, arch: str, config, shape: Shape, seed: int, dtype: torch.dtype,
-                   is_peaked: bool) -> None:
-    from safetensors.torch import save_file
+def _tensor_maker(config, shape: Shape, seed: int, dtype: torch.dtype, weights: str):
+    """(name, shape) -> the checkpoint's tensor: random (`_peak`ed lm_head where weights == "peaked"),
+    or the copying circuit's (model/copying.py) where weights == "copying"; drawn in state-dict order."""
     gen = torch.Generator().manual_seed(seed)
-    peaked = _head_name(config) if is_peaked else None
+    peaked = _head_name(config) if weights == "peaked" else None
+    plan = copying_plan(config, seed) if weights == "copying" else None
+
+    def make(name: str, tensor_shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = _random_tensor(name, tensor_shape, shape.init_std, gen)
+        if name == peaked:
+            tensor = _peak(tensor)
+        if plan is not None:
+            tensor = copying_tensor(plan, name, tensor)
+        return tensor.to(dtype)
+
+    return make
+
+
+def _write_weights(out_dir: str, arch: str, config, shape: Shape, seed: int, dtype: torch.dtype,
+                   weights: str) -> None:
+    from safetensors.torch import save_file
+    make = _tensor_maker(config, shape, seed, dtype, weights)
     shards = _plan_shards(_param_specs(arch, config), torch.finfo(dtype).bits // 8)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: _random_tensor(n, s, shape.init_std, gen, dtype, n == peaked) for n, s in shard}
+        tensors = {n: make(n, s) for n, s in shard}
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -164,31 +180,36 @@ def _write_generation_config(out_dir: str) -> None:
 
 
 def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype: str = "float32",
-                     is_peaked: bool = False) -> str:
+                     is_peaked: bool = False, is_copying: bool = False) -> str:
     """Write a random checkpoint of an explicit Shape into out_dir (created if needed); is_peaked: the
-    lm_head's rows rescaled (`_peak`) so that greedy decoding has clear winners."""
+    lm_head's rows rescaled (`_peak`) so that greedy decoding has clear winners; is_copying: layers 0
+    and 1 an induction circuit (model/copying.py), so the model continues spans its context repeats."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    if is_copying and (is_peaked or arch not in COPYING_ARCHS):
+        raise ValueError(f"copying weights are for {', '.join(COPYING_ARCHS)}, without peaked logits "
+                         f"(their logits are peaked by construction); got arch {arch!r}")
     os.makedirs(out_dir, exist_ok=True)
     config = build_config(arch, shape, dtype)
     config.save_pretrained(out_dir)
-    _write_weights(out_dir, arch, config, shape, seed, _DTYPES[dtype], is_peaked)
+    weights = "copying" if is_copying else "peaked" if is_peaked else "random"
+    _write_weights(out_dir, arch, config, shape, seed, _DTYPES[dtype], weights)
     toy_tokenizer.save_tokenizer(out_dir, shape.vocab_size, shape.max_position)
     _write_generation_config(out_dir)
     return out_dir
 
 
 def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = "float32",
-               quantization: str | None = None, is_peaked: bool = False) -> str:
+               quantization: str | None = None, is_peaked: bool = False, is_copying: bool = False) -> str:
     """Write a random-weight HF checkpoint of a named shape (see SHAPES) into out_dir; returns out_dir.
 
     quantization: None, or an FP8 format of model/quant/checkpoint.py (fp8: transformers' 128x128 block
     scales; fp8-channel: compressed-tensors per-channel scales)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype, is_peaked)
+    write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype, is_peaked, is_copying)
     if quantization is not None:
         from llmserve.model.quant.checkpoint import write_fp8_checkpoint
 
@@ -210,6 +231,9 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--peaked-logits", action="store_true",
                         help="scale the lm_head's rows (3 x lognormal) so that the top logit leads by several "
                              "standard deviations: greedy outputs that rounding (bf16, batch shapes) does not flip")
+    parser.add_argument("--copying", action="store_true",
+                        help="layers 0 and 1 an induction circuit (llama, mistral): the model continues the spans "
+                             "its context repeats, as prompt lookup needs, with clear argmaxes; the same cost")
     draft = parser.add_argument_group("a speculative-decoding draft derived from a target (then --arch/--shape are unused)")
     draft.add_argument("--draft-of", default=None, help="target checkpoint directory to derive the draft from")
     draft.add_argument("--draft-layers", type=int, default=None, help="keep the target's first N layers (default: all)")
@@ -226,8 +250,9 @@ def run_make_model(args: argparse.Namespace) -> int:
         print(f"wrote a draft of {args.draft_of} to {path}")
         return 0
     path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype,
-                      quantization=args.quantization, is_peaked=args.peaked_logits)
+                      quantization=args.quantization, is_peaked=args.peaked_logits, is_copying=args.copying)
     fmt = f" ({args.quantization})" if args.quantization else ""
     fmt += ", peaked logits" if args.peaked_logits else ""
+    fmt += ", copying" if args.copying else ""
     print(f"wrote {args.arch} {args.shape}{fmt} checkpoint to {path}")
     return 0
