@@ -12,8 +12,9 @@
 #   configurations and batch sizes
 #   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the
 #   same KV bytes) at once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
-#   PEAKED=0: a plain random lm_head (default: make-model --peaked-logits, which costs the same and halves the
-#   argmax flips that rounding differences cause, so that the spec stage's oracle keeps nearer its nominal A)
+#   WEIGHTS: copying (default: make-model --copying, an induction circuit in layers 0-1 that continues
+#   repeated spans with clear argmaxes, so that n-gram lookup finds drafts and the oracle keeps its nominal A
+#   in bf16; the same cost), peaked (--peaked-logits) or random
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -62,8 +63,9 @@ note "install done; $(tail -1 "$RES/gpu.txt"); torch $("$PY" -c 'import torch, t
 export PYTHONUNBUFFERED=1
 
 # The 8B checkpoint is written on the CPU while the tests use the GPU.
-PEAK_FLAG=$([ "${PEAKED:-1}" = 1 ] && echo --peaked-logits)
-("${L[@]}" make-model --arch llama --shape "$SHAPE" --dtype "${DTYPE:-bfloat16}" $PEAK_FLAG --out "$MODEL" >"$RES/make_model.log" 2>&1; echo "rc=$?" >>"$RES/make_model.log") &
+case "${WEIGHTS:-copying}" in copying) W_FLAG=--copying ;; peaked) W_FLAG=--peaked-logits ;; *) W_FLAG= ;; esac
+# shellcheck disable=SC2086
+("${L[@]}" make-model --arch llama --shape "$SHAPE" --dtype "${DTYPE:-bfloat16}" $W_FLAG --out "$MODEL" >"$RES/make_model.log" 2>&1; echo "rc=$?" >>"$RES/make_model.log") &
 MAKER=$!
 
 if want tests; then

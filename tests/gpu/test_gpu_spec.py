@@ -63,3 +63,20 @@ def test_target_as_its_own_draft_accepts_every_draft_on_cuda(target):
     assert proposer.num_chained > 0 and proposer.num_early > 0  # through the draft's graphs, still exact
     assert llm.engine.runner.verify_graphs.graphs  # verification steps replay captured graphs too
     llm.engine.check_integrity()
+
+
+def test_ngram_on_a_copying_target_in_bf16_accepts_and_equals_plain(tmp_path):
+    """bench spec's n-gram case on the device: a target that copies (make-model --copying) in bfloat16, the
+    benchmark's precision; its clear argmaxes keep greedy speculation equal to plain decoding."""
+    from llmserve.model.maker import make_model
+
+    model = make_model("llama", "demo", str(tmp_path / "copying"), seed=3, dtype="bfloat16", is_copying=True)
+    prompts = [(span * 9)[:128] for span in ([(37 * i + 11 * j) % 2000 + 10 for j in range(16)] for i in range(8))]
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    want = _tokens(LLM(model, **engine), prompts)
+    assert want == [[p[(128 + i) % 16] for i in range(PARAMS.max_tokens)] for p in prompts]  # it copies
+    llm = LLM(model, speculative="ngram", num_speculative_tokens=4, speculative_dynamic=False, **engine)
+    counts = SpecCounter(llm)
+    assert _tokens(llm, prompts) == want
+    assert counts.num_accepted / counts.num_draft_tokens > 0.9
+    llm.engine.check_integrity()
