@@ -5,6 +5,8 @@ template) and the generation defaults, and summarise the model in a ModelInfo re
 
 from __future__ import annotations
 
+import contextlib
+
 import glob
 import json
 import os
@@ -115,7 +117,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
 
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
-    with torch.device("meta"):
+    with torch.device("meta"), _no_initial_values():
         model = cls(config, max_model_len=max_model_len, tp=tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     layout = model.layout
@@ -128,6 +130,29 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     model = model.eval().requires_grad_(False)
     pack_linears(model)  # float32 on CPU: weights laid out once for oneDNN (model/linear.py)
     return model
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
+                   "xavier_normal_", "ones_", "zeros_", "constant_")
+
+
+@contextlib.contextmanager
+def _no_initial_values():
+    """torch.nn.init's functions as no-ops while a model is built on the meta device, whose tensors hold no
+    values: on meta tensors they run through torch's reference ops, which import torch._dynamo (0.9 s of
+    every engine process's start, measured on the tiny model). The checkpoint sets every weight after."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, _keep)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 def resolve_quantization(requested: str | None, path: str) -> str | None:
