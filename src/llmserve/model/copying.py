@@ -40,6 +40,7 @@ SLOW_TURN = 0.3  # radians a content pair may turn over the context
 GAIN = 3.0  # the copied code's weight in the residual, against the token's own (1)
 TOP_LOGIT = 30.0  # the copied token's logit (the final norm's weight sets it)
 NOISE_SCALE = 0.1  # the random layers' output projections, scaled
+LAYER1_MEAN_SQUARE = 1.5  # the residual's mean square into layer 1: the embedding's 1, the previous code's 0.5
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -62,7 +63,7 @@ class CopyingPlan:
 
     @property
     def layer1_rms(self) -> float:  # the residual's RMS into layer 1: embedding plus the previous code
-        return math.sqrt(1.5)
+        return math.sqrt(LAYER1_MEAN_SQUARE)
 
     @property
     def final_norm_weight(self) -> float:
@@ -90,8 +91,8 @@ def copying_plan(config, seed: int) -> CopyingPlan:
     gap = _position_gap(inv_freq[pairs], config.max_position_embeddings)
     codes = _codes(config.vocab_size, head_dim, content_dims, seed)
     share = len(content_dims) / head_dim  # |content part|^2 of a unit code
-    r = math.sqrt(hidden / 2)
-    content_amp = math.sqrt(MATCH_SCORE * math.sqrt(head_dim) * 1.5 / (r * r * share))
+    code_square = hidden / 2  # r^2: the squared size of the embedding's code part
+    content_amp = math.sqrt(MATCH_SCORE * math.sqrt(head_dim) * LAYER1_MEAN_SQUARE / (code_square * share))
     return CopyingPlan(codes, hidden, head_dim, heads, config.num_key_value_heads, pairs, inv_freq[pairs],
                        math.sqrt(POSITION_GAP * math.sqrt(head_dim) / gap), content_dims, content_amp)
 

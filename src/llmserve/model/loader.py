@@ -6,7 +6,6 @@ template) and the generation defaults, and summarise the model in a ModelInfo re
 from __future__ import annotations
 
 import contextlib
-
 import glob
 import json
 import os
