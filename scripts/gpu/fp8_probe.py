@@ -1,12 +1,14 @@
 """Where FP8 decode time goes on a GPU (issue 20): per Llama-3.1-8B linear shape and batch rows, the bf16
 GEMM, the FP8 GEMM alone (torch._scaled_mm, row-wise scales, operands already quantized), the per-token
 quantization alone (torch's ops; the Triton kernel), and Fp8Linear's whole forward through torch's ops and
-through the Triton kernels it uses on CUDA (fp8_triton: a GEMV up to 4 rows); each timed as a CUDA-graph
-replay (median, us), the last column the weight bytes over the Triton path's time.
+through the two paths it takes on CUDA (prompt tokens: fp8_triton.quantize_rows + _scaled_mm; decode tokens:
+fp8_triton.fp8_decode_matmul); each timed as a CUDA-graph replay (median, us), the last columns the weight
+bytes over the bf16 and the decode path's times.
 
-With --sweep, the GEMV's tilings instead (BLOCK_N x BLOCK_K x warps) per shape at 1 and 4 rows: the
-three fastest of each and the one fastest over all shapes (the sum of its times). The first sweep (8, 16,
-32 x 128, 256, 512 x 2, 4, 8 warps) found 8 x 512 x 2 fastest for every shape; this one is centred there.
+With --sweep, the decode kernel's tilings instead (DecodeTiling: BLOCK_N x BLOCK_K x stages, and the
+programs that K splitting aims for, row tiles a program; 4 warps) at 1, 8 and 64 rows over the four shapes: per row
+count the five fastest tilings by the sum of their times, and the one fastest over all (the sum over every
+shape and row count; one tiling for every row count, which is what keeps a row's sums batch-invariant).
 
     python scripts/gpu/fp8_probe.py [rows,...] [--sweep]
 """
@@ -25,7 +27,9 @@ from llmserve.model.quant.linear import FP8_DTYPE, FP8_MAX, Fp8Linear, _per_toke
 
 SHAPES = {"qkv 4096->6144": (6144, 4096), "o 4096->4096": (4096, 4096), "gate_up 4096->28672": (28672, 4096),
           "down 14336->4096": (4096, 14336)}
-TILINGS = [fp8_triton.GemvTiling(n, k, w) for n, k, w in itertools.product((4, 8, 16), (256, 512, 1024), (1, 2, 4))]
+SWEEP_ROWS = (1, 8, 64)
+TILINGS = [fp8_triton.DecodeTiling(n, k, 4, st, r, p) for n, k, st, r, p in itertools.product(
+    (32, 64, 128), (128, 256), (3, 4), (1, 4), (132, 264)) if n * k <= 16384]  # 40: about 150 compilations
 
 
 def _time(fn, rep: int = 50) -> float:
@@ -37,26 +41,33 @@ def _layer(n: int, k: int) -> Fp8Linear:
 
 
 def sweep() -> None:
-    totals = {t: 0.0 for t in TILINGS}
-    for name, (n, k) in SHAPES.items():
+    times: dict[tuple[fp8_triton.DecodeTiling, int], float] = {}  # (tiling, rows) -> us over the four shapes
+    for n, k in SHAPES.values():
         layer = _layer(n, k)
-        for rows in (1, 4):
+        for rows in SWEEP_ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            times = {}
             for t in TILINGS:
-                times[t] = _time(lambda: fp8_triton.fp8_gemv(x, layer.weight, layer.scale.reshape(-1), t), rep=20)
-                totals[t] += times[t]
-            best = sorted(times, key=times.get)[:3]
-            print(f"{name:22} rows {rows}: " + "; ".join(
-                f"{t.block_n}x{t.block_k}x{t.num_warps} {times[t]:.1f} us {n * k / times[t] / 1e3:.0f} GB/s"
-                for t in best) + f" (default {times[fp8_triton.GEMV_TILING]:.1f} us)", flush=True)
-    best = min(totals, key=totals.get)
-    print(f"fastest over all: {best} total {totals[best]:.1f} us (default {totals[fp8_triton.GEMV_TILING]:.1f})")
+                us = _time(lambda: fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), t), rep=20)
+                times[t, rows] = times.get((t, rows), 0.0) + us
+    weight_bytes = sum(n * k for n, k in SHAPES.values())
+    for rows in SWEEP_ROWS:
+        best = sorted(TILINGS, key=lambda t: times[t, rows])[:5]
+        print(f"rows {rows:3d}: " + "; ".join(f"{_name(t)} {times[t, rows]:.1f} us "
+                                              f"{weight_bytes / times[t, rows] / 1e3:.0f} GB/s" for t in best)
+              + f" (default {times.get((fp8_triton.DECODE_TILING, rows), float('nan')):.1f} us)", flush=True)
+    total = {t: sum(times[t, r] for r in SWEEP_ROWS) for t in TILINGS}
+    best = min(total, key=total.get)
+    print(f"fastest over all: {best} total {total[best]:.1f} us (default "
+          f"{total.get(fp8_triton.DECODE_TILING, float('nan')):.1f})")
+
+
+def _name(t: fp8_triton.DecodeTiling) -> str:
+    return f"{t.block_n}x{t.block_k}x{t.num_warps}w{t.num_stages}s r{t.max_row_tiles} p{t.min_programs}"
 
 
 def table(rows_list: list[int]) -> None:
     print(f"{'shape':22} {'rows':>5} {'bf16':>8} {'fp8 mm':>8} {'quant x':>8} {'quant tr':>8} {'torch path':>10} "
-          f"{'triton path':>11} {'GB/s bf16':>9} {'GB/s fp8':>9}")
+          f"{'prompt path':>11} {'decode path':>11} {'GB/s bf16':>9} {'GB/s dec':>9}")
     for name, (n, k) in SHAPES.items():
         layer = _layer(n, k)
         w = layer.weight.to(torch.bfloat16)
@@ -70,9 +81,11 @@ def table(rows_list: list[int]) -> None:
             t_quant = _time(lambda: _per_token(x, FP8_MAX)[0].clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
             t_quant_triton = _time(lambda: fp8_triton.quantize_rows(x))
             t_torch = _time(lambda: layer.matmul_torch(x))
-            t_layer = _time(lambda: layer(x))
-            print(f"{name:22} {rows:5d} {t_bf16:8.1f} {t_mm:8.1f} {t_quant:8.1f} {t_quant_triton:8.1f} {t_torch:10.1f} "
-                  f"{t_layer:11.1f} {2 * n * k / t_bf16 / 1e3:9.0f} {n * k / t_layer / 1e3:9.0f}", flush=True)
+            t_prompt = _time(lambda: layer._prompt_matmul(x))
+            t_decode = _time(lambda: fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1)))
+            print(f"{name:22} {rows:5d} {t_bf16:8.1f} {t_mm:8.1f} {t_quant:8.1f} {t_quant_triton:8.1f} "
+                  f"{t_torch:10.1f} {t_prompt:11.1f} {t_decode:11.1f} {2 * n * k / t_bf16 / 1e3:9.0f} "
+                  f"{n * k / t_decode / 1e3:9.0f}", flush=True)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.model.maker import make_model
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
+from llmserve.model.quant.token_kinds import ALL_DECODE, ALL_PROMPT, StepKinds
 
 from quant_cases import write_peaked
 
@@ -61,7 +62,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def peaked(tmp_path_factory):
     """Logits whose top token leads (plain random weights leave near-ties that FP8's rounding flips: 5 and
-    6 of 8 sequences kept on the H100, 2026-11-27, once one-row steps took the FP8 GEMV)."""
+    6 of 8 sequences kept on the H100, 2026-11-27, once one-row steps took an FP8 GEMV and larger ones
+    _scaled_mm; decode tokens now take one kernel whatever the batch: model/quant/token_kinds.py)."""
     return write_peaked(str(tmp_path_factory.mktemp("gpu-peaked")))
 
 
@@ -88,12 +90,17 @@ def test_fp8_kv_doubles_blocks(checkpoint):
     assert blocks["fp8"] == 2 * blocks["auto"]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
-def test_fp8_triton_path_matches_torchs_ops(rows):
-    """Fp8Linear on CUDA (fp8_triton: a GEMV up to 4 rows, else its quantization kernel + _scaled_mm)
-    against torch's own per-token quantization and _scaled_mm: the same FP8 operands, float32 sums."""
+@pytest.mark.parametrize("is_decode", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 300])
+def test_fp8_triton_path_matches_torchs_ops(rows, is_decode):
+    """Fp8Linear on CUDA (fp8_triton: its decode kernel for decode tokens, else its quantization kernel +
+    _scaled_mm) against torch's own per-token quantization and _scaled_mm: the same FP8 operands, float32
+    sums."""
     if not _is_hopper():
         pytest.skip("FP8 GEMMs need compute capability >= 8.9")
     layer = Fp8Linear.from_float(torch.randn(4096, 1024, device="cuda") * 0.05, None)
+    layer.step_kinds = StepKinds()
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(layer(x).float(), layer.matmul_torch(x).float(), atol=2e-2, rtol=1e-2)
+    with layer.step_kinds.using(ALL_DECODE if is_decode else ALL_PROMPT):
+        out = layer(x)
+    torch.testing.assert_close(out.float(), layer.matmul_torch(x).float(), atol=2e-2, rtol=1e-2)

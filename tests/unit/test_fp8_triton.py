@@ -37,23 +37,57 @@ def test_quantize_rows_gives_torchs_scales_and_values(rows, k):
     torch.testing.assert_close(q.float(), (x.float() / scale).to(FP8_DTYPE).float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 40, 700), (2, 16, 256), (3, 100, 300), (4, 64, 1024)])
-def test_fp8_gemv_is_the_fp8_product_in_float32(rows, n, k):
+# Small tiles so that the interpreter's few programs still cover several row groups, output tiles and K parts.
+SMALL = fp8_triton.DecodeTiling(block_n=32, block_k=64, num_warps=4, num_stages=2, max_row_tiles=2, min_programs=32)
+
+
+def _layer(n: int, k: int, gen: torch.Generator) -> Fp8Linear:
+    return Fp8Linear.from_float((torch.randn(n, k, generator=gen) * 0.05).to(DEVICE), None)
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 700), (3, 100, 300), (20, 64, 1024), (40, 70, 130)])
+def test_decode_matmul_is_the_fp8_product_in_float32(rows, n, k):
     gen = torch.Generator().manual_seed(rows + n + k)
-    layer = Fp8Linear.from_float((torch.randn(n, k, generator=gen) * 0.05).to(DEVICE), None)
-    x, scale = _exact_rows(rows, k, gen)
-    got = fp8_triton.fp8_gemv(x, layer.weight, layer.scale.reshape(-1))
+    layer = _layer(n, k, gen)
+    x, scale = _exact_rows(rows, k, gen, torch.float32)
+    got = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), SMALL)
     assert got.dtype == x.dtype and got.shape == (rows, n)
     xq = (x.double() / scale.double())  # exact e4m3 values by construction
     ref = (xq @ layer.weight.double().t()) * scale.double() * layer.scale.double()
-    torch.testing.assert_close(got.double(), ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)  # float32 sums of exact products
 
 
-def test_rows_of_a_batch_do_not_change_each_other():
-    """A row's output is the same alone and beside others (per-row scales, no cross-row reduction)."""
+def test_decode_matmul_rounds_to_the_input_dtype():
+    gen = torch.Generator().manual_seed(3)
+    layer = _layer(48, 256, gen)
+    x, _ = _exact_rows(5, 256, gen)  # bfloat16
+    got = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), SMALL)
+    full = fp8_triton.fp8_decode_matmul(x.float(), layer.weight, layer.scale.reshape(-1), SMALL)
+    assert got.dtype == torch.bfloat16  # within one bfloat16 step (the interpreter's cast may truncate)
+    torch.testing.assert_close(got.float(), full, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("tiling", [SMALL, fp8_triton.DecodeTiling(block_n=16, block_k=32, max_row_tiles=1,
+                                                                   min_programs=1)])
+def test_a_rows_sums_do_not_depend_on_the_batch(tiling):
+    """A row's bits are the same alone and in batches of other sizes (other row groups, row tiles a program,
+    programs): what keeps greedy decoding independent of the batch (any x; no exactness needed). Rows
+    keep their place in a 16-row tile here: under the interpreter tl.dot is numpy's BLAS, whose sums at
+    a tile's edge rows differ in the last bit; the tensor cores compute every row of a tile alike, which
+    tests/gpu/test_gpu_quant.py checks at any offset."""
     gen = torch.Generator().manual_seed(9)
-    layer = Fp8Linear.from_float((torch.randn(48, 320, generator=gen) * 0.05).to(DEVICE), None)
-    x, _ = _exact_rows(4, 320, gen)
-    together = fp8_triton.fp8_gemv(x, layer.weight, layer.scale.reshape(-1))
-    alone = torch.cat([fp8_triton.fp8_gemv(x[i:i + 1], layer.weight, layer.scale.reshape(-1)) for i in range(4)])
-    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+    layer = _layer(70, 300, gen)
+    x = torch.randn(70, 300, generator=gen).to(DEVICE)
+    full = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), tiling)
+    offset = 0 if DEVICE == "cpu" else 5
+    for lo, hi in [(0, 1), (16, 17), (64, 70), (0, 17), (32 + offset, 40), (16 + offset, 70)]:
+        part = fp8_triton.fp8_decode_matmul(x[lo:hi], layer.weight, layer.scale.reshape(-1), tiling)
+        torch.testing.assert_close(part, full[lo:hi], rtol=0, atol=0)
+
+
+def test_split_k_depends_on_the_weight_only():
+    tiling = fp8_triton.DecodeTiling()  # the default: 64 output channels a tile, at least 264 programs
+    assert tiling.split_k(28672, 4096) == 1  # gate_up: 448 tiles
+    assert tiling.split_k(6144, 4096) == 4  # qkv: 96 tiles
+    assert tiling.split_k(4096, 14336) == 8  # down: 64 tiles
+    assert tiling.split_k(64, 256) == 1  # K of two blocks: nothing to split

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from llmserve.model.attention import AttentionInputs
+from llmserve.model.quant.token_kinds import TokenKinds
 
 
 @dataclass
@@ -18,6 +19,7 @@ class StepInputs:
     attn: AttentionInputs
     logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
     sample_rows: list[int]  # [S] row index of each sampling row
+    token_kinds: TokenKinds | None = None  # decode and prompt tokens, for FP8 layers on CUDA (else None)
 
 
 def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

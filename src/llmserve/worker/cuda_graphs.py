@@ -16,10 +16,12 @@ without a GPU.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
+from llmserve.model.quant.token_kinds import ALL_DECODE, step_kinds_of
 from llmserve.model.step_inputs import StepInputs
 
 if TYPE_CHECKING:  # triton is imported only where the Triton backend is used
@@ -40,6 +42,7 @@ class DecodeGraphs:
                  max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True,
                  queries_per_row: int = 1) -> None:
         self.model = model
+        self.step_kinds = step_kinds_of(model)
         self.backend = backend
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_batch)
@@ -65,8 +68,10 @@ class DecodeGraphs:
                                            self.tile_rows[:size], self.tile_starts[:size], self.q)
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size * self.q], self.positions[:size * self.q], self.kv_caches,
-                          self._metadata(size), self.backend)
+        """Every token a decode token (FP8 layers: their decode kernel; model/quant/token_kinds.py)."""
+        with nullcontext() if self.step_kinds is None else self.step_kinds.using(ALL_DECODE):
+            return self.model(self.input_ids[:size * self.q], self.positions[:size * self.q], self.kv_caches,
+                              self._metadata(size), self.backend)
 
     @torch.inference_mode()
     def capture(self) -> None:

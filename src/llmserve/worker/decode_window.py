@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from llmserve.model.attention import AttentionInputs
+from llmserve.model.quant.token_kinds import ALL_DECODE
 from llmserve.model.step_inputs import StepInputs, on_device, slot_mapping
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.persistent_batch import PersistentBatch
@@ -80,7 +81,8 @@ class DecodeWindow:
             block_table=self.block_table_device, slot_mapping=on_device(slots, self.device),
             query_lens_cpu=[1] * len(positions), seq_lens_cpu=seq_lens.tolist(), block_size=self.batch.block_size)
         return StepInputs(input_ids=on_device(input_ids, self.device), positions=on_device(positions, self.device),
-                          attn=attn, logits_indices=self.logits_indices, sample_rows=self.sample_rows)
+                          attn=attn, logits_indices=self.logits_indices, sample_rows=self.sample_rows,
+                          token_kinds=ALL_DECODE)
 
     def append(self, token_ids: np.ndarray) -> None:
         """The forward `inputs` was last called for sampled `token_ids` [B]: each row's next id, after the

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -26,6 +27,7 @@ import torch
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.model.parallel import TensorParallel
+from llmserve.model.quant.token_kinds import step_kinds_of, token_kinds
 from llmserve.model.step_inputs import StepInputs, logits_indices, on_device
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.draft_chain import VerifiedStep
@@ -65,6 +67,8 @@ class ModelRunner:
                  speculator: Speculator | None = None, graphs: DecodeGraphs | None = None,
                  max_num_rows: int = 128, max_model_len: int = 4096, tp: TensorParallel | None = None) -> None:
         self.model = model
+        # FP8 layers on CUDA route decode and prompt tokens by what each step says (model/quant/token_kinds.py)
+        self.step_kinds = step_kinds_of(model) if device.type == "cuda" else None
         self.tp = tp  # tensor parallelism: rank 0 samples, the other ranks take its ids (_sample)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, Hkv, D]
@@ -260,7 +264,11 @@ class ModelRunner:
         if not finishes_at_once:
             self.batch.mark_sampled(batch_rows)
         indices = logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64), num_drafts[sample_rows])
-        return self._to_device(arrays, indices), batch_rows
+        inputs = self._to_device(arrays, indices)
+        if self.step_kinds is not None:
+            prompt_lens = np.fromiter((len(s.prompt_token_ids) for s in states), np.int64, count=num_rows)  # [B]
+            inputs.token_kinds = token_kinds(arrays.positions, prompt_lens, counts, self.device)
+        return inputs, batch_rows
 
     def _to_device(self, arrays: StepArrays, sample_indices: np.ndarray) -> StepInputs:
         input_ids = on_device(arrays.input_ids, self.device)
@@ -286,11 +294,14 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
         self.times.num_tokens += len(inputs.input_ids)
         graphs = self.verify_graphs if has_drafts else self.graphs
-        if graphs is not None and graphs.can_run(inputs, has_drafts):
-            hidden = graphs.run(inputs)  # [T, hidden]
+        kinds = inputs.token_kinds
+        assert self.step_kinds is None or kinds is not None, "FP8 layers need the step's token kinds"
+        if graphs is not None and (kinds is None or kinds.is_all_decode) and graphs.can_run(inputs, has_drafts):
+            hidden = graphs.run(inputs)  # [T, hidden]; captured with every token a decode token
         else:
             metadata = self.attn_backend.build_metadata(inputs.attn)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
+            with nullcontext() if self.step_kinds is None else self.step_kinds.using(kinds):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
         return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
 
     # ---- sampling -------------------------------------------------------------------------------------

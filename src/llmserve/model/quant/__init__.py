@@ -16,6 +16,7 @@ from torch import nn
 from llmserve.model import cpu_kernels
 from llmserve.model.quant.checkpoint import checkpoint_method, dequantize_weights
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
+from llmserve.model.quant.token_kinds import StepKinds
 
 __all__ = ["METHODS", "checkpoint_method", "check_supported", "dequantize_weights", "kv_cache_torch_dtype",
            "quantize_model", "quantized_linear"]
@@ -37,13 +38,19 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
 
     fp8 leaves the lm_head in the model's dtype, as FP8 checkpoints do (e4m3's 3 mantissa bits move
     logits by a few percent: top-1 flips where the top two are close); int8 quantizes it too: on CPU
-    a small model's lm_head is its largest GEMM (smollm2-135m: 28M of 135M weights)."""
+    a small model's lm_head is its largest GEMM (smollm2-135m: 28M of 135M weights). An fp8 model gets
+    `step_kinds`, which its layers read to route decode and prompt tokens (token_kinds.py)."""
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and (name != "lm_head" or method in _QUANTIZED_LM_HEAD)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, quantized_linear(linear.weight, linear.bias, method))
+    if method == "fp8":  # its layers route decode and prompt tokens by what the runner says of a step
+        model.step_kinds = StepKinds()
+        for layer in model.modules():
+            if isinstance(layer, Fp8Linear):
+                layer.step_kinds = model.step_kinds
     is_tied = getattr(model, "lm_head", "absent") is None
     if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
         model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)

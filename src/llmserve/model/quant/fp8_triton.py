@@ -6,18 +6,20 @@ reads an FP8 weight at only 1.0-1.4 TB/s for a handful of rows. Two kernels repl
 
 - `quantize_rows`: one launch. A program per row finds its largest |x|, then writes x / scale in
   float8_e4m3fn and the scale (what `_per_token` + clamp + cast compute in torch).
-- `fp8_gemv`: for up to GEMV_MAX_ROWS rows (0: off; the kernel takes up to 4), the whole layer in one
-  launch: each program takes BLOCK_N output channels, quantizes the (few, small) activation rows to FP8
-  exactly as `quantize_rows` does, and walks K accumulating x_q * w_q in float32, then scales by
-  x_scale * w_scale. The products are `_scaled_mm`'s; the summation order is not, and through the next
-  layer's per-token scale that difference reaches every element of the row, which is why it is off
-  (greedy outputs then depend on the batch).
+- `fp8_decode_matmul`: decode rows (a sequence's next token, or that token and its drafts: token_kinds.py),
+  whatever their number, on the tensor cores in 16-row tiles whose K order is fixed: a row's sums do not
+  depend on how many rows share the launch, so greedy outputs do not depend on the batch. It replaces an
+  FP8 GEMV (third run, 2026-11-27: one-row steps 1.15x bf16, but a row's sums then depended on the path
+  its batch size took, 5 of 8 sequences kept in tests/gpu/test_gpu_quant.py; and it read the weights at
+  ~40% of the copy bandwidth, converting and multiplying in float32 on the CUDA cores). Prompt rows keep
+  `quantize_rows` + `torch._scaled_mm`.
 
 Both are checked on CPU through Triton's interpreter, on inputs whose FP8 values are exact (its
 float32 -> float8 conversion goes wrong where a value rounds up into the next power of two), and on
 CUDA in tests/gpu. The kernels' 448.0 and 1e-12 are linear.FP8_MAX and its smallest scale.
 Measured on an H100 (scripts/gpu/fp8_probe.py; docs/benchmarks.md, "H100, third run"): quantize_rows
-2.1-4.3 us a linear; the GEMV 10% faster than quantize_rows + `_scaled_mm` at one row, slower from 4.
+2.1-4.3 us a linear. fp8_decode_matmul has not run on a GPU yet (written 2026-11-28 on CPU, checked
+through the interpreter): docs/gpu.md, "Quantization", has the lease that measures it.
 """
 
 from __future__ import annotations
@@ -27,29 +29,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-# Rows up to this take the GEMV; more: quantize_rows + torch._scaled_mm (tensor cores). Off (0): on an H100
-# (2026-11-27) one-row steps through the GEMV made batch-1 decode 1.15x bf16 (152.5 vs 132.7 tok/s) but broke
-# greedy batching invariance (tests/gpu/test_gpu_quant.py: 5 of 8 sequences kept, the FP8 sums of a row
-# differing by path feed the next layer's per-token scale); 1 turns it on. At 4 rows it took 1.9x its
-# 1-row time, more than _scaled_mm for gate_up and down.
-GEMV_MAX_ROWS = 0
-GEMV_KERNEL_MAX_ROWS = 4  # what fp8_gemv accepts (its rows are unrolled)
-
-
-@dataclass(frozen=True)
-class GemvTiling:
-    """How fp8_gemv splits the weight: BLOCK_N output channels a program, BLOCK_K of K a load. The
-    default is the fastest of 27 tilings summed over the four Llama-3.1-8B linears at 1 and 4 rows on an
-    H100 (fp8_probe.py --sweep: 385 us against 835 for 16 x 256 x 4 warps)."""
-
-    block_n: int = 8
-    block_k: int = 512
-    num_warps: int = 2
-
-
-GEMV_TILING = GemvTiling()
-
 
 @triton.jit
 def _row_scale(x_ptr, row, stride_x, K, BLOCK_K: tl.constexpr):
@@ -84,42 +63,102 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@dataclass(frozen=True)
+class DecodeTiling:
+    """How fp8_decode_matmul tiles a layer: row tiles of 16 (the smallest tensor-core tile), up to
+    `max_row_tiles` of them a program (one weight load for all), BLOCK_N output channels and BLOCK_K of K a
+    step, and K split in `split_k(n, k)` parts so that a layer of few output tiles still fills the device
+    (their partial sums added in a fixed order). Nothing here depends on the number of rows, which is what
+    makes a row's sums the same in any batch: only the number of programs changes with it. Not yet measured
+    on a GPU: scripts/gpu/fp8_probe.py --sweep picks the default."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    max_row_tiles: int = 4  # rows a program: 16 x this; more rows, more programs (each reads the weight again)
+    min_programs: int = 264  # split K until the output tiles times the splits reach this (2 per H100 SM)
+
+    def split_k(self, n: int, k: int) -> int:
+        """Parts K is split in for an [n, k] weight: a power of two, each part at least two BLOCK_K."""
+        split = 1
+        while triton.cdiv(n, self.block_n) * split < self.min_programs and k >= 4 * split * self.block_k:
+            split *= 2
+        return split
+
+
+DECODE_TILING = DecodeTiling()
+ROW_TILE = 16  # rows of one tensor-core tile (tl.dot's smallest M)
+
+
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
-                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    x_scale = tl.zeros([M_PAD], dtype=tl.float32) + 1.0
-    for m in tl.static_range(M_PAD):  # each row's scale, as quantize_rows computes it
-        if m < M:
-            x_scale = tl.where(offs_m == m, _row_scale(x_ptr, m, stride_x, K, BLOCK_K), x_scale)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-        xq = tl.minimum(tl.maximum(x / x_scale[:, None], -448.0), 448.0)
-        xq = xq.to(tl.float8e4nv).to(tl.float32)  # [M_PAD, BLOCK_K], the FP8 activation
-        w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
-                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        acc += tl.sum(xq[:, None, :] * w[None, :, :], axis=2)  # [M_PAD, BLOCK_N]
-    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    out = acc * x_scale[:, None] * w_scale[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+def _decode_matmul_kernel(xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, K_PART, stride_x, stride_w,
+                          stride_o, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          IS_SPLIT: tl.constexpr):
+    """Program (row group, output tile, K part): acc[r, i, n] = sum over its K part of xq[row, k] w[n, k],
+    a 16-row dot at a time. IS_SPLIT: store acc at out[part, row, n] (float32) for _reduce_parts_kernel;
+    else the scaled output."""
+    rows = tl.program_id(0) * ROW_TILES * 16 + tl.arange(0, ROW_TILES)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [R, 16]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k_lo = tl.program_id(2) * K_PART
+    k_hi = tl.minimum(k_lo + K_PART, K)
+    acc = tl.zeros([ROW_TILES, 16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        x = tl.load(xq_ptr + rows[:, :, None] * stride_x + offs_k[None, None, :],
+                    mask=(rows[:, :, None] < M) & (offs_k[None, None, :] < k_hi), other=0.0)  # [R, 16, BK] fp8
+        w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
+                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_hi), other=0.0)  # [BK, BN] fp8
+        acc = tl.dot(x, tl.broadcast_to(w[None, :, :], [ROW_TILES, BLOCK_K, BLOCK_N]), acc)
+    mask = (rows[:, :, None] < M) & (offs_n[None, None, :] < N)
+    if IS_SPLIT:
+        part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(part + rows[:, :, None] * N + offs_n[None, None, :], acc, mask=mask)
+    else:
+        x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)  # [R, 16]
+        w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)  # [BN]
+        out = acc * x_scale[:, :, None] * w_scale[None, None, :]
+        tl.store(out_ptr + rows[:, :, None] * stride_o + offs_n[None, None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-             tiling: GemvTiling = GEMV_TILING) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_KERNEL_MAX_ROWS), weight [N, K] float8_e4m3fn, w_scale [N] float32 -> [M, N] in x's
-    dtype: x quantized per row to FP8, multiplied, scaled (Fp8Linear's numerics)."""
+@triton.jit
+def _reduce_parts_kernel(part_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, stride_o, SPLIT: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """out[m, n] = (part[0, m, n] + part[1, m, n] + ...) * x_scale[m] * w_scale[n], the parts in order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat m * N + n
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m, n = offs // N, offs % N
+    out = acc * tl.load(x_scale_ptr + m, mask=mask, other=0.0) * tl.load(w_scale_ptr + n, mask=mask, other=0.0)
+    tl.store(out_ptr + m * stride_o + n, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_decode_matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                      tiling: DecodeTiling = DECODE_TILING) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype, Fp8Linear's numerics (x per row to FP8, weight [N, K] float8_e4m3fn
+    with w_scale [N] float32), each row's sums in an order that does not depend on M: decode rows give the
+    same bits alone or in any batch (model/quant/token_kinds.py routes them here)."""
     rows, k = x.shape
     n = weight.shape[0]
-    assert rows <= GEMV_KERNEL_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
-    x = x.contiguous()
+    assert weight.shape[1] == k and weight.stride(1) == 1
+    xq, x_scale = quantize_rows(x)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, tiling.block_n),)](
-        x, weight, w_scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(max(rows, 1)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        num_warps=tiling.num_warps)
+    if not rows:
+        return out
+    split = tiling.split_k(n, k)
+    k_part = triton.cdiv(triton.cdiv(k, split), tiling.block_k) * tiling.block_k
+    row_tiles = min(tiling.max_row_tiles, triton.next_power_of_2(triton.cdiv(rows, ROW_TILE)))
+    parts = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(rows, ROW_TILE * row_tiles), triton.cdiv(n, tiling.block_n), split)
+    _decode_matmul_kernel[grid](xq, x_scale, weight, w_scale, parts, rows, n, k, k_part, xq.stride(0),
+                                weight.stride(0), out.stride(0), ROW_TILES=row_tiles, BLOCK_N=tiling.block_n,
+                                BLOCK_K=tiling.block_k, IS_SPLIT=split > 1, num_warps=tiling.num_warps,
+                                num_stages=tiling.num_stages)
+    if split > 1:
+        block = 1024
+        _reduce_parts_kernel[(triton.cdiv(rows * n, block),)](parts, x_scale, w_scale, out, rows, n, out.stride(0),
+                                                               SPLIT=split, BLOCK=block, num_warps=4)
     return out

@@ -14,8 +14,9 @@ pair sums), so there the layer keeps its weight in our kernel's panels and runs 
 
 Fp8Linear: float8_e4m3fn weights and activations through `torch._scaled_mm` with row-wise scales
 (Hopper; CPU runs the same op in torch 2.13, as the reference path the tests use). On CUDA the
-activation's quantization is one Triton launch, and batches of up to 4 rows take one FP8 GEMV launch
-instead (model/quant/fp8_triton.py: torch's path measured 0.94x bf16 at batch 1 on an H100).
+activation's quantization is one Triton launch, and decode tokens take fp8_triton's decode kernel, whose
+row sums do not depend on the batch (model/quant/token_kinds.py; torch's path measured 0.94x bf16 at
+batch 1 on an H100).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
+from llmserve.model.quant.token_kinds import ALL_PROMPT, StepKinds
 
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -122,6 +124,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale.float().reshape(1, -1))  # [1, N] float32
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
+        self.step_kinds: StepKinds | None = None  # the model's, shared by its FP8 layers (quantize_model)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
@@ -148,12 +151,24 @@ class Fp8Linear(nn.Module):
                                 out_dtype=out_dtype)
 
     def _matmul_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N] through the Triton kernels of fp8_triton: one GEMV launch for a few rows,
-        else one quantization launch and `_scaled_mm`."""
+        """x [T, K] -> [T, N] through the Triton kernels of fp8_triton: decode tokens through its decode
+        kernel, prompt tokens through its quantization kernel and `_scaled_mm` (token_kinds.py says which)."""
         from llmserve.model.quant import fp8_triton
 
-        if x.shape[0] <= fp8_triton.GEMV_MAX_ROWS:
-            return fp8_triton.fp8_gemv(x, self.weight, self.scale.reshape(-1))
+        kinds = ALL_PROMPT if self.step_kinds is None else self.step_kinds.current
+        if kinds.is_all_decode:
+            return fp8_triton.fp8_decode_matmul(x, self.weight, self.scale.reshape(-1))
+        if not kinds.is_mixed:
+            return self._prompt_matmul(x)
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)  # [T, N]
+        out[kinds.decode_index] = fp8_triton.fp8_decode_matmul(x[kinds.decode_index], self.weight,
+                                                               self.scale.reshape(-1))
+        out[kinds.prompt_index] = self._prompt_matmul(x[kinds.prompt_index])
+        return out
+
+    def _prompt_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from llmserve.model.quant import fp8_triton
+
         xq, x_scale = fp8_triton.quantize_rows(x)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=None,
                                 out_dtype=x.dtype)

@@ -1,0 +1,85 @@
+"""Decode and prompt tokens of a step (model/quant/token_kinds.py) and how an FP8 layer routes them: decode
+tokens through fp8_triton's decode kernel, prompt tokens through quantize_rows + `_scaled_mm`. The layer's
+CUDA path runs here through Triton's interpreter (conftest.py sets it without CUDA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmserve.model import quant
+from llmserve.model.loader import load_model
+from llmserve.model.maker import make_model
+from llmserve.model.quant.linear import Fp8Linear
+from llmserve.model.quant.token_kinds import ALL_DECODE, ALL_PROMPT, StepKinds, token_kinds
+
+CPU = torch.device("cpu")
+
+
+def _kinds(positions, prompt_lens, counts):
+    return token_kinds(np.array(positions, np.int64), np.array(prompt_lens, np.int64), np.array(counts, np.int64), CPU)
+
+
+def test_one_token_rows_past_their_prompts_are_decode_tokens():
+    assert _kinds([7, 20, 3], [5, 12, 3], [1, 1, 1]) is ALL_DECODE
+
+
+def test_a_last_prompt_token_alone_in_its_row_is_a_prompt_token():
+    """A prompt's last chunk of one token (a prefix-cache hit, a chunk boundary) stays on the prompt kernel:
+    kinds follow positions, never a row's token count, so a token's kernel does not depend on the batch."""
+    kinds = _kinds([7, 11], [5, 12], [1, 1])
+    assert kinds.decode_index.tolist() == [0] and kinds.prompt_index.tolist() == [1]
+    assert _kinds([0, 1, 2], [3], [3]) is ALL_PROMPT
+
+
+def test_a_mixed_step_lists_both_kinds():
+    """Rows: a decode row, a prompt chunk, a verification (token + 2 drafts), and a resumed request whose
+    recomputed chunk crosses its prompt's end (its outputs are decode tokens, as when first computed)."""
+    positions = [9, 0, 1, 2, 6, 7, 8, 3, 4, 5]
+    kinds = _kinds(positions, [4, 8, 5, 4], [1, 3, 3, 3])
+    assert not kinds.is_all_decode and kinds.is_mixed
+    assert kinds.decode_index.tolist() == [0, 4, 5, 6, 8, 9]
+    assert kinds.prompt_index.tolist() == [1, 2, 3, 7]
+
+
+def test_step_kinds_hold_only_inside_using():
+    step = StepKinds()
+    assert step.current is ALL_PROMPT
+    with step.using(ALL_DECODE):
+        assert step.current is ALL_DECODE
+    assert step.current is ALL_PROMPT
+    with pytest.raises(RuntimeError), step.using(ALL_DECODE):
+        raise RuntimeError("a failed forward")
+    assert step.current is ALL_PROMPT
+
+
+def test_fp8_layer_routes_each_token_to_its_kernel():
+    from llmserve.model.quant import fp8_triton
+
+    gen = torch.Generator().manual_seed(4)
+    layer = Fp8Linear.from_float(torch.randn(48, 256, generator=gen) * 0.05, None)
+    layer.step_kinds = StepKinds()
+    x = torch.randn(6, 256, generator=gen)  # [T, K] float32
+    decode_all = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1))
+    prompt_all = layer._prompt_matmul(x)
+    assert not torch.equal(decode_all, prompt_all)  # two kernels, two summation orders (else nothing is tested)
+    assert torch.equal(layer._matmul_cuda(x), prompt_all)  # outside `using`: every token a prompt token
+    with layer.step_kinds.using(ALL_DECODE):
+        assert torch.equal(layer._matmul_cuda(x), decode_all)
+    kinds = _kinds([0, 1, 9, 2, 3, 10], [4, 4], [3, 3])  # decode tokens 2 and 5
+    with layer.step_kinds.using(kinds):
+        mixed = layer._matmul_cuda(x)
+    decode_rows = fp8_triton.fp8_decode_matmul(x[[2, 5]], layer.weight, layer.scale.reshape(-1))
+    assert torch.equal(mixed[[2, 5]], decode_rows)
+    assert torch.equal(mixed[[0, 1, 3, 4]], layer._prompt_matmul(x[[0, 1, 3, 4]]))
+
+
+def test_fp8_model_shares_one_step_kinds_among_its_layers(tmp_path):
+    path = make_model("llama", "tiny", str(tmp_path / "m"), seed=1)
+    model = load_model(path, torch.float32, CPU, quantization="fp8")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and all(m.step_kinds is model.step_kinds for m in layers)
+    assert isinstance(model.step_kinds, StepKinds)
+    int8 = quant.quantize_model(load_model(path, torch.float32, CPU), "int8")
+    assert not hasattr(int8, "step_kinds")
