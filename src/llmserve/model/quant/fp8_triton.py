@@ -98,7 +98,8 @@ def _decode_matmul_kernel(xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N
     """Program (row group, output tile, K part): acc[r, i, n] = sum over its K part of xq[row, k] w[n, k],
     a 16-row dot at a time. IS_SPLIT: store acc at out[part, row, n] (float32) for _reduce_parts_kernel;
     else the scaled output."""
-    rows = tl.program_id(0) * ROW_TILES * 16 + tl.arange(0, ROW_TILES)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [R, 16]
+    tiles = tl.program_id(0) * ROW_TILES + tl.arange(0, ROW_TILES)  # [R] this program's 16-row tiles
+    rows = tiles[:, None] * 16 + tl.arange(0, 16)[None, :]  # [R, 16]
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k_lo = tl.program_id(2) * K_PART
     k_hi = tl.minimum(k_lo + K_PART, K)
