@@ -55,3 +55,21 @@ def test_ngram_on_a_copying_target_accepts_its_drafts():
 def test_copying_needs_a_made_target():
     with pytest.raises(ValueError, match="--copying makes the target"):
         SpecBenchConfig(model="/some/checkpoint", copying=True)
+
+
+def test_quantized_target_in_every_configuration(tmp_path):
+    """--quantization reaches plain decoding's target and the speculative ones' (the drafts stay float), and
+    the oracle still controls acceptance on it."""
+    from llmserve import SamplingParams
+    from llmserve.bench.spec import _build, _make_drafts, _workload
+
+    path = make_model("llama", "tiny", str(tmp_path / "m"), seed=2)
+    cfg = SpecBenchConfig(model=path, configs="none,oracle=1.0", concurrency="2", prompt_len=32, output_len=12,
+                          draft_layers=1, speculative_dynamic=False, quantization="int8")
+    drafts = _make_drafts(cfg, path, ["oracle=1.0"], str(tmp_path))
+    engines: dict = {}
+    engines["none"] = _build(cfg, path, "none", drafts, {}, engines)
+    llm, counter = engines["oracle=1.0"] = _build(cfg, path, "oracle=1.0", drafts, {}, engines)
+    assert engines["none"][0].engine.model_info.quantization == llm.engine.model_info.quantization == "int8"
+    llm.generate(_workload(cfg, 512, 2, False), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert counter.num_draft_tokens > 0 and counter.num_accepted == counter.num_draft_tokens

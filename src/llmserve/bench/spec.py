@@ -41,6 +41,9 @@ class SpecBenchConfig:
     copying: bool = field(default=False, metadata={"help": "make the target with copying weights (make-model "
                           "--copying): it continues repeated spans, so n-gram lookup finds drafts it accepts"})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
+    quantization: str | None = field(default=None, metadata={"help": "the target's weights: int8 | fp8 (every "
+                                     "configuration's target, plain decoding's too; drafts stay in --dtype)",
+                                     "choices": ["int8", "fp8"]})
     one_engine_at_a_time: bool | None = field(default=None, metadata={"help": "build, run and free each "
                                               "configuration's engine in turn (default: on CUDA)"})
     configs: str = field(default="none,self,oracle=0.6,oracle=0.9,ngram",
@@ -82,7 +85,8 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
     """One engine per configuration, all alive at once: a KV cache just large enough for the top level."""
     max_model_len = cfg.prompt_len + cfg.output_len + 64
     num_blocks = max(int(c) for c in cfg.concurrency.split(",")) * (-(-max_model_len // 16)) + 16
-    kwargs = {"dtype": _dtype(cfg), "max_model_len": max_model_len, "max_num_seqs": 256, "num_kv_blocks": num_blocks}
+    kwargs = {"dtype": _dtype(cfg), "max_model_len": max_model_len, "max_num_seqs": 256, "num_kv_blocks": num_blocks,
+              "quantization": cfg.quantization}
     if name == "none":
         return kwargs
     kwargs["num_speculative_tokens"] = cfg.num_speculative_tokens
