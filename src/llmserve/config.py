@@ -140,6 +140,11 @@ class SpeculativeConfig:
     ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
     speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
     speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it still loses to the static cap at batch 4-16); off: every request speculates up to --speculative-max-batch"})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "--speculative draft: the draft's "
+                                         "head keeps only the first N token ids (the most frequent in BPE and "
+                                         "SentencePiece vocabularies; EAGLE-3 and FR-Spec reduce the draft's "
+                                         "vocabulary so): a cheaper draft forward, still exact; default: the "
+                                         "whole vocabulary"})
     speculative_queue_drafts: bool = field(default=False, metadata={"help": "draft model on CUDA with graphs: queue the next step's proposal on the device behind each verification whose rows all carried k drafts, so the host waits once for both (experimental: measured slower on an H100, docs/benchmarks.md)"})
 
     @property
@@ -165,6 +170,9 @@ class SpeculativeConfig:
               f"must be true or false, got {self.speculative_queue_drafts!r}")
         check((self.speculative == "draft") == (self.draft_model is not None), "draft-model",
               "required with --speculative draft, and only then")
+        check_min("draft-vocab-size", self.draft_vocab_size, 1)
+        check(self.draft_vocab_size is None or self.speculative == "draft", "draft-vocab-size",
+              "only with --speculative draft")
 
 
 @dataclass(frozen=True)

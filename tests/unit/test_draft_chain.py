@@ -21,16 +21,16 @@ ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, attention_ba
 K = 3
 
 
-def _chained_llm(target: str, draft: str, after_verify: bool = False) -> LLM:
+def _chained_llm(target: str, draft: str, after_verify: bool = False, draft_vocab_size: int | None = None) -> LLM:
     """after_verify: with the catch-up buffers too, so proposals can be queued behind their verification."""
     llm = LLM(target, speculative="draft", draft_model=draft, num_speculative_tokens=K, speculative_dynamic=False,
-              speculative_max_batch=8, enforce_eager=True, **ENGINE)
+              speculative_max_batch=8, enforce_eager=True, draft_vocab_size=draft_vocab_size, **ENGINE)
     proposer = llm.engine.runner.speculator.proposer
     buffers = dict(max_batch=8, max_blocks=8, device=torch.device(DEVICE), use_graphs=False)
     graphs = DecodeGraphs(proposer.model, proposer.attn_backend, proposer.kv_caches, **buffers)
     catch_up = DecodeGraphs(proposer.model, proposer.attn_backend, proposer.kv_caches, queries_per_row=K + 2,
                             **buffers) if after_verify else None
-    proposer.chain = DraftChain(proposer.model, graphs, proposer.block_size, torch.device(DEVICE), catch_up)
+    proposer.chain = DraftChain(proposer.head, graphs, proposer.block_size, torch.device(DEVICE), catch_up)
     return llm
 
 
@@ -56,8 +56,11 @@ def _record_both_paths(proposer) -> list[tuple[list[list[int]], list[list[int]]]
     return calls
 
 
-def test_chained_drafts_are_the_host_paths(target, draft):
-    llm = _chained_llm(target, draft)
+@pytest.mark.parametrize("draft_vocab_size", [None, 200])
+def test_chained_drafts_are_the_host_paths(target, draft, draft_vocab_size):
+    """With the whole head, and with the draft's head cut to the first 200 of 512 ids (both paths then
+    draft among those only)."""
+    llm = _chained_llm(target, draft, draft_vocab_size=draft_vocab_size)
     calls = _record_both_paths(llm.engine.runner.speculator.proposer)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     llm.generate(repeating_prompts(4, seed=5), params)
@@ -65,6 +68,8 @@ def test_chained_drafts_are_the_host_paths(target, draft):
     assert {len(row) for host, _ in calls for row in host} == {K}
     pairs = [(h, c) for host, chained in calls for hr, cr in zip(host, chained) for h, c in zip(hr, cr)]
     assert sum(h == c for h, c in pairs) >= 0.95 * len(pairs), pairs  # float sums of a padded batch: near-ties
+    if draft_vocab_size is not None:
+        assert max(max(h, c) for h, c in pairs) < draft_vocab_size
     llm.engine.check_integrity()
 
 

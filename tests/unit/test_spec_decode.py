@@ -72,6 +72,46 @@ def test_target_as_its_own_draft_accepts_everything(target, plain):
     _assert_all_free(llm)
 
 
+def _record_proposals(llm: LLM) -> list[tuple[list[list[int]], list]]:
+    proposer, calls = llm.engine.runner.speculator.proposer, []
+    original = proposer.propose
+
+    def propose(rows):
+        drafts, probs = original(rows)
+        calls.append((drafts, probs))
+        return drafts, probs
+
+    proposer.propose = propose
+    return calls
+
+
+def test_a_reduced_draft_vocabulary_drafts_only_its_ids_and_keeps_outputs_exact(target, plain):
+    """--draft-vocab-size 256: the target as its own draft with its head cut to the first 256 of 512 ids.
+    It drafts only among those (sampled drafts' q is zero elsewhere), so where the target's token lies
+    past them the draft is rejected; greedy outputs stay plain decoding's."""
+    llm = _spec_llm(target, target, "draft", num_kv_blocks=200, draft_vocab_size=256)
+    counts, calls = SpecCounter(llm), _record_proposals(llm)
+    prompts = repeating_prompts(6, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    got = _tokens(llm, prompts, greedy)
+    assert got == _tokens(plain, prompts, greedy)  # the target as its draft: no float sums differ
+    assert max(t for drafts, _ in calls for row in drafts for t in row) < 256
+    assert 0 < counts.num_accepted < counts.num_draft_tokens  # the whole head accepts everything (above)
+    assert any(t >= 256 for row in got for t in row)
+    calls.clear()
+    llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
+    q = [p for _, probs in calls for p in probs if p is not None]  # [k, V] each
+    assert q and all(p[:, 256:].sum() == 0 and torch.allclose(p.sum(dim=1), torch.ones(len(p))) for p in q)
+    _assert_all_free(llm)
+
+
+def test_draft_vocab_size_past_the_vocabulary_is_refused(target):
+    with pytest.raises(ValueError, match="--draft-vocab-size: 513 is more than"):
+        _spec_llm(target, target, "draft", num_kv_blocks=200, draft_vocab_size=513)
+    with pytest.raises(ValueError, match="--draft-vocab-size: only with --speculative draft"):
+        _spec_llm(target, target, "ngram", num_kv_blocks=200, draft_vocab_size=64)
+
+
 def test_seeded_sampling_with_ngram_equals_plain_sampling(target, plain):
     """Point-mass drafts are verified against the sample the target draws anyway: same tokens."""
     llm = _spec_llm(target, None, "ngram", num_kv_blocks=200)

@@ -54,6 +54,8 @@ class SpecBenchConfig:
     output_len: int = field(default=96, metadata={"help": "output tokens (ignore_eos)"})
     num_speculative_tokens: int = field(default=4, metadata={"help": "k"})
     draft_layers: int = field(default=2, metadata={"help": "layers of the cheap draft behind oracle=A"})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "the draft configurations' heads keep the "
+                                         "first N token ids (engine --draft-vocab-size); default: the whole vocabulary"})
     speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off cap (default: the engine's)"})
     speculative_dynamic: bool | None = field(default=None, metadata={"help": "the dynamic rule: speculate only where "
                                              "it pays (default: the engine's, off)"})
@@ -98,7 +100,7 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
         kwargs["speculative_queue_drafts"] = cfg.speculative_queue_drafts
     if name == "ngram":
         return {**kwargs, "speculative": "ngram"}
-    return {**kwargs, "speculative": "draft", "draft_model": drafts[name]}
+    return {**kwargs, "speculative": "draft", "draft_model": drafts[name], "draft_vocab_size": cfg.draft_vocab_size}
 
 
 def _dtype(cfg: SpecBenchConfig) -> str:

@@ -24,6 +24,7 @@ from llmserve.sample.metadata import PositionRow, build_sampling_metadata
 from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
 from llmserve.spec.draft_chain import DraftChain, VerifiedStep
+from llmserve.spec.draft_head import DraftHead
 from llmserve.model.step_inputs import StepInputs
 from llmserve.spec.draft_inputs import prepare_inputs
 from llmserve.spec.proposer import ProposerRow
@@ -41,10 +42,11 @@ class _DraftInput:
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
-                 block_size: int, num_speculative_tokens: int, max_model_len: int, device: torch.device,
-                 seed: int = 0, chain: DraftChain | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, head: DraftHead, attn_backend: AttentionBackend,
+                 kv_caches: list[torch.Tensor], block_size: int, num_speculative_tokens: int, max_model_len: int,
+                 device: torch.device, seed: int = 0, chain: DraftChain | None = None) -> None:
         self.model = model
+        self.head = head  # its logits, maybe over a reduced vocabulary (spec/draft_head.py)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per draft layer [2, num_blocks, block_size, Hkv, D]
         self.block_size = block_size
@@ -150,7 +152,7 @@ class DraftModelProposer:
         step = prepare_inputs(inputs, counts, self.block_size, self.device)
         metadata = self.attn_backend.build_metadata(step.attn)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.attn_backend)
-        return self.model.compute_logits(hidden[step.logits_indices]).float(), step
+        return self.head.logits(hidden[step.logits_indices]), step
 
     def _sample(self, logits: torch.Tensor, rows: list[ProposerRow],
                 drafts: list[list[int]]) -> tuple[list[int], torch.Tensor | None]:

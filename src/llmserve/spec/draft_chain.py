@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from llmserve.model.step_inputs import slot_mapping
-from llmserve.sample import ops
+from llmserve.spec.draft_head import DraftHead
 
 
 class DecodeForward(Protocol):
@@ -53,9 +53,9 @@ class VerifiedStep:
 
 
 class DraftChain:
-    def __init__(self, model: torch.nn.Module, graphs: DecodeForward, block_size: int,
+    def __init__(self, head: DraftHead, graphs: DecodeForward, block_size: int,
                  device: torch.device, catch_up: DecodeForward | None = None) -> None:
-        self.model = model
+        self.head = head  # the draft model's logits (spec/draft_head.py)
         self.graphs = graphs  # the draft model's decode graphs (or their eager buffers: use_graphs=False)
         self.catch_up = catch_up  # its graphs of k + 2 queries a row (run_after_verify), if captured
         self.block_size = block_size
@@ -84,7 +84,7 @@ class DraftChain:
         hidden = self.catch_up.run_rows(tokens.flatten(), positions, slots, (first_position + k + 2).int(),
                                         step.block_table)  # [B * (k + 2), H]
         at_bonus = hidden.view(num_rows, k + 2, -1)[rows, bonus_at.squeeze(1)]  # [B, H]
-        first = ops.argmax_rows(self.model.compute_logits(at_bonus).float())  # [B]
+        first = self.head.argmax(at_bonus)  # [B]
         lengths = first_position + num_accepted + 2  # [B]
         return self._chain(first, lengths, step.block_table, k), lengths
 
@@ -106,5 +106,5 @@ class DraftChain:
             positions = start + (i - 1)  # [B]
             slots = slot_mapping(table, rows, positions, self.block_size)  # [B]
             hidden = self.graphs.run_rows(drafts[-1], positions, slots, (positions + 1).int(), table)  # [B, H]
-            drafts.append(ops.argmax_rows(self.model.compute_logits(hidden).float()))  # [B]
+            drafts.append(self.head.argmax(hidden))  # [B]
         return torch.stack(drafts, dim=1)  # [B, k]

@@ -17,6 +17,7 @@ from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolv
 from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.draft_chain import DraftChain
+from llmserve.spec.draft_head import DraftHead
 from llmserve.spec.ngram import NgramProposer
 from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
@@ -87,6 +88,9 @@ class Worker:
         if info.vocab_size != self.model_info.vocab_size:
             raise ValueError(f"draft model vocabulary ({info.vocab_size}) differs from the target's "
                              f"({self.model_info.vocab_size}): it must share the tokenizer")
+        if (spec.draft_vocab_size or 0) > info.vocab_size:
+            raise ValueError(f"--draft-vocab-size: {spec.draft_vocab_size} is more than the draft model's "
+                             f"vocabulary ({info.vocab_size})")
         return info, load_model(path, self.dtype, self.device, self.model_info.max_model_len)
 
     def _speculator(self, attn_backend, draft_model: torch.nn.Module | None) -> Speculator | None:
@@ -106,13 +110,14 @@ class Worker:
                                        info.num_layers, self.kv_dtype, self.device)
         max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
         graphs = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch)
+        head = DraftHead(draft_model, spec.draft_vocab_size)
         chain = None
         if graphs is not None:  # and the catch-up after a verification (k + 1 tokens and the bonus a row)
             k, catch_up = spec.num_speculative_tokens, None
             if spec.speculative_queue_drafts and k + 2 <= MAX_GRAPH_QUERIES:
                 catch_up = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch, queries_per_row=k + 2)
-            chain = DraftChain(draft_model, graphs, block_size, self.device, catch_up)
-        return DraftModelProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
+            chain = DraftChain(head, graphs, block_size, self.device, catch_up)
+        return DraftModelProposer(draft_model, head, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                   self.model_info.max_model_len, self.device, self.config.model.seed, chain)
 
     def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
