@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmserve.model.linear import can_pack, packed, packed_linear
 from llmserve.sample import ops
 
 
@@ -27,22 +28,45 @@ class DraftHead:
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.num_kept = vocab_size
-        self.weight = None  # [N, H]: the head's first N rows (a view, nothing copied)
+        self.weight = None  # [N, H]: the head's first N rows (a view), or the same packed for the CPU
+        self.is_packed = False
         if vocab_size is not None:
             head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
             assert getattr(head, "bias", None) is None, "Llama-family heads have no bias"
-            self.weight = head.weight[:vocab_size]
+            self._keep_rows(head, vocab_size)
+
+    def _keep_rows(self, head: torch.nn.Module, num: int) -> None:
+        """The head's first `num` rows: sliced from its weight, or from the panels a float32 CPU model
+        packed its lm_head into at load (16 rows a panel: model/linear.py); packed when it can be (on the
+        CPU 5-12x F.linear's speed: docs/benchmarks.md)."""
+        if head.weight is not None:
+            self.weight = head.weight[:num]
+            self.is_packed = can_pack(self.weight)
+            if self.is_packed:
+                self.weight = packed(self.weight.contiguous())
+            return
+        panels = head.packed_weight  # [P, H, 16], or oneDNN's own layout (2-D), which cannot be sliced
+        if panels.dim() != 3:
+            raise ValueError("--draft-vocab-size: this CPU packs the draft's own lm_head for oneDNN, which "
+                             "cannot keep only its first rows; use a draft with tied embeddings, or none")
+        self.weight, self.is_packed = panels[:-(-num // 16)], True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, H] -> float32 logits [A, V]; -inf outside the kept ids."""
         if self.weight is None:
             return self.model.compute_logits(hidden).float()
         full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)  # [A, V]
-        full[:, :self.num_kept] = F.linear(hidden, self.weight)
+        full[:, :self.num_kept] = self._kept_logits(hidden)
         return full
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, H] -> [A] int64, the greedy draft (the kept ids are a prefix: no mapping back)."""
         if self.weight is None:
             return ops.argmax_rows(self.model.compute_logits(hidden).float())
-        return ops.argmax_rows(F.linear(hidden, self.weight).float())
+        return ops.argmax_rows(self._kept_logits(hidden).float())
+
+    def _kept_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [A, H] -> [A, N] in the model's dtype."""
+        if self.is_packed:
+            return packed_linear(hidden, self.weight, self.num_kept)
+        return F.linear(hidden, self.weight)
