@@ -22,18 +22,18 @@ from llmserve.sample import ops
 
 
 class DraftHead:
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None) -> None:
-        """model: the draft (a model/llama CausalLM); vocab_size: the head's token ids [0, N), or None:
+    def __init__(self, model: torch.nn.Module, num_kept: int | None) -> None:
+        """model: the draft (a model/llama CausalLM); num_kept: N, the head keeps token ids [0, N); None:
         the whole vocabulary through the model's own compute_logits."""
         self.model = model
-        self.vocab_size = model.config.vocab_size
-        self.num_kept = vocab_size
+        self.vocab_size = model.config.vocab_size  # V: the logits' width either way
+        self.num_kept = num_kept
         self.weight = None  # [N, H]: the head's first N rows (a view), or the same packed for the CPU
         self.is_packed = False
-        if vocab_size is not None:
+        if num_kept is not None:
             head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
             assert getattr(head, "bias", None) is None, "Llama-family heads have no bias"
-            self._keep_rows(head, vocab_size)
+            self._keep_rows(head, num_kept)
 
     def _keep_rows(self, head: torch.nn.Module, num: int) -> None:
         """The head's first `num` rows: sliced from its weight, or from the panels a float32 CPU model
