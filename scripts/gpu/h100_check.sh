@@ -69,7 +69,7 @@ case "${WEIGHTS:-copying}" in copying) W_FLAG=--copying ;; peaked) W_FLAG=--peak
 MAKER=$!
 
 if want tests; then
-    TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py tests/unit/test_fp8_triton.py tests/unit/test_draft_chain.py}
+    TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py tests/unit/test_fp8_triton.py tests/unit/test_token_kinds.py tests/unit/test_draft_chain.py}
     # shellcheck disable=SC2086
     run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 $TESTS
 fi
