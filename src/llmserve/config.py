@@ -145,6 +145,10 @@ class SpeculativeConfig:
                                          "SentencePiece vocabularies; EAGLE-3 and FR-Spec reduce the draft's "
                                          "vocabulary so): a cheaper draft forward, still exact; default: the "
                                          "whole vocabulary"})
+    draft_token_map: str | None = field(default=None, metadata={"help": "--speculative draft: a JSON list of token "
+                                        "ids, most frequent first (FR-Spec's frequency-ranked vocabulary): the "
+                                        "draft's head keeps these (the first --draft-vocab-size of them when "
+                                        "given) instead of the first ids"})
     speculative_queue_drafts: bool = field(default=False, metadata={"help": "draft model on CUDA with graphs: queue the next step's proposal on the device behind each verification whose rows all carried k drafts, so the host waits once for both (experimental: measured slower on an H100, docs/benchmarks.md)"})
 
     @property
@@ -172,6 +176,8 @@ class SpeculativeConfig:
               "required with --speculative draft, and only then")
         check_min("draft-vocab-size", self.draft_vocab_size, 1)
         check(self.draft_vocab_size is None or self.speculative == "draft", "draft-vocab-size",
+              "only with --speculative draft")
+        check(self.draft_token_map is None or self.speculative == "draft", "draft-token-map",
               "only with --speculative draft")
 
 

@@ -7,7 +7,7 @@ import torch
 
 from llmserve.model.loader import load_model
 from llmserve.model.maker import make_model
-from llmserve.spec.draft_head import DraftHead
+from llmserve.spec.draft_head import DraftHead, read_token_map
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,33 @@ def test_a_tied_head_keeps_the_tables_first_rows(model, num_kept, is_packed):
     got = head.logits(hidden)
     torch.testing.assert_close(got[:, :num_kept], want, rtol=1e-4, atol=1e-4)
     assert torch.isneginf(got[:, num_kept:]).all()
+
+
+def test_a_token_map_keeps_its_ids_in_its_order(model):
+    """The demo's lm_head is packed into panels at load: the map's rows are gathered from them."""
+    token_map = list(range(2047, 999, -3))  # not a prefix: ids 2047, 2044, ..., most frequent first
+    head = DraftHead(model, 300, token_map)
+    kept = token_map[:300]
+    assert head.num_kept == 300 and head.ids.tolist() == kept
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    full = model.compute_logits(hidden)
+    got = head.logits(hidden)
+    torch.testing.assert_close(got[:, kept], full[:, kept], rtol=1e-4, atol=1e-4)
+    others = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    others[kept] = False
+    assert torch.isneginf(got[:, others]).all()
+    assert torch.equal(head.argmax(hidden), got.argmax(dim=1))
+
+
+def test_a_token_map_of_the_first_ids_is_the_plain_prefix(model):
+    head = DraftHead(model, None, list(range(512)))
+    assert head.ids is None and head.num_kept == 512
+
+
+@pytest.mark.parametrize("text,message", [("[1, 2, 2]", "twice"), ("[1, 4096]", r"in \[0, 2048\)"),
+                                          ("{}", "non-empty JSON list"), ("[", "cannot read")])
+def test_a_bad_token_map_is_refused_naming_the_flag(tmp_path, text, message):
+    path = tmp_path / "map.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"--draft-token-map: .*{message}"):
+        read_token_map(str(path), 2048)

@@ -1,6 +1,7 @@
 """Speculative decoding through the engine: exact greedy outputs, seeds, preemption, prefix hits, n > 1,
 aborts, opt-out; KV accounting after rejected drafts."""
 
+import json
 import warnings
 
 import pytest
@@ -102,6 +103,20 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_ids_and_keeps_outputs_exact(
     llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
     q = [p for _, probs in calls for p in probs if p is not None]  # [k, V] each
     assert q and all(p[:, 256:].sum() == 0 and torch.allclose(p.sum(dim=1), torch.ones(len(p))) for p in q)
+    _assert_all_free(llm)
+
+
+def test_a_draft_token_map_drafts_only_its_ids(target, plain, tmp_path):
+    """--draft-token-map: the head keeps the listed ids (here the upper half of the vocabulary, reversed)."""
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps(list(range(511, 255, -1))))
+    llm = _spec_llm(target, target, "draft", num_kv_blocks=200, draft_token_map=str(token_map))
+    counts, calls = SpecCounter(llm), _record_proposals(llm)
+    prompts = repeating_prompts(6, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert _tokens(llm, prompts, greedy) == _tokens(plain, prompts, greedy)
+    assert min(t for drafts, _ in calls for row in drafts for t in row) >= 256
+    assert 0 < counts.num_accepted < counts.num_draft_tokens
     _assert_all_free(llm)
 
 

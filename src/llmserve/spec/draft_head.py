@@ -5,14 +5,17 @@ the 128,256 x 4,096 head, 1 GB in bf16 (368 us of a draft forward on an H100, 1.
 step at k = 4), and smollm2-135m's two layers are 8M weights beside its 28M head. EAGLE-3 and FR-Spec
 (Zhao et al., 2025) give the draft a head over the most frequent tokens only; SGLang takes such a token
 map for its drafts. Here the draft keeps the first N token ids, which BPE and SentencePiece vocabularies
-give their most frequent tokens (merge order); its logits for every other id are -inf, so it never
-proposes them. Speculation stays exact: a draft distribution q that is zero outside the head is still a
+give their most frequent tokens (merge order), or the first N of a token map (`--draft-token-map`: ids
+ranked by frequency on text like the served one, as FR-Spec ranks them); its logits for every other id
+are -inf, so it never proposes them. Speculation stays exact: a draft distribution q that is zero outside the head is still a
 distribution, the rejection sampler's min(1, p/q) and its residual max(0, p - q) are unchanged, and a greedy
 draft outside the head is simply never made. What it costs is acceptance where the target's token is
 outside the head.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.nn.functional as F
@@ -21,49 +24,92 @@ from llmserve.model.linear import can_pack, packed, packed_linear
 from llmserve.sample import ops
 
 
+def read_token_map(path: str, vocab_size: int) -> list[int]:
+    """A JSON list of distinct token ids, most frequent first (`--draft-token-map`) -> the list."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--draft-token-map: cannot read {path!r}: {e}") from None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"--draft-token-map: {path!r} must hold a non-empty JSON list of token ids in [0, "
+                         f"{vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--draft-token-map: {path!r} lists a token id twice")
+    return ids
+
+
 class DraftHead:
-    def __init__(self, model: torch.nn.Module, num_kept: int | None) -> None:
-        """model: the draft (a model/llama CausalLM); num_kept: N, the head keeps token ids [0, N); None:
-        the whole vocabulary through the model's own compute_logits."""
+    def __init__(self, model: torch.nn.Module, num_kept: int | None, token_map: list[int] | None = None) -> None:
+        """model: the draft (a model/llama CausalLM); token_map: ids most frequent first (None: the
+        vocabulary's own order, 0, 1, 2, ...); num_kept: N, the head keeps the map's first N ids (None: the
+        whole map; neither given: the whole vocabulary through the model's own compute_logits)."""
         self.model = model
         self.vocab_size = model.config.vocab_size  # V: the logits' width either way
-        self.num_kept = num_kept
-        self.weight = None  # [N, H]: the head's first N rows (a view), or the same packed for the CPU
+        self.ids = None  # [N] int64 on the device: the kept ids when they are not 0..N-1
+        self.weight = None  # [N, H]: the kept rows (a view of a prefix, else a copy), or packed for the CPU
         self.is_packed = False
-        if num_kept is not None:
-            head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-            assert getattr(head, "bias", None) is None, "Llama-family heads have no bias"
-            self._keep_rows(head, num_kept)
+        if token_map is not None:
+            token_map = token_map[:num_kept]
+            is_prefix = token_map == list(range(len(token_map)))
+            num_kept = len(token_map)
+        self.num_kept = num_kept
+        if num_kept is None:
+            return
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        assert getattr(head, "bias", None) is None, "Llama-family heads have no bias"
+        if token_map is None or is_prefix:
+            self._keep_prefix(head, num_kept)
+        else:
+            self.ids = torch.tensor(token_map, dtype=torch.int64, device=next(model.parameters()).device)
+            self._keep_ids(head)
 
-    def _keep_rows(self, head: torch.nn.Module, num: int) -> None:
+    def _keep_prefix(self, head: torch.nn.Module, num: int) -> None:
         """The head's first `num` rows: sliced from its weight, or from the panels a float32 CPU model
         packed its lm_head into at load (16 rows a panel: model/linear.py); packed when it can be (on the
         CPU 5-12x F.linear's speed: docs/benchmarks.md)."""
         if head.weight is not None:
-            self.weight = head.weight[:num]
-            self.is_packed = can_pack(self.weight)
-            if self.is_packed:
-                self.weight = packed(self.weight.contiguous())
+            self._set_rows(head.weight[:num])
             return
+        self.weight, self.is_packed = self._panels(head)[:-(-num // 16)], True
+
+    def _keep_ids(self, head: torch.nn.Module) -> None:
+        """The head's rows of the kept ids (a copy), from its weight or its panels."""
+        if head.weight is not None:
+            self._set_rows(head.weight[self.ids])
+            return
+        self._set_rows(self._panels(head)[self.ids // 16, :, self.ids % 16])  # [N, H]
+
+    def _set_rows(self, rows: torch.Tensor) -> None:
+        self.weight, self.is_packed = rows, can_pack(rows)
+        if self.is_packed:
+            self.weight = packed(rows.contiguous())
+
+    @staticmethod
+    def _panels(head: torch.nn.Module) -> torch.Tensor:
         panels = head.packed_weight  # [P, H, 16], or oneDNN's own layout (2-D), which cannot be sliced
         if panels.dim() != 3:
-            raise ValueError("--draft-vocab-size: this CPU packs the draft's own lm_head for oneDNN, which "
-                             "cannot keep only its first rows; use a draft with tied embeddings, or none")
-        self.weight, self.is_packed = panels[:-(-num // 16)], True
+            raise ValueError("--draft-vocab-size/--draft-token-map: this CPU packs the draft's own lm_head for oneDNN, which "
+                             "cannot keep only some of its rows; use a draft with tied embeddings, or none")
+        return panels
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, H] -> float32 logits [A, V]; -inf outside the kept ids."""
         if self.weight is None:
             return self.model.compute_logits(hidden).float()
         full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)  # [A, V]
-        full[:, :self.num_kept] = self._kept_logits(hidden)
+        if self.ids is None:
+            full[:, :self.num_kept] = self._kept_logits(hidden)
+        else:
+            full[:, self.ids] = self._kept_logits(hidden).float()
         return full
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [A, H] -> [A] int64, the greedy draft (the kept ids are a prefix: no mapping back)."""
+        """hidden [A, H] -> [A] int64, the greedy draft."""
         if self.weight is None:
             return ops.argmax_rows(self.model.compute_logits(hidden).float())
-        return ops.argmax_rows(self._kept_logits(hidden).float())
+        best = ops.argmax_rows(self._kept_logits(hidden).float())  # [A] index into the kept ids
+        return best if self.ids is None else self.ids[best]
 
     def _kept_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, H] -> [A, N] in the model's dtype."""

@@ -17,7 +17,7 @@ from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolv
 from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.draft_chain import DraftChain
-from llmserve.spec.draft_head import DraftHead
+from llmserve.spec.draft_head import DraftHead, read_token_map
 from llmserve.spec.ngram import NgramProposer
 from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
@@ -110,7 +110,8 @@ class Worker:
                                        info.num_layers, self.kv_dtype, self.device)
         max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
         graphs = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch)
-        head = DraftHead(draft_model, spec.draft_vocab_size)
+        token_map = None if spec.draft_token_map is None else read_token_map(spec.draft_token_map, info.vocab_size)
+        head = DraftHead(draft_model, spec.draft_vocab_size, token_map)
         chain = None
         if graphs is not None:  # and the catch-up after a verification (k + 1 tokens and the bonus a row)
             k, catch_up = spec.num_speculative_tokens, None
