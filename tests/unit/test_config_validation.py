@@ -36,6 +36,8 @@ ENGINE_CASES = [
     (SpeculativeConfig, {"speculative_queue_drafts": 1}, "speculative-queue-drafts"),
     (SpeculativeConfig, {"speculative": "draft"}, "draft-model"),
     (SpeculativeConfig, {"draft_model": "some/dir"}, "draft-model"),
+    (SpeculativeConfig, {"speculative": "draft", "draft_model": "d", "draft_vocab_size": 0}, "draft-vocab-size"),
+    (SpeculativeConfig, {"speculative": "ngram", "draft_token_map": "map.json"}, "draft-token-map"),
 ]
 
 
