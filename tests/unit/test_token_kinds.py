@@ -86,3 +86,16 @@ def test_fp8_model_shares_one_step_kinds_among_its_layers(tmp_path):
     assert isinstance(model.step_kinds, StepKinds)
     int8 = quant.quantize_model(load_model(path, torch.float32, CPU), "int8")
     assert not hasattr(int8, "step_kinds")
+
+
+def test_the_batch_keeps_each_rows_prompt_end_through_growth():
+    """The runner's kinds read the rows' prompt ends from the persistent batch: a resumed request brings its
+    outputs with its prompt, and says where the prompt ends."""
+    from llmserve.worker.persistent_batch import PersistentBatch
+
+    batch = PersistentBatch(max_num_rows=1, max_model_len=64, block_size=16)
+    fresh = batch.add("a", [5, 6, 7], [1])
+    resumed = batch.add("b", [5, 6, 7, 8, 9], [2], num_prompt=3)  # a second row: the arrays grow
+    assert batch.num_prompt[[fresh, resumed]].tolist() == [3, 3]
+    kinds = token_kinds(np.array([2, 3, 4]), batch.num_prompt[[fresh, resumed]], np.array([1, 2]), CPU)
+    assert kinds.decode_index.tolist() == [1, 2] and kinds.prompt_index.tolist() == [0]

@@ -91,10 +91,13 @@ class DecodeGraphs:
                     "y" if self.q == 1 else "ies")
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
-        """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts)."""
+        """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts),
+        all of them decode tokens when the step says (the FP8 layers were captured on their decode kernel)."""
         attn = inputs.attn
         num_rows = len(attn.query_lens_cpu)
-        return (has_drafts == (self.q > 1) and inputs.input_ids.shape[0] == num_rows * self.q
+        kinds = inputs.token_kinds
+        return (has_drafts == (self.q > 1) and (kinds is None or kinds.is_all_decode)
+                and inputs.input_ids.shape[0] == num_rows * self.q
                 and max(attn.query_lens_cpu) == self.q and self.fits(num_rows, attn.block_table.shape[1]))
 
     def fits(self, num_rows: int, num_block_columns: int) -> bool:

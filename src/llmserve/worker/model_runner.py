@@ -238,7 +238,7 @@ class ModelRunner:
             generator=generator, block_ids=list(new.block_ids),
             stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens, batch=self.batch)
         state.row = self.batch.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids], state.block_ids,
-                                   state.has_penalties, new.num_computed_tokens)
+                                   state.has_penalties, new.num_computed_tokens, len(new.prompt_token_ids))
         return state
 
     # ---- inputs and forward -------------------------------------------------------------------------
@@ -266,8 +266,7 @@ class ModelRunner:
         indices = logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64), num_drafts[sample_rows])
         inputs = self._to_device(arrays, indices)
         if self.step_kinds is not None:
-            prompt_lens = np.fromiter((len(s.prompt_token_ids) for s in states), np.int64, count=num_rows)  # [B]
-            inputs.token_kinds = token_kinds(arrays.positions, prompt_lens, counts, self.device)
+            inputs.token_kinds = token_kinds(arrays.positions, self.batch.num_prompt[rows], counts, self.device)
         return inputs, batch_rows
 
     def _to_device(self, arrays: StepArrays, sample_indices: np.ndarray) -> StepInputs:
@@ -296,7 +295,7 @@ class ModelRunner:
         graphs = self.verify_graphs if has_drafts else self.graphs
         kinds = inputs.token_kinds
         assert self.step_kinds is None or kinds is not None, "FP8 layers need the step's token kinds"
-        if graphs is not None and (kinds is None or kinds.is_all_decode) and graphs.can_run(inputs, has_drafts):
+        if graphs is not None and graphs.can_run(inputs, has_drafts):
             hidden = graphs.run(inputs)  # [T, hidden]; captured with every token a decode token
         else:
             metadata = self.attn_backend.build_metadata(inputs.attn)

@@ -45,6 +45,7 @@ class PersistentBatch:
         self.num_tokens = np.zeros(max_num_rows, np.int64)  # [R] ids known on the host (drafts excluded)
         self.num_computed = np.zeros(max_num_rows, np.int64)  # [R] tokens whose KV is computed or scheduled
         self.num_drafts = np.zeros(max_num_rows, np.int64)  # [R] draft ids written after them
+        self.num_prompt = np.zeros(max_num_rows, np.int64)  # [R] prompt tokens (past them: decode tokens)
         self.block_table = np.zeros((max_num_rows, INITIAL_BLOCK_COLUMNS), np.int32)  # [R, W]
         self.num_blocks = np.zeros(max_num_rows, np.int64)  # [R]
         self.last_sample_index = np.full(max_num_rows, -1, np.int64)  # [R] row in the last step's samples
@@ -59,8 +60,9 @@ class PersistentBatch:
     # ---- rows in and out ----------------------------------------------------------------------------
 
     def add(self, req_id: str, token_ids: list[int], block_ids: list[int], has_penalties: bool = False,
-            num_computed: int = 0) -> int:
-        """A row for a new request (a resumed one comes back with its outputs in `token_ids`)."""
+            num_computed: int = 0, num_prompt: int | None = None) -> int:
+        """A row for a new request (a resumed one comes back with its outputs in `token_ids`: num_prompt,
+        default all of them, says where its prompt ends)."""
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
@@ -69,6 +71,7 @@ class PersistentBatch:
         self.last_sample_index[row] = -1
         self.has_penalties[row] = has_penalties
         self.num_computed[row] = num_computed
+        self.num_prompt[row] = len(token_ids) if num_prompt is None else num_prompt
         self.serial[row] = self.num_added
         self.num_added += 1
         self.append_tokens(row, token_ids)
@@ -194,7 +197,8 @@ class PersistentBatch:
         old = len(self.num_tokens)
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-        for name in ("num_tokens", "num_computed", "num_drafts", "num_blocks", "num_pending", "has_penalties"):
+        for name in ("num_tokens", "num_computed", "num_drafts", "num_prompt", "num_blocks", "num_pending",
+                     "has_penalties"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros_like(getattr(self, name))]))
         for name in ("last_sample_index", "serial"):
             setattr(self, name, np.concatenate([getattr(self, name), np.full(old, -1, np.int64)]))
