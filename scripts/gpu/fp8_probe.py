@@ -2,11 +2,11 @@
 GEMM, the FP8 GEMM alone (torch._scaled_mm, row-wise scales, operands already quantized), the per-token
 quantization alone (torch's ops; the Triton kernel), and Fp8Linear's whole forward through torch's ops and
 through the two paths it takes on CUDA (prompt tokens: fp8_triton.quantize_rows + _scaled_mm; decode tokens:
-fp8_triton.fp8_decode_matmul); each timed as a CUDA-graph replay (median, us), the last columns the weight
-bytes over the bf16 and the decode path's times.
+fp8_triton.fp8_decode_matmul; `wide path` the same kernel's 64-row kind, fp8_triton.WIDE_TILING); each timed
+as a CUDA-graph replay (median, us), the last columns the weight bytes over the bf16 and the decode path's times.
 
 With --sweep, the decode kernel's tilings instead (DecodeTiling: BLOCK_N x BLOCK_K x stages, and the
-programs that K splitting aims for, row tiles a program; 4 warps) at 1, 8 and 64 rows over the four shapes: per row
+programs that K splitting aims for, 16-row tiles a program (r) or one 64-row tile (m64); 4 warps) at 1, 8 and 64 rows over the four shapes: per row
 count the five fastest tilings by the sum of their times, and the one fastest over all (the sum over every
 shape and row count; one tiling for every row count, which is what keeps a row's sums batch-invariant).
 
@@ -30,6 +30,8 @@ SHAPES = {"qkv 4096->6144": (6144, 4096), "o 4096->4096": (4096, 4096), "gate_up
 SWEEP_ROWS = (1, 8, 64)
 TILINGS = [fp8_triton.DecodeTiling(n, k, 4, st, r, p) for n, k, st, r, p in itertools.product(
     (32, 64, 128), (128, 256), (3, 4), (1, 4), (132, 264)) if n * k <= 16384]  # 40: about 150 compilations
+TILINGS += [fp8_triton.DecodeTiling(n, k, 4, st, 1, p, row_tile=64) for n, k, st, p in itertools.product(
+    (64, 128), (128, 256), (3, 4), (132, 264)) if n * k <= 16384]  # 12 of the wgmma kind: about 30 more
 
 
 def _time(fn, rep: int = 50) -> float:
@@ -62,12 +64,13 @@ def sweep() -> None:
 
 
 def _name(t: fp8_triton.DecodeTiling) -> str:
-    return f"{t.block_n}x{t.block_k}x{t.num_warps}w{t.num_stages}s r{t.max_row_tiles} p{t.min_programs}"
+    rows = f"r{t.max_row_tiles}" if t.row_tile == fp8_triton.ROW_TILE else f"m{t.row_tile}"
+    return f"{t.block_n}x{t.block_k}x{t.num_warps}w{t.num_stages}s {rows} p{t.min_programs}"
 
 
 def table(rows_list: list[int]) -> None:
     print(f"{'shape':22} {'rows':>5} {'bf16':>8} {'fp8 mm':>8} {'quant x':>8} {'quant tr':>8} {'torch path':>10} "
-          f"{'prompt path':>11} {'decode path':>11} {'GB/s bf16':>9} {'GB/s dec':>9}")
+          f"{'prompt path':>11} {'decode path':>11} {'wide path':>9} {'GB/s bf16':>9} {'GB/s dec':>9}")
     for name, (n, k) in SHAPES.items():
         layer = _layer(n, k)
         w = layer.weight.to(torch.bfloat16)
@@ -83,8 +86,10 @@ def table(rows_list: list[int]) -> None:
             t_torch = _time(lambda: layer.matmul_torch(x))
             t_prompt = _time(lambda: layer._prompt_matmul(x))
             t_decode = _time(lambda: fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1)))
+            t_wide = _time(lambda: fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1),
+                                                                fp8_triton.WIDE_TILING))
             print(f"{name:22} {rows:5d} {t_bf16:8.1f} {t_mm:8.1f} {t_quant:8.1f} {t_quant_triton:8.1f} "
-                  f"{t_torch:10.1f} {t_prompt:11.1f} {t_decode:11.1f} {2 * n * k / t_bf16 / 1e3:9.0f} "
+                  f"{t_torch:10.1f} {t_prompt:11.1f} {t_decode:11.1f} {t_wide:9.1f} {2 * n * k / t_bf16 / 1e3:9.0f} "
                   f"{n * k / t_decode / 1e3:9.0f}", flush=True)
 
 

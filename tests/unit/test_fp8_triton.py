@@ -39,18 +39,22 @@ def test_quantize_rows_gives_torchs_scales_and_values(rows, k):
 
 # Small tiles so that the interpreter's few programs still cover several row groups, output tiles and K parts.
 SMALL = fp8_triton.DecodeTiling(block_n=32, block_k=64, num_warps=4, num_stages=2, max_row_tiles=2, min_programs=32)
+# The 64-row kind (one 2-D dot a program: wgmma on Hopper), as small.
+WIDE = fp8_triton.DecodeTiling(block_n=32, block_k=64, num_warps=4, num_stages=2, max_row_tiles=1, min_programs=32,
+                               row_tile=64)
 
 
 def _layer(n: int, k: int, gen: torch.Generator) -> Fp8Linear:
     return Fp8Linear.from_float((torch.randn(n, k, generator=gen) * 0.05).to(DEVICE), None)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 40, 700), (3, 100, 300), (20, 64, 1024), (40, 70, 130)])
-def test_decode_matmul_is_the_fp8_product_in_float32(rows, n, k):
+@pytest.mark.parametrize("tiling", [SMALL, WIDE], ids=["16-row", "64-row"])
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 700), (3, 100, 300), (20, 64, 1024), (70, 70, 130)])
+def test_decode_matmul_is_the_fp8_product_in_float32(rows, n, k, tiling):
     gen = torch.Generator().manual_seed(rows + n + k)
     layer = _layer(n, k, gen)
     x, scale = _exact_rows(rows, k, gen, torch.float32)
-    got = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), SMALL)
+    got = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), tiling)
     assert got.dtype == x.dtype and got.shape == (rows, n)
     xq = (x.double() / scale.double())  # exact e4m3 values by construction
     ref = (xq @ layer.weight.double().t()) * scale.double() * layer.scale.double()
@@ -68,19 +72,19 @@ def test_decode_matmul_rounds_to_the_input_dtype():
 
 
 @pytest.mark.parametrize("tiling", [SMALL, fp8_triton.DecodeTiling(block_n=16, block_k=32, max_row_tiles=1,
-                                                                   min_programs=1)])
+                                                                   min_programs=1), WIDE])
 def test_a_rows_sums_do_not_depend_on_the_batch(tiling):
     """A row's bits are the same alone and in batches of other sizes (other row groups, row tiles a program,
     programs): what keeps greedy decoding independent of the batch (any x; no exactness needed). Rows
-    keep their place in a 16-row tile here: under the interpreter tl.dot is numpy's BLAS, whose sums at
+    keep their place in a row tile here: under the interpreter tl.dot is numpy's BLAS, whose sums at
     a tile's edge rows differ in the last bit; the tensor cores compute every row of a tile alike, which
-    tests/gpu/test_gpu_quant.py checks at any offset."""
+    this test checks at any offset on CUDA (and tests/gpu/test_gpu_quant.py in a model)."""
     gen = torch.Generator().manual_seed(9)
     layer = _layer(70, 300, gen)
-    x = torch.randn(70, 300, generator=gen).to(DEVICE)
+    x = torch.randn(100, 300, generator=gen).to(DEVICE)
     full = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), tiling)
-    offset = 0 if DEVICE == "cpu" else 5
-    for lo, hi in [(0, 1), (16, 17), (64, 70), (0, 17), (32 + offset, 40), (16 + offset, 70)]:
+    offset, tile = (0 if DEVICE == "cpu" else 5), tiling.row_tile
+    for lo, hi in [(0, 1), (tile, tile + 1), (64, 70), (0, 17), (tile + offset, tile + 24), (offset, 100)]:
         part = fp8_triton.fp8_decode_matmul(x[lo:hi], layer.weight, layer.scale.reshape(-1), tiling)
         torch.testing.assert_close(part, full[lo:hi], rtol=0, atol=0)
 

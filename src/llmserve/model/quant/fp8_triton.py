@@ -7,8 +7,9 @@ reads an FP8 weight at only 1.0-1.4 TB/s for a handful of rows. Two kernels repl
 - `quantize_rows`: one launch. A program per row finds its largest |x|, then writes x / scale in
   float8_e4m3fn and the scale (what `_per_token` + clamp + cast compute in torch).
 - `fp8_decode_matmul`: decode rows (a sequence's next token, or that token and its drafts: token_kinds.py),
-  whatever their number, on the tensor cores in 16-row tiles whose K order is fixed: a row's sums do not
-  depend on how many rows share the launch, so greedy outputs do not depend on the batch. It replaces an
+  whatever their number, on the tensor cores in row tiles (16 rows, or 64 for Hopper's wgmma: DecodeTiling)
+  whose K order is fixed: a row's sums do not depend on how many rows share the launch, so greedy outputs
+  do not depend on the batch. It replaces an
   FP8 GEMV (third run, 2026-11-27: one-row steps 1.15x bf16, but a row's sums then depended on the path
   its batch size took, 5 of 8 sequences kept in tests/gpu/test_gpu_quant.py; and it read the weights at
   ~40% of the copy bandwidth, converting and multiplying in float32 on the CUDA cores). Prompt rows keep
@@ -19,7 +20,8 @@ float32 -> float8 conversion goes wrong where a value rounds up into the next po
 CUDA in tests/gpu. The kernels' 448.0 and 1e-12 are linear.FP8_MAX and its smallest scale.
 Measured on an H100 (scripts/gpu/fp8_probe.py; docs/benchmarks.md, "H100, third run"): quantize_rows
 2.1-4.3 us a linear. fp8_decode_matmul has not run on a GPU yet (written 2026-11-28 on CPU, checked
-through the interpreter): docs/gpu.md, "Quantization", has the lease that measures it.
+through the interpreter, compiled for sm_90 by scripts/gpu/sm90_compile.py): docs/gpu.md, "Quantization",
+has the lease that measures it.
 """
 
 from __future__ import annotations
@@ -65,19 +67,29 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class DecodeTiling:
-    """How fp8_decode_matmul tiles a layer: row tiles of 16 (the smallest tensor-core tile), up to
-    `max_row_tiles` of them a program (one weight load for all), BLOCK_N output channels and BLOCK_K of K a
-    step, and K split in `split_k(n, k)` parts so that a layer of few output tiles still fills the device
-    (their partial sums added in a fixed order). Nothing here depends on the number of rows, which is what
-    makes a row's sums the same in any batch: only the number of programs changes with it. Not yet measured
-    on a GPU: scripts/gpu/fp8_probe.py --sweep picks the default."""
+    """How fp8_decode_matmul tiles a layer: rows in tensor-core tiles of `row_tile`, BLOCK_N output channels
+    and BLOCK_K of K a step, and K split in `split_k(n, k)` parts so that a layer of few output tiles still
+    fills the device (their partial sums added in a fixed order). Two kinds of row tile:
+    - 16, the smallest: the operands converted to float16 for `mma.sync` (Triton's code for a 3-D dot, and
+      for a 2-D one under 64 rows on Hopper), up to `max_row_tiles` of them a program (one weight load for
+      all; more rows, more programs, each reading the weight again);
+    - 64: one 2-D dot a program, which Triton gives Hopper's `wgmma` on the e4m3 operands as they are
+      (no conversion; 64 rows of MMA work at one row, hidden if the weight's bytes bound the step).
+    Nothing here depends on the number of rows, which is what makes a row's sums the same in any batch: only
+    the number of programs changes with it. Not yet measured on a GPU: scripts/gpu/fp8_probe.py --sweep
+    ranks tilings of both kinds."""
 
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    max_row_tiles: int = 4  # rows a program: 16 x this; more rows, more programs (each reads the weight again)
+    max_row_tiles: int = 4  # row tiles a program (row_tile 16 only)
     min_programs: int = 264  # split K until the output tiles times the splits reach this (2 per H100 SM)
+    row_tile: int = 16  # 16 (mma.sync) or 64 (wgmma, one tile a program)
+
+    def __post_init__(self) -> None:
+        assert self.row_tile in (16, 64), self.row_tile
+        assert self.row_tile == 16 or self.max_row_tiles == 1, "a 64-row tile is one 2-D dot a program"
 
     def split_k(self, n: int, k: int) -> int:
         """Parts K is split in for an [n, k] weight: a power of two, each part at least two BLOCK_K."""
@@ -88,16 +100,30 @@ class DecodeTiling:
 
 
 DECODE_TILING = DecodeTiling()
-ROW_TILE = 16  # rows of one tensor-core tile (tl.dot's smallest M)
+WIDE_TILING = DecodeTiling(max_row_tiles=1, row_tile=64)  # the wgmma kind, beside the default in fp8_probe
+ROW_TILE = 16  # rows of the smallest tensor-core tile (tl.dot's smallest M)
+
+
+@triton.jit
+def _store_tile(acc, rows, cols, M, N, out_ptr, x_scale_ptr, w_scale_ptr, stride_o, IS_SPLIT: tl.constexpr):
+    """acc (rows x cols, the index tensors broadcast to its shape): at out[part, row, n] in float32 where K
+    is split (program axis 2 the part), for _reduce_parts_kernel; else scaled, in out's dtype."""
+    mask = (rows < M) & (cols < N)
+    if IS_SPLIT:
+        part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(part + rows * N + cols, acc, mask=mask)
+    else:
+        x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
+        w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+        tl.store(out_ptr + rows * stride_o + cols, (acc * x_scale * w_scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _decode_matmul_kernel(xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, K_PART, stride_x, stride_w,
                           stride_o, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           IS_SPLIT: tl.constexpr):
-    """Program (row group, output tile, K part): acc[r, i, n] = sum over its K part of xq[row, k] w[n, k],
-    a 16-row dot at a time. IS_SPLIT: store acc at out[part, row, n] (float32) for _reduce_parts_kernel;
-    else the scaled output."""
+    """Program (row group, output tile, K part), row_tile 16: acc[r, i, n] = sum over its K part of
+    xq[row, k] w[n, k], a 16-row dot at a time."""
     tiles = tl.program_id(0) * ROW_TILES + tl.arange(0, ROW_TILES)  # [R] this program's 16-row tiles
     rows = tiles[:, None] * 16 + tl.arange(0, 16)[None, :]  # [R, 16]
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -111,16 +137,29 @@ def _decode_matmul_kernel(xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N
         w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
                     mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_hi), other=0.0)  # [BK, BN] fp8
         acc = tl.dot(x, tl.broadcast_to(w[None, :, :], [ROW_TILES, BLOCK_K, BLOCK_N]), acc)
-    mask = (rows[:, :, None] < M) & (offs_n[None, None, :] < N)
-    if IS_SPLIT:
-        part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
-        tl.store(part + rows[:, :, None] * N + offs_n[None, None, :], acc, mask=mask)
-    else:
-        x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)  # [R, 16]
-        w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)  # [BN]
-        out = acc * x_scale[:, :, None] * w_scale[None, None, :]
-        tl.store(out_ptr + rows[:, :, None] * stride_o + offs_n[None, None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    _store_tile(acc, rows[:, :, None], offs_n[None, None, :], M, N, out_ptr, x_scale_ptr, w_scale_ptr, stride_o,
+                IS_SPLIT)
+
+
+@triton.jit
+def _decode_matmul_wide_kernel(xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, K_PART, stride_x,
+                               stride_w, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """Program (row tile, output tile, K part), row_tile 64: acc[i, n] = sum over its K part of
+    xq[row, k] w[n, k], one 2-D dot a step."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k_lo = tl.program_id(2) * K_PART
+    k_hi = tl.minimum(k_lo + K_PART, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        x = tl.load(xq_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                    mask=(rows[:, None] < M) & (offs_k[None, :] < k_hi), other=0.0)  # [BM, BK] fp8
+        w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
+                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_hi), other=0.0)  # [BK, BN] fp8
+        acc = tl.dot(x, w, acc)
+    _store_tile(acc, rows[:, None], offs_n[None, :], M, N, out_ptr, x_scale_ptr, w_scale_ptr, stride_o, IS_SPLIT)
 
 
 @triton.jit
@@ -151,13 +190,17 @@ def fp8_decode_matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tens
         return out
     split = tiling.split_k(n, k)
     k_part = triton.cdiv(triton.cdiv(k, split), tiling.block_k) * tiling.block_k
-    row_tiles = min(tiling.max_row_tiles, triton.next_power_of_2(triton.cdiv(rows, ROW_TILE)))
     parts = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(rows, ROW_TILE * row_tiles), triton.cdiv(n, tiling.block_n), split)
-    _decode_matmul_kernel[grid](xq, x_scale, weight, w_scale, parts, rows, n, k, k_part, xq.stride(0),
-                                weight.stride(0), out.stride(0), ROW_TILES=row_tiles, BLOCK_N=tiling.block_n,
-                                BLOCK_K=tiling.block_k, IS_SPLIT=split > 1, num_warps=tiling.num_warps,
-                                num_stages=tiling.num_stages)
+    args = (xq, x_scale, weight, w_scale, parts, rows, n, k, k_part, xq.stride(0), weight.stride(0), out.stride(0))
+    opts = dict(BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, IS_SPLIT=split > 1, num_warps=tiling.num_warps,
+                num_stages=tiling.num_stages)
+    if tiling.row_tile == ROW_TILE:
+        row_tiles = min(tiling.max_row_tiles, triton.next_power_of_2(triton.cdiv(rows, ROW_TILE)))
+        grid = (triton.cdiv(rows, ROW_TILE * row_tiles), triton.cdiv(n, tiling.block_n), split)
+        _decode_matmul_kernel[grid](*args, ROW_TILES=row_tiles, **opts)
+    else:
+        grid = (triton.cdiv(rows, tiling.row_tile), triton.cdiv(n, tiling.block_n), split)
+        _decode_matmul_wide_kernel[grid](*args, BLOCK_M=tiling.row_tile, **opts)
     if split > 1:
         block = 1024
         _reduce_parts_kernel[(triton.cdiv(rows * n, block),)](parts, x_scale, w_scale, out, rows, n, out.stride(0),

@@ -1,0 +1,92 @@
+"""Compile the FP8 Triton kernels for an H100 (sm_90) on a machine without one, and check what the GPU would
+run: the MMA instruction each decode tiling gets, whether its loads are pipelined (cp.async into shared
+memory over `num_stages` buffers), and that its shared memory fits the SM (227 KiB). Triton compiles ahead
+of time with the ptxas its wheel ships; the arguments are specialised as the JIT does on the device
+(pointers and the weight's sizes and strides divisible by 16). Run without TRITON_INTERPRET.
+
+    python scripts/gpu/sm90_compile.py [--sweep]     # the default and wide tilings, or every fp8_probe one
+
+Exits 1 naming the tilings that fail. tests/unit/test_sm90_compile.py runs it on the default tilings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from llmserve.model.quant import fp8_triton
+
+TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 227 * 1024
+POINTERS = {"xq_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+            "out_ptr": "*bf16"}
+SIZES = {"M": "i32", "N": "i32", "K": "i32", "K_PART": "i32", "stride_x": "i32", "stride_w": "i32",
+         "stride_o": "i32"}
+DIVISIBLE = [*POINTERS, "N", "K", "K_PART", "stride_x", "stride_w", "stride_o"]  # M: the batch, any number
+
+
+@dataclass(frozen=True)
+class Compiled:
+    name: str
+    mma: str  # the MMA instruction(s) in the PTX
+    num_async_copies: int  # cp.async instructions: 0 means the loop's loads are not pipelined
+    shared_bytes: int
+
+    @property
+    def problems(self) -> list[str]:
+        found = [] if self.num_async_copies else ["loads not pipelined"]
+        return found + ([f"shared {self.shared_bytes} B > {MAX_SHARED}"] if self.shared_bytes > MAX_SHARED else [])
+
+
+def compile_decode(tiling: fp8_triton.DecodeTiling, row_tiles: int, is_split: bool) -> Compiled:
+    """The decode kernel `fp8_decode_matmul` launches for `tiling` (row_tiles: 16-row tiles a program)."""
+    is_wide = tiling.row_tile != fp8_triton.ROW_TILE
+    fn = fp8_triton._decode_matmul_wide_kernel if is_wide else fp8_triton._decode_matmul_kernel
+    rows = {"BLOCK_M": tiling.row_tile} if is_wide else {"ROW_TILES": row_tiles}
+    constexprs = {**rows, "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k, "IS_SPLIT": is_split}
+    signature = {**POINTERS, **SIZES, **{name: "constexpr" for name in constexprs}}
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=TARGET, options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
+    ptx = kernel.asm["ptx"]
+    mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx)))
+    name = f"{tiling} row_tiles={row_tiles} split={is_split}"
+    return Compiled(name, ",".join(mma), len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared)
+
+
+def check(tilings: list[fp8_triton.DecodeTiling]) -> list[Compiled]:
+    results = []
+    for tiling in tilings:
+        row_tile_counts = sorted({min(tiling.max_row_tiles, r) for r in (1, 2, 4)})
+        for row_tiles in row_tile_counts:
+            for is_split in (False, True):
+                results.append(compile_decode(tiling, row_tiles, is_split))
+                c = results[-1]
+                print(f"{c.name}: {c.mma}, {c.num_async_copies} cp.async, shared {c.shared_bytes} B",
+                      *c.problems, flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="every tiling scripts/gpu/fp8_probe.py --sweep times")
+    args = parser.parse_args()
+    if args.sweep:
+        sys.path.insert(0, "scripts/gpu")
+        from fp8_probe import TILINGS as tilings  # noqa: PLC0415 (needs CUDA only to run, not to import)
+    else:
+        tilings = [fp8_triton.DECODE_TILING, fp8_triton.WIDE_TILING]
+    failed = [c.name for c in check(tilings) if c.problems]
+    print(f"{len(failed)} failed" + "".join(f"\n  {name}" for name in failed))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
