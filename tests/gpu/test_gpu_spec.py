@@ -4,6 +4,7 @@ every draft. Same tolerance policy as test_gpu_engine.py: a difference is allowe
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -79,4 +80,38 @@ def test_ngram_on_a_copying_target_in_bf16_accepts_and_equals_plain(tmp_path):
     counts = SpecCounter(llm)
     assert _tokens(llm, prompts) == want
     assert counts.num_accepted / counts.num_draft_tokens > 0.9
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("head", ["prefix", "map"])
+def test_a_reduced_draft_head_on_cuda_drafts_its_ids_and_keeps_greedy_outputs(target, tmp_path, head):
+    """The target as its own draft with half its head (--draft-vocab-size: the first 256 of 512 ids;
+    --draft-token-map: the upper half, reversed), its later forwards through the draft's graphs: drafts
+    stay among the kept ids, some are rejected (the whole head accepts every one, above), and greedy
+    outputs equal plain decoding's."""
+    if head == "map":
+        token_map = tmp_path / "map.json"
+        token_map.write_text(json.dumps(list(range(511, 255, -1))))
+        extra, kept = {"draft_token_map": str(token_map)}, range(256, 512)
+    else:
+        extra, kept = {"draft_vocab_size": 256}, range(256)
+    prompts = repeating_prompts(8, seed=5)
+    want = _tokens(LLM(target, **ENGINE), prompts)
+    llm = LLM(target, speculative="draft", draft_model=target, num_speculative_tokens=3, speculative_dynamic=False,
+              speculative_queue_drafts=True, **extra, **ENGINE)
+    counts = SpecCounter(llm)
+    proposer = llm.engine.runner.speculator.proposer
+    drafted: list[int] = []
+    original = proposer.propose
+
+    def propose(rows):
+        drafts, probs = original(rows)
+        drafted.extend(t for row in drafts for t in row)
+        return drafts, probs
+
+    proposer.propose = propose
+    assert _tokens(llm, prompts) == want  # the target as its draft: the same sums, no near-tie to allow
+    assert drafted and all(t in kept for t in drafted)
+    assert 0 < counts.num_accepted < counts.num_draft_tokens
+    assert proposer.num_chained > 0
     llm.engine.check_integrity()
