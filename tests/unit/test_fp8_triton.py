@@ -71,6 +71,20 @@ def test_decode_matmul_rounds_to_the_input_dtype():
     torch.testing.assert_close(got.float(), full, rtol=2 ** -7, atol=1e-6)
 
 
+@pytest.mark.parametrize("k", [64, 512])  # K in one part; K split in parts (the reduction writes the slice)
+def test_decode_matmul_writes_into_a_slice_of_a_larger_output(k):
+    gen = torch.Generator().manual_seed(k)
+    layer = _layer(40, k, gen)
+    x = torch.randn(5, k, generator=gen).to(DEVICE)
+    assert (SMALL.split_k(40, k) > 1) == (k == 512)
+    want = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), SMALL)
+    out = torch.full((8, 40), -7.0, device=DEVICE)
+    got = fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), SMALL, out=out[2:7])
+    assert got.data_ptr() == out[2:7].data_ptr()
+    torch.testing.assert_close(out[2:7], want, rtol=0, atol=0)
+    assert (out[:2] == -7).all() and (out[7:] == -7).all()
+
+
 @pytest.mark.parametrize("tiling", [SMALL, fp8_triton.DecodeTiling(block_n=16, block_k=32, max_row_tiles=1,
                                                                    min_programs=1), WIDE])
 def test_a_rows_sums_do_not_depend_on_the_batch(tiling):

@@ -28,9 +28,18 @@ def test_one_token_rows_past_their_prompts_are_decode_tokens():
 def test_a_last_prompt_token_alone_in_its_row_is_a_prompt_token():
     """A prompt's last chunk of one token (a prefix-cache hit, a chunk boundary) stays on the prompt kernel:
     kinds follow positions, never a row's token count, so a token's kernel does not depend on the batch."""
-    kinds = _kinds([7, 11], [5, 12], [1, 1])
-    assert kinds.decode_index.tolist() == [0] and kinds.prompt_index.tolist() == [1]
+    kinds = _kinds([11, 7], [12, 5], [1, 1])
+    assert kinds.decode_index.tolist() == [1] and kinds.prompt_index.tolist() == [0]
     assert _kinds([0, 1, 2], [3], [3]) is ALL_PROMPT
+
+
+def test_decode_tokens_before_the_prompts_are_a_split_not_index_sets():
+    """The scheduler's usual order: running rows (decode, a verification) before new prompts. Then the
+    layers take the step's first D tokens as decode rows, the rest as prompt rows: slices, no gathers."""
+    kinds = _kinds([9, 12, 13, 14, 0, 1, 2], [4, 10, 8], [1, 3, 3])
+    assert kinds.is_mixed and not kinds.is_all_decode
+    assert kinds.num_leading_decode == 4 and kinds.decode_index is None and kinds.prompt_index is None
+    assert _kinds([7, 11], [5, 12], [1, 1]).num_leading_decode == 1
 
 
 def test_a_mixed_step_lists_both_kinds():
@@ -76,6 +85,12 @@ def test_fp8_layer_routes_each_token_to_its_kernel():
     decode_rows = fp8_triton.fp8_decode_matmul(x[[2, 5]], layer.weight, layer.scale.reshape(-1))
     assert torch.equal(mixed[[2, 5]], decode_rows)
     assert torch.equal(mixed[[0, 1, 3, 4]], layer._prompt_matmul(x[[0, 1, 3, 4]]))
+    kinds = token_kinds(np.array([9, 10, 0, 1, 2, 3]), np.array([4, 4, 8]), np.array([1, 1, 4]), device)
+    assert kinds.num_leading_decode == 2  # two decode rows, then a prompt chunk: each kernel writes its slice
+    with layer.step_kinds.using(kinds):
+        mixed = layer._matmul_cuda(x)
+    assert torch.equal(mixed[:2], fp8_triton.fp8_decode_matmul(x[:2], layer.weight, layer.scale.reshape(-1)))
+    assert torch.equal(mixed[2:], layer._prompt_matmul(x[2:]))
 
 
 def test_fp8_model_shares_one_step_kinds_among_its_layers(tmp_path):

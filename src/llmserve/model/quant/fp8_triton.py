@@ -177,15 +177,18 @@ def _reduce_parts_kernel(part_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, stri
 
 
 def fp8_decode_matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-                      tiling: DecodeTiling = DECODE_TILING) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype, Fp8Linear's numerics (x per row to FP8, weight [N, K] float8_e4m3fn
-    with w_scale [N] float32), each row's sums in an order that does not depend on M: decode rows give the
-    same bits alone or in any batch (model/quant/token_kinds.py routes them here)."""
+                      tiling: DecodeTiling = DECODE_TILING, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype (into `out` [M, N], rows of any stride, when given), Fp8Linear's
+    numerics (x per row to FP8, weight [N, K] float8_e4m3fn with w_scale [N] float32), each row's sums in
+    an order that does not depend on M: decode rows give the same bits alone or in any batch
+    (model/quant/token_kinds.py routes them here)."""
     rows, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1
     xq, x_scale = quantize_rows(x)
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (rows, n) and out.dtype == x.dtype and out.stride(1) == 1
     if not rows:
         return out
     split = tiling.split_k(n, k)

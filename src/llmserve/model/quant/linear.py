@@ -161,14 +161,20 @@ class Fp8Linear(nn.Module):
         if not kinds.is_mixed:
             return self._prompt_matmul(x)
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)  # [T, N]
+        if kinds.num_leading_decode:  # decode tokens [0, D), prompt tokens [D, T): each writes its rows
+            num = kinds.num_leading_decode
+            fp8_triton.fp8_decode_matmul(x[:num], self.weight, self.scale.reshape(-1), out=out[:num])
+            self._prompt_matmul(x[num:], out=out[num:])
+            return out
         out[kinds.decode_index] = fp8_triton.fp8_decode_matmul(x[kinds.decode_index], self.weight,
                                                                self.scale.reshape(-1))
         out[kinds.prompt_index] = self._prompt_matmul(x[kinds.prompt_index])
         return out
 
-    def _prompt_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _prompt_matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] -> [T, N] (into `out` [T, N] when given: a slice of the step's output)."""
         from llmserve.model.quant import fp8_triton
 
         xq, x_scale = fp8_triton.quantize_rows(x)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=None,
-                                out_dtype=x.dtype)
+                                out_dtype=x.dtype, out=out)

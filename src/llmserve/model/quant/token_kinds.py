@@ -24,15 +24,19 @@ import torch
 
 @dataclass(frozen=True)
 class TokenKinds:
-    """A forward's tokens [T] by kind: all decode, all prompt, or both (then the two index sets)."""
+    """A forward's tokens [T] by kind: all decode, all prompt, or both. A step with both usually has its
+    decode tokens first (the scheduler puts running rows before new prompts): then tokens [0, D) are
+    decode and [D, T) prompt, and the layers take slices (no gather of the prompt's rows, no scatter of
+    their outputs); in any other order, two index sets."""
 
     is_all_decode: bool
-    decode_index: torch.Tensor | None = None  # [D] int64 token indices, only when both kinds are present
+    num_leading_decode: int = 0  # > 0: a mixed step whose tokens [0, this) are its decode tokens
+    decode_index: torch.Tensor | None = None  # [D] int64 token indices, a mixed step in any other order
     prompt_index: torch.Tensor | None = None  # [P] int64, T = D + P
 
     @property
     def is_mixed(self) -> bool:
-        return self.decode_index is not None
+        return self.num_leading_decode > 0 or self.decode_index is not None
 
 
 ALL_DECODE = TokenKinds(is_all_decode=True)
@@ -50,8 +54,12 @@ def token_kinds(positions: np.ndarray, prompt_lens: np.ndarray, counts: np.ndarr
         return ALL_DECODE
     if not is_decode.any():
         return ALL_PROMPT
-    decode, prompt = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
-    return TokenKinds(False, torch.from_numpy(decode).to(device), torch.from_numpy(prompt).to(device))
+    decode = np.flatnonzero(is_decode)
+    if decode[-1] == len(decode) - 1:  # decode tokens first
+        return TokenKinds(False, num_leading_decode=len(decode))
+    prompt = np.flatnonzero(~is_decode)
+    return TokenKinds(False, decode_index=torch.from_numpy(decode).to(device),
+                      prompt_index=torch.from_numpy(prompt).to(device))
 
 
 class StepKinds:
