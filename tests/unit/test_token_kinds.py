@@ -114,3 +114,25 @@ def test_the_batch_keeps_each_rows_prompt_end_through_growth():
     assert batch.num_prompt[[fresh, resumed]].tolist() == [3, 3]
     kinds = token_kinds(np.array([2, 3, 4]), batch.num_prompt[[fresh, resumed]], np.array([1, 2]), CPU)
     assert kinds.decode_index.tolist() == [1, 2] and kinds.prompt_index.tolist() == [0]
+
+
+def test_an_engines_mixed_steps_have_their_decode_tokens_first(tmp_path, monkeypatch):
+    """What the slices rely on, in the engine's own steps: running rows (decoding, or a prompt chunked over
+    steps) come before new prompts, so a step with both kinds starts with its decode tokens. On CPU the
+    runner is made to compute kinds as it does for an FP8 model on CUDA; 3 rows at most and a 32-token
+    budget make prompts arrive, and get chunked, beside decoding rows."""
+    from llmserve import LLM, SamplingParams
+    from llmserve.worker import model_runner
+
+    path = make_model("llama", "tiny", str(tmp_path / "m"), seed=1)
+    llm = LLM(path, dtype="float32", quantization="fp8", max_num_seqs=3, max_num_batched_tokens=32,
+              max_model_len=128, num_kv_blocks=64)
+    runner = llm.engine.runner
+    runner.step_kinds = runner.model.step_kinds  # what the runner takes on CUDA
+    seen = []
+    monkeypatch.setattr(model_runner, "token_kinds", lambda *args: seen.append(token_kinds(*args)) or seen[-1])
+    prompts = [list(range(5, 5 + n)) for n in (20, 45, 9, 30, 60, 12)]
+    llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    mixed = [kinds for kinds in seen if kinds.is_mixed]
+    assert len(mixed) >= 3 and all(kinds.num_leading_decode > 0 for kinds in mixed)
+    llm.engine.check_integrity()
