@@ -5,10 +5,11 @@ through the two paths it takes on CUDA (prompt tokens: fp8_triton.quantize_rows 
 fp8_triton.fp8_decode_matmul; `wide path` the same kernel's 64-row kind, fp8_triton.WIDE_TILING); each timed
 as a CUDA-graph replay (median, us), the last columns the weight bytes over the bf16 and the decode path's times.
 
-With --sweep, the decode kernel's tilings instead (DecodeTiling: BLOCK_N x BLOCK_K x stages, and the
-programs that K splitting aims for, 16-row tiles a program (r) or one 64-row tile (m64); 4 warps) at 1, 8 and 64 rows over the four shapes: per row
-count the five fastest tilings by the sum of their times, and the one fastest over all (the sum over every
-shape and row count; one tiling for every row count, which is what keeps a row's sums batch-invariant).
+With --sweep, the decode kernel's tilings instead (DecodeTiling: BLOCK_N x BLOCK_K x stages, the programs
+that K splitting aims for, 16-row tiles a program (r) or one 64-row tile (m64); 4 warps) at 1, 8 and 64 rows
+over the four shapes: per row count the five fastest tilings by the sum of their times, and the one fastest
+over all (the sum over every shape and row count; one tiling for every row count, which is what keeps a
+row's sums batch-invariant).
 
     python scripts/gpu/fp8_probe.py [rows,...] [--sweep]
 """
