@@ -61,6 +61,24 @@ def compile_decode(tiling: fp8_triton.DecodeTiling, row_tiles: int, is_split: bo
     return Compiled(name, ",".join(mma), len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared)
 
 
+def compile_helpers() -> list[str]:
+    """The two kernels around the decode matmul: the per-row quantization and the split-K reduction
+    (raises where one does not compile)."""
+    quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "K": "i32", "stride_x": "i32",
+                "stride_q": "i32", "BLOCK_K": "constexpr"}
+    reduce = {"part_ptr": "*fp32", "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
+              "N": "i32", "stride_o": "i32", "SPLIT": "constexpr", "BLOCK": "constexpr"}
+    cases = [(fp8_triton._quantize_rows_kernel, quantize, {"BLOCK_K": 1024})]
+    cases += [(fp8_triton._reduce_parts_kernel, reduce, {"SPLIT": split, "BLOCK": 1024}) for split in (2, 4, 8)]
+    names = []
+    for fn, signature, constexprs in cases:
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                       options={"num_warps": 4})
+        names.append(f"{fn.__name__} {constexprs}")
+        print(f"{names[-1]}: compiled", flush=True)
+    return names
+
+
 def check(tilings: list[fp8_triton.DecodeTiling]) -> list[Compiled]:
     results = []
     for tiling in tilings:
@@ -83,6 +101,7 @@ def main() -> None:
         from fp8_probe import TILINGS as tilings  # noqa: PLC0415 (needs CUDA only to run, not to import)
     else:
         tilings = [fp8_triton.DECODE_TILING, fp8_triton.WIDE_TILING]
+    compile_helpers()
     failed = [c.name for c in check(tilings) if c.problems]
     print(f"{len(failed)} failed" + "".join(f"\n  {name}" for name in failed))
     sys.exit(1 if failed else 0)

@@ -32,3 +32,4 @@ def test_fp8_decode_kernels_compile_for_the_h100_with_pipelined_loads():
     assert all("mma.sync" in line for line in lines if "row_tile=16" in line)
     assert all("wgmma" in line and "e4m3" in line for line in lines if "row_tile=64" in line)
     assert sum("row_tile=" in line for line in lines) == 8  # 1, 2, 4 row tiles and the wide kind, split or not
+    assert sum(line.endswith(": compiled") for line in lines) == 4  # quantize_rows, the reduction at 3 splits
