@@ -7,9 +7,9 @@ as a CUDA-graph replay (median, us), the last columns the weight bytes over the 
 
 With --sweep, the decode kernel's tilings instead (DecodeTiling: BLOCK_N x BLOCK_K x stages, the programs
 that K splitting aims for, 16-row tiles a program (r) or one 64-row tile (m64); 4 warps) at 1, 8 and 64 rows
-over the four shapes: per row count the five fastest tilings by the sum of their times, and the one fastest
-over all (the sum over every shape and row count; one tiling for every row count, which is what keeps a
-row's sums batch-invariant).
+over the four shapes: per row count the five fastest tilings by the sum of their times, and the five fastest
+over all (each row count weighed alike: a tiling's time over the fastest one's at that count, averaged; one
+tiling for every row count, which is what keeps a row's sums batch-invariant).
 
     python scripts/gpu/fp8_probe.py [rows,...] [--sweep]
 """
@@ -28,7 +28,7 @@ from llmserve.model.quant.linear import FP8_DTYPE, FP8_MAX, Fp8Linear, _per_toke
 
 SHAPES = {"qkv 4096->6144": (6144, 4096), "o 4096->4096": (4096, 4096), "gate_up 4096->28672": (28672, 4096),
           "down 14336->4096": (4096, 14336)}
-SWEEP_ROWS = (1, 8, 64)
+SWEEP_ROWS = (1, 8, 64, 256)  # 256: serving at c=256 decodes that many rows a step
 TILINGS = [fp8_triton.DecodeTiling(n, k, 4, st, r, p) for n, k, st, r, p in itertools.product(
     (32, 64, 128), (128, 256), (3, 4), (1, 4), (132, 264)) if n * k <= 16384]  # 40: about 150 compilations
 TILINGS += [fp8_triton.DecodeTiling(n, k, 4, st, 1, p, row_tile=64) for n, k, st, p in itertools.product(
@@ -44,24 +44,26 @@ def _layer(n: int, k: int) -> Fp8Linear:
 
 
 def sweep() -> None:
+    """Row count by row count (each printed when done: a lease that runs out still leaves the first)."""
+    layers = {shape: _layer(n, k) for shape, (n, k) in SHAPES.items()}
+    weight_bytes = sum(n * k for n, k in SHAPES.values())
     times: dict[tuple[fp8_triton.DecodeTiling, int], float] = {}  # (tiling, rows) -> us over the four shapes
-    for n, k in SHAPES.values():
-        layer = _layer(n, k)
-        for rows in SWEEP_ROWS:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    for rows in SWEEP_ROWS:
+        for layer in layers.values():
+            x = torch.randn(rows, layer.in_features, device="cuda", dtype=torch.bfloat16)
             for t in TILINGS:
                 us = _time(lambda: fp8_triton.fp8_decode_matmul(x, layer.weight, layer.scale.reshape(-1), t), rep=20)
                 times[t, rows] = times.get((t, rows), 0.0) + us
-    weight_bytes = sum(n * k for n, k in SHAPES.values())
-    for rows in SWEEP_ROWS:
         best = sorted(TILINGS, key=lambda t: times[t, rows])[:5]
         print(f"rows {rows:3d}: " + "; ".join(f"{_name(t)} {times[t, rows]:.1f} us "
                                               f"{weight_bytes / times[t, rows] / 1e3:.0f} GB/s" for t in best)
-              + f" (default {times.get((fp8_triton.DECODE_TILING, rows), float('nan')):.1f} us)", flush=True)
-    total = {t: sum(times[t, r] for r in SWEEP_ROWS) for t in TILINGS}
-    best = min(total, key=total.get)
-    print(f"fastest over all: {best} total {total[best]:.1f} us (default "
-          f"{total.get(fp8_triton.DECODE_TILING, float('nan')):.1f})")
+              + f" (default {times[fp8_triton.DECODE_TILING, rows]:.1f} us, wide "
+                f"{times[fp8_triton.WIDE_TILING, rows]:.1f} us)", flush=True)
+    fastest = {r: min(times[t, r] for t in TILINGS) for r in SWEEP_ROWS}
+    total = {t: sum(times[t, r] / fastest[r] for r in SWEEP_ROWS) / len(SWEEP_ROWS) for t in TILINGS}
+    for t in sorted(TILINGS, key=total.get)[:5]:
+        print(f"over all: {_name(t)} at {total[t]:.2f}x the fastest a row count on average ({t})")
+    print(f"default {total[fp8_triton.DECODE_TILING]:.2f}x, wide {total[fp8_triton.WIDE_TILING]:.2f}x")
 
 
 def _name(t: fp8_triton.DecodeTiling) -> str:

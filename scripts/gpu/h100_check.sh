@@ -76,8 +76,8 @@ fi
 if want fp8probe; then
     run fp8probe 90 "$PY" scripts/gpu/fp8_probe.py 1,2,4,8,64,256
 fi
-if want fp8sweep; then  # the FP8 decode kernel's tilings (the five fastest at 1, 8, 64 rows, and over all)
-    run fp8sweep 100 "$PY" scripts/gpu/fp8_probe.py --sweep
+if want fp8sweep; then  # the FP8 decode kernel's tilings (the five fastest at 1, 8, 64, 256 rows, and over all)
+    run fp8sweep 300 "$PY" scripts/gpu/fp8_probe.py --sweep
 fi
 wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 
