@@ -1,8 +1,9 @@
-"""Compile the FP8 Triton kernels for an H100 (sm_90) on a machine without one, and check what the GPU would
-run: the MMA instruction each decode tiling gets, whether its loads are pipelined (cp.async into shared
-memory over `num_stages` buffers), and that its shared memory fits the SM (227 KiB). Triton compiles ahead
-of time with the ptxas its wheel ships; the arguments are specialised as the JIT does on the device
-(pointers and the weight's sizes and strides divisible by 16). Run without TRITON_INTERPRET.
+"""Compile the FP8 Triton kernels for an H100 (sm_90) on a machine without one, and check what the GPU would run:
+the MMA instruction each decode tiling gets, whether its loads are pipelined (cp.async into shared memory over
+`num_stages` buffers), that wgmma's FP8 sums are promoted to float32 as K goes, and that its shared memory
+fits the SM (227 KiB). Triton compiles ahead of time with the ptxas its wheel ships; the arguments are
+specialised as the JIT does on the device (pointers and the weight's sizes and strides divisible by 16). Run
+without TRITON_INTERPRET.
 
     python scripts/gpu/sm90_compile.py [--sweep]     # the default and wide tilings, or every fp8_probe one
 
@@ -37,10 +38,12 @@ class Compiled:
     mma: str  # the MMA instruction(s) in the PTX
     num_async_copies: int  # cp.async instructions: 0 means the loop's loads are not pipelined
     shared_bytes: int
+    is_promoted: bool  # wgmma's FP8 sums added into float32 registers as K goes (else ~14 bits kept)
 
     @property
     def problems(self) -> list[str]:
         found = [] if self.num_async_copies else ["loads not pipelined"]
+        found += [] if self.is_promoted or "wgmma" not in self.mma else ["FP8 sums not promoted to float32"]
         return found + ([f"shared {self.shared_bytes} B > {MAX_SHARED}"] if self.shared_bytes > MAX_SHARED else [])
 
 
@@ -58,7 +61,9 @@ def compile_decode(tiling: fp8_triton.DecodeTiling, row_tiles: int, is_split: bo
     ptx = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx)))
     name = f"{tiling} row_tiles={row_tiles} split={is_split}"
-    return Compiled(name, ",".join(mma), len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared)
+    is_promoted = "maxNumImpreciseAcc = 1073741824" not in kernel.asm["ttgir"]  # Triton's sm_90 default: never
+    return Compiled(name, ",".join(mma), len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared,
+                    is_promoted)
 
 
 def compile_helpers() -> list[str]:

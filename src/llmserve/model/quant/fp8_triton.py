@@ -158,7 +158,9 @@ def _decode_matmul_wide_kernel(xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr,
                     mask=(rows[:, None] < M) & (offs_k[None, :] < k_hi), other=0.0)  # [BM, BK] fp8
         w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
                     mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_hi), other=0.0)  # [BK, BN] fp8
-        acc = tl.dot(x, w, acc)
+        # Hopper's FP8 wgmma keeps only ~14 bits when it accumulates: added into `acc` in float32 after
+        # every 32 of K (Triton's default on sm_90 never does), as _scaled_mm does without fast accumulation.
+        acc = tl.dot(x, w, acc, max_num_imprecise_acc=32)
     _store_tile(acc, rows[:, None], offs_n[None, :], M, N, out_ptr, x_scale_ptr, w_scale_ptr, stride_o, IS_SPLIT)
 
 
