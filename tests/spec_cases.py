@@ -1,6 +1,6 @@
 """What the speculative-decoding tests share, on CPU (tests/unit) and CUDA (tests/gpu): the random target
-checkpoint, a draft derived from it, and prompts that n-gram lookup finds matches in. A test module
-imports the fixtures by name (pytest finds fixtures among a module's globals)."""
+checkpoint, a draft derived from it, prompts that n-gram lookup finds matches in, and a recorder of proposals.
+A test module imports the fixtures by name (pytest finds fixtures among a module's globals)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,17 @@ def repeating_prompts(num: int, seed: int) -> list[list[int]]:
         span = [rng.randrange(3, 500) for _ in range(rng.randint(3, 20))]
         prompts.append(span * 3 if i % 2 == 0 else span + [rng.randrange(3, 500) for _ in range(30)])
     return prompts
+
+
+def record_proposals(llm) -> list[tuple[list[list[int]], list]]:
+    """Every proposal the engine's proposer returns from now on: (drafts per row, q per row)."""
+    proposer, calls = llm.engine.runner.speculator.proposer, []
+    original = proposer.propose
+
+    def propose(rows):
+        drafts, probs = original(rows)
+        calls.append((drafts, probs))
+        return drafts, probs
+
+    proposer.propose = propose
+    return calls

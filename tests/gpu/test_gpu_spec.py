@@ -14,7 +14,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.bench.spec import SpecCounter
 
 from greedy_check import check_greedy_against_hf
-from spec_cases import draft, repeating_prompts, target  # noqa: F401 (fixtures)
+from spec_cases import draft, record_proposals, repeating_prompts, target  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -100,17 +100,9 @@ def test_a_reduced_draft_head_on_cuda_drafts_its_ids_and_keeps_greedy_outputs(ta
     llm = LLM(target, speculative="draft", draft_model=target, num_speculative_tokens=3, speculative_dynamic=False,
               speculative_queue_drafts=True, **extra, **ENGINE)
     counts = SpecCounter(llm)
-    proposer = llm.engine.runner.speculator.proposer
-    drafted: list[int] = []
-    original = proposer.propose
-
-    def propose(rows):
-        drafts, probs = original(rows)
-        drafted.extend(t for row in drafts for t in row)
-        return drafts, probs
-
-    proposer.propose = propose
+    proposer, calls = llm.engine.runner.speculator.proposer, record_proposals(llm)
     assert _tokens(llm, prompts) == want  # the target as its draft: the same sums, no near-tie to allow
+    drafted = [t for drafts, _ in calls for row in drafts for t in row]
     assert drafted and all(t in kept for t in drafted)
     assert 0 < counts.num_accepted < counts.num_draft_tokens
     assert proposer.num_chained > 0

@@ -11,7 +11,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.bench.spec import SpecCounter
 
 from greedy_check import check_greedy_against_hf
-from spec_cases import draft, repeating_prompts, target  # noqa: F401 (fixtures)
+from spec_cases import draft, record_proposals, repeating_prompts, target  # noqa: F401 (fixtures)
 
 
 def _spec_llm(target: str, draft: str, kind: str, **kwargs) -> LLM:
@@ -73,25 +73,12 @@ def test_target_as_its_own_draft_accepts_everything(target, plain):
     _assert_all_free(llm)
 
 
-def _record_proposals(llm: LLM) -> list[tuple[list[list[int]], list]]:
-    proposer, calls = llm.engine.runner.speculator.proposer, []
-    original = proposer.propose
-
-    def propose(rows):
-        drafts, probs = original(rows)
-        calls.append((drafts, probs))
-        return drafts, probs
-
-    proposer.propose = propose
-    return calls
-
-
 def test_a_reduced_draft_vocabulary_drafts_only_its_ids_and_keeps_outputs_exact(target, plain):
     """--draft-vocab-size 256: the target as its own draft with its head cut to the first 256 of 512 ids.
     It drafts only among those (sampled drafts' q is zero elsewhere), so where the target's token lies
     past them the draft is rejected; greedy outputs stay plain decoding's."""
     llm = _spec_llm(target, target, "draft", num_kv_blocks=200, draft_vocab_size=256)
-    counts, calls = SpecCounter(llm), _record_proposals(llm)
+    counts, calls = SpecCounter(llm), record_proposals(llm)
     prompts = repeating_prompts(6, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     got = _tokens(llm, prompts, greedy)
@@ -111,7 +98,7 @@ def test_a_draft_token_map_drafts_only_its_ids(target, plain, tmp_path):
     token_map = tmp_path / "map.json"
     token_map.write_text(json.dumps(list(range(511, 255, -1))))
     llm = _spec_llm(target, target, "draft", num_kv_blocks=200, draft_token_map=str(token_map))
-    counts, calls = SpecCounter(llm), _record_proposals(llm)
+    counts, calls = SpecCounter(llm), record_proposals(llm)
     prompts = repeating_prompts(6, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     assert _tokens(llm, prompts, greedy) == _tokens(plain, prompts, greedy)
