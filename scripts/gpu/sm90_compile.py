@@ -66,7 +66,7 @@ def compile_decode(tiling: fp8_triton.DecodeTiling, row_tiles: int, is_split: bo
                     is_promoted)
 
 
-def compile_helpers() -> list[str]:
+def compile_helpers() -> None:
     """The two kernels around the decode matmul: the per-row quantization and the split-K reduction
     (raises where one does not compile)."""
     quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "K": "i32", "stride_x": "i32",
@@ -75,13 +75,10 @@ def compile_helpers() -> list[str]:
               "N": "i32", "stride_o": "i32", "SPLIT": "constexpr", "BLOCK": "constexpr"}
     cases = [(fp8_triton._quantize_rows_kernel, quantize, {"BLOCK_K": 1024})]
     cases += [(fp8_triton._reduce_parts_kernel, reduce, {"SPLIT": split, "BLOCK": 1024}) for split in (2, 4, 8)]
-    names = []
     for fn, signature, constexprs in cases:
         triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
                        options={"num_warps": 4})
-        names.append(f"{fn.__name__} {constexprs}")
-        print(f"{names[-1]}: compiled", flush=True)
-    return names
+        print(f"{fn.__name__} {constexprs}: compiled", flush=True)
 
 
 def check(tilings: list[fp8_triton.DecodeTiling]) -> list[Compiled]:

@@ -7,9 +7,9 @@ step at k = 4), and smollm2-135m's two layers are 8M weights beside its 28M head
 map for its drafts. Here the draft keeps the first N token ids, which BPE and SentencePiece vocabularies
 give their most frequent tokens (merge order), or the first N of a token map (`--draft-token-map`: ids
 ranked by frequency on text like the served one, as FR-Spec ranks them); its logits for every other id
-are -inf, so it never proposes them. Speculation stays exact: a draft distribution q that is zero outside the head is still a
-distribution, the rejection sampler's min(1, p/q) and its residual max(0, p - q) are unchanged, and a greedy
-draft outside the head is simply never made. What it costs is acceptance where the target's token is
+are -inf, so it never proposes them. Speculation stays exact: a draft distribution q that is zero outside
+the head is still a distribution, the rejection sampler's min(1, p/q) and its residual max(0, p - q) are
+unchanged, and a greedy draft outside the head is simply never made. What it costs is acceptance where the target's token is
 outside the head.
 """
 
@@ -89,8 +89,9 @@ class DraftHead:
     def _panels(head: torch.nn.Module) -> torch.Tensor:
         panels = head.packed_weight  # [P, H, 16], or oneDNN's own layout (2-D), which cannot be sliced
         if panels.dim() != 3:
-            raise ValueError("--draft-vocab-size/--draft-token-map: this CPU packs the draft's own lm_head for oneDNN, which "
-                             "cannot keep only some of its rows; use a draft with tied embeddings, or none")
+            raise ValueError("--draft-vocab-size/--draft-token-map: this CPU packs the draft's own lm_head for "
+                             "oneDNN, which cannot keep only some of its rows; use a draft with tied embeddings, "
+                             "or none")
         return panels
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

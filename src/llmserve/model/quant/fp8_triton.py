@@ -190,7 +190,8 @@ def fp8_decode_matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tens
     xq, x_scale = quantize_rows(x)
     if out is None:
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    assert out.shape == (rows, n) and out.dtype == x.dtype and out.stride(1) == 1
+    else:
+        assert out.shape == (rows, n) and out.dtype == x.dtype and out.stride(1) == 1
     if not rows:
         return out
     split = tiling.split_k(n, k)
