@@ -27,8 +27,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 
 from llmserve.server.testing import ServerProcess, metric_value
 
-EXAMPLES_PER_ROUTE = 40
-VALID_EXAMPLES_PER_ROUTE = 100
+EXAMPLES_PER_ROUTE = 30
+VALID_EXAMPLES_PER_ROUTE = 60
 DEMO_ARGS = ["--max-model-len", "128", "--num-kv-blocks", "256", "--max-num-seqs", "16"]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

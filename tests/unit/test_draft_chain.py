@@ -59,8 +59,8 @@ def _record_both_paths(proposer) -> list[tuple[list[list[int]], list[list[int]]]
 def test_chained_drafts_are_the_host_paths(target, draft):
     llm = _chained_llm(target, draft)
     calls = _record_both_paths(llm.engine.runner.speculator.proposer)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    llm.generate(repeating_prompts(4, seed=5), params)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(repeating_prompts(3, seed=5), params)
     assert calls and llm.engine.runner.speculator.proposer.num_chained >= len(calls)
     assert {len(row) for host, _ in calls for row in host} == {K}
     pairs = [(h, c) for host, chained in calls for hr, cr in zip(host, chained) for h, c in zip(hr, cr)]
@@ -80,8 +80,8 @@ def test_a_reduced_draft_head_chains_as_the_host_path_drafts(target, draft):
 
 
 def test_greedy_speculation_through_the_chain_equals_plain(target, draft):
-    prompts = repeating_prompts(4, seed=7)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = repeating_prompts(3, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     plain = LLM(target, enforce_eager=True, **ENGINE)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = _chained_llm(target, draft)
@@ -100,7 +100,7 @@ def test_sampled_rows_take_the_host_path(target, draft):
 def test_verification_steps_through_graph_buffers_equal_plain(target, draft):
     """Rows of 1 + K queries (token and drafts) run padded through the verification buffers; mixed steps eagerly."""
     prompts = repeating_prompts(3, seed=11)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(target, enforce_eager=True, **ENGINE).generate(prompts, params)]
     llm = _chained_llm(target, draft)
     runner = llm.engine.runner
@@ -141,8 +141,8 @@ def _record_early_and_chained(proposer) -> list[tuple[list[list[int]], list[list
 
 
 def test_queued_drafts_are_the_chains_and_greedy_speculation_equals_plain(target, draft):
-    prompts = repeating_prompts(4, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = repeating_prompts(3, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(target, enforce_eager=True, **ENGINE).generate(prompts, params)]
     llm = _chained_llm(target, draft, after_verify=True)
     proposer = llm.engine.runner.speculator.proposer
