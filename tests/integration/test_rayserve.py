@@ -2,17 +2,18 @@
 CPU replicas behind the ingress answer the OpenAI client and TGI; the prefix-aware request router keeps a
 prefix on one replica (prefix-cache hit rate against a round-robin baseline, read from each replica's
 metrics); a replica killed under load is replaced by Ray without losing a request that had not started
-answering; autoscaling adds a replica under queued load and removes it when idle. No sleeps: every wait
-polls a condition (Ray's serve.status() included) with a deadline."""
+answering; autoscaling adds a replica under queued load (held in the engines at a step boundary, so that
+the new replica starts on idle CPUs) and removes it when idle. No sleeps: every wait polls a condition (Ray's
+serve.status() included) with a deadline."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import socket
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -26,7 +27,7 @@ from llmserve.rayserve.app import REPLICA_DEPLOYMENT, build_application  # noqa:
 from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args  # noqa: E402
 from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.router.testing import sample_value, shared_tiny_model  # noqa: E402
-from llmserve.server.testing import wait_until  # noqa: E402
+from llmserve.server.testing import EngineGates, StepGateClient, wait_until  # noqa: E402
 
 APP = "llmserve"
 MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4
@@ -37,6 +38,10 @@ FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "200
          "--min-replicas", str(MIN_REPLICAS), "--max-replicas", str(MAX_REPLICAS),
          "--target-ongoing-requests", str(TARGET_ONGOING), "--upscale-delay-s", "1", "--downscale-delay-s", "3",
          "--look-back-period-s", "11", "--prefix-chars", "200")
+
+# Replicas and handles report their ongoing requests to Ray's autoscaler every second instead of every 10.
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
 
 
 def free_port() -> int:
@@ -53,7 +58,15 @@ def ray_dir():
 
 
 @pytest.fixture(scope="module")
-def url(ray_dir, tmp_path_factory):
+def gates():
+    """Every replica's engine gets a step gate (free-running until a test holds it)."""
+    gates = EngineGates()
+    yield gates
+    gates.close()
+
+
+@pytest.fixture(scope="module")
+def url(ray_dir, gates, tmp_path_factory):
     model = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
     port = free_port()
     parser = argparse.ArgumentParser()
@@ -62,7 +75,7 @@ def url(ray_dir, tmp_path_factory):
     # The replicas' temporary files (engine sockets) go to Ray's folder, removed at the end even when a
     # test killed the replica that made them.
     ray.init(num_cpus=4, _temp_dir=ray_dir, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TMPDIR": ray_dir}})
+             runtime_env={"env_vars": {"TMPDIR": ray_dir, **gates.env, **FAST_METRICS}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_application(deployment), name=APP)
@@ -216,23 +229,22 @@ def test_killed_replica_is_replaced_and_unstarted_requests_survive(url):
     assert victim not in new_ids and len(new_ids & ids) == 1
 
 
-def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(url):
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(url, gates):
     wait_until(settled(MIN_REPLICAS), 120, "two running replicas")
-    stop = threading.Event()
-
-    def keep_busy(i: int) -> None:  # not streamed: the load is the engines', not the streams' hops
-        body = {"model": "tiny", "prompt": f"busy {i}", "max_tokens": 256, "ignore_eos": True}
-        while not stop.is_set():
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
-
-    with ThreadPoolExecutor(16) as pool:  # 16 open requests: twice the target of 2 replicas x 4
-        try:
-            busy = [pool.submit(keep_busy, i) for i in range(16)]
-            # The generous deadline is for a loaded machine: the new replica imports torch and starts an engine
-            # while 16 requests keep the CPUs busy.
-            wait_until(lambda: num_running() == MAX_REPLICAS, 240, "a third replica under load")
-        finally:
-            stop.set()
-        for future in busy:
-            future.result()
+    # The engines that were there when the test began (a killed replica's engine is gone with it).
+    addrs = wait_until(lambda: len(live := gates.live()) == MIN_REPLICAS and live, 60,
+                       "one live engine gate per replica")
+    with ThreadPoolExecutor(16) as pool, contextlib.ExitStack() as stack:  # the gates released first
+        engines = [stack.enter_context(StepGateClient(60, addr)) for addr in addrs]
+        for gate in engines:
+            stack.enter_context(gate.held())  # released on the way out, even when the wait fails
+        added = [gate.status()["added"] for gate in engines]
+        # 16 requests held in the two engines: twice the target of 2 replicas x 4, and the CPUs stay idle
+        # for the new replica to import torch and start its engine.
+        responses = [pool.submit(httpx.post, f"{url}/v1/completions", timeout=300, json={
+            "model": "tiny", "prompt": f"busy {i}", "max_tokens": 8, "ignore_eos": True}) for i in range(16)]
+        wait_until(lambda: sum(g.status()["added"] - a for g, a in zip(engines, added)) == 16, 60,
+                   "the 16 requests in the engines")
+        wait_until(lambda: num_running() == MAX_REPLICAS, 240, "a third replica under load")
+    assert [r.result().status_code for r in responses] == [200] * 16
     wait_until(settled(MIN_REPLICAS), 60, "the extra replica removed after idle")

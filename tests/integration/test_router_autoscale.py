@@ -1,29 +1,38 @@
-"""`llmserve route --autoscale`: one local replica at first, a second under a burst, back to one after."""
+"""`llmserve route --autoscale`: one local replica at first, a second under a queue (held in the first one's
+engine at a step boundary, so that the second starts on idle CPUs and takes the next request), back to one
+after."""
 
 from __future__ import annotations
 
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from llmserve.router.testing import RouterProcess, sample_value, shared_tiny_model
-from llmserve.server.testing import is_alive, wait_until
+from llmserve.server.testing import EngineGates, StepGateClient, is_alive, wait_until
 
 REPLICA_ARGS = "--max-model-len 512 --num-kv-blocks 200 --max-num-seqs 2 --log-level warning"
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
+def gates():
+    """Every replica's engine gets a step gate (free-running until the test holds it)."""
+    gates = EngineGates()
+    yield gates
+    gates.close()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory, gates):
     """The router, and after the module: every replica it launched has exited."""
     model_dir = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
     args = ["--autoscale", "--min-replicas", "1", "--max-replicas", "2", "--replica-model", model_dir,
             "--replica-pool", "tiny", "--replica-args", REPLICA_ARGS, "--target-waiting-per-replica", "1",
             "--scale-up-window-s", "1", "--scale-down-idle-s", "2", "--scale-cooldown-s", "1",
             "--health-interval-s", "0.3", "--scrape-interval-s", "0.3"]
-    router = RouterProcess(args).start()
+    router = RouterProcess(args, env=gates.env).start()  # the replicas it launches inherit the gates
     try:
         yield router
     finally:
@@ -41,27 +50,28 @@ def launched_pids(router) -> list[int]:
     return [int(m) for m in re.findall(r"launched replica \S+ \(pid (\d+)", router.log())]
 
 
-def hammer(url: str, stop: threading.Event, served: set) -> None:
-    body = {"model": "tiny", "prompt": "burst", "max_tokens": 32, "ignore_eos": True}
-    while not stop.is_set():
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        served.add(r.headers["x-llmserve-backend"])
+def complete(url: str, prompt: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
 
 
-def test_scales_up_under_a_burst_and_down_after(router):
+def test_scales_up_under_a_queue_and_down_after(router, gates):
     wait_until(lambda: num_healthy(router) == 1, 120, "the first replica")
-    stop, served = threading.Event(), set()
-    with ThreadPoolExecutor(6) as pool:
-        workers = [pool.submit(hammer, router.url, stop, served) for _ in range(6)]
-        try:
-            wait_until(lambda: num_healthy(router) == 2 and len(served) == 2, 120, "a second replica taking traffic")
-        finally:
-            stop.set()
-        for w in workers:
-            w.result()
+    [addr] = gates.live()
+    with ThreadPoolExecutor(6) as pool, StepGateClient(60, addr) as first:
+        with first.held():  # released on the way out, even when a wait fails
+            added = first.status()["added"]
+            queued = [pool.submit(complete, router.url, f"queued {i}") for i in range(6)]
+            first.wait_for("added", added + 6)
+            first.run_steps(1)  # two running (--max-num-seqs 2), four waiting: what its metrics now say
+            wait_until(lambda: num_healthy(router) == 2, 120, "a second replica")
+            second = complete(router.url, "next").headers["x-llmserve-backend"]  # the first one is held
+        served_first = {f.result().headers["x-llmserve-backend"] for f in queued}
+    assert len(served_first) == 1 and second not in served_first
     metrics = router.metrics()
-    assert sample_value(metrics, "llmserve_router:scale_events_total", action="up") >= 2  # min, then the burst
+    assert sample_value(metrics, "llmserve_router:scale_events_total", action="up") >= 2  # min, then the queue
     wait_until(lambda: sample_value(router.metrics(), "llmserve_router:replicas") == 1, 60, "the scale-down")
     wait_until(lambda: router.metrics().count("llmserve_router:backend_healthy{") == 1, 30, "the drained replica")
     metrics = router.metrics()

@@ -1,8 +1,12 @@
 """The engine's test-only step gate, without a process: what the loop may do after each control request."""
 
+import os
 import threading
 
-from llmserve.engine.step_gate import StepGate
+import zmq
+
+from llmserve.engine.step_gate import GATE_ENV, StepGate, gate_from_env
+from llmserve.server.testing import EngineGates, StepGateClient
 
 
 def make_gate() -> tuple[StepGate, list[int]]:
@@ -50,3 +54,20 @@ def test_counts_and_unknown_commands():
     gate.on_aborted(1)
     assert gate.handle({"cmd": "status"})["added"] == 2 and gate.handle({"cmd": "status"})["aborted"] == 1
     assert "error" in gate.handle({"cmd": "nope"})
+
+
+def test_a_pid_address_gives_each_engine_process_its_own_socket(monkeypatch):
+    """EngineGates' environment names one socket per engine process; `live()` finds this one's."""
+    gates = EngineGates()
+    ctx = zmq.Context()
+    try:
+        monkeypatch.setenv(GATE_ENV, gates.env[GATE_ENV])
+        gate = gate_from_env(ctx, lambda: None)
+        assert gate is not None
+        [addr] = gates.live()
+        assert addr.endswith(f"/gate-{os.getpid()}")
+        with StepGateClient(5, addr) as client:
+            assert client.status()["state"] == "idle"
+    finally:
+        ctx.term()
+        gates.close()

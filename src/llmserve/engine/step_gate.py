@@ -12,6 +12,9 @@ address (`llmserve.server.testing.StepGateClient` is the other end):
   {"cmd": "status"}             the counters below
   {"cmd": "wait", "timeout": T} the counters, once the engine stopped stepping (held with work, or idle)
 
+An address with `{pid}` in it gets the engine process's pid there, so that one environment gates several
+engines, each on its own socket (the replicas of a Ray Serve deployment: `llmserve.server.testing.EngineGates`).
+
 Counters: `steps` run, `state` ("running" | "held" | "idle"), requests `added` and `aborted` (as the
 engine received them). While held the loop still takes inputs (adds, aborts, utility calls); aborted
 requests report their end in the next step, so a test lets one step run after an abort.
@@ -127,6 +130,7 @@ def gate_from_env(ctx: zmq.Context, wake: Callable[[], None]) -> StepGate | None
     addr = os.environ.get(GATE_ENV)
     if not addr:
         return None
+    addr = addr.replace("{pid}", str(os.getpid()))
     logger.warning("step gate on at %s (%s is for tests only)", addr, GATE_ENV)
     gate = StepGate(wake)
     gate.serve(ctx, addr)

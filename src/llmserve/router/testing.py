@@ -20,8 +20,8 @@ class RouterProcess(ChildServer):
     port_re = _PORT_RE
     ready_path = "/v1/models"
 
-    def __init__(self, args: list[str], startup_timeout: float = 60.0) -> None:
-        super().__init__(args, startup_timeout=startup_timeout)
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout: float = 60.0) -> None:
+        super().__init__(args, env, startup_timeout)
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=10).text

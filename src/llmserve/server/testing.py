@@ -58,9 +58,11 @@ class StepGateClient:
     """Holds a server's engine at step boundaries. Start the server with `env=gate.env`, then:
     `gate.hold()`, `gate.run_steps(n)` (exactly n steps, then held), `gate.release()`, `gate.status()`."""
 
-    def __init__(self, timeout: float = 30.0) -> None:
-        self._dir = tempfile.mkdtemp(prefix="llmserve-gate-")  # the socket file, removed on exit (even
-        self.addr = f"ipc://{self._dir}/gate"                    # when a test kills the engine that bound it)
+    def __init__(self, timeout: float = 30.0, addr: str | None = None) -> None:
+        """addr: an engine's gate that is already there (`EngineGates.live`); else a new one of its own."""
+        # The socket file's folder, removed on exit (even when a test kills the engine that bound it).
+        self._dir = tempfile.mkdtemp(prefix="llmserve-gate-") if addr is None else None
+        self.addr = addr or f"ipc://{self._dir}/gate"
         self.timeout = timeout
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -127,6 +129,24 @@ class StepGateClient:
     def __exit__(self, *exc) -> None:
         self.close()
         self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class EngineGates:
+    """Step gates for every engine process started with `env` (several engines under one environment:
+    the replicas of a Ray Serve deployment), each on a socket named by its pid. `live()`: the addresses of
+    the engine processes still running, for `StepGateClient(addr=...)`. `close()` removes the folder."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="llmserve-gates-")
+        self.env = {GATE_ENV: f"ipc://{self._dir}/gate-{{pid}}"}
+
+    def live(self) -> list[str]:
+        pids = sorted(int(name.removeprefix("gate-")) for name in os.listdir(self._dir) if name.startswith("gate-"))
+        return [f"ipc://{self._dir}/gate-{pid}" for pid in pids if is_alive(pid)]
+
+    def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
