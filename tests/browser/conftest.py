@@ -9,11 +9,28 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from llmserve.server.testing import ServerProcess, start_tiny_server
+
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+
+
+@pytest.fixture(scope="session")
+def api_key() -> str:
+    return "browser-secret"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory, api_key: str) -> Iterator[ServerProcess]:
+    """A server that wants `api_key`, shared by the browser modules (the playground's key prompt, the dashboard)."""
+    server = start_tiny_server(str(tmp_path_factory.mktemp("keyed-model")), "--served-model-name", "tiny",
+                               "--api-key", api_key)
+    yield server
+    assert server.stop() == 0
 
 
 def chromium_path() -> str | None:

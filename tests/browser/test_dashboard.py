@@ -8,18 +8,13 @@ import httpx
 import pytest
 from streaming_load import StreamingLoad
 
-from llmserve.server.testing import start_tiny_server
 
-KEY = "dashboard-secret"
 TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", "tiny",
-                               "--api-key", KEY)
-    yield server
-    assert server.stop() == 0
+def server(keyed_server):
+    return keyed_server
 
 
 def wait_for(page, js: str):
@@ -43,12 +38,12 @@ def test_page_and_state_are_open_like_metrics_while_the_api_needs_the_key(server
     assert state["kind"] == "server" and state["model"] == "tiny" and state["kv_cache"]["blocks"] == 512
 
 
-def test_dashboard_follows_a_streaming_load(server, page, artifacts_dir):
+def test_dashboard_follows_a_streaming_load(server, api_key, page, artifacts_dir):
     requested: list[str] = []
     page.on("request", lambda request: requested.append(request.url))
     page.goto(f"{server.url}/dashboard")
     wait_for(page, "document.querySelector('#status').dataset.state === 'live'")
-    with StreamingLoad(server.url, "tiny", num_streams=4, api_key=KEY) as load:
+    with StreamingLoad(server.url, "tiny", num_streams=4, api_key=api_key) as load:
         assert wait_for(page, f"{tile_value('running')} > 0")
         assert wait_for(page, f"{chart_attr('tokens', 'max')} > 0")
         assert wait_for(page, f"{chart_attr('requests', 'max')} > 0")
@@ -60,14 +55,14 @@ def test_dashboard_follows_a_streaming_load(server, page, artifacts_dir):
     assert requested and all(url.startswith(server.url + "/") for url in requested), requested
 
 
-def test_the_page_asks_for_the_key_when_the_state_answers_401(server, page):
+def test_the_page_asks_for_the_key_when_the_state_answers_401(server, api_key, page):
     """The state is open (like /metrics); a proxy that closes it is played here by intercepting the fetch."""
     seen: list[str | None] = []
 
     def guard(route):
         authorization = route.request.headers.get("authorization")
         seen.append(authorization)
-        if authorization == f"Bearer {KEY}":
+        if authorization == f"Bearer {api_key}":
             route.continue_()
         else:
             route.fulfill(status=401, body="{}", content_type="application/json")
@@ -75,8 +70,8 @@ def test_the_page_asks_for_the_key_when_the_state_answers_401(server, page):
     page.route("**/dashboard/state", guard)
     page.goto(f"{server.url}/dashboard")
     page.locator("#key-form").wait_for(state="visible", timeout=TIMEOUT_MS)
-    page.fill("#key-input", KEY)
+    page.fill("#key-input", api_key)
     page.click("#key-form button")
     wait_for(page, "document.querySelector('#status').dataset.state === 'live'")
     assert page.locator("#key-form").is_hidden()
-    assert seen[0] is None and f"Bearer {KEY}" in seen
+    assert seen[0] is None and f"Bearer {api_key}" in seen

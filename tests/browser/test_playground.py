@@ -13,7 +13,6 @@ from playwright.sync_api import Page, expect
 
 from llmserve.server.testing import start_tiny_server, wait_until
 
-API_KEY = "playground-secret"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "size"],
           "properties": {"colour": {"enum": ["red", "green", "blue"]},
                          "size": {"type": "integer", "minimum": 1, "maximum": 9}}}
@@ -23,13 +22,6 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour"
 def server(tmp_path_factory, gate):
     server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", "tiny",
                                "--max-model-len", "2048", env=gate.env)
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory):
-    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--api-key", API_KEY)
     yield server
     assert server.stop() == 0
 
@@ -195,7 +187,7 @@ def test_schema_refused_by_the_server_shows_its_message(server, page):
     expect(answer.locator(".stats")).to_contain_text("finish: error")
 
 
-def test_api_key_prompt(keyed_server, page, artifacts_dir):
+def test_api_key_prompt(keyed_server, api_key, page, artifacts_dir):
     url = keyed_server.url
     assert httpx.get(url + "/").status_code == 200  # the page itself loads without the key
     assert httpx.post(url + "/", json={"inputs": "x"}).status_code == 401  # TGI's POST / still needs it
@@ -206,7 +198,7 @@ def test_api_key_prompt(keyed_server, page, artifacts_dir):
     page.fill("#api-key", "wrong")
     page.click("#key-form button[type=submit]")
     expect(prompt).to_be_visible()  # asked again
-    page.fill("#api-key", API_KEY)
+    page.fill("#api-key", api_key)
     page.click("#key-form button[type=submit]")
     expect(page.locator("body")).to_have_attribute("data-ready", "true")
     expect(prompt).to_be_hidden()

@@ -7,16 +7,8 @@ import json
 import pytest
 
 from llmserve.bench.serve import main
-from llmserve.server.testing import start_tiny_server
 
-MAX_MODEL_LEN = 512  # the small engine settings of start_tiny_server
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", "tiny")
-    yield server
-    server.stop()
+MAX_MODEL_LEN = 2048  # the shared server's (conftest.py)
 
 
 def _bench(tmp_path, *argv):

@@ -9,17 +9,9 @@ import pytest
 from huggingface_hub import InferenceClient
 
 from llmserve.server.protocol import IGNORED_FIELDS
-from llmserve.server.testing import start_tiny_server
 
 NAME = "tiny"
-MAX_MODEL_LEN = 512  # testing.SMALL_ENGINE_ARGS
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", NAME)
-    yield server
-    assert server.stop() == 0
+MAX_MODEL_LEN = 2048  # the shared server's (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,9 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from llmserve.server.testing import start_tiny_server
 
 GREEDY = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", "tiny")
-    yield server
-    assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import jsonschema
 import openai
 import pytest
 
-from llmserve.server.testing import start_tiny_server
 
 WEATHER_PARAMS = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 10},
@@ -31,14 +30,6 @@ PARAMS = {"get_weather": WEATHER_PARAMS, "lookup": LOOKUP_PARAMS}
 MESSAGES = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}]
 BASE = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=400, temperature=0.0)
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", "tiny",
-                               "--max-model-len", "2048")  # the tools fill the system turn
-    yield server
-    assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")

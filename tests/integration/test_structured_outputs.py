@@ -16,20 +16,11 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from llmserve.server.testing import start_tiny_server
 
 MAX_TOKENS = 1200  # room for JSON with bounded whitespace; the context is 2048
 SEED = 1234
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 1.0, "seed": SEED}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_tiny_server(str(tmp_path_factory.mktemp("model")), "--served-model-name", "tiny",
-                               "--max-model-len", "2048")
-    yield server
-    assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
