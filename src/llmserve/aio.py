@@ -1,11 +1,13 @@
-"""Running an asyncio service: logging set-up and uvloop when it is installed."""
+"""Running an asyncio service: logging set-up and uvloop when it is installed; ending its process."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -25,3 +27,14 @@ def run_service(main: Coroutine[Any, Any, int], log_level: str, logger: logging.
         except (RuntimeError, TimeoutError, ValueError) as e:
             logger.error("%s", e)
             return 1
+
+
+def end_process(code: int) -> NoReturn:
+    """End a service's process once `run_service` returned (its engine and children stopped): flush the logs
+    and the standard streams, then skip the interpreter's teardown, as the engine core process does. With
+    torch and transformers imported (the tokenizer brings them) that teardown's collections walk the whole
+    heap again and again: 1.6-1.8 s of every `llmserve serve` stop on the tiny model, for nothing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -33,6 +33,7 @@ def add_route_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def route_command(args: argparse.Namespace) -> int:
+    from llmserve.aio import end_process
     from llmserve.router.loading import setup_from_args
     from llmserve.router.server import run
 
@@ -41,7 +42,7 @@ def route_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"llmserve route: {e}", file=sys.stderr)
         return 2
-    return run(setup)
+    end_process(run(setup))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ def serve_command(args: argparse.Namespace) -> int:
     """Check every value before starting anything: a bad one is an argparse-style error, exit code 2."""
     import sys
 
+    from llmserve.aio import end_process
     from llmserve.server.launcher import run
 
     try:
@@ -38,7 +39,7 @@ def serve_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"llmserve serve: error: {e} (see llmserve serve --help)", file=sys.stderr)
         return 2
-    return run(engine_config, server_config)
+    end_process(run(engine_config, server_config))
 
 
 def main(argv: list[str] | None = None) -> int:
