@@ -9,7 +9,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from llmserve.server.testing import StepGateClient
+    from llmserve.server.testing import EngineGates, StepGateClient
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
@@ -56,3 +56,14 @@ def gate() -> Iterator["StepGateClient"]:
     with StepGateClient() as step_gate:
         yield step_gate
 
+
+
+@pytest.fixture(scope="module")
+def engine_gates() -> Iterator["EngineGates"]:
+    """Step gates for every engine started with `engine_gates.env` (several engines under one environment:
+    Ray Serve's or the router's replicas), each on its own socket; free-running until a test holds one."""
+    from llmserve.server.testing import EngineGates  # noqa: F811
+
+    gates = EngineGates()
+    yield gates
+    gates.close()

@@ -27,7 +27,7 @@ from llmserve.rayserve.app import REPLICA_DEPLOYMENT, build_application  # noqa:
 from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args  # noqa: E402
 from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.router.testing import sample_value, shared_tiny_model  # noqa: E402
-from llmserve.server.testing import EngineGates, StepGateClient, wait_until  # noqa: E402
+from llmserve.server.testing import StepGateClient, wait_until  # noqa: E402
 
 APP = "llmserve"
 MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4
@@ -58,24 +58,17 @@ def ray_dir():
 
 
 @pytest.fixture(scope="module")
-def gates():
-    """Every replica's engine gets a step gate (free-running until a test holds it)."""
-    gates = EngineGates()
-    yield gates
-    gates.close()
-
-
-@pytest.fixture(scope="module")
-def url(ray_dir, gates, tmp_path_factory):
+def url(ray_dir, engine_gates, tmp_path_factory):
     model = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
     port = free_port()
     parser = argparse.ArgumentParser()
     add_serve_ray_args(parser)
     deployment = deployment_from_args(parser.parse_args(["--model", model, *FLAGS, "--port", str(port)]))
     # The replicas' temporary files (engine sockets) go to Ray's folder, removed at the end even when a
-    # test killed the replica that made them.
+    # test killed the replica that made them. Every replica's engine gets a step gate (free-running until a
+    # test holds it), and Ray's autoscaling metrics come every second.
     ray.init(num_cpus=4, _temp_dir=ray_dir, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TMPDIR": ray_dir, **gates.env, **FAST_METRICS}})
+             runtime_env={"env_vars": {"TMPDIR": ray_dir, **engine_gates.env, **FAST_METRICS}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_application(deployment), name=APP)
@@ -229,10 +222,10 @@ def test_killed_replica_is_replaced_and_unstarted_requests_survive(url):
     assert victim not in new_ids and len(new_ids & ids) == 1
 
 
-def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(url, gates):
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(url, engine_gates):
     wait_until(settled(MIN_REPLICAS), 120, "two running replicas")
     # The engines that were there when the test began (a killed replica's engine is gone with it).
-    addrs = wait_until(lambda: len(live := gates.live()) == MIN_REPLICAS and live, 60,
+    addrs = wait_until(lambda: len(live := engine_gates.live()) == MIN_REPLICAS and live, 60,
                        "one live engine gate per replica")
     with ThreadPoolExecutor(16) as pool, contextlib.ExitStack() as stack:  # the gates released first
         engines = [stack.enter_context(StepGateClient(60, addr)) for addr in addrs]

@@ -11,28 +11,20 @@ import httpx
 import pytest
 
 from llmserve.router.testing import RouterProcess, sample_value, shared_tiny_model
-from llmserve.server.testing import EngineGates, StepGateClient, is_alive, wait_until
+from llmserve.server.testing import StepGateClient, is_alive, wait_until
 
 REPLICA_ARGS = "--max-model-len 512 --num-kv-blocks 200 --max-num-seqs 2 --log-level warning"
 
 
 @pytest.fixture(scope="module")
-def gates():
-    """Every replica's engine gets a step gate (free-running until the test holds it)."""
-    gates = EngineGates()
-    yield gates
-    gates.close()
-
-
-@pytest.fixture(scope="module")
-def router(tmp_path_factory, gates):
+def router(tmp_path_factory, engine_gates):
     """The router, and after the module: every replica it launched has exited."""
     model_dir = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
     args = ["--autoscale", "--min-replicas", "1", "--max-replicas", "2", "--replica-model", model_dir,
             "--replica-pool", "tiny", "--replica-args", REPLICA_ARGS, "--target-waiting-per-replica", "1",
             "--scale-up-window-s", "1", "--scale-down-idle-s", "2", "--scale-cooldown-s", "1",
             "--health-interval-s", "0.3", "--scrape-interval-s", "0.3"]
-    router = RouterProcess(args, env=gates.env).start()  # the replicas it launches inherit the gates
+    router = RouterProcess(args, env=engine_gates.env).start()  # the replicas it launches inherit the gates
     try:
         yield router
     finally:
@@ -57,9 +49,9 @@ def complete(url: str, prompt: str) -> httpx.Response:
     return r
 
 
-def test_scales_up_under_a_queue_and_down_after(router, gates):
+def test_scales_up_under_a_queue_and_down_after(router, engine_gates):
     wait_until(lambda: num_healthy(router) == 1, 120, "the first replica")
-    [addr] = gates.live()
+    [addr] = engine_gates.live()
     with ThreadPoolExecutor(6) as pool, StepGateClient(60, addr) as first:
         with first.held():  # released on the way out, even when a wait fails
             added = first.status()["added"]
