@@ -9,8 +9,8 @@ give their most frequent tokens (merge order), or the first N of a token map (`-
 ranked by frequency on text like the served one, as FR-Spec ranks them); its logits for every other id
 are -inf, so it never proposes them. Speculation stays exact: a draft distribution q that is zero outside
 the head is still a distribution, the rejection sampler's min(1, p/q) and its residual max(0, p - q) are
-unchanged, and a greedy draft outside the head is simply never made. What it costs is acceptance where the target's token is
-outside the head.
+unchanged, and a greedy draft outside the head is simply never made. What it costs is acceptance where the
+target's token is outside the head.
 """
 
 from __future__ import annotations
