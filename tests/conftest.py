@@ -67,3 +67,20 @@ def engine_gates() -> Iterator["EngineGates"]:
     gates = EngineGates()
     yield gates
     gates.close()
+
+
+@pytest.fixture(scope="module", params=["panels", "onednn"])
+def cpu_linear_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The module's tests once under each float32 linear path of the CPU (LLMSERVE_CPU_LINEAR, docs/cpu.md):
+    our AVX2 panels (what AVX2-only CPUs take) and oneDNN's packed weights (what AVX-512 CPUs take), whichever
+    kind of machine runs the suite; engine processes started meanwhile inherit it."""
+    from llmserve.model import cpu_isa, cpu_kernels, linear
+
+    if request.param == "panels" and not cpu_kernels.has_avx2_kernels():
+        pytest.skip("the AVX2 CPU kernels are not built here")
+    if request.param == "onednn" and not linear._has_packing():
+        pytest.skip("torch without oneDNN weight packing")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_isa.LINEAR_ENV, request.param)
+        yield request.param
+

@@ -21,6 +21,16 @@ def test_static_batches(tiny):
     assert result.output_throughput == pytest.approx(9 / result.elapsed_s)
 
 
+def test_auto_runs_the_engines_dtype(tiny):
+    """A comparison runs one dtype on both sides: auto is the engine's choice (bf16 on AVX512-BF16/AMX CPUs)."""
+    from llmserve.model.loader import resolve_dtype
+
+    result = run_hf_baseline(tiny, [([5, 6], 2)], batch_size=1, device="cpu", is_warmup=False)
+    assert result.dtype == str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    result = run_hf_baseline(tiny, [([5, 6], 2)], batch_size=1, device="cpu", dtype="float32", is_warmup=False)
+    assert result.dtype == "float32"
+
+
 def test_bad_input(tiny):
     with pytest.raises(ValueError, match="batch_size"):
         run_hf_baseline(tiny, [([1], 1)], batch_size=0)

@@ -65,7 +65,7 @@ def test_quantized_target_in_every_configuration(tmp_path):
 
     path = make_model("llama", "tiny", str(tmp_path / "m"), seed=2)
     cfg = SpecBenchConfig(model=path, configs="none,oracle=1.0", concurrency="2", prompt_len=32, output_len=12,
-                          draft_layers=1, speculative_dynamic=False, quantization="int8")
+                          draft_layers=1, speculative_dynamic=False, quantization="int8", dtype="float32")
     drafts = _make_drafts(cfg, path, ["oracle=1.0"], str(tmp_path))
     engines: dict = {}
     engines["none"] = _build(cfg, path, "none", drafts, {}, engines)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_isa, cpu_kernels
 from llmserve.model.quant.linear import Int8Linear
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="CPU kernels without AVX2")
@@ -86,7 +86,7 @@ def test_bad_arguments_are_refused():
 
 
 def _set_cpu(monkeypatch, flags: set[str], cap: str | None) -> None:
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     if cap is None:
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_isa, cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.linear import Linear
 
@@ -66,7 +66,8 @@ def test_bad_arguments_are_refused():
 
 @needs_panels
 def test_linear_layers_are_packed_into_panels_without_avx512(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.delenv(cpu_isa.LINEAR_ENV, raising=False)  # auto: the CPU's kind decides
     assert cpu_kernels.packs_linears()
     layer = Linear(384, 520).requires_grad_(False)
     w, b = layer.weight.clone(), layer.bias.clone()
@@ -78,7 +79,8 @@ def test_linear_layers_are_packed_into_panels_without_avx512(monkeypatch):
 
 @pytest.mark.skipif(not linear_mod._has_packing(), reason="torch without oneDNN weight packing")
 def test_with_avx512_layers_are_packed_for_onednn(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.delenv(cpu_isa.LINEAR_ENV, raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     assert not cpu_kernels.packs_linears()

@@ -79,8 +79,8 @@ def test_only_large_float32_cpu_weights_without_grad_are_packed():
     assert all(layer.packed_weight is None and layer.weight is not None for layer in (small, bf16, trained))
 
 
-@needs_packing
-def test_a_loaded_cpu_model_is_packed_and_generates_what_the_unpacked_one_does(tmp_path, monkeypatch):
+def test_a_loaded_cpu_model_is_packed_and_generates_what_the_unpacked_one_does(tmp_path, monkeypatch,
+                                                                               cpu_linear_path):
     from llmserve import LLM, SamplingParams
     from llmserve.model.maker import make_model
 
@@ -88,15 +88,16 @@ def test_a_loaded_cpu_model_is_packed_and_generates_what_the_unpacked_one_does(t
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 8], list(range(10, 50))]
     packed = LLM(path, dtype="float32", num_kv_blocks=1024)
-    assert any(m.packed_weight is not None for m in packed.engine.runner.model.modules() if isinstance(m, Linear))
+    layouts = {m.packed_weight.dim() for m in packed.engine.runner.model.modules()
+               if isinstance(m, Linear) and m.packed_weight is not None}
+    assert layouts == {3 if cpu_linear_path == "panels" else 2}  # our panels [P, in, 16], or oneDNN's [out, in]
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
     monkeypatch.setattr(Linear, "pack", lambda self: False)
     want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", num_kv_blocks=1024).generate(prompts, params)]
     assert got == want
 
 
-@needs_onednn
-def test_a_tied_lm_head_gets_a_packed_copy_with_the_same_logits_and_weight_counts():
+def test_a_tied_lm_head_gets_a_packed_copy_with_the_same_logits_and_weight_counts(cpu_linear_path):
     """The embedding lookup keeps the plain table; the logits go through a packed copy, which the weight
     counts (threads, roofline bytes) do not count twice."""
     from dataclasses import replace
@@ -112,6 +113,25 @@ def test_a_tied_lm_head_gets_a_packed_copy_with_the_same_logits_and_weight_count
     want = model.compute_logits(hidden)
     counts = (num_matmul_params(model), weight_bytes_read(model))
     assert linear_mod.pack_linears(model) > 0 and model.tied_head_packed is not None
+    assert model.tied_head_packed.dim() == (3 if cpu_linear_path == "panels" else 2)
     torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
     assert (num_matmul_params(model), weight_bytes_read(model)) == counts
     assert model.model.embed_tokens.weight is not None  # the lookup's table stays
+
+
+def test_the_linear_path_switch_is_read_and_checked(monkeypatch):
+    """LLMSERVE_CPU_LINEAR forces either path; an unknown value is refused, never ignored."""
+    from llmserve.model import cpu_isa, cpu_kernels
+
+    monkeypatch.setenv(cpu_isa.LINEAR_ENV, "onednn")
+    assert not cpu_kernels.packs_linears()
+    monkeypatch.setenv(cpu_isa.LINEAR_ENV, "panels")
+    if cpu_kernels.has_avx2_kernels():
+        assert cpu_kernels.packs_linears()
+    else:
+        with pytest.raises(ValueError, match="LLMSERVE_CPU_LINEAR=panels needs the AVX2 CPU kernels"):
+            cpu_kernels.packs_linears()
+    monkeypatch.setenv(cpu_isa.LINEAR_ENV, "fast")
+    with pytest.raises(ValueError, match="LLMSERVE_CPU_LINEAR='fast': choose one of auto, panels, onednn"):
+        cpu_kernels.packs_linears()
+

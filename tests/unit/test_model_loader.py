@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from llmserve.model import loader
+from llmserve.model import cpu_isa, loader
 from llmserve.model.demo import demo_model_path
 from llmserve.model.loader import (ModelInfo, load_generation_defaults, load_model, load_model_info,
                                    load_tokenizer, resolve_dtype, resolve_model_path)
@@ -33,11 +33,22 @@ def test_resolve_dtype():
         resolve_dtype("fp8", "cpu")
 
 
-def test_resolve_dtype_auto_on_cpu_follows_bf16_flags(monkeypatch):
-    monkeypatch.setattr(loader, "_has_cpu_flag", lambda *flags: False)
-    assert resolve_dtype("auto", "cpu") == torch.float32
-    monkeypatch.setattr(loader, "_has_cpu_flag", lambda *flags: "amx_bf16" in flags)
-    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+@pytest.mark.parametrize("flags,cap,dtype", [
+    ({"avx2"}, None, torch.float32),  # bf16 would run ~100x slower than f32 here
+    ({"avx512f", "avx512_bf16"}, None, torch.bfloat16),
+    ({"avx512f", "amx_bf16"}, None, torch.bfloat16),
+    ({"avx512f", "amx_bf16"}, "AVX2", torch.float32),  # oneDNN held to AVX2: no bf16 dot products
+    ({"avx512f", "avx512_bf16"}, "AVX512_CORE", torch.float32),
+    ({"avx512f", "avx512_bf16"}, "avx512_core_bf16", torch.bfloat16),
+])
+def test_resolve_dtype_auto_on_cpu_follows_bf16_flags_and_onednns_cap(monkeypatch, flags, cap, dtype):
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert resolve_dtype("auto", "cpu") == dtype
 
 
 def test_local_dir_resolves_as_is_and_missing_dir_is_an_error(tiny_path, tmp_path):

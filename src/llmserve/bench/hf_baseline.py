@@ -26,6 +26,7 @@ class HFBaselineResult:
     request_throughput: float  # requests / s
     output_throughput: float  # num_output_tokens / s
     total_token_throughput: float  # (num_prompt_tokens + num_output_tokens) / s
+    dtype: str  # the model's, e.g. float32
 
 
 def run_hf_baseline(model: str, requests: Sequence[tuple[list[int], int]], batch_size: int = 8,
@@ -43,7 +44,8 @@ def run_hf_baseline(model: str, requests: Sequence[tuple[list[int], int]], batch
     start = time.perf_counter()
     num_generated = sum(_generate(hf_model, batch, pad_id, device_) for batch in batches)
     _sync(torch, device_)
-    return _result(requests, len(batches), batch_size, time.perf_counter() - start, num_generated)
+    return _result(requests, len(batches), batch_size, time.perf_counter() - start, num_generated,
+                   str(hf_model.dtype).removeprefix("torch."))
 
 
 def _validate(requests: Sequence[tuple[list[int], int]], batch_size: int) -> None:
@@ -61,8 +63,10 @@ def _load(model: str, device: str, dtype: str):
     import transformers
 
     device_ = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device_.startswith("cuda") else torch.float32
+    if dtype == "auto":  # the engine's own choice, so both sides of a comparison run one dtype
+        from llmserve.model.loader import resolve_dtype
+
+        torch_dtype = resolve_dtype("auto", device_)
     elif dtype in _DTYPES:
         torch_dtype = getattr(torch, _DTYPES[dtype])
     else:
@@ -103,12 +107,12 @@ def _sync(torch, device: str) -> None:
 
 
 def _result(requests: Sequence[tuple[list[int], int]], num_batches: int, batch_size: int, elapsed_s: float,
-            num_generated: int) -> HFBaselineResult:
+            num_generated: int, dtype: str) -> HFBaselineResult:
     num_prompt = sum(len(p) for p, _ in requests)
     num_output = sum(n for _, n in requests)
     return HFBaselineResult(
         num_requests=len(requests), num_batches=num_batches, batch_size=batch_size, elapsed_s=elapsed_s,
         num_prompt_tokens=num_prompt, num_output_tokens=num_output, num_generated_tokens=num_generated,
         request_throughput=len(requests) / elapsed_s, output_throughput=num_output / elapsed_s,
-        total_token_throughput=(num_prompt + num_output) / elapsed_s,
+        total_token_throughput=(num_prompt + num_output) / elapsed_s, dtype=dtype,
     )

@@ -176,7 +176,7 @@ def _print(results: dict) -> None:
               f"run on rank 0")
     if "hf" in results:
         hf = results["hf"]
-        print(f"hf generate (static batches): {hf['output_throughput']:.1f} tok/s; "
+        print(f"hf generate (static batches, {hf['dtype']}): {hf['output_throughput']:.1f} tok/s; "
               f"ratio llmserve/hf = {e['output_tok_s'] / hf['output_throughput']:.2f}x")
 
 

@@ -40,7 +40,8 @@ class SpecBenchConfig:
     shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made target"})
     copying: bool = field(default=False, metadata={"help": "make the target with copying weights (make-model "
                           "--copying): it continues repeated spans, so n-gram lookup finds drafts it accepts"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (the engine's: bfloat16 on CUDA and on CPUs with "
+                                                   "AMX or AVX512-BF16, else float32) | float32 | bfloat16"})
     quantization: str | None = field(default=None, metadata={"help": "the target's weights: int8 | fp8 (every "
                                      "configuration's target, plain decoding's too; drafts stay in --dtype)",
                                      "choices": ["int8", "fp8"]})
@@ -104,11 +105,14 @@ def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> d
 
 
 def _dtype(cfg: SpecBenchConfig) -> str:
+    """--dtype, auto resolved by the engine's rule (model/loader.resolve_dtype) on the device it will take."""
     if cfg.dtype != "auto":
         return cfg.dtype
     import torch
 
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    from llmserve.model.loader import resolve_dtype
+
+    return str(resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
 
 
 def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str], scratch: str) -> dict[str, str]:
@@ -222,7 +226,8 @@ def _run(cfg: SpecBenchConfig, scratch: str) -> dict:
             measured[level][0].update(times)
             measured[level][1].update(counts)
         _free(engines)
-    results = {"config": asdict(cfg), "levels": {}}
+    results = {"config": asdict(cfg), "dtype": _dtype(cfg), "levels": {}}
+    print(f"target and drafts in {results['dtype']}")
     for level in levels:
         results["levels"][str(level)] = _rows(names, *measured[level])
         _print_level(level, results["levels"][str(level)])

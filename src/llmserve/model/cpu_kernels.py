@@ -17,8 +17,8 @@ The same build holds the fused elementwise ops of a float32 decoder layer (csrc/
 
 And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `has_avx2_kernels`): a weight packed
 once into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
-instead of oneDNN on CPUs without AVX-512 (`packs_linears`). Likewise int8 linear layers
-(csrc/int8_linear_avx2.cpp): on CPUs where oneDNN has no VNNI its s8 GEMM is inexact, and
+instead of oneDNN on CPUs without AVX-512 (`packs_linears`; LLMSERVE_CPU_LINEAR forces either: model/cpu_isa.py).
+Likewise int8 linear layers (csrc/int8_linear_avx2.cpp): on CPUs where oneDNN has no VNNI its s8 GEMM is inexact, and
 model/quant/linear.py's Int8Linear runs this exact one instead (`packs_int8`).
 """
 
@@ -37,6 +37,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from llmserve.model import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 MAX_QUERY_LEN = 16  # decode-like rows: up to this many query tokens over a cached prefix
@@ -49,22 +51,10 @@ _NAME = "llmserve_cpu_kernels"
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def _compile_flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]
-    if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in _cpu_flags() else [])
+    if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_isa.cpu_flags():
+        flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in cpu_isa.cpu_flags() else [])
     return flags
 
 
@@ -262,11 +252,20 @@ def has_avx2_kernels() -> bool:
 
 def packs_linears() -> bool:
     """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: on CPUs
-    without AVX-512. There oneDNN runs AVX2 code, which our kernel beats at every row count (smollm2-135m's
-    linears, AMD EPYC held to AVX2: 1.5x at 16 rows, 1.2x at 64, 1.0-1.05x at 256-512); with AVX-512,
-    oneDNN's 512-bit kernels are ~10% faster at prefill sizes (512 rows) on a Zen 4, ours 1.25-1.4x at
-    1-16 rows (docs/benchmarks.md, issue 19)."""
-    return not _onednn_has_avx512() and has_avx2_kernels()
+    without AVX-512 (or held below it). There oneDNN runs AVX2 code, which our kernel beats at every row count
+    (smollm2-135m's linears, AMD EPYC held to AVX2: 1.5x at 16 rows, 1.2x at 64, 1.0-1.05x at 256-512); with
+    AVX-512, oneDNN's 512-bit kernels are ~10% faster at prefill sizes (512 rows) on a Zen 4, ours 1.25-1.4x
+    at 1-16 rows (docs/benchmarks.md, issue 19). LLMSERVE_CPU_LINEAR=panels|onednn forces either
+    (`cpu_isa.linear_path`); panels without the AVX2 build is a ValueError, not a silent fallback."""
+    path = cpu_isa.linear_path()
+    if path == "onednn":
+        return False
+    if path == "panels":
+        if not has_avx2_kernels():
+            raise ValueError(f"{cpu_isa.LINEAR_ENV}=panels needs the AVX2 CPU kernels, which this machine "
+                             "did not build or load (see the log's 'CPU kernels' line)")
+        return True
+    return not cpu_isa.onednn_has_avx512() and has_avx2_kernels()
 
 
 def packs_int8() -> bool:
@@ -274,28 +273,7 @@ def packs_int8() -> bool:
     CPUs where oneDNN has no VNNI. There its s8 GEMM multiplies with vpmaddubsw, whose int16 pair sums
     saturate (held to AVX2 on an AMD EPYC: off by up to 55,195 on a [7, 300] x [300, 64] product, wrong
     logits); ours widens to int16 and is exact (docs/benchmarks.md, issue 20)."""
-    return not _onednn_has_vnni() and has_avx2_kernels()
-
-
-def _onednn_isa_cap() -> str:
-    """oneDNN's ISA ceiling from ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), upper case; ALL when unset."""
-    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-
-
-def _onednn_has_vnni() -> bool:
-    """The CPU has VNNI (AVX-512 or AVX) and oneDNN may use it (ONEDNN_MAX_CPU_ISA may cap it below)."""
-    cap, flags = _onednn_isa_cap(), _cpu_flags()
-    if cap.startswith("AVX2_VNNI"):
-        return "avx_vnni" in flags
-    is_vnni_cap = cap.startswith(("ALL", "DEFAULT", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
-                                  "AVX512_CORE_AMX", "AVX10", "AMX"))
-    return is_vnni_cap and bool({"avx512_vnni", "avx_vnni"} & flags)
-
-
-def _onednn_has_avx512() -> bool:
-    """The CPU has AVX-512 and oneDNN may use it (ONEDNN_MAX_CPU_ISA, e.g. AVX2, caps it below)."""
-    cap = _onednn_isa_cap()
-    return "avx512f" in _cpu_flags() and cap.startswith(("ALL", "DEFAULT", "AVX512", "AVX10", "AMX"))
+    return not cpu_isa.onednn_has_vnni() and has_avx2_kernels()
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,9 @@ up (the embedding lookup reads it): the model keeps a packed copy beside it (`Ca
 +113 MB for smollm2-135m), which took its 16-row logits from 13.9 to 9.5 ms and its 64-row ones from 32.8
 to 18.5 ms (2 threads, AMD EPYC with AVX-512).
 
-On CPUs without AVX-512, where the CPU kernels are built with AVX2 + FMA (`cpu_kernels.packs_linears`),
-weights are packed for our own kernel instead (csrc/linear_avx2.cpp: 16-column panels streamed with
+On CPUs without AVX-512, where the CPU kernels are built with AVX2 + FMA (`cpu_kernels.packs_linears`;
+LLMSERVE_CPU_LINEAR=panels|onednn forces either path on any machine: docs/cpu.md), weights are packed for our
+own kernel instead (csrc/linear_avx2.cpp: 16-column panels streamed with
 prefetches): oneDNN's AVX2 code waits for weights coming from DRAM at decode sizes, where ours overlaps
 their stream with the FMAs (smollm2-135m's 16-row decode step on an AMD EPYC held to AVX2: 76.9 -> 50.2 ms;
 docs/benchmarks.md, issue 19), and its outputs do not depend on the batch. With AVX-512, oneDNN's kernels
@@ -152,9 +153,12 @@ class Linear(nn.Linear):
         return True
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, pack_head: bool = True) -> int:
     """Pack every float32 CPU `Linear` of a loaded model (`packed`), and a tied lm_head (the model's
-    `pack_tied_lm_head`); returns how many weights were packed."""
-    num_packed = sum(module.pack() for module in model.modules() if isinstance(module, Linear))
-    pack_head = getattr(model, "pack_tied_lm_head", None)
-    return num_packed + bool(pack_head is not None and pack_head())
+    `pack_tied_lm_head`); pack_head=False leaves the lm_head (tied or not) plain. Returns how many
+    weights were packed."""
+    head = getattr(model, "lm_head", None)
+    layers = [m for m in model.modules() if isinstance(m, Linear) and (pack_head or m is not head)]
+    num_packed = sum(module.pack() for module in layers)
+    pack_tied = getattr(model, "pack_tied_lm_head", None)
+    return num_packed + bool(pack_head and pack_tied is not None and pack_tied())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
 from llmserve.model.parallel import TensorParallel, shard_of
 from llmserve.model.registry import architecture_of, get_model_class
@@ -50,24 +51,16 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
                          f"(not a local directory, and the hub failed: {type(e).__name__}: {e})") from e
 
 
-def _has_cpu_flag(*flags: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            words = set(f.read().split())
-    except OSError:
-        return False
-    return any(flag in words for flag in flags)
-
-
 def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA, bfloat16 on a CPU with AMX/AVX512-BF16, else float32."""
+    """'auto' -> bfloat16 on CUDA, bfloat16 on a CPU whose bf16 dot products oneDNN may use (AMX or
+    AVX512-BF16, not capped below by ONEDNN_MAX_CPU_ISA: `cpu_isa.has_fast_bf16`), else float32."""
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     if dtype != "auto":
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if _has_cpu_flag("amx_bf16", "avx512_bf16") else torch.float32
+    return torch.bfloat16 if cpu_isa.has_fast_bf16() else torch.float32
 
 
 def load_hf_config(path: str):
@@ -105,12 +98,13 @@ def iter_safetensors(path: str, shard_of: ShardOf | None = None) -> Iterator[tup
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
                max_model_len: int | None = None, tp: TensorParallel | None = None,
-               quantization: str | None = None):
+               quantization: str | None = None, pack_head: bool = True):
     """Build the config's architecture on `device` in `dtype` and load its safetensors weights
     (with tensor parallelism, this rank's slices of them).
 
     An FP8 checkpoint is dequantized as it streams in; `quantization` (int8 | fp8 | None, see
-    resolve_quantization) then swaps the Linear layers for quantized ones (model/quant)."""
+    resolve_quantization) then swaps the Linear layers for quantized ones (model/quant). pack_head=False
+    keeps the lm_head's weight plain (a draft whose reduced head takes some of its rows: spec/draft_head)."""
     from llmserve.model import quant
     from llmserve.model.quant.checkpoint import weight_block_size
 
@@ -127,7 +121,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     if quantization is not None:
         quant.quantize_model(model, quantization)
     model = model.eval().requires_grad_(False)
-    pack_linears(model)  # float32 on CPU: weights laid out once for oneDNN (model/linear.py)
+    pack_linears(model, pack_head)  # float32 on CPU: weights laid out once (model/linear.py)
     return model
 
 

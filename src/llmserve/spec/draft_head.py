@@ -58,41 +58,20 @@ class DraftHead:
             return
         head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
         assert getattr(head, "bias", None) is None, "Llama-family heads have no bias"
+        assert head.weight is not None, "a reduced head reads the plain lm_head: load the draft with pack_head=False"
         if token_map is None or is_prefix:
-            self._keep_prefix(head, num_kept)
+            self._set_rows(head.weight[:num_kept])  # a view
         else:
-            self.ids = torch.tensor(token_map, dtype=torch.int64, device=next(model.parameters()).device)
-            self._keep_ids(head)
-
-    def _keep_prefix(self, head: torch.nn.Module, num: int) -> None:
-        """The head's first `num` rows: sliced from its weight, or from the panels a float32 CPU model
-        packed its lm_head into at load (16 rows a panel: model/linear.py); packed when it can be (on the
-        CPU 5-12x F.linear's speed: docs/benchmarks.md)."""
-        if head.weight is not None:
-            self._set_rows(head.weight[:num])
-            return
-        self.weight, self.is_packed = self._panels(head)[:-(-num // 16)], True
-
-    def _keep_ids(self, head: torch.nn.Module) -> None:
-        """The head's rows of the kept ids (a copy), from its weight or its panels."""
-        if head.weight is not None:
-            self._set_rows(head.weight[self.ids])
-            return
-        self._set_rows(self._panels(head)[self.ids // 16, :, self.ids % 16])  # [N, H]
+            self.ids = torch.tensor(token_map, dtype=torch.int64, device=head.weight.device)
+            self._set_rows(head.weight[self.ids])  # a copy
 
     def _set_rows(self, rows: torch.Tensor) -> None:
+        """rows [N, H]: kept as they are, or packed for the CPU's linear path when they can be (our panels
+        or oneDNN's layout, whichever the CPU takes: model/linear.py; 5-12x F.linear's speed on the CPU,
+        docs/benchmarks.md)."""
         self.weight, self.is_packed = rows, can_pack(rows)
         if self.is_packed:
             self.weight = packed(rows.contiguous())
-
-    @staticmethod
-    def _panels(head: torch.nn.Module) -> torch.Tensor:
-        panels = head.packed_weight  # [P, H, 16], or oneDNN's own layout (2-D), which cannot be sliced
-        if panels.dim() != 3:
-            raise ValueError("--draft-vocab-size/--draft-token-map: this CPU packs the draft's own lm_head for "
-                             "oneDNN, which cannot keep only some of its rows; use a draft with tied embeddings, "
-                             "or none")
-        return panels
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, H] -> float32 logits [A, V]; -inf outside the kept ids."""

@@ -91,7 +91,9 @@ class Worker:
         if (spec.draft_vocab_size or 0) > info.vocab_size:
             raise ValueError(f"--draft-vocab-size: {spec.draft_vocab_size} is more than the draft model's "
                              f"vocabulary ({info.vocab_size})")
-        return info, load_model(path, self.dtype, self.device, self.model_info.max_model_len)
+        is_reduced = spec.draft_vocab_size is not None or spec.draft_token_map is not None
+        # a reduced head keeps some of the lm_head's rows: they are taken from the plain weight (spec/draft_head)
+        return info, load_model(path, self.dtype, self.device, self.model_info.max_model_len, pack_head=not is_reduced)
 
     def _speculator(self, attn_backend, draft_model: torch.nn.Module | None) -> Speculator | None:
         spec = self.config.speculative
