@@ -1,5 +1,6 @@
 """The API's surface against a real server: /openapi.json and /docs, unknown fields refused by name (ignored
-bookkeeping fields accepted), TGI's /info, the /v1 tokenizer aliases with return_token_strs."""
+bookkeeping fields accepted), TGI's /info, the models routes, the /v1 tokenizer aliases with return_token_strs,
+/tokenizer_info."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_openapi_lists_every_route(openapi):
     assert openapi["openapi"].startswith("3.1")
     assert set(openapi["paths"]) == {"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
                                      "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/health",
-                                     "/version", "/v1/models", "/info", "/metrics", "/reset_prefix_cache"}
+                                     "/version", "/v1/models", "/v1/models/{model_id}", "/info", "/metrics",
+                                     "/reset_prefix_cache", "/tokenizer_info"}
 
 
 def _request_schema(openapi: dict, path: str) -> dict:
@@ -141,3 +143,26 @@ def test_tokenizer_unknown_fields_are_400(http, path, body, param):
 def test_detokenize_out_of_vocabulary_is_400(http):
     response = http.post("/v1/detokenize", json={"tokens": [1, 10**9]})
     assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]
+
+
+def test_models_retrieve_names_the_served_model_and_404s_any_other(client):
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME and card.object == "model" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-9")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+
+
+def test_tokenizer_info_gives_what_a_remote_tokenizer_reads(http):
+    """lm-eval's remote tokenizer: the special tokens and the chat template, then /tokenize."""
+    from transformers import AutoTokenizer
+
+    info = http.get("/tokenizer_info").json()
+    root = http.get("/v1/models").json()["data"][0]["root"]
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    assert info["vocab_size"] == len(tokenizer) and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos == [tokenizer.eos_token_id]
+

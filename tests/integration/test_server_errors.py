@@ -90,7 +90,7 @@ BAD_INPUTS = [
     ("tgi-no-inputs", TGI, {"parameters": {}}, 400, "inputs"),
     ("tgi-grammar", TGI, {"inputs": "x", "parameters": {"grammar": {"type": "ebnf", "value": "x"}}}, 400, "grammar"),
     ("stream-over-context", CHAT, {"messages": msgs(LONG), "stream": True}, 400, "tokens"),
-    ("unknown-route", "/v1/nothing", {}, 404, ""),
+    ("unknown-route", "/v1/nothing", {}, 404, "no route POST /v1/nothing"),
 ]
 
 
@@ -122,7 +122,7 @@ def test_bad_input(http, case):
 
 
 def test_wrong_method(http):
-    check_error(http.get(CMPL), 405, "")
+    check_error(http.get(CMPL), 405, f"method not allowed: GET {CMPL}")
     healthy(http)
 
 

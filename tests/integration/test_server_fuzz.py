@@ -67,7 +67,8 @@ def api_schema(server: ServerProcess):
 
 POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/", "/tokenize",
                "/detokenize", "/v1/tokenize", "/v1/detokenize", "/reset_prefix_cache"]
-GET_ROUTES = ["/health", "/version", "/v1/models", "/info", "/metrics"]
+GET_ROUTES = ["/health", "/version", "/v1/models", "/v1/models/{model_id}", "/info", "/metrics",
+              "/tokenizer_info"]
 OPERATIONS = [("POST", path) for path in POST_ROUTES] + [("GET", path) for path in GET_ROUTES]
 
 

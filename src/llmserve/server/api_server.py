@@ -14,7 +14,7 @@ from llmserve.server.middleware import FrontDoor
 from llmserve.server.openapi import DocumentedAPI, schema_ref
 from llmserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionChunk, CompletionRequest, CompletionResponse, DetokenizeRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo,
                                       encode_json)
 from llmserve.server.serving_chat import ChatServer
 from llmserve.server.serving_common import ServingContext, created_now
@@ -50,8 +50,8 @@ def build_app(ctx: ServingContext) -> DocumentedAPI:
 
 
 _DESCRIPTION = ("OpenAI-compatible completions and chat completions, TGI's generate API, vLLM's tokenizer "
-                "routes. Unknown request fields are refused (400) except the ignored bookkeeping fields "
-                "(user, metadata, store, ...) declared in each request schema.")
+                "routes (/tokenize, /detokenize, /tokenizer_info). Unknown request fields are refused (400) except "
+                "the ignored bookkeeping fields (user, metadata, store, ...) declared in each request schema.")
 
 
 def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
@@ -106,11 +106,19 @@ def _add_info_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     async def version() -> Response:
         return json_response({"version": __version__})
 
+    def model_card() -> ModelCard:
+        info = ctx.engine.model_info
+        return ModelCard(ctx.model_name, created_now(), root=info.path, max_model_len=info.max_model_len)
+
     @app.get("/v1/models", responses=app.responses(ModelList))
     async def models() -> Response:
-        info = ctx.engine.model_info
-        card = ModelCard(ctx.model_name, created_now(), root=info.path, max_model_len=info.max_model_len)
-        return json_response(ModelList([card]))
+        return json_response(ModelList([model_card()]))
+
+    @app.get("/v1/models/{model_id:path}", responses=app.responses(ModelCard))
+    async def model(model_id: str) -> Response:
+        """OpenAI's models.retrieve: the served model's card, 404 for any other name."""
+        ctx.check_model(model_id)
+        return json_response(model_card())
 
     @app.get("/info", responses=app.responses(TGIInfo))
     async def info() -> Response:
@@ -138,6 +146,15 @@ def _add_tokenizer_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
                           openapi_extra=app.body(TokenizeRequest), responses=app.responses(TokenizeResponse))
         app.add_api_route(f"{prefix}/detokenize", _detokenize(tokenizer), methods=["POST"],
                           openapi_extra=app.body(DetokenizeRequest), responses=app.responses(DetokenizeResponse))
+    app.add_api_route("/tokenizer_info", _tokenizer_info(tokenizer), methods=["GET"],
+                      responses=app.responses(TokenizerInfo))
+
+
+def _tokenizer_info(tokenizer: TokenizerServer):
+    async def tokenizer_info() -> Response:
+        return json_response(tokenizer.info())
+
+    return tokenizer_info
 
 
 def _tokenize(tokenizer: TokenizerServer):

@@ -115,8 +115,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_exception(_: Request, exc: Exception) -> Response:
         return error_response(exc)
 
-    async def on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
+    async def on_http_exception(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        if exc.status_code in (404, 405) and message == HTTPStatus(exc.status_code).phrase:  # the router's own
+            message = _no_route_message(request, exc.status_code)
         return status_error_response(exc.status_code, message, headers=dict(exc.headers or {}))
 
     async def on_validation(_: Request, exc: RequestValidationError) -> Response:
@@ -130,3 +132,11 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_exception)
+
+
+def _no_route_message(request: Request, status: int) -> str:
+    """What a client reads for a path or method the server has no route for: the route it asked for."""
+    route = f"{request.method} {request.url.path}"
+    if status == 405:
+        return f"method not allowed: {route} (see /docs for this server's routes)"
+    return f"no route {route} (see /docs for this server's routes)"

@@ -318,6 +318,19 @@ class TokenizeResponse(msgspec.Struct):
     token_strs: list[str] | None = None
 
 
+class TokenizerInfo(msgspec.Struct, omit_defaults=True):
+    """GET /tokenizer_info (vLLM's): what a client needs to tokenize through /tokenize and render chats itself
+    (lm-eval's remote tokenizer reads the special tokens and the chat template)."""
+    tokenizer_class: str
+    vocab_size: int
+    model_max_length: int
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+
+
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokens: list[int]
     model: str | None = None

@@ -1,9 +1,9 @@
-"""POST /tokenize and /detokenize (vLLM's), also served as /v1/tokenize and /v1/detokenize."""
+"""POST /tokenize and /detokenize (vLLM's), also served as /v1/tokenize and /v1/detokenize; GET /tokenizer_info."""
 
 from __future__ import annotations
 
 from llmserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
-                                      decode_json)
+                                      TokenizerInfo, decode_json)
 from llmserve.server.serving_common import ServingContext, render_chat
 from llmserve.server.tool_calls import template_tools
 
@@ -39,3 +39,11 @@ class TokenizerServer:
         if not req.tokens:
             return DetokenizeResponse("")
         return DetokenizeResponse(self.ctx.engine.decode(req.tokens))  # 400 for an id outside the vocabulary
+
+    def info(self) -> TokenizerInfo:
+        """The tokenizer's class, special tokens and chat template; its length is the context the server allows."""
+        tokenizer = self.ctx.engine.tokenizer
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        return TokenizerInfo(type(tokenizer).__name__, len(tokenizer), self.ctx.engine.model_info.max_model_len,
+                             tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token,
+                             template)
