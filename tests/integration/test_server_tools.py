@@ -143,6 +143,20 @@ def test_history_with_tool_calls_is_rendered(server, client):
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_a_conversation_continues_after_a_call_cut_off_by_max_tokens(client):
+    """The first turn's call ends mid-arguments (finish_reason length); the client sends it back as it got it,
+    and the next turn is answered (the template renders the text as it is)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}  # the call's arguments, token by token
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                                           max_tokens=3)
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "length" and not call.function.arguments.endswith("}")
+    history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "unknown"}]
+    out = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=4)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 @pytest.mark.parametrize("kwargs, word", [
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
     ({"tools": TOOLS + TOOLS[:1]}, "twice"),

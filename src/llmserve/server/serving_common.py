@@ -111,7 +111,7 @@ def _chat_entry(index: int, message: ChatMessage) -> dict:
     if message.tool_calls is not None and role != "assistant":
         raise ValueError(f"messages[{index}]: only assistant messages carry tool_calls, not {role} ones")
     if message.tool_calls:
-        entry["tool_calls"] = [_template_tool_call(index, j, call) for j, call in enumerate(message.tool_calls)]
+        entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     if (message.tool_call_id is not None) != (role == "tool"):
         raise ValueError(f"messages[{index}]: tool messages need tool_call_id (the id of the call they answer), "
                          "and only they carry one")
@@ -120,15 +120,17 @@ def _chat_entry(index: int, message: ChatMessage) -> dict:
     return entry
 
 
-def _template_tool_call(index: int, position: int, call: ToolCall) -> dict:
-    """A call as transformers' chat templates expect it: arguments as a dict, not OpenAI's JSON text."""
+def _template_tool_call(call: ToolCall) -> dict:
+    """A call as transformers' chat templates expect it: arguments as a dict, not OpenAI's JSON text. A call
+    cut off by max_tokens comes back in later turns (LangChain sends it as it got it), so any text is taken:
+    empty is {}, anything but a JSON object reaches the template as the text it is (vLLM accepts them too)."""
+    text = call.function.arguments
     try:
-        arguments = json.loads(call.function.arguments)
+        arguments = json.loads(text) if text.strip() else {}
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):
-        raise ValueError(f"messages[{index}].tool_calls[{position}].function.arguments must be the JSON text of "
-                         f"an object, got {call.function.arguments[:80]!r}")
+        arguments = text
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
