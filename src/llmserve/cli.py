@@ -23,9 +23,9 @@ def _generate(args: argparse.Namespace) -> int:
     from llmserve import SamplingParams
     from llmserve.engine.llm import LLM
 
-    config = engine_config_from_args(args)
-    kwargs = {**dataclasses.asdict(config.model), **dataclasses.asdict(config.cache),
-              **dataclasses.asdict(config.scheduler)}
+    config = engine_config_from_args(args)  # every section: speculative and parallel flags too
+    kwargs = {k: v for section in dataclasses.fields(config) for k, v in
+              dataclasses.asdict(getattr(config, section.name)).items()}
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for out in llm.generate(args.prompt, params):

@@ -48,3 +48,20 @@ def test_serve_with_zero_max_num_seqs_exits_2_at_once_without_a_traceback():
     assert proc.returncode == 2
     assert "--max-num-seqs: must be >= 1, got 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_honours_every_engine_flag(tmp_path, monkeypatch, capsys):
+    """`llmserve generate` builds its engine from all of the engine's flags (speculation included), not a few."""
+    from llmserve.engine import llm as llm_module
+    from llmserve.model.maker import make_model
+
+    path = make_model("llama", "tiny", str(tmp_path / "tiny"), seed=0)
+    built, build = [], llm_module.build_engine_config
+    monkeypatch.setattr(llm_module, "build_engine_config", lambda **kwargs: built.append(build(**kwargs)) or built[-1])
+    assert main(["generate", "--model", path, "--speculative", "ngram", "--num-speculative-tokens", "3",
+                 "--num-kv-blocks", "64", "--max-model-len", "128", "--prompt", "a b a b", "--max-tokens", "4"]) == 0
+    (config,) = built
+    assert (config.speculative.speculative, config.speculative.num_speculative_tokens) == ("ngram", 3)
+    assert (config.cache.num_kv_blocks, config.model.max_model_len) == (64, 128)
+    assert "'a b a b' -> " in capsys.readouterr().out
+
