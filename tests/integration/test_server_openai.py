@@ -169,3 +169,53 @@ def test_tgi_streaming(server):
     assert events[-1].generated_text == full.generated_text
     assert events[-1].details.generated_tokens == full.details.generated_tokens
     assert [e.token.id for e in events] == [t.id for t in full.details.tokens]
+
+
+def _tokenize(server, **body) -> list[int]:
+    import httpx
+
+    return httpx.post(f"{server.url}/tokenize", json=body, timeout=60).json()["tokens"]
+
+
+def test_completion_returns_token_ids_streamed_or_not(server, client):
+    """vLLM's return_token_ids: the prompt's ids (once per choice) and the output's, the same streamed or not."""
+    body = {**NO_EOS, "return_token_ids": True}
+    out = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, extra_body=body, **GREEDY)
+    choice = out.choices[0].model_extra
+    assert choice["prompt_token_ids"] == _tokenize(server, prompt="Hello there") and len(choice["token_ids"]) == 6
+    chunks = [c.choices[0].model_extra for c in client.completions.create(
+        model="tiny", prompt="Hello there", max_tokens=6, stream=True, extra_body=body, **GREEDY) if c.choices]
+    assert chunks[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"] or []] == choice["token_ids"]
+    plain = client.completions.create(model="tiny", prompt="Hello there", max_tokens=2, extra_body=NO_EOS)
+    assert plain.choices[0].model_extra["token_ids"] is None  # only when asked for
+
+
+def test_chat_returns_token_ids_streamed_or_not(server, client):
+    messages = chat("Say hi")
+    body = {**NO_EOS, "return_token_ids": True}
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, extra_body=body, **GREEDY)
+    prompt_ids = _tokenize(server, messages=messages)
+    assert out.model_extra["prompt_token_ids"] == prompt_ids
+    token_ids = out.choices[0].model_extra["token_ids"]
+    assert len(token_ids) == out.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, stream=True,
+                                                 extra_body=body, **GREEDY))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert [t for c in chunks for choice in c.choices for t in choice.model_extra["token_ids"] or []] == token_ids
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_logprobs_name_tokens_by_id_when_asked(client, route):
+    body = {**NO_EOS, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    if route == "completions":
+        out = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, logprobs=2, extra_body=body)
+        tokens, ids = out.choices[0].logprobs.tokens, out.choices[0].model_extra["token_ids"]
+        assert all(k.startswith("token_id:") for top in out.choices[0].logprobs.top_logprobs for k in top)
+    else:
+        out = client.chat.completions.create(model="tiny", messages=chat("Hi"), max_tokens=4, logprobs=True,
+                                             top_logprobs=2, extra_body=body)
+        tokens = [lp.token for lp in out.choices[0].logprobs.content]
+        ids = out.choices[0].model_extra["token_ids"]
+    assert tokens == [f"token_id:{i}" for i in ids]

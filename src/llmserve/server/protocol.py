@@ -99,6 +99,8 @@ class SamplingFields(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     speculative: bool = True  # false: this request opts out of speculative decoding
     priority: Int64 = 0
+    return_token_ids: bool = False  # the prompt's and the output's token ids beside the text
+    return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>" (ids that decode to no text)
     # Output constraints (structured_fields.py): at most one a request.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -198,6 +200,9 @@ class CompletionChoice(msgspec.Struct):
     # vLLM's prompt_logprobs: None for the first prompt token, then {token id: logprob} for the prompt
     # token and its top k; only in a stream's first chunk of a choice.
     prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
+    # vLLM's return_token_ids: the prompt's ids (a stream's first chunk of a choice) and the output's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -239,6 +244,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -249,6 +255,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage | None = None
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -262,6 +269,7 @@ class ChatStreamChoice(msgspec.Struct):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this delta's
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -272,6 +280,7 @@ class ChatCompletionChunk(msgspec.Struct):
     object: str = "chat.completion.chunk"
     system_fingerprint: str | None = None
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: on the stream's first chunk
 
 
 class CompletionChunk(msgspec.Struct):

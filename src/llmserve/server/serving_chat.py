@@ -15,13 +15,13 @@ from llmserve.server.params import build_params, chat_overrides
 from llmserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob,
                                       DeltaMessage, TopLogprob, decode_json, encode_json, make_usage)
-from llmserve.server.serving_common import (ServingContext, TokenTexts, collect_final, created_now,
-                                            new_request_id, render_chat)
+from llmserve.server.serving_common import (ServingContext, TokenLabels, collect_final, created_now,
+                                            logprob_labels, new_request_id, render_chat)
 from llmserve.server.streams import sse_event, sse_response, until_disconnect, with_error_event
 from llmserve.server.tool_calls import ChoiceStream, ToolPlan, plan_tools, response_message
 
 
-def chat_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], num_top: int) -> ChatLogprobs:
+def chat_logprobs(token_text: TokenLabels, logprobs: list[TokenLogprob], num_top: int) -> ChatLogprobs:
     content = []
     for lp in logprobs:
         text = token_text(lp.token_id)
@@ -54,39 +54,46 @@ class ChatServer:
             return sse_response(with_error_event(self._stream(req, plan, params, request_id, prompt, gen),
                                                  request_id), request_id, ctx.is_shutting_down)
         final = await until_disconnect(request, collect_final(gen), request_id)
-        return Response(encode_json(self._response(plan, params, request_id, prompt, final)),
+        return Response(encode_json(self._response(req, plan, params, request_id, prompt, final)),
                         media_type="application/json")
 
-    def _logprobs(self, params: SamplingParams, out: CompletionOutput) -> ChatLogprobs | None:
+    def _logprobs(self, req: ChatCompletionRequest, params: SamplingParams,
+                  out: CompletionOutput) -> ChatLogprobs | None:
         if params.logprobs is None or out.logprobs is None:
             return None
-        return chat_logprobs(self.ctx.token_text, out.logprobs, params.logprobs)
+        return chat_logprobs(logprob_labels(self.ctx, req.return_tokens_as_token_ids), out.logprobs, params.logprobs)
 
-    def _response(self, plan: ToolPlan, params: SamplingParams, request_id: str, prompt: TokensPrompt,
-                  final: RequestOutput) -> ChatCompletionResponse:
+    def _response(self, req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams, request_id: str,
+                  prompt: TokensPrompt, final: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for out in final.outputs:
             message, finish_reason = response_message(plan, out.text, out.finish_reason)
-            choices.append(ChatChoice(out.index, message, self._logprobs(params, out), finish_reason,
-                                      out.stop_reason))
+            token_ids = list(out.token_ids) if req.return_token_ids else None
+            choices.append(ChatChoice(out.index, message, self._logprobs(req, params, out), finish_reason,
+                                      out.stop_reason, token_ids))
         usage = make_usage(len(prompt.token_ids), sum(len(out.token_ids) for out in final.outputs),
                            final.num_cached_tokens)
-        return ChatCompletionResponse(request_id, created_now(), self.ctx.model_name, choices, usage)
+        prompt_token_ids = list(prompt.token_ids) if req.return_token_ids else None
+        return ChatCompletionResponse(request_id, created_now(), self.ctx.model_name, choices, usage,
+                                      prompt_token_ids=prompt_token_ids)
 
-    def _stream_choices(self, stream: ChoiceStream, params: SamplingParams,
+    def _stream_choices(self, req: ChatCompletionRequest, stream: ChoiceStream, params: SamplingParams,
                         out: CompletionOutput) -> list[ChatStreamChoice]:
-        """One delta output of a choice as stream choices: logprobs on the first, the finish on the last."""
+        """One delta output of a choice as stream choices: logprobs and token ids on the first, the finish on
+        the last."""
         is_final = out.finish_reason is not None
         messages = stream.feed(out.text, is_final)
-        logprobs = self._logprobs(params, out)
+        logprobs = self._logprobs(req, params, out)
+        token_ids = list(out.token_ids) if req.return_token_ids and out.token_ids else None
         finish_reason = stream.finish_reason(out.finish_reason) if is_final else None
         if not messages:
-            if not is_final and logprobs is None:
+            if not is_final and logprobs is None and token_ids is None:
                 return []
             messages = [DeltaMessage()]
         last = len(messages) - 1
         return [ChatStreamChoice(out.index, message, logprobs if i == 0 else None,
-                                 finish_reason if i == last else None) for i, message in enumerate(messages)]
+                                 finish_reason if i == last else None, token_ids if i == 0 else None)
+                for i, message in enumerate(messages)]
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams, request_id: str,
                       prompt: TokensPrompt, gen) -> AsyncIterator[bytes]:
@@ -96,20 +103,21 @@ class ChatServer:
         is_continuous = is_usage and options.continuous_usage_stats
         num_prompt, num_completion, num_cached = len(prompt.token_ids), 0, 0
 
-        def chunk(choice: ChatStreamChoice | None):
+        def chunk(choice: ChatStreamChoice | None, prompt_token_ids: list[int] | None = None):
             usage = make_usage(num_prompt, num_completion, num_cached) if is_continuous else None
             return sse_event(ChatCompletionChunk(request_id, created, model, [choice] if choice else [],
-                                                 usage=usage))
+                                                 usage=usage, prompt_token_ids=prompt_token_ids))
 
         streams = [ChoiceStream(plan) for _ in range(params.n)]
+        prompt_ids = list(prompt.token_ids) if req.return_token_ids else None
         for i in range(params.n):
-            yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")))
+            yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")), prompt_ids if i == 0 else None)
         async with aclosing(gen):
             async for output in gen:
                 num_cached = output.num_cached_tokens
                 for out in output.outputs:
                     num_completion += len(out.token_ids)
-                    for choice in self._stream_choices(streams[out.index], params, out):
+                    for choice in self._stream_choices(req, streams[out.index], params, out):
                         yield chunk(choice)
         if is_usage:
             yield sse_event(ChatCompletionChunk(request_id, created, model, [],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -170,6 +170,19 @@ class TokenTexts:
             if len(self.cache) < 1_000_000:
                 self.cache[token_id] = text
         return text
+
+
+TokenLabels = Callable[[int], str]  # token id -> how logprobs name it
+
+
+def token_id_label(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids: a token named by its id, for ids whose text alone is not valid UTF-8."""
+    return f"token_id:{token_id}"
+
+
+def logprob_labels(ctx: ServingContext, as_token_ids: bool) -> TokenLabels:
+    """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+    return token_id_label if as_token_ids else ctx.token_text
 
 
 def fold(outputs: RequestOutput | None, new: RequestOutput) -> RequestOutput:

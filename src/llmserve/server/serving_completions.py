@@ -16,7 +16,8 @@ from llmserve.server.params import build_params, completion_overrides
 from llmserve.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse, PromptTokenLogprob, Usage, decode_json, encode_json,
                                       make_usage)
-from llmserve.server.serving_common import ServingContext, TokenTexts, created_now, fold, new_request_id
+from llmserve.server.serving_common import (ServingContext, TokenLabels, created_now, fold, logprob_labels,
+                                            new_request_id)
 from llmserve.server.streams import merge_async_iterators, sse_event, sse_response, until_disconnect, \
     with_error_event
 
@@ -51,7 +52,7 @@ class _Choices:
     started: set[int] = field(default_factory=set)  # choices that sent their first chunk
 
 
-def completion_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], num_top: int,
+def completion_logprobs(token_text: TokenLabels, logprobs: list[TokenLogprob], num_top: int,
                         offset: int) -> CompletionLogprobs:
     out = CompletionLogprobs([], [], [], [])
     for lp in logprobs:
@@ -66,7 +67,7 @@ def completion_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], nu
     return out
 
 
-def prompt_completion_logprobs(token_text: TokenTexts, prompt_ids: list[int], scored: list[TokenLogprob | None],
+def prompt_completion_logprobs(token_text: TokenLabels, prompt_ids: list[int], scored: list[TokenLogprob | None],
                                num_top: int) -> CompletionLogprobs:
     """OpenAI's echo with logprobs: the prompt tokens first, the first one without a logprob."""
     out = completion_logprobs(token_text, [lp for lp in scored if lp is not None], num_top, len(token_text(prompt_ids[0])))
@@ -80,7 +81,7 @@ def join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs) -> Complet
                               head.top_logprobs + tail.top_logprobs, head.text_offset + tail.text_offset)
 
 
-def vllm_prompt_logprobs(token_text: TokenTexts, scored: list[TokenLogprob | None],
+def vllm_prompt_logprobs(token_text: TokenLabels, scored: list[TokenLogprob | None],
                          num_top: int) -> list[dict[str, PromptTokenLogprob] | None]:
     """vLLM's shape: per prompt token {token id: {logprob, rank, decoded_token}} for it and its top k."""
     out: list[dict[str, PromptTokenLogprob] | None] = []
@@ -128,24 +129,29 @@ class CompletionServer:
         text = out.text
         is_first = index not in state.started
         state.started.add(index)
+        labels = logprob_labels(self.ctx, req.return_tokens_as_token_ids)
         echo_logprobs = None
         if req.echo and is_first:
             text = (prompt.text or "") + text
             if req.logprobs is not None and scored is not None:
-                echo_logprobs = prompt_completion_logprobs(self.ctx.token_text, prompt.token_ids, scored, req.logprobs)
+                echo_logprobs = prompt_completion_logprobs(labels, prompt.token_ids, scored, req.logprobs)
                 state.text_offsets[index] = sum(len(t) for t in echo_logprobs.tokens)
         logprobs = echo_logprobs
         if params.logprobs is not None and out.logprobs is not None:
             offset = state.text_offsets.get(index, 0)
-            logprobs = completion_logprobs(self.ctx.token_text, out.logprobs, params.logprobs, offset)
+            logprobs = completion_logprobs(labels, out.logprobs, params.logprobs, offset)
             state.text_offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
             if echo_logprobs is not None:
                 logprobs = join_logprobs(echo_logprobs, logprobs)
         state.num_completion_tokens += len(out.token_ids)
         prompt_logprobs = None
         if req.prompt_logprobs is not None and is_first and scored is not None:
-            prompt_logprobs = vllm_prompt_logprobs(self.ctx.token_text, scored, req.prompt_logprobs)
-        return CompletionChoice(index, text, logprobs, out.finish_reason, out.stop_reason, prompt_logprobs)
+            prompt_logprobs = vllm_prompt_logprobs(labels, scored, req.prompt_logprobs)
+        choice = CompletionChoice(index, text, logprobs, out.finish_reason, out.stop_reason, prompt_logprobs)
+        if req.return_token_ids:
+            choice.prompt_token_ids = list(prompt.token_ids) if is_first else None
+            choice.token_ids = list(out.token_ids)
+        return choice
 
     def _usage(self, prompts: list[TokensPrompt], state: _Choices) -> Usage:
         return make_usage(sum(len(p.token_ids) for p in prompts), state.num_completion_tokens,
@@ -174,8 +180,8 @@ class CompletionServer:
                 state.num_cached_tokens[i] = output.num_cached_tokens
                 for out in output.outputs:
                     choice = self._choice(req, params, state, i, prompts[i], out, output.prompt_logprobs)
-                    if not choice.text and choice.finish_reason is None and choice.logprobs is None:
-                        continue
+                    if not (choice.text or choice.token_ids or choice.finish_reason or choice.logprobs):
+                        continue  # nothing new (text held back at a partial UTF-8 character)
                     usage = self._usage(prompts, state) if is_continuous else None
                     yield sse_event(CompletionChunk(request_id, created, model, [choice], usage=usage))
         if options is not None and options.include_usage:
