@@ -38,7 +38,8 @@ def test_openapi_lists_every_route(openapi):
     assert set(openapi["paths"]) == {"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
                                      "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/health",
                                      "/version", "/v1/models", "/v1/models/{model_id}", "/info", "/metrics",
-                                     "/reset_prefix_cache", "/tokenizer_info"}
+                                     "/reset_prefix_cache", "/tokenizer_info", "/v1/responses",
+                                     "/v1/responses/{response_id}"}
 
 
 def _request_schema(openapi: dict, path: str) -> dict:

@@ -18,7 +18,9 @@ from llmserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest
                                       encode_json)
 from llmserve.server.serving_chat import ChatServer
 from llmserve.server.serving_common import ServingContext, created_now
+from llmserve.server.protocol_responses import ResponseObject, ResponsesRequest, StreamEvent
 from llmserve.server.serving_completions import CompletionServer
+from llmserve.server.serving_responses import ResponsesServer
 from llmserve.server.serving_tgi import (TGIInfo, TGIRequest, TGIResponse, TGIServer, TGIStreamError, TGIStreamEvent,
                                          tgi_info)
 from llmserve.server.serving_tokens import TokenizerServer
@@ -49,13 +51,14 @@ def build_app(ctx: ServingContext) -> DocumentedAPI:
     return app
 
 
-_DESCRIPTION = ("OpenAI-compatible completions and chat completions, TGI's generate API, vLLM's tokenizer "
+_DESCRIPTION = ("OpenAI-compatible completions, chat completions and responses, TGI's generate API, vLLM's tokenizer "
                 "routes (/tokenize, /detokenize, /tokenizer_info). Unknown request fields are refused (400) except "
                 "the ignored bookkeeping fields (user, metadata, store, ...) declared in each request schema.")
 
 
 def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     completions, chat, tgi = CompletionServer(ctx), ChatServer(ctx), TGIServer(ctx)
+    responses = ResponsesServer(ctx)
 
     async def serve(handler, request: Request) -> Response:
         body = await request.body()
@@ -83,6 +86,15 @@ def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     @app.post("/generate_stream", openapi_extra=app.body(TGIRequest), responses=tgi_stream)
     async def tgi_generate_stream(request: Request) -> Response:
         return await serve(tgi.generate_stream, request)
+
+    @app.post("/v1/responses", openapi_extra=app.body(ResponsesRequest),
+              responses=app.responses(ResponseObject, chunk=StreamEvent))
+    async def create_response(request: Request) -> Response:
+        return await serve(responses.create, request)
+
+    @app.get("/v1/responses/{response_id}", responses=app.responses(ResponseObject))
+    async def retrieve_response(response_id: str) -> Response:
+        return json_response(responses.retrieve(response_id))
 
     compat = {"type": "array", "items": schema_ref(TGIResponse)}  # TGIResponse: named by /generate
 

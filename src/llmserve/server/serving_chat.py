@@ -31,6 +31,21 @@ def chat_logprobs(token_text: TokenLabels, logprobs: list[TokenLogprob], num_top
     return ChatLogprobs(content)
 
 
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[ToolPlan, SamplingParams, TokensPrompt]:
+    """A chat request checked and turned into its tool plan, sampling params and rendered prompt (also what the
+    Responses API serves its requests through)."""
+    ctx.check_model(req.model)
+    tokenizer = ctx.engine.tokenizer
+    plan = plan_tools(req, ctx.config.tool_call_parser, getattr(tokenizer, "chat_template", None))
+    overrides = chat_overrides(req)
+    plan.apply(overrides)
+    params = build_params(ctx.engine.default_sampling_params, overrides)
+    text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools)
+    prompt = TokensPrompt(ctx.engine.encode(text, add_special_tokens=False), text)
+    ctx.engine.check_request(len(prompt.token_ids), params)
+    return plan, params, prompt
+
+
 class ChatServer:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -38,15 +53,7 @@ class ChatServer:
     async def create(self, request: Request, body: bytes) -> Response:
         ctx = self.ctx
         req: ChatCompletionRequest = decode_json(body, ChatCompletionRequest)
-        ctx.check_model(req.model)
-        tokenizer = ctx.engine.tokenizer
-        plan = plan_tools(req, ctx.config.tool_call_parser, getattr(tokenizer, "chat_template", None))
-        overrides = chat_overrides(req)
-        plan.apply(overrides)
-        params = build_params(ctx.engine.default_sampling_params, overrides)
-        text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools)
-        prompt = TokensPrompt(ctx.engine.encode(text, add_special_tokens=False), text)
-        ctx.engine.check_request(len(prompt.token_ids), params)
+        plan, params, prompt = prepare_chat(ctx, req)
         ctx.admit(request, params.n)
         request_id = new_request_id("chatcmpl")
         gen = ctx.engine.generate(prompt, params, request_id, req.priority)
