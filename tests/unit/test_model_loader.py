@@ -149,8 +149,8 @@ def test_make_model_cli_is_deterministic(tmp_path):
 def test_demo_model_builds_once_and_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
     path = demo_model_path()
-    assert path == os.path.join(str(tmp_path), "demo-model-v2")
-    assert os.listdir(tmp_path) == ["demo-model-v2"]  # no temp dir left behind
+    assert path == os.path.join(str(tmp_path), "demo-model-v3")
+    assert os.listdir(tmp_path) == ["demo-model-v3"]  # no temp dir left behind
     mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
     assert demo_model_path() == path
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime

@@ -44,7 +44,7 @@ def test_validation_error_names_the_field():
     assert err.param == "max_tokens" and "max_tokens" in err.message
 
 
-UNIMPLEMENTED = ["use_beam_search", "allowed_token_ids", "bad_words", "reasoning_effort", "truncate_prompt_tokens",
+UNIMPLEMENTED = ["use_beam_search", "allowed_token_ids", "bad_words", "prompt_embeds", "truncate_prompt_tokens",
                  "guided_json_object", "no_such_field"]
 
 

@@ -1,5 +1,5 @@
 """The embedded demo model: a small deterministic random Llama with a byte-level tokenizer and a
-ChatML template, built once under `cache_dir()/demo-model-v2` (written to a temp dir, then renamed,
+ChatML template, built once under `cache_dir()/demo-model-v3` (written to a temp dir, then renamed,
 so concurrent builders never see half a checkpoint) and reused afterwards.
 """
 
@@ -12,7 +12,7 @@ import tempfile
 from llmserve.config import cache_dir
 from llmserve.model.maker import SHAPES, write_checkpoint
 
-DEMO_NAME = "demo-model-v2"
+DEMO_NAME = "demo-model-v3"
 DEMO_SEED = 1234
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                    "generation_config.json")

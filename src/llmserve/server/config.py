@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from llmserve.config import check, check_choice, check_min, parse_bytes
+from llmserve.server.reasoning import REASONING_PARSERS
 from llmserve.server.tool_parsers import PARSER_NAMES
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
@@ -46,6 +47,10 @@ class ServerConfig:
                 "(<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}: "
                 "Llama 3.x), mistral ([TOOL_CALLS][...]); default: chosen by the markers the chat template mentions",
         "choices": list(PARSER_NAMES)})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "return a thinking model's thoughts apart from its answer (chat's reasoning_content, the Responses "
+                "API's reasoning item): deepseek_r1 (the template opens <think>), qwen3 (the model writes "
+                "<think>...</think>); default: thoughts stay in the content", "choices": list(REASONING_PARSERS)})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +70,8 @@ class ServerConfig:
         check_min("stream-interval", self.stream_interval, 1)
         if self.tool_call_parser is not None:
             check_choice("tool-call-parser", self.tool_call_parser, PARSER_NAMES)
+        if self.reasoning_parser is not None:
+            check_choice("reasoning-parser", self.reasoning_parser, REASONING_PARSERS)
         check(self.request_timeout is None or self.request_timeout > 0, "request-timeout",
               f"must be > 0, got {self.request_timeout}")
 

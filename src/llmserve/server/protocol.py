@@ -149,6 +149,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # default true: several calls may be returned
+    # Passed to the chat template (a key the template never reads is refused): OpenAI's reasoning_effort,
+    # vLLM's chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Declared to be refused (params.py) while unsupported.
     functions: refused_unless(NULL_OR_EMPTY) = None
     function_call: refused_unless(NULL) = None
@@ -236,6 +240,7 @@ class ResponseMessage(msgspec.Struct):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET  # present only when calls were made
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET  # present with --reasoning-parser
 
 
 class ChatChoice(msgspec.Struct):
@@ -262,6 +267,7 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the thoughts' delta
 
 
 class ChatStreamChoice(msgspec.Struct):

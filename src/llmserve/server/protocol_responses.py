@@ -1,7 +1,7 @@
 """OpenAI's Responses API records (POST /v1/responses): the request, the response object and its output
 items, and the typed stream events.
 
-What is built: text and message input (with function calls and their outputs), `instructions`, function
+What is built (vLLM's `structured_outputs` too): text and message input (with function calls and their outputs), `instructions`, function
 tools and `tool_choice`, `text.format` (json_schema / json_object), `max_output_tokens`, sampling fields,
 streaming, and `store` / `previous_response_id` over a bounded in-memory store. The fields of what is not
 built (reasoning, built-in tools, background runs, `include`, reusable prompts, conversations) are declared
@@ -17,6 +17,7 @@ import msgspec
 from llmserve.server.protocol import (NULL, NULL_OR_EMPTY, NULL_OR_FALSE, IgnoredFields, PositiveInt, Temperature,
                                       TopP, refused_unless)
 from llmserve.server.protocol_tools import ToolName
+from llmserve.server.structured_fields import StructuredOutputsRequest
 
 
 class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -67,6 +68,7 @@ class ResponsesRequest(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     stream: bool = False
     previous_response_id: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's, as on chat (or text.format)
     # Declared to be refused while not built.
     reasoning: refused_unless(NULL) = None
     include: refused_unless(NULL_OR_EMPTY) = None
@@ -104,7 +106,21 @@ class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call"):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(msgspec.Struct):
+    text: str
+    type: str = "reasoning_text"
+
+
+class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
+    """The model's thoughts (--reasoning-parser), before its answer."""
+
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = []
+    status: str = "completed"
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(msgspec.Struct):

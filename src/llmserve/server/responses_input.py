@@ -104,7 +104,8 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
     return ChatCompletionRequest(
         messages=messages, model=req.model, tools=tools, tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens, temperature=req.temperature,
-        top_p=req.top_p, seed=req.seed, response_format=_response_format(req.text.format if req.text else None))
+        top_p=req.top_p, seed=req.seed, response_format=_response_format(req.text.format if req.text else None),
+        structured_outputs=req.structured_outputs)
 
 
 def _chat_tool(tool, index: int) -> ChatTool:

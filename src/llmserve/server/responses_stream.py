@@ -1,6 +1,8 @@
 """A Responses API stream: one output's text deltas -> OpenAI's typed events, in their order.
 
-A message item opens on the first content (output_item.added, content_part.added), grows by
+A reasoning item (with --reasoning-parser) opens on the first thought (output_item.added), grows by
+reasoning_text.delta and closes with reasoning_text.done and output_item.done. A message item opens on the
+first content (output_item.added, content_part.added), grows by
 output_text.delta and closes with output_text.done, content_part.done and output_item.done; a function
 call opens with output_item.added (arguments ""), grows by function_call_arguments.delta and closes with
 function_call_arguments.done and output_item.done. An item closes when the next one opens or the output
@@ -12,7 +14,9 @@ from __future__ import annotations
 import uuid
 
 from llmserve.server.protocol import DeltaMessage, encode_json
-from llmserve.server.protocol_responses import FunctionCallItem, OutputItem, OutputMessage, OutputText, StreamEvent
+from llmserve.server.protocol_responses import (FunctionCallItem, OutputItem, OutputMessage, OutputText,
+                                                ReasoningItem, ReasoningText, StreamEvent)
+from llmserve.server.reasoning import ReasoningStream
 from llmserve.server.tool_calls import ChoiceStream, ToolPlan
 
 
@@ -40,14 +44,18 @@ class EventCounter:
 class OutputEvents:
     """The events of one output's items, fed its text deltas as the engine produces them."""
 
-    def __init__(self, plan: ToolPlan, counter: EventCounter) -> None:
+    def __init__(self, plan: ToolPlan, counter: EventCounter, reasoning_parser: str | None) -> None:
         self.choice = ChoiceStream(plan)
+        self.thoughts = None if reasoning_parser is None else ReasoningStream(reasoning_parser)
         self.counter = counter
         self.items: list[OutputItem] = []  # closed, in output order
         self.open: OutputItem | None = None
 
     def feed(self, text: str, is_final: bool) -> list[bytes]:
         events = []
+        if self.thoughts is not None:
+            reasoning, text = self.thoughts.feed(text, is_final)
+            events += self._reasoning(reasoning) if reasoning else []
         for delta in self.choice.feed(text, is_final):
             events += self._delta(delta)
         if is_final:
@@ -70,6 +78,15 @@ class OutputEvents:
                 events.append(self._event("function_call_arguments.delta", item_id=self.open.id, delta=arguments))
         return events
 
+    def _reasoning(self, delta: str) -> list[bytes]:
+        events = [] if isinstance(self.open, ReasoningItem) else self._close() + self._open_reasoning()
+        self.open.content[0].text += delta
+        return events + [self._event("reasoning_text.delta", item_id=self.open.id, content_index=0, delta=delta)]
+
+    def _open_reasoning(self) -> list[bytes]:
+        self.open = ReasoningItem(new_item_id("rs"), [ReasoningText("")], status="in_progress")
+        return [self._event("output_item.added", item=ReasoningItem(self.open.id, [], status="in_progress"))]
+
     def _open_message(self) -> list[bytes]:
         self.open = OutputMessage(new_item_id("msg"), [OutputText("")], status="in_progress")
         added = OutputMessage(self.open.id, [], status="in_progress")  # its part comes with content_part.added
@@ -86,7 +103,10 @@ class OutputEvents:
             return []
         item.status = "completed"
         index = len(self.items)
-        if isinstance(item, OutputMessage):
+        if isinstance(item, ReasoningItem):
+            events = [self._event("reasoning_text.done", output_index=index, item_id=item.id, content_index=0,
+                                  text=item.content[0].text)]
+        elif isinstance(item, OutputMessage):
             text = item.content[0].text
             events = [self._event("output_text.done", output_index=index, item_id=item.id, content_index=0,
                                   text=text, logprobs=[]),

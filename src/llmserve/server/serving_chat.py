@@ -15,8 +15,9 @@ from llmserve.server.params import build_params, chat_overrides
 from llmserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob,
                                       DeltaMessage, TopLogprob, decode_json, encode_json, make_usage)
+from llmserve.server.reasoning import ReasoningStream, split_reasoning
 from llmserve.server.serving_common import (ServingContext, TokenLabels, collect_final, created_now,
-                                            logprob_labels, new_request_id, render_chat)
+                                            logprob_labels, new_request_id, render_chat, template_kwargs)
 from llmserve.server.streams import sse_event, sse_response, until_disconnect, with_error_event
 from llmserve.server.tool_calls import ChoiceStream, ToolPlan, plan_tools, response_message
 
@@ -40,7 +41,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[ToolP
     overrides = chat_overrides(req)
     plan.apply(overrides)
     params = build_params(ctx.engine.default_sampling_params, overrides)
-    text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools)
+    kwargs = template_kwargs(tokenizer, req.reasoning_effort, req.chat_template_kwargs)
+    text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools, kwargs)
     prompt = TokensPrompt(ctx.engine.encode(text, add_special_tokens=False), text)
     ctx.engine.check_request(len(prompt.token_ids), params)
     return plan, params, prompt
@@ -73,8 +75,13 @@ class ChatServer:
     def _response(self, req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams, request_id: str,
                   prompt: TokensPrompt, final: RequestOutput) -> ChatCompletionResponse:
         choices = []
+        parser = self.ctx.config.reasoning_parser
         for out in final.outputs:
-            message, finish_reason = response_message(plan, out.text, out.finish_reason)
+            split = None if parser is None else split_reasoning(parser, out.text)
+            message, finish_reason = response_message(plan, out.text if split is None else split.content,
+                                                      out.finish_reason)
+            if split is not None:
+                message.reasoning_content = split.reasoning
             token_ids = list(out.token_ids) if req.return_token_ids else None
             choices.append(ChatChoice(out.index, message, self._logprobs(req, params, out), finish_reason,
                                       out.stop_reason, token_ids))
@@ -84,12 +91,16 @@ class ChatServer:
         return ChatCompletionResponse(request_id, created_now(), self.ctx.model_name, choices, usage,
                                       prompt_token_ids=prompt_token_ids)
 
-    def _stream_choices(self, req: ChatCompletionRequest, stream: ChoiceStream, params: SamplingParams,
-                        out: CompletionOutput) -> list[ChatStreamChoice]:
+    def _stream_choices(self, req: ChatCompletionRequest, stream: ChoiceStream, thoughts: ReasoningStream | None,
+                        params: SamplingParams, out: CompletionOutput) -> list[ChatStreamChoice]:
         """One delta output of a choice as stream choices: logprobs and token ids on the first, the finish on
-        the last."""
+        the last; with a reasoning parser, the thoughts' delta before the answer's."""
         is_final = out.finish_reason is not None
-        messages = stream.feed(out.text, is_final)
+        text, messages = out.text, []
+        if thoughts is not None:
+            reasoning, text = thoughts.feed(out.text, is_final)
+            messages = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
+        messages += stream.feed(text, is_final)
         logprobs = self._logprobs(req, params, out)
         token_ids = list(out.token_ids) if req.return_token_ids and out.token_ids else None
         finish_reason = stream.finish_reason(out.finish_reason) if is_final else None
@@ -116,6 +127,8 @@ class ChatServer:
                                                  usage=usage, prompt_token_ids=prompt_token_ids))
 
         streams = [ChoiceStream(plan) for _ in range(params.n)]
+        parser = self.ctx.config.reasoning_parser
+        thoughts = [None if parser is None else ReasoningStream(parser) for _ in range(params.n)]
         prompt_ids = list(prompt.token_ids) if req.return_token_ids else None
         for i in range(params.n):
             yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")), prompt_ids if i == 0 else None)
@@ -124,7 +137,7 @@ class ChatServer:
                 num_cached = output.num_cached_tokens
                 for out in output.outputs:
                     num_completion += len(out.token_ids)
-                    for choice in self._stream_choices(req, streams[out.index], params, out):
+                    for choice in self._stream_choices(req, streams[out.index], thoughts[out.index], params, out):
                         yield chunk(choice)
         if is_usage:
             yield sse_event(ChatCompletionChunk(request_id, created, model, [],

@@ -19,6 +19,7 @@ from llmserve.server.errors import APIError, service_unavailable
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import ChatMessage
 from llmserve.server.protocol_tools import ToolCall
+from llmserve.server.structured_fields import FieldError
 
 ADMITTED_KEY = "llmserve.num_admitted"  # in the ASGI scope: sequences this request counts against the limit
 
@@ -134,10 +135,32 @@ def _template_tool_call(call: ToolCall) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
+TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                      "chat_template", "continue_final_message", "return_dict")
+
+
+def template_kwargs(tokenizer, reasoning_effort: str | None, chat_template_kwargs: dict | None) -> dict:
+    """What a chat request passes to the template beside its messages; a key the template never reads is
+    refused (400 naming it) rather than ignored."""
+    kwargs = dict(chat_template_kwargs or {})
+    if reasoning_effort is not None:
+        kwargs["reasoning_effort"] = reasoning_effort
+    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
+    for key in kwargs:
+        param = "reasoning_effort" if key == "reasoning_effort" and reasoning_effort is not None \
+            else f"chat_template_kwargs.{key}"
+        if key in TEMPLATE_ARGUMENTS:
+            raise FieldError(param, f"{param}: {key!r} is set by the server, not by chat_template_kwargs")
+        if key not in template:
+            raise FieldError(param, f"{param}: this model's chat template does not read {key!r}")
+    return kwargs
+
+
 def render_chat(tokenizer, messages: list[ChatMessage] | None, add_generation_prompt: bool,
-                tools: list[dict] | None = None) -> str:
+                tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
     """The chat template applied (text; tokenize it without adding special tokens). `tools` in OpenAI's
-    form ({"type": "function", "function": {...}}), as transformers' templates take them."""
+    form ({"type": "function", "function": {...}}), as transformers' templates take them; `kwargs` from
+    `template_kwargs`."""
     conversation = chat_conversation(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions")
@@ -145,7 +168,7 @@ def render_chat(tokenizer, messages: list[ChatMessage] | None, add_generation_pr
 
     try:
         text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, **(kwargs or {}))
     except TemplateError as e:
         raise ValueError(f"the chat template rejected the messages: {e}") from None
     if not isinstance(text, str):

@@ -24,7 +24,9 @@ from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatMessage, ResponseMessage, decode_json, encode_json
 from llmserve.server.protocol_responses import (FunctionCallItem, IncompleteDetails, InputTokensDetails,
                                                 OutputItem, OutputMessage, OutputText, OutputTokensDetails,
-                                                ResponseObject, ResponsesRequest, ResponseUsage)
+                                                ReasoningItem, ReasoningText, ResponseObject, ResponsesRequest,
+                                                ResponseUsage)
+from llmserve.server.reasoning import split_reasoning
 from llmserve.server.protocol_tools import FunctionCall, ToolCall
 from llmserve.server.responses_input import chat_request, check_unsupported, conversation_messages
 from llmserve.server.responses_stream import EventCounter, OutputEvents, new_item_id
@@ -87,8 +89,12 @@ class ResponsesServer:
             return sse_response(with_error_event(events, draft.id, done=None), draft.id, ctx.is_shutting_down)
         final = await until_disconnect(request, collect_final(gen), draft.id)
         out = final.outputs[0]
-        message, _ = response_message(plan, out.text, out.finish_reason)
-        response = _finished(draft, _output_items(message), out.finish_reason,
+        parser = ctx.config.reasoning_parser
+        split = None if parser is None else split_reasoning(parser, out.text)
+        message, _ = response_message(plan, out.text if split is None else split.content, out.finish_reason)
+        thought = [] if split is None or split.reasoning is None else \
+            [ReasoningItem(new_item_id("rs"), [ReasoningText(split.reasoning)])]
+        response = _finished(draft, thought + _output_items(message), out.finish_reason,
                              _usage(len(prompt.token_ids), len(out.token_ids), final.num_cached_tokens))
         self._remember(req, conversation, response)
         return Response(encode_json(response), media_type="application/json")
@@ -110,7 +116,7 @@ class ResponsesServer:
         counter = EventCounter()
         yield counter.event("created", response=draft)
         yield counter.event("in_progress", response=draft)
-        output = OutputEvents(plan, counter)
+        output = OutputEvents(plan, counter, self.ctx.config.reasoning_parser)
         num_output, num_cached, finish_reason = 0, 0, None
         async with aclosing(gen):
             async for delta in gen:
@@ -142,7 +148,8 @@ def _output_items(message: ResponseMessage) -> list[OutputItem]:
 
 
 def _assistant_turn(items: list[OutputItem]) -> ChatMessage:
-    """The output items as the assistant turn a later request's conversation holds."""
+    """The output items as the assistant turn a later request's conversation holds (thoughts are not kept:
+    templates drop earlier turns' thinking)."""
     text = "".join(part.text for item in items if isinstance(item, OutputMessage) for part in item.content)
     calls = [ToolCall(item.call_id, FunctionCall(item.name, item.arguments)) for item in items
              if isinstance(item, FunctionCallItem)]

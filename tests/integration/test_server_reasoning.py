@@ -1,0 +1,92 @@
+"""--reasoning-parser qwen3 on a real server: thoughts apart from the answer (chat's reasoning_content, streamed
+or not; the Responses API's reasoning item), and chat_template_kwargs / reasoning_effort reaching the template
+or refused. The tiny random model's text is held to a thought-then-answer shape by a regex (structured
+outputs), so what the parser sees is known."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from llmserve.server.testing import ServerProcess, start_tiny_server
+
+THOUGHT_THEN_ANSWER = {"structured_outputs": {"regex": "<think>[a-z]{1,8}</think>\n\n(yes|no)"}}
+MESSAGES = [{"role": "user", "content": "Is it?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_tiny_server(str(tmp_path_factory.mktemp("thinking")), "--served-model-name", "tiny",
+                               "--reasoning-parser", "qwen3")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_returns_the_thought_apart_from_the_answer(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40,
+                                         extra_body=THOUGHT_THEN_ANSWER)
+    message = out.choices[0].message
+    assert message.content in ("yes", "no") and out.choices[0].finish_reason == "stop"
+    thought = message.model_extra["reasoning_content"]
+    assert thought.isalpha() and thought.islower() and 1 <= len(thought) <= 8
+
+
+def test_a_stream_sends_the_thought_then_the_answer(client):
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, seed=3,
+                                           extra_body=THOUGHT_THEN_ANSWER)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, seed=3,
+                                                 stream=True, extra_body=THOUGHT_THEN_ANSWER))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    answer = "".join(d.content or "" for d in deltas)
+    assert (thought, answer) == (whole.choices[0].message.model_extra["reasoning_content"],
+                                 whole.choices[0].message.content)
+    first_answer = next(i for i, d in enumerate(deltas) if d.content)
+    assert all(not d.model_extra.get("reasoning_content") for d in deltas[first_answer:])
+
+
+def test_an_answer_without_thoughts_has_no_reasoning(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
+                                         extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert out.choices[0].message.content in ("yes", "no")
+    assert out.choices[0].message.model_extra["reasoning_content"] is None
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    """The demo template's Qwen3 switch: enable_thinking false appends an empty thought to the prompt."""
+    def prompt_tokens(**body) -> int:
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=body)
+        return out.usage.prompt_tokens
+
+    extra = prompt_tokens(chat_template_kwargs={"enable_thinking": False}) - prompt_tokens()
+    assert 0 < extra <= len("<think>\n\n</think>\n\n")
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == prompt_tokens()
+
+
+@pytest.mark.parametrize("body, param", [({"chat_template_kwargs": {"thinking_budget": 3}},
+                                          "chat_template_kwargs.thinking_budget"),
+                                         ({"reasoning_effort": "low"}, "reasoning_effort"),
+                                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools")])
+def test_what_the_template_does_not_read_is_refused(server, body, param):
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_responses_give_a_reasoning_item_before_the_message(client):
+    out = client.responses.create(model="tiny", input="Is it?", max_output_tokens=40,
+                                  extra_body=THOUGHT_THEN_ANSWER)
+    reasoning, message = out.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert reasoning.content[0].text.isalpha() and out.output_text in ("yes", "no")
+    with client.responses.stream(model="tiny", input="Is it?", max_output_tokens=40,
+                                 extra_body=THOUGHT_THEN_ANSWER) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert [i.type for i in final.output] == ["reasoning", "message"] and thought == final.output[0].content[0].text
