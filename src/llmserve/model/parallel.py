@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.linear import Linear
+from llmserve.model.moe import num_experts_of
 
 
 @dataclass
@@ -104,6 +105,9 @@ def head_dim_of(config) -> int:
 
 def shard_layout(config, size: int, rank: int) -> ShardLayout:
     """Rank `rank`'s share of an HF config's model over `size` ranks (ValueError when it cannot split)."""
+    if num_experts_of(config):
+        raise ValueError(f"--tensor-parallel-size {size} is not supported for Mixture-of-Experts models yet "
+                         "(their experts are not split over ranks): serve the model on one rank")
     q_heads, kv_heads = head_shard(config.num_attention_heads, config.num_key_value_heads, size, rank)
     if config.intermediate_size < size:
         raise ValueError(f"--tensor-parallel-size {size} exceeds the intermediate size {config.intermediate_size}")

@@ -1,0 +1,199 @@
+"""Mixture-of-Experts feed-forward: a router picks top-k experts per token, each expert is a gated MLP.
+
+`SparseMoeBlock` holds the router (`gate.weight` [E, H]) and the experts stacked as two tensors,
+`experts.gate_up_proj` [E, 2I, H] (gate rows first, then up) and `experts.down_proj` [E, H, I]: the names and
+layout of transformers' in-memory modules. Checkpoints that store one tensor per expert (what save_pretrained
+writes: `experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`) are stacked at load
+(`map_expert_name` says where each goes).
+
+The forward (`fused_moe`) sorts the token-expert pairs by expert once, runs one gate/up and one down GEMM per
+expert that received tokens, and sums each token's k outputs weighted by its routing weights: no Python loop
+over tokens, at most E GEMM pairs per layer.
+
+Routing is batch-invariant: a token's experts and weights depend only on its own hidden state (`route`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.model import cpu_kernels
+
+_MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Fields of an HF config that would change the math if set to something other than the value given here
+_REFUSED_UNLESS = {"hidden_act": "silu", "scoring_func": "softmax", "routed_scaling_factor": 1.0,
+                   "n_shared_experts": None, "shared_expert_intermediate_size": None, "n_group": None,
+                   "topk_group": None}
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The Mixture-of-Experts settings of a config; which layers are sparse is `is_sparse_layer`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    is_renormalized: bool  # top-k weights divided by their sum (= softmax over the top-k logits)
+    sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen3-MoE's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers that stay a dense MLP (Qwen3-MoE's mlp_only_layers)
+
+    def is_sparse_layer(self, index: int) -> bool:
+        return index not in self.dense_layers and (index + 1) % self.sparse_step == 0
+
+
+def num_experts_of(config) -> int:
+    """The number of routed experts of an HF config (0 for a dense one)."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
+def _check_supported_fields(config) -> None:
+    for field, supported in _REFUSED_UNLESS.items():
+        value = getattr(config, field, supported)
+        if value != supported and not (field == "routed_scaling_factor" and value is None):
+            raise ValueError(f"MoE config field {field}={value!r} is not supported (supported: {supported!r})")
+
+
+def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
+    """The MoE settings of a Qwen3-MoE or Mixtral config, None for a dense architecture.
+
+    ValueError naming the field when the config asks for routing or experts this layer does not implement."""
+    if architecture not in _MOE_ARCHS:
+        return None
+    _check_supported_fields(config)
+    num_experts, top_k = num_experts_of(config), config.num_experts_per_tok
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the number of experts)")
+    if architecture == "MixtralForCausalLM":
+        return MoeSpec(num_experts, top_k, config.intermediate_size, is_renormalized=True)
+    return MoeSpec(num_experts, top_k, config.moe_intermediate_size, bool(config.norm_topk_prob),
+                   config.decoder_sparse_step, tuple(config.mlp_only_layers or ()))
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H], weight [E, H] -> logits [T, E] float32, accumulated in float64.
+
+    A float32 GEMM's row results change with the number of rows on CPU (MKL picks its blocking by shape), so
+    a token's logits, and at a near-tie its experts, would depend on the batch. The float64 sums differ by far
+    less than float32's rounding step, so the rounded logits are those the token gets alone."""
+    return F.linear(x.double(), weight.double()).float()
+
+
+def route(logits: torch.Tensor, top_k: int, is_renormalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64), per row.
+
+    Softmax over all experts, then the k largest; equal logits go to the lower expert id (a stable sort:
+    torch.topk breaks ties arbitrarily). Renormalised weights sum to 1 over the k."""
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
+    weights = torch.softmax(logits, dim=-1).gather(1, ids)  # [T, k]
+    if is_renormalized:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [n, 2I] -> silu(gate) * up [n, I]."""
+    if gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
+        return cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k] -> [T, H].
+
+    The T*k token-expert pairs are sorted by expert once (stable: within an expert, token order); each expert
+    with tokens runs its GEMM pair over its contiguous rows; index_add_ sums each token's k outputs in
+    expert order."""
+    num_experts, top_k = gate_up.shape[0], ids.shape[1]
+    flat_ids = ids.reshape(-1)  # [T*k]
+    order = torch.sort(flat_ids, stable=True).indices  # [T*k] pair indices grouped by expert
+    token_of = order // top_k  # [T*k] the token of each sorted pair
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # one host sync per layer
+    rows = x.index_select(0, token_of)  # [T*k, H]
+    outs = torch.empty_like(rows)  # [T*k, H]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            hidden = _silu_mul(F.linear(rows[start:start + count], gate_up[expert]))  # [n, I]
+            outs[start:start + count] = F.linear(hidden, down[expert])  # [n, H]
+            start += count
+    outs *= weights.reshape(-1)[order].to(outs.dtype)[:, None]
+    return torch.zeros_like(x).index_add_(0, token_of, outs)
+
+
+class Router(nn.Module):
+    """The linear layer scoring each token against each expert (HF's `mlp.gate`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
+
+
+class Experts(nn.Module):
+    """E gated MLPs stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router -> top-k -> experts -> weighted sum; x [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec):
+        super().__init__()
+        self.spec = spec
+        self.gate = Router(hidden_size, spec.num_experts)
+        self.experts = Experts(hidden_size, spec.intermediate_size, spec.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = router_logits(x, self.gate.weight)  # [T, E]
+        weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)  # [T, k] each
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+
+
+# The per-expert checkpoint names: (module, part) -> part of the stacked tensor; Mixtral's w1/w3/w2 are
+# gate/up/down
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def map_expert_name(hf_name: str) -> tuple[str, str | None] | None:
+    """A per-expert checkpoint tensor -> (our stacked parameter, shard "e{expert}:{gate|up|down}"); a whole
+    stacked tensor -> (its name, None); Mixtral's `block_sparse_moe.` read as `mlp.`; None: not an MoE name."""
+    name = hf_name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if "experts" not in parts:
+        return (name, None) if name != hf_name else None
+    at = parts.index("experts")
+    if len(parts) == at + 2:  # mlp.experts.gate_up_proj / mlp.experts.down_proj, stacked already
+        return name, None
+    if len(parts) != at + 4 or not parts[at + 1].isdigit() or parts[at + 2] not in _EXPERT_PARTS:
+        return name, None  # no place in the model: the loader names it
+    part = _EXPERT_PARTS[parts[at + 2]]
+    stacked = "down_proj" if part == "down" else "gate_up_proj"
+    return ".".join(parts[:at + 1] + [stacked]), f"e{parts[at + 1]}:{part}"
+
+
+def expert_shard_view(param: torch.Tensor, shard: str) -> torch.Tensor:
+    """The slice of a stacked parameter that shard "e{expert}:{gate|up|down}" fills."""
+    expert, part = shard[1:].split(":")
+    rows = param[int(expert)]
+    if part == "down":
+        return rows
+    half = rows.shape[0] // 2
+    return rows[:half] if part == "gate" else rows[half:]
+
+
+def expert_shards(param_name: str, num_experts: int) -> list[str] | None:
+    """The shards that together fill a stacked expert parameter; None for any other parameter."""
+    if param_name.endswith("experts.gate_up_proj"):
+        return [f"e{e}:{part}" for e in range(num_experts) for part in ("gate", "up")]
+    if param_name.endswith("experts.down_proj"):
+        return [f"e{e}:down" for e in range(num_experts)]
+    return None
