@@ -87,6 +87,25 @@ def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):
     llm.engine.check_integrity()
 
 
+def test_preemption_under_a_small_cache_equals_transformers(checkpoint):
+    path, hf = checkpoint
+    prompts = [prompt(n, 20 + i) for i, n in enumerate((20, 17, 22, 19))]
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=33, block_size=4)  # 32 of 37 blocks
+    outs = greedy(llm, prompts, num_out=16)
+    assert llm.num_preemptions > 0, "the small pool was meant to force preemption"
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, num_out=16) for p in prompts]
+    llm.engine.check_integrity()
+
+
+def test_ngram_speculation_over_an_moe_target_equals_transformers(checkpoint):
+    path, hf = checkpoint
+    repeated = prompt(8, 30) * 3
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, speculative="ngram",
+              num_speculative_tokens=3)
+    assert list(greedy(llm, [repeated])[0].outputs[0].token_ids) == hf_greedy(hf, repeated)
+    llm.engine.check_integrity()
+
+
 def test_the_sparse_layers_are_those_transformers_builds():
     """decoder_sparse_step and mlp_only_layers pick the same layers here as in transformers."""
     import transformers
