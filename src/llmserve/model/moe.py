@@ -24,10 +24,11 @@ from torch import nn
 from llmserve.model import cpu_kernels
 
 _MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-# Fields of an HF config that would change the math if set to something other than the value given here
-_REFUSED_UNLESS = {"hidden_act": "silu", "scoring_func": "softmax", "routed_scaling_factor": 1.0,
-                   "n_shared_experts": None, "shared_expert_intermediate_size": None, "n_group": None,
-                   "topk_group": None}
+# Fields of an HF config that change the math unless absent or one of the values given here (other MoE
+# families' routing: sigmoid scores, scaled weights, shared experts, grouped top-k)
+_SUPPORTED_VALUES = {"hidden_act": ("silu",), "scoring_func": ("softmax",), "routed_scaling_factor": (1.0, None),
+                     "n_shared_experts": (0, None), "shared_expert_intermediate_size": (0, None),
+                     "n_group": (1, None), "topk_group": (1, None)}
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,10 @@ def num_experts_of(config) -> int:
 
 
 def _check_supported_fields(config) -> None:
-    for field, supported in _REFUSED_UNLESS.items():
-        value = getattr(config, field, supported)
-        if value != supported and not (field == "routed_scaling_factor" and value is None):
-            raise ValueError(f"MoE config field {field}={value!r} is not supported (supported: {supported!r})")
+    for field, supported in _SUPPORTED_VALUES.items():
+        value = getattr(config, field, supported[0])
+        if value not in supported:
+            raise ValueError(f"MoE config field {field}={value!r} is not supported (supported: {supported[0]!r})")
 
 
 def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
