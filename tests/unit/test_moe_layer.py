@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, fused_moe, map_expert_name,
-                                moe_spec_from_config, route, router_logits)
+from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_counts, expert_shard_view, fused_moe,
+                                map_expert_name, moe_spec_from_config, route, router_logits, take_load_balance)
 
 HIDDEN, INTER, EXPERTS = 32, 16, 8
 
@@ -95,6 +95,21 @@ def test_a_tokens_routing_is_the_same_alone_and_in_a_batch():
         assert torch.equal(ids[0], batch_ids[t]) and torch.equal(weights[0], batch_weights[t])
         with torch.no_grad():
             torch.testing.assert_close(block(x[t:t + 1])[0], batch_out[t], atol=1e-6, rtol=0)
+
+
+def test_load_balance_is_max_over_mean_tokens_per_expert_averaged_over_forwards():
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3]])  # 6 pairs over 8 experts: mean 0.75, max 3
+    assert expert_counts(ids, EXPERTS) == [3, 1, 1, 1, 0, 0, 0, 0]
+    first, second = _block(6), _block(7)
+    assert take_load_balance([first, second]) is None
+    first.load.record([3, 1, 1, 1, 0, 0, 0, 0])  # 4.0
+    second.load.record([1] * EXPERTS)  # 1.0: even
+    second.load.record([2, 0, 0, 0, 0, 0, 0, 0])  # 8.0: one expert takes all
+    assert take_load_balance([first, second]) == pytest.approx((4.0 + 1.0 + 8.0) / 3)
+    assert take_load_balance([first, second]) is None  # taken
+    with torch.no_grad():
+        first(torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(8)))
+    assert 1.0 <= take_load_balance([first]) <= EXPERTS / 2
 
 
 def _config(**fields):

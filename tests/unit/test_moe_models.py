@@ -65,13 +65,29 @@ def greedy(llm: LLM, prompts: list[list[int]], num_out: int = NUM_OUT):
     return llm.generate(prompts, params)
 
 
-def test_a_batch_of_mixed_lengths_equals_transformers(checkpoint):
+def test_a_batch_of_mixed_lengths_equals_transformers(checkpoint, monkeypatch):
     path, hf = checkpoint
     prompts = [prompt(n, i) for i, n in enumerate((3, 17, 1, 9))]
     llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4)
+    balances = _record_expert_balance(llm, monkeypatch)
     outs = greedy(llm, prompts)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
     llm.engine.check_integrity()
+    assert balances and all(1.0 <= b <= 8 / 2 for b in balances)  # 8 experts, top-2: at most 4
+
+
+def _record_expert_balance(llm: LLM, monkeypatch) -> list[float]:
+    """The expert_balance of every engine step's stats, as the server's metrics get them."""
+    balances, step = [], llm.engine.step
+
+    def recording_step():
+        outputs = step()
+        if outputs.stats is not None and outputs.stats.expert_balance is not None:
+            balances.append(outputs.stats.expert_balance)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    return balances
 
 
 def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):

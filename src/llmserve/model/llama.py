@@ -27,7 +27,7 @@ from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
 from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expert_shards, map_expert_name,
-                                moe_spec_from_config)
+                                moe_spec_from_config, take_load_balance)
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 
@@ -179,6 +179,11 @@ class CausalLM(nn.Module):
     def is_moe(self) -> bool:
         """Whether some layers are Mixture-of-Experts (their forward syncs with the host: no CUDA graphs)."""
         return self.parts.moe is not None
+
+    def take_expert_balance(self) -> float | None:
+        """MoE layers' tokens per expert, max over mean, averaged over their forwards since the last call;
+        None for a dense model or when nothing ran."""
+        return take_load_balance([layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)])
 
     def pack_tied_lm_head(self) -> bool:
         """Keep a packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""

@@ -103,18 +103,23 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
+    """ids [T, k] -> tokens routed to each expert (a host list: one sync per layer)."""
+    return torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k] -> [T, H].
+              ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k] -> [T, H]; counts: the
+    ids' expert_counts when the caller has them.
 
     The T*k token-expert pairs are sorted by expert once (stable: within an expert, token order); each expert
     with tokens runs its GEMM pair over its contiguous rows; index_add_ sums each token's k outputs in
     expert order."""
-    num_experts, top_k = gate_up.shape[0], ids.shape[1]
-    flat_ids = ids.reshape(-1)  # [T*k]
-    order = torch.sort(flat_ids, stable=True).indices  # [T*k] pair indices grouped by expert
+    top_k = ids.shape[1]
+    order = torch.sort(ids.reshape(-1), stable=True).indices  # [T*k] pair indices grouped by expert
     token_of = order // top_k  # [T*k] the token of each sorted pair
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # one host sync per layer
+    counts = expert_counts(ids, gate_up.shape[0]) if counts is None else counts
     rows = x.index_select(0, token_of)  # [T*k, H]
     outs = torch.empty_like(rows)  # [T*k, H]
     start = 0
@@ -144,6 +149,21 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
+class ExpertLoad:
+    """The load balance of a layer's forwards: tokens per expert, max over mean (1 = even), summed until
+    taken (the engine's per-step metric)."""
+
+    def __init__(self) -> None:
+        self.ratio_sum = 0.0
+        self.num_forwards = 0
+
+    def record(self, counts: list[int]) -> None:
+        total = sum(counts)
+        if total:
+            self.ratio_sum += max(counts) * len(counts) / total
+            self.num_forwards += 1
+
+
 class SparseMoeBlock(nn.Module):
     """Router -> top-k -> experts -> weighted sum; x [T, H] -> [T, H]."""
 
@@ -152,11 +172,24 @@ class SparseMoeBlock(nn.Module):
         self.spec = spec
         self.gate = Router(hidden_size, spec.num_experts)
         self.experts = Experts(hidden_size, spec.intermediate_size, spec.num_experts)
+        self.load = ExpertLoad()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = router_logits(x, self.gate.weight)  # [T, E]
         weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)  # [T, k] each
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        counts = expert_counts(ids, self.spec.num_experts)
+        self.load.record(counts)
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts)
+
+
+def take_load_balance(blocks: list[SparseMoeBlock]) -> float | None:
+    """Tokens per expert, max over mean, averaged over the blocks' forwards since the last call (which it
+    forgets); None when none ran."""
+    ratio_sum = sum(block.load.ratio_sum for block in blocks)
+    num_forwards = sum(block.load.num_forwards for block in blocks)
+    for block in blocks:
+        block.load = ExpertLoad()
+    return ratio_sum / num_forwards if num_forwards else None
 
 
 # The per-expert checkpoint names: (module, part) -> part of the stacked tensor; Mixtral's w1/w3/w2 are
