@@ -135,7 +135,7 @@ def test_mixtral_always_renormalises():
 
 @pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("scoring_func", "sigmoid"),
                                           ("routed_scaling_factor", 2.5), ("shared_expert_intermediate_size", 64),
-                                          ("num_experts_per_tok", 9)])
+                                          ("num_experts_per_tok", 9), ("decoder_sparse_step", 0)])
 def test_fields_that_change_the_math_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         moe_spec_from_config(_config(**{field: value}), "Qwen3MoeForCausalLM")

@@ -70,6 +70,8 @@ def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
         raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the number of experts)")
     if architecture == "MixtralForCausalLM":
         return MoeSpec(num_experts, top_k, config.intermediate_size, is_renormalized=True)
+    if config.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} must be at least 1")
     return MoeSpec(num_experts, top_k, config.moe_intermediate_size, bool(config.norm_topk_prob),
                    config.decoder_sparse_step, tuple(config.mlp_only_layers or ()))
 
