@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_counts, expert_shard_view, fused_moe,
-                                map_expert_name, moe_spec_from_config, route, router_logits, take_load_balance)
+from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_counts, expert_shard_of, expert_shard_view,
+                                fused_moe, map_expert_name, moe_spec_from_config, route, router_logits,
+                                shard_stacked, take_load_balance)
 
 HIDDEN, INTER, EXPERTS = 32, 16, 8
 
@@ -162,3 +163,14 @@ def test_expert_shards_view_their_rows():
     assert torch.equal(expert_shard_view(gate_up, "e1:gate"), gate_up[1, :3])
     assert torch.equal(expert_shard_view(gate_up, "e1:up"), gate_up[1, 3:])
     assert torch.equal(expert_shard_view(gate_up, "e0:down"), gate_up[0])
+
+
+def test_a_ranks_share_of_the_experts_is_the_same_from_per_expert_and_stacked_tensors():
+    """Features [2, 5) of every expert: read from per-expert tensors (expert_shard_of) or cut from stacked ones."""
+    gate_up, down = _experts(9)  # [E, 2I, H], [E, H, I]
+    assert expert_shard_of("model.layers.0.mlp.experts.4.up_proj.weight", 2, 3) == (0, 2, 3)
+    assert expert_shard_of("model.layers.0.block_sparse_moe.experts.4.w2.weight", 2, 3) == (1, 2, 3)
+    assert expert_shard_of("model.layers.0.mlp.experts.gate_up_proj", 2, 3) is None  # read whole
+    share = shard_stacked("model.layers.0.mlp.experts.gate_up_proj", gate_up, 2, 3)  # [E, 6, H]
+    assert torch.equal(share[4, :3], gate_up[4, 2:5]) and torch.equal(share[4, 3:], gate_up[4, INTER + 2:INTER + 5])
+    assert torch.equal(shard_stacked("model.layers.0.mlp.experts.down_proj", down, 2, 3), down[:, :, 2:5])

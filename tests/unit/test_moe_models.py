@@ -140,10 +140,12 @@ def test_the_sparse_layers_are_those_transformers_builds():
     assert hf_sparse == [False, True, False, False, False, True]
 
 
-def test_tensor_parallel_and_quantization_are_refused(tmp_path):
+def test_quantization_is_refused_and_tensor_parallelism_splits_the_experts(tmp_path):
     path = write_checkpoint("mixtral", str(tmp_path / "mixtral"))
-    with pytest.raises(ValueError, match="tensor-parallel-size 2 is not supported for Mixture-of-Experts"):
-        check_tensor_parallel(load_hf_config(path), 2)
+    check_tensor_parallel(load_hf_config(path), 2)
+    narrow = write_checkpoint("qwen3_moe", str(tmp_path / "narrow"), moe_intermediate_size=1)
+    with pytest.raises(ValueError, match="tensor-parallel-size 2 exceeds the experts' intermediate size 1"):
+        check_tensor_parallel(load_hf_config(narrow), 2)
     with pytest.raises(ValueError, match=r"quantization \(int8\) of Mixture-of-Experts models"):
         load_model(path, torch.float32, "cpu", quantization="int8")
 

@@ -11,8 +11,8 @@ whose window is shorter than the context length (max_model_len, default max_posi
 is rejected with a ValueError. A window at least as long as the context is a no-op and is ignored.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
-features and vocabulary rows; the loader hands `load_weights` those slices of the checkpoint. MoE models
-run on one rank only (refused by `check_tensor_parallel`).
+features and vocabulary rows (of every expert too); the loader hands `load_weights` those slices of the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch import nn
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
-from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expert_shards, map_expert_name,
-                                moe_spec_from_config, take_load_balance)
+from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expert_shards, is_stacked_expert,
+                                map_expert_name, moe_spec_from_config, shard_stacked, take_load_balance)
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 
@@ -109,7 +109,8 @@ def _feed_forward(config, parts: DecoderParts, index: int, tp: TensorParallel | 
                   layout: ShardLayout | None) -> nn.Module:
     """Layer `index`'s MLP: the MoE block on a sparse layer, else the dense gated MLP."""
     if parts.moe is not None and parts.moe.is_sparse_layer(index):
-        return SparseMoeBlock(config.hidden_size, parts.moe)
+        share = None if layout is None else layout.expert_intermediate[1]
+        return SparseMoeBlock(config.hidden_size, parts.moe, tp, share)
     intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
     return GatedMLP(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
 
@@ -244,6 +245,8 @@ class CausalLM(nn.Module):
 
     def _copy_shard(self, param: nn.Parameter, shard: str | None, tensor: torch.Tensor, hf_name: str) -> None:
         dest = param.data if shard is None else self._shard_view(param.data, shard)
+        if self.layout is not None and shard is None and is_stacked_expert(hf_name):
+            tensor = shard_stacked(hf_name, tensor, *self.layout.expert_intermediate)  # read whole
         if self.layout is not None and hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             dest.zero_()  # the last rank's rows past the vocabulary stay zero (padding)
             dest = dest[:tensor.shape[0]]

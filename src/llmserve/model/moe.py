@@ -16,12 +16,16 @@ Routing is batch-invariant: a token's experts and weights depend only on its own
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
+
+if TYPE_CHECKING:
+    from llmserve.model.parallel import TensorParallel  # parallel.py imports this module
 
 _MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Fields of an HF config that change the math unless absent or one of the values given here (other MoE
@@ -51,6 +55,11 @@ def num_experts_of(config) -> int:
     return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
 
 
+def expert_intermediate_size(config) -> int:
+    """One expert's intermediate size: Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size."""
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
 def _check_supported_fields(config) -> None:
     for field, supported in _SUPPORTED_VALUES.items():
         value = getattr(config, field, supported[0])
@@ -69,10 +78,10 @@ def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
     if not 0 < top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the number of experts)")
     if architecture == "MixtralForCausalLM":
-        return MoeSpec(num_experts, top_k, config.intermediate_size, is_renormalized=True)
+        return MoeSpec(num_experts, top_k, expert_intermediate_size(config), is_renormalized=True)
     if config.decoder_sparse_step < 1:
         raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} must be at least 1")
-    return MoeSpec(num_experts, top_k, config.moe_intermediate_size, bool(config.norm_topk_prob),
+    return MoeSpec(num_experts, top_k, expert_intermediate_size(config), bool(config.norm_topk_prob),
                    config.decoder_sparse_step, tuple(config.mlp_only_layers or ()))
 
 
@@ -167,13 +176,18 @@ class ExpertLoad:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router -> top-k -> experts -> weighted sum; x [T, H] -> [T, H]."""
+    """Router -> top-k -> experts -> weighted sum; x [T, H] -> [T, H].
 
-    def __init__(self, hidden_size: int, spec: MoeSpec):
+    With tensor parallelism every rank holds the whole router and `intermediate_size` (its share) of every
+    expert's features; each routes alike and an all-reduce (`tp`) sums the ranks' partial outputs."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallel | None = None,
+                 intermediate_size: int | None = None):
         super().__init__()
         self.spec = spec
+        self.tp = tp
         self.gate = Router(hidden_size, spec.num_experts)
-        self.experts = Experts(hidden_size, spec.intermediate_size, spec.num_experts)
+        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts)
         self.load = ExpertLoad()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +195,8 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)  # [T, k] each
         counts = expert_counts(ids, self.spec.num_experts)
         self.load.record(counts)
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts)
+        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def take_load_balance(blocks: list[SparseMoeBlock]) -> float | None:
@@ -216,6 +231,25 @@ def map_expert_name(hf_name: str) -> tuple[str, str | None] | None:
     return ".".join(parts[:at + 1] + [stacked]), f"e{parts[at + 1]}:{part}"
 
 
+def expert_shard_of(hf_name: str, start: int, count: int) -> tuple[int, int, int] | None:
+    """(dim, start, length) of a per-expert checkpoint tensor that a tensor-parallel rank reads: features
+    [start, start + count) of the expert's intermediate size; None (read it whole, `shard_stacked` slices it)
+    for a stacked one."""
+    target = map_expert_name(hf_name)
+    if target is None or target[1] is None:
+        return None
+    return (1 if target[1].endswith(":down") else 0), start, count
+
+
+def shard_stacked(name: str, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """A rank's share of a whole stacked expert tensor: features [start, start + count) of the gate and of
+    the up half of gate_up_proj [E, 2I, H], of down_proj's inputs [E, H, I]."""
+    if name.endswith("experts.down_proj"):
+        return tensor[:, :, start:start + count]
+    gate, up = tensor.chunk(2, dim=1)
+    return torch.cat([gate[:, start:start + count], up[:, start:start + count]], dim=1)
+
+
 def expert_shard_view(param: torch.Tensor, shard: str) -> torch.Tensor:
     """The slice of a stacked parameter that shard "e{expert}:{gate|up|down}" fills."""
     expert, part = shard[1:].split(":")
@@ -224,6 +258,10 @@ def expert_shard_view(param: torch.Tensor, shard: str) -> torch.Tensor:
         return rows
     half = rows.shape[0] // 2
     return rows[:half] if part == "gate" else rows[half:]
+
+
+def is_stacked_expert(name: str) -> bool:
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
 
 
 def expert_shards(param_name: str, num_experts: int) -> list[str] | None:

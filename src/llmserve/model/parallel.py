@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.linear import Linear
-from llmserve.model.moe import num_experts_of
+from llmserve.model.moe import expert_intermediate_size, expert_shard_of, num_experts_of
 
 
 @dataclass
@@ -79,6 +79,7 @@ class ShardLayout:
     vocab: tuple[int, int]  # rows of the padded table [size * vocab_per_rank]; count = vocab_per_rank
     vocab_size: int  # the real vocabulary (rows past it are padding)
     head_dim: int
+    expert_intermediate: tuple[int, int] = (0, 0)  # of every expert (Mixture-of-Experts models)
 
 
 def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -105,15 +106,15 @@ def head_dim_of(config) -> int:
 
 def shard_layout(config, size: int, rank: int) -> ShardLayout:
     """Rank `rank`'s share of an HF config's model over `size` ranks (ValueError when it cannot split)."""
-    if num_experts_of(config):
-        raise ValueError(f"--tensor-parallel-size {size} is not supported for Mixture-of-Experts models yet "
-                         "(their experts are not split over ranks): serve the model on one rank")
     q_heads, kv_heads = head_shard(config.num_attention_heads, config.num_key_value_heads, size, rank)
-    if config.intermediate_size < size:
-        raise ValueError(f"--tensor-parallel-size {size} exceeds the intermediate size {config.intermediate_size}")
+    expert_size = expert_intermediate_size(config) if num_experts_of(config) else size
+    for name, value in (("intermediate size", config.intermediate_size), ("experts' intermediate size", expert_size)):
+        if value < size:
+            raise ValueError(f"--tensor-parallel-size {size} exceeds the {name} {value}")
     per_rank = -(-config.vocab_size // size)
     return ShardLayout(q_heads, kv_heads, split_evenly(config.intermediate_size, size, rank),
-                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config))
+                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config),
+                       split_evenly(expert_size, size, rank))
 
 
 def check_tensor_parallel(config, size: int) -> None:
@@ -127,6 +128,8 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
     parts = hf_name.split(".")
     if len(parts) < 2:
         return None
+    if "experts" in parts:
+        return expert_shard_of(hf_name, *layout.expert_intermediate)
     module, kind, d = parts[-2], parts[-1], layout.head_dim
     (q0, nq), (kv0, nkv), (i0, ni) = layout.q_heads, layout.kv_heads, layout.intermediate
     if module == "q_proj":
