@@ -7,6 +7,8 @@ Megatron's split, as vLLM and nano-vllm do it:
     sums the partial outputs; the bias is added once (rank 0).
   - vocab-parallel embedding: each rank looks up the ids in its vocabulary range (zeros elsewhere); an
     all-reduce sums them. The LM head computes its vocabulary range's logits; an all-gather joins them.
+  - Mixture-of-Experts layers: the router whole on every rank, every expert's gate/up split as a column-
+    parallel layer and its down as a row-parallel one (model/moe.py); one all-reduce of the block's output.
 So a decoder layer costs two all-reduces of [T, hidden], and a step one all-gather of the logits.
 
 Heads are split by KV group, so that a rank's query heads read only its own KV heads: with G query heads
