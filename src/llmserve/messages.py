@@ -98,6 +98,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     timestamp: float = 0.0
     spec: SpecDecodeStats | None = None  # None when no drafts were verified this step
     grammar: GrammarStats | None = None  # None when no grammar was asked for or compiled
+    expert_balance: float | None = None  # MoE: tokens per expert, max / mean, over this step's layers; else None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -35,3 +35,14 @@ def test_grammar_counters_and_compile_histogram_follow_scheduler_stats():
     assert 'llmserve:grammar_compile_seconds_bucket{le="0.001",model_name="m"} 0.0' in text
     assert 'llmserve:grammar_compile_seconds_bucket{le="0.005",model_name="m"} 1.0' in text
     assert 'llmserve:grammar_compile_seconds_bucket{le="10.0",model_name="m"} 2.0' in text
+
+
+def test_expert_load_histogram_observes_moe_steps_only():
+    metrics = ServerMetrics("m")
+    metrics.on_scheduler_stats(SchedulerStats(expert_balance=1.2))
+    metrics.on_scheduler_stats(SchedulerStats(expert_balance=3.5))
+    metrics.on_scheduler_stats(SchedulerStats())  # a dense model's step
+    text = metrics.render().decode()
+    assert metric_value(text, "llmserve:moe_expert_load_max_over_mean_count") == 2
+    assert metric_value(text, "llmserve:moe_expert_load_max_over_mean_sum") == 4.7
+    assert 'llmserve:moe_expert_load_max_over_mean_bucket{le="1.25",model_name="m"} 1.0' in text

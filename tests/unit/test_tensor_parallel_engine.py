@@ -30,9 +30,10 @@ def _check_idle(llm: LLM) -> None:
     assert llm.engine.num_free_blocks() == llm.engine.scheduler.kv.pool.num_usable_blocks
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe:tiny-moe"])
 def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
-    path = make_model(arch, "tiny", str(tmp_path), seed=1)
+    arch, _, shape = arch.partition(":")
+    path = make_model(arch, shape or "tiny", str(tmp_path), seed=1)
     prompts = _prompts(6, seed=0)  # mixed lengths, chunked under the 64-token budget
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)

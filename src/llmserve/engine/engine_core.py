@@ -139,7 +139,12 @@ class EngineCore:
         if outputs.stats is not None:
             outputs.stats.step_time = time.perf_counter() - start
             outputs.stats.grammar = self.grammars.take_stats()
+            outputs.stats.expert_balance = self._take_expert_balance()
         return outputs
+
+    def _take_expert_balance(self) -> float | None:
+        take = getattr(self.runner.model, "take_expert_balance", None)  # CausalLM's; other models have none
+        return None if take is None else take()
 
     def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         if sched_out.is_empty:

@@ -1,21 +1,24 @@
-"""One decoder implementation for Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral checkpoints.
 
 Tokens of all requests of a step are flattened ([T], no batch dim); attention goes through an
-AttentionBackend and the paged KV cache. The variants differ only in flags read from the HF config:
-Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q and k per head, Llama may carry `attention_bias` and
-`mlp_bias`, and head_dim comes from the config when it has one.
+AttentionBackend and the paged KV cache. The variants differ only in the parts read from the HF config
+(`DecoderParts`): Qwen2 has a q/k/v bias, Qwen3 and Qwen3-MoE RMS-normalise q and k per head, Llama may
+carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it has one, and a Mixture-of-Experts
+architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers.
 
 Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: a config
 whose window is shorter than the context length (max_model_len, default max_position_embeddings)
 is rejected with a ValueError. A window at least as long as the context is a no-op and is ignored.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
-features and vocabulary rows; the loader hands `load_weights` those slices of the checkpoint.
+features and vocabulary rows (of every expert too); the loader hands `load_weights` those slices of the
+checkpoint.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,6 +26,8 @@ from torch import nn
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
+from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expert_shards, is_stacked_expert,
+                                map_expert_name, moe_spec_from_config, shard_stacked, take_load_balance)
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 
@@ -40,11 +45,34 @@ def _check_sliding_window(config, max_model_len: int) -> None:
                          f"use max_model_len <= {window} to run this model without it")
 
 
+@dataclass(frozen=True)
+class DecoderParts:
+    """What differs between the architectures this decoder reads: attention biases, q/k norm, MoE layers."""
+
+    qkv_bias: bool
+    o_bias: bool
+    has_qk_norm: bool
+    moe: MoeSpec | None = None  # None: every layer has a dense MLP
+
+
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def decoder_parts(config) -> DecoderParts:
+    """The parts of config.architectures[0] (Llama when the config names none); ValueError on a field the
+    MoE layer does not implement."""
+    arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    has_attention_bias = bool(getattr(config, "attention_bias", False))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    return DecoderParts(qkv_bias=is_qwen2 or has_attention_bias, o_bias=has_attention_bias and not is_qwen2,
+                        has_qk_norm=arch in _QK_NORM_ARCHS, moe=moe_spec_from_config(config, arch))
+
+
 class Attention(nn.Module):
     """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
-                 tp: TensorParallel | None = None, layout: ShardLayout | None = None):
+    def __init__(self, config, parts: DecoderParts, tp: TensorParallel | None = None,
+                 layout: ShardLayout | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads if layout is None else layout.q_heads[1]  # this rank's
         self.num_kv_heads = config.num_key_value_heads if layout is None else layout.kv_heads[1]
@@ -52,10 +80,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = column_linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, tp)
-        self.o_proj = row_linear(self.q_size, config.hidden_size, o_bias, tp)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.qkv_proj = column_linear(config.hidden_size, self.q_size + 2 * self.kv_size, parts.qkv_bias, tp)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, parts.o_bias, tp)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
@@ -77,13 +105,22 @@ class Attention(nn.Module):
         return apply_rotary(self.q_norm(q), *cos_sin), apply_rotary(self.k_norm(k), *cos_sin)
 
 
+def _feed_forward(config, parts: DecoderParts, index: int, tp: TensorParallel | None,
+                  layout: ShardLayout | None) -> nn.Module:
+    """Layer `index`'s MLP: the MoE block on a sparse layer, else the dense gated MLP."""
+    if parts.moe is not None and parts.moe.is_sparse_layer(index):
+        share = None if layout is None else layout.expert_intermediate[1]
+        return SparseMoeBlock(config.hidden_size, parts.moe, tp, share)
+    intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
+    return GatedMLP(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
-                 tp: TensorParallel | None = None, layout: ShardLayout | None = None):
+    def __init__(self, config, parts: DecoderParts, index: int, tp: TensorParallel | None = None,
+                 layout: ShardLayout | None = None):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, o_bias, has_qk_norm, tp, layout)
-        intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
-        self.mlp = GatedMLP(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
+        self.self_attn = Attention(config, parts, tp, layout)
+        self.mlp = _feed_forward(config, parts, index, tp, layout)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -102,35 +139,32 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
-                 tp: TensorParallel | None = None, layout: ShardLayout | None = None):
+    def __init__(self, config, parts: DecoderParts, tp: TensorParallel | None = None,
+                 layout: ShardLayout | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if tp is None else \
             VocabParallelEmbedding(layout, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, o_bias, has_qk_norm, tp, layout)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, parts, i, tp, layout)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """Llama-family causal LM over flattened tokens and a paged KV cache.
 
-    Build it from an HF config (the architecture flags default from config.architectures[0]),
+    Build it from an HF config (the architecture's parts come from config.architectures[0]),
     then `load_weights`. Tied embeddings reuse model.embed_tokens.weight for the logits.
     """
 
     def __init__(self, config, max_model_len: int | None = None, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        self.parts = decoder_parts(config)
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
         self.max_model_len = max_model_len or config.max_position_embeddings
         _check_sliding_window(config, self.max_model_len)
-        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        has_attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = arch == "Qwen2ForCausalLM" or has_attention_bias
-        o_bias = has_attention_bias and arch != "Qwen2ForCausalLM"
-        self.model = DecoderModel(config, qkv_bias, o_bias, arch == "Qwen3ForCausalLM", self.tp, self.layout)
+        self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
@@ -141,6 +175,16 @@ class CausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
         self.head_dim = _head_dim(config)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers are Mixture-of-Experts (their forward syncs with the host: no CUDA graphs)."""
+        return self.parts.moe is not None
+
+    def take_expert_balance(self) -> float | None:
+        """MoE layers' tokens per expert, max over mean, averaged over their forwards since the last call;
+        None for a dense model or when nothing ran."""
+        return take_load_balance([layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)])
 
     def pack_tied_lm_head(self) -> bool:
         """Keep a packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""
@@ -181,7 +225,8 @@ class CausalLM(nn.Module):
         return logits[:, :self.config.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (q/k/v and gate/up go into the fused projections).
+        """Copy HF-named tensors in (q/k/v and gate/up go into the fused projections, per-expert tensors into
+        the stacked ones).
 
         Raises ValueError on an unknown name or when a parameter got no value.
         """
@@ -195,11 +240,13 @@ class CausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
             self._copy_shard(params[name], shard, tensor, hf_name)
-            loaded.add(name if shard is None else f"{name}#{shard}")
+            loaded.update(self._shard_keys(name) if shard is None else [f"{name}#{shard}"])
         self._check_all_loaded(params, loaded)
 
     def _copy_shard(self, param: nn.Parameter, shard: str | None, tensor: torch.Tensor, hf_name: str) -> None:
-        dest = param.data if shard is None else param.data.narrow(0, *self._shard_range(param, shard))
+        dest = param.data if shard is None else self._shard_view(param.data, shard)
+        if self.layout is not None and shard is None and is_stacked_expert(hf_name):
+            tensor = shard_stacked(hf_name, tensor, *self.layout.expert_intermediate)  # read whole
         if self.layout is not None and hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             dest.zero_()  # the last rank's rows past the vocabulary stay zero (padding)
             dest = dest[:tensor.shape[0]]
@@ -209,21 +256,26 @@ class CausalLM(nn.Module):
         with torch.no_grad():
             dest.copy_(tensor)
 
-    def _shard_range(self, param: nn.Parameter, shard: str) -> tuple[int, int]:
+    def _shard_view(self, param: torch.Tensor, shard: str) -> torch.Tensor:
+        """The part of a fused parameter that shard fills: q/k/v, gate/up, or an expert's "e{i}:{part}"."""
+        if shard.startswith("e"):
+            return expert_shard_view(param, shard)
         num_heads = self.config.num_attention_heads if self.layout is None else self.layout.q_heads[1]
         q_size = num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        inter = self.config.intermediate_size if self.layout is None else self.layout.intermediate[1]
+        inter = param.shape[0] // 2  # gate_up_proj: this rank's gate rows, then its up rows
         ranges = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size),
                   "gate": (0, inter), "up": (inter, inter)}
-        return ranges[shard]
+        return param.narrow(0, *ranges[shard])
+
+    def _shard_keys(self, name: str) -> list[str]:
+        """The keys that mark parameter `name` filled: its own name, or one per shard of a fused one."""
+        num_experts = 0 if self.parts.moe is None else self.parts.moe.num_experts
+        shards = expert_shards(name, num_experts) or _SHARDS_OF.get(name.rsplit(".", 2)[-2])
+        return [name] if shards is None else [f"{name}#{s}" for s in shards]
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        missing = []
-        for name in params:
-            shards = _SHARDS_OF.get(name.rsplit(".", 2)[-2])
-            needed = [name] if shards is None else [f"{name}#{s}" for s in shards]
-            missing += [n for n in needed if n not in loaded]
+        missing = [key for name in params for key in self._shard_keys(name) if key not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -237,6 +289,9 @@ def _map_hf_name(hf_name: str, is_tied: bool) -> tuple[str, str | None] | None:
     """HF name -> (our parameter name, shard or None); None for tensors we skip."""
     if "rotary_emb.inv_freq" in hf_name or (is_tied and hf_name == "lm_head.weight"):
         return None
+    expert = map_expert_name(hf_name)
+    if expert is not None:
+        return expert
     parts = hf_name.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
         fused, shard = _FUSED[parts[-2]]

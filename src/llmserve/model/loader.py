@@ -16,6 +16,7 @@ import torch
 
 from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
+from llmserve.model.moe import num_experts_of
 from llmserve.model.parallel import TensorParallel, shard_of
 from llmserve.model.registry import architecture_of, get_model_class
 
@@ -110,6 +111,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
 
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
+    _check_moe_quantization(config, quantization or quant.checkpoint_method(config))
     with torch.device("meta"), _no_initial_values():
         model = cls(config, max_model_len=max_model_len, tp=tp)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -123,6 +125,14 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     model = model.eval().requires_grad_(False)
     pack_linears(model, pack_head)  # float32 on CPU: weights laid out once (model/linear.py)
     return model
+
+
+def _check_moe_quantization(config, method: str | None) -> None:
+    """Quantization swaps Linear layers; the stacked experts are not ones, so an MoE model would stay mostly
+    unquantized: refused until the experts quantize too."""
+    if method is not None and num_experts_of(config):
+        raise ValueError(f"quantization ({method}) of Mixture-of-Experts models is not supported yet: "
+                         "serve the model unquantized (--quantization none, and a checkpoint that is not FP8)")
 
 
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",

@@ -19,7 +19,8 @@ import torch
 from llmserve.model import toy_tokenizer
 from llmserve.model.copying import COPYING_ARCHS, copying_plan, copying_tensor
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
 _SHARD_BYTES = 4 * 2**30
@@ -39,6 +40,14 @@ class Shape:
     rope_scaling: dict | None = None
     head_dim: int | None = None  # None: hidden_size // num_heads (qwen3 tiny uses a wider one)
     init_std: float = 0.02
+    num_experts: int = 0  # 0: a dense shape; else for the MoE archs (intermediate_size: mixtral's experts',
+    num_experts_per_tok: int = 0  # qwen3_moe's dense layers')
+    moe_intermediate_size: int = 0  # qwen3_moe's experts
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 SHAPES: dict[str, Shape] = {
@@ -49,20 +58,28 @@ SHAPES: dict[str, Shape] = {
     "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, 8192, is_tied=True, rope_theta=100000.0, init_std=0.04),
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 128256, 131072, rope_theta=500000.0,
                           rope_scaling=_LLAMA3_SCALING),
+    # Mixture-of-Experts shapes (--arch qwen3_moe | mixtral); the large ones as their published config.json
+    "tiny-moe": Shape(64, 4, 4, 2, 128, 512, 2048, init_std=0.1, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32),
+    "qwen3-30b-a3b": Shape(2048, 48, 32, 4, 6144, 151936, 40960, rope_theta=1000000.0, head_dim=128,
+                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rms_norm_eps=1e-6),
+    "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1000000.0, num_experts=8,
+                          num_experts_per_tok=2),
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _config_class(arch: str):
     import transformers
-    names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+             "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
     return getattr(transformers, names[arch])
 
 
 def _model_class(arch: str):
     import transformers
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
     return getattr(transformers, names[arch])
 
 
@@ -83,23 +100,53 @@ def build_config(arch: str, shape: Shape, dtype: str):
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_position,
         tie_word_embeddings=shape.is_tied, rope_theta=shape.rope_theta,
-        rope_scaling=shape.rope_scaling, rms_norm_eps=1e-5,
+        rope_scaling=shape.rope_scaling, rms_norm_eps=shape.rms_norm_eps,
         initializer_range=shape.init_std, head_dim=_head_dim(arch, shape), bos_token_id=None,
         eos_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.EOS_TOKEN),
         pad_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.PAD_TOKEN),
         architectures=[_model_class(arch).__name__])
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
+    if arch in MOE_ARCHS:
+        kwargs.update(num_experts_per_tok=shape.num_experts_per_tok, **_moe_kwargs(arch, shape))
     config = _config_class(arch)(**kwargs)
     config.dtype = dtype
     return config
+
+
+def _moe_kwargs(arch: str, shape: Shape) -> dict:
+    if arch == "mixtral":
+        return {"num_local_experts": shape.num_experts}
+    return {"num_experts": shape.num_experts, "moe_intermediate_size": shape.moe_intermediate_size,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+# transformers holds the experts stacked ([E, 2I, H], [E, H, I]) and save_pretrained writes one tensor per
+# expert; Mixtral's under `block_sparse_moe.` as w1 (gate), w3 (up), w2 (down)
+_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _per_expert_specs(arch: str, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """A state-dict tensor as the checkpoint names it: per-expert tensors for the stacked experts."""
+    if arch not in _EXPERT_NAMES or ".mlp.gate." not in name and ".mlp.experts." not in name:
+        return [(name, shape)]
+    block, gate, up, down = _EXPERT_NAMES[arch]
+    prefix = name.split(".mlp.")[0] + f".{block}."
+    if name.endswith(".mlp.gate.weight"):
+        return [(prefix + "gate.weight", shape)]
+    num_experts, rows, cols = shape
+    if name.endswith("experts.gate_up_proj"):
+        return [(f"{prefix}experts.{e}.{part}.weight", (rows // 2, cols)) for e in range(num_experts)
+                for part in (gate, up)]
+    return [(f"{prefix}experts.{e}.{down}.weight", (rows, cols)) for e in range(num_experts)]
 
 
 def _param_specs(arch: str, config) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor the checkpoint holds, in state-dict order."""
     with torch.device("meta"):
         model = _model_class(arch)(config)
-    names = [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
+    names = [spec for n, t in model.state_dict().items() for spec in _per_expert_specs(arch, n, tuple(t.shape))]
     if config.tie_word_embeddings:
         names = [(n, s) for n, s in names if n != "lm_head.weight"]
     return names
@@ -188,6 +235,9 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    if shape.is_moe != (arch in MOE_ARCHS):
+        kind = "a Mixture-of-Experts" if arch in MOE_ARCHS else "a dense"
+        raise ValueError(f"arch {arch!r} needs {kind} shape; MoE shapes: {', '.join(moe_shapes())}")
     if is_copying and (is_peaked or arch not in COPYING_ARCHS):
         raise ValueError(f"copying weights are for {', '.join(COPYING_ARCHS)}, without peaked logits "
                          f"(their logits are peaked by construction); got arch {arch!r}")
@@ -199,6 +249,10 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
     toy_tokenizer.save_tokenizer(out_dir, shape.vocab_size, shape.max_position)
     _write_generation_config(out_dir)
     return out_dir
+
+
+def moe_shapes() -> list[str]:
+    return [name for name, shape in SHAPES.items() if shape.is_moe]
 
 
 def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = "float32",

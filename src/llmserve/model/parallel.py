@@ -7,6 +7,8 @@ Megatron's split, as vLLM and nano-vllm do it:
     sums the partial outputs; the bias is added once (rank 0).
   - vocab-parallel embedding: each rank looks up the ids in its vocabulary range (zeros elsewhere); an
     all-reduce sums them. The LM head computes its vocabulary range's logits; an all-gather joins them.
+  - Mixture-of-Experts layers: the router whole on every rank, every expert's gate/up split as a column-
+    parallel layer and its down as a row-parallel one (model/moe.py); one all-reduce of the block's output.
 So a decoder layer costs two all-reduces of [T, hidden], and a step one all-gather of the logits.
 
 Heads are split by KV group, so that a rank's query heads read only its own KV heads: with G query heads
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.linear import Linear
+from llmserve.model.moe import expert_intermediate_size, expert_shard_of, num_experts_of
 
 
 @dataclass
@@ -78,6 +81,7 @@ class ShardLayout:
     vocab: tuple[int, int]  # rows of the padded table [size * vocab_per_rank]; count = vocab_per_rank
     vocab_size: int  # the real vocabulary (rows past it are padding)
     head_dim: int
+    expert_intermediate: tuple[int, int] = (0, 0)  # of every expert (Mixture-of-Experts models)
 
 
 def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -105,11 +109,14 @@ def head_dim_of(config) -> int:
 def shard_layout(config, size: int, rank: int) -> ShardLayout:
     """Rank `rank`'s share of an HF config's model over `size` ranks (ValueError when it cannot split)."""
     q_heads, kv_heads = head_shard(config.num_attention_heads, config.num_key_value_heads, size, rank)
-    if config.intermediate_size < size:
-        raise ValueError(f"--tensor-parallel-size {size} exceeds the intermediate size {config.intermediate_size}")
+    expert_size = expert_intermediate_size(config) if num_experts_of(config) else size
+    for name, value in (("intermediate size", config.intermediate_size), ("experts' intermediate size", expert_size)):
+        if value < size:
+            raise ValueError(f"--tensor-parallel-size {size} exceeds the {name} {value}")
     per_rank = -(-config.vocab_size // size)
     return ShardLayout(q_heads, kv_heads, split_evenly(config.intermediate_size, size, rank),
-                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config))
+                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config),
+                       split_evenly(expert_size, size, rank))
 
 
 def check_tensor_parallel(config, size: int) -> None:
@@ -123,6 +130,8 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
     parts = hf_name.split(".")
     if len(parts) < 2:
         return None
+    if "experts" in parts:
+        return expert_shard_of(hf_name, *layout.expert_intermediate)
     module, kind, d = parts[-2], parts[-1], layout.head_dim
     (q0, nq), (kv0, nkv), (i0, ni) = layout.q_heads, layout.kv_heads, layout.intermediate
     if module == "q_proj":

@@ -14,6 +14,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Qwen3MoeForCausalLM": CausalLM,
+    "MixtralForCausalLM": CausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -23,6 +23,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0)
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BALANCE_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -106,6 +107,10 @@ class ServerMetrics:
                                         "How late a 20 ms timer on the server's event loop wakes up.", _LAG_BUCKETS)
         self.grammar_compile = self._histogram("grammar_compile_seconds", "Time to compile one new grammar.",
                                                _COMPILE_BUCKETS)
+        self.expert_balance = self._histogram("moe_expert_load_max_over_mean",
+                                              "Mixture-of-Experts models: tokens per expert, max over mean "
+                                              "(1 = even), per engine step, averaged over the MoE layers.",
+                                              _BALANCE_BUCKETS)
 
     # ---- StatLogger ----------------------------------------------------------------------------
 
@@ -165,6 +170,8 @@ class ServerMetrics:
             self._on_spec_stats(stats.spec)
         if stats.grammar is not None:
             self._on_grammar_stats(stats.grammar)
+        if stats.expert_balance is not None:
+            self.expert_balance.observe(stats.expert_balance)
 
     def _on_spec_stats(self, spec: SpecDecodeStats) -> None:
         self.spec_drafts.inc(spec.num_drafts)

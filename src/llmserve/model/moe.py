@@ -1,0 +1,273 @@
+"""Mixture-of-Experts feed-forward: a router picks top-k experts per token, each expert is a gated MLP.
+
+`SparseMoeBlock` holds the router (`gate.weight` [E, H]) and the experts stacked as two tensors,
+`experts.gate_up_proj` [E, 2I, H] (gate rows first, then up) and `experts.down_proj` [E, H, I]: the names and
+layout of transformers' in-memory modules. Checkpoints that store one tensor per expert (what save_pretrained
+writes: `experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`) are stacked at load
+(`map_expert_name` says where each goes).
+
+The forward (`fused_moe`) sorts the token-expert pairs by expert once, runs one gate/up and one down GEMM per
+expert that received tokens, and sums each token's k outputs weighted by its routing weights: no Python loop
+over tokens, at most E GEMM pairs per layer.
+
+Routing is batch-invariant: a token's experts and weights depend only on its own hidden state (`route`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.model import cpu_kernels
+
+if TYPE_CHECKING:
+    from llmserve.model.parallel import TensorParallel  # parallel.py imports this module
+
+_MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Fields of an HF config that change the math unless absent or one of the values given here (other MoE
+# families' routing: sigmoid scores, scaled weights, shared experts, grouped top-k)
+_SUPPORTED_VALUES = {"hidden_act": ("silu",), "scoring_func": ("softmax",), "routed_scaling_factor": (1.0, None),
+                     "n_shared_experts": (0, None), "shared_expert_intermediate_size": (0, None),
+                     "n_group": (1, None), "topk_group": (1, None)}
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The Mixture-of-Experts settings of a config; which layers are sparse is `is_sparse_layer`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    is_renormalized: bool  # top-k weights divided by their sum (= softmax over the top-k logits)
+    sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen3-MoE's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers that stay a dense MLP (Qwen3-MoE's mlp_only_layers)
+
+    def is_sparse_layer(self, index: int) -> bool:
+        return index not in self.dense_layers and (index + 1) % self.sparse_step == 0
+
+
+def num_experts_of(config) -> int:
+    """The number of routed experts of an HF config (0 for a dense one)."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
+def expert_intermediate_size(config) -> int:
+    """One expert's intermediate size: Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size."""
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
+def _check_supported_fields(config) -> None:
+    for field, supported in _SUPPORTED_VALUES.items():
+        value = getattr(config, field, supported[0])
+        if value not in supported:
+            raise ValueError(f"MoE config field {field}={value!r} is not supported (supported: {supported[0]!r})")
+
+
+def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
+    """The MoE settings of a Qwen3-MoE or Mixtral config, None for a dense architecture.
+
+    ValueError naming the field when the config asks for routing or experts this layer does not implement."""
+    if architecture not in _MOE_ARCHS:
+        return None
+    _check_supported_fields(config)
+    num_experts, top_k = num_experts_of(config), config.num_experts_per_tok
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the number of experts)")
+    if architecture == "MixtralForCausalLM":
+        return MoeSpec(num_experts, top_k, expert_intermediate_size(config), is_renormalized=True)
+    if config.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} must be at least 1")
+    return MoeSpec(num_experts, top_k, expert_intermediate_size(config), bool(config.norm_topk_prob),
+                   config.decoder_sparse_step, tuple(config.mlp_only_layers or ()))
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H], weight [E, H] -> logits [T, E] float32, accumulated in float64.
+
+    A float32 GEMM's row results change with the number of rows on CPU (MKL picks its blocking by shape), so
+    a token's logits, and at a near-tie its experts, would depend on the batch. The float64 sums differ by far
+    less than float32's rounding step, so the rounded logits are those the token gets alone."""
+    return F.linear(x.double(), weight.double()).float()
+
+
+def route(logits: torch.Tensor, top_k: int, is_renormalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64), per row.
+
+    Softmax over all experts, then the k largest; equal logits go to the lower expert id (a stable sort:
+    torch.topk breaks ties arbitrarily). Renormalised weights sum to 1 over the k."""
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
+    weights = torch.softmax(logits, dim=-1).gather(1, ids)  # [T, k]
+    if is_renormalized:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [n, 2I] -> silu(gate) * up [n, I]."""
+    if gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
+        return cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
+    """ids [T, k] -> tokens routed to each expert (a host list: one sync per layer)."""
+    return torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k] -> [T, H]; counts: the
+    ids' expert_counts when the caller has them.
+
+    The T*k token-expert pairs are sorted by expert once (stable: within an expert, token order); each expert
+    with tokens runs its GEMM pair over its contiguous rows; index_add_ sums each token's k outputs in
+    expert order."""
+    top_k = ids.shape[1]
+    order = torch.sort(ids.reshape(-1), stable=True).indices  # [T*k] pair indices grouped by expert
+    token_of = order // top_k  # [T*k] the token of each sorted pair
+    counts = expert_counts(ids, gate_up.shape[0]) if counts is None else counts
+    rows = x.index_select(0, token_of)  # [T*k, H]
+    outs = torch.empty_like(rows)  # [T*k, H]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            hidden = _silu_mul(F.linear(rows[start:start + count], gate_up[expert]))  # [n, I]
+            outs[start:start + count] = F.linear(hidden, down[expert])  # [n, H]
+            start += count
+    outs *= weights.reshape(-1)[order].to(outs.dtype)[:, None]
+    return torch.zeros_like(x).index_add_(0, token_of, outs)
+
+
+class Router(nn.Module):
+    """The linear layer scoring each token against each expert (HF's `mlp.gate`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
+
+
+class Experts(nn.Module):
+    """E gated MLPs stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class ExpertLoad:
+    """The load balance of a layer's forwards: tokens per expert, max over mean (1 = even), summed until
+    taken (the engine's per-step metric)."""
+
+    def __init__(self) -> None:
+        self.ratio_sum = 0.0
+        self.num_forwards = 0
+
+    def record(self, counts: list[int]) -> None:
+        total = sum(counts)
+        if total:
+            self.ratio_sum += max(counts) * len(counts) / total
+            self.num_forwards += 1
+
+
+class SparseMoeBlock(nn.Module):
+    """Router -> top-k -> experts -> weighted sum; x [T, H] -> [T, H].
+
+    With tensor parallelism every rank holds the whole router and `intermediate_size` (its share) of every
+    expert's features; each routes alike and an all-reduce (`tp`) sums the ranks' partial outputs."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallel | None = None,
+                 intermediate_size: int | None = None):
+        super().__init__()
+        self.spec = spec
+        self.tp = tp
+        self.gate = Router(hidden_size, spec.num_experts)
+        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts)
+        self.load = ExpertLoad()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = router_logits(x, self.gate.weight)  # [T, E]
+        weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)  # [T, k] each
+        counts = expert_counts(ids, self.spec.num_experts)
+        self.load.record(counts)
+        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def take_load_balance(blocks: list[SparseMoeBlock]) -> float | None:
+    """Tokens per expert, max over mean, averaged over the blocks' forwards since the last call (which it
+    forgets); None when none ran."""
+    ratio_sum = sum(block.load.ratio_sum for block in blocks)
+    num_forwards = sum(block.load.num_forwards for block in blocks)
+    for block in blocks:
+        block.load = ExpertLoad()
+    return ratio_sum / num_forwards if num_forwards else None
+
+
+# The per-expert checkpoint names: (module, part) -> part of the stacked tensor; Mixtral's w1/w3/w2 are
+# gate/up/down
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def map_expert_name(hf_name: str) -> tuple[str, str | None] | None:
+    """A per-expert checkpoint tensor -> (our stacked parameter, shard "e{expert}:{gate|up|down}"); a whole
+    stacked tensor -> (its name, None); Mixtral's `block_sparse_moe.` read as `mlp.`; None: not an MoE name."""
+    name = hf_name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if "experts" not in parts:
+        return (name, None) if name != hf_name else None
+    at = parts.index("experts")
+    if len(parts) == at + 2:  # mlp.experts.gate_up_proj / mlp.experts.down_proj, stacked already
+        return name, None
+    if len(parts) != at + 4 or not parts[at + 1].isdigit() or parts[at + 2] not in _EXPERT_PARTS:
+        return name, None  # no place in the model: the loader names it
+    part = _EXPERT_PARTS[parts[at + 2]]
+    stacked = "down_proj" if part == "down" else "gate_up_proj"
+    return ".".join(parts[:at + 1] + [stacked]), f"e{parts[at + 1]}:{part}"
+
+
+def expert_shard_of(hf_name: str, start: int, count: int) -> tuple[int, int, int] | None:
+    """(dim, start, length) of a per-expert checkpoint tensor that a tensor-parallel rank reads: features
+    [start, start + count) of the expert's intermediate size; None (read it whole, `shard_stacked` slices it)
+    for a stacked one."""
+    target = map_expert_name(hf_name)
+    if target is None or target[1] is None:
+        return None
+    return (1 if target[1].endswith(":down") else 0), start, count
+
+
+def shard_stacked(name: str, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """A rank's share of a whole stacked expert tensor: features [start, start + count) of the gate and of
+    the up half of gate_up_proj [E, 2I, H], of down_proj's inputs [E, H, I]."""
+    if name.endswith("experts.down_proj"):
+        return tensor[:, :, start:start + count]
+    gate, up = tensor.chunk(2, dim=1)
+    return torch.cat([gate[:, start:start + count], up[:, start:start + count]], dim=1)
+
+
+def expert_shard_view(param: torch.Tensor, shard: str) -> torch.Tensor:
+    """The slice of a stacked parameter that shard "e{expert}:{gate|up|down}" fills."""
+    expert, part = shard[1:].split(":")
+    rows = param[int(expert)]
+    if part == "down":
+        return rows
+    half = rows.shape[0] // 2
+    return rows[:half] if part == "gate" else rows[half:]
+
+
+def is_stacked_expert(name: str) -> bool:
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def expert_shards(param_name: str, num_experts: int) -> list[str] | None:
+    """The shards that together fill a stacked expert parameter; None for any other parameter."""
+    if param_name.endswith("experts.gate_up_proj"):
+        return [f"e{e}:{part}" for e in range(num_experts) for part in ("gate", "up")]
+    if param_name.endswith("experts.down_proj"):
+        return [f"e{e}:down" for e in range(num_experts)]
+    return None
