@@ -202,14 +202,20 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: torch.Tensor, scale: float,
+                    window: int = 0, sinks: torch.Tensor | None = None) -> None:
     """Writes out[t] for every token t of the listed rows: causal attention over the row's cached KV.
 
     out, q [T, H, D]; kv_cache [2, N, bs, Hkv, D] (already holding this step's K/V; q's dtype, or float16
     under float32 q); block_table
     [B, W], seq_lens [B], query_start_loc [B + 1], rows [R]: int32. Rows need 1 <= query_len <= seq_len.
+    window > 0: each query sees only its last `window` keys (itself included), and blocks wholly before that
+    are not read. sinks [H]: one logit per query head added to the softmax denominator (float32 on the call).
     """
-    _ops().paged_attention(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale))
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    _ops().paged_attention(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale), int(window),
+                           sinks)
 
 
 def attends_prompts(dtype: torch.dtype) -> bool:
