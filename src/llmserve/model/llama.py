@@ -5,9 +5,9 @@ AttentionBackend and the paged KV cache. The variants differ only in flags read 
 Qwen2 has a q/k/v bias, Qwen3 RMS-normalises q and k per head, Llama may carry `attention_bias` and
 `mlp_bias`, and head_dim comes from the config when it has one.
 
-Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: a config
-whose window is shorter than the context length (max_model_len, default max_position_embeddings)
-is rejected with a ValueError. A window at least as long as the context is a no-op and is ignored.
+Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window): each layer's window comes from
+the config (model/sliding_window.py) and is passed to the backend with the layer's attention call; a window
+at least as long as the context (max_model_len, default max_position_embeddings) is full attention.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
 features and vocabulary rows; the loader hands `load_weights` those slices of the checkpoint.
@@ -25,23 +25,18 @@ from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rota
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
+from llmserve.model.sliding_window import layer_windows
 
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _check_sliding_window(config, max_model_len: int) -> None:
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False or window is None:
-        return
-    if window < max_model_len:
-        raise ValueError(f"sliding-window attention (window {window}) is not supported; "
-                         f"use max_model_len <= {window} to run this model without it")
-
-
 class Attention(nn.Module):
-    """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection."""
+    """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection.
+
+    window: the layer's sliding window (0 = full attention), set by CausalLM from the config.
+    """
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
                  tp: TensorParallel | None = None, layout: ShardLayout | None = None):
@@ -56,6 +51,7 @@ class Attention(nn.Module):
         self.o_proj = row_linear(self.q_size, config.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.window = 0
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
@@ -65,7 +61,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
         q, k = self._rotate_qk(qkv[:, :num_qk_heads], cos_sin)  # [T, H, D], [T, Hkv, D]
         v = qkv[:, num_qk_heads:]  # [T, Hkv, D], a strided view like k: the backends copy both into the cache
-        out = attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
+        out = attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, window=self.window)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _rotate_qk(self, qk: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,12 +121,14 @@ class CausalLM(nn.Module):
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
         self.max_model_len = max_model_len or config.max_position_embeddings
-        _check_sliding_window(config, self.max_model_len)
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        windows = layer_windows(config, arch, self.max_model_len)  # before building: a bad config fails fast
         has_attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = arch == "Qwen2ForCausalLM" or has_attention_bias
         o_bias = has_attention_bias and arch != "Qwen2ForCausalLM"
         self.model = DecoderModel(config, qkv_bias, o_bias, arch == "Qwen3ForCausalLM", self.tp, self.layout)
+        for layer, window in zip(self.model.layers, windows, strict=True):
+            layer.self_attn.window = window
         self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
