@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.loader import load_model
+from llmserve.model.loader import load_model, load_model_info
 from llmserve.model.maker import make_model
 from llmserve.model.sliding_window import layer_windows
 
@@ -129,3 +129,15 @@ def test_mistral_configs_refused(fields, match):
 def test_bad_layer_types_refused(layer_types, match):
     with pytest.raises(ValueError, match=match):
         layer_windows(config(sliding_window=8, layer_types=layer_types), "Qwen2ForCausalLM", max_model_len=100)
+
+
+def test_disable_sliding_window_caps_the_context_to_the_window(checkpoint):
+    """vLLM's --disable-sliding-window: full attention, max_model_len at most the window (where both agree)."""
+    path, _, _ = checkpoint
+    info = load_model_info("swa", path, torch.float32, disable_sliding_window=True)
+    assert info.max_model_len == WINDOW
+    assert load_model_info("swa", path, torch.float32, max_model_len=5, disable_sliding_window=True).max_model_len == 5
+    with pytest.raises(ValueError, match="exceeds the sliding window 7"):
+        load_model_info("swa", path, torch.float32, max_model_len=WINDOW + 1, disable_sliding_window=True)
+    model = load_model(path, torch.float32, "cpu", info.max_model_len)
+    assert [layer.self_attn.window for layer in model.model.layers] == [0, 0]
