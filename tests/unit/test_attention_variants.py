@@ -13,6 +13,7 @@ import torch
 from attention_cases import check_against_reference, make_case, run_backend
 
 from llmserve.model import cpu_kernels
+from llmserve.model.attention import FP8_KV_DTYPE, dequantize_int8_rows, quantize_int8_rows
 from llmserve.model.attn_torch import TorchAttentionBackend
 
 ROWS = [(40, 1), (0, 37), (7, 3), (0, 5), (100, 30), (61, 1), (0, 1), (33, 16), (5, 17), (15, 1)]
@@ -36,8 +37,9 @@ def poison_out_of_window_blocks(kv_cache: torch.Tensor, inputs, window: int) -> 
 
 
 def check_backend(backend, window: int, has_sinks: bool, block_size: int = 4, dtype=torch.float32,
-                  head_dim: int = 64, atol: float = 1e-5, is_poisoned: bool = False, device: str = "cpu"):
-    q, k, v, kv_cache, inputs, full = make_case(ROWS, block_size, 3, seed=window + block_size, dtype=dtype,
+                  head_dim: int = 64, atol: float = 1e-5, is_poisoned: bool = False, device: str = "cpu",
+                  rows: list[tuple[int, int]] = ROWS):
+    q, k, v, kv_cache, inputs, full = make_case(rows, block_size, 3, seed=window + block_size, dtype=dtype,
                                                 head_dim=head_dim, num_blocks=512)
     sinks = random_sinks(q.shape[1], window) if has_sinks else None
     if is_poisoned:
@@ -85,6 +87,39 @@ def test_kernel_takes_every_row_and_skips_blocks_out_of_the_window(window, has_s
 
 
 @needs_kernel
+@pytest.mark.parametrize("num_threads", [1, 16])  # 16: one kv head per work item (sinks indexed per item)
+def test_kernel_work_split_by_thread_count(num_threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        check_backend(TorchAttentionBackend(kernel_takes_prompts=True), 5, True, is_poisoned=True)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="an int8 cache needs the AVX2 kernels")
+def test_kernel_over_an_int8_cache():
+    q, k, v, kv_cache, inputs, full = make_case(ROWS, 4, 3, seed=2, num_blocks=512)
+    stored = [tuple(dequantize_int8_rows(quantize_int8_rows(x)) for x in pair) for pair in full]
+    sinks = random_sinks(q.shape[1], 2)
+    out, _ = run_backend(TorchAttentionBackend(kernel_takes_prompts=True), q, k, v, quantize_int8_rows(kv_cache),
+                         inputs, window=5, sinks=sinks)
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), stored, atol=1e-5, window=5, sinks=sinks)
+
+
+@needs_kernel
+def test_fp8_cache_falls_back_to_windowed_torch_groups():
+    """The kernel takes no fp8 cache: its rows go to torch groups built for the layer's window."""
+    q, k, v, kv_cache, inputs, full = make_case(ROWS, 4, 3, seed=3, num_blocks=512)
+    stored = [tuple(x.to(FP8_KV_DTYPE).float() for x in pair) for pair in full]
+    sinks = random_sinks(q.shape[1], 3)
+    out, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache.to(FP8_KV_DTYPE), inputs, window=5,
+                                sinks=sinks)
+    assert 5 in metadata.kernel.fallback
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), stored, atol=1e-5, window=5, sinks=sinks)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype,head_dim,atol", [(torch.float32, 36, 1e-5), (torch.bfloat16, 64, 2e-2)])
 @pytest.mark.parametrize("has_sinks", [False, True])
 def test_kernel_portable_path(dtype, head_dim, atol, has_sinks):
@@ -104,10 +139,11 @@ def test_kernel_rejects_bad_window_and_sinks():
         cpu_kernels.paged_attention(*args, sinks=torch.zeros(q.shape[1] + 1))
 
 
-@pytest.mark.parametrize("window,has_sinks", [(5, False), (24, True), (0, True)])
-def test_triton_kernel(window, has_sinks):
+@pytest.mark.parametrize("window,has_sinks,rows", [(5, False, ROWS), (24, True, ROWS), (0, True, ROWS),
+                                                   (3, True, [(40, 1), (0, 1), (9, 1)])])  # decode only: 1-query tiles
+def test_triton_kernel(window, has_sinks, rows):
     pytest.importorskip("triton")  # without CUDA, conftest.py set TRITON_INTERPRET=1 before anything imported it
     from llmserve.model.attn_triton import TritonAttentionBackend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_backend(TritonAttentionBackend(), window, has_sinks, is_poisoned=window > 0, device=device)
+    check_backend(TritonAttentionBackend(), window, has_sinks, is_poisoned=window > 0, device=device, rows=rows)
