@@ -75,7 +75,8 @@ def test_layer_windows_match_transformers_layer_types(checkpoint):
     model = load_model(path, torch.float32, "cpu")
     assert [layer.self_attn.window for layer in model.model.layers] == windows
     # Qwen2's attention holds its layer's window; Mistral's reads config.sliding_window in every layer
-    hf_windows = [getattr(layer.self_attn, "sliding_window", hf.config.sliding_window) or 0 for layer in hf.model.layers]
+    hf_windows = [getattr(layer.self_attn, "sliding_window", hf.config.sliding_window) or 0
+                  for layer in hf.model.layers]
     assert hf_windows == windows
 
 

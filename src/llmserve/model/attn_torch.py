@@ -251,7 +251,8 @@ def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
     return _attend_prefill(qg, kg, vg, group, scale)
 
 
-def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int], window: int = 0) -> list[GroupMetadata]:
+def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int],
+                window: int = 0) -> list[GroupMetadata]:
     decode_rows = [i for i in rows if inputs.query_lens_cpu[i] == 1]
     prefill_rows = [i for i in rows if inputs.query_lens_cpu[i] > 1]
     row_groups = (_decode_buckets(decode_rows, inputs) if decode_rows else [])

@@ -199,7 +199,8 @@ void attend_item(const Params& p, int item, Scratch& w) {
       const float* const* vpm = vp + w.first[m];
       int c = 0;
       for (; c + 4 <= nv; c += 4) {
-        axpy4<kD>(am, sc + c, vpm[c] + head_off, vpm[c + 1] + head_off, vpm[c + 2] + head_off, vpm[c + 3] + head_off, d);
+        axpy4<kD>(am, sc + c, vpm[c] + head_off, vpm[c + 1] + head_off, vpm[c + 2] + head_off, vpm[c + 3] + head_off,
+                  d);
       }
       for (; c < nv; ++c) axpy<kD>(am, sc[c], vpm[c] + head_off, d);
     }
