@@ -142,3 +142,15 @@ def test_disable_sliding_window_caps_the_context_to_the_window(checkpoint):
         load_model_info("swa", path, torch.float32, max_model_len=WINDOW + 1, disable_sliding_window=True)
     model = load_model(path, torch.float32, "cpu", info.max_model_len)
     assert [layer.self_attn.window for layer in model.model.layers] == [0, 0]
+
+
+def test_triton_backend_greedy_equals_transformers(checkpoint):
+    """The Triton kernel (its interpreter off CUDA) through the engine: one prompt of three windows."""
+    pytest.importorskip("triton")
+    path, _, hf = checkpoint
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
+              attention_backend="triton", device=device)
+    tokens = prompt(21, 5)
+    (out,) = greedy(llm, [tokens])
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, tokens)
