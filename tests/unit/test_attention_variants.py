@@ -1,8 +1,9 @@
 """Sliding windows and attention sinks in every attention backend, against the float64 reference.
 
 Rows mix decode tokens, prompts longer than the window, chunks over a cached prefix and 16-token tiles;
-windows are shorter than the prompts and not multiples of the block size. The kernels (C++ on CPU, Triton
-through its interpreter off CUDA) must not read blocks wholly before a row's window: those hold NaN here.
+windows are shorter than the prompts and not multiples of the block size. The backends (torch's gather, C++
+on CPU, Triton through its interpreter off CUDA) must not read blocks wholly before a row's window: those
+hold NaN here.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def check_backend(backend, window: int, has_sinks: bool, block_size: int = 4, dt
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("has_sinks", [False, True])
 def test_torch_path(window, has_sinks):
-    metadata = check_backend(TorchAttentionBackend(use_cpu_kernel=False), window, has_sinks)
+    """SDPA (or the sinks' math path) over the blocks from each row's window on: NaN before them is not read."""
+    metadata = check_backend(TorchAttentionBackend(use_cpu_kernel=False), window, has_sinks, is_poisoned=True)
     assert metadata.kernel is None and window in metadata.windowed
 
 

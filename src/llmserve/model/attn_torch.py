@@ -17,8 +17,9 @@ cached prefix: speculative verification, short chunks) skip all that: one kernel
 their K/V in place through the block table (no gather copies) and writes their out rows directly.
 The other rows keep the groups above. LLMSERVE_CPU_KERNELS=0, or any build failure, keeps torch only.
 
-A layer with a sliding window gets groups whose masks also hide the keys before its window (built on its
-first call in the step, then shared by every layer of that window); the kernel skips those keys itself.
+A layer with a sliding window gets groups that gather each row's blocks from its first query's window on, with
+masks that hide the keys before the window (built on its first call in the step, then shared by every layer
+of that window); the kernel skips those keys itself.
 Attention sinks take a float32 math path over the same groups (SDPA has no sink term).
 """
 
@@ -99,13 +100,16 @@ def _row_token_index(query_start: list[int], query_lens: list[int], max_query_le
 
 
 def _causal_mask(query_lens: list[int], seq_lens: list[int], max_query_len: int, max_kv_len: int,
-                 window: int = 0) -> torch.Tensor:
+                 window: int = 0, key_starts: list[int] | None = None) -> torch.Tensor:
     """[Bg, 1, Q, K] bool: query j of a row (at p = seq_len - query_len + j) sees key k iff k < seq_len, k <= p
-    and, with a window, k > p - window. Padded query slots see every key (no empty softmax; dropped later)."""
+    and, with a window, k > p - window; key slot i of a row is position key_starts[row] + i (default 0).
+    Padded query slots see every key (no empty softmax; dropped later)."""
     q_lens = torch.tensor(query_lens, dtype=torch.int64)[:, None, None]  # [Bg, 1, 1]
     s_lens = torch.tensor(seq_lens, dtype=torch.int64)[:, None, None]  # [Bg, 1, 1]
     q_pos = torch.arange(max_query_len, dtype=torch.int64)[None, :, None]  # [1, Q, 1]
     k_pos = torch.arange(max_kv_len, dtype=torch.int64)[None, None, :]  # [1, 1, K]
+    if key_starts is not None:
+        k_pos = k_pos + torch.tensor(key_starts, dtype=torch.int64)[:, None, None]  # [Bg, 1, K]
     pos = s_lens - q_lens + q_pos  # [Bg, Q, 1]
     mask = (k_pos <= pos) & (k_pos < s_lens)  # [Bg, Q, K]
     if window > 0:
@@ -125,18 +129,39 @@ def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int
     if is_fresh:
         if len(set(query_lens)) > 1 or 0 < window < max_query_len:  # equal lengths, no window: plain causal
             mask = _causal_mask(query_lens, seq_lens, max_query_len, max_query_len, window).to(device)
+    elif window > 0:
+        block_table, first_blocks = _window_blocks(inputs, rows, query_lens, seq_lens, window)
+        key_starts = [b * inputs.block_size for b in first_blocks]
+        mask = _causal_mask(query_lens, seq_lens, max_query_len, block_table.numel() // len(rows) * inputs.block_size,
+                            window, key_starts).to(device)
     else:
         num_blocks = -(-max(seq_lens) // inputs.block_size)
         assert num_blocks <= inputs.block_table.shape[1], "block table narrower than the longest sequence"
         row_index = torch.tensor(rows, dtype=torch.int64, device=device)
         block_table = inputs.block_table.index_select(0, row_index)[:, :num_blocks].long().flatten()
-        mask = _causal_mask(query_lens, seq_lens, max_query_len, num_blocks * inputs.block_size, window).to(device)
+        mask = _causal_mask(query_lens, seq_lens, max_query_len, num_blocks * inputs.block_size).to(device)
     return GroupMetadata(
         token_index=token_index.flatten().to(device),
         valid_slots=None if bool(is_valid.all()) else valid_slots.to(device),
         valid_tokens=token_index.flatten()[valid_slots].to(device), block_table=block_table,
         attn_mask=mask, num_rows=len(rows), max_query_len=max_query_len,
         is_in_token_order=max_query_len == 1 and rows == list(range(len(rows))))
+
+
+def _window_blocks(inputs: AttentionInputs, rows: list[int], query_lens: list[int], seq_lens: list[int],
+                   window: int) -> tuple[torch.Tensor, list[int]]:
+    """The rows' blocks from the one holding their first query's first visible key -> (block ids [Bg * nb] int64,
+    each row's first block index): a long row gathers about window / block_size blocks, not its whole length.
+    Columns past a row's table read its last entry; the mask hides them (their positions are >= seq_len)."""
+    block_size, width = inputs.block_size, inputs.block_table.shape[1]
+    assert -(-max(seq_lens) // block_size) <= width, "block table narrower than the longest sequence"
+    first_blocks = [max(0, s - q - window + 1) // block_size for q, s in zip(query_lens, seq_lens)]
+    num_blocks = max(-(-s // block_size) - b for s, b in zip(seq_lens, first_blocks))
+    cols = torch.tensor(first_blocks, dtype=torch.int64)[:, None] + torch.arange(num_blocks)[None, :]  # [Bg, nb]
+    device = inputs.block_table.device
+    row_index = torch.tensor(rows, dtype=torch.int64)[:, None].expand_as(cols)  # [Bg, nb]
+    table = inputs.block_table[row_index.to(device), cols.clamp_(max=width - 1).to(device)]  # [Bg, nb]
+    return table.long().flatten(), first_blocks
 
 
 def _padded_blocks(num_blocks: list[int], num_buckets: int) -> int:
