@@ -40,6 +40,9 @@ class ModelConfig:
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler for unseeded requests"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch + C++ kernel on CPU) | torch | triton", "choices": ["auto", "torch", "triton"]})
+    disable_sliding_window: bool = field(default=False, metadata={"help": "full attention on every layer, the context "
+                                         "(max_model_len) capped to the smallest sliding window (vLLM's flag; "
+                                         "no-op without windows)"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
     max_graph_batch: int | None = field(default=None, metadata={"help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)"})
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})

@@ -12,14 +12,22 @@ HEAD_DIM, NUM_KV_HEADS, NUM_BLOCKS = 64, 2, 4096
 SCALE = HEAD_DIM ** -0.5
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One request: q [Q, H, D], its whole k/v [S, Hkv, D] -> [Q, H, D], in float64."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One request: q [Q, H, D], its whole k/v [S, Hkv, D] -> [Q, H, D], in float64. window > 0: a query at
+    position p sees keys p - window + 1 .. p; sinks [H]: one more logit per head in the softmax, no value."""
     q, k, v = q.double(), k.double(), v.double()
     num_q, num_s, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,shd->hqs", q, k) * q.shape[-1] ** -0.5
-    is_visible = torch.arange(num_s)[None, :] <= torch.arange(num_q)[:, None] + num_s - num_q
-    probs = scores.masked_fill(~is_visible, float("-inf")).softmax(-1)
+    q_pos, k_pos = torch.arange(num_q)[:, None] + num_s - num_q, torch.arange(num_s)[None, :]  # [Q, 1], [1, S]
+    is_visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window > 0 else True)
+    scores = scores.masked_fill(~is_visible, float("-inf"))  # [H, Q, S]
+    if sinks is not None:
+        sink = sinks.double().cpu().view(-1, 1, 1).expand(-1, num_q, 1)  # [H, Q, 1]
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
     return torch.einsum("hqs,shd->qhd", probs, v)
 
 
@@ -45,9 +53,10 @@ def make_case(rows: list[tuple[int, int]], block_size: int, group: int, seed: in
     return q, k, v, kv_cache, inputs, full
 
 
-def run_backend(backend, q, k, v, kv_cache, inputs):
+def run_backend(backend, q, k, v, kv_cache, inputs, **layer):
+    """layer: the per-layer arguments of forward (window, sinks)."""
     metadata = backend.build_metadata(inputs)
-    return backend.forward(q, k, v, kv_cache.clone(), metadata, q.shape[-1] ** -0.5), metadata
+    return backend.forward(q, k, v, kv_cache.clone(), metadata, q.shape[-1] ** -0.5, **layer), metadata
 
 
 def random_rows(seed: int) -> list[tuple[int, int]]:
@@ -59,8 +68,9 @@ def random_rows(seed: int) -> list[tuple[int, int]]:
     return rows
 
 
-def check_against_reference(out: torch.Tensor, q: torch.Tensor, starts: list[int], full, atol: float) -> None:
+def check_against_reference(out: torch.Tensor, q: torch.Tensor, starts: list[int], full, atol: float,
+                            **layer) -> None:
     """Each row's out [Q, H, D] against the float64 reference over its whole k/v (compared in float64)."""
     for r, (full_k, full_v) in enumerate(full):
-        expected = reference(q[starts[r]:starts[r + 1]].cpu(), full_k.cpu(), full_v.cpu())
+        expected = reference(q[starts[r]:starts[r + 1]].cpu(), full_k.cpu(), full_v.cpu(), **layer)
         torch.testing.assert_close(out[starts[r]:starts[r + 1]].cpu().double(), expected, atol=atol, rtol=atol)

@@ -39,7 +39,7 @@ def _f16_case(rows, seed: int, head_dim: int = 64):
 def test_kernel_reads_f16_cache_as_f32_cache_of_rounded_values(head_dim, seed):
     q, k, v, kv_cache, inputs, rounded = _f16_case(random_rows(seed), seed, head_dim)
     out, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache.half(), inputs)
-    assert metadata.kernel is not None and metadata.kernel.fallback is None  # the kernel took the f16 cache
+    assert metadata.kernel is not None and metadata.kernel.fallback == {}  # the kernel took the f16 cache
     check_against_reference(out, q, inputs.query_start_loc.tolist(), rounded, atol=1e-5)
     # the same float32 arithmetic over the same values: bit for bit what an f32 cache of them gives
     same, _ = run_backend(TorchAttentionBackend(), q, k.half().float(), v.half().float(), kv_cache.half().float(),
@@ -73,8 +73,8 @@ def test_engine_fp16_kv_generates_as_f32_cache_of_rounded_kv(peaked, monkeypatch
     got = _greedy(llm, prompts)
     forward = TorchAttentionBackend.forward
 
-    def rounded_forward(self, q, k, v, kv_cache, metadata, scale):
-        return forward(self, q, k.half().float(), v.half().float(), kv_cache, metadata, scale)
+    def rounded_forward(self, q, k, v, kv_cache, metadata, scale, **layer):
+        return forward(self, q, k.half().float(), v.half().float(), kv_cache, metadata, scale, **layer)
 
     monkeypatch.setattr(TorchAttentionBackend, "forward", rounded_forward)
     llm_f32 = LLM(peaked, **ENGINE)

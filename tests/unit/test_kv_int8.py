@@ -107,9 +107,9 @@ def test_engine_int8_kv_generates_as_f32_cache_of_dequantized_kv(peaked, monkeyp
     assert sum(a == b for x, y in zip(got, plain) for a, b in zip(x, y)) >= 0.9 * 60  # near float32's
     forward = TorchAttentionBackend.forward
 
-    def dequantized_forward(self, q, k, v, kv_cache, metadata, scale):
+    def dequantized_forward(self, q, k, v, kv_cache, metadata, scale, **layer):
         k, v = (dequantize_int8_rows(quantize_int8_rows(x)) for x in (k, v))
-        return forward(self, q, k, v, kv_cache, metadata, scale)
+        return forward(self, q, k, v, kv_cache, metadata, scale, **layer)
 
     monkeypatch.setattr(TorchAttentionBackend, "forward", dequantized_forward)
     rounded = [o.outputs[0].token_ids for o in LLM(peaked, **ENGINE).generate(prompts, params)]

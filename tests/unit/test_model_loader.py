@@ -117,16 +117,21 @@ def test_missing_or_unknown_tensors_are_errors(tiny_path):
         model.load_weights([("model.layers.0.self_attn.rope.weight", torch.zeros(1))])
 
 
-def test_short_sliding_window_is_rejected_unless_context_fits(tmp_path):
+def test_short_sliding_window_applies_unless_context_fits(tmp_path):
     path = make_model("mistral", "tiny", str(tmp_path), seed=0)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     config["sliding_window"] = 256
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="sliding-window"):
+    windows = lambda model: [layer.self_attn.window for layer in model.model.layers]  # noqa: E731
+    assert windows(load_model(path, torch.float32, "cpu")) == [256, 256]
+    assert windows(load_model(path, torch.float32, "cpu", max_model_len=256)) == [0, 0]  # the window hides nothing
+    config["sliding_window"] = -1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
         load_model(path, torch.float32, "cpu")
-    assert load_model(path, torch.float32, "cpu", max_model_len=256) is not None
 
 
 def _digest(path: str) -> str:

@@ -59,7 +59,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
-                                                     config.model.quantization)
+                                                     config.model.quantization, config.model.disable_sliding_window)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length

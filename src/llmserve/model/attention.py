@@ -85,7 +85,13 @@ def as_int32(t: torch.Tensor) -> torch.Tensor:
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into the paged cache and attends causally over each request's whole KV."""
+    """Writes new K/V into the paged cache and attends causally over each request's KV.
+
+    Per layer (arguments of `forward`, not of the metadata): `window` > 0 limits a query at position p to the
+    keys at positions p - window + 1 .. p (sliding-window attention; 0 = every earlier key), and `sinks` [H]
+    float32 adds one learned logit per query head to the softmax's denominator (attention sinks: the head may
+    attend to "nothing"; no value).
+    """
 
     name: str = "abstract"
 
@@ -95,11 +101,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: object, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D].
+                metadata: object, scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D], sinks [H] float32 or None -> out [T, H, D].
 
         Stores k/v at the step's slot mapping, then computes causal attention of each new token
-        over its request's previous tokens (from the cache) and the new ones.
+        over its request's previous tokens (from the cache) and the new ones, within `window` when > 0.
         """
 
 

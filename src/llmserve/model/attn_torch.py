@@ -16,12 +16,17 @@ On CPU, when the C++ kernel of `cpu_kernels` builds, decode-like rows (query_len
 cached prefix: speculative verification, short chunks) skip all that: one kernel call per layer reads
 their K/V in place through the block table (no gather copies) and writes their out rows directly.
 The other rows keep the groups above. LLMSERVE_CPU_KERNELS=0, or any build failure, keeps torch only.
+
+A layer with a sliding window gets groups that gather each row's blocks from its first query's window on, with
+masks that hide the keys before the window (built on its first call in the step, then shared by every layer
+of that window); the kernel skips those keys itself.
+Attention sinks take a float32 math path over the same groups (SDPA has no sink term).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -57,20 +62,32 @@ class KernelRows:
     block_table: torch.Tensor  # [B, W] int32
     seq_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
-    make_groups: Callable[[], list[GroupMetadata]]  # the same rows as torch groups (unsupported dtype/layout)
-    fallback: list[GroupMetadata] | None = None
+    make_groups: Callable[[int], list[GroupMetadata]]  # the same rows as torch groups, under a window
+    fallback: dict[int, list[GroupMetadata]] = field(default_factory=dict)
 
-    def fallback_groups(self) -> list[GroupMetadata]:
-        if self.fallback is None:
-            self.fallback = self.make_groups()
-        return self.fallback
+    def fallback_groups(self, window: int) -> list[GroupMetadata]:
+        """The rows as torch groups (a dtype or layout the kernel does not take), built once per window."""
+        if window not in self.fallback:
+            self.fallback[window] = self.make_groups(window)
+        return self.fallback[window]
 
 
 @dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
-    groups: list[GroupMetadata]
+    groups: list[GroupMetadata]  # the SDPA rows under full attention
     kernel: KernelRows | None = None
+    make_groups: Callable[[int], list[GroupMetadata]] | None = None  # the same rows under a window
+    max_seq_len: int = 0
+    windowed: dict[int, list[GroupMetadata]] = field(default_factory=dict)
+
+    def groups_for(self, window: int) -> list[GroupMetadata]:
+        """The SDPA rows' groups under `window` (0, or one no row outgrows: the full-attention groups)."""
+        if window <= 0 or window >= self.max_seq_len or not self.groups:
+            return self.groups
+        if window not in self.windowed:
+            self.windowed[window] = self.make_groups(window)
+        return self.windowed[window]
 
 
 def _row_token_index(query_start: list[int], query_lens: list[int], max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,17 +99,25 @@ def _row_token_index(query_start: list[int], query_lens: list[int], max_query_le
     return torch.where(is_valid, starts + offsets, 0), is_valid
 
 
-def _causal_mask(query_lens: list[int], seq_lens: list[int], max_query_len: int, max_kv_len: int) -> torch.Tensor:
-    """[Bg, 1, Q, K] bool: query j of a row sees key k iff k < seq_len and k <= seq_len - query_len + j."""
+def _causal_mask(query_lens: list[int], seq_lens: list[int], max_query_len: int, max_kv_len: int,
+                 window: int = 0, key_starts: list[int] | None = None) -> torch.Tensor:
+    """[Bg, 1, Q, K] bool: query j of a row (at p = seq_len - query_len + j) sees key k iff k < seq_len, k <= p
+    and, with a window, k > p - window; key slot i of a row is position key_starts[row] + i (default 0).
+    Padded query slots see every key (no empty softmax; dropped later)."""
     q_lens = torch.tensor(query_lens, dtype=torch.int64)[:, None, None]  # [Bg, 1, 1]
     s_lens = torch.tensor(seq_lens, dtype=torch.int64)[:, None, None]  # [Bg, 1, 1]
     q_pos = torch.arange(max_query_len, dtype=torch.int64)[None, :, None]  # [1, Q, 1]
     k_pos = torch.arange(max_kv_len, dtype=torch.int64)[None, None, :]  # [1, 1, K]
-    mask = (k_pos <= s_lens - q_lens + q_pos) & (k_pos < s_lens)  # [Bg, Q, K]
+    if key_starts is not None:
+        k_pos = k_pos + torch.tensor(key_starts, dtype=torch.int64)[:, None, None]  # [Bg, 1, K]
+    pos = s_lens - q_lens + q_pos  # [Bg, Q, 1]
+    mask = (k_pos <= pos) & (k_pos < s_lens)  # [Bg, Q, K]
+    if window > 0:
+        mask &= (k_pos > pos - window) | (q_pos >= q_lens)
     return mask[:, None]
 
 
-def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int]) -> GroupMetadata:
+def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int], window: int = 0) -> GroupMetadata:
     device = inputs.block_table.device
     query_lens = [inputs.query_lens_cpu[i] for i in rows]
     seq_lens = [inputs.seq_lens_cpu[i] for i in rows]
@@ -102,8 +127,13 @@ def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int
     valid_slots = is_valid.flatten().nonzero().squeeze(1)
     block_table = mask = None
     if is_fresh:
-        if len(set(query_lens)) > 1:  # equal lengths need no padding: plain causal
-            mask = _causal_mask(query_lens, seq_lens, max_query_len, max_query_len).to(device)
+        if len(set(query_lens)) > 1 or 0 < window < max_query_len:  # equal lengths, no window: plain causal
+            mask = _causal_mask(query_lens, seq_lens, max_query_len, max_query_len, window).to(device)
+    elif window > 0:
+        block_table, first_blocks = _window_blocks(inputs, rows, query_lens, seq_lens, window)
+        key_starts = [b * inputs.block_size for b in first_blocks]
+        mask = _causal_mask(query_lens, seq_lens, max_query_len, block_table.numel() // len(rows) * inputs.block_size,
+                            window, key_starts).to(device)
     else:
         num_blocks = -(-max(seq_lens) // inputs.block_size)
         assert num_blocks <= inputs.block_table.shape[1], "block table narrower than the longest sequence"
@@ -116,6 +146,22 @@ def _build_group(inputs: AttentionInputs, rows: list[int], query_start: list[int
         valid_tokens=token_index.flatten()[valid_slots].to(device), block_table=block_table,
         attn_mask=mask, num_rows=len(rows), max_query_len=max_query_len,
         is_in_token_order=max_query_len == 1 and rows == list(range(len(rows))))
+
+
+def _window_blocks(inputs: AttentionInputs, rows: list[int], query_lens: list[int], seq_lens: list[int],
+                   window: int) -> tuple[torch.Tensor, list[int]]:
+    """The rows' blocks from the one holding their first query's first visible key -> (block ids [Bg * nb] int64,
+    each row's first block index): a long row gathers about window / block_size blocks, not its whole length.
+    Columns past a row's table read its last entry; the mask hides them (their positions are >= seq_len)."""
+    block_size, width = inputs.block_size, inputs.block_table.shape[1]
+    assert -(-max(seq_lens) // block_size) <= width, "block table narrower than the longest sequence"
+    first_blocks = [max(0, s - q - window + 1) // block_size for q, s in zip(query_lens, seq_lens)]
+    num_blocks = max(-(-s // block_size) - b for s, b in zip(seq_lens, first_blocks))
+    cols = torch.tensor(first_blocks, dtype=torch.int64)[:, None] + torch.arange(num_blocks)[None, :]  # [Bg, nb]
+    device = inputs.block_table.device
+    row_index = torch.tensor(rows, dtype=torch.int64)[:, None].expand_as(cols)  # [Bg, nb]
+    table = inputs.block_table[row_index.to(device), cols.clamp_(max=width - 1).to(device)]  # [Bg, nb]
+    return table.long().flatten(), first_blocks
 
 
 def _padded_blocks(num_blocks: list[int], num_buckets: int) -> int:
@@ -194,8 +240,23 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gr
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
 
 
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Bg, H, Q, D], k/v [Bg, Hkv, K, D], mask [Bg, 1, Q, K] bool (None: plain causal) -> [Bg, H, Q, D]:
+    softmax over the visible keys plus one sink logit per head (sinks [H]) in the denominator, float32."""
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    if mask is None:
+        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()  # [Bg, H, K, D]
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k).mul_(scale).masked_fill_(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # [Bg, H, Q, 1]
+    lse = torch.logsumexp(torch.cat([scores, sink], -1), -1, keepdim=True)  # [Bg, H, Q, 1]
+    return torch.einsum("bhqk,bhkd->bhqd", torch.exp(scores - lse), v).to(q.dtype)
+
+
 def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                  group: GroupMetadata, scale: float) -> torch.Tensor:
+                  group: GroupMetadata, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] -> the group's out [Bg * Q, H, D] (padded slots included)."""
     qg = q[:group.num_rows] if group.is_in_token_order else q.index_select(0, group.token_index)
     if group.block_table is None:
@@ -206,17 +267,22 @@ def _attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
             kg, vg = kg.to(q.dtype) * K_SCALE, vg.to(q.dtype) * V_SCALE
         elif kg.dtype != q.dtype:  # a float16 cache of a float32 model: upcast what was gathered
             kg, vg = kg.to(q.dtype), vg.to(q.dtype)
+    if sinks is not None:
+        qb = qg.view(group.num_rows, group.max_query_len, *qg.shape[1:]).transpose(1, 2)  # [Bg, H, Q, D]
+        out = _attend_with_sinks(qb, kg, vg, group.attn_mask, sinks, scale)  # [Bg, H, Q, D]
+        return out.transpose(1, 2).reshape(qg.shape)
     if group.max_query_len == 1:
         return _attend_decode(qg, kg, vg, group.attn_mask, scale)
     return _attend_prefill(qg, kg, vg, group, scale)
 
 
-def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int]) -> list[GroupMetadata]:
+def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int],
+                window: int = 0) -> list[GroupMetadata]:
     decode_rows = [i for i in rows if inputs.query_lens_cpu[i] == 1]
     prefill_rows = [i for i in rows if inputs.query_lens_cpu[i] > 1]
     row_groups = (_decode_buckets(decode_rows, inputs) if decode_rows else [])
     row_groups += _prefill_groups(prefill_rows, inputs)
-    return [_build_group(inputs, group_rows, query_start) for group_rows in row_groups]
+    return [_build_group(inputs, group_rows, query_start, window) for group_rows in row_groups]
 
 
 def _kernel_rows(inputs: AttentionInputs, query_start: list[int],
@@ -237,7 +303,7 @@ def _kernel_rows(inputs: AttentionInputs, query_start: list[int],
         "block table narrower than the longest sequence"
     kernel = KernelRows(rows=row_index, block_table=as_int32(inputs.block_table),
                         seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),
-                        make_groups=lambda: _row_groups(rows, inputs, query_start))
+                        make_groups=lambda window: _row_groups(rows, inputs, query_start, window))
     return kernel, rest
 
 
@@ -265,23 +331,26 @@ class TorchAttentionBackend(AttentionBackend):
         if self._kernel_enabled(inputs):
             kernel, rows = _kernel_rows(inputs, query_start, self.kernel_takes_prompts)
         return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping.long(),
-                                      groups=_row_groups(rows, inputs, query_start), kernel=kernel)
+                                      groups=_row_groups(rows, inputs, query_start), kernel=kernel,
+                                      make_groups=lambda window: _row_groups(rows, inputs, query_start, window),
+                                      max_seq_len=max(inputs.seq_lens_cpu, default=0))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
+                metadata: TorchAttentionMetadata, scale: float, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D], sinks [H] or None -> out [T, H, D]."""
         write_kv(kv_cache, metadata.slot_mapping, k, v)
-        groups, out = metadata.groups, None
+        groups, out = metadata.groups_for(window), None
         kernel = metadata.kernel
         if kernel is not None:
             if cpu_kernels.supports(q, kv_cache):
                 out = q.new_empty(q.shape)
                 cpu_kernels.paged_attention(out, q, kv_cache, kernel.block_table, kernel.seq_lens,
-                                            kernel.query_start_loc, kernel.rows, scale)
+                                            kernel.query_start_loc, kernel.rows, scale, window, sinks)
                 if not groups:  # the kernel read everything from the cache: k/v are not needed again
                     return out
             else:  # a dtype or layout the kernel does not take: the same rows through torch
-                groups = kernel.fallback_groups() + groups
+                groups = kernel.fallback_groups(window) + groups
         if groups and kv_cache.dtype == torch.int8:
             raise RuntimeError("an int8 KV cache is read by the CPU attention kernel only, and it must take every "
                                "row (--kv-cache-dtype int8 needs the AVX2 kernels and a float32 model)")
@@ -289,11 +358,11 @@ class TorchAttentionBackend(AttentionBackend):
             # reads the same whether chunked or not
             k, v = _as_cached(k, kv_cache.dtype, K_SCALE), _as_cached(v, kv_cache.dtype, V_SCALE)
         if out is None and len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == q.shape[0]:
-            return _attend_group(q, k, v, kv_cache, groups[0], scale)
+            return _attend_group(q, k, v, kv_cache, groups[0], scale, sinks)
         if out is None:
             out = q.new_empty(q.shape)
         for group in groups:
-            group_out = _attend_group(q, k, v, kv_cache, group, scale)
+            group_out = _attend_group(q, k, v, kv_cache, group, scale, sinks)
             if group.valid_slots is not None:
                 group_out = group_out.index_select(0, group.valid_slots)
             out.index_copy_(0, group.valid_tokens, group_out)

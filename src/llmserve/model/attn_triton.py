@@ -66,12 +66,13 @@ class TritonAttentionBackend(AttentionBackend):
                                        tile_starts, block_q)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D] -> out [T, H, D]."""
+                metadata: TritonAttentionMetadata, scale: float, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D], sinks [H] or None -> out [T, H, D]."""
         write_kv(kv_cache, metadata.slot_mapping, k, v)
         q = q.contiguous()
         out = torch.empty_like(q)
         triton_kernels.paged_attention(out, q, kv_cache, metadata.block_table, metadata.seq_lens,
                                        metadata.query_start_loc, metadata.tile_rows, metadata.tile_starts,
-                                       metadata.block_q, scale, K_SCALE, V_SCALE)
+                                       metadata.block_q, scale, K_SCALE, V_SCALE, window, sinks)
         return out

@@ -93,13 +93,14 @@ def _clear_stale_lock(build_dir: str) -> None:
 
 
 def _self_test(ops) -> None:
-    """Tiny cases against plain torch (attention over a float32 and a float16 cache, the fused ops): a
-    miscompiled kernel must not serve."""
+    """Tiny cases against plain torch (attention over a float32 and a float16 cache, with a window and sinks,
+    the fused ops): a miscompiled kernel must not serve."""
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 5, 4, 1, 8, generator=gen)
     q = torch.randn(3, 2, 8, generator=gen)  # row 0: 1 query over 6 keys; row 1: 2 queries over 3 keys
     _self_test_case(ops.paged_attention, q, kv)
     _self_test_case(ops.paged_attention, q, kv.half())
+    _self_test_case(ops.paged_attention, q, kv, window=2, sinks=torch.randn(2, generator=gen))
     x, weight = torch.randn(3, 20, generator=gen), torch.randn(20, generator=gen)
     normed, silu = torch.empty_like(x), torch.empty(3, 10)
     ops.rms_norm(normed, x, weight, 1e-6)
@@ -128,18 +129,23 @@ def _self_test_int8(ops, gen: torch.Generator) -> None:
         raise RuntimeError("self-test mismatch (int8 linear)")
 
 
-def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor) -> None:
+def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor, window: int = 0, sinks: torch.Tensor | None = None) -> None:
     table = torch.tensor([[3, 1], [4, 0]], dtype=torch.int32)
     out = torch.zeros_like(q)
     op(out, q, kv, table, torch.tensor([6, 3], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32),
-       torch.tensor([0, 1], dtype=torch.int32), 0.5)
+       torch.tensor([0, 1], dtype=torch.int32), 0.5, window, sinks)
     kv = kv.float()
     keys = [torch.cat([kv[:, 3], kv[:, 1]], dim=1)[:, :6, 0], kv[:, 4, :3, 0]]  # [2, S, 8] each
     for row, (a, b) in enumerate([(0, 1), (1, 3)]):
         k, v = keys[row]
-        scores = torch.einsum("qhd,sd->qhs", q[a:b], k) * 0.5
-        visible = torch.arange(k.shape[0])[None, :] <= torch.arange(b - a)[:, None] + k.shape[0] - (b - a)
-        ref = torch.einsum("qhs,sd->qhd", scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1), v)
+        scores = torch.einsum("qhd,sd->qhs", q[a:b], k) * 0.5  # [Q, H, S]
+        pos = torch.arange(b - a)[:, None] + k.shape[0] - (b - a)  # [Q, 1]
+        key_pos = torch.arange(k.shape[0])[None, :]  # [1, S]
+        visible = (key_pos <= pos) & ((key_pos > pos - window) if window > 0 else True)
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        if sinks is not None:  # one more logit per head, no value
+            scores = torch.cat([scores, sinks.view(1, -1, 1).expand(b - a, -1, 1)], dim=-1)
+        ref = torch.einsum("qhs,sd->qhd", scores.softmax(-1)[..., :k.shape[0]], v)
         if not torch.allclose(out[a:b], ref, atol=1e-5, rtol=1e-5):
             raise RuntimeError("self-test mismatch")
 
@@ -192,14 +198,20 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: torch.Tensor, scale: float,
+                    window: int = 0, sinks: torch.Tensor | None = None) -> None:
     """Writes out[t] for every token t of the listed rows: causal attention over the row's cached KV.
 
     out, q [T, H, D]; kv_cache [2, N, bs, Hkv, D] (already holding this step's K/V; q's dtype, or float16
     under float32 q); block_table
     [B, W], seq_lens [B], query_start_loc [B + 1], rows [R]: int32. Rows need 1 <= query_len <= seq_len.
+    window > 0: each query sees only its last `window` keys (itself included), and blocks wholly before that
+    are not read. sinks [H]: one logit per query head added to the softmax denominator (float32 on the call).
     """
-    _ops().paged_attention(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale))
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    _ops().paged_attention(out, q, kv_cache, block_table, seq_lens, query_start_loc, rows, float(scale), int(window),
+                           sinks)
 
 
 def attends_prompts(dtype: torch.dtype) -> bool:

@@ -6,9 +6,9 @@ AttentionBackend and the paged KV cache. The variants differ only in the parts r
 carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it has one, and a Mixture-of-Experts
 architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers.
 
-Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: a config
-whose window is shorter than the context length (max_model_len, default max_position_embeddings)
-is rejected with a ValueError. A window at least as long as the context is a no-op and is ignored.
+Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window): each layer's window comes from
+the config (model/sliding_window.py) and is passed to the backend with the layer's attention call; a window
+at least as long as the context (max_model_len, default max_position_embeddings) is full attention.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
 features and vocabulary rows (of every expert too); the loader hands `load_weights` those slices of the
@@ -30,19 +30,11 @@ from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expe
                                 map_expert_name, moe_spec_from_config, shard_stacked, take_load_balance)
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
+from llmserve.model.sliding_window import layer_windows
 
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _check_sliding_window(config, max_model_len: int) -> None:
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False or window is None:
-        return
-    if window < max_model_len:
-        raise ValueError(f"sliding-window attention (window {window}) is not supported; "
-                         f"use max_model_len <= {window} to run this model without it")
 
 
 @dataclass(frozen=True)
@@ -69,7 +61,10 @@ def decoder_parts(config) -> DecoderParts:
 
 
 class Attention(nn.Module):
-    """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection."""
+    """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection.
+
+    window: the layer's sliding window (0 = full attention), set by CausalLM from the config.
+    """
 
     def __init__(self, config, parts: DecoderParts, tp: TensorParallel | None = None,
                  layout: ShardLayout | None = None):
@@ -84,6 +79,7 @@ class Attention(nn.Module):
         self.o_proj = row_linear(self.q_size, config.hidden_size, parts.o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
+        self.window = 0  # attends the last `window` keys (0: all); CausalLM sets it per layer
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
@@ -93,7 +89,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
         q, k = self._rotate_qk(qkv[:, :num_qk_heads], cos_sin)  # [T, H, D], [T, Hkv, D]
         v = qkv[:, num_qk_heads:]  # [T, Hkv, D], a strided view like k: the backends copy both into the cache
-        out = attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, H, D]
+        out = attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, window=self.window)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _rotate_qk(self, qk: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,8 +159,11 @@ class CausalLM(nn.Module):
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
         self.max_model_len = max_model_len or config.max_position_embeddings
-        _check_sliding_window(config, self.max_model_len)
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        windows = layer_windows(config, arch, self.max_model_len)  # before building: a bad config fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
+        for layer, window in zip(self.model.layers, windows, strict=True):
+            layer.self_attn.window = window
         self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]

@@ -19,6 +19,7 @@ from llmserve.model.linear import pack_linears
 from llmserve.model.moe import num_experts_of
 from llmserve.model.parallel import TensorParallel, shard_of
 from llmserve.model.registry import architecture_of, get_model_class
+from llmserve.model.sliding_window import layer_windows
 
 HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                       "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -232,13 +233,15 @@ def eos_token_ids(config, path: str) -> list[int]:
 
 
 def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int | None = None,
-                    quantization: str | None = None) -> ModelInfo:
-    """Summarise a checkpoint directory; max_model_len defaults to max_position_embeddings;
-    quantization: --quantization (unset: the checkpoint's)."""
+                    quantization: str | None = None, disable_sliding_window: bool = False) -> ModelInfo:
+    """Summarise a checkpoint directory; max_model_len defaults to max_position_embeddings (to the smallest
+    sliding window under disable_sliding_window); quantization: --quantization (unset: the checkpoint's)."""
     config = load_hf_config(path)
     limit = config.max_position_embeddings
     if max_model_len is not None and not 0 < max_model_len <= limit:
         raise ValueError(f"max_model_len {max_model_len} must be in 1..{limit} (max_position_embeddings)")
+    if disable_sliding_window:
+        limit = _full_attention_limit(config, max_model_len, limit)
     return ModelInfo(
         name=name, path=path, architecture=architecture_of(config), vocab_size=config.vocab_size,
         max_model_len=max_model_len or limit, eos_token_ids=eos_token_ids(config, path),
@@ -246,3 +249,15 @@ def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         hidden_size=config.hidden_size, dtype=str(dtype).removeprefix("torch."),
         quantization=resolve_quantization(quantization, path))
+
+
+def _full_attention_limit(config, max_model_len: int | None, limit: int) -> int:
+    """The longest context under --disable-sliding-window (vLLM's meaning): at most the smallest window, where
+    full attention equals the model's own; ValueError when max_model_len asks for more."""
+    windows = [w for w in layer_windows(config, architecture_of(config), limit) if w > 0]
+    if not windows:
+        return limit
+    if max_model_len is not None and max_model_len > min(windows):
+        raise ValueError(f"max_model_len {max_model_len} exceeds the sliding window {min(windows)}: "
+                         "--disable-sliding-window caps the context to it")
+    return min(windows)

@@ -7,7 +7,10 @@ rows of one matrix (BLOCK_Q * G_PAD of them, padded to at least 16 for tl.dot; G
 loaded once for all G heads).
 It walks the row's keys BLOCK_N at a time through the block table (a key's block id and offset come
 from its position, so BLOCK_N need not equal the KV block size), with an online softmax in float32.
-Query j of a row (j counted from the row's first new token) sees keys 0 .. context_len + j.
+Query j of a row (j counted from the row's first new token) sees keys 0 .. context_len + j; under a
+sliding window W only context_len + j - W + 1 .. context_len + j, and the walk starts at the tile's first
+query's window (blocks wholly before it are never read). Attention sinks (one logit per query head) add
+exp(sink) to the softmax's denominator after the walk.
 
 Everything the kernel reads per step lives in device tensors (no per-step host values except the
 grid, which depends only on the number of tiles), so a decode step can be captured in a CUDA graph.
@@ -24,11 +27,12 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
-    tile_rows_ptr, tile_starts_ptr, scale, k_scale, v_scale,
+    tile_rows_ptr, tile_starts_ptr, sinks_ptr, scale, k_scale, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cp, stride_ch, stride_bt,
     NUM_QUERIES_PER_KV: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -55,7 +59,9 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len)  # keys the tile's last query sees
     offs_n = tl.arange(0, BLOCK_N)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
-    for start_n in range(0, kv_end, BLOCK_N):
+    q_pos = context_len + q_idx  # [M] each query's position
+    kv_begin = tl.maximum(context_len + tile_start - window + 1, 0)  # the tile's first query's window (full: 0)
+    for start_n in range(kv_begin, kv_end, BLOCK_N):
         pos = start_n + offs_n  # [N]
         is_key = pos < kv_end
         block_id = tl.load(block_table_ptr + row * stride_bt + pos // KV_BLOCK_SIZE, mask=is_key, other=0)
@@ -63,7 +69,7 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=is_key[None, :] & is_dim[:, None],
                     other=0.0).to(q.dtype)  # [D, N]; an fp8 cache is dequantized here (k_scale below)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * (qk_scale * k_scale)  # [M, N]
-        is_seen = (pos[None, :] <= (context_len + q_idx)[:, None]) & is_key[None, :]
+        is_seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > (q_pos - window)[:, None]) & is_key[None, :]
         s = tl.where(is_seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,9 +80,15 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if HAS_SINKS:  # exp(sink - max) in the denominator (m_i is in log2 units, scaled)
+        sink = tl.load(sinks_ptr + head, mask=is_row, other=0.0).to(tl.float32)  # [M]
+        l_i += tl.exp2(sink * 1.4426950408889634 - tl.where(m_i == float("-inf"), 0.0, m_i))
     acc = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
+
+
+_FULL_WINDOW = 2 ** 30  # "no window": longer than any sequence, so the window test always passes
 
 
 def block_q_for(max_query_len: int) -> int:
@@ -87,21 +99,25 @@ def block_q_for(max_query_len: int) -> int:
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_rows: torch.Tensor,
                     tile_starts: torch.Tensor, block_q: int, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> None:
+                    v_scale: float = 1.0, window: int = 0, sinks: torch.Tensor | None = None) -> None:
     """out/q [T, H, D], kv_cache [2, N, bs, Hkv, D] (q's dtype, or float8_e4m3fn holding k / k_scale and
     v / v_scale), block_table [B, W] int32, seq_lens [B] int32,
-    query_start_loc [B + 1] int32, tile_rows/tile_starts [tiles] int32 -> fills out's rows."""
+    query_start_loc [B + 1] int32, tile_rows/tile_starts [tiles] int32 -> fills out's rows.
+    window > 0: sliding window of that many keys (0 = full); sinks [H] float32 or None."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
     num_queries_per_kv = q.shape[1] // num_kv_heads
     g_pad = triton.next_power_of_2(num_queries_per_kv)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     grid = (tile_rows.shape[0], num_kv_heads)
+    window = window if window > 0 else _FULL_WINDOW
+    sink_arg = sinks.float().contiguous() if sinks is not None else q  # unread without sinks
     _paged_attention_kernel[grid](
-        out, q, kv_cache[0], kv_cache[1], block_table, seq_lens, query_start_loc, tile_rows, tile_starts, scale,
-        k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out, q, kv_cache[0], kv_cache[1], block_table, seq_lens, query_start_loc, tile_rows, tile_starts, sink_arg,
+        scale, k_scale, v_scale, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         NUM_QUERIES_PER_KV=num_queries_per_kv, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * g_pad),
         BLOCK_N=64 if d_pad <= 128 else 32,
         KV_BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None)  # None: the default for 16-bit inputs
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit inputs
+        HAS_SINKS=sinks is not None)

@@ -4,7 +4,9 @@
 // For each work item (a row's tile of at most 16 query tokens, for one kv head or all), in parallel: its
 // q query tokens times the G query heads of a kv head (M = q * G query vectors) read the keys they see
 // once, straight from the paged cache through the block table, with an online softmax in float32.
-// Query j of a row of q tokens over s keys sees keys 0..s-q+j (causal). No K/V copy is made; float32
+// Query j of a row of q tokens over s keys sees keys 0..s-q+j (causal), or with a sliding window W only
+// s-q+j-W+1..s-q+j (keys before an item's first query's window are never read; blocks wholly before it are
+// never touched). Sinks [H] add exp(sink - max) to each head's denominator. No K/V copy is made; float32
 // reads in place, bfloat16/float16 are converted one key chunk at a time. The cache shares q's dtype,
 // or is float16 under float32 q and out (--kv-cache-dtype fp16 of a float32 model), or int8 under float32
 // q and out (--kv-cache-dtype int8; AVX2 builds only): then its last dim is D + 4, each kv head's row of D
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #ifdef _OPENMP
@@ -41,6 +44,7 @@ using llmserve_cpu::item_of;
 using llmserve_cpu::Params;
 using llmserve_cpu::WorkItem;
 using llmserve_cpu::Scratch;
+using llmserve_cpu::visible_in_chunk;
 
 template <typename T>
 inline const float* as_f32(const T* src, float* buf, int n) {
@@ -147,7 +151,7 @@ void attend_item(const Params& p, int item, Scratch& w) {
   };
   const float* kp[kChunk];  // the chunk's keys (values): span floats each, kv head kvh0 first
   const float* vp[kChunk];
-  for (int c0 = 0; c0 < seq_len; c0 += kChunk) {
+  for (int c0 = it.first_key; c0 < seq_len; c0 += kChunk) {
     const int cn = std::min(kChunk, seq_len - c0);
     for (int c = 0; c < cn; ++c) {
       const int64_t off = token_offset(c0 + c);
@@ -159,19 +163,19 @@ void attend_item(const Params& p, int item, Scratch& w) {
       prefetch_token(kcache + off, vcache + off, static_cast<int64_t>(span) * sizeof(KV));
     }
     for (int m = 0; m < m_count; ++m) {
-      // keys this query sees in the chunk: t <= seq_len - q_len + j
-      const int nv = std::min(cn, seq_len - q_len + m / hg - c0 + 1);
-      w.valid[m] = nv;
+      visible_in_chunk(p, it, m, c0, cn, w);  // keys f .. f + nv - 1 of the chunk
+      const int nv = w.valid[m];
       if (nv <= 0) continue;
       const float* qm = w.q.data() + m * d;
+      const float* const* kpm = kp + w.first[m];
       const int head_off = (m % hg) / g * d;
       float* sc = w.scores.data() + m * kChunk;
       float cmax = -std::numeric_limits<float>::infinity();
       int c = 0;
       for (; c + 4 <= nv; c += 4) {
-        dot4<kD>(qm, kp[c] + head_off, kp[c + 1] + head_off, kp[c + 2] + head_off, kp[c + 3] + head_off, d, sc + c);
+        dot4<kD>(qm, kpm[c] + head_off, kpm[c + 1] + head_off, kpm[c + 2] + head_off, kpm[c + 3] + head_off, d, sc + c);
       }
-      for (; c < nv; ++c) sc[c] = dot<kD>(qm, kp[c] + head_off, d);
+      for (; c < nv; ++c) sc[c] = dot<kD>(qm, kpm[c] + head_off, d);
       for (c = 0; c < nv; ++c) cmax = std::max(cmax, sc[c]);
       const float new_max = std::max(w.max[m], cmax);
       if (new_max > w.max[m]) {
@@ -192,18 +196,20 @@ void attend_item(const Params& p, int item, Scratch& w) {
       const float* sc = w.scores.data() + m * kChunk;
       const int head_off = (m % hg) / g * d;
       const int nv = w.valid[m];
+      const float* const* vpm = vp + w.first[m];
       int c = 0;
       for (; c + 4 <= nv; c += 4) {
-        axpy4<kD>(am, sc + c, vp[c] + head_off, vp[c + 1] + head_off, vp[c + 2] + head_off, vp[c + 3] + head_off, d);
+        axpy4<kD>(am, sc + c, vpm[c] + head_off, vpm[c + 1] + head_off, vpm[c + 2] + head_off, vpm[c + 3] + head_off,
+                  d);
       }
-      for (; c < nv; ++c) axpy<kD>(am, sc[c], vp[c] + head_off, d);
+      for (; c < nv; ++c) axpy<kD>(am, sc[c], vpm[c] + head_off, d);
     }
   }
   T* out = static_cast<T*>(p.out);
   const int num_heads = p.num_kv_heads * g;
   for (int m = 0; m < m_count; ++m) {
     T* dst = out + (static_cast<int64_t>(first_token + m / hg) * num_heads + kvh0 * g + m % hg) * d;
-    const float inv = 1.f / w.sum[m];
+    const float inv = 1.f / llmserve_cpu::denominator(p, w, m, kvh0 * g + m % hg);
     const float* am = w.acc.data() + m * d;
     for (int i = 0; i < d; ++i) dst[i] = from_f32<T>(am[i] * inv);
   }
@@ -234,9 +240,10 @@ std::vector<WorkItem> work_items(const Params& p, int64_t num_rows, int num_tile
     }
   }
   if (has_long_rows) {
-    auto work = [&](const WorkItem& w) {
+    auto work = [&](const WorkItem& w) {  // query tokens times the keys the item reads
       const int row_q_len = p.query_start[w.row + 1] - p.query_start[w.row];
-      return static_cast<int64_t>(w.q_len) * (p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len);
+      const int seq_len = p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len;
+      return static_cast<int64_t>(w.q_len) * (seq_len - llmserve_cpu::first_visible(p, seq_len - w.q_len));
     };
     std::stable_sort(items.begin(), items.end(),
                      [&](const WorkItem& a, const WorkItem& b) { return work(a) > work(b); });
@@ -246,7 +253,7 @@ std::vector<WorkItem> work_items(const Params& p, int64_t num_rows, int num_tile
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& rows,
-                     double scale) {
+                     double scale, int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "paged_attention: kv_cache must be a contiguous [2, N, bs, Hkv, D]");
@@ -266,6 +273,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   const int num_kv_heads = kv_cache.size(3);
   const int head_stride = kv_cache.size(4), head_dim = kv_is_i8 ? head_stride - 4 : head_stride;
   TORCH_CHECK(q.size(2) == head_dim && q.size(1) % num_kv_heads == 0, "paged_attention: q heads/head_dim mismatch");
+  TORCH_CHECK(window >= 0 && window <= std::numeric_limits<int>::max(), "paged_attention: window must be >= 0");
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->device().is_cpu() && sinks->is_contiguous() &&
+                sinks->dim() == 1 && sinks->size(0) == q.size(1), "paged_attention: sinks must be float32 [H]");
+  }
   Params p;
   p.q = q.data_ptr();
   p.kv = kv_cache.data_ptr();
@@ -284,6 +296,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   p.head_stride = head_stride;
   p.block_size = kv_cache.size(2);
   p.scale = static_cast<float>(scale);
+  p.window = static_cast<int>(window);
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   if (rows.numel() == 0) return;
   // Validate what the kernel will index (O(rows + blocks read), cheap next to the attention itself).
   const int64_t num_rows = seq_lens.numel(), num_tokens = q.size(0), num_blocks = kv_cache.size(1);
@@ -298,7 +312,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     TORCH_CHECK(seq_len >= q_len && (seq_len + p.block_size - 1) / p.block_size <= block_table.size(1),
                 "paged_attention: seq_len shorter than query_len or past the block table");
     const int32_t* table = p.block_table + row * p.bt_stride;
-    for (int b = 0; b < (seq_len + p.block_size - 1) / p.block_size; ++b) {
+    for (int b = llmserve_cpu::first_visible(p, seq_len - q_len) / p.block_size;
+         b < (seq_len + p.block_size - 1) / p.block_size; ++b) {  // the blocks it reads
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_attention: block id out of range");
     }
     num_tiles += (q_len + kMaxQueryLen - 1) / kMaxQueryLen;
@@ -335,6 +350,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
 
 TORCH_LIBRARY(llmserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor query_start, Tensor rows, float scale) -> ()",
+        "Tensor query_start, Tensor rows, float scale, int window=0, Tensor? sinks=None) -> ()",
         &paged_attention);
 }

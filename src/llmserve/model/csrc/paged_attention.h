@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -38,30 +39,50 @@ struct Params {
   int head_stride;  // cache elements from one kv head's row to the next: head_dim, or head_dim + 4 for an int8
                     // cache (each row ends in its float32 scale)
   int heads_per_item;  // kv heads one work item attends together (all of them when rows are plenty)
+  int window;  // > 0: a query at position p sees keys p - window + 1 .. p only (sliding window); 0: all
+  const float* sinks;  // [H] float32: one logit per query head added to the softmax denominator; or nullptr
   float scale;
 };
 
 struct Scratch {
   std::vector<float> q, acc, scores, kbuf, vbuf, max, sum;
-  std::vector<int> valid;
+  std::vector<int> first, valid;  // per query vector, in the current chunk: its first visible key, their count
   Scratch(int m, int d, int heads)
       : q(m * d), acc(m * d), scores(m * kChunk), kbuf(kChunk * heads * d), vbuf(kChunk * heads * d), max(m),
-        sum(m), valid(m) {}
+        sum(m), first(m), valid(m) {}
 };
 
+// The first key a query at position pos sees: pos - window + 1 under a sliding window, else 0.
+inline int first_visible(const Params& p, int pos) { return p.window > 0 ? std::max(0, pos - p.window + 1) : 0; }
+
 // What a work item attends: its first token in q, its query tokens, the keys its last query sees
-// (0 .. seq_len - 1; query j sees 0 .. seq_len - q_len + j), its first kv head, its query heads
+// (.. seq_len - 1; query j sees .. seq_len - q_len + j), the first key its first query sees (first_key; keys
+// before it, out of every query's window, are never read), its first kv head, its query heads
 // (hg = heads_per_item * group) and its row's block table.
 struct Item {
-  int first_token, q_len, seq_len, kvh0, hg;
+  int first_token, q_len, seq_len, first_key, kvh0, hg;
   const int32_t* table;
 };
 
 inline Item item_of(const Params& p, int index) {
   const WorkItem& w = p.items[index];
   const int start = p.query_start[w.row], row_q_len = p.query_start[w.row + 1] - start;
-  return Item{start + w.q_begin, w.q_len, p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len, w.kvh0,
+  const int seq_len = p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len;
+  return Item{start + w.q_begin, w.q_len, seq_len, first_visible(p, seq_len - w.q_len), w.kvh0,
               p.heads_per_item * p.group, p.block_table + static_cast<int64_t>(w.row) * p.bt_stride};
+}
+
+// The keys query vector m of an item sees in the chunk c0 .. c0 + cn - 1, counted from c0: w.first[m] and
+// w.valid[m] of them (none when valid <= 0).
+inline void visible_in_chunk(const Params& p, const Item& it, int m, int c0, int cn, Scratch& w) {
+  const int pos = it.seq_len - it.q_len + m / it.hg;
+  w.first[m] = std::max(0, first_visible(p, pos) - c0);
+  w.valid[m] = std::min(cn, pos - c0 + 1) - w.first[m];
+}
+
+// The softmax denominator of query vector m (query head `head`): its sum, plus exp(sink) when heads have sinks.
+inline float denominator(const Params& p, const Scratch& w, int m, int head) {
+  return p.sinks == nullptr ? w.sum[m] : w.sum[m] + std::exp(p.sinks[head] - w.max[m]);
 }
 
 // Runs attend(p, item, scratch) for every work item on OpenMP threads (as many as ATen's pool, one

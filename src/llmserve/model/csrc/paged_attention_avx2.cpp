@@ -1,6 +1,6 @@
 // float32 paged attention with AVX2 + FMA intrinsics: CPU decode's hot path (contract: paged_attention.cpp).
 //
-// Same work items, chunks and online softmax as the portable path; three differences. Keys are scored
+// Same work items, chunks, windows, sinks and online softmax as the portable path; three differences. Keys are scored
 // eight at a time (eight independent FMA chains, then one horizontal-add tree for the eight sums) instead
 // of one dot product and its horizontal sum per key. The softmax's exponentials are a vectorised
 // polynomial (Cephes' expf: < 2 ulp on the inputs here, which are <= 0). Each query's output accumulates
@@ -191,8 +191,9 @@ void store_outputs(const Params& p, const Item& it, const Scratch& w, int d) {
   float* out = static_cast<float*>(p.out);
   const int num_heads = p.num_kv_heads * p.group;
   for (int m = 0; m < it.q_len * it.hg; ++m) {
-    float* dst = out + (static_cast<int64_t>(it.first_token + m / it.hg) * num_heads + it.kvh0 * p.group + m % it.hg) * d;
-    const float inv = 1.f / w.sum[m];
+    const int head = it.kvh0 * p.group + m % it.hg;
+    float* dst = out + (static_cast<int64_t>(it.first_token + m / it.hg) * num_heads + head) * d;
+    const float inv = 1.f / llmserve_cpu::denominator(p, w, m, head);
     for (int i = 0; i < d; ++i) dst[i] = w.acc[m * d + i] * inv;
   }
 }
@@ -234,7 +235,7 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     }
   };
   const int tokens_per_slice = (kPrefetchAhead + 2 * m_count - 1) / (2 * m_count);  // 2 * m_count slices a chunk
-  for (int c0 = 0; c0 < it.seq_len; c0 += kChunk) {
+  for (int c0 = it.first_key; c0 < it.seq_len; c0 += kChunk) {  // keys before first_key: out of every window
     const int cn = std::min(kChunk, it.seq_len - c0);
     for (int c = 0; c < cn; ++c) {
       const int64_t off = token_offset(c0 + c);
@@ -247,11 +248,12 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
       widen_int8_rows(kp, cn, p.heads_per_item, d, w.kbuf.data(), kf);
       widen_int8_rows(vp, cn, p.heads_per_item, d, w.vbuf.data(), vf);
     }
-    for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: t <= seq_len - q_len + token
-      w.valid[m] = std::min(cn, it.seq_len - it.q_len + m / it.hg - c0 + 1);
+    for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: first[m] .. first[m] + valid[m] - 1
+      llmserve_cpu::visible_in_chunk(p, it, m, c0, cn, w);
+      const int f = w.first[m];
       if (w.valid[m] > 0) {
-        if constexpr (kIsInt8<KV>) score_chunk<kD, float>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kf);
-        else score_chunk<kD, KV>(w, m, d, (m % it.hg) / p.group * hs, w.valid[m], kp);
+        if constexpr (kIsInt8<KV>) score_chunk<kD, float>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kf + f);
+        else score_chunk<kD, KV>(w, m, d, (m % it.hg) / p.group * hs, w.valid[m], kp + f);
       }
       prefetch_tokens(tokens_per_slice);
     }
@@ -259,8 +261,8 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
       if (w.valid[m] > 0) {
         float* acc = w.acc.data() + m * d;
         const float* scores = w.scores.data() + m * kChunk;
-        if constexpr (kIsInt8<KV>) accumulate(acc, scores, vf, (m % it.hg) / p.group * d, w.valid[m], d);
-        else accumulate(acc, scores, vp, (m % it.hg) / p.group * hs, w.valid[m], d);
+        if constexpr (kIsInt8<KV>) accumulate(acc, scores, vf + w.first[m], (m % it.hg) / p.group * d, w.valid[m], d);
+        else accumulate(acc, scores, vp + w.first[m], (m % it.hg) / p.group * hs, w.valid[m], d);
       }
       prefetch_tokens(tokens_per_slice);
     }
