@@ -47,6 +47,9 @@ class ServerConfig:
                 "(<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}: "
                 "Llama 3.x), mistral ([TOOL_CALLS][...]); default: chosen by the markers the chat template mentions",
         "choices": list(PARSER_NAMES)})
+    grpc_port: int | None = field(default=None, metadata={
+        "help": "serve the gRPC API (llmserve.proto's Generation service) on this port too, same host, engine "
+                "and API key (0: any free port, logged at startup); default: HTTP only"})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "return a thinking model's thoughts apart from its answer (chat's reasoning_content, the Responses "
                 "API's reasoning item): deepseek_r1 (the template opens <think>), qwen3 (the model writes "
@@ -70,6 +73,8 @@ class ServerConfig:
         check_min("stream-interval", self.stream_interval, 1)
         if self.tool_call_parser is not None:
             check_choice("tool-call-parser", self.tool_call_parser, PARSER_NAMES)
+        check(self.grpc_port is None or 0 <= self.grpc_port <= 65535, "grpc-port",
+              f"must be in [0, 65535], got {self.grpc_port}")
         if self.reasoning_parser is not None:
             check_choice("reasoning-parser", self.reasoning_parser, REASONING_PARSERS)
         check(self.request_timeout is None or self.request_timeout > 0, "request-timeout",

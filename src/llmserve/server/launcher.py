@@ -24,6 +24,7 @@ from llmserve.heap import freeze_startup_heap
 from llmserve.server.api_server import build_app
 from llmserve.server.config import ServerConfig
 from llmserve.server.errors import service_unavailable
+from llmserve.server.grpc_service.service import bind_grpc, start_grpc
 from llmserve.server.loop_lag import probe_loop_lag
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.serving_common import ServingContext, TokenTexts
@@ -127,6 +128,7 @@ def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     engine_config.validate()  # before binding or spawning anything (the CLI has checked already)
     sock = bind_socket(config.host, config.port)
+    grpc_server, grpc_port = (None, None) if config.grpc_port is None else bind_grpc(config.host, config.grpc_port)
     engine = await AsyncLLM.from_config(engine_config, startup_timeout=config.engine_startup_timeout,
                                         stream_interval=config.stream_interval,
                                         request_timeout=config.request_timeout)
@@ -137,6 +139,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         engine.dead_callbacks.append(server.on_engine_dead)
         if engine.is_dead:
             return 1
+        if grpc_server is not None:
+            await start_grpc(grpc_server, ctx)
+            print(f"llmserve: gRPC on {config.host}:{grpc_port}", file=sys.stderr, flush=True)
         # Printed whatever the log level: with --port 0 this line is how one learns the port.
         print(f"llmserve: serving {model_name} on http://{config.host}:{sock.getsockname()[1]}", file=sys.stderr,
               flush=True)
@@ -149,6 +154,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         return server.exit_code
     finally:
         sock.close()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=None)  # the drain above has let its calls finish
         await engine.shutdown()
 
 

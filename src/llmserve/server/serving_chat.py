@@ -56,7 +56,7 @@ class ChatServer:
         ctx = self.ctx
         req: ChatCompletionRequest = decode_json(body, ChatCompletionRequest)
         plan, params, prompt = prepare_chat(ctx, req)
-        ctx.admit(request, params.n)
+        ctx.admit(request.scope, params.n)
         request_id = new_request_id("chatcmpl")
         gen = ctx.engine.generate(prompt, params, request_id, req.priority)
         if req.stream:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from fastapi import Request
 
 from llmserve.engine.async_llm import AsyncLLM, merge_outputs
 from llmserve.outputs import RequestOutput
@@ -51,8 +50,9 @@ class ServingContext:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
                            param="model", code="model_not_found")
 
-    def admit(self, request: Request, num_engine_requests: int) -> None:
-        """Count the request's sequences in (FrontDoor counts them out when its response ends).
+    def admit(self, scope: dict, num_engine_requests: int) -> None:
+        """Count the request's sequences in, in its `scope` (an HTTP request's: FrontDoor counts them out when
+        its response ends; a gRPC call's: the call does).
 
         503 + Retry-After when max_num_seqs + max_queued_requests sequences are in flight already;
         400 when the request alone can never fit.
@@ -66,8 +66,8 @@ class ServingContext:
         if self.num_admitted + num_engine_requests > self.num_max_in_flight:
             raise service_unavailable(f"too many requests queued ({self.num_admitted} sequences in flight, "
                                       f"limit {self.num_max_in_flight}); retry later", retry_after=1)
-        assert ADMITTED_KEY not in request.scope, "a request admitted twice"
-        request.scope[ADMITTED_KEY] = num_engine_requests
+        assert ADMITTED_KEY not in scope, "a request admitted twice"
+        scope[ADMITTED_KEY] = num_engine_requests
         self.num_admitted += num_engine_requests
 
     def release(self, scope: dict) -> None:

@@ -111,7 +111,7 @@ class CompletionServer:
         if req.echo:
             for prompt in prompts:
                 prompt.text = prompt.text if prompt.text is not None else ctx.engine.decode(prompt.token_ids)
-        ctx.admit(request, len(prompts) * params.n)
+        ctx.admit(request.scope, len(prompts) * params.n)
         request_id = new_request_id("cmpl")
         gens = [ctx.engine.generate(p, params, f"{request_id}-{i}", req.priority) for i, p in enumerate(prompts)]
         if req.stream:

@@ -81,7 +81,7 @@ class ResponsesServer:
         conversation = history + conversation_messages(req)
         instructions = [] if req.instructions is None else [ChatMessage("system", req.instructions)]
         plan, params, prompt = prepare_chat(ctx, chat_request(req, instructions + conversation))
-        ctx.admit(request, 1)
+        ctx.admit(request.scope, 1)
         draft = self._draft(req, new_request_id("resp"))
         gen = ctx.engine.generate(prompt, params, draft.id, 0)
         if req.stream:

@@ -194,7 +194,7 @@ class TGIServer:
             token_ids = token_ids[-truncate:]
         prompt = TokensPrompt(token_ids, req.inputs)
         ctx.engine.check_request(len(token_ids), params)
-        ctx.admit(request, 1)
+        ctx.admit(request.scope, 1)
         request_id = new_request_id("tgi")
         gen = ctx.engine.generate(prompt, params, request_id, 0)
         return req, params, prompt, gen, request_id
