@@ -131,3 +131,26 @@ def test_what_is_not_built_is_refused_naming_the_field(http, body, status, param
     response = http.post("/v1/responses", json=body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool_through_the_server(server):
+    """The OpenAI Agents SDK's default path (its Responses model) against our server: a one-tool agent whose
+    model must call the tool; the agent runs it and stops on its output."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no export to OpenAI's tracing service
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    agent = Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
+                  model=OpenAIResponsesModel(model=NAME, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=200),
+                  tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?"))
+    assert result.final_output in ("sunny in Paris", "sunny in Oslo")
