@@ -48,3 +48,24 @@ def test_serve_with_zero_max_num_seqs_exits_2_at_once_without_a_traceback():
     assert proc.returncode == 2
     assert "--max-num-seqs: must be >= 1, got 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["serve", "--help"], ["bench", "offline", "--help"]])
+def test_version_and_help_do_not_import_torch(argv):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom llmserve.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "sys.exit(3 if 'torch' in sys.modules else 0)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout
+
+
+def test_a_flag_error_is_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--dtype", "float64"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith("llmserve serve: error: --dtype: invalid choice: 'float64'") and "--help" in err

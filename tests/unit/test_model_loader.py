@@ -15,7 +15,8 @@ from llmserve.model import cpu_isa, loader
 from llmserve.model.demo import demo_model_path
 from llmserve.model.loader import (ModelInfo, load_generation_defaults, load_model, load_model_info,
                                    load_tokenizer, resolve_dtype, resolve_model_path)
-from llmserve.model.maker import add_make_model_parser, make_model
+from llmserve.model.maker import make_model
+from llmserve.model.maker_cli import add_make_model_parser
 from llmserve.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
 

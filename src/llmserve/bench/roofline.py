@@ -14,10 +14,12 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmserve.bench.command import add_bench_command
+
+if TYPE_CHECKING:  # torch loads when the benchmark runs, not when the CLI builds its parser
+    import torch
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,16 @@ class RooflineBenchConfig:
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
     """Bytes read + written per second by one large on-device copy (median of `repeats`)."""
+    import torch
+
     src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -74,6 +80,8 @@ def bytes_per_decode_step(weight_bytes: int, kv_bytes_per_token: int, context_le
 
 
 def device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     with open("/proc/cpuinfo") as f:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.config import is_local_model
 from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
 from llmserve.model.parallel import TensorParallel, shard_of
@@ -27,16 +28,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "eos_token_id", "max_new_tokens")
 
 
-def _looks_local(model: str) -> bool:
-    return model.startswith(("/", ".", "~")) or os.path.exists(model)
-
-
 def resolve_model_path(model: str, revision: str | None = None) -> str:
     """A local directory as is; otherwise download the hub id's config, weights and tokenizer files.
 
     ValueError (naming the id) when the directory is missing or the hub cannot provide the model.
     """
-    if _looks_local(model):
+    if is_local_model(model):
         path = os.path.expanduser(model)
         if not os.path.isdir(path):
             raise ValueError(f"model directory {model!r} does not exist")
