@@ -139,7 +139,7 @@ class SpeculativeConfig:
     ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix matched against the prompt and output so far"})
     ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
     speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
-    speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it still loses to the static cap at batch 4-16); off: every request speculates up to --speculative-max-batch"})
+    speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it matches the cap alone at batch 1-8 within noise and beats always speculating above it, docs/benchmarks.md); off: every request speculates up to --speculative-max-batch"})
     draft_vocab_size: int | None = field(default=None, metadata={"help": "--speculative draft: the draft's "
                                          "head keeps only the first N token ids (the most frequent in BPE and "
                                          "SentencePiece vocabularies; EAGLE-3 and FR-Spec reduce the draft's "

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from llmserve.bench.command import add_bench_command
+from llmserve.config import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class OfflineBenchConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16 | int8 (where each "
+                                "runs: llmserve serve --help)", "choices": list(KV_CACHE_DTYPES)})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
     num_scheduler_steps: int | None = field(default=None, metadata={"help": "engine: decode forwards a step may run "
                                             "for requests that report only their final output (default: the engine's "

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from llmserve.bench.command import add_bench_command
+from llmserve.config import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:  # torch loads when the benchmark runs, not when the CLI builds its parser
     import torch
@@ -31,7 +32,8 @@ class RooflineBenchConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16 | int8 (where each "
+                                "runs: llmserve serve --help)", "choices": list(KV_CACHE_DTYPES)})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
     output_len: int = field(default=256, metadata={"help": "decoded tokens per run"})
     repeats: int = field(default=3, metadata={"help": "timed runs (the median is reported)"})

@@ -22,7 +22,9 @@ logger = logging.getLogger("llmserve.rayserve")
 
 def add_serve_ray_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
-    add_dataclass_args(parser, ServerConfig)
+    add_dataclass_args(parser, ServerConfig, skip=("port",))
+    parser.add_argument("--port", type=int, default=ServerConfig.port,
+                        help=f"Ray Serve's HTTP proxy's TCP port, a fixed one (default: {ServerConfig.port})")
     add_dataclass_args(parser, RayServeConfig)
 
 
