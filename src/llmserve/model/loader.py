@@ -25,6 +25,7 @@ HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", 
                       "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UNLIMITED_TOKENS = int(1e30)  # transformers' own value for a tokenizer without a length limit
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "eos_token_id", "max_new_tokens")
 
 
@@ -173,9 +174,12 @@ def _read_chat_template(path: str) -> str | None:
 
 
 def load_tokenizer(path: str):
-    """The transformers tokenizer of a directory, with its chat template when it has one."""
+    """The transformers tokenizer of a directory, with its chat template when it has one. Its own length
+    limit is lifted: the engine refuses a prompt past max_model_len itself (a 400 on the server), and
+    transformers would only log a warning about indexing errors for it."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.model_max_length = UNLIMITED_TOKENS
     if not getattr(tokenizer, "chat_template", None):
         template = _read_chat_template(path)
         if template:
