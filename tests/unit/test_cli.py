@@ -69,3 +69,18 @@ def test_a_flag_error_is_one_line_naming_the_flag(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "usage:" not in err
     assert err.startswith("llmserve serve: error: --dtype: invalid choice: 'float64'") and "--help" in err
+
+
+def test_make_serve_passes_args_to_llmserve_serve():
+    """`make serve ARGS="..."` (what `make -n` would run: the install step first when .venv is missing)."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(root), "serve", "ARGS=--port 8001 --max-num-seqs 4"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ".venv/bin/llmserve serve --port 8001 --max-num-seqs 4"

@@ -26,7 +26,7 @@ def scope(method: str, path: str) -> dict:
     ("GET", "/", True), ("HEAD", "/", True), ("POST", "/", False),  # POST / is TGI's: the key still applies
     ("GET", "/static/playground/playground.js", True), ("POST", "/static/playground/x", False),
     ("GET", "/health", True), ("POST", "/v1/completions", False), ("GET", "/v1/models", False),
-    ("GET", "/staticfoo", False),
+    ("GET", "/staticfoo", False), ("GET", "/favicon.ico", True),
 ])
 def test_open_paths(method, path, expected):
     assert is_open(scope(method, path)) is expected
@@ -50,6 +50,12 @@ def test_page_and_assets_are_served(client):
     script = client.get("/static/playground/playground.js")
     assert "javascript" in script.headers["content-type"]
     assert client.get("/static/playground/missing.js").status_code == 404
+
+
+def test_the_icon_is_served_not_a_404(client):
+    icon = client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+    assert icon.content.startswith(b"<svg")
 
 
 def test_module_imports_resolve(client):
