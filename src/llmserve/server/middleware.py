@@ -14,7 +14,7 @@ from llmserve.server.dashboard import DASHBOARD_PATHS
 from llmserve.server.errors import APIError, error_response, service_unavailable
 from llmserve.server.serving_common import ServingContext
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}) | DASHBOARD_PATHS
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"}) | DASHBOARD_PATHS
 OPEN_PAGES = frozenset({"/", "/favicon.ico"})  # open to GET and HEAD only
 OPEN_PAGE_PREFIXES = ("/static/",)
 PAGE_METHODS = frozenset({"GET", "HEAD"})

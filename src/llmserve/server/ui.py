@@ -1,4 +1,5 @@
-"""The browser pages served beside the API: the playground at `GET /` (`POST /` stays TGI's route).
+"""The browser pages served beside the API: the playground at `GET /` (`POST /` stays TGI's route) and the
+API's reference at `GET /docs` (drawn from /openapi.json by a page of our own, so that it works offline).
 
 Plain HTML/CSS/JS shipped in the package (static/playground/), no build step, nothing loaded from
 elsewhere. The pages themselves are open (middleware.is_open_page: a browser cannot send the key when it
@@ -16,6 +17,8 @@ from starlette.staticfiles import StaticFiles
 STATIC_DIR = Path(__file__).parent / "static"
 PLAYGROUND_DIR = STATIC_DIR / "playground"
 PLAYGROUND_ASSETS = "/static/playground"
+DOCS_DIR = STATIC_DIR / "docs"
+DOCS_ASSETS = "/static/docs"
 
 
 # The pages' icon, inline: a browser asks for /favicon.ico, and a 404 there is noise in its console.
@@ -24,7 +27,12 @@ FAVICON_SVG = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><re
 
 
 def add_ui_routes(app: FastAPI) -> None:
-    """GET / (the playground page), its assets under /static/playground/ and the pages' icon."""
+    """GET / (the playground page), GET /docs (the API's reference), their assets under /static/ and the
+    pages' icon."""
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> FileResponse:
+        return FileResponse(DOCS_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/favicon.ico", include_in_schema=False)
     async def favicon() -> Response:
@@ -35,3 +43,4 @@ def add_ui_routes(app: FastAPI) -> None:
         return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount(PLAYGROUND_ASSETS, StaticFiles(directory=PLAYGROUND_DIR), name="playground-assets")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=DOCS_DIR), name="docs-assets")
