@@ -70,6 +70,12 @@ def run(serve, deployment: Deployment) -> int:
     ray.init(address=config.address, num_cpus=config.num_cpus if config.address is None else None,
              logging_level=server.log_level.upper())
     try:
+        config.check_fits(ray.available_resources())
+    except ValueError as e:  # before any deployment exists: nothing would be served, and Ray would wait forever
+        print(f"llmserve serve-ray: error: {e}", file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 2
+    try:
         serve.start(http_options={"host": server.host, "port": server.port,
                                   "keep_alive_timeout_s": server.timeout_keep_alive})
         serve.run(build_application(deployment), name=config.app_name, route_prefix=config.route_prefix)
