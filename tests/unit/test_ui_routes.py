@@ -88,3 +88,17 @@ def test_package_data_covers_every_static_file():
         if path.is_file():
             relative = path.relative_to(STATIC_DIR.parent).as_posix()
             assert any(fnmatch.fnmatch(relative, p) for p in patterns), relative
+
+
+def test_the_dashboards_percentages_stay_distinct_at_low_usage():
+    """The KV chart's axis at 0.1% top: 0%, 0.05%, 0.1% (not 0.1% twice); run with node where it is installed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("node") is None:
+        pytest.skip("no node on this machine")
+    source = (STATIC_DIR / "dashboard" / "dashboard.js").read_text()
+    pct = re.search(r"^function pct\(v\) \{.*?^\}", source, re.M | re.S).group(0)
+    script = pct + "\nconsole.log([0, 0.0005, 0.001, 0.25, 1].map(pct).join(' '));"
+    out = subprocess.run(["node", "-e", script], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert out.split() == ["0.0%", "0.050%", "0.10%", "25.0%", "100.0%"]
