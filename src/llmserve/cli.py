@@ -21,11 +21,11 @@ def _add_generate_parser(subparsers) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import dataclasses
 
+    config = engine_config_from_args(args)
+    check_before_loading(config)  # before torch and the engine load
     from llmserve import SamplingParams
     from llmserve.engine.llm import LLM
 
-    config = engine_config_from_args(args)
-    check_before_loading(config)
     kwargs = {**dataclasses.asdict(config.model), **dataclasses.asdict(config.cache),
               **dataclasses.asdict(config.scheduler)}
     llm = LLM(**kwargs)

@@ -80,7 +80,7 @@ def test_make_serve_passes_args_to_llmserve_serve():
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
     root = pathlib.Path(__file__).resolve().parents[2]
-    proc = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(root), "serve", "ARGS=--port 8001 --max-num-seqs 4"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(root), "serve",
+                           "ARGS=--port 8001 --max-num-seqs 4"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == ".venv/bin/llmserve serve --port 8001 --max-num-seqs 4"

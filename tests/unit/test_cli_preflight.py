@@ -12,10 +12,10 @@ import time
 import pytest
 
 
-def _serve(*flags: str) -> tuple[int, list[str], set[str], float]:
+def _serve(*flags: str, command: str = "serve") -> tuple[int, list[str], set[str], float]:
     """Exit code, stderr's lines, the modules imported (from -X importtime) and the seconds it took."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmserve.cli", "serve", *flags],
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmserve.cli", command, *flags],
                           capture_output=True, text=True, timeout=60)
     seconds = time.monotonic() - start
     lines = proc.stderr.splitlines()
@@ -66,4 +66,13 @@ def test_a_mistake_is_one_line_exit_2_before_anything_loads(case, tmp_path, shor
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"llmserve serve: error: {flag}") and words in lines[0], lines
     assert "torch" not in imported and "transformers" not in imported
-    assert seconds < 10  # about 0.5 s on 2 cores; the model's load would take 15 s and more
+    assert seconds < 5  # about 0.5 s on 2 cores; loading the model would take 15 s and more
+
+
+@pytest.mark.parametrize("command", ["generate", "serve-ray"])
+def test_generate_and_a_local_serve_ray_check_the_model_before_loading(command, tmp_path):
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    code, lines, imported, _ = _serve("--model", str(tmp_path / "missing"), *extra, command=command)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"llmserve {command}: error: --model: directory") and "torch" not in imported
+

@@ -40,8 +40,10 @@ class OfflineBenchConfig:
                                             "for requests that report only their final output (default: the engine's "
                                             "for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
-    num_threads: int | None = field(default=None, metadata={"help": "engine: CPU threads of the model's ops (default: one per core)"})
-    quiet: bool = field(default=False, metadata={"help": "no progress (the stages on stderr, a bar of finished requests with its ETA); the results still print"})
+    num_threads: int | None = field(default=None, metadata={"help": "engine: CPU threads of the model's ops "
+                                    "(default: one per core)"})
+    quiet: bool = field(default=False, metadata={"help": "no progress (the stages on stderr, a bar of finished "
+                                                 "requests with its ETA); the results still print"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})

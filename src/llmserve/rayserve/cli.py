@@ -13,6 +13,7 @@ import signal
 import sys
 
 from llmserve.config import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
+from llmserve.preflight import check_before_loading
 from llmserve.rayserve.config import Deployment, RayServeConfig
 from llmserve.server.cli import server_config_from_args
 from llmserve.server.config import ServerConfig
@@ -52,6 +53,8 @@ def serve_ray_command(args: argparse.Namespace) -> int:
 
     try:
         deployment = deployment_from_args(args)
+        if deployment.ray.address is None:  # the replicas run here: their model's files can be checked now
+            check_before_loading(deployment.engine)
         serve = require_ray()
     except (ValueError, ImportError) as e:
         print(f"llmserve serve-ray: error: {e} (see llmserve serve-ray --help)", file=sys.stderr)

@@ -38,7 +38,8 @@ function fieldsTable(schema) {
   const table = el("table");
   for (const [name, field] of Object.entries(schema.properties || {})) {
     const label = required.has(name) ? `${name} *` : name;
-    const notes = [field.description || "", field.default !== undefined ? `default ${JSON.stringify(field.default)}` : ""];
+    const byDefault = field.default !== undefined ? `default ${JSON.stringify(field.default)}` : "";
+    const notes = [field.description || "", byDefault];
     table.append(el("tr", {}, el("td", {}, label), el("td", {}, typeOf(field)),
                     el("td", { class: "muted" }, notes.filter(Boolean).join("; "))));
   }
