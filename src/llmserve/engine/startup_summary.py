@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.config import EngineConfig, SpeculativeConfig
+from llmserve.config import SpeculativeConfig
 from llmserve.model import cpu_kernels
 
 
