@@ -1,5 +1,7 @@
 # Two entry points: `make serve` (demo model server) and `make test` (the whole suite).
+# ARGS passes flags through: make serve ARGS="--port 8001 --max-num-seqs 32".
 PY ?= python3
+ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -15,10 +17,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/llmserve serve
+	$(BIN)/llmserve serve $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
-	$(BIN)/llmserve bench offline
+	$(BIN)/llmserve bench offline $(ARGS)

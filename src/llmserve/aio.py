@@ -1,10 +1,12 @@
-"""Running an asyncio service: logging set-up and uvloop when it is installed; ending its process."""
+"""Running an asyncio service: its socket bound before anything loads, logging set-up and uvloop when it is
+installed; ending its process."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import socket
 import sys
 from collections.abc import Coroutine
 from typing import Any, NoReturn
@@ -38,3 +40,17 @@ def end_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so that a taken port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot bind {host}:{port}: {e.strerror}") from e
+    sock.set_inheritable(True)
+    return sock

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmserve.config import add_engine_args, engine_config_from_args
+from llmserve.config import CommandLineParser, add_engine_args, engine_config_from_args
+from llmserve.preflight import check_before_loading
 
 
 def _add_generate_parser(subparsers) -> None:
@@ -20,10 +21,12 @@ def _add_generate_parser(subparsers) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import dataclasses
 
+    config = engine_config_from_args(args)
+    check_before_loading(config)  # before torch and the engine load
     from llmserve import SamplingParams
     from llmserve.engine.llm import LLM
 
-    config = engine_config_from_args(args)  # every section: speculative and parallel flags too
+    # every section: speculative and parallel flags too
     kwargs = {k: v for section in dataclasses.fields(config) for k, v in
               dataclasses.asdict(getattr(config, section.name)).items()}
     llm = LLM(**kwargs)
@@ -38,14 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.roofline import add_bench_roofline_parser
     from llmserve.bench.serve import add_bench_serve_parser
     from llmserve.bench.spec import add_bench_spec_parser
-    from llmserve.model.maker import add_make_model_parser
+    from llmserve.model.maker_cli import add_make_model_parser
     from llmserve.rayserve.cli import add_serve_ray_parser
     from llmserve.router.cli import add_route_parser
     from llmserve.server.cli import add_serve_parser
 
     from llmserve import __version__
 
-    parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving: engine, server, router, benchmark")
+    parser = CommandLineParser(prog="llmserve", description="LLM serving: engine, server, router, benchmark")
     parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"llmserve {args.command}: error: {e}", file=sys.stderr)
+        print(f"llmserve {args.command}: error: {e} (see llmserve {args.command} --help)", file=sys.stderr)
         return 2
 
 

@@ -142,7 +142,7 @@ class SpeculativeConfig:
     ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix matched against the prompt and output so far"})
     ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
     speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
-    speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it still loses to the static cap at batch 4-16); off: every request speculates up to --speculative-max-batch"})
+    speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it matches the cap alone at batch 1-8 within noise and beats always speculating above it, docs/benchmarks.md); off: every request speculates up to --speculative-max-batch"})
     draft_vocab_size: int | None = field(default=None, metadata={"help": "--speculative draft: the draft's "
                                          "head keeps only the first N token ids (the most frequent in BPE and "
                                          "SentencePiece vocabularies; EAGLE-3 and FR-Spec reduce the draft's "
@@ -231,7 +231,9 @@ def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
     if cache.num_kv_blocks is not None:
         capacity = (cache.num_kv_blocks - 1) * cache.block_size  # less the null block
         check(capacity >= max_model_len, "num-kv-blocks", f"{cache.num_kv_blocks} blocks of {cache.block_size} "
-              f"tokens hold {capacity} tokens, fewer than one sequence of --max-model-len {max_model_len}")
+              f"tokens hold {capacity} tokens (one block is reserved as the null block), fewer than one sequence "
+              f"of {max_model_len} tokens (--max-model-len; unset: the model's limit): ask for at least "
+              f"{-(-max_model_len // cache.block_size) + 1} blocks, or lower --max-model-len")
     budget = sched.max_num_batched_tokens
     if not sched.enable_chunked_prefill and budget is not None:
         check(budget >= max_model_len, "max-num-batched-tokens", f"{budget} is below --max-model-len "
@@ -254,6 +256,17 @@ def parse_bytes(text: str, flag: str | None = None) -> int:
         pass
     prefix = f"--{flag}: " if flag else ""
     raise ValueError(f"{prefix}cannot parse a byte size from {text!r} (examples: 4GiB, 512MB)")
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line naming the flag, not the whole usage first (exit 2).
+    Its sub-commands' parsers are of this class too (argparse gives them the parent's)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        message = message.removeprefix("argument ")
+        if message.endswith("expected one argument"):
+            message += " (a value that starts with '-' goes as --flag=VALUE)"
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _base_type(tp: typing.Any) -> type:
@@ -296,6 +309,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         scheduler=dataclass_from_args(SchedulerConfig, args),
                         speculative=dataclass_from_args(SpeculativeConfig, args),
                         parallel=dataclass_from_args(ParallelConfig, args))
+
+
+def is_local_model(model: str) -> bool:
+    """--model (or --tokenizer, --draft-model) names a local directory rather than a hub id: it starts like
+    a path, or exists."""
+    return model.startswith(("/", ".", "~")) or os.path.exists(model)
 
 
 def cache_dir() -> str:

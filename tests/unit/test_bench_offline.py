@@ -40,3 +40,13 @@ def test_profile_writes_the_engine_step_functions(tiny, tmp_path):
     run(OfflineBenchConfig(model=tiny, num_requests=4, prompt_len="4-8", output_len="3-5", profile=str(path)))
     text = path.read_text()
     assert "cumulative" in text and all(f"({name})" in text for name in ("step", "schedule", "execute", "update_from_output"))
+
+
+@pytest.mark.parametrize("is_quiet", [False, True])
+def test_progress_on_stderr_unless_quiet(tiny, capsys, is_quiet):
+    run(OfflineBenchConfig(model=tiny, num_requests=3, prompt_len="4-8", output_len="3-5", num_threads=1,
+                           quiet=is_quiet))
+    captured = capsys.readouterr()
+    assert "tok/s" in captured.out  # the results, either way
+    has_progress = "bench offline: loading the engine, then 3 requests" in captured.err and "3/3" in captured.err
+    assert has_progress is not is_quiet, captured.err

@@ -1,5 +1,6 @@
 """Tables, results JSON and plots of a run, on a synthetic two-server result."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from llmserve.bench.config import Level
 from llmserve.bench.metrics import compute_metrics
 from llmserve.bench.report import format_result, write_results
 from llmserve.bench.runner import BenchResult, LevelRun
+from llmserve.bench.scrape import GrammarMetrics
 
 
 def _records(scale, failed=0):
@@ -66,3 +68,27 @@ def test_plots(result, tmp_path):
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_header_keeps_a_long_label_whole():
+    result = make_result()
+    label = "127.0.0.1:8000"
+    result = dataclasses.replace(result, servers=[Target(label, "http://" + label, "m"), result.servers[1]],
+                                 runs=[dataclasses.replace(r, server=label) if r.server == "llmserve" else r
+                                       for r in result.runs])
+    lines = format_result(result).splitlines()
+    head = lines[lines.index(next(ln for ln in lines if " c=1 =" in ln)) + 1]
+    assert head.split() == ["127.0.0.1:8000", "other", "ratio", "B/A"]
+
+
+def test_grammar_rows_only_when_a_grammar_was_used():
+    unused = GrammarMetrics(num_queries=0, num_hits=0, cache_hit_rate=None, num_compiles=0, mean_compile_s=None,
+                            max_compile_s=None)
+    used = dataclasses.replace(unused, num_queries=4, num_hits=3, cache_hit_rate=0.75, num_compiles=1,
+                               mean_compile_s=0.02, max_compile_s=0.025)
+    for grammar, is_shown in ((unused, False), (used, True)):
+        result = make_result()
+        result = dataclasses.replace(result, runs=[dataclasses.replace(r, grammar=grammar) for r in result.runs],
+                                     grammar={"llmserve": grammar})
+        text = format_result(result)
+        assert ("Grammar compiles" in text) == is_shown and ("Grammar, whole run" in text) == is_shown

@@ -65,3 +65,38 @@ def test_generate_honours_every_engine_flag(tmp_path, monkeypatch, capsys):
     assert (config.cache.num_kv_blocks, config.model.max_model_len) == (64, 128)
     assert "'a b a b' -> " in capsys.readouterr().out
 
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["serve", "--help"], ["bench", "offline", "--help"]])
+def test_version_and_help_do_not_import_torch(argv):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom llmserve.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "sys.exit(3 if 'torch' in sys.modules else 0)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout
+
+
+def test_a_flag_error_is_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--dtype", "float64"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith("llmserve serve: error: --dtype: invalid choice: 'float64'") and "--help" in err
+
+
+def test_make_serve_passes_args_to_llmserve_serve():
+    """`make serve ARGS="..."` (what `make -n` would run: the install step first when .venv is missing)."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(root), "serve",
+                           "ARGS=--port 8001 --max-num-seqs 4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ".venv/bin/llmserve serve --port 8001 --max-num-seqs 4"

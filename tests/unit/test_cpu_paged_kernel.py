@@ -35,6 +35,29 @@ def test_build_failure_falls_back(monkeypatch, caplog):
     assert "torch path" in caplog.text
 
 
+def test_a_first_build_is_announced_with_its_time(monkeypatch, caplog, tmp_path):
+    from torch.utils import cpp_extension
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.delenv("LLMSERVE_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_build_dir", lambda flags: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", stop)
+    with caplog.at_level(logging.INFO, logger="llmserve.model.cpu_kernels"):
+        cpu_kernels._load()
+    assert f"compiling the C++ CPU kernels (model/csrc) into {tmp_path}: this takes about 2-3 minutes" in caplog.text
+
+
+def test_a_build_newer_than_every_source_needs_no_build(tmp_path):
+    assert cpu_kernels._needs_build(str(tmp_path))  # nothing built yet
+    library = tmp_path / "llmserve_cpu_kernels.so"
+    library.touch()
+    later = time.time() + 60
+    os.utime(library, (later, later))
+    assert not cpu_kernels._needs_build(str(tmp_path))
+
+
 def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     stale, fresh = tmp_path / "stale", tmp_path / "fresh"
     for folder in (stale, fresh):

@@ -1,4 +1,5 @@
-"""The engine's CPU thread count: one thread for a small model on CPU, torch's default otherwise."""
+"""The engine's CPU thread count: one thread for a small served model on CPU, else torch's default within the
+CPUs the process may use."""
 
 import dataclasses
 
@@ -9,7 +10,7 @@ from llmserve.config import CacheConfig, EngineConfig, ModelConfig
 from llmserve.engine.engine_core import EngineCore
 from llmserve.model.loader import load_model
 from llmserve.model.maker import make_model
-from llmserve.worker.cpu_threads import SMALL_MODEL_PARAMS, choose_num_threads, num_matmul_params
+from llmserve.worker.cpu_threads import SMALL_MODEL_PARAMS, cgroup_cpu_quota, choose_num_threads, num_matmul_params
 
 
 def test_a_served_small_cpu_model_gets_one_thread_and_the_rest_keep_theirs():
@@ -22,6 +23,26 @@ def test_a_served_small_cpu_model_gets_one_thread_and_the_rest_keep_theirs():
     assert choose_num_threads(2, small, "cuda", has_front_beside=True) == 2
     with pytest.raises(ValueError, match="num_threads must be >= 1"):
         choose_num_threads(0, small, "cpu", has_front_beside=True)
+
+
+def test_a_served_larger_model_stays_within_the_available_cpus():
+    large = SMALL_MODEL_PARAMS
+    assert choose_num_threads(None, large, "cpu", True, num_cpus=2, num_current=16) == 2
+    assert choose_num_threads(None, large, "cpu", True, num_cpus=4, num_current=4) is None
+    assert choose_num_threads(None, large, "cpu", False, num_cpus=2, num_current=16) is None  # in-process
+    assert choose_num_threads(8, large, "cpu", True, num_cpus=2, num_current=16) == 8  # asked for
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "150000 100000\n"}, 1.5), ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None), ({}, None),
+])
+def test_cgroup_cpu_quota_v2_and_v1(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_quota(str(tmp_path)) == quota
 
 
 @pytest.mark.parametrize("shape, is_tied", [("tiny", False), ("tiny-llama3", True)])

@@ -144,3 +144,22 @@ def test_offline_requests_are_final_only_unless_their_tokens_are_read_as_they_co
     assert not reads_final_only(SamplingParams(max_tokens=3, logprobs=1), collector=None, is_delta=False)
     assert not reads_final_only(SamplingParams(max_tokens=3, prompt_logprobs=0), collector=None, is_delta=False)
     assert not reads_final_only(SamplingParams(max_tokens=3), collector=None, is_delta=True)
+
+
+def test_chat_renders_the_template_then_generates_its_tokens(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = llm.chat(conversation, greedy)
+    assert len(out) == 1
+    text = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    assert out[0].prompt == text and out[0].prompt_token_ids == token_ids
+    assert out[0].outputs[0].token_ids == llm.generate([token_ids], greedy)[0].outputs[0].token_ids
+    both = llm.chat([conversation, [{"role": "user", "content": "again"}]], greedy)
+    assert [o.prompt_token_ids for o in both][0] == token_ids and len(both) == 2
+
+
+def test_chat_takes_a_template_of_its_own(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                   chat_template="{% for m in messages %}{{ m['content'] }}!{% endfor %}")
+    assert out[0].prompt == "hi!"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import json
 import os
 import time
@@ -15,7 +16,8 @@ from llmserve.model import cpu_isa, loader
 from llmserve.model.demo import demo_model_path
 from llmserve.model.loader import (ModelInfo, load_generation_defaults, load_model, load_model_info,
                                    load_tokenizer, resolve_dtype, resolve_model_path)
-from llmserve.model.maker import add_make_model_parser, make_model
+from llmserve.model.maker import make_model
+from llmserve.model.maker_cli import add_make_model_parser
 from llmserve.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
 
@@ -87,6 +89,21 @@ def test_tokenizer_decodes_every_id_and_applies_chat_template(tiny_path):
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token == "<|im_end|>"
+
+
+def test_a_prompt_past_the_model_length_tokenizes_without_transformers_warning(tiny_path):
+    """The engine refuses it with its own error; transformers' "Token indices sequence length" is noise."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")  # its records stop there (propagate is off)
+    transformers_logger.addHandler(handler)
+    try:
+        ids = load_tokenizer(tiny_path)("a b " * 2000)["input_ids"]
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert len(ids) > 2048  # the tiny model's max_position_embeddings
+    assert not [r for r in records if "Token indices sequence length" in r.getMessage()]
 
 
 def test_generation_defaults_and_model_info(tiny_path, tmp_path):

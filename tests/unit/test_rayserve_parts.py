@@ -62,6 +62,22 @@ def test_autoscaling_config_off_with_a_fixed_count():
         "upscale_delay_s": 1, "downscale_delay_s": 60.0, "look_back_period_s": 15.0}
 
 
+@pytest.mark.parametrize("changes, free, flag, words", [
+    ({"num_replicas": 2}, {"CPU": 2.0}, "num-replicas", "= 2.5 CPUs, but the Ray cluster has 2 free: lower "
+     "--num-replicas or those, or give Ray more with --num-cpus"),
+    ({}, {"CPU": 1.0}, "min-replicas", "1 engine replica(s) x 1 CPU"),
+    ({"initial_replicas": 3}, {"CPU": 3.0}, "initial-replicas", "= 3.5 CPUs"),
+    ({"num_replicas": 2, "replica_num_gpus": 1.0}, {"CPU": 8.0, "GPU": 1.0}, "num-replicas", "= 2 GPUs"),
+])
+def test_what_the_deployments_reserve_must_fit_the_cluster(changes, free, flag, words):
+    config = RayServeConfig(**changes)
+    with pytest.raises(ValueError, match=f"^--{flag}: ") as error:
+        config.check_fits(free)
+    assert words in str(error.value)
+    RayServeConfig(**changes).check_fits({"CPU": 16.0, "GPU": 4.0})
+    RayServeConfig(num_replicas=1, replica_num_cpus=1.5, ingress_num_cpus=0.5).check_fits({"CPU": 2.0})
+
+
 def test_serve_run_arguments_become_flags():
     assert _argv({"model": "/m", "min_replicas": 2, "enforce-eager": "true", "access_log": "False"}) == [
         "--model", "/m", "--min-replicas", "2", "--enforce-eager", "--no-access-log"]

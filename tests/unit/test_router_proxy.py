@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import json
+import logging
 
 import httpx
 import pytest
@@ -80,6 +81,29 @@ async def test_connect_error_retried_on_another_backend():
     assert a.health.state is HealthState.EJECTED  # 3 consecutive failures (threshold 3)
     assert a.num_in_flight == 0 and backend(gw, B).num_in_flight == 0
     assert b'llmserve_router:ejections_total{backend="http://a:1",pool="m"} 1.0' in gw.metrics.render()
+
+
+def test_an_ejection_and_the_recovery_are_logged_once_each(caplog):
+    is_down = {"a": True}
+
+    def handler(request):
+        if request.url.host == "a" and is_down["a"]:
+            raise httpx.ConnectError("refused", request=request)
+        return ok(request)
+
+    async def run():
+        gw = make_gateway(handler, cooldown_s=0.0)  # every request after the ejection is a trial of `a`
+        for _ in range(5):  # 3 failures eject it; the trials after fail again, unlogged
+            assert (await call(gw, {"model": "m", "prompt": "hi"})).status_code == 200
+        is_down["a"] = False
+        served_by = [(await call(gw, {"model": "m", "prompt": "hi"})).json()["served_by"] for _ in range(2)]
+        assert "a" in served_by and backend(gw, A).health.state is HealthState.HEALTHY
+
+    with caplog.at_level(logging.INFO, logger="llmserve.router"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"backend {A}")]
+    assert len(lines) == 2, lines
+    assert "ejected after 3 consecutive failures" in lines[0] and "recovered" in lines[1]
 
 
 @sync

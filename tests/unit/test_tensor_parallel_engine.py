@@ -109,3 +109,19 @@ def test_unsupported_combinations_are_refused_before_any_rank_starts(tmp_path):
         LLM(path, tensor_parallel_size=2, speculative="ngram", **ENGINE)
     with pytest.raises(ValueError, match=r"tensor-parallel-size 2 with quantization \(int8\) is not supported"):
         LLM(path, tensor_parallel_size=2, quantization="int8", **ENGINE)
+
+
+@pytest.mark.parametrize("main_file, is_hidden", [("<stdin>", True), (__file__, False)])
+def test_a_main_module_without_a_file_is_hidden_while_ranks_start(monkeypatch, main_file, is_hidden):
+    """From `python -` a spawned rank would try to run '<stdin>' as a file and die; a real file stays."""
+    import sys
+    import types
+
+    from llmserve.worker.tp_executor import main_file_hidden_unless_a_file
+
+    main = types.ModuleType("__main__")
+    main.__file__ = main_file
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with main_file_hidden_unless_a_file():
+        assert hasattr(main, "__file__") is not is_hidden
+    assert main.__file__ == main_file

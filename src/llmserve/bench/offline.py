@@ -10,11 +10,13 @@ generate() in static batches, as the naive reference.
 from __future__ import annotations
 
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
 from llmserve.bench.command import add_bench_command
+from llmserve.config import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,17 @@ class OfflineBenchConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16 | int8 (where each "
+                                "runs: llmserve serve --help)", "choices": list(KV_CACHE_DTYPES)})
     async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
     num_scheduler_steps: int | None = field(default=None, metadata={"help": "engine: decode forwards a step may run "
                                             "for requests that report only their final output (default: the engine's "
                                             "for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
+    num_threads: int | None = field(default=None, metadata={"help": "engine: CPU threads of the model's ops "
+                                    "(default: one per core)"})
+    quiet: bool = field(default=False, metadata={"help": "no progress (the stages on stderr, a bar of finished "
+                                                 "requests with its ETA); the results still print"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
     sampling: str = field(default="greedy", metadata={"help": "greedy | model: the checkpoint's generation_config defaults, as the server applies them to requests that set no sampling fields", "choices": ["greedy", "model"]})
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
@@ -64,7 +71,7 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
               async_scheduling=cfg.async_scheduling, num_scheduler_steps=cfg.num_scheduler_steps,
-              tensor_parallel_size=cfg.tensor_parallel_size,
+              tensor_parallel_size=cfg.tensor_parallel_size, num_threads=cfg.num_threads,
               quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
     with llm:
         return _measure(cfg, llm, workload)
@@ -83,7 +90,7 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     params = [_sampling_params(llm, cfg.sampling, n) for _, n in workload]
     profiler = _start_profile(cfg.profile)
     start = time.perf_counter()
-    outputs = llm.generate([p for p, _ in workload], params)
+    outputs = llm.generate([p for p, _ in workload], params, use_tqdm=not cfg.quiet)
     elapsed = time.perf_counter() - start
     _write_profile(profiler, cfg.profile)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -150,8 +157,12 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
 
     if cfg.baseline not in (None, "hf"):
         raise ValueError("--baseline must be hf")
+    if cfg.model is None:
+        _progress(cfg, f"writing a random-weight {cfg.arch} {cfg.shape} checkpoint")
     path = cfg.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
     workload = make_workload(cfg, load_hf_config(path).vocab_size)
+    _progress(cfg, f"loading the engine, then {cfg.num_requests} requests "
+                   f"({sum(n for _, n in workload):,} output tokens) at once")
     results = {"config": asdict(cfg), "model_path": path, "engine": run_engine(cfg, path, workload)}
     _print(results)
     if cfg.baseline == "hf":
@@ -160,6 +171,12 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
         results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size, dtype=cfg.dtype))
         _print(results)
     return results
+
+
+def _progress(cfg: OfflineBenchConfig, stage: str) -> None:
+    """A stage of the run on stderr (the results go to stdout), unless --quiet."""
+    if not cfg.quiet:
+        print(f"bench offline: {stage}", file=sys.stderr, flush=True)
 
 
 def _print(results: dict) -> None:

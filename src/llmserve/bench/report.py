@@ -44,23 +44,29 @@ def grammar_rows(g: GrammarMetrics | None) -> list[tuple[str, float | None]]:
             ("Grammar cache hit rate (%)", None if g is None or g.cache_hit_rate is None else 100 * g.cache_hit_rate)]
 
 
+def was_grammar_used(g: GrammarMetrics | None) -> bool:
+    """The server looked up or compiled a grammar: a run without a schema shows no grammar rows."""
+    return g is not None and (g.num_queries > 0 or g.num_compiles > 0)
+
+
 def format_level(result: BenchResult, level: Level) -> str:
     runs = [result.run(t.label, level) for t in result.servers]
     labels = [r.server for r in runs]
-    head = [f"{'':<{_WIDTH}}" + "".join(f" {lb[-13:]:>13}" for lb in labels)]  # a space apart, however long
+    width = max(13, *map(len, labels)) + 1  # each column: its whole label, a space apart
+    head = [f"{'':<{_WIDTH}}" + "".join(f"{lb:>{width}}" for lb in labels)]
     if len(runs) == 2:
         head[0] += f" {'ratio B/A':>15}"
     columns = [metric_rows(r.metrics) for r in runs]
-    if any(r.grammar is not None for r in runs):
+    if any(was_grammar_used(r.grammar) for r in runs):
         columns = [col + grammar_rows(r.grammar) for col, r in zip(columns, runs)]
-    lines = [_row(name, [col[i][1] for col in columns]) for i, (name, _) in enumerate(columns[0])]
+    lines = [_row(name, [col[i][1] for col in columns], width) for i, (name, _) in enumerate(columns[0])]
     errors = [f"{r.server}: " + ", ".join(f"{k}={v}" for k, v in r.metrics.errors.items()) for r in runs if r.metrics.errors]
-    title = f" {level.name} ".center(_WIDTH + 14 * len(runs) + (16 if len(runs) == 2 else 0), "=")
+    title = f" {level.name} ".center(_WIDTH + width * len(runs) + (16 if len(runs) == 2 else 0), "=")
     return "\n".join([title, *head, *lines, *(f"Errors {e}" for e in errors), *_first_errors(runs)])
 
 
-def _row(name: str, values: list[float | None]) -> str:
-    text = f"{name:<{_WIDTH}}" + "".join(f"{_fmt(v):>14}" for v in values)
+def _row(name: str, values: list[float | None], width: int) -> str:
+    text = f"{name:<{_WIDTH}}" + "".join(f"{_fmt(v):>{width}}" for v in values)
     if len(values) == 2:
         text += f"{_ratio(values[0], values[1]):>16}"
     return text
@@ -109,9 +115,11 @@ def _summary_row(run: LevelRun) -> list[str]:
 
 
 def format_grammar_totals(result: BenchResult) -> str:
-    """One line per server that exports grammar metrics: the whole run, probe and warm-up included."""
+    """One line per server that looked up or compiled grammars: the whole run, probe and warm-up included."""
     lines = []
     for label, g in result.grammar.items():
+        if not was_grammar_used(g):
+            continue
         mean = "-" if g.mean_compile_s is None else f"{g.mean_compile_s * 1000:.1f} ms"
         top = "-" if g.max_compile_s is None else f"<= {g.max_compile_s * 1000:g} ms"
         rate = "-" if g.cache_hit_rate is None else f"{100 * g.cache_hit_rate:.1f}%"
@@ -122,7 +130,8 @@ def format_grammar_totals(result: BenchResult) -> str:
 
 def format_result(result: BenchResult) -> str:
     blocks = [format_level(result, lv) for lv in result.levels] + [format_summary(result)]
-    return "\n\n".join(blocks + ([format_grammar_totals(result)] if result.grammar else []))
+    totals = format_grammar_totals(result)
+    return "\n\n".join(blocks + ([totals] if totals else []))
 
 
 def result_to_dict(result: BenchResult) -> dict:

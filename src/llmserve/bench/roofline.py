@@ -14,10 +14,13 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmserve.bench.command import add_bench_command
+from llmserve.config import KV_CACHE_DTYPES
+
+if TYPE_CHECKING:  # torch loads when the benchmark runs, not when the CLI builds its parser
+    import torch
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,8 @@ class RooflineBenchConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
     quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16 | int8 (where each "
+                                "runs: llmserve serve --help)", "choices": list(KV_CACHE_DTYPES)})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
     output_len: int = field(default=256, metadata={"help": "decoded tokens per run"})
     repeats: int = field(default=3, metadata={"help": "timed runs (the median is reported)"})
@@ -38,12 +42,16 @@ class RooflineBenchConfig:
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
     """Bytes read + written per second by one large on-device copy (median of `repeats`)."""
+    import torch
+
     src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -74,6 +82,8 @@ def bytes_per_decode_step(weight_bytes: int, kv_bytes_per_token: int, context_le
 
 
 def device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     with open("/proc/cpuinfo") as f:

@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from llmserve.bench.config import BenchServeConfig, add_bench_serve_args, config_from_args
+from llmserve.config import CommandLineParser
 
 DESCRIPTION = """\
 Measure any OpenAI-compatible server (llmserve, vLLM, SGLang, TGI, llama.cpp's llama-server):
@@ -76,7 +77,7 @@ def run_bench_serve(cfg: BenchServeConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (`python -m llmserve.bench.serve ...`), until cli.py wires `llmserve bench`."""
-    parser = argparse.ArgumentParser(prog="llmserve bench")
+    parser = CommandLineParser(prog="llmserve bench")
     add_bench_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

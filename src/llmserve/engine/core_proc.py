@@ -114,8 +114,7 @@ def _build_and_run(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_
     """0 after SHUTDOWN (or the front's death); 1 after telling the front why it failed."""
     try:
         core = _build_core(config)
-    except ValueError as e:  # a bad flag or model: the message says it all
-        logger.error("cannot start the engine: %s", e)
+    except ValueError as e:  # a bad flag or model: the front prints the message once, as its own error
         out_sock.send_multipart(frames(OutKind.FAILED, f"{type(e).__name__}: {e}"))
         return 1
     except Exception as e:  # noqa: BLE001 - report it to the front, then die

@@ -23,6 +23,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
+from llmserve.engine.startup_summary import startup_line
 from llmserve.heap import freeze_startup_heap
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
 from llmserve.model import quant
@@ -75,11 +76,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
                                         self.model_info.eos_token_ids)
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
-        logger.info("engine ready: %s on %s (%s, quantization %s, KV cache %s, threads: %d), %d KV blocks of %d tokens, max_num_seqs %d, "
-                    "token budget %d, async scheduling %s", name, self.device, self.dtype,
-                    self.model_info.quantization or "none", config.cache.kv_cache_dtype, self.num_threads,
-                    self.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
-                    config.scheduler.max_num_batched_tokens, "on" if self.is_async else "off")
+        logger.info("%s", startup_line(self))
         freeze_startup_heap()
 
     def _tp_executor(self, config: EngineConfig, path: str, has_front_beside: bool):

@@ -55,8 +55,31 @@ class LLM:
                  priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        return self._generate(prompts, sampling_params, priority, use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """vLLM's offline chat: each conversation (a list of {"role", "content"} dicts; or one such list)
+        rendered by the model's chat template (or `chat_template`), then generated as its text's tokens,
+        special tokens as the template wrote them (as the server's /v1/chat/completions does)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self._render_chat(list(c), chat_template, add_generation_prompt, tools) for c in conversations]
+        return self._generate(texts, sampling_params, None, use_tqdm, add_special_tokens=False)
+
+    def _render_chat(self, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool,
+                     tools: list[dict] | None) -> str:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: pass chat_template=, or use generate()")
+        return self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def _generate(self, prompts: Sequence[str] | Sequence[list[int]], sampling_params, priority, use_tqdm: bool,
+                  add_special_tokens: bool = True) -> list[RequestOutput]:
         params = self._params_per_prompt(len(prompts), sampling_params)
-        request_ids = [self._add(p, sp, priority[i] if priority else 0) for i, (p, sp) in enumerate(zip(prompts, params))]
+        request_ids = [self._add(p, sp, priority[i] if priority else 0, add_special_tokens)
+                       for i, (p, sp) in enumerate(zip(prompts, params))]
         finished = self._run(len(request_ids), use_tqdm)
         return [finished[r] for r in request_ids]
 
@@ -69,9 +92,10 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {num_prompts} prompts")
         return list(sampling_params)
 
-    def _add(self, prompt: str | list[int], params: SamplingParams, priority: int) -> str:
+    def _add(self, prompt: str | list[int], params: SamplingParams, priority: int,
+             add_special_tokens: bool = True) -> str:
         request_id = str(next(self._ids))
-        token_ids = self.processor.tokenize(prompt)
+        token_ids = self.processor.tokenize(prompt, add_special_tokens)
         requests = self.processor.process(request_id, token_ids, params, priority,
                                           is_final_only=reads_final_only(params, collector=None, is_delta=False))
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)

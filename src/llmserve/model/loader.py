@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.config import is_local_model
 from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
 from llmserve.model.moe import num_experts_of
@@ -26,11 +27,8 @@ HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", 
                       "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UNLIMITED_TOKENS = int(1e30)  # transformers' own value for a tokenizer without a length limit
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "eos_token_id", "max_new_tokens")
-
-
-def _looks_local(model: str) -> bool:
-    return model.startswith(("/", ".", "~")) or os.path.exists(model)
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
@@ -38,7 +36,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
 
     ValueError (naming the id) when the directory is missing or the hub cannot provide the model.
     """
-    if _looks_local(model):
+    if is_local_model(model):
         path = os.path.expanduser(model)
         if not os.path.isdir(path):
             raise ValueError(f"model directory {model!r} does not exist")
@@ -187,9 +185,12 @@ def _read_chat_template(path: str) -> str | None:
 
 
 def load_tokenizer(path: str):
-    """The transformers tokenizer of a directory, with its chat template when it has one."""
+    """The transformers tokenizer of a directory, with its chat template when it has one. Its own length
+    limit is lifted: the engine refuses a prompt past max_model_len itself (a 400 on the server), and
+    transformers would only log a warning about indexing errors for it."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.model_max_length = UNLIMITED_TOKENS
     if not getattr(tokenizer, "chat_template", None):
         template = _read_chat_template(path)
         if template:

@@ -4,69 +4,22 @@
 model.safetensors (sharded above 4 GB; seeded, deterministic), a byte-level BPE tokenizer whose vocab
 covers every id, a ChatML chat template and generation_config.json. Parameter names and shapes are
 those of transformers' *ForCausalLM, built on the meta device, so nothing big is ever initialised twice.
-`add_make_model_parser` provides the `llmserve make-model` sub-command.
+The shapes are in model/shapes.py, the `llmserve make-model` sub-command in model/maker_cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from dataclasses import dataclass
 
 import torch
 
 from llmserve.model import toy_tokenizer
 from llmserve.model.copying import COPYING_ARCHS, copying_plan, copying_tensor
+from llmserve.model.shapes import ARCHS, DTYPE_NAMES, MOE_ARCHS, SHAPES, Shape
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_ARCHS = ("qwen3_moe", "mixtral")
-_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _SHARD_BYTES = 4 * 2**30
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_position: int
-    is_tied: bool = False
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    head_dim: int | None = None  # None: hidden_size // num_heads (qwen3 tiny uses a wider one)
-    init_std: float = 0.02
-    num_experts: int = 0  # 0: a dense shape; else for the MoE archs (intermediate_size: mixtral's experts',
-    num_experts_per_tok: int = 0  # qwen3_moe's dense layers')
-    moe_intermediate_size: int = 0  # qwen3_moe's experts
-    rms_norm_eps: float = 1e-5
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-
-SHAPES: dict[str, Shape] = {
-    "tiny": Shape(64, 2, 4, 2, 128, 512, 2048, init_std=0.1),
-    "tiny-llama3": Shape(64, 2, 4, 2, 128, 512, 2048, is_tied=True, rope_theta=500000.0, init_std=0.1,
-                         rope_scaling={**_LLAMA3_SCALING, "factor": 4.0, "original_max_position_embeddings": 256}),
-    "demo": Shape(256, 4, 4, 2, 512, 2048, 4096, init_std=0.05),
-    "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, 8192, is_tied=True, rope_theta=100000.0, init_std=0.04),
-    "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 128256, 131072, rope_theta=500000.0,
-                          rope_scaling=_LLAMA3_SCALING),
-    # Mixture-of-Experts shapes (--arch qwen3_moe | mixtral); the large ones as their published config.json
-    "tiny-moe": Shape(64, 4, 4, 2, 128, 512, 2048, init_std=0.1, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=32),
-    "qwen3-30b-a3b": Shape(2048, 48, 32, 4, 6144, 151936, 40960, rope_theta=1000000.0, head_dim=128,
-                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rms_norm_eps=1e-6),
-    "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1000000.0, num_experts=8,
-                          num_experts_per_tok=2),
-}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _config_class(arch: str):
@@ -269,44 +222,3 @@ def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = 
 
         write_fp8_checkpoint(out_dir, quantization)
     return out_dir
-
-
-def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `make-model`; the parsed args carry `func` (call it with the args; returns an exit code)."""
-    parser = subparsers.add_parser("make-model", help="write a random-weight checkpoint (no download)")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
-    parser.add_argument("--shape", choices=list(SHAPES), default="tiny")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=list(_DTYPES), default="float32")
-    parser.add_argument("--quantization", choices=["fp8", "fp8-channel"], default=None,
-                        help="write Linear weights in FP8: fp8 = transformers' format (weight_scale_inv, 128x128 "
-                             "blocks), fp8-channel = compressed-tensors (weight_scale per output channel)")
-    parser.add_argument("--peaked-logits", action="store_true",
-                        help="scale the lm_head's rows (3 x lognormal) so that the top logit leads by several "
-                             "standard deviations: greedy outputs that rounding (bf16, batch shapes) does not flip")
-    parser.add_argument("--copying", action="store_true",
-                        help="layers 0 and 1 an induction circuit (llama, mistral): the model continues the spans "
-                             "its context repeats, as prompt lookup needs, with clear argmaxes; the same cost")
-    draft = parser.add_argument_group("a speculative-decoding draft derived from a target (then --arch/--shape are unused)")
-    draft.add_argument("--draft-of", default=None, help="target checkpoint directory to derive the draft from")
-    draft.add_argument("--draft-layers", type=int, default=None, help="keep the target's first N layers (default: all)")
-    draft.add_argument("--noise", type=float, default=0.0, help="relative Gaussian noise added to every weight")
-    parser.set_defaults(func=run_make_model)
-    return parser
-
-
-def run_make_model(args: argparse.Namespace) -> int:
-    if args.draft_of is not None:
-        from llmserve.model.draft_maker import derive_draft
-
-        path = derive_draft(args.draft_of, args.out, args.draft_layers, args.noise, args.seed)
-        print(f"wrote a draft of {args.draft_of} to {path}")
-        return 0
-    path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype,
-                      quantization=args.quantization, is_peaked=args.peaked_logits, is_copying=args.copying)
-    fmt = f" ({args.quantization})" if args.quantization else ""
-    fmt += ", peaked logits" if args.peaked_logits else ""
-    fmt += ", copying" if args.copying else ""
-    print(f"wrote {args.arch} {args.shape}{fmt} checkpoint to {path}")
-    return 0

@@ -13,6 +13,7 @@ import signal
 import sys
 
 from llmserve.config import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
+from llmserve.preflight import check_before_loading
 from llmserve.rayserve.config import Deployment, RayServeConfig
 from llmserve.server.cli import server_config_from_args
 from llmserve.server.config import ServerConfig
@@ -22,7 +23,9 @@ logger = logging.getLogger("llmserve.rayserve")
 
 def add_serve_ray_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
-    add_dataclass_args(parser, ServerConfig)
+    add_dataclass_args(parser, ServerConfig, skip=("port",))
+    parser.add_argument("--port", type=int, default=ServerConfig.port,
+                        help=f"Ray Serve's HTTP proxy's TCP port, a fixed one (default: {ServerConfig.port})")
     add_dataclass_args(parser, RayServeConfig)
 
 
@@ -50,6 +53,8 @@ def serve_ray_command(args: argparse.Namespace) -> int:
 
     try:
         deployment = deployment_from_args(args)
+        if deployment.ray.address is None:  # the replicas run here: their model's files can be checked now
+            check_before_loading(deployment.engine)
         serve = require_ray()
     except (ValueError, ImportError) as e:
         print(f"llmserve serve-ray: error: {e} (see llmserve serve-ray --help)", file=sys.stderr)
@@ -67,6 +72,12 @@ def run(serve, deployment: Deployment) -> int:
         os.environ.update(ray_env(config))
     ray.init(address=config.address, num_cpus=config.num_cpus if config.address is None else None,
              logging_level=server.log_level.upper())
+    try:
+        config.check_fits(ray.available_resources())
+    except ValueError as e:  # before any deployment exists: nothing would be served, and Ray would wait forever
+        print(f"llmserve serve-ray: error: {e}", file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 2
     try:
         serve.start(http_options={"host": server.host, "port": server.port,
                                   "keep_alive_timeout_s": server.timeout_keep_alive})

@@ -88,6 +88,32 @@ class RayServeConfig:
         check_choice("request-router", self.request_router, ROUTER_NAMES)
 
     @property
+    def num_starting_replicas(self) -> int:
+        """Engine replicas Ray creates at start: --num-replicas, else --initial-replicas or --min-replicas."""
+        for num in (self.num_replicas, self.initial_replicas):
+            if num is not None:
+                return num
+        return self.min_replicas
+
+    def check_fits(self, available: dict[str, float]) -> None:
+        """The CPUs and GPUs the deployments reserve at start against what the Ray cluster has free
+        (`ray.available_resources()`): a replica that does not fit waits forever, so say which flag to lower."""
+        num = self.num_starting_replicas
+        replicas_flag = "num-replicas" if self.num_replicas is not None else \
+            "initial-replicas" if self.initial_replicas is not None else "min-replicas"
+        cpus = num * self.replica_num_cpus + self.ingress_replicas * self.ingress_num_cpus
+        free_cpus = available.get("CPU", 0.0)
+        more = ", or give Ray more with --num-cpus" if self.address is None else ""
+        check(cpus <= free_cpus + 1e-9, replicas_flag,
+              f"{num} engine replica(s) x {self.replica_num_cpus:g} CPU (--replica-num-cpus) + "
+              f"{self.ingress_replicas} ingress x {self.ingress_num_cpus:g} CPU (--ingress-num-cpus) = {cpus:g} "
+              f"CPUs, but the Ray cluster has {free_cpus:g} free: lower --{replicas_flag} or those{more}")
+        gpus, free_gpus = num * self.replica_num_gpus, available.get("GPU", 0.0)
+        check(gpus <= free_gpus + 1e-9, replicas_flag,
+              f"{num} engine replica(s) x {self.replica_num_gpus:g} GPU (--replica-num-gpus) = {gpus:g} GPUs, "
+              f"but the Ray cluster has {free_gpus:g} free: lower --{replicas_flag} or --replica-num-gpus")
+
+    @property
     def prefix(self) -> PrefixConfig:
         return PrefixConfig(self.prefix_chars, self.prefix_tokens)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmserve.config import add_dataclass_args
+from llmserve.config import CommandLineParser, add_dataclass_args
 from llmserve.router.config import AutoscaleConfig, RouterConfig
 
 EXAMPLES = """examples:
@@ -40,14 +40,14 @@ def route_command(args: argparse.Namespace) -> int:
     try:
         setup = setup_from_args(args)
     except ValueError as e:
-        print(f"llmserve route: {e}", file=sys.stderr)
+        print(f"llmserve route: error: {e} (see llmserve route --help)", file=sys.stderr)
         return 2
     end_process(run(setup))
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m llmserve.router.cli route ...` (the same command without the lead's top-level CLI)."""
-    parser = argparse.ArgumentParser(prog="llmserve")
+    parser = CommandLineParser(prog="llmserve")
     add_route_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

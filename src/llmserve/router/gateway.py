@@ -3,6 +3,7 @@ rate limiter, and the health bookkeeping that both active probes and real reques
 
 from __future__ import annotations
 
+import logging
 import time
 
 import httpx
@@ -17,6 +18,8 @@ from llmserve.router.ratelimit import RateLimiter
 from llmserve.router.upstream import Upstream, UpstreamPool
 from llmserve.router.upstream_httpx import HttpxUpstream
 from llmserve.server.errors import APIError
+
+logger = logging.getLogger("llmserve.router")
 
 
 def make_client(config: RouterConfig) -> httpx.AsyncClient:
@@ -71,14 +74,24 @@ class Gateway:
     # ---- health, fed by probes (monitor.py) and by requests (proxy.py) ----------------------------
 
     def record_success(self, backend: Backend) -> None:
-        was_up = backend.health.state is HealthState.HEALTHY
+        """A success; a backend back from ejection is logged once (its trial passed)."""
+        was_state = backend.health.state
         backend.health.record_success()
-        if not was_up and backend.health.state is HealthState.HEALTHY:
+        if was_state is not HealthState.HEALTHY and backend.health.state is HealthState.HEALTHY:
             self.pools[backend.pool].queue.notify_all()
+            if was_state is HealthState.HALF_OPEN:
+                logger.info("backend %s (model %s) recovered after %.1f s ejected: routable again", backend.url,
+                            backend.pool, time.monotonic() - backend.health.ejected_at)
 
     def record_failure(self, backend: Backend) -> None:
+        """A failure; an ejection from the healthy state is logged once (not each failed trial after it)."""
+        was_state = backend.health.state
         if backend.health.record_failure(time.monotonic()):
             self.metrics.ejections.labels(backend.pool, backend.url).inc()
+            if was_state is HealthState.HEALTHY:
+                logger.warning("backend %s (model %s) ejected after %d consecutive failures; a trial every %.0f s "
+                               "until one succeeds", backend.url, backend.pool,
+                               backend.health.num_consecutive_failures, backend.health.cooldown_s)
 
     # ---- routing -----------------------------------------------------------------------------
 

@@ -10,14 +10,13 @@ import signal
 
 import uvicorn
 
-from llmserve.aio import run_service
+from llmserve.aio import bind_socket, run_service
 from llmserve.router.app import build_app
 from llmserve.router.config import RouterSetup
 from llmserve.router.direct_write import RouterHttpProtocol
 from llmserve.router.gateway import Gateway
 from llmserve.router.monitor import probe_all, run_monitors
 from llmserve.router.replicas import ReplicaScaler
-from llmserve.server.launcher import bind_socket
 
 logger = logging.getLogger("llmserve.router")
 

@@ -37,7 +37,7 @@ def json_response(obj, status_code: int = 200) -> Response:
 
 
 def build_app(ctx: ServingContext) -> DocumentedAPI:
-    app = DocumentedAPI(title="llmserve", version=__version__, description=_DESCRIPTION, redoc_url=None,
+    app = DocumentedAPI(title="llmserve", version=__version__, description=_DESCRIPTION, redoc_url=None, docs_url=None,
                         default_response_class=Response)
     app.state.ctx = ctx
     install_error_handlers(app)

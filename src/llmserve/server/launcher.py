@@ -17,7 +17,7 @@ import time
 
 import uvicorn
 
-from llmserve.aio import run_service
+from llmserve.aio import bind_socket, run_service
 from llmserve.config import EngineConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.heap import freeze_startup_heap
@@ -105,29 +105,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before loading the model, so that a taken port fails fast."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"cannot bind {host}:{port}: {e.strerror}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
     return uvicorn.Config(app, log_level=config.log_level, access_log=config.access_log,
                           timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=5,
                           backlog=4096, lifespan="off")
 
 
-async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+async def serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket | None = None) -> int:
+    """Serve until a signal or the engine's death; `sock`: bound already (the CLI binds before loading)."""
     engine_config.validate()  # before binding or spawning anything (the CLI has checked already)
-    sock = bind_socket(config.host, config.port)
+    sock = sock or bind_socket(config.host, config.port)
     grpc_server, grpc_port = (None, None) if config.grpc_port is None else bind_grpc(config.host, config.grpc_port)
     engine = await AsyncLLM.from_config(engine_config, startup_timeout=config.engine_startup_timeout,
                                         stream_interval=config.stream_interval,
@@ -168,5 +155,5 @@ def serving_context(engine: AsyncLLM, config: ServerConfig) -> ServingContext:
     return ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs, TokenTexts(engine.tokenizer))
 
 
-def run(engine_config: EngineConfig, config: ServerConfig) -> int:
-    return run_service(serve(engine_config, config), config.log_level, logger)
+def run(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket | None = None) -> int:
+    return run_service(serve(engine_config, config, sock), config.log_level, logger)

@@ -2,7 +2,7 @@
 the count of requests in flight that a drain waits for. /health, /metrics, the API's description
 (/openapi.json, /docs: a browser cannot send the key) and the dashboard (it shows what /metrics does) are
 always open, and so are GET and HEAD of the browser pages (ui.py: the playground at `/`, its files under
-/static/); `POST /` (TGI) still needs the key."""
+/static/, the icon); `POST /` (TGI) still needs the key."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from llmserve.server.dashboard import DASHBOARD_PATHS
 from llmserve.server.errors import APIError, error_response, service_unavailable
 from llmserve.server.serving_common import ServingContext
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}) | DASHBOARD_PATHS
-OPEN_PAGES = frozenset({"/"})  # open to GET and HEAD only
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"}) | DASHBOARD_PATHS
+OPEN_PAGES = frozenset({"/", "/favicon.ico"})  # open to GET and HEAD only
 OPEN_PAGE_PREFIXES = ("/static/",)
 PAGE_METHODS = frozenset({"GET", "HEAD"})
 

@@ -12,9 +12,16 @@ SMALL_MODEL_PARAMS multiplied weights a token costs < 20 MFLOP, so even a full 5
 The rule is for an engine process that shares the machine with a server's front (`llmserve serve`).
 An in-process engine (`LLM`) runs its front between steps, not beside them, and sets threads only
 when asked, so that a process building several engines keeps the count it chose.
+
+A served engine on a larger model also stays within the CPUs the process may use (`available_cpus`:
+its affinity and a container's CPU quota): torch counts the host's cores, and OpenMP threads beyond the
+quota wait at every barrier for a peer the kernel has descheduled.
 """
 
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 
@@ -30,22 +37,51 @@ def num_matmul_params(model: torch.nn.Module) -> int:
     return total - model.model.embed_tokens.weight.numel()
 
 
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs a cgroup quota allows this process (cgroup v2 cpu.max, else v1's cfs quota over its
+    period), None without a quota."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as q, \
+                    open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as p:
+                quota, period = q.read().strip(), p.read().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or float(period) <= 0:
+        return None
+    return float(quota) / float(period)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity, capped by a cgroup CPU quota (rounded up)."""
+    num = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    return max(1, min(num, math.ceil(quota))) if quota else num
+
+
 def choose_num_threads(requested: int | None, num_params: int, device_type: str,
-                       has_front_beside: bool) -> int | None:
-    """The thread count to set, or None to leave the process's (GPU engines, large CPU models)."""
+                       has_front_beside: bool, num_cpus: int | None = None, num_current: int = 1) -> int | None:
+    """The thread count to set, or None to leave the process's (GPU engines, in-process engines).
+    num_cpus: the CPUs available (a served CPU engine keeps its `num_current` threads within them)."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"num_threads must be >= 1, got {requested}")
         return requested
-    if has_front_beside and device_type == "cpu" and num_params < SMALL_MODEL_PARAMS:
+    if not has_front_beside or device_type != "cpu":
+        return None
+    if num_params < SMALL_MODEL_PARAMS:
         return 1
-    return None
+    return num_cpus if num_cpus is not None and num_current > num_cpus else None
 
 
 def apply_num_threads(requested: int | None, model: torch.nn.Module, device_type: str,
                       has_front_beside: bool) -> int:
     """Set this process's intra-op threads for `model` (see the module doc); returns the count in use."""
-    num_threads = choose_num_threads(requested, num_matmul_params(model), device_type, has_front_beside)
+    num_threads = choose_num_threads(requested, num_matmul_params(model), device_type, has_front_beside,
+                                     available_cpus(), torch.get_num_threads())
     if num_threads is not None and num_threads != torch.get_num_threads():
         torch.set_num_threads(num_threads)
     return torch.get_num_threads()

@@ -58,7 +58,8 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, max_
     num_needed = -(-max_model_len // cache.block_size) + 1
     if num_blocks < num_needed:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than one "
-                         f"sequence of max_model_len={max_model_len} needs ({num_needed}): raise "
+                         f"sequence of max_model_len={max_model_len} needs ({num_needed}, one of them reserved as "
+                         f"the null block): raise "
                          f"--kv-cache-memory / --num-kv-blocks or lower --max-model-len")
     return num_blocks
 

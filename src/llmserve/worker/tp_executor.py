@@ -19,9 +19,12 @@ otherwise wait for its timeout). Collectives time out after COLLECTIVE_TIMEOUT_S
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +51,28 @@ DEATH_GRACE_S = 2.0  # after a failed collective, how long to wait for the rank'
 
 class WorkerDied(RuntimeError):
     """A tensor-parallel rank's process ended: the engine cannot go on."""
+
+
+DIED_BEFORE_OUR_CODE = ("it died before running llmserve's code; a spawned rank first imports the main module, "
+                        "so a script must create the LLM under `if __name__ == \"__main__\":`")
+
+
+@contextlib.contextmanager
+def main_file_hidden_unless_a_file():
+    """While ranks start: a spawned process re-runs the parent's main module from its file, and from
+    `python -` (stdin) or an interactive session that "file" does not exist, so the rank would die before
+    running any of our code. The ranks need nothing from the main module (their target is llmserve's):
+    such a path is hidden from multiprocessing while they start, then restored."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 class TPExecutor:
@@ -91,8 +116,9 @@ class TPExecutor:
         procs = [ctx.Process(target=run_tp_worker, name=f"llmserve-tp-rank{rank}", daemon=True,
                              args=(*args, rank, self.store.port, self.publisher.address, parent_pid))
                  for rank in range(1, size)]
-        for proc in procs:
-            proc.start()
+        with main_file_hidden_unless_a_file():
+            for proc in procs:
+                proc.start()
         return procs
 
     def _wait_joined(self, size: int, deadline: float) -> None:
@@ -158,7 +184,7 @@ class TPExecutor:
             if proc.sentinel in dead:
                 proc.join(1.0)  # the sentinel closes a moment before the exit status exists
                 error = self.store.get(f"error/{rank}").decode() if self.store.check([f"error/{rank}"]) else None
-                detail = f": {error}" if error else ""
+                detail = f": {error}" if error else f": {DIED_BEFORE_OUR_CODE}"
                 return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}"
         return None
 

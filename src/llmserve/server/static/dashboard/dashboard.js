@@ -22,8 +22,12 @@ function num(v, digits = 1) {
   return Number.isInteger(v) ? String(v) : v.toFixed(digits);
 }
 
+// Below 1%, two significant digits: a chart's axis at low usage reads 0%, 0.050%, 0.10%, not 0.0%, 0.1%, 0.1%.
 function pct(v) {
-  return v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%";
+  if (v === null || v === undefined) return "–";
+  const p = 100 * v;
+  const digits = p === 0 || Math.abs(p) >= 1 ? 1 : Math.min(6, 1 - Math.floor(Math.log10(Math.abs(p))));
+  return p.toFixed(digits) + "%";
 }
 
 function secs(v) {

@@ -1,0 +1,60 @@
+"""The engine's start-up line: what is on, with its sizes, in one place a user reads once (the model and
+device, the linear layers' kernel, the KV cache's dtype and size, prefix caching, speculation, the
+scheduler's overlap and steps, CUDA graphs, threads)."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.config import SpeculativeConfig
+from llmserve.model import cpu_kernels
+
+
+def linear_kernel(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:
+    """Which kernel the model's linear layers run on this machine."""
+    if quantization == "int8":
+        if device.type == "cuda":
+            return "int8 (torch._int_mm)"
+        has_panels = any(getattr(m, "panels", None) is not None for m in model.modules())
+        return "int8 (llmserve's exact AVX2 kernel: oneDNN has no VNNI here)" if has_panels else \
+            "int8 (oneDNN with VNNI, torch._int_mm)"
+    if quantization == "fp8":
+        return "fp8 (Triton kernels)" if device.type == "cuda" else "fp8 (torch reference path)"
+    if device.type == "cuda":
+        return "cuBLAS"
+    has_panels = dtype == torch.float32 and cpu_kernels.packs_linears()
+    return "llmserve's AVX2 panels" if has_panels else "oneDNN"
+
+
+def speculation(spec: SpeculativeConfig) -> str:
+    if not spec.is_enabled:
+        return "speculative off"
+    method = f"ngram {spec.ngram_min}-{spec.ngram_max}" if spec.speculative == "ngram" else \
+        f"draft {spec.draft_model}"
+    rule = "dynamic" if spec.speculative_dynamic else "always"
+    return f"speculative {method}, k={spec.num_speculative_tokens}, up to batch {spec.speculative_max_batch} ({rule})"
+
+
+def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int) -> str:
+    num_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
+    dtype = str(kv_caches[0].dtype).removeprefix("torch.") if kv_caches else "?"
+    return (f"KV cache {dtype}, {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size:,} tokens, "
+            f"{num_bytes / 2**30:.2f} GiB)")
+
+
+def startup_line(core) -> str:
+    """'engine ready: ...' for a started EngineCore, naming every feature that is on, and off where one would
+    look for it."""
+    config, info, runner = core.config, core.model_info, core.runner
+    sched = config.scheduler
+    graphs = "CUDA graphs off" if runner.graphs is None else f"CUDA graphs up to batch {runner.graphs.sizes[-1]}"
+    parts = [f"engine ready: {info.name} on {core.device}, {info.dtype}",
+             f"linears {linear_kernel(runner.model, core.device, core.dtype, info.quantization)}",
+             kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size),
+             f"prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}",
+             speculation(config.speculative),
+             f"async scheduling {'on' if core.is_async else 'off'}", f"scheduler steps {sched.num_scheduler_steps}",
+             graphs, f"threads {core.num_threads}",
+             f"max_model_len {info.max_model_len}, max_num_seqs {sched.max_num_seqs}, token budget "
+             f"{sched.max_num_batched_tokens}"]
+    return "; ".join(parts)

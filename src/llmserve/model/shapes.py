@@ -1,0 +1,54 @@
+"""The shapes and architectures `make-model` writes checkpoints of: plain data, no torch, so that the
+command line lists them without loading torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+    is_tied: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    head_dim: int | None = None  # None: hidden_size // num_heads (qwen3 tiny uses a wider one)
+    init_std: float = 0.02
+    num_experts: int = 0  # 0: a dense shape; else for the MoE archs (intermediate_size: mixtral's experts',
+    num_experts_per_tok: int = 0  # qwen3_moe's dense layers')
+    moe_intermediate_size: int = 0  # qwen3_moe's experts
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(64, 2, 4, 2, 128, 512, 2048, init_std=0.1),
+    "tiny-llama3": Shape(64, 2, 4, 2, 128, 512, 2048, is_tied=True, rope_theta=500000.0, init_std=0.1,
+                         rope_scaling={**_LLAMA3_SCALING, "factor": 4.0, "original_max_position_embeddings": 256}),
+    "demo": Shape(256, 4, 4, 2, 512, 2048, 4096, init_std=0.05),
+    "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, 8192, is_tied=True, rope_theta=100000.0, init_std=0.04),
+    "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 128256, 131072, rope_theta=500000.0,
+                          rope_scaling=_LLAMA3_SCALING),
+    # Mixture-of-Experts shapes (--arch qwen3_moe | mixtral); the large ones as their published config.json
+    "tiny-moe": Shape(64, 4, 4, 2, 128, 512, 2048, init_std=0.1, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32),
+    "qwen3-30b-a3b": Shape(2048, 48, 32, 4, 6144, 151936, 40960, rope_theta=1000000.0, head_dim=128,
+                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rms_norm_eps=1e-6),
+    "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1000000.0, num_experts=8,
+                          num_experts_per_tok=2),
+}
