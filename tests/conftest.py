@@ -84,3 +84,21 @@ def cpu_linear_path(request: pytest.FixtureRequest) -> Iterator[str]:
         patch.setenv(cpu_isa.LINEAR_ENV, request.param)
         yield request.param
 
+
+@pytest.fixture
+def pretend_cpu(monkeypatch: pytest.MonkeyPatch):
+    """`pretend_cpu(flags, cap)`: the CPU seen as having these /proc/cpuinfo flags, oneDNN held to `cap`
+    (ONEDNN_MAX_CPU_ISA; None: uncapped), LLMSERVE_CPU_LINEAR unset: what model/cpu_isa.py then chooses."""
+    from llmserve.model import cpu_isa
+
+    def pretend(flags: set[str], cap: str | None = None) -> None:
+        monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        monkeypatch.delenv(cpu_isa.LINEAR_ENV, raising=False)
+        if cap is None:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+
+    return pretend
+

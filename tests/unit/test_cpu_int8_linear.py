@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_isa, cpu_kernels
+from llmserve.model import cpu_kernels
 from llmserve.model.quant.linear import Int8Linear
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="CPU kernels without AVX2")
@@ -85,15 +85,6 @@ def test_bad_arguments_are_refused():
         cpu_kernels.pack_int8_weight(torch.zeros(4, 4))
 
 
-def _set_cpu(monkeypatch, flags: set[str], cap: str | None) -> None:
-    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    if cap is None:
-        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    else:
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-
-
 @needs_kernel
 @pytest.mark.parametrize("flags,cap,is_ours", [
     ({"avx2", "fma"}, None, True),  # AVX2 only: oneDNN would saturate
@@ -105,8 +96,8 @@ def _set_cpu(monkeypatch, flags: set[str], cap: str | None) -> None:
     ({"avx2", "fma", "avx_vnni"}, "AVX2_VNNI", False),
     ({"avx2", "fma", "avx_vnni"}, None, False),
 ])
-def test_the_kernel_serves_where_onednn_has_no_vnni(monkeypatch, flags, cap, is_ours):
-    _set_cpu(monkeypatch, flags, cap)
+def test_the_kernel_serves_where_onednn_has_no_vnni(pretend_cpu, flags, cap, is_ours):
+    pretend_cpu(flags, cap)
     assert cpu_kernels.packs_int8() is is_ours
     gen = torch.Generator().manual_seed(2)
     w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)

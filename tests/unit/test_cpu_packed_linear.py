@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_isa, cpu_kernels
+from llmserve.model import cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.linear import Linear
 
@@ -65,9 +65,8 @@ def test_bad_arguments_are_refused():
 
 
 @needs_panels
-def test_linear_layers_are_packed_into_panels_without_avx512(monkeypatch):
-    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: {"avx2", "fma"})
-    monkeypatch.delenv(cpu_isa.LINEAR_ENV, raising=False)  # auto: the CPU's kind decides
+def test_linear_layers_are_packed_into_panels_without_avx512(pretend_cpu):
+    pretend_cpu({"avx2", "fma"})  # LLMSERVE_CPU_LINEAR unset: the CPU's kind decides
     assert cpu_kernels.packs_linears()
     layer = Linear(384, 520).requires_grad_(False)
     w, b = layer.weight.clone(), layer.bias.clone()
@@ -78,11 +77,8 @@ def test_linear_layers_are_packed_into_panels_without_avx512(monkeypatch):
 
 
 @pytest.mark.skipif(not linear_mod._has_packing(), reason="torch without oneDNN weight packing")
-def test_with_avx512_layers_are_packed_for_onednn(monkeypatch):
-    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
-    monkeypatch.delenv(cpu_isa.LINEAR_ENV, raising=False)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+def test_with_avx512_layers_are_packed_for_onednn(pretend_cpu, monkeypatch):
+    pretend_cpu({"avx2", "fma", "avx512f"})
     assert not cpu_kernels.packs_linears()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN held to AVX2: ours is the faster again
     assert cpu_kernels.packs_linears() == cpu_kernels.has_avx2_kernels()

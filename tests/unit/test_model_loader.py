@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from llmserve.model import cpu_isa, loader
+from llmserve.model import loader
 from llmserve.model.demo import demo_model_path
 from llmserve.model.loader import (ModelInfo, load_generation_defaults, load_model, load_model_info,
                                    load_tokenizer, resolve_dtype, resolve_model_path)
@@ -43,13 +43,8 @@ def test_resolve_dtype():
     ({"avx512f", "avx512_bf16"}, "AVX512_CORE", torch.float32),
     ({"avx512f", "avx512_bf16"}, "avx512_core_bf16", torch.bfloat16),
 ])
-def test_resolve_dtype_auto_on_cpu_follows_bf16_flags_and_onednns_cap(monkeypatch, flags, cap, dtype):
-    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    if cap is None:
-        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    else:
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+def test_resolve_dtype_auto_on_cpu_follows_bf16_flags_and_onednns_cap(pretend_cpu, flags, cap, dtype):
+    pretend_cpu(flags, cap)
     assert resolve_dtype("auto", "cpu") == dtype
 
 
