@@ -154,3 +154,26 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_through_the_server(server):
                   tool_use_behavior="stop_on_first_tool")
     result = asyncio.run(Runner.run(agent, "Weather in Paris?"))
     assert result.final_output in ("sunny in Paris", "sunny in Oslo")
+
+
+def test_langchain_chat_openai_on_the_responses_api_calls_a_tool_and_continues(server):
+    """langchain-openai's ChatOpenAI(use_responses_api=True): a forced tool call, then the tool's result sent
+    back as LangChain sends it (the call and its output as items) for the next turn."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(model=NAME, base_url=server.base_url, api_key="unused", use_responses_api=True,
+                     max_tokens=64, max_retries=0, timeout=60)
+    asked = HumanMessage("Weather in Paris?")
+    called = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke([asked])
+    (call,) = called.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Oslo")
+    answer = llm.bind_tools([get_weather]).invoke([asked, called, ToolMessage(get_weather.invoke(call["args"]),
+                                                                              tool_call_id=call["id"])])
+    assert isinstance(answer.text, str) and answer.response_metadata["status"] in ("completed", "incomplete")
