@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model import gpt_oss
 from llmserve.model.linear import Linear
 from llmserve.model.moe import expert_intermediate_size, expert_shard_of, num_experts_of
 
@@ -108,6 +109,9 @@ def head_dim_of(config) -> int:
 
 def shard_layout(config, size: int, rank: int) -> ShardLayout:
     """Rank `rank`'s share of an HF config's model over `size` ranks (ValueError when it cannot split)."""
+    if gpt_oss.ARCHITECTURE in (getattr(config, "architectures", None) or ()):
+        raise ValueError(f"--tensor-parallel-size {size}: tensor parallelism of {gpt_oss.ARCHITECTURE} is not "
+                         "supported yet (its sinks and expert biases are not split); serve it on one rank")
     q_heads, kv_heads = head_shard(config.num_attention_heads, config.num_key_value_heads, size, rank)
     expert_size = expert_intermediate_size(config) if num_experts_of(config) else size
     for name, value in (("intermediate size", config.intermediate_size), ("experts' intermediate size", expert_size)):

@@ -62,6 +62,10 @@ def checkpoint_method(hf_config) -> str | None:
     if method == "compressed-tensors":
         _check_compressed_tensors(qc)
         return "fp8"
+    if method == "mxfp4":
+        raise _unsupported("quantization_config.quant_method 'mxfp4' (gpt-oss's released MXFP4 experts) is not "
+                           "supported: its expert blocks and scales are not dequantized at load; use a bfloat16 or "
+                           "float32 checkpoint of the model")
     raise _unsupported(f"quantization_config.quant_method {method!r} is not supported")
 
 
