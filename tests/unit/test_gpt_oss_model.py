@@ -1,11 +1,13 @@
 """gpt-oss checkpoints written by transformers itself: greedy tokens from the engine equal transformers'
 `generate` with prompts several sliding windows long, through a batch of mixed lengths, chunked prefill and a
-prefix-cache hit; what the engine cannot run yet is refused at load, naming the reason."""
+prefix-cache hit; an MXFP4 checkpoint loads as transformers dequantizes it; what the engine cannot run yet is
+refused at load, naming the reason."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from llmserve.model import toy_tokenizer
 from llmserve.model.loader import load_hf_config, load_model
 from llmserve.model.maker import SHAPES, build_config
 from llmserve.model.parallel import check_tensor_parallel
+from llmserve.model.quant import mxfp4
 
 VOCAB = 512
 WINDOW = 8  # the sliding layers' window; the engine's blocks hold 4 tokens
@@ -104,16 +107,52 @@ def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):
     llm.engine.check_integrity()
 
 
-def test_mxfp4_checkpoints_are_refused_with_the_reason(checkpoint, tmp_path):
-    path, _ = checkpoint
-    mxfp4 = tmp_path / "mxfp4"
-    mxfp4.mkdir()
-    with open(os.path.join(path, "config.json")) as f:
+def write_mxfp4_checkpoint(src: str, out_dir, seed: int) -> dict[str, torch.Tensor]:
+    """src's checkpoint with its experts as random MXFP4 blocks and scales (quant_method mxfp4, as gpt-oss ships);
+    returns the experts as transformers dequantizes them ([E, in, out] float32 by name)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    expected = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        num_experts, num_in, num_out = tensors.pop(name).shape
+        blocks = torch.randint(0, 256, (num_experts, num_out, num_in // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(120, 125, (num_experts, num_out, num_in // 32), generator=gen, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    out_dir.mkdir()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (mxfp4 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method 'mxfp4'.*not dequantized at load"):
-        load_model(str(mxfp4), torch.float32, "cpu")
+    (out_dir / "config.json").write_text(json.dumps(config))
+    for name in os.listdir(src):  # the tokenizer
+        if not (out_dir / name).exists():
+            shutil.copy(os.path.join(src, name), out_dir)
+    return expected
+
+
+def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, _ = checkpoint
+    expected = write_mxfp4_checkpoint(path, tmp_path / "mxfp4", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.load_state_dict(expected, strict=False)
+    llm = LLM(str(tmp_path / "mxfp4"), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=4)
+    tokens = prompt(19, 9)
+    (out,) = greedy(llm, [tokens])
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, tokens)
+
+
+def test_mxfp4_of_another_architecture_is_refused():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(architectures=["MixtralForCausalLM"], quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(ValueError, match="'mxfp4' is read for GptOssForCausalLM only, not MixtralForCausalLM"):
+        mxfp4.is_mxfp4(config)
 
 
 def test_quantization_and_tensor_parallelism_are_refused(checkpoint):
