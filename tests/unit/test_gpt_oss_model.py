@@ -14,9 +14,8 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model import toy_tokenizer
-from llmserve.model.loader import load_hf_config, load_model
+from llmserve.model.loader import load_model
 from llmserve.model.maker import SHAPES, build_config
-from llmserve.model.parallel import check_tensor_parallel
 from llmserve.model.quant import mxfp4
 
 VOCAB = 512
@@ -155,12 +154,10 @@ def test_mxfp4_of_another_architecture_is_refused():
         mxfp4.is_mxfp4(config)
 
 
-def test_quantization_and_tensor_parallelism_are_refused(checkpoint):
+def test_quantization_is_refused(checkpoint):
     path, _ = checkpoint
     with pytest.raises(ValueError, match=r"quantization \(fp8\) of Mixture-of-Experts models"):
         load_model(path, torch.float32, "cpu", quantization="fp8")
-    with pytest.raises(ValueError, match="tensor parallelism of GptOssForCausalLM is not supported"):
-        check_tensor_parallel(load_hf_config(path), 2)
 
 
 def test_an_unknown_layer_kind_is_refused(tmp_path):

@@ -100,7 +100,8 @@ def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
     if architecture == "MixtralForCausalLM":
         return MoeSpec(num_experts, top_k, expert_intermediate_size(config), is_renormalized=True)
     if architecture == "GptOssForCausalLM":  # softmax over the top-k logits = renormalised top-k weights
-        swiglu = ClampedSwiglu(float(getattr(config, "swiglu_alpha", 1.702)), float(getattr(config, "swiglu_limit", 7.0)))
+        swiglu = ClampedSwiglu(float(getattr(config, "swiglu_alpha", 1.702)),
+                               float(getattr(config, "swiglu_limit", 7.0)))
         return MoeSpec(num_experts, top_k, config.intermediate_size, is_renormalized=True, has_bias=True,
                        activation=swiglu)
     if config.decoder_sparse_step < 1:
@@ -226,7 +227,8 @@ class SparseMoeBlock(nn.Module):
         self.spec = spec
         self.tp = tp
         self.gate = Router(hidden_size, spec.num_experts, spec.has_bias)
-        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts, spec.has_bias)
+        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts,
+                               spec.has_bias)
         self.load = ExpertLoad()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,8 +237,17 @@ class SparseMoeBlock(nn.Module):
         counts = expert_counts(ids, self.spec.num_experts)
         self.load.record(counts)
         out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts,
-                        self.experts.biases(), self.spec.activation)
+                        self._biases(), self.spec.activation)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+    def _biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The experts' biases; on a tensor-parallel rank other than 0 without the down bias, which the
+        all-reduce would otherwise add once per rank (as a row-parallel layer's)."""
+        biases = self.experts.biases()
+        if biases is None or self.tp is None or self.tp.rank == 0:
+            return biases
+        return biases[0], None
 
 
 def take_load_balance(blocks: list[SparseMoeBlock]) -> float | None:
@@ -283,7 +294,7 @@ def expert_shard_of(hf_name: str, start: int, count: int) -> tuple[int, int, int
 
 def shard_stacked(name: str, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
     """A rank's share of a whole stacked expert tensor: features [start, start + count) of the gate and of
-    the up half of gate_up_proj [E, 2I, H], of down_proj's inputs [E, H, I]."""
+    the up half of gate_up_proj [E, 2I, H] (and of its bias [E, 2I]), of down_proj's inputs [E, H, I]."""
     if name.endswith("experts.down_proj"):
         return tensor[:, :, start:start + count]
     gate, up = tensor.chunk(2, dim=1)
@@ -301,7 +312,8 @@ def expert_shard_view(param: torch.Tensor, shard: str) -> torch.Tensor:
 
 
 def is_stacked_expert(name: str) -> bool:
-    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    """A stacked expert tensor that tensor parallelism splits (down_proj's bias [E, H] is not split)."""
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias"))
 
 
 def expert_shards(param_name: str, num_experts: int) -> list[str] | None:
