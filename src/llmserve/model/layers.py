@@ -105,8 +105,9 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, p: RopeParams) -> torch.Tensor:
-    """pos_freqs [D/2] (theta ** (2i / D)) -> YaRN's inverse frequencies: frequencies above the beta_fast rotations kept, below beta_slow divided by factor, a linear ramp
-    over the dimensions in between (transformers' `_compute_yarn_parameters`)."""
+    """pos_freqs [D/2] (theta ** (2i / D)) -> YaRN's inverse frequencies: the dimensions that turn more than
+    beta_fast times over the original context keep their frequency, those under beta_slow turns are divided by
+    factor, a linear ramp blends the ones between (transformers' `_compute_yarn_parameters`, same float ops)."""
     def correction_dim(num_rotations: float) -> float:
         return head_dim * math.log(p.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
             2 * math.log(p.theta))
@@ -116,8 +117,8 @@ def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, p: RopeParams) -> tor
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high  # no division by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)  # [D/2]
-    extrapolated = 1 - ramp  # the share of each dimension's original frequency
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")  # [D/2]
+    extrapolated = 1 - ((dims - low) / (high - low)).clamp(0, 1)  # [D/2] the share of the original frequency
     return 1.0 / (p.factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
 
 

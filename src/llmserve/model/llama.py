@@ -167,7 +167,7 @@ class CausalLM(nn.Module):
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: a bad config fails fast
+        windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
             layer.self_attn.window = window

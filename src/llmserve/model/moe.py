@@ -145,7 +145,8 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, counts: list[int] | None = None, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+              ids: torch.Tensor, counts: list[int] | None = None,
+              biases: tuple[torch.Tensor, torch.Tensor | None] | None = None,
               activation: ClampedSwiglu | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k] -> [T, H]; counts: the
     ids' expert_counts when the caller has them; biases: gate_up's [E, 2I] and down's [E, H] (weighted with
