@@ -179,3 +179,15 @@ def test_make_model_shapes():
     assert config.rope_parameters == {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
 
+
+
+def test_triton_backend_greedy_equals_transformers(checkpoint):
+    """Sinks and windows through the Triton kernel (its interpreter off CUDA): a prompt longer than a window."""
+    pytest.importorskip("triton")
+    path, hf = checkpoint
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
+              attention_backend="triton", device=device)
+    tokens = prompt(13, 5)
+    (out,) = greedy(llm, [tokens])
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, tokens)
