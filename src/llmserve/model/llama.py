@@ -7,9 +7,10 @@ carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it ha
 architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers, and gpt-oss
 adds a learned attention sink per head (its checkpoint's layout: model/gpt_oss.py).
 
-Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window): each layer's window comes from
-the config (model/sliding_window.py) and is passed to the backend with the layer's attention call; a window
-at least as long as the context (max_model_len, default max_position_embeddings) is full attention.
+Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss): each layer's window comes
+from the config (model/sliding_window.py) and is passed to the backend with the layer's attention call (with
+its sinks, if any); a window at least as long as the context (max_model_len, default max_position_embeddings)
+is full attention.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
 features and vocabulary rows (of every expert too); the loader hands `load_weights` those slices of the
