@@ -1,4 +1,4 @@
-"""Rotary frequencies (default, linear, Llama-3) and RMSNorm against transformers."""
+"""Rotary frequencies (default, linear, Llama-3, YaRN) and RMSNorm against transformers."""
 
 from __future__ import annotations
 
@@ -45,8 +45,44 @@ def test_old_style_rope_theta_and_rope_scaling_are_read():
 
 
 def test_unsupported_rope_type_is_a_value_error():
-    with pytest.raises(ValueError, match="yarn"):
-        rope_params_from_config(types.SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}))
+    with pytest.raises(ValueError, match="longrope"):
+        rope_params_from_config(types.SimpleNamespace(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}))
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096}  # gpt-oss's
+
+
+@pytest.mark.parametrize("rope_parameters,head_dim", [
+    (YARN, 64),
+    ({**YARN, "truncate": True, "factor": 4.0, "beta_fast": 16.0, "beta_slow": 2.0}, 128),  # truncate defaults to on
+    ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+      "mscale": 0.707, "mscale_all_dim": 0.707}, 64),  # DeepSeek's mscale pair
+    ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": None, "original_max_position_embeddings": 1024,
+      "attention_factor": 1.25}, 32),  # factor from max_position_embeddings / original, attention factor given
+])
+def test_yarn_matches_transformers(rope_parameters, head_dim):
+    """Frequencies and the cos/sin scale (mscale) equal transformers' `_compute_yarn_parameters`."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = GptOssConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, num_hidden_layers=2,
+                          max_position_embeddings=8192, rope_parameters=dict(rope_parameters))
+    hf_inv_freq, hf_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    params = rope_params_from_config(config)
+    assert torch.equal(rope_inv_freq(head_dim, params), hf_inv_freq)
+    assert params.attention_scaling == pytest.approx(hf_scaling, rel=1e-12)
+    positions = torch.tensor([0, 3, 4095, 5000])
+    cos, sin = RotaryEmbedding(head_dim, params).cos_sin(positions, torch.float32)  # [T, 1, D/2]
+    freqs = positions.float()[:, None] * hf_inv_freq
+    torch.testing.assert_close(cos[:, 0], freqs.cos() * hf_scaling, atol=0, rtol=0)
+    torch.testing.assert_close(sin[:, 0], freqs.sin() * hf_scaling, atol=0, rtol=0)
+
+
+def test_yarn_with_partial_rotary_is_refused():
+    config = types.SimpleNamespace(rope_parameters={**YARN, "partial_rotary_factor": 0.5}, max_position_embeddings=8)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        rope_params_from_config(config)
 
 
 def test_rotary_matches_transformers_apply():

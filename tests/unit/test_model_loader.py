@@ -72,7 +72,8 @@ def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
         get_model_class("GPT2LMHeadModel")
     assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+                                            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                                            "GptOssForCausalLM"}
 
 
 def test_tokenizer_decodes_every_id_and_applies_chat_template(tiny_path):

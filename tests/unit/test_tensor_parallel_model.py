@@ -1,6 +1,7 @@
 """Tensor-parallel layers and sharded loading: 2 gloo ranks reproduce the whole model's logits.
 
-The checkpoints cover the four dense architectures and the two MoE ones (every expert split), uneven splits (3 KV groups over 2 ranks, an odd
+The checkpoints cover the four dense architectures and the three MoE ones (every expert split; gpt-oss's sinks
+and expert biases), uneven splits (3 KV groups over 2 ranks, an odd
 intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head, 2 ranks),
 biases on every projection, and tied embeddings.
 """
@@ -73,6 +74,7 @@ def checkpoints(tmp_path_factory) -> list[str]:
     paths.append(write_checkpoint("qwen2", UNEVEN, str(root / "uneven"), seed=4))  # q/k/v biases
     paths.append(write_checkpoint("llama", MQA_TIED, str(root / "mqa-tied"), seed=5))
     paths += [make_model(arch, "tiny-moe", str(root / arch), seed=6) for arch in ("qwen3_moe", "mixtral")]
+    paths.append(make_model("gpt_oss", "tiny-gpt-oss", str(root / "gpt_oss"), seed=6))
     return paths
 
 

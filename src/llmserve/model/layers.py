@@ -1,7 +1,7 @@
 """Building blocks of decoder-only transformers, on flattened tokens (no batch dim).
 
 RMSNorm (optionally fused with the residual add), rotary embedding driven by explicit positions
-[T] (default, linear and Llama-3 frequency scaling), and the SiLU-and-mul MLP with a fused
+[T] (default, linear, Llama-3 and YaRN frequency scaling), and the SiLU-and-mul MLP with a fused
 gate/up projection.
 """
 
@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class RopeParams:
-    """Rotary settings read from an HF config; rope_type is 'default', 'linear' or 'llama3'."""
+    """Rotary settings read from an HF config; rope_type is 'default', 'linear', 'llama3' or 'yarn'."""
 
     theta: float
     rope_type: str = "default"
@@ -56,9 +56,13 @@ class RopeParams:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    is_truncated: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+    attention_scaling: float = 1.0  # yarn's mscale: cos and sin are multiplied by it
 
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_params_from_config(config) -> RopeParams:
@@ -72,9 +76,50 @@ def rope_params_from_config(config) -> RopeParams:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return RopeParams(theta=float(theta))
+    if rope_type == "yarn":
+        return _yarn_params(config, merged, float(theta))
     keys = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     extra = {k: merged[k] for k in keys if rope_type == "llama3" and k in merged}
     return RopeParams(theta=float(theta), rope_type=rope_type, factor=float(merged["factor"]), **extra)
+
+
+def _yarn_params(config, merged: dict, theta: float) -> RopeParams:
+    """YaRN's fields as transformers' `_compute_yarn_parameters` reads them (factor from the context ratio
+    when null; the attention factor from factor, mscale and mscale_all_dim when not given)."""
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope partial_rotary_factor={merged['partial_rotary_factor']!r} is not supported (1.0)")
+    original = merged["original_max_position_embeddings"]
+    factor = merged.get("factor") or config.max_position_embeddings / original
+    scaling = merged.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        scaling = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim \
+            else _yarn_mscale(factor)
+    return RopeParams(theta=theta, rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
+                      beta_fast=merged.get("beta_fast") or 32.0, beta_slow=merged.get("beta_slow") or 1.0,
+                      is_truncated=bool(merged.get("truncate", True)), attention_scaling=float(scaling))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, p: RopeParams) -> torch.Tensor:
+    """pos_freqs [D/2] (theta ** (2i / D)) -> YaRN's inverse frequencies: the dimensions that turn more than
+    beta_fast times over the original context keep their frequency, those under beta_slow turns are divided by
+    factor, a linear ramp blends the ones between (transformers' `_compute_yarn_parameters`, same float ops)."""
+    def correction_dim(num_rotations: float) -> float:
+        return head_dim * math.log(p.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
+            2 * math.log(p.theta))
+
+    low, high = correction_dim(p.beta_fast), correction_dim(p.beta_slow)
+    if p.is_truncated:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # no division by zero
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")  # [D/2]
+    extrapolated = 1 - ((dims - low) / (high - low)).clamp(0, 1)  # [D/2] the share of the original frequency
+    return 1.0 / (p.factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
 
 
 def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams) -> torch.Tensor:
@@ -93,6 +138,8 @@ def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams) -> torch.Tensor:
 def rope_inv_freq(head_dim: int, p: RopeParams) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, computed exactly like transformers does."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    if p.rope_type == "yarn":
+        return _yarn_inv_freq(p.theta ** exponents, head_dim, p)
     inv_freq = 1.0 / (p.theta ** exponents)
     if p.rope_type == "linear":
         return inv_freq / p.factor
@@ -118,7 +165,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self._inv_freq_cpu.to(positions.device)
             self._inv_freq_by_device[positions.device] = inv_freq
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2] float32
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.params.attention_scaling != 1.0:  # yarn's mscale, in float32 as transformers applies it
+            cos, sin = cos * self.params.attention_scaling, sin * self.params.attention_scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

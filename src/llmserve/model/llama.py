@@ -1,14 +1,16 @@
-"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral checkpoints.
+"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss checkpoints.
 
 Tokens of all requests of a step are flattened ([T], no batch dim); attention goes through an
 AttentionBackend and the paged KV cache. The variants differ only in the parts read from the HF config
 (`DecoderParts`): Qwen2 has a q/k/v bias, Qwen3 and Qwen3-MoE RMS-normalise q and k per head, Llama may
-carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it has one, and a Mixture-of-Experts
-architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers.
+carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it has one, a Mixture-of-Experts
+architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers, and gpt-oss
+adds a learned attention sink per head (its checkpoint's layout: model/gpt_oss.py).
 
-Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window): each layer's window comes from
-the config (model/sliding_window.py) and is passed to the backend with the layer's attention call; a window
-at least as long as the context (max_model_len, default max_position_embeddings) is full attention.
+Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss): each layer's window comes
+from the config (model/sliding_window.py) and is passed to the backend with the layer's attention call (with
+its sinks, if any); a window at least as long as the context (max_model_len, default max_position_embeddings)
+is full attention.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
 features and vocabulary rows (of every expert too); the loader hands `load_weights` those slices of the
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmserve.model import gpt_oss
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
@@ -39,12 +42,13 @@ def _head_dim(config) -> int:
 
 @dataclass(frozen=True)
 class DecoderParts:
-    """What differs between the architectures this decoder reads: attention biases, q/k norm, MoE layers."""
+    """What differs between the architectures this decoder reads: attention biases, q/k norm, sinks, MoE layers."""
 
     qkv_bias: bool
     o_bias: bool
     has_qk_norm: bool
     moe: MoeSpec | None = None  # None: every layer has a dense MLP
+    has_sinks: bool = False  # one learned logit per head in the attention softmax's denominator
 
 
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -57,7 +61,8 @@ def decoder_parts(config) -> DecoderParts:
     has_attention_bias = bool(getattr(config, "attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
     return DecoderParts(qkv_bias=is_qwen2 or has_attention_bias, o_bias=has_attention_bias and not is_qwen2,
-                        has_qk_norm=arch in _QK_NORM_ARCHS, moe=moe_spec_from_config(config, arch))
+                        has_qk_norm=arch in _QK_NORM_ARCHS, moe=moe_spec_from_config(config, arch),
+                        has_sinks=arch == gpt_oss.ARCHITECTURE)
 
 
 class Attention(nn.Module):
@@ -79,6 +84,7 @@ class Attention(nn.Module):
         self.o_proj = row_linear(self.q_size, config.hidden_size, parts.o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if parts.has_sinks else None  # [H]
         self.window = 0  # attends the last `window` keys (0: all); CausalLM sets it per layer
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
@@ -89,7 +95,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
         q, k = self._rotate_qk(qkv[:, :num_qk_heads], cos_sin)  # [T, H, D], [T, Hkv, D]
         v = qkv[:, num_qk_heads:]  # [T, Hkv, D], a strided view like k: the backends copy both into the cache
-        out = attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, window=self.window)  # [T, H, D]
+        sinks = None if self.sinks is None else self.sinks.float()  # [H]
+        out = attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, window=self.window,
+                                   sinks=sinks)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _rotate_qk(self, qk: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +167,8 @@ class CausalLM(nn.Module):
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
         self.max_model_len = max_model_len or config.max_position_embeddings
-        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        windows = layer_windows(config, arch, self.max_model_len)  # before building: a bad config fails fast
+        self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
             layer.self_attn.window = window
@@ -231,6 +239,8 @@ class CausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        if self.architecture == gpt_oss.ARCHITECTURE:
+            weights = gpt_oss.to_decoder_layout(weights)
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name, self.is_tied)
             if target is None:

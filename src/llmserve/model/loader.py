@@ -102,10 +102,12 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     """Build the config's architecture on `device` in `dtype` and load its safetensors weights
     (with tensor parallelism, this rank's slices of them).
 
-    An FP8 checkpoint is dequantized as it streams in; `quantization` (int8 | fp8 | None, see
-    resolve_quantization) then swaps the Linear layers for quantized ones (model/quant). pack_head=False
-    keeps the lm_head's weight plain (a draft whose reduced head takes some of its rows: spec/draft_head)."""
+    An FP8 checkpoint (and gpt-oss's MXFP4 experts) is dequantized as it streams in; `quantization` (int8 |
+    fp8 | None, see resolve_quantization) then swaps the Linear layers for quantized ones (model/quant).
+    pack_head=False keeps the lm_head's weight plain (a draft whose reduced head takes some of its rows:
+    spec/draft_head)."""
     from llmserve.model import quant
+    from llmserve.model.quant import mxfp4
     from llmserve.model.quant.checkpoint import weight_block_size
 
     config = load_hf_config(path)
@@ -118,6 +120,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout))
     if quant.checkpoint_method(config) is not None:
         weights = quant.dequantize_weights(weights, weight_block_size(config))
+    if mxfp4.is_mxfp4(config):
+        weights = mxfp4.dequantize_experts(weights)
     model.load_weights(weights)
     if quantization is not None:
         quant.quantize_model(model, quantization)

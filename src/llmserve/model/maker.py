@@ -25,14 +25,15 @@ _SHARD_BYTES = 4 * 2**30
 def _config_class(arch: str):
     import transformers
     names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-             "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
+             "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig"}
     return getattr(transformers, names[arch])
 
 
 def _model_class(arch: str):
     import transformers
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+             "gpt_oss": "GptOssForCausalLM"}
     return getattr(transformers, names[arch])
 
 
@@ -44,7 +45,7 @@ def _head_dim(arch: str, shape: Shape) -> int:
 
 
 def build_config(arch: str, shape: Shape, dtype: str):
-    """The transformers config of a shape; sliding window off, eos = <|im_end|>.
+    """The transformers config of a shape; sliding window off (gpt_oss: the shape's), eos = <|im_end|>.
 
     rope_theta/rope_scaling are passed the pre-5.0 way, which transformers 5 folds into rope_parameters.
     """
@@ -70,6 +71,8 @@ def build_config(arch: str, shape: Shape, dtype: str):
 def _moe_kwargs(arch: str, shape: Shape) -> dict:
     if arch == "mixtral":
         return {"num_local_experts": shape.num_experts}
+    if arch == "gpt_oss":
+        return {"num_local_experts": shape.num_experts, "sliding_window": shape.sliding_window}
     return {"num_experts": shape.num_experts, "moe_intermediate_size": shape.moe_intermediate_size,
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 

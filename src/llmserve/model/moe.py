@@ -11,6 +11,9 @@ expert that received tokens, and sums each token's k outputs weighted by its rou
 over tokens, at most E GEMM pairs per layer.
 
 Routing is batch-invariant: a token's experts and weights depend only on its own hidden state (`route`).
+
+gpt-oss's experts (model/gpt_oss.py reads its config and checkpoint) add a bias to the router and to both
+expert GEMMs and use a clamped SwiGLU (`ClampedSwiglu`); the rest of the block is the same.
 """
 
 from __future__ import annotations
@@ -27,12 +30,27 @@ from llmserve.model import cpu_kernels
 if TYPE_CHECKING:
     from llmserve.model.parallel import TensorParallel  # parallel.py imports this module
 
-_MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 # Fields of an HF config that change the math unless absent or one of the values given here (other MoE
 # families' routing: sigmoid scores, scaled weights, shared experts, grouped top-k)
 _SUPPORTED_VALUES = {"hidden_act": ("silu",), "scoring_func": ("softmax",), "routed_scaling_factor": (1.0, None),
                      "n_shared_experts": (0, None), "shared_expert_intermediate_size": (0, None),
                      "n_group": (1, None), "topk_group": (1, None)}
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation on gate_up [n, 2I] (gate, then up) -> [n, I]:
+    gate clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [n, I] each
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,8 @@ class MoeSpec:
     is_renormalized: bool  # top-k weights divided by their sum (= softmax over the top-k logits)
     sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen3-MoE's decoder_sparse_step)
     dense_layers: tuple[int, ...] = ()  # layers that stay a dense MLP (Qwen3-MoE's mlp_only_layers)
+    has_bias: bool = False  # the router and both expert GEMMs add a bias (gpt-oss)
+    activation: ClampedSwiglu | None = None  # None: silu(gate) * up
 
     def is_sparse_layer(self, index: int) -> bool:
         return index not in self.dense_layers and (index + 1) % self.sparse_step == 0
@@ -68,7 +88,7 @@ def _check_supported_fields(config) -> None:
 
 
 def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
-    """The MoE settings of a Qwen3-MoE or Mixtral config, None for a dense architecture.
+    """The MoE settings of a Qwen3-MoE, Mixtral or gpt-oss config, None for a dense architecture.
 
     ValueError naming the field when the config asks for routing or experts this layer does not implement."""
     if architecture not in _MOE_ARCHS:
@@ -79,19 +99,24 @@ def moe_spec_from_config(config, architecture: str) -> MoeSpec | None:
         raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the number of experts)")
     if architecture == "MixtralForCausalLM":
         return MoeSpec(num_experts, top_k, expert_intermediate_size(config), is_renormalized=True)
+    if architecture == "GptOssForCausalLM":  # softmax over the top-k logits = renormalised top-k weights
+        swiglu = ClampedSwiglu(float(getattr(config, "swiglu_alpha", 1.702)),
+                               float(getattr(config, "swiglu_limit", 7.0)))
+        return MoeSpec(num_experts, top_k, config.intermediate_size, is_renormalized=True, has_bias=True,
+                       activation=swiglu)
     if config.decoder_sparse_step < 1:
         raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} must be at least 1")
     return MoeSpec(num_experts, top_k, expert_intermediate_size(config), bool(config.norm_topk_prob),
                    config.decoder_sparse_step, tuple(config.mlp_only_layers or ()))
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H], weight [E, H] -> logits [T, E] float32, accumulated in float64.
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], weight [E, H], bias [E] or None -> logits [T, E] float32, accumulated in float64.
 
     A float32 GEMM's row results change with the number of rows on CPU (MKL picks its blocking by shape), so
     a token's logits, and at a near-tie its experts, would depend on the batch. The float64 sums differ by far
     less than float32's rounding step, so the rounded logits are those the token gets alone."""
-    return F.linear(x.double(), weight.double()).float()
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
 
 
 def route(logits: torch.Tensor, top_k: int, is_renormalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,9 +145,12 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+              ids: torch.Tensor, counts: list[int] | None = None,
+              biases: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+              activation: ClampedSwiglu | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k] -> [T, H]; counts: the
-    ids' expert_counts when the caller has them.
+    ids' expert_counts when the caller has them; biases: gate_up's [E, 2I] and down's [E, H] (weighted with
+    the expert's output); activation: silu(gate) * up when None.
 
     The T*k token-expert pairs are sorted by expert once (stable: within an expert, token order); each expert
     with tokens runs its GEMM pair over its contiguous rows; index_add_ sums each token's k outputs in
@@ -133,31 +161,44 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     counts = expert_counts(ids, gate_up.shape[0]) if counts is None else counts
     rows = x.index_select(0, token_of)  # [T*k, H]
     outs = torch.empty_like(rows)  # [T*k, H]
+    gate_up_bias, down_bias = (None, None) if biases is None else biases
+    activation = activation or _silu_mul
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            hidden = _silu_mul(F.linear(rows[start:start + count], gate_up[expert]))  # [n, I]
-            outs[start:start + count] = F.linear(hidden, down[expert])  # [n, H]
+            gated = F.linear(rows[start:start + count], gate_up[expert], _row(gate_up_bias, expert))  # [n, 2I]
+            outs[start:start + count] = F.linear(activation(gated), down[expert], _row(down_bias, expert))  # [n, H]
             start += count
     outs *= weights.reshape(-1)[order].to(outs.dtype)[:, None]
     return torch.zeros_like(x).index_add_(0, token_of, outs)
 
 
-class Router(nn.Module):
-    """The linear layer scoring each token against each expert (HF's `mlp.gate`)."""
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]
 
-    def __init__(self, hidden_size: int, num_experts: int):
+
+class Router(nn.Module):
+    """The linear layer scoring each token against each expert (HF's `mlp.gate`; gpt-oss's has a bias)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, has_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
+        self.bias = nn.Parameter(torch.empty(num_experts)) if has_bias else None  # [E]
 
 
 class Experts(nn.Module):
-    """E gated MLPs stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
+    """E gated MLPs stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]; with
+    has_bias their biases gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, has_bias: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if has_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if has_bias else None
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.down_proj_bias is None else (self.gate_up_proj_bias, self.down_proj_bias)
 
 
 class ExpertLoad:
@@ -186,17 +227,28 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.spec = spec
         self.tp = tp
-        self.gate = Router(hidden_size, spec.num_experts)
-        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts)
+        self.gate = Router(hidden_size, spec.num_experts, spec.has_bias)
+        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts,
+                               spec.has_bias)
         self.load = ExpertLoad()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = router_logits(x, self.gate.weight)  # [T, E]
+        logits = router_logits(x, self.gate.weight, self.gate.bias)  # [T, E]
         weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)  # [T, k] each
         counts = expert_counts(ids, self.spec.num_experts)
         self.load.record(counts)
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts)
+        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts,
+                        self._biases(), self.spec.activation)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+    def _biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The experts' biases; on a tensor-parallel rank other than 0 without the down bias, which the
+        all-reduce would otherwise add once per rank (as a row-parallel layer's)."""
+        biases = self.experts.biases()
+        if biases is None or self.tp is None or self.tp.rank == 0:
+            return biases
+        return biases[0], None
 
 
 def take_load_balance(blocks: list[SparseMoeBlock]) -> float | None:
@@ -243,7 +295,7 @@ def expert_shard_of(hf_name: str, start: int, count: int) -> tuple[int, int, int
 
 def shard_stacked(name: str, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
     """A rank's share of a whole stacked expert tensor: features [start, start + count) of the gate and of
-    the up half of gate_up_proj [E, 2I, H], of down_proj's inputs [E, H, I]."""
+    the up half of gate_up_proj [E, 2I, H] (and of its bias [E, 2I]), of down_proj's inputs [E, H, I]."""
     if name.endswith("experts.down_proj"):
         return tensor[:, :, start:start + count]
     gate, up = tensor.chunk(2, dim=1)
@@ -261,7 +313,8 @@ def expert_shard_view(param: torch.Tensor, shard: str) -> torch.Tensor:
 
 
 def is_stacked_expert(name: str) -> bool:
-    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    """A stacked expert tensor that tensor parallelism splits (down_proj's bias [E, H] is not split)."""
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias"))
 
 
 def expert_shards(param_name: str, num_experts: int) -> list[str] | None:

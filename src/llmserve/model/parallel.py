@@ -8,7 +8,8 @@ Megatron's split, as vLLM and nano-vllm do it:
   - vocab-parallel embedding: each rank looks up the ids in its vocabulary range (zeros elsewhere); an
     all-reduce sums them. The LM head computes its vocabulary range's logits; an all-gather joins them.
   - Mixture-of-Experts layers: the router whole on every rank, every expert's gate/up split as a column-
-    parallel layer and its down as a row-parallel one (model/moe.py); one all-reduce of the block's output.
+    parallel layer and its down as a row-parallel one (model/moe.py; gpt-oss's down bias added on rank 0);
+    one all-reduce of the block's output. gpt-oss's attention sinks go with their query heads.
 So a decoder layer costs two all-reduces of [T, hidden], and a step one all-gather of the logits.
 
 Heads are split by KV group, so that a rank's query heads read only its own KV heads: with G query heads
@@ -134,6 +135,8 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
         return expert_shard_of(hf_name, *layout.expert_intermediate)
     module, kind, d = parts[-2], parts[-1], layout.head_dim
     (q0, nq), (kv0, nkv), (i0, ni) = layout.q_heads, layout.kv_heads, layout.intermediate
+    if kind == "sinks":  # one per query head (gpt-oss)
+        return 0, q0, nq
     if module == "q_proj":
         return 0, q0 * d, nq * d
     if module in ("k_proj", "v_proj"):

@@ -16,6 +16,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
+    "GptOssForCausalLM": CausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

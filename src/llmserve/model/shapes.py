@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
+_GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,11 @@ class Shape:
     rope_scaling: dict | None = None
     head_dim: int | None = None  # None: hidden_size // num_heads (qwen3 tiny uses a wider one)
     init_std: float = 0.02
-    num_experts: int = 0  # 0: a dense shape; else for the MoE archs (intermediate_size: mixtral's experts',
-    num_experts_per_tok: int = 0  # qwen3_moe's dense layers')
+    num_experts: int = 0  # 0: a dense shape; else for the MoE archs (intermediate_size: mixtral's and gpt_oss's
+    num_experts_per_tok: int = 0  # experts', qwen3_moe's dense layers')
     moe_intermediate_size: int = 0  # qwen3_moe's experts
     rms_norm_eps: float = 1e-5
+    sliding_window: int | None = None  # gpt_oss: the window of its sliding layers (every other one)
 
     @property
     def is_moe(self) -> bool:
@@ -51,4 +54,10 @@ SHAPES: dict[str, Shape] = {
                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rms_norm_eps=1e-6),
     "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1000000.0, num_experts=8,
                           num_experts_per_tok=2),
+    # gpt-oss (--arch gpt_oss): sliding and full layers alternating, YaRN rope, attention sinks, expert biases
+    "tiny-gpt-oss": Shape(64, 2, 4, 2, 32, 512, 2048, init_std=0.1, head_dim=16, rope_theta=150000.0,
+                          rope_scaling={**_GPT_OSS_YARN, "factor": 4.0, "original_max_position_embeddings": 512},
+                          num_experts=8, num_experts_per_tok=2, sliding_window=8),
+    "gpt-oss-20b": Shape(2880, 24, 64, 8, 2880, 201088, 131072, rope_theta=150000.0, rope_scaling=_GPT_OSS_YARN,
+                         head_dim=64, num_experts=32, num_experts_per_tok=4, sliding_window=128),
 }

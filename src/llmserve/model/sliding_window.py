@@ -3,7 +3,8 @@
 Mistral applies `sliding_window` to every layer. Qwen2 and Qwen3 slide only where `layer_types` says
 "sliding_attention" (transformers fills `layer_types` from `use_sliding_window` and `max_window_layers`:
 layers i >= max_window_layers slide, and none without use_sliding_window); the same rule is applied here
-to a config object that lacks `layer_types`. Llama's modeling reads no window, so neither do we.
+to a config object that lacks `layer_types`. gpt-oss slides where `layer_types` says (by default every other
+layer, from the first). Llama's modeling reads no window, so neither do we.
 
 A window of 0 means full attention; so does a window at least as long as the context (it hides nothing).
 Values transformers would not run, or that would run differently here, are refused naming the field.
@@ -11,8 +12,10 @@ Values transformers would not run, or that would run differently here, are refus
 
 from __future__ import annotations
 
+from llmserve.model import gpt_oss
+
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_READS_LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_READS_LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", gpt_oss.ARCHITECTURE)
 
 
 def layer_windows(config, architecture: str, max_model_len: int) -> list[int]:
@@ -24,7 +27,7 @@ def layer_windows(config, architecture: str, max_model_len: int) -> list[int]:
     if architecture not in _READS_LAYER_TYPES:
         _check_no_full_layers(config)
         return [window] * num_layers
-    return [window if kind == "sliding_attention" else 0 for kind in _layer_types(config, num_layers)]
+    return [window if kind == "sliding_attention" else 0 for kind in _layer_types(config, num_layers, architecture)]
 
 
 def _config_window(config, architecture: str) -> int:
@@ -37,9 +40,12 @@ def _config_window(config, architecture: str) -> int:
     return window
 
 
-def _layer_types(config, num_layers: int) -> list[str]:
-    """config.layer_types, checked; or Qwen2's rule from max_window_layers when the config has none."""
+def _layer_types(config, num_layers: int, architecture: str) -> list[str]:
+    """config.layer_types, checked; when the config has none, gpt-oss's alternation or Qwen2's rule from
+    max_window_layers."""
     layer_types = getattr(config, "layer_types", None)
+    if layer_types is None and architecture == gpt_oss.ARCHITECTURE:
+        return gpt_oss.default_layer_types(num_layers)
     if layer_types is None:
         first_sliding = getattr(config, "max_window_layers", 0) or 0
         return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]

@@ -49,7 +49,8 @@ def _check_compressed_tensors(qc: dict) -> None:
 
 
 def checkpoint_method(hf_config) -> str | None:
-    """'fp8' for a supported FP8 checkpoint, None for an unquantized one; ValueError for any other."""
+    """'fp8' for a supported FP8 checkpoint, None for an unquantized one (or gpt-oss's MXFP4, which loads as
+    float weights); ValueError for any other."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None
@@ -62,6 +63,8 @@ def checkpoint_method(hf_config) -> str | None:
     if method == "compressed-tensors":
         _check_compressed_tensors(qc)
         return "fp8"
+    if method == "mxfp4":  # gpt-oss's experts, dequantized as they stream in (quant/mxfp4.py): float weights
+        return None
     raise _unsupported(f"quantization_config.quant_method {method!r} is not supported")
 
 
