@@ -18,10 +18,10 @@ actions = st.lists(
 @settings(max_examples=150, deadline=None)
 # 13 blocks = the null block + 12 x 4 tokens: one max_model_len sequence always fits, as the engine ensures.
 @given(actions=actions, caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
-       num_blocks=st.integers(13, 40), n=st.integers(1, 3))
-def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blocks, n):
+       num_blocks=st.integers(13, 40), n=st.integers(1, 3), window=st.sampled_from([0, 0, 5, 9]))
+def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blocks, n, window):
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, budget=24, max_num_seqs=6, caching=caching,
-                           policy=policy, max_model_len=48)
+                           policy=policy, max_model_len=48, sliding_window=window)
     num_added = 0
     for action in actions:
         if action[0] == "add":
