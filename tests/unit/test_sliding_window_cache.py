@@ -16,8 +16,11 @@ def ids(kv: KVCacheManager, request) -> list[int]:
 
 
 def advance(kv: KVCacheManager, request, num_tokens: int) -> None:
+    """Computes `num_tokens` more; one that reaches the last known token samples the next (token 7)."""
     assert kv.allocate_slots(request, num_tokens) is not None
     request.num_computed_tokens += num_tokens
+    if request.num_computed_tokens == request.num_tokens:
+        request.append_output_token(7)
 
 
 def test_blocks_before_the_window_go_back_as_tokens_advance():

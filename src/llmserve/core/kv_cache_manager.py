@@ -88,7 +88,7 @@ class KVCacheManager:
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if self.sliding_window and blocks:
-            self._drop_out_of_window(request.request_id, blocks, request.num_computed_tokens)
+            self._drop_out_of_window(request, blocks)
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
         num_needed = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.block_size)
         if not computed and num_needed <= len(blocks):  # the common decode step: room in its last block
@@ -112,14 +112,17 @@ class KVCacheManager:
         blocks the caller counted free)."""
         blocks = self.req_to_blocks[request.request_id]
         if self.sliding_window:
-            self._drop_out_of_window(request.request_id, blocks, request.num_computed_tokens)
+            self._drop_out_of_window(request, blocks)
         new_blocks = self.pool.allocate(max(0, cdiv(num_slots, self.block_size) - len(blocks)))
         blocks.extend(new_blocks)
         return new_blocks
 
-    def _drop_out_of_window(self, request_id: str, blocks: list[KVBlock], num_computed_tokens: int) -> None:
+    def _drop_out_of_window(self, request: Request, blocks: list[KVBlock]) -> None:
         """Give back the blocks wholly before the first key the next query reads (position
-        num_computed_tokens - W + 1); the table keeps the null block in their place."""
+        num_computed_tokens - W + 1); the table keeps the null block in their place. Counted from the known
+        tokens at most: drafts in flight may be rejected, which moves the next query back to the last one."""
+        request_id = request.request_id
+        num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         num_drop = min(len(blocks), max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size)
         num_done = self.window_starts.get(request_id, (0, 0))[1]
         self.window_starts[request_id] = (num_computed_tokens, max(num_drop, num_done))
