@@ -200,6 +200,15 @@ class KVCacheManager:
             assert block.ref_cnt == owners.get(block.block_id, 0), \
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != owners {owners.get(block.block_id, 0)}"
 
+    def check_request(self, request: Request) -> None:
+        """Sliding window: every block the request's next query reads is held (none is the null block)."""
+        if not self.sliding_window:
+            return
+        num_next = min(request.num_computed_tokens, request.num_tokens - 1)  # its next query's position, at least
+        first = max(0, num_next - self.sliding_window + 1) // self.block_size
+        blocks = self.req_to_blocks.get(request.request_id, [])[first:cdiv(request.num_computed_tokens, self.block_size)]
+        assert self.pool.null_block not in blocks, "a block the next query reads was given back"
+
     def _check_window(self, request_id: str, blocks: list[KVBlock]) -> None:
         num_computed_tokens, num_dropped = self.window_starts.get(request_id, (0, 0))
         null = self.pool.null_block

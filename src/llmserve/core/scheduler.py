@@ -386,6 +386,7 @@ class Scheduler(Preemption, OutputUpdate):
             assert request.request_id in self.requests
             assert request.num_computed_tokens <= request.num_tokens_with_placeholders, \
                 "computed past the tokens (drafts not rolled back)"
+            self.kv.check_request(request)
         assert self.num_structured == sum(r.grammar is not None for r in self.requests.values())
         assert self.num_streamed == sum(not r.is_final_only for r in self.requests.values())
         assert all(r.request_id in self.requests for r in self.compiling.requests)
