@@ -109,7 +109,7 @@ def test_generation_defaults_and_model_info(tiny_path, tmp_path):
     info = load_model_info("tiny", tiny_path, torch.float32)
     assert info == ModelInfo(name="tiny", path=tiny_path, architecture="Qwen2ForCausalLM", vocab_size=512,
                              max_model_len=2048, eos_token_ids=[2, 0], num_layers=2, num_kv_heads=2, head_dim=16,
-                             hidden_size=64, dtype="float32")
+                             hidden_size=64, dtype="float32", layer_windows=(0, 0))
     assert load_model_info("tiny", tiny_path, torch.bfloat16, max_model_len=100).max_model_len == 100
     with pytest.raises(ValueError, match="max_model_len"):
         load_model_info("tiny", tiny_path, torch.float32, max_model_len=4096)

@@ -154,3 +154,48 @@ def test_triton_backend_greedy_equals_transformers(checkpoint):
     tokens = prompt(21, 5)
     (out,) = greedy(llm, [tokens])
     assert list(out.outputs[0].token_ids) == hf_greedy(hf, tokens)
+
+
+def test_greedy_equals_transformers_through_preemption_and_an_abort(checkpoint):
+    """A pool too small for the ten prompts at once: requests are preempted and recomputed, one is aborted
+    mid-prompt; every block comes back. Where every layer slides (Mistral) a request holds only its window's
+    blocks, so the same pool keeps more of them running."""
+    path, windows, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=17, max_num_batched_tokens=8,
+              enable_prefix_caching=True)
+    aborted = llm._add(prompt(30, 15), SamplingParams(temperature=0, max_tokens=NUM_OUT, ignore_eos=True), 0)
+    for _ in range(2):
+        llm.engine.step()
+    llm.engine.abort_requests([aborted])
+    prompts = [prompt(40, 11), prompt(33, 12), prompt(27, 13), prompt(45, 14)] + [prompt(5, 20 + i) for i in range(6)]
+    outs = greedy(llm, prompts)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
+    assert llm.num_preemptions > 0
+    assert llm.engine.scheduler.kv.sliding_window == (WINDOW if all(windows) else 0)
+    llm.engine.check_integrity()
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+def test_decode_graph_buffers_through_given_back_blocks(checkpoint):
+    """Decode steps through the CUDA-graph buffers (run eagerly off CUDA) of the Triton backend, with the
+    blocks before the window given back: the captured block table holds stale or null ids there, never read."""
+    pytest.importorskip("triton")
+    from llmserve.worker.cuda_graphs import DecodeGraphs
+
+    path, _, hf = checkpoint
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
+              attention_backend="triton", device=device, enforce_eager=True)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
+                          device=torch.device(device), use_graphs=False)
+    runs = []
+    original_run = graphs.run
+    graphs.run = lambda inputs: runs.append(inputs.input_ids.shape[0]) or original_run(inputs)
+    runner.graphs = graphs
+    prompts = [prompt(21, 5)]
+    outs = greedy(llm, prompts)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
+    assert runs
+    llm.engine.check_integrity()

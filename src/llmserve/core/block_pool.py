@@ -131,7 +131,7 @@ class BlockPool:
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Record that `block` holds the KV of `block_hash` (a full block). First writer wins."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         if block_hash.value in self.cached:
             return  # same content computed twice (or a collision): keep the first

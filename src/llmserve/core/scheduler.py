@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 class Scheduler(Preemption, OutputUpdate):
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig()) -> None:
+                 max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
+                 sliding_window: int = 0) -> None:
+        """sliding_window: every layer's window (the KV cache drops the blocks before it); 0: some full layer."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
         self.config = config
@@ -48,7 +50,8 @@ class Scheduler(Preemption, OutputUpdate):
         self.draft_backoff = DraftBackoff(is_enabled=bool(config.async_scheduling)
                                           or (config.num_scheduler_steps or 1) > 1)
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -383,6 +386,7 @@ class Scheduler(Preemption, OutputUpdate):
             assert request.request_id in self.requests
             assert request.num_computed_tokens <= request.num_tokens_with_placeholders, \
                 "computed past the tokens (drafts not rolled back)"
+            self.kv.check_request(request)
         assert self.num_structured == sum(r.grammar is not None for r in self.requests.values())
         assert self.num_streamed == sum(not r.is_final_only for r in self.requests.values())
         assert all(r.request_id in self.requests for r in self.compiling.requests)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.core.kv_cache_manager import cache_window
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
@@ -48,6 +49,19 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
     return config.model.model, resolve_model_path(config.model.model, config.model.revision)
 
 
+def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
+    """The window the KV cache frees blocks by (core/kv_cache_manager.py), logged: only a model whose every
+    layer slides gives blocks back; one that mixes full and sliding layers keeps every block (per-group
+    block tables are not built yet), which the log says."""
+    window = cache_window(list(layer_windows))
+    if window:
+        logger.info("KV cache: every layer slides (window %d): blocks before the window go back to the pool", window)
+    elif any(layer_windows):
+        logger.info("KV cache: full and sliding-window layers mixed: every block is kept for the whole sequence "
+                    "(per-group block tables are not built yet), so the window raises no KV capacity")
+    return window
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
         """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
@@ -70,7 +84,7 @@ class EngineCore:
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
-                                   config.speculative)
+                                   config.speculative, kv_cache_window(self.model_info.layer_windows))
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,

@@ -222,6 +222,7 @@ class ModelInfo:
     hidden_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
     quantization: str | None = None  # "int8" | "fp8" | None (resolved: see resolve_quantization)
+    layer_windows: tuple[int, ...] = ()  # [num_layers] each layer's sliding window at max_model_len (0: full)
 
 
 def _as_id_list(value) -> list[int]:
@@ -247,13 +248,15 @@ def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int
         raise ValueError(f"max_model_len {max_model_len} must be in 1..{limit} (max_position_embeddings)")
     if disable_sliding_window:
         limit = _full_attention_limit(config, max_model_len, limit)
+    architecture = architecture_of(config)
     return ModelInfo(
-        name=name, path=path, architecture=architecture_of(config), vocab_size=config.vocab_size,
+        name=name, path=path, architecture=architecture, vocab_size=config.vocab_size,
         max_model_len=max_model_len or limit, eos_token_ids=eos_token_ids(config, path),
         num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         hidden_size=config.hidden_size, dtype=str(dtype).removeprefix("torch."),
-        quantization=resolve_quantization(quantization, path))
+        quantization=resolve_quantization(quantization, path),
+        layer_windows=tuple(layer_windows(config, architecture, max_model_len or limit)))
 
 
 def _full_attention_limit(config, max_model_len: int | None, limit: int) -> int:
