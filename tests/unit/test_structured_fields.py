@@ -47,7 +47,7 @@ ACCEPTED = [
     ("rf-json-schema-strict", {"response_format": {"type": "json_schema", "json_schema": {
         **NAMED, "strict": True, "description": "a thing"}}}, StructuredOutputsParams(json=CANONICAL)),
     ("rf-json-schema-not-strict", {"response_format": {"type": "json_schema", "json_schema": {
-        **NAMED, "strict": False}}}, StructuredOutputsParams(json=CANONICAL)),
+        **NAMED, "strict": False}}}, StructuredOutputsParams(json=CANONICAL, strict=False)),
     ("so-json-object", {"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=CANONICAL)),
     ("so-json-text", {"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutputsParams(json=CANONICAL)),
     ("so-regex", {"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutputsParams(regex="[a-z]+")),

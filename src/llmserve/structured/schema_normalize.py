@@ -1,0 +1,327 @@
+"""JSON schemas rewritten into what xgrammar enforces, and the keywords it would not enforce.
+
+xgrammar reads 2020-12 and ignores what it does not know, so a schema is first rewritten: older drafts'
+forms (`definitions`, tuple `items`, `additionalItems`, `dependencies`, boolean `exclusiveMinimum`) become
+2020-12's, `allOf` is merged into its parent, keywords beside `anyOf`/`oneOf` move into every branch,
+`type` lists become one branch per type (so each type's keywords apply), control characters in patterns
+are escaped, and numbers get bounds (so a model cannot write digits forever). What is left that the grammar
+cannot enforce is listed by keyword and JSON pointer: the caller refuses it or reports it (best effort).
+No library does this rewrite for a grammar (they validate documents), so it is ours.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_EXACT_NUMBER = 2**53 - 1  # beyond, a double no longer holds every integer; xgrammar then bounds fractions
+
+# Keywords that only annotate: they may sit beside anyOf/oneOf without moving into the branches.
+_ANNOTATIONS = {"$schema", "$id", "$comment", "title", "description", "default", "examples", "deprecated",
+                "readOnly", "writeOnly", "$defs", "anyOf", "oneOf", "$anchor", "format", "markdownDescription"}
+# Keywords xgrammar does not enforce (tested: documents breaking them get through).
+_UNENFORCED = ("not", "if", "then", "else", "dependentSchemas", "unevaluatedItems", "minContains",
+               "maxContains", "$dynamicRef", "$recursiveRef")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "patternProperties", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems")
+_TYPE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "integer": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains"),
+    "object": ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties", "propertyNames", "dependentRequired"),
+}
+_CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f", "\v": "\\v"}
+
+
+class SchemaKeywordError(ValueError):
+    """A keyword the grammar cannot enforce (or a merge it cannot make), with its JSON pointer."""
+
+    def __init__(self, keyword: str, pointer: str, why: str = "cannot be enforced by the grammar") -> None:
+        super().__init__(f"keyword {keyword!r} at {pointer or '/'} {why}")
+        self.keyword = keyword
+        self.pointer = pointer
+
+
+@dataclass
+class Normalized:
+    """The rewritten schema and the keywords it still holds that the grammar would not enforce."""
+
+    schema: dict | bool
+    unenforced: list[SchemaKeywordError] = field(default_factory=list)
+
+
+def normalize(schema: dict | bool, bound_numbers: bool = True) -> Normalized:
+    """`schema` rewritten for xgrammar (a new object), with its unenforced keywords."""
+    schema = _drafts_everywhere(copy.deepcopy(schema))
+    walker = _Walker(schema if isinstance(schema, dict) else {}, bound_numbers)
+    out = walker.node(copy.deepcopy(schema), "")
+    return Normalized(out, walker.unenforced)
+
+
+def _pointer(base: str, *parts) -> str:
+    return base + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def escape_pattern(pattern: str) -> str:
+    """Control characters written literally in a pattern as regex escapes (the grammar's lexer refuses
+    them; the regex means the same)."""
+    return "".join(_CONTROL_ESCAPES.get(c, f"\\x{ord(c):02x}" if ord(c) < 0x20 else c) for c in pattern)
+
+
+def _drafts_everywhere(s):
+    """_older_drafts applied to every object of the schema (so `$ref`s resolve in 2020-12 terms)."""
+    if isinstance(s, list):
+        return [_drafts_everywhere(x) for x in s]
+    if not isinstance(s, dict):
+        return s
+    _older_drafts(s)
+    return {k: v if k in ("enum", "const", "default", "examples") else _drafts_everywhere(v) for k, v in s.items()}
+
+
+class _Walker:
+    def __init__(self, root: dict, bound_numbers: bool) -> None:
+        self.root = root  # older drafts' forms rewritten, not normalised further
+        self.bound_numbers = bound_numbers
+        self.unenforced: list[SchemaKeywordError] = []
+        self.resolving: set[str] = set()
+
+    def node(self, s, ptr: str):
+        if not isinstance(s, dict):
+            return s
+        _older_drafts(s)
+        if isinstance(s.get("pattern"), str):
+            s["pattern"] = escape_pattern(s["pattern"])
+        self._children(s, ptr)
+        if isinstance(s.get("$ref"), str) and set(s) - _ANNOTATIONS - {"$ref"}:
+            s = self.resolve(s)  # xgrammar reads a $ref alone: its siblings go into the target
+            if "$ref" in s and set(s) - _ANNOTATIONS - {"$ref"}:
+                self.unenforced.append(SchemaKeywordError("$ref", _pointer(ptr, "$ref"), "has sibling keywords "
+                                                          "beside a recursive reference: they are not enforced"))
+        _declare_required(s, ptr)
+        if "allOf" in s:
+            s = self._merge_all_of(s, ptr)
+        s = self._split_types(s, ptr)
+        if "anyOf" in s or "oneOf" in s:
+            s = self._distribute(s, ptr)
+        if self.bound_numbers:
+            _bound_number(s)
+        self._check(s, ptr)
+        return s
+
+    def _children(self, s: dict, ptr: str) -> None:
+        for key in _SCHEMA_LISTS:
+            if isinstance(s.get(key), list):
+                s[key] = [self.node(sub, _pointer(ptr, key, i)) for i, sub in enumerate(s[key])]
+        for key in _SCHEMA_MAPS:
+            if isinstance(s.get(key), dict):
+                s[key] = {name: self.node(sub, _pointer(ptr, key, name)) for name, sub in s[key].items()}
+        for key in _SCHEMA_ONE:
+            if isinstance(s.get(key), dict):
+                s[key] = self.node(s[key], _pointer(ptr, key))
+
+    def _check(self, s: dict, ptr: str) -> None:
+        for key in _UNENFORCED:
+            if key in s:
+                self.unenforced.append(SchemaKeywordError(key, _pointer(ptr, key)))
+        if s.get("uniqueItems") is True:
+            self.unenforced.append(SchemaKeywordError("uniqueItems", _pointer(ptr, "uniqueItems")))
+        if "unevaluatedProperties" in s:
+            self.unenforced.append(SchemaKeywordError("unevaluatedProperties", _pointer(ptr, "unevaluatedProperties")))
+        ref = s.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            self.unenforced.append(SchemaKeywordError("$ref", _pointer(ptr, "$ref"), "is not local (only #... is)"))
+        if "oneOf" in s and not _exclusive(s["oneOf"]):
+            self.unenforced.append(SchemaKeywordError("oneOf", _pointer(ptr, "oneOf"),
+                                                      "has branches that may overlap: exactly-one is not enforced"))
+
+    def resolve(self, s):
+        """A local `$ref` replaced by its target (one level; the target is already normalised)."""
+        if not isinstance(s, dict) or not isinstance(s.get("$ref"), str) or not s["$ref"].startswith("#"):
+            return s
+        target = self.root
+        for part in filter(None, s["$ref"][1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if part == "definitions":
+                part = "$defs"
+            target = target.get(part) if isinstance(target, dict) else None
+        ref = s["$ref"]
+        if not isinstance(target, dict) or target is self.root or ref in self.resolving:
+            return s  # recursive or unresolvable: left to xgrammar
+        self.resolving.add(ref)
+        try:
+            target = self.node(copy.deepcopy(target), ref[1:])
+        finally:
+            self.resolving.discard(ref)
+        if "$ref" in target:
+            return s
+        rest = {k: v for k, v in s.items() if k != "$ref"}
+        return merge(target, rest, "") if rest else target
+
+    def _merge_all_of(self, s: dict, ptr: str) -> dict:
+        members = s.pop("allOf")
+        out = s
+        for i, member in enumerate(members):
+            member = self.resolve(member)
+            if isinstance(member, dict) and ("$ref" in member or "allOf" in member):
+                raise SchemaKeywordError("allOf", _pointer(ptr, "allOf", i), "holds a recursive $ref: cannot be merged")
+            out = merge(out, member, _pointer(ptr, "allOf", i))
+        self._children(out, ptr)  # merged subschemas may hold a $ref beside other keywords now
+        return out
+
+    def _split_types(self, s: dict, ptr: str) -> dict:
+        types = s.get("type")
+        if not isinstance(types, list) or len(types) < 2 or "anyOf" in s or "oneOf" in s:
+            return s
+        own = {t: {k: s[k] for k in _TYPE_KEYWORDS.get(t, ()) if k in s} for t in types}
+        rest = {k: v for k, v in s.items() if k != "type" and not any(k in _TYPE_KEYWORDS[t] for t in _TYPE_KEYWORDS)}
+        rest["anyOf"] = [{"type": t, **own[t]} for t in types]
+        for branch in rest["anyOf"]:
+            if self.bound_numbers:
+                _bound_number(branch)
+        return rest
+
+    def _distribute(self, s: dict, ptr: str) -> dict:
+        """Keywords beside anyOf/oneOf copied into each branch (xgrammar reads only the branches)."""
+        key = "anyOf" if "anyOf" in s else "oneOf"
+        siblings = {k: v for k, v in s.items() if k not in _ANNOTATIONS}
+        if not siblings or not isinstance(s[key], list):
+            return s
+        if "anyOf" in s and "oneOf" in s:
+            raise SchemaKeywordError("oneOf", _pointer(ptr, "oneOf"), "beside anyOf cannot be merged")
+        branches = []
+        for i, branch in enumerate(s[key]):
+            try:
+                merged = merge(copy.deepcopy(siblings), self.resolve(branch), _pointer(ptr, key, i))
+                branches.append(self.node(merged, _pointer(ptr, key, i)))
+            except _Empty:
+                continue  # this branch cannot hold beside its siblings: no document takes it
+        if not branches:
+            raise SchemaKeywordError(key, _pointer(ptr, key), "has no branch compatible with its siblings")
+        out = {k: v for k, v in s.items() if k in _ANNOTATIONS}
+        out[key] = branches
+        return out
+
+
+class _Empty(SchemaKeywordError):
+    """A merge whose types do not intersect: no document validates."""
+
+
+def merge(a, b, ptr: str):
+    """Two schemas as one that takes exactly the documents both take; SchemaKeywordError when the grammar
+    cannot express the merge (different values of one keyword other than those handled here)."""
+    if b is True or b == {}:
+        return a
+    if a is True or a == {}:
+        return b
+    if a is False or b is False:
+        raise _Empty("allOf", ptr, "is unsatisfiable")
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out or out[key] == value:
+            out[key] = value
+        else:
+            out[key] = _merge_keyword(key, out[key], value, ptr)
+    return out
+
+
+def _merge_keyword(key: str, x, y, ptr: str):
+    if key == "type":
+        both = [t for t in _types(x) if t in _types(y) or (t == "integer" and "number" in _types(y))]
+        both += [t for t in _types(y) if t == "integer" and "number" in _types(x) and t not in both]
+        if not both:
+            raise _Empty("allOf", ptr, "has subschemas whose types do not intersect")
+        return both[0] if len(both) == 1 else both
+    if key == "properties":
+        return {**x, **{name: merge(x[name], sub, _pointer(ptr, "properties", name)) if name in x else sub
+                        for name, sub in y.items()}}
+    if key == "required":
+        return list(dict.fromkeys([*x, *y]))
+    if key in ("minimum", "minLength", "minItems", "minProperties", "exclusiveMinimum"):
+        return max(x, y)
+    if key in ("maximum", "maxLength", "maxItems", "maxProperties", "exclusiveMaximum"):
+        return min(x, y)
+    if key in _ANNOTATIONS - {"anyOf", "oneOf", "$defs"}:
+        return x
+    if key in ("additionalProperties", "items"):
+        return merge(x, y, _pointer(ptr, key))
+    raise SchemaKeywordError("allOf", ptr, f"merges two different values of {key!r}: cannot be enforced")
+
+
+def _types(t) -> list[str]:
+    return list(t) if isinstance(t, list) else [t]
+
+
+def _exclusive(branches) -> bool:
+    """Whether no document can validate against two branches (told by their types or constants)."""
+    seen: list[set] = []
+    for branch in branches:
+        if not isinstance(branch, dict):
+            return False
+        if "const" in branch or "enum" in branch:
+            values = [branch["const"]] if "const" in branch else branch["enum"]
+            signature = {("value", repr(v)) for v in values}
+        elif "type" in branch:
+            signature = {("type", t) for t in _types(branch["type"])}
+            if "number" in _types(branch["type"]):
+                signature.add(("type", "integer"))
+        else:
+            return False
+        if any(signature & other for other in seen):
+            return False
+        seen.append(signature)
+    return True
+
+
+def _older_drafts(s: dict) -> None:
+    """Draft-04/06/07 forms rewritten as 2020-12's, in place."""
+    if isinstance(s.get("definitions"), dict):
+        s["$defs"] = {**s.pop("definitions"), **s.get("$defs", {})}
+    if isinstance(s.get("$ref"), str):
+        s["$ref"] = s["$ref"].replace("/definitions/", "/$defs/")
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(s.get(flag), bool):
+            if s.pop(flag) and bound in s:
+                s[flag] = s.pop(bound)
+    if isinstance(s.get("items"), list):
+        s["prefixItems"] = s.pop("items")
+        if "additionalItems" in s:
+            s["items"] = s.pop("additionalItems")
+    s.pop("additionalItems", None)  # without tuple items it applies to nothing
+    dependencies = s.pop("dependencies", None)
+    if isinstance(dependencies, dict):
+        for name, value in dependencies.items():
+            kind = "dependentRequired" if isinstance(value, list) else "dependentSchemas"
+            s.setdefault(kind, {})[name] = value
+
+
+def _declare_required(s: dict, ptr: str) -> None:
+    """Required names missing from `properties` declared there (xgrammar leaves them out otherwise)."""
+    required, properties = s.get("required"), s.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict) or "patternProperties" in s:
+        return
+    missing = [name for name in required if name not in properties]
+    if not missing:
+        return
+    extra = s.get("additionalProperties", {})
+    if extra is False:
+        raise SchemaKeywordError("required", _pointer(ptr, "required"), "names a property that "
+                                 "additionalProperties: false forbids (no document is valid)")
+    s["properties"] = {**properties, **{name: extra if isinstance(extra, dict) else {} for name in missing}}
+
+
+def _bound_number(s: dict) -> None:
+    """An integer between int64's bounds, a number within +-(2**53 - 1) (xgrammar then bounds its fraction
+    and writes no exponent), unless the schema bounds it already or lists its values."""
+    kind = s.get("type")
+    if kind not in ("integer", "number") or "enum" in s or "const" in s:
+        return
+    low, high = (INT64_MIN, INT64_MAX) if kind == "integer" else (-MAX_EXACT_NUMBER, MAX_EXACT_NUMBER)
+    if "minimum" not in s and "exclusiveMinimum" not in s:
+        s["minimum"] = low
+    if "maximum" not in s and "exclusiveMaximum" not in s:
+        s["maximum"] = high
