@@ -7,7 +7,7 @@ import json
 import re
 
 from llmserve.sampling_params import StructuredOutputsParams
-from llmserve.structured.schema_normalize import SchemaKeywordError, normalize
+from llmserve.structured.schema_normalize import GRAMMAR_FORMATS, SchemaKeywordError, normalize
 
 # Whitespace between JSON tokens: at most this many characters a gap, so that a model cannot pad forever
 # (pretty-printed JSON nested four deep still fits).
@@ -71,11 +71,6 @@ STRING_CHAR = r"([\u0020-\u0021\u0023-\u005b\u005d-\u007e]|[\u00a0-\u07ff]|[\u08
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
-
-
-# String formats xgrammar writes a grammar for (json_schema_converter.cc); it ignores the others.
-GRAMMAR_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
-                   "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
 
 
 def length_bounds_as_patterns(schema):

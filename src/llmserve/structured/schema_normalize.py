@@ -12,6 +12,7 @@ No library does this rewrite for a grammar (they validate documents), so it is o
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -35,6 +36,9 @@ _TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
                "maxProperties", "propertyNames", "dependentRequired"),
 }
+# String formats xgrammar writes a grammar for (json_schema_converter.cc); it ignores the others.
+GRAMMAR_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+                   "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
 _CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f", "\v": "\\v"}
 
 
@@ -74,13 +78,26 @@ def escape_pattern(pattern: str) -> str:
 
 
 def _drafts_everywhere(s):
-    """_older_drafts applied to every object of the schema (so `$ref`s resolve in 2020-12 terms)."""
-    if isinstance(s, list):
-        return [_drafts_everywhere(x) for x in s]
+    """_older_drafts applied to every subschema (so `$ref`s resolve in 2020-12 terms), in place."""
     if not isinstance(s, dict):
         return s
     _older_drafts(s)
-    return {k: v if k in ("enum", "const", "default", "examples") else _drafts_everywhere(v) for k, v in s.items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(s.get(key), list):
+            s[key] = [_drafts_everywhere(sub) for sub in s[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(s.get(key), dict):
+            s[key] = {name: _drafts_everywhere(sub) for name, sub in s[key].items()}
+    for key in _SCHEMA_ONE:
+        if isinstance(s.get(key), dict):
+            s[key] = _drafts_everywhere(s[key])
+    for key, value in s.items():  # subschemas under keys of no draft (xgrammar follows $refs into them)
+        if isinstance(value, dict) and key not in _KNOWN_KEYS:
+            _drafts_everywhere(value)
+    return s
+
+
+_KNOWN_KEYS = {*_SCHEMA_LISTS, *_SCHEMA_MAPS, *_SCHEMA_ONE, "enum", "const", "default", "examples", "definitions"}
 
 
 class _Walker:
@@ -103,6 +120,7 @@ class _Walker:
                 self.unenforced.append(SchemaKeywordError("$ref", _pointer(ptr, "$ref"), "has sibling keywords "
                                                           "beside a recursive reference: they are not enforced"))
         _declare_required(s, ptr)
+        _typed_enum(s, ptr)
         if "allOf" in s:
             s = self._merge_all_of(s, ptr)
         s = self._split_types(s, ptr)
@@ -130,6 +148,10 @@ class _Walker:
                 self.unenforced.append(SchemaKeywordError(key, _pointer(ptr, key)))
         if s.get("uniqueItems") is True:
             self.unenforced.append(SchemaKeywordError("uniqueItems", _pointer(ptr, "uniqueItems")))
+        for bound in ("minLength", "maxLength"):
+            if bound in s and ("pattern" in s or s.get("format") in GRAMMAR_FORMATS):
+                self.unenforced.append(SchemaKeywordError(bound, _pointer(ptr, bound), "beside a pattern or "
+                                                          "format cannot be enforced by the grammar"))
         if "unevaluatedProperties" in s:
             self.unenforced.append(SchemaKeywordError("unevaluatedProperties", _pointer(ptr, "unevaluatedProperties")))
         ref = s.get("$ref")
@@ -300,18 +322,49 @@ def _older_drafts(s: dict) -> None:
 
 
 def _declare_required(s: dict, ptr: str) -> None:
-    """Required names missing from `properties` declared there (xgrammar leaves them out otherwise)."""
+    """Required names missing from `properties` declared there with the schema their value must follow
+    (xgrammar leaves them out otherwise)."""
     required, properties = s.get("required"), s.get("properties", {})
-    if not isinstance(required, list) or not isinstance(properties, dict) or "patternProperties" in s:
+    if not isinstance(required, list) or not isinstance(properties, dict):
         return
-    missing = [name for name in required if name not in properties]
-    if not missing:
-        return
+    missing = [name for name in required if isinstance(name, str) and name not in properties]
+    if missing:
+        s["properties"] = {**properties, **{name: _value_schema(s, name, ptr) for name in missing}}
+
+
+def _value_schema(s: dict, name: str, ptr: str):
+    """The schema a property `name` that `properties` does not list must follow."""
+    for pattern, sub in (s.get("patternProperties") or {}).items():
+        try:
+            if re.search(pattern, name):
+                return sub
+        except re.error:
+            raise SchemaKeywordError("patternProperties", _pointer(ptr, "patternProperties", pattern),
+                                     "is not a regex this server can match a required name against") from None
     extra = s.get("additionalProperties", {})
     if extra is False:
-        raise SchemaKeywordError("required", _pointer(ptr, "required"), "names a property that "
+        raise SchemaKeywordError("required", _pointer(ptr, "required"), f"names {name!r}, which "
                                  "additionalProperties: false forbids (no document is valid)")
-    s["properties"] = {**properties, **{name: extra if isinstance(extra, dict) else {} for name in missing}}
+    return extra if isinstance(extra, dict) else {}
+
+
+def _typed_enum(s: dict, ptr: str) -> None:
+    """`enum` values of another type than `type` dropped (xgrammar would write them); none left: refused."""
+    kind, values = s.get("type"), s.get("enum")
+    if not isinstance(kind, str) or not isinstance(values, list) or kind not in _JSON_TYPES:
+        return
+    kept = [v for v in values if _JSON_TYPES[kind](v)]
+    if not kept:
+        raise SchemaKeywordError("enum", _pointer(ptr, "enum"), f"holds no value of type {kind!r} (no document is valid)")
+    s["enum"] = kept
+
+
+_JSON_TYPES = {
+    "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer(),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+}
 
 
 def _bound_number(s: dict) -> None:
