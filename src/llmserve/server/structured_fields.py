@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
@@ -35,6 +36,9 @@ _NOT_SUPPORTED = "not supported: only the default"
 _NO_WHITESPACE = "structured_outputs.disable_any_whitespace"
 _BEST_EFFORT = "structured_outputs.best_effort"
 logger = logging.getLogger(__name__)
+UNENFORCED_HEADER = "llmserve-unenforced-schema-keywords"
+# What this request's best-effort schema leaves unenforced ("keyword at /pointer"), for the response header.
+unenforced_in_request: ContextVar[tuple[str, ...]] = ContextVar("unenforced_in_request", default=())
 
 
 class FieldError(ValueError):
@@ -239,6 +243,7 @@ def _best_effort(found: tuple[str, StructuredOutputsParams] | None) -> tuple[str
     unenforced = unenforced_keywords(params)
     if unenforced:
         logger.warning("best-effort JSON schema: not enforced: %s", "; ".join(unenforced))
+        unenforced_in_request.set(tuple(unenforced))
     return name, params
 
 
