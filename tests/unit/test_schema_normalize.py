@@ -104,6 +104,12 @@ def test_all_of_merged_and_siblings_of_any_of_enforced():
         normalize({"allOf": [{"type": "string"}, {"type": "integer"}]})
 
 
+def test_discriminated_one_of_is_exclusive():
+    branch = lambda kind: {"type": "object", "required": ["kind"], "properties": {"kind": {"const": kind}}}
+    assert not normalize({"oneOf": [branch("a"), branch("b")]}).unenforced
+    assert normalize({"oneOf": [branch("a"), branch("a")]}).unenforced[0].keyword == "oneOf"
+
+
 def test_type_list_keeps_each_types_keywords():
     schema = {"type": ["string", "null"], "maxLength": 3}
     assert _accepts(schema, '"ab"') and _accepts(schema, "null") and not _accepts(schema, '"abcd"')

@@ -35,6 +35,7 @@ _GUIDED_KINDS = {"guided_regex": "regex", "guided_choice": "choice", "guided_gra
 _NOT_SUPPORTED = "not supported: only the default"
 _NO_WHITESPACE = "structured_outputs.disable_any_whitespace"
 _BEST_EFFORT = "structured_outputs.best_effort"
+_CLOSED = "structured_outputs.disable_additional_properties"
 logger = logging.getLogger(__name__)
 UNENFORCED_HEADER = "llmserve-unenforced-schema-keywords"
 # What this request's best-effort schema leaves unenforced ("keyword at /pointer"), for the response header.
@@ -86,7 +87,8 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object (or none, to
-    pass `disable_any_whitespace` or `best_effort` to another field's JSON constraint). `best_effort`: schema
+    pass `disable_any_whitespace`, `best_effort` or `disable_additional_properties` to another field's JSON
+    constraint; the last is strict mode). `best_effort`: schema
     keywords the grammar cannot enforce are left unenforced (logged) instead of refused. vLLM's other options are refused
     unless they have their default value (`disable_fallback` is accepted either way: there is no fallback)."""
 
@@ -98,7 +100,7 @@ class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_on
     disable_any_whitespace: bool = False
     best_effort: bool = False
     disable_fallback: bool = False
-    disable_additional_properties: Annotated[bool, Meta(description=_NOT_SUPPORTED)] = False
+    disable_additional_properties: bool = False
     whitespace_pattern: Annotated[str | None, Meta(description=_NOT_SUPPORTED)] = None
     structural_tag: Annotated[str | None, Meta(description=_NOT_SUPPORTED)] = None
 
@@ -149,8 +151,7 @@ def _response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams | No
 
 
 def _check_vllm_options(so: StructuredOutputsRequest) -> None:
-    refused = {"disable_additional_properties": so.disable_additional_properties,
-               "whitespace_pattern": so.whitespace_pattern is not None,
+    refused = {"whitespace_pattern": so.whitespace_pattern is not None,
                "structural_tag": so.structural_tag is not None}
     for name, is_set in refused.items():
         if is_set:
@@ -227,10 +228,20 @@ def request_structured_outputs(req: SamplingFields) -> StructuredOutputsParams |
         found = _without_whitespace(found)
     if so is not None and so.best_effort:
         found = _best_effort(found)
+    if so is not None and so.disable_additional_properties:
+        found = _closed_objects(found)
     if found is None:
         return None
     name, params = found
     return _checked(_field_of(name, params), params)
+
+
+def _closed_objects(found: tuple[str, StructuredOutputsParams] | None) -> tuple[str, StructuredOutputsParams]:
+    """structured_outputs.disable_additional_properties: objects hold only the properties their schema names
+    unless it allows more, which is the strict mode (it wins over `strict: false`)."""
+    if found is None or found[1].json is None:
+        raise FieldError(_CLOSED, f"{_CLOSED} applies to a JSON schema constraint")
+    return found[0], msgspec.structs.replace(found[1], strict=True)
 
 
 def _best_effort(found: tuple[str, StructuredOutputsParams] | None) -> tuple[str, StructuredOutputsParams]:

@@ -279,7 +279,10 @@ def _types(t) -> list[str]:
 
 
 def _exclusive(branches) -> bool:
-    """Whether no document can validate against two branches (told by their types or constants)."""
+    """Whether no document can validate against two branches (told by their types or constants, or by a
+    required property whose constants differ: a discriminated union)."""
+    if isinstance(branches, list) and _discriminated(branches):
+        return True
     seen: list[set] = []
     for branch in branches:
         if not isinstance(branch, dict):
@@ -297,6 +300,26 @@ def _exclusive(branches) -> bool:
             return False
         seen.append(signature)
     return True
+
+
+def _discriminated(branches: list) -> bool:
+    """Object branches that all require one property, each with its own constant values."""
+    if not branches or not all(isinstance(b, dict) and isinstance(b.get("properties"), dict) for b in branches):
+        return False
+    names = set.intersection(*(set(b.get("required", [])) for b in branches))
+    for name in names:
+        values = [_constants(b["properties"].get(name)) for b in branches]
+        if all(v is not None for v in values) and len(set().union(*values)) == sum(map(len, values)):
+            return True
+    return False
+
+
+def _constants(s) -> set | None:
+    if isinstance(s, dict) and "const" in s:
+        return {repr(s["const"])}
+    if isinstance(s, dict) and isinstance(s.get("enum"), list):
+        return {repr(v) for v in s["enum"]}
+    return None
 
 
 def _older_drafts(s: dict) -> None:
