@@ -390,3 +390,17 @@ def test_corpus_schemas_through_the_server(client, name):
     choice = out.choices[0]
     if choice.finish_reason == "stop":
         jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+NUMBERS = {"type": "object", "required": ["i", "x"], "additionalProperties": False,
+           "properties": {"i": {"type": "integer"}, "x": {"type": "number"}}}
+
+
+def test_unbounded_numbers_cannot_run_away(client):
+    """Greedy on random weights: integers and numbers the schema leaves unbounded end (their digits are
+    bounded by the grammar: test_schema_normalize.test_numbers_bounded)."""
+    out = client.chat.completions.create(model="tiny", messages=chat(), max_tokens=MAX_TOKENS, **GREEDY,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "n", "schema": NUMBERS}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), NUMBERS)

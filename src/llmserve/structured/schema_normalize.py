@@ -15,12 +15,12 @@ import copy
 import re
 from dataclasses import dataclass, field
 
+from llmserve.structured.schema_merge import (ANNOTATIONS, EmptyMerge, SchemaKeywordError, is_exclusive, merge,
+                                              pointer)
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_EXACT_NUMBER = 2**53 - 1  # beyond, a double no longer holds every integer; xgrammar then bounds fractions
 
-# Keywords that only annotate: they may sit beside anyOf/oneOf without moving into the branches.
-_ANNOTATIONS = {"$schema", "$id", "$comment", "title", "description", "default", "examples", "deprecated",
-                "readOnly", "writeOnly", "$defs", "anyOf", "oneOf", "$anchor", "format", "markdownDescription"}
 # Keywords xgrammar does not enforce (tested: documents breaking them get through).
 _UNENFORCED = ("not", "if", "then", "else", "dependentSchemas", "unevaluatedItems", "minContains",
                "maxContains", "$dynamicRef", "$recursiveRef")
@@ -42,15 +42,6 @@ GRAMMAR_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ip
 _CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f", "\v": "\\v"}
 
 
-class SchemaKeywordError(ValueError):
-    """A keyword the grammar cannot enforce (or a merge it cannot make), with its JSON pointer."""
-
-    def __init__(self, keyword: str, pointer: str, why: str = "cannot be enforced by the grammar") -> None:
-        super().__init__(f"keyword {keyword!r} at {pointer or '/'} {why}")
-        self.keyword = keyword
-        self.pointer = pointer
-
-
 @dataclass
 class Normalized:
     """The rewritten schema and the keywords it still holds that the grammar would not enforce."""
@@ -65,10 +56,6 @@ def normalize(schema: dict | bool, bound_numbers: bool = True) -> Normalized:
     walker = _Walker(schema if isinstance(schema, dict) else {}, bound_numbers)
     out = walker.node(copy.deepcopy(schema), "")
     return Normalized(out, walker.unenforced)
-
-
-def _pointer(base: str, *parts) -> str:
-    return base + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
 def escape_pattern(pattern: str) -> str:
@@ -114,10 +101,10 @@ class _Walker:
         if isinstance(s.get("pattern"), str):
             s["pattern"] = escape_pattern(s["pattern"])
         self._children(s, ptr)
-        if isinstance(s.get("$ref"), str) and set(s) - _ANNOTATIONS - {"$ref"}:
+        if isinstance(s.get("$ref"), str) and set(s) - ANNOTATIONS - {"$ref"}:
             s = self.resolve(s)  # xgrammar reads a $ref alone: its siblings go into the target
-            if "$ref" in s and set(s) - _ANNOTATIONS - {"$ref"}:
-                self.unenforced.append(SchemaKeywordError("$ref", _pointer(ptr, "$ref"), "has sibling keywords "
+            if "$ref" in s and set(s) - ANNOTATIONS - {"$ref"}:
+                self.unenforced.append(SchemaKeywordError("$ref", pointer(ptr, "$ref"), "has sibling keywords "
                                                           "beside a recursive reference: they are not enforced"))
         _declare_required(s, ptr)
         _typed_enum(s, ptr)
@@ -134,31 +121,31 @@ class _Walker:
     def _children(self, s: dict, ptr: str) -> None:
         for key in _SCHEMA_LISTS:
             if isinstance(s.get(key), list):
-                s[key] = [self.node(sub, _pointer(ptr, key, i)) for i, sub in enumerate(s[key])]
+                s[key] = [self.node(sub, pointer(ptr, key, i)) for i, sub in enumerate(s[key])]
         for key in _SCHEMA_MAPS:
             if isinstance(s.get(key), dict):
-                s[key] = {name: self.node(sub, _pointer(ptr, key, name)) for name, sub in s[key].items()}
+                s[key] = {name: self.node(sub, pointer(ptr, key, name)) for name, sub in s[key].items()}
         for key in _SCHEMA_ONE:
             if isinstance(s.get(key), dict):
-                s[key] = self.node(s[key], _pointer(ptr, key))
+                s[key] = self.node(s[key], pointer(ptr, key))
 
     def _check(self, s: dict, ptr: str) -> None:
         for key in _UNENFORCED:
             if key in s:
-                self.unenforced.append(SchemaKeywordError(key, _pointer(ptr, key)))
+                self.unenforced.append(SchemaKeywordError(key, pointer(ptr, key)))
         if s.get("uniqueItems") is True:
-            self.unenforced.append(SchemaKeywordError("uniqueItems", _pointer(ptr, "uniqueItems")))
+            self.unenforced.append(SchemaKeywordError("uniqueItems", pointer(ptr, "uniqueItems")))
         for bound in ("minLength", "maxLength"):
             if bound in s and ("pattern" in s or s.get("format") in GRAMMAR_FORMATS):
-                self.unenforced.append(SchemaKeywordError(bound, _pointer(ptr, bound), "beside a pattern or "
+                self.unenforced.append(SchemaKeywordError(bound, pointer(ptr, bound), "beside a pattern or "
                                                           "format cannot be enforced by the grammar"))
         if "unevaluatedProperties" in s:
-            self.unenforced.append(SchemaKeywordError("unevaluatedProperties", _pointer(ptr, "unevaluatedProperties")))
+            self.unenforced.append(SchemaKeywordError("unevaluatedProperties", pointer(ptr, "unevaluatedProperties")))
         ref = s.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
-            self.unenforced.append(SchemaKeywordError("$ref", _pointer(ptr, "$ref"), "is not local (only #... is)"))
-        if "oneOf" in s and not _exclusive(s["oneOf"]):
-            self.unenforced.append(SchemaKeywordError("oneOf", _pointer(ptr, "oneOf"),
+            self.unenforced.append(SchemaKeywordError("$ref", pointer(ptr, "$ref"), "is not local (only #... is)"))
+        if "oneOf" in s and not is_exclusive(s["oneOf"]):
+            self.unenforced.append(SchemaKeywordError("oneOf", pointer(ptr, "oneOf"),
                                                       "has branches that may overlap: exactly-one is not enforced"))
 
     def resolve(self, s):
@@ -190,8 +177,8 @@ class _Walker:
         for i, member in enumerate(members):
             member = self.resolve(member)
             if isinstance(member, dict) and ("$ref" in member or "allOf" in member):
-                raise SchemaKeywordError("allOf", _pointer(ptr, "allOf", i), "holds a recursive $ref: cannot be merged")
-            out = merge(out, member, _pointer(ptr, "allOf", i))
+                raise SchemaKeywordError("allOf", pointer(ptr, "allOf", i), "holds a recursive $ref: cannot be merged")
+            out = merge(out, member, pointer(ptr, "allOf", i))
         self._children(out, ptr)  # merged subschemas may hold a $ref beside other keywords now
         return out
 
@@ -210,116 +197,23 @@ class _Walker:
     def _distribute(self, s: dict, ptr: str) -> dict:
         """Keywords beside anyOf/oneOf copied into each branch (xgrammar reads only the branches)."""
         key = "anyOf" if "anyOf" in s else "oneOf"
-        siblings = {k: v for k, v in s.items() if k not in _ANNOTATIONS}
+        siblings = {k: v for k, v in s.items() if k not in ANNOTATIONS}
         if not siblings or not isinstance(s[key], list):
             return s
         if "anyOf" in s and "oneOf" in s:
-            raise SchemaKeywordError("oneOf", _pointer(ptr, "oneOf"), "beside anyOf cannot be merged")
+            raise SchemaKeywordError("oneOf", pointer(ptr, "oneOf"), "beside anyOf cannot be merged")
         branches = []
         for i, branch in enumerate(s[key]):
             try:
-                merged = merge(copy.deepcopy(siblings), self.resolve(branch), _pointer(ptr, key, i))
-                branches.append(self.node(merged, _pointer(ptr, key, i)))
-            except _Empty:
+                merged = merge(copy.deepcopy(siblings), self.resolve(branch), pointer(ptr, key, i))
+                branches.append(self.node(merged, pointer(ptr, key, i)))
+            except EmptyMerge:
                 continue  # this branch cannot hold beside its siblings: no document takes it
         if not branches:
-            raise SchemaKeywordError(key, _pointer(ptr, key), "has no branch compatible with its siblings")
-        out = {k: v for k, v in s.items() if k in _ANNOTATIONS}
+            raise SchemaKeywordError(key, pointer(ptr, key), "has no branch compatible with its siblings")
+        out = {k: v for k, v in s.items() if k in ANNOTATIONS}
         out[key] = branches
         return out
-
-
-class _Empty(SchemaKeywordError):
-    """A merge whose types do not intersect: no document validates."""
-
-
-def merge(a, b, ptr: str):
-    """Two schemas as one that takes exactly the documents both take; SchemaKeywordError when the grammar
-    cannot express the merge (different values of one keyword other than those handled here)."""
-    if b is True or b == {}:
-        return a
-    if a is True or a == {}:
-        return b
-    if a is False or b is False:
-        raise _Empty("allOf", ptr, "is unsatisfiable")
-    out = dict(a)
-    for key, value in b.items():
-        if key not in out or out[key] == value:
-            out[key] = value
-        else:
-            out[key] = _merge_keyword(key, out[key], value, ptr)
-    return out
-
-
-def _merge_keyword(key: str, x, y, ptr: str):
-    if key == "type":
-        both = [t for t in _types(x) if t in _types(y) or (t == "integer" and "number" in _types(y))]
-        both += [t for t in _types(y) if t == "integer" and "number" in _types(x) and t not in both]
-        if not both:
-            raise _Empty("allOf", ptr, "has subschemas whose types do not intersect")
-        return both[0] if len(both) == 1 else both
-    if key == "properties":
-        return {**x, **{name: merge(x[name], sub, _pointer(ptr, "properties", name)) if name in x else sub
-                        for name, sub in y.items()}}
-    if key == "required":
-        return list(dict.fromkeys([*x, *y]))
-    if key in ("minimum", "minLength", "minItems", "minProperties", "exclusiveMinimum"):
-        return max(x, y)
-    if key in ("maximum", "maxLength", "maxItems", "maxProperties", "exclusiveMaximum"):
-        return min(x, y)
-    if key in _ANNOTATIONS - {"anyOf", "oneOf", "$defs"}:
-        return x
-    if key in ("additionalProperties", "items"):
-        return merge(x, y, _pointer(ptr, key))
-    raise SchemaKeywordError("allOf", ptr, f"merges two different values of {key!r}: cannot be enforced")
-
-
-def _types(t) -> list[str]:
-    return list(t) if isinstance(t, list) else [t]
-
-
-def _exclusive(branches) -> bool:
-    """Whether no document can validate against two branches (told by their types or constants, or by a
-    required property whose constants differ: a discriminated union)."""
-    if isinstance(branches, list) and _discriminated(branches):
-        return True
-    seen: list[set] = []
-    for branch in branches:
-        if not isinstance(branch, dict):
-            return False
-        if "const" in branch or "enum" in branch:
-            values = [branch["const"]] if "const" in branch else branch["enum"]
-            signature = {("value", repr(v)) for v in values}
-        elif "type" in branch:
-            signature = {("type", t) for t in _types(branch["type"])}
-            if "number" in _types(branch["type"]):
-                signature.add(("type", "integer"))
-        else:
-            return False
-        if any(signature & other for other in seen):
-            return False
-        seen.append(signature)
-    return True
-
-
-def _discriminated(branches: list) -> bool:
-    """Object branches that all require one property, each with its own constant values."""
-    if not branches or not all(isinstance(b, dict) and isinstance(b.get("properties"), dict) for b in branches):
-        return False
-    names = set.intersection(*(set(b.get("required", [])) for b in branches))
-    for name in names:
-        values = [_constants(b["properties"].get(name)) for b in branches]
-        if all(v is not None for v in values) and len(set().union(*values)) == sum(map(len, values)):
-            return True
-    return False
-
-
-def _constants(s) -> set | None:
-    if isinstance(s, dict) and "const" in s:
-        return {repr(s["const"])}
-    if isinstance(s, dict) and isinstance(s.get("enum"), list):
-        return {repr(v) for v in s["enum"]}
-    return None
 
 
 def _older_drafts(s: dict) -> None:
@@ -362,11 +256,11 @@ def _value_schema(s: dict, name: str, ptr: str):
             if re.search(pattern, name):
                 return sub
         except re.error:
-            raise SchemaKeywordError("patternProperties", _pointer(ptr, "patternProperties", pattern),
+            raise SchemaKeywordError("patternProperties", pointer(ptr, "patternProperties", pattern),
                                      "is not a regex this server can match a required name against") from None
     extra = s.get("additionalProperties", {})
     if extra is False:
-        raise SchemaKeywordError("required", _pointer(ptr, "required"), f"names {name!r}, which "
+        raise SchemaKeywordError("required", pointer(ptr, "required"), f"names {name!r}, which "
                                  "additionalProperties: false forbids (no document is valid)")
     return extra if isinstance(extra, dict) else {}
 
@@ -378,7 +272,7 @@ def _typed_enum(s: dict, ptr: str) -> None:
         return
     kept = [v for v in values if _JSON_TYPES[kind](v)]
     if not kept:
-        raise SchemaKeywordError("enum", _pointer(ptr, "enum"), f"holds no value of type {kind!r} (no document is valid)")
+        raise SchemaKeywordError("enum", pointer(ptr, "enum"), f"holds no value of type {kind!r} (no document is valid)")
     s["enum"] = kept
 
 
