@@ -104,6 +104,10 @@ def test_all_of_merged_and_siblings_of_any_of_enforced():
         normalize({"allOf": [{"type": "string"}, {"type": "integer"}]})
 
 
+def test_unique_items_of_at_most_one_item_holds():
+    assert not normalize({"type": "array", "maxItems": 1, "uniqueItems": True}).unenforced
+
+
 def test_discriminated_one_of_is_exclusive():
     branch = lambda kind: {"type": "object", "required": ["kind"], "properties": {"kind": {"const": kind}}}
     assert not normalize({"oneOf": [branch("a"), branch("b")]}).unenforced

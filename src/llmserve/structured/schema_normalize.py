@@ -133,7 +133,7 @@ class _Walker:
         for key in _UNENFORCED:
             if key in s:
                 self.unenforced.append(SchemaKeywordError(key, pointer(ptr, key)))
-        if s.get("uniqueItems") is True:
+        if s.get("uniqueItems") is True and not _at_most_one_item(s):
             self.unenforced.append(SchemaKeywordError("uniqueItems", pointer(ptr, "uniqueItems")))
         for bound in ("minLength", "maxLength"):
             if bound in s and ("pattern" in s or s.get("format") in GRAMMAR_FORMATS):
@@ -236,6 +236,12 @@ def _older_drafts(s: dict) -> None:
         for name, value in dependencies.items():
             kind = "dependentRequired" if isinstance(value, list) else "dependentSchemas"
             s.setdefault(kind, {})[name] = value
+
+
+def _at_most_one_item(s: dict) -> bool:
+    """An array of at most one item: `uniqueItems` holds whatever it is."""
+    max_items = s.get("maxItems")
+    return isinstance(max_items, int) and max_items <= 1 or s.get("items") is False and not s.get("prefixItems")
 
 
 def _declare_required(s: dict, ptr: str) -> None:
