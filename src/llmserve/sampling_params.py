@@ -22,6 +22,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     `regex`: a regular expression the whole output matches; `choice`: the output is one of these strings;
     `grammar`: an EBNF grammar (GBNF dialect, root rule `root`); `json_object`: any JSON object.
     `disable_any_whitespace`: JSON without whitespace between tokens (otherwise bounded whitespace).
+    `strict` (JSON schemas): objects hold only the properties the schema names unless it allows more
+    (OpenAI's strict); false: what the schema allows. `best_effort`: keywords the grammar cannot enforce
+    are left unenforced (and reported) instead of refused.
     Syntax is checked by llmserve.structured.validate (the front calls it, so a bad one is a 400).
     """
 
@@ -31,6 +34,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    strict: bool = True
+    best_effort: bool = False
 
     @classmethod
     def from_json_schema(cls, schema: dict | str | bool, **kwargs) -> StructuredOutputsParams:
@@ -74,7 +79,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     def cache_key(self) -> tuple:
         """Requests with equal keys share one compiled grammar."""
         spec = tuple(self.choice) if self.choice is not None else getattr(self, self.kind)
-        return self.kind, spec, self.disable_any_whitespace
+        return self.kind, spec, self.disable_any_whitespace, self.strict, self.best_effort
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -350,3 +350,57 @@ def test_tgi_grammar_stream(server):
     response = httpx.post(server.url + "/generate", timeout=300, json={
         "inputs": "email: ", "parameters": {"max_new_tokens": 100, "grammar": {"type": "regex", "value": EMAIL}}})
     assert response.status_code == 200 and re.fullmatch(EMAIL, response.json()["generated_text"]), response.text
+
+
+# ---- keywords the grammar cannot enforce: refused by name, or best effort reported -------------------
+
+
+UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                    "maxItems": 2, "uniqueItems": True}}, "required": ["tags"]}
+
+
+def test_unenforceable_keyword_is_400_naming_it(client):
+    body = bad_request(lambda: client.chat.completions.create(
+        model="tiny", messages=chat(), max_tokens=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": UNIQUE}}),
+        "uniqueItems", "/properties/tags/uniqueItems")
+    assert body["param"] == "response_format.json_schema.schema"
+
+
+def test_best_effort_reports_unenforced_keywords_in_a_header(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=chat(), max_tokens=MAX_TOKENS, **GREEDY,
+        response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": UNIQUE}},
+        extra_body={"structured_outputs": {"best_effort": True}})
+    assert raw.headers["llmserve-unenforced-schema-keywords"] == "uniqueItems at /properties/tags/uniqueItems"
+    assert set(json.loads(raw.parse().choices[0].message.content)) == {"tags"}
+
+
+CORPUS = ["github_medium__o12077.json", "github_medium__o12562.json", "github_hard__o13151.json"]
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_corpus_schemas_through_the_server(client, name):
+    from pathlib import Path
+
+    schema = json.loads((Path(__file__).parents[1] / "data" / "schemas" / name).read_text())
+    out = client.chat.completions.create(model="tiny", messages=chat(), max_tokens=MAX_TOKENS, **GREEDY,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "c", "schema": schema}})
+    choice = out.choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+NUMBERS = {"type": "object", "required": ["i", "x"], "additionalProperties": False,
+           "properties": {"i": {"type": "integer"}, "x": {"type": "number"}}}
+
+
+def test_unbounded_numbers_cannot_run_away(client):
+    """Greedy on random weights: integers and numbers the schema leaves unbounded end (their digits are
+    bounded by the grammar: test_schema_normalize.test_numbers_bounded)."""
+    out = client.chat.completions.create(model="tiny", messages=chat(), max_tokens=MAX_TOKENS, **GREEDY,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "n", "schema": NUMBERS}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), NUMBERS)

@@ -25,6 +25,7 @@ from llmserve.server.serving_tgi import (TGIInfo, TGIRequest, TGIResponse, TGISe
                                          tgi_info)
 from llmserve.server.serving_tokens import TokenizerServer
 from llmserve.server.streams import ClientDisconnected
+from llmserve.server.structured_fields import UNENFORCED_HEADER, unenforced_in_request
 from llmserve.server.ui import add_ui_routes
 
 logger = logging.getLogger("llmserve.server")
@@ -62,10 +63,16 @@ def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
 
     async def serve(handler, request: Request) -> Response:
         body = await request.body()
+        token = unenforced_in_request.set(())
         try:
-            return await handler(request, body)
+            response = await handler(request, body)
+            if unenforced_in_request.get():
+                response.headers[UNENFORCED_HEADER] = "; ".join(unenforced_in_request.get())
+            return response
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            unenforced_in_request.reset(token)
 
     @app.post("/v1/completions", openapi_extra=app.body(CompletionRequest),
               responses=app.responses(CompletionResponse, chunk=CompletionChunk))

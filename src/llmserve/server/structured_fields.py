@@ -15,15 +15,17 @@ message and `param` name the field; syntax is checked by llmserve.structured.gra
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
 from llmserve.sampling_params import StructuredOutputsParams
-from llmserve.structured.grammar import validate
+from llmserve.structured.grammar import unenforced_keywords, validate
 
 if TYPE_CHECKING:
     from llmserve.server.protocol import SamplingFields
@@ -32,6 +34,12 @@ ACCEPTED_BACKENDS = ("xgrammar", "auto")
 _GUIDED_KINDS = {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _NOT_SUPPORTED = "not supported: only the default"
 _NO_WHITESPACE = "structured_outputs.disable_any_whitespace"
+_BEST_EFFORT = "structured_outputs.best_effort"
+_CLOSED = "structured_outputs.disable_additional_properties"
+logger = logging.getLogger(__name__)
+UNENFORCED_HEADER = "llmserve-unenforced-schema-keywords"
+# What this request's best-effort schema leaves unenforced ("keyword at /pointer"), for the response header.
+unenforced_in_request: ContextVar[tuple[str, ...]] = ContextVar("unenforced_in_request", default=())
 
 
 class FieldError(ValueError):
@@ -50,8 +58,9 @@ JsonSchema = dict[str, Any] | str  # an object, or its JSON text
 
 class JsonSchemaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI's `response_format.json_schema`. `name` is required (as OpenAI and vLLM do), `schema` too
-    (a format with no schema constrains nothing); `strict` false is held to the schema as well;
-    `description` is the client's note, not sent to the model."""
+    (a format with no schema constrains nothing); `strict` false: objects may hold properties the schema
+    does not name unless it forbids them (true or absent: only the named ones); `description` is the
+    client's note, not sent to the model."""
 
     name: SchemaName
     schema: dict[str, Any]
@@ -78,7 +87,9 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object (or none, to
-    pass `disable_any_whitespace` to another field's JSON constraint). vLLM's other options are refused
+    pass `disable_any_whitespace`, `best_effort` or `disable_additional_properties` to another field's JSON
+    constraint; the last is strict mode). `best_effort`: schema
+    keywords the grammar cannot enforce are left unenforced (logged) instead of refused. vLLM's other options are refused
     unless they have their default value (`disable_fallback` is accepted either way: there is no fallback)."""
 
     json: JsonSchema | None = None
@@ -87,8 +98,9 @@ class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_on
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    best_effort: bool = False
     disable_fallback: bool = False
-    disable_additional_properties: Annotated[bool, Meta(description=_NOT_SUPPORTED)] = False
+    disable_additional_properties: bool = False
     whitespace_pattern: Annotated[str | None, Meta(description=_NOT_SUPPORTED)] = None
     structural_tag: Annotated[str | None, Meta(description=_NOT_SUPPORTED)] = None
 
@@ -133,13 +145,13 @@ def _response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams | No
     if isinstance(fmt, JsonObjectFormat):
         return StructuredOutputsParams(json_object=True)
     if isinstance(fmt, JsonSchemaFormat):
-        return _schema("response_format.json_schema.schema", fmt.json_schema.schema)
+        params = _schema("response_format.json_schema.schema", fmt.json_schema.schema)
+        return msgspec.structs.replace(params, strict=fmt.json_schema.strict is not False)
     return None  # absent, or text
 
 
 def _check_vllm_options(so: StructuredOutputsRequest) -> None:
-    refused = {"disable_additional_properties": so.disable_additional_properties,
-               "whitespace_pattern": so.whitespace_pattern is not None,
+    refused = {"whitespace_pattern": so.whitespace_pattern is not None,
                "structural_tag": so.structural_tag is not None}
     for name, is_set in refused.items():
         if is_set:
@@ -214,10 +226,36 @@ def request_structured_outputs(req: SamplingFields) -> StructuredOutputsParams |
                   ("structured_outputs", _structured_outputs(so)), *_guided(req)])
     if so is not None and so.disable_any_whitespace:
         found = _without_whitespace(found)
+    if so is not None and so.best_effort:
+        found = _best_effort(found)
+    if so is not None and so.disable_additional_properties:
+        found = _closed_objects(found)
     if found is None:
         return None
     name, params = found
     return _checked(_field_of(name, params), params)
+
+
+def _closed_objects(found: tuple[str, StructuredOutputsParams] | None) -> tuple[str, StructuredOutputsParams]:
+    """structured_outputs.disable_additional_properties: objects hold only the properties their schema names
+    unless it allows more, which is the strict mode (it wins over `strict: false`)."""
+    if found is None or found[1].json is None:
+        raise FieldError(_CLOSED, f"{_CLOSED} applies to a JSON schema constraint")
+    return found[0], msgspec.structs.replace(found[1], strict=True)
+
+
+def _best_effort(found: tuple[str, StructuredOutputsParams] | None) -> tuple[str, StructuredOutputsParams]:
+    """structured_outputs.best_effort applied to the request's JSON schema; what it leaves unenforced is
+    logged."""
+    if found is None or found[1].json is None:
+        raise FieldError(_BEST_EFFORT, f"{_BEST_EFFORT} applies to a JSON schema constraint")
+    name, params = found
+    params = msgspec.structs.replace(params, best_effort=True)
+    unenforced = unenforced_keywords(params)
+    if unenforced:
+        logger.warning("best-effort JSON schema: not enforced: %s", "; ".join(unenforced))
+        unenforced_in_request.set(tuple(unenforced))
+    return name, params
 
 
 def tgi_structured_outputs(grammar: TGIGrammar | None) -> StructuredOutputsParams | None:

@@ -7,6 +7,7 @@ import json
 import re
 
 from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.structured.schema_normalize import GRAMMAR_FORMATS, SchemaKeywordError, normalize
 
 # Whitespace between JSON tokens: at most this many characters a gap, so that a model cannot pad forever
 # (pretty-printed JSON nested four deep still fits).
@@ -22,14 +23,16 @@ def build_grammar(params: StructuredOutputsParams):
     kind = params.kind
     try:
         if kind == "json":
-            return _json_grammar(xgr, params.json, params.disable_any_whitespace)
+            return _json_grammar(xgr, json_schema_for_grammar(params), params)
         if kind == "json_object":
-            return _json_grammar(xgr, '{"type": "object"}', params.disable_any_whitespace)
+            return _json_grammar(xgr, {"type": "object"}, params)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
         return xgr.Grammar.from_ebnf(params.grammar)
+    except SchemaKeywordError as e:
+        raise ValueError(f"JSON schema: {e}") from None
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"invalid {_NAMES[kind]}: {native_message(e)}") from None
 
@@ -38,12 +41,28 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex
           "choice": "choice", "grammar": "grammar (EBNF)"}
 
 
-def _json_grammar(xgr, schema: str, disable_any_whitespace: bool):
-    schema = json.dumps(length_bounds_as_patterns(json.loads(schema)))
-    if disable_any_whitespace:
-        return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+def json_schema_for_grammar(params: StructuredOutputsParams) -> dict | bool:
+    """The request's schema normalised (schema_normalize); SchemaKeywordError for the first keyword the
+    grammar cannot enforce, unless the request asked for best effort."""
+    normalized = normalize(json.loads(params.json))
+    if normalized.unenforced and not params.best_effort:
+        raise normalized.unenforced[0]
+    return normalized.schema
+
+
+def unenforced_keywords(params: StructuredOutputsParams) -> list[str]:
+    """What a best-effort JSON schema leaves unenforced, as "keyword at /pointer" (empty otherwise)."""
+    if params.json is None:
+        return []
+    return [f"{e.keyword} at {e.pointer or '/'}" for e in normalize(json.loads(params.json)).unenforced]
+
+
+def _json_grammar(xgr, schema: dict | bool, params: StructuredOutputsParams):
+    schema = json.dumps(length_bounds_as_patterns(schema))
+    if params.disable_any_whitespace:
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=params.strict)
     return xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE,
-                                        strict_mode=True)
+                                        strict_mode=params.strict)
 
 
 # One character of a bounded string: printable, not '"' or '\\', within the basic plane, one class per
@@ -75,6 +94,8 @@ def length_bounds_as_patterns(schema):
     for key in _SUBSCHEMA_ONE:
         if isinstance(out.get(key), dict):
             out[key] = length_bounds_as_patterns(out[key])
+    if out.get("format") not in GRAMMAR_FORMATS:
+        out.pop("format", None)  # xgrammar ignores it, and would then let control characters through
     is_plain_string = out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & out.keys()
     if is_plain_string and ("minLength" in out or "maxLength" in out):
         low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
@@ -102,10 +123,11 @@ def validate(params: StructuredOutputsParams) -> None:
 
 @functools.lru_cache(maxsize=256)  # only constraints that passed are kept (a raise is not cached)
 def _check_syntax(key: tuple) -> None:
-    kind, spec, disable_any_whitespace = key
+    kind, spec, disable_any_whitespace, strict, best_effort = key
+    options = {"disable_any_whitespace": disable_any_whitespace, "strict": strict, "best_effort": best_effort}
     if kind == "json_object":
-        params = StructuredOutputsParams(json_object=True, disable_any_whitespace=disable_any_whitespace)
+        params = StructuredOutputsParams(json_object=True, **options)
     else:
         value = list(spec) if kind == "choice" else spec
-        params = StructuredOutputsParams(**{kind: value}, disable_any_whitespace=disable_any_whitespace)
+        params = StructuredOutputsParams(**{kind: value}, **options)
     build_grammar(params)
