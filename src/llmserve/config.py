@@ -44,7 +44,9 @@ class ModelConfig:
                                          "(max_model_len) capped to the smallest sliding window (vLLM's flag; "
                                          "no-op without windows)"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
-    max_graph_batch: int | None = field(default=None, metadata={"help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)"})
+    max_graph_batch: int | None = field(default=None, metadata={
+        "help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)",
+        "flag": "max-cudagraph-capture-size", "aliases": ["max-graph-batch"]})
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
@@ -55,7 +57,7 @@ class ModelConfig:
         check(self.device in ("auto", "cpu") or self.device.split(":")[0] == "cuda", "device",
               f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         check_choice("attention-backend", self.attention_backend, ("auto", "torch", "triton"))
-        check_min("max-graph-batch", self.max_graph_batch, 1)
+        check_min("max-cudagraph-capture-size", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
         if self.quantization is not None:
             check_choice("quantization", self.quantization, ("int8", "fp8", "none"))
@@ -67,10 +69,12 @@ class CacheConfig:
     kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache bytes, e.g. 4GiB (default on CPU: "
                                         "a quarter of available RAM, at most 8GiB and twice what --max-num-seqs "
                                         "sequences of --max-model-len fill; on CUDA: what --gpu-memory-utilization "
-                                        "leaves)"})
-    num_kv_blocks: int | None = field(default=None, metadata={"help": "exact number of KV blocks (overrides --kv-cache-memory)"})
+                                        "leaves)", "flag": "kv-cache-memory-bytes", "aliases": ["kv-cache-memory"]})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "exact number of KV blocks (overrides --kv-cache-memory-bytes)", "flag": "num-gpu-blocks-override",
+        "aliases": ["num-kv-blocks"]})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of shared prefixes",
-                                                                "flag": "prefix-caching"})
+                                                                "aliases": ["prefix-caching"]})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype) | fp8 (float8 e4m3: half "
                                 "a bfloat16 cache's bytes; Triton backend reads it, the CPU torch path is a reference) "
@@ -82,9 +86,9 @@ class CacheConfig:
     def validate(self) -> None:
         check_min("block-size", self.block_size, 1)
         if self.kv_cache_memory is not None:
-            check(parse_bytes(self.kv_cache_memory, "kv-cache-memory") > 0, "kv-cache-memory",
+            check(parse_bytes(self.kv_cache_memory, "kv-cache-memory-bytes") > 0, "kv-cache-memory-bytes",
                   f"must be positive, got {self.kv_cache_memory!r}")
-        check_min("num-kv-blocks", self.num_kv_blocks, 2)  # the null block and one more
+        check_min("num-gpu-blocks-override", self.num_kv_blocks, 2)  # the null block and one more
         check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         check_choice("kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -100,7 +104,8 @@ class SchedulerConfig:
                                                "give earlier first tokens, shorter stalls)"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_prefill_tokens_while_decoding: int | None = field(default=None, metadata={"help": "while requests decode, at most this many prompt tokens per step: bounds inter-token latency (default: the whole token budget)"})
-    policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"]})
+    policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"],
+                                                  "flag": "scheduling-policy", "aliases": ["policy"]})
     async_scheduling: bool | None = field(default=None, metadata={"help": "schedule and prepare step N+1 while the "
                                           "device runs step N (default: on for CUDA, off on CPU, where the host is "
                                           "the device and nothing overlaps)"})
@@ -120,7 +125,7 @@ class SchedulerConfig:
               f"{self.num_scheduler_steps} runs without async scheduling: add --no-async-scheduling")
         check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
         check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
-        check_choice("policy", self.policy, ("fcfs", "priority"))
+        check_choice("scheduling-policy", self.policy, ("fcfs", "priority"))
 
     def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
         """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""
@@ -230,7 +235,7 @@ def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
     cache, sched = config.cache, config.scheduler
     if cache.num_kv_blocks is not None:
         capacity = (cache.num_kv_blocks - 1) * cache.block_size  # less the null block
-        check(capacity >= max_model_len, "num-kv-blocks", f"{cache.num_kv_blocks} blocks of {cache.block_size} "
+        check(capacity >= max_model_len, "num-gpu-blocks-override", f"{cache.num_kv_blocks} blocks of {cache.block_size} "
               f"tokens hold {capacity} tokens (one block is reserved as the null block), fewer than one sequence "
               f"of {max_model_len} tokens (--max-model-len; unset: the model's limit): ask for at least "
               f"{-(-max_model_len // cache.block_size) + 1} blocks, or lower --max-model-len")
@@ -275,19 +280,23 @@ def _base_type(tp: typing.Any) -> type:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Add one --flag per field of a frozen config dataclass (bools become --x / --no-x)."""
+    """Add one --flag per field of a frozen config dataclass (bools become --x / --no-x). A field's metadata may
+    name its flag (`flag`: vLLM's name where it means the same) and former names still accepted (`aliases`)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+        flags = ["--" + f.metadata.get("flag", f.name.replace("_", "-"))]
+        aliases = ["--" + alias for alias in f.metadata.get("aliases", ())]
         tp = _base_type(hints[f.name])
         help_ = f.metadata.get("help", "")
+        if aliases:
+            help_ += f" ({', '.join(aliases)}: its former name, accepted for one more release)"
         if tp is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=help_)
+            parser.add_argument(*flags, *aliases, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=help_)
         else:
-            parser.add_argument(flag, dest=f.name, type=tp, default=f.default,
+            parser.add_argument(*flags, *aliases, dest=f.name, type=tp, default=f.default,
                                 help=f"{help_} (default: {f.default})" if f.default is not None else help_,
                                 choices=f.metadata.get("choices"))
 
@@ -299,11 +308,23 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, and the model as a positional argument too (`llmserve serve MODEL`, as vLLM's)."""
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (the same as --model)")
     for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig):
         add_dataclass_args(parser, cls)
 
 
+def _take_positional_model(args: argparse.Namespace) -> None:
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"--model: the model is given twice ({tag!r} and --model {args.model!r}); give it once")
+    args.model = tag
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    _take_positional_model(args)
     return EngineConfig(model=dataclass_from_args(ModelConfig, args),
                         cache=dataclass_from_args(CacheConfig, args),
                         scheduler=dataclass_from_args(SchedulerConfig, args),

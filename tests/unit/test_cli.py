@@ -20,7 +20,8 @@ def test_version_prints_the_package_version(capsys):
     (["--block-size", "0"], "--block-size"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
     (["--ngram-min", "3", "--ngram-max", "2"], "--ngram-max"),
-    (["--max-model-len", "64", "--num-kv-blocks", "4", "--block-size", "16"], "--num-kv-blocks"),
+    (["--max-model-len", "64", "--num-gpu-blocks-override", "4", "--block-size", "16"], "--num-gpu-blocks-override"),
+    (["--max-model-len", "64", "--num-kv-blocks", "4", "--block-size", "16"], "--num-gpu-blocks-override"),  # alias
     (["--port", "70000"], "--port"),
     (["--max-body-size", "huge"], "--max-body-size"),
 ])
@@ -100,3 +101,23 @@ def test_make_serve_passes_args_to_llmserve_serve():
                            "ARGS=--port 8001 --max-num-seqs 4"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == ".venv/bin/llmserve serve --port 8001 --max-num-seqs 4"
+
+
+def test_vllms_flag_names_and_the_positional_model_parse_as_the_former_ones():
+    """vLLM's names where they mean the same (the former names still accepted), and `llmserve serve MODEL`."""
+    from llmserve.cli import build_parser
+    from llmserve.config import engine_config_from_args
+
+    parser = build_parser()
+    new = engine_config_from_args(parser.parse_args([
+        "serve", "some/model", "--enable-prefix-caching", "--scheduling-policy", "priority",
+        "--kv-cache-memory-bytes", "1GiB", "--num-gpu-blocks-override", "64", "--max-cudagraph-capture-size", "8"]))
+    old = engine_config_from_args(parser.parse_args([
+        "serve", "--model", "some/model", "--prefix-caching", "--policy", "priority", "--kv-cache-memory", "1GiB",
+        "--num-kv-blocks", "64", "--max-graph-batch", "8"]))
+    assert new == old and new.model.model == "some/model" and new.scheduler.policy == "priority"
+    no_prefix = engine_config_from_args(parser.parse_args(["serve", "--no-enable-prefix-caching"]))
+    assert not no_prefix.cache.enable_prefix_caching
+    with pytest.raises(ValueError, match="--model: the model is given twice"):
+        engine_config_from_args(parser.parse_args(["serve", "a/model", "--model", "b/model"]))
+

@@ -1,5 +1,5 @@
 """`llmserve route`: flags from RouterConfig's and AutoscaleConfig's dataclasses, plus --config and
-repeated --backend MODEL=URL. The lead's llmserve/cli.py calls `add_route_parser(subparsers)`."""
+repeated --backend MODEL=URL (llmserve/cli.py adds the subcommand with `add_route_parser`)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def route_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m llmserve.router.cli route ...` (the same command without the lead's top-level CLI)."""
+    """`python -m llmserve.router.cli route ...` (the same command without the top-level CLI's other commands)."""
     parser = CommandLineParser(prog="llmserve")
     add_route_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

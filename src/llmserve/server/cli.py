@@ -1,7 +1,5 @@
-"""`llmserve serve`: flags from EngineConfig's and ServerConfig's dataclasses.
-
-The lead's llmserve/cli.py calls `add_serve_parser(subparsers)`; the handler is set as `func`.
-"""
+"""`llmserve serve`: flags from EngineConfig's and ServerConfig's dataclasses (llmserve/cli.py adds the
+subcommand with `add_serve_parser`; the handler is set as `func`)."""
 
 from __future__ import annotations
 
@@ -58,7 +56,7 @@ def _bind(config: ServerConfig) -> socket.socket:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m llmserve.server.cli serve ...` (the same command without the lead's top-level CLI)."""
+    """`python -m llmserve.server.cli serve ...` (the same command without the top-level CLI's other commands)."""
     parser = CommandLineParser(prog="llmserve")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
