@@ -1,12 +1,16 @@
 """GET /dashboard of a real server (tiny model, an API key set) in a real browser, while streaming
 completions run: the running-requests figure and the charts follow the load; nothing loads from outside
-the server; the page asks for the key when the state answers 401."""
+the server; the page asks for the key when the state answers 401; a Mixture-of-Experts model's server adds
+the expert load balance, a dense one's has none."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 from streaming_load import StreamingLoad
+
+from llmserve.model.maker import make_model
+from llmserve.server.testing import SMALL_ENGINE_ARGS, ServerProcess
 
 
 TIMEOUT_MS = 60_000
@@ -52,6 +56,7 @@ def test_dashboard_follows_a_streaming_load(server, api_key, page, artifacts_dir
         page.set_viewport_size({"width": 1280, "height": 400})  # full_page: as tall as the content
         page.screenshot(path=str(artifacts_dir / "dashboard.png"), full_page=True)
     assert load.num_chunks > 0 and not load.errors
+    assert page.locator("[data-field=moe], [data-chart=moe]").count() == 0  # a dense model: no expert panel
     assert requested and all(url.startswith(server.url + "/") for url in requested), requested
 
 
@@ -75,3 +80,20 @@ def test_the_page_asks_for_the_key_when_the_state_answers_401(server, api_key, p
     wait_for(page, "document.querySelector('#status').dataset.state === 'live'")
     assert page.locator("#key-form").is_hidden()
     assert seen[0] is None and f"Bearer {api_key}" in seen
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    path = make_model("qwen3_moe", "tiny-moe", str(tmp_path_factory.mktemp("moe-model")), seed=0)
+    server = ServerProcess(["--model", path, *SMALL_ENGINE_ARGS, "--served-model-name", "tiny-moe"]).start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_a_moe_model_shows_its_expert_load_balance(moe_server, page):
+    page.goto(f"{moe_server.url}/dashboard")
+    wait_for(page, "document.querySelector('#status').dataset.state === 'live'")
+    with StreamingLoad(moe_server.url, "tiny-moe", num_streams=4) as load:
+        assert wait_for(page, f"{tile_value('moe')} >= 1")  # max over mean is 1 when even, more otherwise
+        assert wait_for(page, f"{chart_attr('moe', 'max')} >= 1")
+    assert load.num_chunks > 0 and not load.errors

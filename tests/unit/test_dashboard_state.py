@@ -131,6 +131,19 @@ def test_server_state_reads_the_server_metrics():
     assert later["latency"]["ttft"]["count"] == 1 and 0.02 <= later["latency"]["ttft"]["p50"] <= 0.04
 
 
+def test_server_state_shows_expert_balance_only_for_moe_models():
+    metrics = ServerMetrics("tiny")
+    ring = SnapshotRing(metrics.registry)
+    metrics.on_scheduler_stats(SchedulerStats(num_running=1))  # a dense model's step: no balance
+    assert server_state(ring.advance(0.0), "tiny")["moe"] is None
+    for balance in (1.2, 1.2, 1.2, 3.5):
+        metrics.on_scheduler_stats(SchedulerStats(num_running=1, expert_balance=balance))
+    moe = server_state(ring.advance(1.0), "tiny")["moe"]
+    load = moe["load_max_over_mean"]
+    assert moe["steps"] == 4 and load["count"] == 4
+    assert 1.1 <= load["p50"] <= 1.25 and 3.0 <= load["p99"] <= 4.0
+
+
 def make_gateway() -> Gateway:
     pools = (PoolSpec("m", (BackendSpec("http://a:1"), BackendSpec("http://b:1"))),)
     setup = RouterSetup(RouterConfig(), pools, AutoRouteConfig(), AutoscaleConfig(), {})

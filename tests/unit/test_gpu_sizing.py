@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from llmserve.bench.roofline import bytes_per_decode_step, copy_bandwidth, weight_bytes_read
+from llmserve.bench.roofline import (bytes_per_decode_step, copy_bandwidth, inactive_expert_bytes,
+                                    weight_bytes_read)
 from llmserve.config import CacheConfig
 from llmserve.model.loader import load_model
 from llmserve.model.maker import make_model
@@ -56,6 +60,26 @@ def test_weight_bytes_read_per_decode_step(tmp_path):
     model = load_model(make_model("llama", "tiny", str(tmp_path), seed=0), torch.float32, "cpu")
     assert weight_bytes_read(model) == num_matmul_params(model) * 4
     assert bytes_per_decode_step(1000, 10, 50.5) == 1505.0
+    assert inactive_expert_bytes(model) == 0  # dense: every weight counts
+
+
+def active_qwen3_moe_params(c: dict) -> int:
+    """Parameters one decode token reads in a Qwen3-MoE config with every layer sparse (no biases): attention,
+    its q/k norms, the two layer norms, the router and top_k experts per layer; the final norm, the lm_head."""
+    h, d, vocab = c["hidden_size"], c["head_dim"], c["vocab_size"]
+    attention = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * d + 2 * h
+    num_experts = c.get("num_experts") or c["num_local_experts"]
+    experts = c["num_experts_per_tok"] * 3 * c["moe_intermediate_size"] * h  # gate, up and down of each
+    return c["num_hidden_layers"] * (attention + num_experts * h + experts) + h + vocab * h
+
+
+def test_weight_bytes_read_of_moe_counts_only_the_active_experts(tmp_path):
+    path = make_model("qwen3_moe", "tiny-moe", str(tmp_path), seed=0)
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["decoder_sparse_step"] == 1 and not config["mlp_only_layers"] and not config["attention_bias"]
+    model = load_model(path, torch.float32, "cpu")
+    assert weight_bytes_read(model) == active_qwen3_moe_params(config) * 4
+    assert weight_bytes_read(model) < num_matmul_params(model) * 4  # not all 8 experts
 
 
 def test_copy_bandwidth_is_positive_and_finite():

@@ -67,17 +67,30 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> f
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
     """Weight bytes a decode step reads: every multiplied weight once, at its own element size (a
-    quantized layer keeps 1-byte weights and small float scales in buffers)."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    quantized layer keeps 1-byte weights and small float scales in buffers); of a Mixture-of-Experts
+    layer's stacked experts only the top_k of E that one token runs (the router and dense parts in full)."""
+    total = _tensor_bytes(model) - inactive_expert_bytes(model)
     if getattr(model, "lm_head", None) is None:  # tied: the table is also the lm_head
         return total
     embed = model.model.embed_tokens.weight
     return total - embed.numel() * embed.element_size()
 
 
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def inactive_expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the experts a decode token skips: (E - top_k) / E of each MoE layer's stacked experts."""
+    from llmserve.model.moe import SparseMoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    return round(sum(_tensor_bytes(b.experts) * (1 - b.spec.top_k / b.spec.num_experts) for b in blocks))
+
+
 def bytes_per_decode_step(weight_bytes: int, kv_bytes_per_token: int, context_len: float) -> float:
-    """Weights once plus the request's KV once (the new token's K/V write is negligible)."""
+    """Weights once (an MoE layer's active experts only) plus the request's KV once (the new token's K/V write is negligible)."""
     return weight_bytes + kv_bytes_per_token * context_len
 
 
@@ -147,7 +160,8 @@ def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
 
 
 def _print(r: dict) -> None:
-    print(f"device: {r['device']} ({r['dtype']}), weights read per step {r['weight_bytes'] / 1e9:.2f} GB, "
+    print(f"device: {r['device']} ({r['dtype']}), weights read per step {r['weight_bytes'] / 1e9:.2f} GB "
+          f"(active: router and top-k experts of MoE layers), "
           f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
     print(f"copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s -> roofline {r['roofline_tok_s']:.1f} tok/s")
     print(f"batch-1 decode {r['decode_tok_s']:.1f} tok/s ({r['step_ms']:.2f} ms/step), "

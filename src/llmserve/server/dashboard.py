@@ -46,7 +46,7 @@ def server_state(w: Window, model_name: str) -> dict:
                         "e2e": w.latency(P + "e2e_request_latency_seconds")},
             "preemptions": {"total": w.gauge(P + "num_preemptions_total"),
                             "per_s": w.rate(P + "num_preemptions_total")},
-            "speculative": _speculative(w), "grammar_cache": _grammar_cache(w)}
+            "speculative": _speculative(w), "grammar_cache": _grammar_cache(w), "moe": _moe(w)}
 
 
 def _requests(w: Window) -> dict:
@@ -77,6 +77,15 @@ def _speculative(w: Window) -> dict:
 def _grammar_cache(w: Window) -> dict:
     queries = w.increase(P + "grammar_cache_queries_total")
     return {"queries": queries, "hit_rate": ratio(w.increase(P + "grammar_cache_hits_total"), queries)}
+
+
+def _moe(w: Window) -> dict | None:
+    """Expert load balance (tokens per expert, max over mean) over the window; None until a step has
+    recorded one, which only a Mixture-of-Experts model does (the page then draws no panel)."""
+    name = P + "moe_expert_load_max_over_mean"
+    if w.gauge(name + "_count") <= 0:
+        return None
+    return {"load_max_over_mean": w.latency(name), "steps": w.gauge(name + "_count")}
 
 
 def add_dashboard_routes(app, metrics) -> None:

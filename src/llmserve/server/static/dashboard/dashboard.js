@@ -184,7 +184,15 @@ function renderServer(s) {
           s.speculative.draft_tokens ? `${num(s.speculative.draft_tokens)} draft tokens` : "no drafts");
   setTile("grammar", "Grammar-cache hit rate", pct(s.grammar_cache.hit_rate),
           `${num(s.grammar_cache.queries)} lookups`);
+  if (s.moe) renderMoe(s.moe);
   serverCharts(s);
+}
+
+// Mixture-of-Experts models only (the state's `moe` is null for a dense one): tokens per expert, max over mean.
+function renderMoe(moe) {
+  const b = moe.load_max_over_mean;
+  setTile("moe", "Expert load max/mean p50", num(b.p50, 2), `p99 ${num(b.p99, 2)}, 1 = even`);
+  pushChart("moe", "Expert load, max/mean (last minute)", v => num(v, 2), {p50: b.p50, p99: b.p99});
 }
 
 function serverCharts(s) {
