@@ -30,7 +30,7 @@ def available_cpu_memory() -> int:
 
 
 def kv_cache_budget(cache: CacheConfig) -> int:
-    """Bytes for the KV cache: --kv-cache-memory, else a share of available RAM (a GPU's budget comes from
+    """Bytes for the KV cache: --kv-cache-memory-bytes, else a share of available RAM (a GPU's budget comes from
     worker.gpu_profile)."""
     if cache.kv_cache_memory is not None:
         return parse_bytes(cache.kv_cache_memory)
@@ -46,7 +46,7 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, max_
                   budget: int | None = None) -> int:
     """Blocks that fit the budget (plus the null block); at least one full-length sequence must fit.
 
-    budget: bytes measured on a GPU; None = --num-kv-blocks, --kv-cache-memory or the CPU default, which
+    budget: bytes measured on a GPU; None = --num-gpu-blocks-override, --kv-cache-memory-bytes or the CPU default, which
     is capped by what max_num_seqs sequences of max_model_len tokens fill (`cpu_cap_blocks`)."""
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
@@ -60,7 +60,7 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, max_
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than one "
                          f"sequence of max_model_len={max_model_len} needs ({num_needed}, one of them reserved as "
                          f"the null block): raise "
-                         f"--kv-cache-memory / --num-kv-blocks or lower --max-model-len")
+                         f"--kv-cache-memory-bytes / --num-gpu-blocks-override or lower --max-model-len")
     return num_blocks
 
 
