@@ -10,7 +10,7 @@ import gc
 def freeze_startup_heap() -> None:
     """Move every object alive now (imported libraries, the tokenizer, the app; in the engine the model and
     its KV blocks: ~1.07M objects for the tiny model with its 718k blocks) out of the collector's passes. A
-    full collection otherwise walks them all: ~257 ms in the engine (docs/benchmarks.md, issue 15 round 8),
+    full collection otherwise walks them all: ~257 ms in the engine (docs/benchmarks.md),
     and up to ~1 s of a stalled event loop in the front at c=512 on the tiny model. Frozen objects are
     still freed by reference counting, never by the cyclic collector: the engine holds no reference cycles
     of its own (tests/unit/test_engine_heap.py), so a dropped engine is freed. At exit the heap is unfrozen,

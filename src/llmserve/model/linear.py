@@ -4,7 +4,7 @@ for weights packed at load, our AVX2 kernel (below).
 torch's CPU F.linear calls MKL's sgemm. On the AMD EPYC development machines oneDNN's matmul
 (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU fusions call) is faster on the shapes
 that matter for small models, e.g. smollm2-135m's gate/up projection (576 -> 3072): 1.49x at 16 rows and
-1.27x at 64 on 2 threads (docs/benchmarks.md, issue 19). oneDNN builds one primitive per new row count
+1.27x at 64 on 2 threads (docs/benchmarks.md). oneDNN builds one primitive per new row count
 (0.8 ms for a 64 -> 192 layer, ~4 ms for 576 -> 3072, then cached in an LRU of 1,024), and a step's row
 count is its token count, which varies with every prompt chunk: so rows are padded up to a few buckets
 (`bucket_rows`): ~125 primitives per weight shape up to 4,096 rows, at most 7 rows or 1/16 wasted.
@@ -18,7 +18,7 @@ AMX could fall to a slow reference kernel), other devices, and anything autograd
 Packed weights (`pack_linears`, called by the loader): given a plain [out, in] weight, oneDNN's matmul
 re-lays it out into its blocked format on every call. A `Linear` whose weight qualifies has it laid out once
 at load (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU weight-prepacking pass calls) and
-keeps only that copy. smollm2-135m's shapes, 2 threads, AMD EPYC (docs/benchmarks.md, issue 19): at 16 rows
+keeps only that copy. smollm2-135m's shapes, 2 threads, AMD EPYC (docs/benchmarks.md): at 16 rows
 576->3072 146 -> 193 GFLOP/s, 1536->576 132 -> 167, 576->576 119 -> 145; at 64 rows 1.13-1.8x. The layout is
 chosen for PACK_ROWS_HINT rows and serves any row count. A tied lm_head cannot give its plain weight
 up (the embedding lookup reads it): the model keeps a packed copy beside it (`CausalLM.pack_tied_lm_head`;
@@ -30,7 +30,7 @@ LLMSERVE_CPU_LINEAR=panels|onednn forces either path on any machine: docs/cpu.md
 own kernel instead (csrc/linear_avx2.cpp: 16-column panels streamed with
 prefetches): oneDNN's AVX2 code waits for weights coming from DRAM at decode sizes, where ours overlaps
 their stream with the FMAs (smollm2-135m's 16-row decode step on an AMD EPYC held to AVX2: 76.9 -> 50.2 ms;
-docs/benchmarks.md, issue 19), and its outputs do not depend on the batch. With AVX-512, oneDNN's kernels
+docs/benchmarks.md), and its outputs do not depend on the batch. With AVX-512, oneDNN's kernels
 stay (faster at prefill sizes). The two layouts tell themselves apart by rank: ours is [P, K, 16],
 oneDNN's keeps [N, K].
 """

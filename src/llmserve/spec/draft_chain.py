@@ -1,4 +1,4 @@
-"""A draft model's later forwards for plain greedy rows, kept on the device (issue 18).
+"""A draft model's later forwards for plain greedy rows, kept on the device.
 
 A proposal's first draft forward catches the draft up on the real tokens (one or more a row); each of
 its k - 1 later forwards feeds every row the draft the forward before chose, one token a row. When

@@ -8,7 +8,7 @@
 //                     max(max|x| / 127, 1e-12), x_q = round-half-even(x / scale)
 //
 // Why: without VNNI, oneDNN's s8 GEMM (what torch._int_mm runs) multiplies with vpmaddubsw, whose int16 pair
-// sums saturate: its results are off by up to tens of thousands (docs/benchmarks.md, issue 20). Here x_q and
+// sums saturate: its results are off by up to tens of thousands (docs/benchmarks.md). Here x_q and
 // the weights are widened to int16 and multiplied with vpmaddwd: each int32 lane gains x[k] w[k] +
 // x[k+1] w[k+1] (<= 2 * 127 * 127), exactly, so the int32 sums are exact for any K up to 133,000.
 //

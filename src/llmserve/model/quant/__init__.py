@@ -1,4 +1,4 @@
-"""Weight quantization of a loaded model (issue 20).
+"""Weight quantization of a loaded model.
 
 `quantize_model(model, method)` swaps every nn.Linear of the decoder layers (fused qkv, o, fused
 gate/up, down) and the lm_head for a quantized layer (model/quant/linear.py); a tied lm_head gets a

@@ -1,4 +1,4 @@
-"""Triton kernels of the FP8 linear layer on CUDA (issue 20), for what torch's ops do slowly at decode sizes.
+"""Triton kernels of the FP8 linear layer on CUDA, for what torch's ops do slowly at decode sizes.
 
 Measured on an H100 (docs/benchmarks.md, "FP8 on the H100"): per-token quantization of the activation
 through torch is six kernels, 13-14 us a linear, as much as the GEMM it feeds; and `torch._scaled_mm`

@@ -3,7 +3,7 @@ quantized per token at run time (W8A8 dynamic), the GEMM in the low-precision ty
 
 Int8Linear: int8 weights and activations, `torch._int_mm` (int32 accumulation, exact), then
 x_scale[t] * w_scale[n]. Measured on CPU against float32 F.linear, fbgemm's quantized linear_dynamic
-and `torch._weight_int8pack_mm` (docs/benchmarks.md, issue 20): 1.5-7x float32 at 16-512 rows on the
+and `torch._weight_int8pack_mm` (docs/benchmarks.md): 1.5-7x float32 at 16-512 rows on the
 smollm2-135m and 8B shapes (576x576 at 16 rows: 0.9x; at one row 0.5-7x). fbgemm is faster at 1-64
 rows but quantizes activations per tensor (a token's output then depends on the rest of the batch) and
 torch deprecates the quantized tensors it needs; per-token scales with an exact integer GEMM keep every token's output independent

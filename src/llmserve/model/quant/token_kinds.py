@@ -1,4 +1,4 @@
-"""Which kernel each token row of a forward takes through an FP8 linear layer on CUDA (issue 20).
+"""Which kernel each token row of a forward takes through an FP8 linear layer on CUDA.
 
 A token is a decode token when its position is past its sequence's prompt: an output token fed back, a draft,
 or an output recomputed after preemption; every other token is a prompt token. Decode tokens go through
