@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer, decode_function
-from llmserve.engine.stop import check_stop_strings, hold_back
+from llmserve.engine.stop_strings import check_stop_strings, hold_back
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello there!",

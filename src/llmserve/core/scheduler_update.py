@@ -14,7 +14,7 @@ from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import FCFSQueue, PriorityQueue
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.spec_stats import SpecDecodeCounter
-from llmserve.core.stop import check_stop, follow_grammar
+from llmserve.core.stop_rules import check_stop, follow_grammar
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 

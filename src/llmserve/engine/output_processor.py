@@ -14,7 +14,7 @@ from typing import Protocol
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.messages import EngineCoreOutput, FinishReason, PromptLogprobs
 from llmserve.engine.processor import child_request_id
-from llmserve.engine.stop import check_stop_strings, hold_back
+from llmserve.engine.stop_strings import check_stop_strings, hold_back
 from llmserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from llmserve.sampling_params import SamplingParams
 

@@ -76,7 +76,7 @@ _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
 def length_bounds_as_patterns(schema):
     """The schema with every plain string's minLength/maxLength written as a pattern.
 
-    xgrammar 0.2.8 lets such strings hold raw control characters (invalid JSON: xgrammar's bug tracker, #800); its pattern
+    xgrammar 0.2.8 lets such strings hold raw control characters (invalid JSON: xgrammar #800); its pattern
     strings are JSON-escaped correctly. The pattern allows no escape sequences and only characters of the
     basic plane (STRING_CHAR), which narrows the outputs but keeps every one valid.
     """
