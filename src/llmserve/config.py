@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -312,6 +313,48 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (the same as --model)")
     for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig):
         add_dataclass_args(parser, cls)
+    parser.add_argument("--speculative-config", metavar="JSON", help="vLLM's speculative decoding settings as one "
+                        "JSON object, beside the flags above: method (ngram | draft_model), model, "
+                        "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size, "
+                        "draft_vocab_size")
+
+
+# --speculative-config's keys (vLLM's names) -> SpeculativeConfig's fields
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "model": "draft_model",
+                           "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_max": "ngram_max",
+                           "prompt_lookup_min": "ngram_min", "disable_by_batch_size": "speculative_max_batch",
+                           "draft_vocab_size": "draft_vocab_size"}
+SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}
+
+
+def _take_speculative_config(args: argparse.Namespace) -> None:
+    """--speculative-config's JSON onto the speculative flags; a setting given both ways is refused."""
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return
+    try:
+        settings = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: not JSON: {e}") from None
+    if not isinstance(settings, dict):
+        raise ValueError("--speculative-config: must be a JSON object")
+    if "model" in settings and "method" not in settings:
+        settings["method"] = "draft_model"  # as vLLM infers it
+    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    for key, value in settings.items():
+        name = SPECULATIVE_CONFIG_KEYS.get(key)
+        if name is None:
+            raise ValueError(f"--speculative-config: unsupported key {key!r}; supported: "
+                             f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
+        if key == "method":
+            if value not in SPECULATIVE_METHODS:
+                raise ValueError(f"--speculative-config: method {value!r} is not supported; supported: "
+                                 f"{', '.join(SPECULATIVE_METHODS)}")
+            value = SPECULATIVE_METHODS[value]
+        if getattr(args, name) not in (defaults[name], value):
+            raise ValueError(f"--speculative-config: {key} is also given by its own flag "
+                             f"(--{name.replace('_', '-')}); give it once")
+        setattr(args, name, value)
 
 
 def _take_positional_model(args: argparse.Namespace) -> None:
@@ -325,6 +368,7 @@ def _take_positional_model(args: argparse.Namespace) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _take_positional_model(args)
+    _take_speculative_config(args)
     return EngineConfig(model=dataclass_from_args(ModelConfig, args),
                         cache=dataclass_from_args(CacheConfig, args),
                         scheduler=dataclass_from_args(SchedulerConfig, args),

@@ -121,3 +121,33 @@ def test_vllms_flag_names_and_the_positional_model_parse_as_the_former_ones():
     with pytest.raises(ValueError, match="--model: the model is given twice"):
         engine_config_from_args(parser.parse_args(["serve", "a/model", "--model", "b/model"]))
 
+
+
+@pytest.mark.parametrize("json_config, flags", [
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}',
+     ["--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-max", "5", "--ngram-min", "2"]),
+    ('{"model": "/d", "num_speculative_tokens": 2, "disable_by_batch_size": 4}',
+     ["--speculative", "draft", "--draft-model", "/d", "--num-speculative-tokens", "2",
+      "--speculative-max-batch", "4"]),
+])
+def test_a_speculative_config_json_is_the_flags_it_names(json_config, flags):
+    from llmserve.cli import build_parser
+    from llmserve.config import engine_config_from_args
+
+    parser = build_parser()
+    from_json = engine_config_from_args(parser.parse_args(["serve", "--speculative-config", json_config]))
+    assert from_json == engine_config_from_args(parser.parse_args(["serve", *flags]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-config", '{"method": "eagle3", "model": "/d"}'], "method 'eagle3' is not supported"),
+    (["--speculative-config", '{"method": "ngram", "prompt_lookup_maxx": 3}'], "unsupported key 'prompt_lookup_maxx'"),
+    (["--speculative-config", '{"method": "ngram"}', "--speculative", "draft"], "also given by its own flag"),
+    (["--speculative-config", "[1]"], "must be a JSON object"),
+])
+def test_a_bad_speculative_config_is_refused_naming_what(argv, message):
+    from llmserve.cli import build_parser
+    from llmserve.config import engine_config_from_args
+
+    with pytest.raises(ValueError, match=f"--speculative-config: .*{message}"):
+        engine_config_from_args(build_parser().parse_args(["serve", *argv]))
