@@ -164,6 +164,14 @@ def test_longrope_matches_transformers_rope_init(max_model_len, extra):
         assert hf_scaling == pytest.approx(math.sqrt(1 + math.log(256 / ORIGINAL) / math.log(ORIGINAL)))
 
 
+def test_phi3_old_su_name_reads_as_longrope():
+    old = {k: v for k, v in _LONGROPE["rope_parameters"].items() if k != "rope_type"}
+    config = SimpleNamespace(architectures=[phi3.ARCHITECTURE], max_position_embeddings=256, rope_theta=10000.0,
+                             original_max_position_embeddings=ORIGINAL, rope_scaling={**old, "type": "su"})
+    params = rope_params_from_config(config, max_model_len=ORIGINAL)
+    assert params.rope_type == "longrope" and list(params.ext_factors) == _LONGROPE["rope_parameters"]["short_factor"]
+
+
 def test_gelu_is_refused(tmp_path):
     path = write_checkpoint(str(tmp_path / "gelu"), hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
