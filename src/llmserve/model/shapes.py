@@ -14,7 +14,7 @@ _GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
                  "original_max_position_embeddings": 4096}
 # Phi-3's LongRoPE for head_dim 16 (8 rotary pairs); original_max_position_embeddings equal to the shape's
 # max_position: the engine and transformers both use the short factors at every length
-_TINY_LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 2048,
+_TINY_LONGROPE = {"rope_type": "longrope", "factor": 1.0, "original_max_position_embeddings": 2048,
                   "short_factor": [1.0, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0],
                   "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0]}
 
