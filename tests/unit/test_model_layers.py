@@ -45,8 +45,8 @@ def test_old_style_rope_theta_and_rope_scaling_are_read():
 
 
 def test_unsupported_rope_type_is_a_value_error():
-    with pytest.raises(ValueError, match="longrope"):
-        rope_params_from_config(types.SimpleNamespace(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}))
+    with pytest.raises(ValueError, match="dynamic"):
+        rope_params_from_config(types.SimpleNamespace(rope_parameters={"rope_type": "dynamic", "rope_theta": 1.0}))
 
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,

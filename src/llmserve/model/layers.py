@@ -1,8 +1,8 @@
 """Building blocks of decoder-only transformers, on flattened tokens (no batch dim).
 
 RMSNorm (optionally fused with the residual add), rotary embedding driven by explicit positions
-[T] (default, linear, Llama-3 and YaRN frequency scaling), and the SiLU-and-mul MLP with a fused
-gate/up projection.
+[T] (default, linear, Llama-3, YaRN and Phi-3's LongRoPE frequency scaling; partial rotary for Phi-3),
+and the SiLU-and-mul MLP with a fused gate/up projection.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class RopeParams:
-    """Rotary settings read from an HF config; rope_type is 'default', 'linear', 'llama3' or 'yarn'."""
+    """Rotary settings read from an HF config; rope_type is 'default', 'linear', 'llama3', 'yarn' or 'longrope'."""
 
     theta: float
     rope_type: str = "default"
@@ -59,23 +59,31 @@ class RopeParams:
     beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
     beta_slow: float = 1.0
     is_truncated: bool = True  # yarn: the ramp's ends rounded to whole dimensions
-    attention_scaling: float = 1.0  # yarn's mscale: cos and sin are multiplied by it
+    attention_scaling: float = 1.0  # yarn's mscale, longrope's attention factor: cos and sin are multiplied by it
+    ext_factors: tuple[float, ...] = ()  # longrope: the short or the long factors, one per rotary pair
+    partial_rotary_factor: float = 1.0  # the share of head_dim that turns (Phi-3 only); the rest passes through
 
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_PARTIAL_ROTARY_ARCHS = ("Phi3ForCausalLM",)  # the modelings that read partial_rotary_factor
 
 
-def rope_params_from_config(config) -> RopeParams:
-    """Handles transformers 5 `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
+def rope_params_from_config(config, max_model_len: int | None = None) -> RopeParams:
+    """Handles transformers 5 `rope_parameters` and the older `rope_theta` + `rope_scaling`; max_model_len
+    (default max_position_embeddings) picks LongRoPE's factors."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = getattr(config, "rope_scaling", None) or {}
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's older name
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+    partial = _partial_rotary_factor(config, merged)
     if rope_type == "default":
-        return RopeParams(theta=float(theta))
+        return RopeParams(theta=float(theta), partial_rotary_factor=partial)
+    if rope_type == "longrope":
+        return _longrope_params(config, merged, float(theta), partial, max_model_len)
     if rope_type == "yarn":
         return _yarn_params(config, merged, float(theta))
     keys = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -100,6 +108,37 @@ def _yarn_params(config, merged: dict, theta: float) -> RopeParams:
                       is_truncated=bool(merged.get("truncate", True)), attention_scaling=float(scaling))
 
 
+def _partial_rotary_factor(config, merged: dict) -> float:
+    """rope_parameters' partial_rotary_factor (transformers' Phi3Config puts it there); refused, naming the
+    field, for an architecture whose modeling would rotate the whole head, or one that rotates nothing."""
+    partial = float(merged.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if partial != 1.0 and (arch not in _PARTIAL_ROTARY_ARCHS or not 0.0 < partial < 1.0):
+        raise ValueError(f"rope partial_rotary_factor={partial!r} is not supported for {arch or 'this model'} "
+                         f"(1.0; a value in (0, 1) for {', '.join(_PARTIAL_ROTARY_ARCHS)})")
+    return partial
+
+
+def _longrope_params(config, merged: dict, theta: float, partial: float, max_model_len: int | None) -> RopeParams:
+    """LongRoPE (Phi-3) as transformers' `_compute_longrope_parameters`: each rotary pair's frequency divided by
+    its factor, cos and sin scaled by the attention factor (sqrt(1 + ln(factor) / ln(original)) when not given).
+
+    transformers picks the long factors per forward when the sequence passes original_max_position_embeddings;
+    a shared, paged cache needs one choice per model, so (as vLLM) the long factors are used whenever the
+    context (max_model_len) may pass it, the short ones otherwise: keys cached early never change."""
+    original = getattr(config, "original_max_position_embeddings", None) or merged.get(
+        "original_max_position_embeddings") or config.max_position_embeddings  # the top-level field wins
+    factor = merged.get("factor") or config.max_position_embeddings / original
+    scaling = merged.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    context = max_model_len or config.max_position_embeddings
+    ext_factors = merged["long_factor"] if context > original else merged["short_factor"]
+    return RopeParams(theta=theta, rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
+                      attention_scaling=float(scaling), ext_factors=tuple(float(f) for f in ext_factors),
+                      partial_rotary_factor=partial)
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -122,6 +161,15 @@ def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, p: RopeParams) -> tor
     return 1.0 / (p.factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
 
 
+def _longrope_inv_freq(pos_freqs: torch.Tensor, p: RopeParams) -> torch.Tensor:
+    """pos_freqs [R/2] (theta ** (2i / R)) -> 1 / (factor_i * pos_freqs_i); ValueError when the config's factor
+    list does not hold one factor per rotary pair."""
+    if len(p.ext_factors) != pos_freqs.shape[0]:
+        raise ValueError(f"rope short_factor/long_factor have {len(p.ext_factors)} entries; the rotary dimension "
+                         f"needs {pos_freqs.shape[0]} (half of head_dim * partial_rotary_factor)")
+    return 1.0 / (torch.tensor(p.ext_factors, dtype=torch.float32, device="cpu") * pos_freqs)
+
+
 def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams) -> torch.Tensor:
     """Llama 3.1 frequency scaling: slow down low frequencies, keep high ones, blend in between."""
     low_freq_wavelen = p.original_max_position_embeddings / p.low_freq_factor
@@ -135,9 +183,17 @@ def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rotary_dim(head_dim: int, p: RopeParams) -> int:
+    """The features of a head that turn: all, or the first share of them (partial rotary)."""
+    return int(head_dim * p.partial_rotary_factor)
+
+
 def rope_inv_freq(head_dim: int, p: RopeParams) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, computed exactly like transformers does."""
+    """[rotary_dim // 2] float32 inverse frequencies, computed exactly like transformers does."""
+    head_dim = rotary_dim(head_dim, p)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    if p.rope_type == "longrope":
+        return _longrope_inv_freq(p.theta ** exponents, p)
     if p.rope_type == "yarn":
         return _yarn_inv_freq(p.theta ** exponents, head_dim, p)
     inv_freq = 1.0 / (p.theta ** exponents)
@@ -159,20 +215,24 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, 1, head_dim // 2] in dtype."""
+        """positions [T] int64 -> cos, sin [T, 1, R/2] in dtype (R: rotary_dim, head_dim unless partial)."""
         inv_freq = self._inv_freq_by_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_cpu.to(positions.device)
             self._inv_freq_by_device[positions.device] = inv_freq
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2] float32
         cos, sin = freqs.cos(), freqs.sin()
-        if self.params.attention_scaling != 1.0:  # yarn's mscale, in float32 as transformers applies it
+        if self.params.attention_scaling != 1.0:  # yarn's mscale (longrope's factor), in float32 as transformers
             cos, sin = cos * self.params.attention_scaling, sin * self.params.attention_scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos/sin [T, 1, D/2] -> rotated x [T, heads, D]; float32 on CPU in place (cpu_kernels)."""
+    """x [T, heads, D], cos/sin [T, 1, R/2] -> x [T, heads, D] with its first R features rotated (R < D: partial
+    rotary, the rest pass through); float32 on CPU in place (cpu_kernels)."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     if x.stride(-1) == 1 and cpu_kernels.can_fuse(x):
         cpu_kernels.rotary_(x, cos, sin)
         return x

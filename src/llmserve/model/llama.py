@@ -1,11 +1,12 @@
-"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss checkpoints.
+"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss and Phi-3 checkpoints.
 
 Tokens of all requests of a step are flattened ([T], no batch dim); attention goes through an
 AttentionBackend and the paged KV cache. The variants differ only in the parts read from the HF config
 (`DecoderParts`): Qwen2 has a q/k/v bias, Qwen3 and Qwen3-MoE RMS-normalise q and k per head, Llama may
 carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it has one, a Mixture-of-Experts
 architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers, and gpt-oss
-adds a learned attention sink per head (its checkpoint's layout: model/gpt_oss.py).
+adds a learned attention sink per head (its checkpoint's layout: model/gpt_oss.py); Phi-3's fused checkpoint
+tensors are the decoder's own (model/phi3.py).
 
 Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss): each layer's window comes
 from the config (model/sliding_window.py) and is passed to the backend with the layer's attention call (with
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.model import gpt_oss
+from llmserve.model import gpt_oss, phi3
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
@@ -168,11 +169,13 @@ class CausalLM(nn.Module):
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if self.architecture == phi3.ARCHITECTURE:
+            phi3.check_config(config, 1 if self.tp is None else self.tp.size)
         windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
             layer.self_attn.window = window
-        self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config))
+        self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config, self.max_model_len))
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
         self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)

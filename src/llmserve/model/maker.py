@@ -25,7 +25,8 @@ _SHARD_BYTES = 4 * 2**30
 def _config_class(arch: str):
     import transformers
     names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-             "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig"}
+             "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig",
+             "phi3": "Phi3Config"}
     return getattr(transformers, names[arch])
 
 
@@ -33,7 +34,7 @@ def _model_class(arch: str):
     import transformers
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-             "gpt_oss": "GptOssForCausalLM"}
+             "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM"}
     return getattr(transformers, names[arch])
 
 
@@ -59,8 +60,11 @@ def build_config(arch: str, shape: Shape, dtype: str):
         eos_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.EOS_TOKEN),
         pad_token_id=toy_tokenizer.SPECIAL_TOKENS.index(toy_tokenizer.PAD_TOKEN),
         architectures=[_model_class(arch).__name__])
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "phi3"):
         kwargs["sliding_window"] = None
+    if arch == "phi3":  # Phi3Config's own field wins over the rope dict's
+        kwargs["original_max_position_embeddings"] = (shape.rope_scaling or {}).get(
+            "original_max_position_embeddings", shape.max_position)
     if arch in MOE_ARCHS:
         kwargs.update(num_experts_per_tok=shape.num_experts_per_tok, **_moe_kwargs(arch, shape))
     config = _config_class(arch)(**kwargs)

@@ -6,12 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "phi3")
 MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
 _GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
+# Phi-3's LongRoPE for head_dim 16 (8 rotary pairs); original_max_position_embeddings equal to the shape's
+# max_position: the engine and transformers both use the short factors at every length
+_TINY_LONGROPE = {"rope_type": "longrope", "factor": 1.0, "original_max_position_embeddings": 2048,
+                  "short_factor": [1.0, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0],
+                  "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0]}
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ SHAPES: dict[str, Shape] = {
     "tiny-gpt-oss": Shape(64, 2, 4, 2, 32, 512, 2048, init_std=0.1, head_dim=16, rope_theta=150000.0,
                           rope_scaling={**_GPT_OSS_YARN, "factor": 4.0, "original_max_position_embeddings": 512},
                           num_experts=8, num_experts_per_tok=2, sliding_window=8),
+    # Phi-3 (--arch phi3): fused qkv/gate-up checkpoint tensors, LongRoPE
+    "tiny-phi3": Shape(64, 2, 4, 2, 128, 512, 2048, init_std=0.1, rope_scaling=_TINY_LONGROPE),
     "gpt-oss-20b": Shape(2880, 24, 64, 8, 2880, 201088, 131072, rope_theta=150000.0, rope_scaling=_GPT_OSS_YARN,
                          head_dim=64, num_experts=32, num_experts_per_tok=4, sliding_window=128),
 }

@@ -1,6 +1,6 @@
 """Each decoder layer's sliding window, read from an HF config the way transformers reads it.
 
-Mistral applies `sliding_window` to every layer. Qwen2 and Qwen3 slide only where `layer_types` says
+Mistral (and Phi-3) applies `sliding_window` to every layer. Qwen2 and Qwen3 slide only where `layer_types` says
 "sliding_attention" (transformers fills `layer_types` from `use_sliding_window` and `max_window_layers`:
 layers i >= max_window_layers slide, and none without use_sliding_window); the same rule is applied here
 to a config object that lacks `layer_types`. gpt-oss slides where `layer_types` says (by default every other
