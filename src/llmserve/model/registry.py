@@ -17,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "GptOssForCausalLM": CausalLM,
+    "Gemma3ForCausalLM": CausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
