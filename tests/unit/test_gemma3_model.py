@@ -157,3 +157,15 @@ def test_make_model_shapes():
     assert config.rope_parameters == {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                          "rope_theta": 1000000.0}}
+
+
+def test_triton_backend_greedy_equals_transformers(checkpoint):
+    """Windows and both rope tables through the Triton kernel (its interpreter off CUDA)."""
+    pytest.importorskip("triton")
+    path, hf = checkpoint
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
+              attention_backend="triton", device=device)
+    tokens = prompt(13, 5)
+    (out,) = greedy(llm, [tokens])
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, tokens)
