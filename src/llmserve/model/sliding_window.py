@@ -4,7 +4,8 @@ Mistral applies `sliding_window` to every layer. Qwen2 and Qwen3 slide only wher
 "sliding_attention" (transformers fills `layer_types` from `use_sliding_window` and `max_window_layers`:
 layers i >= max_window_layers slide, and none without use_sliding_window); the same rule is applied here
 to a config object that lacks `layer_types`. gpt-oss slides where `layer_types` says (by default every other
-layer, from the first); Gemma 3 where `layer_types` says (by default five of every six). Llama's modeling reads no window, so neither do we.
+layer, from the first); Gemma 3 where `layer_types` says (by default five of every six). Llama's modeling
+reads no window, so neither do we.
 
 A window of 0 means full attention; so does a window at least as long as the context (it hides nothing).
 Values transformers would not run, or that would run differently here, are refused naming the field.
