@@ -94,8 +94,9 @@ def rope_params_by_kind(config) -> dict[str, RopeParams]:
 
 
 def scale_embeddings(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x [T, hidden] * scale, the scale first rounded to x's dtype as transformers does."""
-    return x * torch.tensor(scale).to(x.dtype)
+    """x [T, hidden] * scale, the scale first rounded to x's dtype as transformers does (bf16: sqrt(3840) = 62.0,
+    not 61.97); a Python number, so that a CUDA graph captures it as a constant."""
+    return x * float(torch.tensor(scale).to(x.dtype))
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
