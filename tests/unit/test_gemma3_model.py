@@ -1,6 +1,6 @@
 """Gemma 3 text checkpoints written by transformers itself: one forward's logits equal transformers', greedy
 tokens from the engine equal transformers' `generate` with prompts several sliding windows long, through a batch
-of mixed lengths, chunked prefill and a prefix-cache hit; what the engine does not implement is refused at load,
+of mixed lengths, chunked prefill, a prefix-cache hit and preemption; what the engine does not implement is refused at load,
 naming the field."""
 
 from __future__ import annotations
@@ -119,6 +119,22 @@ def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):
     assert second.num_cached_tokens >= 20  # the shared prompt's 5 full blocks of 4
     assert list(second.outputs[0].token_ids) == hf_greedy(hf, longer)
     llm.engine.check_integrity()
+
+
+def test_greedy_equals_transformers_through_preemption(checkpoint):
+    """A pool too small for the prompts at once: requests are preempted and recomputed; sliding and full layers
+    mixed keep every block (no window in the cache manager), and every block comes back."""
+    path, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=17, max_num_batched_tokens=8,
+              enable_prefix_caching=True)
+    prompts = [prompt(40, 11), prompt(27, 13), prompt(33, 12)] + [prompt(5, 20 + i) for i in range(3)]
+    outs = greedy(llm, prompts)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
+    assert llm.num_preemptions > 0
+    assert llm.engine.scheduler.kv.sliding_window == 0
+    llm.engine.check_integrity()
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("field, value, message", [
