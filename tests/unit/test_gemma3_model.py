@@ -1,7 +1,7 @@
 """Gemma 3 text checkpoints written by transformers itself: one forward's logits equal transformers', greedy
 tokens from the engine equal transformers' `generate` with prompts several sliding windows long, through a batch
-of mixed lengths, chunked prefill, a prefix-cache hit and preemption; what the engine does not implement is refused at load,
-naming the field."""
+of mixed lengths, chunked prefill, a prefix-cache hit and preemption; what the engine does not implement is
+refused at load, naming the field."""
 
 from __future__ import annotations
 
