@@ -8,7 +8,7 @@ architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of i
 adds a learned attention sink per head (its checkpoint's layout: model/gpt_oss.py). Gemma 3 brings its own
 norms, MLP activation, embedding scale, logit soft-cap and local/global rope tables (model/gemma3.py).
 
-Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss): each layer's window comes
+Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss, Gemma 3): each layer's window comes
 from the config (model/sliding_window.py) and is passed to the backend with the layer's attention call (with
 its sinks, if any); a window at least as long as the context (max_model_len, default max_position_embeddings)
 is full attention.
@@ -28,7 +28,8 @@ from torch import nn
 
 from llmserve.model import gemma3, gpt_oss
 from llmserve.model.attention import AttentionBackend
-from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
+from llmserve.model.layers import (GatedMLP, RMSNorm, RopeParams, RotaryEmbedding, apply_rotary,
+                                   rope_params_from_config)
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
 from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expert_shards, is_stacked_expert,
                                 map_expert_name, moe_spec_from_config, shard_stacked, take_load_balance)
@@ -312,7 +313,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _rope_params_by_kind(config, architecture: str) -> dict[str, object]:
+def _rope_params_by_kind(config, architecture: str) -> dict[str, RopeParams]:
     """{rope kind: RopeParams}: Gemma 3's local and global tables, else one ("default")."""
     if architecture == gemma3.ARCHITECTURE:
         return gemma3.rope_params_by_kind(config)
