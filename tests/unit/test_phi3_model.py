@@ -92,8 +92,8 @@ def test_every_layer_slides_and_longrope_picks_its_factors_by_max_model_len(chec
     windows = [WINDOW] * 2 if hf.config.sliding_window else [0, 0]
     assert [layer.self_attn.window for layer in short.model.layers] == windows
     if hf.config.rope_parameters["rope_type"] == "longrope":
-        assert list(short.rotary.params.ext_factors) == _LONGROPE["rope_parameters"]["short_factor"]
-        assert list(long.rotary.params.ext_factors) == _LONGROPE["rope_parameters"]["long_factor"]
+        assert list(short.rotary["default"].params.ext_factors) == _LONGROPE["rope_parameters"]["short_factor"]
+        assert list(long.rotary["default"].params.ext_factors) == _LONGROPE["rope_parameters"]["long_factor"]
 
 
 def test_one_forward_equals_transformers(checkpoint):

@@ -75,6 +75,7 @@ def checkpoints(tmp_path_factory) -> list[str]:
     paths.append(write_checkpoint("llama", MQA_TIED, str(root / "mqa-tied"), seed=5))
     paths += [make_model(arch, "tiny-moe", str(root / arch), seed=6) for arch in ("qwen3_moe", "mixtral")]
     paths.append(make_model("gpt_oss", "tiny-gpt-oss", str(root / "gpt_oss"), seed=6))
+    paths.append(make_model("gemma3", "tiny-gemma3", str(root / "gemma3"), seed=6))
     return paths
 
 

@@ -1,4 +1,5 @@
-"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss and Phi-3 checkpoints.
+"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Phi-3 and Gemma 3
+checkpoints.
 
 Tokens of all requests of a step are flattened ([T], no batch dim); attention goes through an
 AttentionBackend and the paged KV cache. The variants differ only in the parts read from the HF config
@@ -6,9 +7,10 @@ AttentionBackend and the paged KV cache. The variants differ only in the parts r
 carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it has one, a Mixture-of-Experts
 architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers, and gpt-oss
 adds a learned attention sink per head (its checkpoint's layout: model/gpt_oss.py); Phi-3's fused checkpoint
-tensors are the decoder's own (model/phi3.py).
+tensors are the decoder's own (model/phi3.py). Gemma 3 brings its own norms, MLP activation, embedding scale,
+logit soft-cap and local/global rope tables (model/gemma3.py).
 
-Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss): each layer's window comes
+Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss, Gemma 3): each layer's window comes
 from the config (model/sliding_window.py) and is passed to the backend with the layer's attention call (with
 its sinks, if any); a window at least as long as the context (max_model_len, default max_position_embeddings)
 is full attention.
@@ -26,9 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.model import gpt_oss, phi3
+from llmserve.model import gemma3, gpt_oss, phi3
 from llmserve.model.attention import AttentionBackend
-from llmserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_params_from_config
+from llmserve.model.layers import (GatedMLP, RMSNorm, RopeParams, RotaryEmbedding, apply_rotary,
+                                   rope_params_from_config)
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
 from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expert_shards, is_stacked_expert,
                                 map_expert_name, moe_spec_from_config, shard_stacked, take_load_balance)
@@ -50,6 +53,11 @@ class DecoderParts:
     has_qk_norm: bool
     moe: MoeSpec | None = None  # None: every layer has a dense MLP
     has_sinks: bool = False  # one learned logit per head in the attention softmax's denominator
+    norm: type[nn.Module] = RMSNorm  # Gemma 3: (1 + w) in float32
+    dense_mlp: type[nn.Module] = GatedMLP  # Gemma 3: GeLU-tanh
+    has_sandwich_norms: bool = False  # Gemma 3: norms after attention and around the MLP too
+    embed_scale: float | None = None  # Gemma 3: embeddings times sqrt(hidden)
+    logit_softcap: float | None = None  # Gemma 3: cap * tanh(logits / cap)
 
 
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -61,9 +69,11 @@ def decoder_parts(config) -> DecoderParts:
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     has_attention_bias = bool(getattr(config, "attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    fields = dict(has_qk_norm=arch in _QK_NORM_ARCHS)
+    if arch == gemma3.ARCHITECTURE:
+        fields.update(gemma3.parts_fields(config))
     return DecoderParts(qkv_bias=is_qwen2 or has_attention_bias, o_bias=has_attention_bias and not is_qwen2,
-                        has_qk_norm=arch in _QK_NORM_ARCHS, moe=moe_spec_from_config(config, arch),
-                        has_sinks=arch == gpt_oss.ARCHITECTURE)
+                        moe=moe_spec_from_config(config, arch), has_sinks=arch == gpt_oss.ARCHITECTURE, **fields)
 
 
 class Attention(nn.Module):
@@ -78,13 +88,13 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads if layout is None else layout.q_heads[1]  # this rank's
         self.num_kv_heads = config.num_key_value_heads if layout is None else layout.kv_heads[1]
         self.head_dim = _head_dim(config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = column_linear(config.hidden_size, self.q_size + 2 * self.kv_size, parts.qkv_bias, tp)
         self.o_proj = row_linear(self.q_size, config.hidden_size, parts.o_bias, tp)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
+        self.q_norm = parts.norm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
+        self.k_norm = parts.norm(self.head_dim, config.rms_norm_eps) if parts.has_qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if parts.has_sinks else None  # [H]
         self.window = 0  # attends the last `window` keys (0: all); CausalLM sets it per layer
 
@@ -117,7 +127,7 @@ def _feed_forward(config, parts: DecoderParts, index: int, tp: TensorParallel | 
         share = None if layout is None else layout.expert_intermediate[1]
         return SparseMoeBlock(config.hidden_size, parts.moe, tp, share)
     intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
-    return GatedMLP(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
+    return parts.dense_mlp(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
 
 
 class DecoderLayer(nn.Module):
@@ -126,8 +136,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, parts, tp, layout)
         self.mlp = _feed_forward(config, parts, index, tp, layout)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
+        sandwich = parts.has_sandwich_norms  # post_attention_layernorm then norms the attention's output alone
+        self.pre_feedforward_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.post_feedforward_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, kv_cache: torch.Tensor,
                 attn_metadata: object, attn_backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +150,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin, kv_cache, attn_metadata, attn_backend)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if self.pre_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):
@@ -151,7 +167,7 @@ class DecoderModel(nn.Module):
             VocabParallelEmbedding(layout, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, parts, i, tp, layout)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = parts.norm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -175,7 +191,10 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
             layer.self_attn.window = window
-        self.rotary = RotaryEmbedding(_head_dim(config), rope_params_from_config(config, self.max_model_len))
+        # one rotary table per rope kind (Gemma 3: local and global); each layer reads its kind's
+        self.rotary = {kind: RotaryEmbedding(_head_dim(config), params) for kind, params
+                       in _rope_params_by_kind(config, self.architecture, self.max_model_len).items()}
+        self.rope_kinds = gemma3.layer_kinds(config) if len(self.rotary) > 1 else ["default"] * len(windows)
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
         self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)
@@ -215,15 +234,21 @@ class CausalLM(nn.Module):
         attn_metadata is what attn_backend.build_metadata returned for this step.
         """
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)  # 2 x [T, 1, D/2]
+        if self.parts.embed_scale is not None:
+            x = gemma3.scale_embeddings(x, self.parts.embed_scale)
+        cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}  # 2 x [T, 1, D/2]
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, kv_cache, attn_metadata, attn_backend)
+        for layer, kind, kv_cache in zip(self.model.layers, self.rope_kinds, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos_sin[kind], kv_cache, attn_metadata, attn_backend)
         x, _ = self.model.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped where the config says)."""
+        logits = self._head_logits(hidden)
+        return logits if self.parts.logit_softcap is None else gemma3.soft_cap(logits, self.parts.logit_softcap)
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             if self.lm_head is None:  # tied (a quantized model has its own lm_head: model/quant)
                 if self.tied_head_packed is not None:
@@ -290,6 +315,14 @@ class CausalLM(nn.Module):
         missing = [key for name in params for key in self._shard_keys(name) if key not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _rope_params_by_kind(config, architecture: str, max_model_len: int) -> dict[str, RopeParams]:
+    """{rope kind: RopeParams}: Gemma 3's local and global tables, else one ("default"; max_model_len picks
+    LongRoPE's factors)."""
+    if architecture == gemma3.ARCHITECTURE:
+        return gemma3.rope_params_by_kind(config)
+    return {"default": rope_params_from_config(config, max_model_len)}
 
 
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

@@ -26,7 +26,7 @@ def _config_class(arch: str):
     import transformers
     names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
              "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig",
-             "phi3": "Phi3Config"}
+             "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig"}
     return getattr(transformers, names[arch])
 
 
@@ -34,7 +34,7 @@ def _model_class(arch: str):
     import transformers
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-             "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM"}
+             "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     return getattr(transformers, names[arch])
 
 
@@ -46,7 +46,7 @@ def _head_dim(arch: str, shape: Shape) -> int:
 
 
 def build_config(arch: str, shape: Shape, dtype: str):
-    """The transformers config of a shape; sliding window off (gpt_oss: the shape's), eos = <|im_end|>.
+    """The transformers config of a shape; sliding window off (gpt_oss, gemma3: the shape's), eos = <|im_end|>.
 
     rope_theta/rope_scaling are passed the pre-5.0 way, which transformers 5 folds into rope_parameters.
     """
@@ -65,6 +65,9 @@ def build_config(arch: str, shape: Shape, dtype: str):
     if arch == "phi3":  # Phi3Config's own field wins over the rope dict's
         kwargs["original_max_position_embeddings"] = (shape.rope_scaling or {}).get(
             "original_max_position_embeddings", shape.max_position)
+    if arch == "gemma3":  # the published configs: scores scaled by head_dim ** -0.5, local rope base 10,000
+        kwargs.update(sliding_window=shape.sliding_window, query_pre_attn_scalar=kwargs["head_dim"],
+                      rope_local_base_freq=10000.0)
     if arch in MOE_ARCHS:
         kwargs.update(num_experts_per_tok=shape.num_experts_per_tok, **_moe_kwargs(arch, shape))
     config = _config_class(arch)(**kwargs)

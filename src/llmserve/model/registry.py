@@ -18,6 +18,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": CausalLM,
     "GptOssForCausalLM": CausalLM,
     "Phi3ForCausalLM": CausalLM,
+    "Gemma3ForCausalLM": CausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

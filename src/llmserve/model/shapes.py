@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "phi3", "gemma3")
 MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
@@ -37,7 +37,7 @@ class Shape:
     num_experts_per_tok: int = 0  # experts', qwen3_moe's dense layers')
     moe_intermediate_size: int = 0  # qwen3_moe's experts
     rms_norm_eps: float = 1e-5
-    sliding_window: int | None = None  # gpt_oss: the window of its sliding layers (every other one)
+    sliding_window: int | None = None  # gpt_oss, gemma3: the window of their sliding layers
 
     @property
     def is_moe(self) -> bool:
@@ -67,4 +67,9 @@ SHAPES: dict[str, Shape] = {
     "tiny-phi3": Shape(64, 2, 4, 2, 128, 512, 2048, init_std=0.1, rope_scaling=_TINY_LONGROPE),
     "gpt-oss-20b": Shape(2880, 24, 64, 8, 2880, 201088, 131072, rope_theta=150000.0, rope_scaling=_GPT_OSS_YARN,
                          head_dim=64, num_experts=32, num_experts_per_tok=4, sliding_window=128),
+    # Gemma 3 text (--arch gemma3): five sliding layers per full one, local rope base 10,000, global 1e6 (linear x8)
+    "tiny-gemma3": Shape(64, 6, 4, 2, 128, 512, 2048, is_tied=True, rope_theta=1000000.0, init_std=0.1, head_dim=16,
+                         rope_scaling={"rope_type": "linear", "factor": 8.0}, rms_norm_eps=1e-6, sliding_window=8),
+    "gemma-3-12b": Shape(3840, 48, 16, 8, 15360, 262208, 131072, is_tied=True, rope_theta=1000000.0, head_dim=256,
+                         rope_scaling={"rope_type": "linear", "factor": 8.0}, rms_norm_eps=1e-6, sliding_window=1024),
 }

@@ -4,7 +4,8 @@ Mistral (and Phi-3) applies `sliding_window` to every layer. Qwen2 and Qwen3 sli
 "sliding_attention" (transformers fills `layer_types` from `use_sliding_window` and `max_window_layers`:
 layers i >= max_window_layers slide, and none without use_sliding_window); the same rule is applied here
 to a config object that lacks `layer_types`. gpt-oss slides where `layer_types` says (by default every other
-layer, from the first). Llama's modeling reads no window, so neither do we.
+layer, from the first); Gemma 3 where `layer_types` says (by default five of every six). Llama's modeling
+reads no window, so neither do we.
 
 A window of 0 means full attention; so does a window at least as long as the context (it hides nothing).
 Values transformers would not run, or that would run differently here, are refused naming the field.
@@ -12,10 +13,10 @@ Values transformers would not run, or that would run differently here, are refus
 
 from __future__ import annotations
 
-from llmserve.model import gpt_oss
+from llmserve.model import gemma3, gpt_oss
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_READS_LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", gpt_oss.ARCHITECTURE)
+_READS_LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", gpt_oss.ARCHITECTURE, gemma3.ARCHITECTURE)
 
 
 def layer_windows(config, architecture: str, max_model_len: int) -> list[int]:
@@ -46,6 +47,8 @@ def _layer_types(config, num_layers: int, architecture: str) -> list[str]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None and architecture == gpt_oss.ARCHITECTURE:
         return gpt_oss.default_layer_types(num_layers)
+    if layer_types is None and architecture == gemma3.ARCHITECTURE:
+        return gemma3.default_layer_types(config)
     if layer_types is None:
         first_sliding = getattr(config, "max_window_layers", 0) or 0
         return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
