@@ -5,13 +5,17 @@ refused at load, naming the field."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import json
 import shutil
 
 import pytest
 import torch
 
-from llmserve import LLM, SamplingParams
+import hf_parity
+
+from llmserve import LLM
 from llmserve.model import toy_tokenizer
 from llmserve.model.loader import load_model
 from llmserve.model.maker import SHAPES, build_config
@@ -19,6 +23,12 @@ from llmserve.model.maker import SHAPES, build_config
 VOCAB = 512
 WINDOW = 8  # the sliding layers' window; the engine's blocks hold 4 tokens
 NUM_OUT = 8
+
+hf_greedy = partial(hf_parity.hf_greedy, num_out=NUM_OUT)
+greedy = partial(hf_parity.engine_greedy, num_out=NUM_OUT)
+prompt = partial(hf_parity.random_prompt, vocab_size=VOCAB)
+
+
 # three sliding layers then a full one (pattern 2); a local rope base far from the global one; the logits capped
 _FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256,
@@ -52,24 +62,6 @@ def checkpoint(tmp_path_factory):
 
     path = write_checkpoint(str(tmp_path_factory.mktemp("gemma3")), seed=1)
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    """transformers' greedy tokens: no EOS stop, no sampling defaults of a generation_config.json."""
-    from transformers import GenerationConfig
-
-    hf.generation_config = GenerationConfig(do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_OUT)
-    return out[0, len(prompt):].tolist()
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(llm: LLM, prompts: list[list[int]]):
-    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_OUT, ignore_eos=True))
 
 
 def test_layers_slide_and_rotate_as_layer_types_says(checkpoint):

@@ -5,6 +5,8 @@ equal transformers' rope init; what the engine does not run is refused naming th
 
 from __future__ import annotations
 
+from functools import partial
+
 import json
 import math
 import os
@@ -13,7 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmserve import LLM, SamplingParams
+import hf_parity
+
+from llmserve import LLM
 from llmserve.model import phi3, toy_tokenizer
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.layers import rope_inv_freq, rope_params_from_config
@@ -24,6 +28,12 @@ VOCAB = 512
 WINDOW = 8
 ORIGINAL = 64  # LongRoPE's original_max_position_embeddings
 NUM_OUT = 8
+
+hf_greedy = partial(hf_parity.hf_greedy, num_out=NUM_OUT)
+greedy = partial(hf_parity.engine_greedy, num_out=NUM_OUT)
+prompt = partial(hf_parity.random_prompt, vocab_size=VOCAB)
+
+
 _FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, eos_token_id=2,
                pad_token_id=0, bos_token_id=None)
@@ -57,24 +67,6 @@ def checkpoint(request, tmp_path_factory):
 
     path = write_checkpoint(str(tmp_path_factory.mktemp(request.param)), seed=1, **VARIANTS[request.param])
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    """transformers' greedy tokens: no EOS stop, no sampling defaults."""
-    from transformers import GenerationConfig
-
-    hf.generation_config = GenerationConfig(do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_OUT)
-    return out[0, len(prompt):].tolist()
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(llm: LLM, prompts: list[list[int]]):
-    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_OUT, ignore_eos=True))
 
 
 def our_logits(model, tokens: list[int]) -> torch.Tensor:

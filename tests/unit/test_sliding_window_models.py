@@ -4,6 +4,8 @@ and a prefix-cache hit (float32, CPU: the torch backend with its C++ kernel)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import json
 import os
 import shutil
@@ -12,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hf_parity
+
 from llmserve import LLM, SamplingParams
 from llmserve.model.loader import load_model, load_model_info
 from llmserve.model.maker import make_model
@@ -19,6 +23,12 @@ from llmserve.model.sliding_window import layer_windows
 
 WINDOW = 7  # not a multiple of the block size (4): some blocks lie partly in a window
 NUM_OUT = 12
+
+hf_greedy = partial(hf_parity.hf_greedy, num_out=NUM_OUT)
+greedy = partial(hf_parity.engine_greedy, num_out=NUM_OUT)
+prompt = partial(hf_parity.random_prompt, vocab_size=500)
+
+
 CHECKPOINTS = {  # arch -> the window fields of its config, and the windows of its two layers
     "mistral": ({"sliding_window": WINDOW}, [WINDOW, WINDOW]),
     "qwen2": ({"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}, [0, WINDOW]),
@@ -49,25 +59,6 @@ def checkpoint(request, tmp_path_factory):
     fields, windows = CHECKPOINTS[request.param]
     path = sliding_checkpoint(request.param, fields, tmp_path_factory.mktemp(request.param))
     return path, windows, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    """transformers' greedy tokens, NUM_OUT of them: no EOS stop, none of generation_config.json's sampling
-    defaults (its repetition penalty), as our SamplingParams(temperature=0, ignore_eos=True)."""
-    from transformers import GenerationConfig
-
-    hf.generation_config = GenerationConfig(do_sample=False, pad_token_id=0)  # what generate merges its kwargs into
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_OUT)
-    return out[0, len(prompt):].tolist()
-
-
-def greedy(llm: LLM, prompts: list[list[int]]):
-    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_OUT, ignore_eos=True))
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_layer_windows_match_transformers_layer_types(checkpoint):
