@@ -14,7 +14,8 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.params import build_params, chat_overrides
 from llmserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob,
-                                      DeltaMessage, TopLogprob, decode_json, encode_json, make_usage)
+                                      DeltaMessage, ResponseMessage, TopLogprob, decode_json, encode_json,
+                                      make_usage)
 from llmserve.server.reasoning import ReasoningStream, split_reasoning
 from llmserve.server.serving_common import (ServingContext, TokenLabels, collect_final, created_now,
                                             logprob_labels, new_request_id, render_chat, template_kwargs)
@@ -30,6 +31,17 @@ def chat_logprobs(token_text: TokenLabels, logprobs: list[TokenLogprob], num_top
                for t, value in ((token_text(tid), value) for tid, value in lp.top[:num_top])]
         content.append(ChatTokenLogprob(text, lp.logprob, list(text.encode()), top))
     return ChatLogprobs(content)
+
+
+def answer_message(plan: ToolPlan, reasoning_parser: str | None, text: str,
+                   finish_reason: str | None) -> tuple[ResponseMessage, str | None]:
+    """A whole output as the assistant message (its thoughts in reasoning_content with a reasoning parser, tool
+    calls read from the answer) and its finish reason."""
+    split = None if reasoning_parser is None else split_reasoning(reasoning_parser, text)
+    message, finish_reason = response_message(plan, text if split is None else split.content, finish_reason)
+    if split is not None:
+        message.reasoning_content = split.reasoning
+    return message, finish_reason
 
 
 def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[ToolPlan, SamplingParams, TokensPrompt]:
@@ -75,13 +87,9 @@ class ChatServer:
     def _response(self, req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams, request_id: str,
                   prompt: TokensPrompt, final: RequestOutput) -> ChatCompletionResponse:
         choices = []
-        parser = self.ctx.config.reasoning_parser
         for out in final.outputs:
-            split = None if parser is None else split_reasoning(parser, out.text)
-            message, finish_reason = response_message(plan, out.text if split is None else split.content,
-                                                      out.finish_reason)
-            if split is not None:
-                message.reasoning_content = split.reasoning
+            message, finish_reason = answer_message(plan, self.ctx.config.reasoning_parser, out.text,
+                                                    out.finish_reason)
             token_ids = list(out.token_ids) if req.return_token_ids else None
             choices.append(ChatChoice(out.index, message, self._logprobs(req, params, out), finish_reason,
                                       out.stop_reason, token_ids))

@@ -26,14 +26,13 @@ from llmserve.server.protocol_responses import (FunctionCallItem, IncompleteDeta
                                                 OutputItem, OutputMessage, OutputText, OutputTokensDetails,
                                                 ReasoningItem, ReasoningText, ResponseObject, ResponsesRequest,
                                                 ResponseUsage)
-from llmserve.server.reasoning import split_reasoning
 from llmserve.server.protocol_tools import FunctionCall, ToolCall
 from llmserve.server.responses_input import chat_request, check_unsupported, conversation_messages
 from llmserve.server.responses_stream import EventCounter, OutputEvents, new_item_id
-from llmserve.server.serving_chat import prepare_chat
+from llmserve.server.serving_chat import answer_message, prepare_chat
 from llmserve.server.serving_common import ServingContext, collect_final, created_now, new_request_id
 from llmserve.server.streams import sse_response, until_disconnect, with_error_event
-from llmserve.server.tool_calls import ToolPlan, response_message
+from llmserve.server.tool_calls import ToolPlan
 
 MAX_STORED_RESPONSES = 1000
 
@@ -85,18 +84,14 @@ class ResponsesServer:
         draft = self._draft(req, new_request_id("resp"))
         gen = ctx.engine.generate(prompt, params, draft.id, 0)
         if req.stream:
-            events = self._stream(req, plan, draft, conversation, prompt, gen)
+            events = self._stream(plan, draft, conversation, prompt, gen)
             return sse_response(with_error_event(events, draft.id, done=None), draft.id, ctx.is_shutting_down)
         final = await until_disconnect(request, collect_final(gen), draft.id)
         out = final.outputs[0]
-        parser = ctx.config.reasoning_parser
-        split = None if parser is None else split_reasoning(parser, out.text)
-        message, _ = response_message(plan, out.text if split is None else split.content, out.finish_reason)
-        thought = [] if split is None or split.reasoning is None else \
-            [ReasoningItem(new_item_id("rs"), [ReasoningText(split.reasoning)])]
-        response = _finished(draft, thought + _output_items(message), out.finish_reason,
+        message, _ = answer_message(plan, ctx.config.reasoning_parser, out.text, out.finish_reason)
+        response = _finished(draft, _output_items(message), out.finish_reason,
                              _usage(len(prompt.token_ids), len(out.token_ids), final.num_cached_tokens))
-        self._remember(req, conversation, response)
+        self._remember(conversation, response)
         return Response(encode_json(response), media_type="application/json")
 
     def _draft(self, req: ResponsesRequest, response_id: str) -> ResponseObject:
@@ -111,7 +106,7 @@ class ResponsesServer:
             parallel_tool_calls=req.parallel_tool_calls is not False, temperature=req.temperature, top_p=req.top_p,
             text={"format": text_format}, metadata=req.metadata or {}, store=req.store is not False)
 
-    async def _stream(self, req: ResponsesRequest, plan: ToolPlan, draft: ResponseObject,
+    async def _stream(self, plan: ToolPlan, draft: ResponseObject,
                       conversation: list[ChatMessage], prompt: TokensPrompt, gen) -> AsyncIterator[bytes]:
         counter = EventCounter()
         yield counter.event("created", response=draft)
@@ -127,19 +122,22 @@ class ResponsesServer:
                     yield event
         response = _finished(draft, output.items, finish_reason, _usage(len(prompt.token_ids), num_output,
                                                                           num_cached))
-        self._remember(req, conversation, response)
+        self._remember(conversation, response)
         yield counter.event("completed" if response.status == "completed" else "incomplete", response=response)
 
-    def _remember(self, req: ResponsesRequest, conversation: list[ChatMessage], response: ResponseObject) -> None:
+    def _remember(self, conversation: list[ChatMessage], response: ResponseObject) -> None:
         if response.store:
             turn = _assistant_turn(response.output)
             self.store.put(response.id, StoredResponse(conversation + [turn], response))
 
 
 def _output_items(message: ResponseMessage) -> list[OutputItem]:
-    """A chat answer as Responses items: its text (when any, or when there is nothing else), then its calls."""
+    """A chat answer as Responses items: its thoughts (with a reasoning parser), its text (when any, or when
+    there is nothing else), then its calls."""
     calls = message.tool_calls or []
     items: list[OutputItem] = []
+    if isinstance(message.reasoning_content, str):
+        items.append(ReasoningItem(new_item_id("rs"), [ReasoningText(message.reasoning_content)]))
     if message.content or not calls:
         items.append(OutputMessage(new_item_id("msg"), [OutputText(message.content or "")]))
     items += [FunctionCallItem(new_item_id("fc"), call.id, call.function.name, call.function.arguments)
