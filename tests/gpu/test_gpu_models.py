@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 WRITERS = {
     "qwen3_moe": lambda out: test_moe_models.write_checkpoint("qwen3_moe", out, seed=1),
     "mixtral": lambda out: test_moe_models.write_checkpoint("mixtral", out, seed=1),
-    "gpt_oss": lambda out: test_gpt_oss_model.write_checkpoint(out, seed=1),
+    # alpha at gpt-oss's own value: transformers before 5.2x fixed it at 1.702 whatever the config said
+    "gpt_oss": lambda out: test_gpt_oss_model.write_checkpoint(out, seed=1, swiglu_alpha=1.702),
     "gemma3": lambda out: test_gemma3_model.write_checkpoint(out, seed=1),
 }
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -39,12 +40,12 @@ def checkpoint(request, tmp_path_factory):
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_greedy_equals_transformers_on_cuda(checkpoint, enforce_eager):
+@pytest.mark.parametrize("backend,enforce_eager", [("triton", False), ("triton", True), ("torch", True)])
+def test_greedy_equals_transformers_on_cuda(checkpoint, backend, enforce_eager):
     path, hf = checkpoint
     llm = LLM(path, device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16,
-              enforce_eager=enforce_eager, max_num_batched_tokens=32)  # 32: prompts in chunks
-    assert llm.engine.runner.attn_backend.name == "triton"
+              attention_backend=backend, enforce_eager=enforce_eager, max_num_batched_tokens=32)  # prompts chunked
+    assert llm.engine.runner.attn_backend.name == backend
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 29, 47, 70)]
     outputs = llm.generate(prompts, PARAMS)
