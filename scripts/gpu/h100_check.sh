@@ -15,6 +15,7 @@
 #   WEIGHTS: copying (default: make-model --copying, an induction circuit in layers 0-1 that continues
 #   repeated spans with clear argmaxes, so that n-gram lookup finds drafts and the oracle keeps its nominal A
 #   in bf16; the same cost), peaked (--peaked-logits) or random
+#   STEPPROF_AB=1: stepprof also with LLMSERVE_FUSED_ELEMENTWISE=off, first
 #   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
@@ -92,6 +93,11 @@ if want offline; then
     run offline_smollm2_prof 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --profile "$RES/profile_smollm2.txt"
 fi
 if want stepprof; then  # where a served decode step's time goes (c=64, c=256), and a mixed step
+    if [ -n "${STEPPROF_AB:-}" ]; then  # the same with torch's elementwise chains first (model/fused_cuda.py)
+        run stepprof_unfused 150 env LLMSERVE_FUSED_ELEMENTWISE=off "$PY" scripts/gpu/step_profile.py "$MODEL" \
+            ${STEPPROF_BATCHES:-64,256} "$RES/step_profile_unfused.txt"
+        grep -E '^batch|decode:|device busy' "$RES/step_profile_unfused.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+    fi
     run stepprof 150 "$PY" scripts/gpu/step_profile.py "$MODEL" ${STEPPROF_BATCHES:-64,256} "$RES/step_profile.txt"
     grep -E '^batch|decode:|synchronised|device busy|mixed|prompt phase' "$RES/step_profile.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
 fi
