@@ -25,7 +25,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from llmserve.server.testing import ServerProcess, metric_value
+from llmserve.testing.servers import ServerProcess, metric_value
 
 EXAMPLES_PER_ROUTE = 30
 VALID_EXAMPLES_PER_ROUTE = 60

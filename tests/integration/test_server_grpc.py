@@ -11,7 +11,7 @@ import pytest
 
 from llmserve.server.grpc_service import llmserve_pb2 as pb
 from llmserve.server.grpc_service import llmserve_pb2_grpc as pb_grpc
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.testing.servers import metric_value, start_tiny_server
 
 KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)

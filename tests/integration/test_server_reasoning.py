@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.server.testing import ServerProcess, start_tiny_server
+from llmserve.testing.servers import ServerProcess, start_tiny_server
 
 THOUGHT_THEN_ANSWER = {"structured_outputs": {"regex": "<think>[a-z]{1,8}</think>\n\n(yes|no)"}}
 MESSAGES = [{"role": "user", "content": "Is it?"}]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.bench.offline import OfflineBenchConfig, _sampling_params, make_workload, run
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig
 from llmserve.engine.engine_core import EngineCore
 from llmserve.model.loader import load_model
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.worker.cpu_threads import SMALL_MODEL_PARAMS, cgroup_cpu_quota, choose_num_threads, num_matmul_params
 
 

@@ -7,8 +7,8 @@ import torch
 
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import load_model
-from llmserve.model.maker import make_model
-from llmserve.model.testing import PagedBatchBuilder, allocate_kv_caches
+from llmserve.testing.maker import make_model
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

@@ -11,7 +11,7 @@ from llmserve.core.decode_steps import decode_step_counts
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request
 from llmserve.messages import EngineCoreRequest
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import logging
 
 from llmserve.engine.engine_core import EngineCore
 from llmserve.engine.llm import build_engine_config
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 
 def test_the_ready_line_lists_the_features_and_their_sizes(tmp_path, caplog):

@@ -10,7 +10,7 @@ import torch
 
 from llmserve.model import quant
 from llmserve.model.loader import load_model
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.model.quant.linear import Fp8Linear
 from llmserve.model.quant.token_kinds import ALL_DECODE, ALL_PROMPT, StepKinds, token_kinds
 

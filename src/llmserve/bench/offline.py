@@ -153,7 +153,7 @@ def run(cfg: OfflineBenchConfig) -> dict:
 
 def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
     from llmserve.model.loader import load_hf_config
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     if cfg.baseline not in (None, "hf"):
         raise ValueError("--baseline must be hf")

@@ -134,7 +134,7 @@ def run(cfg: RooflineBenchConfig) -> dict:
 
 def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
     from llmserve import LLM
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     if cfg.output_len < 2:
         raise ValueError("output_len must be at least 2")

@@ -10,7 +10,7 @@ Threads: the input thread receives and decodes (and watches the parent), the mai
 The core follows its parent: it ignores SIGINT/SIGTERM (the front drains, then sends SHUTDOWN) and
 exits on its own when the front process is gone.
 
-Tests can hold the loop at a step boundary (engine/step_gate.py, off unless LLMSERVE_STEP_GATE is set).
+Tests can hold the loop at a step boundary (testing/step_gate.py, loaded only when LLMSERVE_STEP_GATE is set).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.messages import EngineCoreRequest
-from llmserve.engine.step_gate import gate_from_env
 
 logger = logging.getLogger("llmserve.engine.core_proc")
 
@@ -148,7 +147,11 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
         self.is_stopping = False
         self.is_integrity_checked = True
-        self.gate = gate_from_env(ctx, lambda: self.inputs.put((InKind.WAKE, None)))  # tests only
+        self.gate = None  # tests only: a gate that holds the loop at step boundaries
+        if os.environ.get("LLMSERVE_STEP_GATE"):
+            from llmserve.testing.step_gate import gate_from_env
+
+            self.gate = gate_from_env(ctx, lambda: self.inputs.put((InKind.WAKE, None)))
         self._utilities = {
             "reset_prefix_cache": core.reset_prefix_cache,
             "check_integrity": self._check_integrity,

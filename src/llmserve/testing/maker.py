@@ -4,7 +4,7 @@
 model.safetensors (sharded above 4 GB; seeded, deterministic), a byte-level BPE tokenizer whose vocab
 covers every id, a ChatML chat template and generation_config.json. Parameter names and shapes are
 those of transformers' *ForCausalLM, built on the meta device, so nothing big is ever initialised twice.
-The shapes are in model/shapes.py, the `llmserve make-model` sub-command in model/maker_cli.py.
+The shapes are in model/shapes.py, the `llmserve make-model` sub-command in testing/maker_cli.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from llmserve.model import toy_tokenizer
-from llmserve.model.copying import COPYING_ARCHS, copying_plan, copying_tensor
+from llmserve.testing import toy_tokenizer
+from llmserve.testing.copying import COPYING_ARCHS, copying_plan, copying_tensor
 from llmserve.model.shapes import ARCHS, DTYPE_NAMES, MOE_ARCHS, SHAPES, Shape
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -148,7 +148,7 @@ def _plan_shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int) -> lis
 
 def _tensor_maker(config, shape: Shape, seed: int, dtype: torch.dtype, weights: str):
     """(name, shape) -> the checkpoint's tensor: random (`_peak`ed lm_head where weights == "peaked"),
-    or the copying circuit's (model/copying.py) where weights == "copying"; drawn in state-dict order."""
+    or the copying circuit's (testing/copying.py) where weights == "copying"; drawn in state-dict order."""
     gen = torch.Generator().manual_seed(seed)
     peaked = _head_name(config) if weights == "peaked" else None
     plan = copying_plan(config, seed) if weights == "copying" else None
@@ -193,7 +193,7 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
                      is_peaked: bool = False, is_copying: bool = False) -> str:
     """Write a random checkpoint of an explicit Shape into out_dir (created if needed); is_peaked: the
     lm_head's rows rescaled (`_peak`) so that greedy decoding has clear winners; is_copying: layers 0
-    and 1 an induction circuit (model/copying.py), so the model continues spans its context repeats."""
+    and 1 an induction circuit (testing/copying.py), so the model continues spans its context repeats."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
