@@ -3,7 +3,10 @@ the checkpoint's sampling defaults (what the server applies to requests that set
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from llmserve.bench.offline import OfflineBenchConfig, _sampling_params, make_workload, run
 from llmserve.model.maker import make_model
@@ -50,3 +53,14 @@ def test_progress_on_stderr_unless_quiet(tiny, capsys, is_quiet):
     assert "tok/s" in captured.out  # the results, either way
     has_progress = "bench offline: loading the engine, then 3 requests" in captured.err and "3/3" in captured.err
     assert has_progress is not is_quiet, captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine runs on CUDA there: threads are left alone")
+def test_threads_follow_the_free_cpus_unless_asked(tiny, capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    results = run(OfflineBenchConfig(model=tiny, num_requests=2, prompt_len="4-8", output_len="3-5"))
+    err = capsys.readouterr().err
+    assert "CPUs free at start-up (--num-threads to choose)" in err, err
+    assert 1 <= results["engine"]["num_threads"] <= len(os.sched_getaffinity(0))
+    asked = run(OfflineBenchConfig(model=tiny, num_requests=2, prompt_len="4-8", output_len="3-5", num_threads=1))
+    assert asked["engine"]["num_threads"] == 1 and "CPUs free" not in capsys.readouterr().err

@@ -41,7 +41,8 @@ class OfflineBenchConfig:
                                             "for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
     num_threads: int | None = field(default=None, metadata={"help": "engine: CPU threads of the model's ops "
-                                    "(default: one per core)"})
+                                    "(default on CPU: one per CPU free at start-up, at most one per core; "
+                                    "OMP_NUM_THREADS also sets it)"})
     quiet: bool = field(default=False, metadata={"help": "no progress (the stages on stderr, a bar of finished "
                                                  "requests with its ETA); the results still print"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
@@ -71,10 +72,25 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
               async_scheduling=cfg.async_scheduling, num_scheduler_steps=cfg.num_scheduler_steps,
-              tensor_parallel_size=cfg.tensor_parallel_size, num_threads=cfg.num_threads,
+              tensor_parallel_size=cfg.tensor_parallel_size, num_threads=_num_threads(cfg),
               quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
     with llm:
         return _measure(cfg, llm, workload)
+
+
+def _num_threads(cfg: OfflineBenchConfig) -> int | None:
+    """--num-threads, else on CPU (one rank, no OMP_NUM_THREADS) one thread per CPU free now: this process is
+    the engine's only user, and threads beyond the free CPUs wait at every barrier (worker/cpu_threads.py)."""
+    import torch
+
+    from llmserve.worker.cpu_threads import measure_cpus, omp_num_threads, threads_for_free_cpus
+
+    if cfg.num_threads is not None or omp_num_threads() is not None or cfg.tensor_parallel_size > 1 or \
+            torch.cuda.is_available():
+        return cfg.num_threads
+    choice = threads_for_free_cpus(measure_cpus(), torch.get_num_threads())
+    _progress(cfg, f"{choice.num_threads} thread(s): {choice.reason} (--num-threads to choose)")
+    return choice.num_threads
 
 
 def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
@@ -99,6 +115,7 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     other = elapsed - (t.prepare + t.forward + t.sample)
     return {"engine": "llmserve", "device": str(core.device), "dtype": str(core.dtype), "elapsed_s": elapsed,
             "num_output_tokens": num_out, "output_tok_s": num_out / elapsed, "num_steps": t.num_steps,
+            "num_threads": core.num_threads,
             "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
                              "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
             "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions,
@@ -184,7 +201,7 @@ def _print(results: dict) -> None:
     print(f"llmserve  {e['device']} {e['dtype']}: {e['num_output_tokens']} output tokens in {e['elapsed_s']:.1f} s"
           f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} forwards ({e['num_preemptions']} preemptions, "
           f"async scheduling {'on' if e['async_scheduling'] else 'off'}, up to {e['num_scheduler_steps']} "
-          "forwards a step)")
+          f"forwards a step{_threads(e)})")
     split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
     if e["split_steps"]:
         print(f"mean forward step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
@@ -195,6 +212,10 @@ def _print(results: dict) -> None:
         hf = results["hf"]
         print(f"hf generate (static batches, {hf['dtype']}): {hf['output_throughput']:.1f} tok/s; "
               f"ratio llmserve/hf = {e['output_tok_s'] / hf['output_throughput']:.2f}x")
+
+
+def _threads(engine: dict) -> str:
+    return f", {engine['num_threads']} threads" if engine["device"] == "cpu" else ""
 
 
 def add_bench_offline_parser(subparsers):
