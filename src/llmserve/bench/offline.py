@@ -50,6 +50,8 @@ class OfflineBenchConfig:
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
     baseline_batch_size: int = field(default=16, metadata={"help": "static batch size of the hf baseline"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+    plot: str | None = field(default=None, metadata={"help": "write PNG plots to this directory, as bench serve's: "
+                             "output throughput (and the hf baseline's), TTFT and end-to-end latency CDFs"})
     profile: str | None = field(default=None, metadata={"help": "run the timed workload under cProfile and write its "
                                                         "top functions (by own and by cumulative time) to this text file"})
 
@@ -95,6 +97,7 @@ def _num_threads(cfg: OfflineBenchConfig) -> int | None:
 
 def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     from llmserve import SamplingParams
+    from llmserve.bench.offline_plots import request_timings
 
     llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     runner, core = llm.engine.runner, llm.engine
@@ -110,6 +113,7 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     elapsed = time.perf_counter() - start
     _write_profile(profiler, cfg.profile)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    timings = request_timings(outputs, [p for p, _ in workload])
     t = runner.times
     steps = max(t.num_steps, 1)
     other = elapsed - (t.prepare + t.forward + t.sample)
@@ -124,7 +128,8 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
             "tensor_parallel_size": cfg.tensor_parallel_size,
             # rank 0's host time in collectives (all-reduces, logits all-gather, ids broadcast), waits for the
             # other ranks included; on CUDA without split_steps it times the launches only
-            "collective_share": None if tp is None else tp.comm_seconds / elapsed}
+            "collective_share": None if tp is None else tp.comm_seconds / elapsed,
+            "requests": timings}
 
 
 def _start_profile(path: str | None):
@@ -187,6 +192,10 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
 
         results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size, dtype=cfg.dtype))
         _print(results)
+    if cfg.plot:
+        from llmserve.bench.offline_plots import write_offline_plots
+
+        print("plots: " + ", ".join(write_offline_plots(results, cfg.plot)))
     return results
 
 
@@ -215,7 +224,8 @@ def _print(results: dict) -> None:
 
 
 def _threads(engine: dict) -> str:
-    return f", {engine['num_threads']} threads" if engine["device"] == "cpu" else ""
+    num = engine["num_threads"]
+    return f", {num} thread{'' if num == 1 else 's'}" if engine["device"] == "cpu" else ""
 
 
 def add_bench_offline_parser(subparsers):
