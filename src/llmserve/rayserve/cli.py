@@ -88,10 +88,13 @@ def run(serve, deployment: Deployment) -> int:
     try:
         return _start_and_serve(serve, deployment)
     except Interrupted as e:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a second signal does not cut the clean-up short
         print(f"llmserve serve-ray: {e} while starting: stopping", file=sys.stderr, flush=True)
+        if config.address is not None and ray.is_initialized():  # a cluster we joined: our application only
+            _delete_if_deployed(serve, config.app_name)
         return 128 + e.signum
     finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a second signal does not cut the clean-up short
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         if ray.is_initialized():
             if config.address is None:
                 serve.shutdown()
@@ -124,6 +127,11 @@ def _start_and_serve(serve, deployment: Deployment) -> int:
     logger.info("stopping: deleting application %s", config.app_name)
     serve.delete(config.app_name)
     return 0
+
+
+def _delete_if_deployed(serve, app_name: str) -> None:
+    if app_name in serve.status().applications:
+        serve.delete(app_name)
 
 
 def _raise_on_stop_signals() -> None:
