@@ -41,7 +41,8 @@ class OfflineBenchConfig:
                                             "for the device)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
     num_threads: int | None = field(default=None, metadata={"help": "engine: CPU threads of the model's ops "
-                                    "(default: one per core)"})
+                                    "(default on CPU: one per CPU free at start-up, at most one per core; "
+                                    "OMP_NUM_THREADS also sets it)"})
     quiet: bool = field(default=False, metadata={"help": "no progress (the stages on stderr, a bar of finished "
                                                  "requests with its ETA); the results still print"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
@@ -49,6 +50,8 @@ class OfflineBenchConfig:
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
     baseline_batch_size: int = field(default=16, metadata={"help": "static batch size of the hf baseline"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+    plot: str | None = field(default=None, metadata={"help": "write PNG plots to this directory, as bench serve's: "
+                             "output throughput (and the hf baseline's), TTFT and end-to-end latency CDFs"})
     profile: str | None = field(default=None, metadata={"help": "run the timed workload under cProfile and write its "
                                                         "top functions (by own and by cumulative time) to this text file"})
 
@@ -71,14 +74,30 @@ def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
     llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
               async_scheduling=cfg.async_scheduling, num_scheduler_steps=cfg.num_scheduler_steps,
-              tensor_parallel_size=cfg.tensor_parallel_size, num_threads=cfg.num_threads,
+              tensor_parallel_size=cfg.tensor_parallel_size, num_threads=_num_threads(cfg),
               quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
     with llm:
         return _measure(cfg, llm, workload)
 
 
+def _num_threads(cfg: OfflineBenchConfig) -> int | None:
+    """--num-threads, else on CPU (one rank, no OMP_NUM_THREADS) one thread per CPU free now: this process is
+    the engine's only user, and threads beyond the free CPUs wait at every barrier (worker/cpu_threads.py)."""
+    import torch
+
+    from llmserve.worker.cpu_threads import measure_cpus, omp_num_threads, threads_for_free_cpus
+
+    if cfg.num_threads is not None or omp_num_threads() is not None or cfg.tensor_parallel_size > 1 or \
+            torch.cuda.is_available():
+        return cfg.num_threads
+    choice = threads_for_free_cpus(measure_cpus(), torch.get_num_threads())
+    _progress(cfg, f"{choice.num_threads} thread(s): {choice.reason} (--num-threads to choose)")
+    return choice.num_threads
+
+
 def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     from llmserve import SamplingParams
+    from llmserve.bench.offline_plots import request_timings
 
     llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     runner, core = llm.engine.runner, llm.engine
@@ -94,11 +113,13 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     elapsed = time.perf_counter() - start
     _write_profile(profiler, cfg.profile)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    timings = request_timings(outputs, [p for p, _ in workload])
     t = runner.times
     steps = max(t.num_steps, 1)
     other = elapsed - (t.prepare + t.forward + t.sample)
     return {"engine": "llmserve", "device": str(core.device), "dtype": str(core.dtype), "elapsed_s": elapsed,
             "num_output_tokens": num_out, "output_tok_s": num_out / elapsed, "num_steps": t.num_steps,
+            "num_threads": core.num_threads,
             "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
                              "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
             "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions,
@@ -107,7 +128,8 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
             "tensor_parallel_size": cfg.tensor_parallel_size,
             # rank 0's host time in collectives (all-reduces, logits all-gather, ids broadcast), waits for the
             # other ranks included; on CUDA without split_steps it times the launches only
-            "collective_share": None if tp is None else tp.comm_seconds / elapsed}
+            "collective_share": None if tp is None else tp.comm_seconds / elapsed,
+            "requests": timings}
 
 
 def _start_profile(path: str | None):
@@ -170,6 +192,10 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
 
         results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size, dtype=cfg.dtype))
         _print(results)
+    if cfg.plot:
+        from llmserve.bench.offline_plots import write_offline_plots
+
+        print("plots: " + ", ".join(write_offline_plots(results, cfg.plot)))
     return results
 
 
@@ -184,7 +210,7 @@ def _print(results: dict) -> None:
     print(f"llmserve  {e['device']} {e['dtype']}: {e['num_output_tokens']} output tokens in {e['elapsed_s']:.1f} s"
           f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} forwards ({e['num_preemptions']} preemptions, "
           f"async scheduling {'on' if e['async_scheduling'] else 'off'}, up to {e['num_scheduler_steps']} "
-          "forwards a step)")
+          f"forwards a step{_threads(e)})")
     split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
     if e["split_steps"]:
         print(f"mean forward step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
@@ -195,6 +221,11 @@ def _print(results: dict) -> None:
         hf = results["hf"]
         print(f"hf generate (static batches, {hf['dtype']}): {hf['output_throughput']:.1f} tok/s; "
               f"ratio llmserve/hf = {e['output_tok_s'] / hf['output_throughput']:.2f}x")
+
+
+def _threads(engine: dict) -> str:
+    num = engine["num_threads"]
+    return f", {num} thread{'' if num == 1 else 's'}" if engine["device"] == "cpu" else ""
 
 
 def add_bench_offline_parser(subparsers):

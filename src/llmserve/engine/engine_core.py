@@ -82,6 +82,7 @@ class EngineCore:
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
+        self.threads_reason = self.worker.threads_reason
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative, kv_cache_window(self.model_info.layer_windows))

@@ -54,7 +54,7 @@ def startup_line(core) -> str:
              f"prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}",
              speculation(config.speculative),
              f"async scheduling {'on' if core.is_async else 'off'}", f"scheduler steps {sched.num_scheduler_steps}",
-             graphs, f"threads {core.num_threads}",
+             graphs, f"threads {core.num_threads} ({core.threads_reason})",
              f"max_model_len {info.max_model_len}, max_num_seqs {sched.max_num_seqs}, token budget "
              f"{sched.max_num_batched_tokens}"]
     return "; ".join(parts)

@@ -5,8 +5,6 @@ with its slice of the model and of the KV cache (its KV heads), the block count 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -53,7 +51,9 @@ class Worker:
         self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
         self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
-        self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
+        threads = apply_num_threads(config.model.num_threads, model, device.type, has_front_beside,
+                                    tp.size if tp is not None else 1)
+        self.num_threads, self.threads_reason = threads.num_threads, threads.reason
         self.draft_info, draft_model = self._load_draft()
         attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
         self.num_blocks = self._num_blocks(model, attn_backend)
@@ -70,13 +70,6 @@ class Worker:
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
                 queries_per_row=spec.num_speculative_tokens + 1)
-
-    def _requested_threads(self) -> int | None:
-        """--num-threads; CPU ranks of a tensor-parallel engine share the cores unless told otherwise."""
-        requested = self.config.model.num_threads
-        if requested is None and self.tp is not None and self.device.type == "cpu":
-            return max(1, (os.cpu_count() or 1) // self.tp.size)
-        return requested
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
