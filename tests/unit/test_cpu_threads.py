@@ -23,9 +23,9 @@ def unread() -> CpuReading:
     raise AssertionError("the CPUs are read only for a served larger model on CPU")
 
 
-def threads(requested, num_params, device_type, has_front_beside, cpus=None, num_current=2, num_env=None):
+def threads(requested, num_params, device_type, is_served, cpus=None, num_current=2, num_env=None):
     read = unread if cpus is None else (lambda: cpus)
-    return choose_num_threads(requested, num_params, device_type, has_front_beside, read, num_current, num_env)
+    return choose_num_threads(requested, num_params, device_type, is_served, read, num_current, num_env)
 
 
 def test_a_served_small_cpu_model_gets_one_thread_and_the_rest_keep_theirs():
@@ -109,11 +109,11 @@ def test_the_engine_sets_the_process_threads(tmp_path, monkeypatch):
     try:
         torch.set_num_threads(2)
         assert EngineCore(config).num_threads == torch.get_num_threads() == 2  # in-process: as it was
-        served = EngineCore(config, has_front_beside=True)
+        served = EngineCore(config, is_served=True)
         assert served.num_threads == torch.get_num_threads() == 1
         assert served.threads_reason == "a small model beside the HTTP front"
         asked = dataclasses.replace(config, model=dataclasses.replace(config.model, num_threads=2))
-        assert EngineCore(asked, has_front_beside=True).num_threads == torch.get_num_threads() == 2
+        assert EngineCore(asked, is_served=True).num_threads == torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 

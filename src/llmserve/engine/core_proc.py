@@ -134,7 +134,7 @@ def _build_and_run(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_
 def _build_core(config: EngineConfig):
     from llmserve.engine.engine_core import EngineCore
 
-    return EngineCore(config, has_front_beside=True)
+    return EngineCore(config, is_served=True)
 
 
 class EngineCoreProc:
@@ -163,7 +163,7 @@ class EngineCoreProc:
                                               name="core-output")
         if core.tp_executor is not None:
             core.tp_executor.on_failure = self._fail_fast
-        core.end_windows_when(lambda: not self.inputs.empty())  # arrivals end a multi-step early
+        core.interrupt_windows_on_input(lambda: not self.inputs.empty())  # arrivals end a multi-step early
 
     def _fail_fast(self, reason: str) -> None:
         """A tensor-parallel rank died (the executor's monitor thread calls this): tell the front and exit

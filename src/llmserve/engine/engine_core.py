@@ -63,8 +63,8 @@ def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
-        """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
+    def __init__(self, config: EngineConfig, is_served: bool = False) -> None:
+        """is_served: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.validate()  # before loading anything: a bad value fails in milliseconds
         self.device = resolve_device(config.model.device)
@@ -78,9 +78,9 @@ class EngineCore:
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
-        self.tp_executor = self._tp_executor(config, path, has_front_beside)
+        self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
-            Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
+            Worker(config, self.model_info, path, self.device, self.dtype, is_served)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
         self.threads_reason = self.worker.threads_reason
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
@@ -94,7 +94,7 @@ class EngineCore:
         logger.info("%s", startup_line(self))
         freeze_startup_heap()
 
-    def _tp_executor(self, config: EngineConfig, path: str, has_front_beside: bool):
+    def _tp_executor(self, config: EngineConfig, path: str, is_served: bool):
         size = config.parallel.tensor_parallel_size
         if size == 1:
             return None
@@ -106,7 +106,7 @@ class EngineCore:
             raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         from llmserve.worker.tp_executor import TPExecutor
 
-        return TPExecutor(config, self.model_info, self.device, self.dtype, has_front_beside)
+        return TPExecutor(config, self.model_info, self.device, self.dtype, is_served)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
@@ -120,7 +120,7 @@ class EngineCore:
             core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
         self.scheduler.add_request(core_request)
 
-    def end_windows_when(self, has_input: Callable[[], bool]) -> None:
+    def interrupt_windows_on_input(self, has_input: Callable[[], bool]) -> None:
         """For an engine whose outputs are read as they come (the engine-core process), a multi-step ends
         after the forward where `has_input()` turns true, or where some row ran its last forward
         (worker/multi_step.py): a request that arrives meanwhile waits one forward, not the window, and a

@@ -136,7 +136,7 @@ def omp_num_threads(environ=os.environ) -> int | None:
     return int(first) if first.isdigit() and int(first) > 0 else None
 
 
-def choose_num_threads(requested: int | None, num_params: int, device_type: str, has_front_beside: bool,
+def choose_num_threads(requested: int | None, num_params: int, device_type: str, is_served: bool,
                        read_cpus: Callable[[], CpuReading] = measure_cpus, num_current: int = 1,
                        num_env: int | None = None) -> ThreadChoice:
     """The thread count to set and why. requested: --num-threads; num_env: OMP_NUM_THREADS (already
@@ -149,7 +149,7 @@ def choose_num_threads(requested: int | None, num_params: int, device_type: str,
         return ThreadChoice(None, "OMP_NUM_THREADS")
     if device_type != "cpu":
         return ThreadChoice(None, "torch's default")
-    if not has_front_beside:
+    if not is_served:
         return ThreadChoice(None, "the process's count (in-process engine)")
     if num_params < SMALL_MODEL_PARAMS:
         return ThreadChoice(1, "a small model beside the HTTP front")
@@ -168,14 +168,14 @@ def shared_by_ranks(num_ranks: int) -> ThreadChoice:
 
 
 def apply_num_threads(requested: int | None, model: torch.nn.Module, device_type: str,
-                      has_front_beside: bool, num_ranks: int = 1) -> ThreadChoice:
+                      is_served: bool, num_ranks: int = 1) -> ThreadChoice:
     """Set this process's intra-op threads for `model` (see the module doc); returns the count in use
     and why. num_ranks: of a tensor-parallel engine (on CPU its ranks share the cores unless told otherwise)."""
     num_env = omp_num_threads()
     if requested is None and num_env is None and num_ranks > 1 and device_type == "cpu":
         choice = shared_by_ranks(num_ranks)
     else:
-        choice = choose_num_threads(requested, num_matmul_params(model), device_type, has_front_beside,
+        choice = choose_num_threads(requested, num_matmul_params(model), device_type, is_served,
                                     measure_cpus, torch.get_num_threads(), num_env)
     if choice.num_threads is not None and choice.num_threads != torch.get_num_threads():
         torch.set_num_threads(choice.num_threads)

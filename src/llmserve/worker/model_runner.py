@@ -110,7 +110,7 @@ class ModelRunner:
         states, step_rows = self.step_rows(req_ids)  # step_rows [B]: the rows' batch rows
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
-            self.settle()
+            self.finish_in_flight()
             self._begin_spec_step(sched_out)
         prompt_plan = None
         if self.prompt_scorers:
@@ -168,7 +168,7 @@ class ModelRunner:
             self.times.propose += time.perf_counter() - t0
         return handle.output
 
-    def settle(self) -> None:
+    def finish_in_flight(self) -> None:
         """Bring the step in flight to the host now (the engine takes its output later)."""
         if self.in_flight is not None:
             self.finish(self.in_flight)

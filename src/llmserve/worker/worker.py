@@ -45,13 +45,13 @@ def device_memory(device: torch.device) -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, path: str, device: torch.device,
-                 dtype: torch.dtype, has_front_beside: bool = False, tp: TensorParallel | None = None) -> None:
-        """`config` with the device's scheduler defaults resolved; has_front_beside: see cpu_threads;
+                 dtype: torch.dtype, is_served: bool = False, tp: TensorParallel | None = None) -> None:
+        """`config` with the device's scheduler defaults resolved; is_served: see cpu_threads;
         tp: this rank of a tensor-parallel engine (torch.distributed initialised), None without."""
         self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
         self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
-        threads = apply_num_threads(config.model.num_threads, model, device.type, has_front_beside,
+        threads = apply_num_threads(config.model.num_threads, model, device.type, is_served,
                                     tp.size if tp is not None else 1)
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
         self.draft_info, draft_model = self._load_draft()
