@@ -26,6 +26,15 @@ def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
     check(value in choices, flag, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
+def check_field_choices(config) -> None:
+    """Each set field of a config dataclass whose metadata lists `choices` (the CLI's too) holds one of them:
+    the list is written once, beside the field."""
+    for f in dataclasses.fields(config):
+        value, choices = getattr(config, f.name), f.metadata.get("choices")
+        if choices is not None and value is not None:
+            check_choice(f.metadata.get("flag", f.name.replace("_", "-")), value, tuple(choices))
+
+
 LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
 CPU_SCHEDULER_STEPS = 64  # decode forwards a CPU engine step may run (SchedulerConfig.num_scheduler_steps)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp16", "int8")  # which device/dtype each runs on: model/quant check_supported
@@ -53,15 +62,12 @@ class ModelConfig:
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
 
     def validate(self) -> None:
-        check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        check_field_choices(self)
         check_min("max-model-len", self.max_model_len, 1)
         check(self.device in ("auto", "cpu") or self.device.split(":")[0] == "cuda", "device",
               f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        check_choice("attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         check_min("max-cudagraph-capture-size", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
-        if self.quantization is not None:
-            check_choice("quantization", self.quantization, ("int8", "fp8", "none"))
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class CacheConfig:
                                 "computes in float32)", "choices": list(KV_CACHE_DTYPES)})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("block-size", self.block_size, 1)
         if self.kv_cache_memory is not None:
             check(parse_bytes(self.kv_cache_memory, "kv-cache-memory-bytes") > 0, "kv-cache-memory-bytes",
@@ -92,7 +99,6 @@ class CacheConfig:
         check_min("num-gpu-blocks-override", self.num_kv_blocks, 2)  # the null block and one more
         check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        check_choice("kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -120,13 +126,13 @@ class SchedulerConfig:
                                             "overlaps it instead)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("max-num-seqs", self.max_num_seqs, 1)
         check_min("num-scheduler-steps", self.num_scheduler_steps, 1)
         check(not (self.async_scheduling and (self.num_scheduler_steps or 1) > 1), "num-scheduler-steps",
               f"{self.num_scheduler_steps} runs without async scheduling: add --no-async-scheduling")
         check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
         check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
-        check_choice("scheduling-policy", self.policy, ("fcfs", "priority"))
 
     def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
         """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""
@@ -170,8 +176,7 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.speculative == "draft" else 0
 
     def validate(self) -> None:
-        if self.speculative is not None:
-            check_choice("speculative", self.speculative, ("ngram", "draft"))
+        check_field_choices(self)
         check_min("num-speculative-tokens", self.num_speculative_tokens, 1)
         check_min("ngram-min", self.ngram_min, 1)
         check(self.ngram_min <= self.ngram_max, "ngram-max",
@@ -196,6 +201,7 @@ class ParallelConfig:
                                       "process each (CUDA: GPUs 0..N-1 over NCCL; CPU: processes over gloo, for tests)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
 
 
