@@ -382,6 +382,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         parallel=dataclass_from_args(ParallelConfig, args))
 
 
+def engine_kwargs(config: EngineConfig) -> dict:
+    """An EngineConfig as the flat keyword arguments LLM(...) and build_engine_config take."""
+    parts = (config.model, config.cache, config.scheduler, config.speculative, config.parallel)
+    return {f.name: getattr(part, f.name) for part in parts for f in dataclasses.fields(part)}
+
+
 def is_local_model(model: str) -> bool:
     """--model (or --tokenizer, --draft-model) names a local directory rather than a hub id: it starts like
     a path, or exists."""

@@ -16,33 +16,20 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from llmserve.bench.command import add_bench_command
-from llmserve.config import KV_CACHE_DTYPES
+from llmserve.config import EngineConfig, engine_kwargs
 
 
 @dataclass(frozen=True)
 class OfflineBenchConfig:
-    model: str | None = field(default=None, metadata={"help": "checkpoint dir (default: make --shape with make-model)"})
-    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint"})
-    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint"})
-    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
+    """The workload and the report; the engine's settings are the engine's own flags (`engine`), as `serve`'s."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"engine": True})
+    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint (without --model)"})
+    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint (without --model)"})
     num_requests: int = field(default=128, metadata={"help": "requests, all submitted at once"})
     prompt_len: str = field(default="64-512", metadata={"help": "prompt length range MIN-MAX (uniform)"})
     output_len: str = field(default="32-256", metadata={"help": "output length range MIN-MAX (uniform)"})
-    seed: int = field(default=0, metadata={"help": "workload seed"})
-    max_num_seqs: int | None = field(default=None, metadata={"help": "engine: most running requests (default: the engine's for the device)"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
-    quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16 | int8 (where each "
-                                "runs: llmserve serve --help)", "choices": list(KV_CACHE_DTYPES)})
-    async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
-    num_scheduler_steps: int | None = field(default=None, metadata={"help": "engine: decode forwards a step may run "
-                                            "for requests that report only their final output (default: the engine's "
-                                            "for the device)"})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
-    num_threads: int | None = field(default=None, metadata={"help": "engine: CPU threads of the model's ops "
-                                    "(default on CPU: one per CPU free at start-up, at most one per core; "
-                                    "OMP_NUM_THREADS also sets it)"})
+    workload_seed: int = field(default=0, metadata={"help": "seed of the random prompts and lengths"})
     quiet: bool = field(default=False, metadata={"help": "no progress (the stages on stderr, a bar of finished "
                                                  "requests with its ETA); the results still print"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
@@ -62,7 +49,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def make_workload(cfg: OfflineBenchConfig, vocab_size: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.workload_seed)
     (p_lo, p_hi), (o_lo, o_hi) = _range(cfg.prompt_len), _range(cfg.output_len)
     return [([rng.randrange(10, vocab_size) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(o_lo, o_hi))
             for _ in range(cfg.num_requests)]
@@ -71,11 +58,7 @@ def make_workload(cfg: OfflineBenchConfig, vocab_size: int) -> list[tuple[list[i
 def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
     from llmserve import LLM
 
-    llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-              async_scheduling=cfg.async_scheduling, num_scheduler_steps=cfg.num_scheduler_steps,
-              tensor_parallel_size=cfg.tensor_parallel_size, num_threads=_num_threads(cfg),
-              quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
+    llm = LLM(**{**engine_kwargs(cfg.engine), "model": path, "num_threads": _num_threads(cfg)})
     with llm:
         return _measure(cfg, llm, workload)
 
@@ -87,9 +70,9 @@ def _num_threads(cfg: OfflineBenchConfig) -> int | None:
 
     from llmserve.worker.cpu_threads import measure_cpus, omp_num_threads, threads_for_free_cpus
 
-    if cfg.num_threads is not None or omp_num_threads() is not None or cfg.tensor_parallel_size > 1 or \
-            torch.cuda.is_available():
-        return cfg.num_threads
+    requested, num_ranks = cfg.engine.model.num_threads, cfg.engine.parallel.tensor_parallel_size
+    if requested is not None or omp_num_threads() is not None or num_ranks > 1 or torch.cuda.is_available():
+        return requested
     choice = threads_for_free_cpus(measure_cpus(), torch.get_num_threads())
     _progress(cfg, f"{choice.num_threads} thread(s): {choice.reason} (--num-threads to choose)")
     return choice.num_threads
@@ -125,7 +108,7 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
             "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions,
             "async_scheduling": core.is_async, "num_scheduler_steps": core.config.scheduler.num_scheduler_steps,
             "split_steps": cfg.split_steps,
-            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "tensor_parallel_size": cfg.engine.parallel.tensor_parallel_size,
             # rank 0's host time in collectives (all-reduces, logits all-gather, ids broadcast), waits for the
             # other ranks included; on CUDA without split_steps it times the launches only
             "collective_share": None if tp is None else tp.comm_seconds / elapsed,
@@ -179,9 +162,9 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
 
     if cfg.baseline not in (None, "hf"):
         raise ValueError("--baseline must be hf")
-    if cfg.model is None:
+    if cfg.engine.model.model is None:
         _progress(cfg, f"writing a random-weight {cfg.arch} {cfg.shape} checkpoint")
-    path = cfg.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
+    path = cfg.engine.model.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
     workload = make_workload(cfg, load_hf_config(path).vocab_size)
     _progress(cfg, f"loading the engine, then {cfg.num_requests} requests "
                    f"({sum(n for _, n in workload):,} output tokens) at once")
@@ -190,7 +173,8 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
     if cfg.baseline == "hf":
         from llmserve.bench.hf_baseline import run_hf_baseline
 
-        results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size, dtype=cfg.dtype))
+        results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size,
+                                                  dtype=cfg.engine.model.dtype))
         _print(results)
     if cfg.plot:
         from llmserve.bench.offline_plots import write_offline_plots
