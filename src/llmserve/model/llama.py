@@ -207,8 +207,15 @@ class CausalLM(nn.Module):
 
     @property
     def is_moe(self) -> bool:
-        """Whether some layers are Mixture-of-Experts (their forward syncs with the host: no CUDA graphs)."""
+        """Whether some layers are Mixture-of-Experts."""
         return self.parts.moe is not None
+
+    def has_host_syncs(self) -> bool:
+        """Whether a forward waits for the device on the host (no CUDA graphs then): MoE layers do, unless their
+        experts run as grouped GEMMs on this device and dtype (model/moe_grouped.py)."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        probe = self.model.embed_tokens.weight[:1]  # [1, hidden] in the model's device and dtype
+        return not all(block.is_grouped(probe) for block in blocks)
 
     def take_expert_balance(self) -> float | None:
         """MoE layers' tokens per expert, max over mean, averaged over their forwards since the last call;

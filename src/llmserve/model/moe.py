@@ -27,6 +27,7 @@ from torch import nn
 
 from llmserve.model import cpu_kernels
 from llmserve.model.fused_cuda import cuda_fused
+from llmserve.model.moe_grouped import can_group, grouped_moe
 
 if TYPE_CHECKING:
     from llmserve.model.parallel import TensorParallel  # parallel.py imports this module
@@ -238,12 +239,19 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = router_logits(x, self.gate.weight, self.gate.bias)  # [T, E]
         weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)  # [T, k] each
+        if self.is_grouped(x):  # no host sync (CUDA graphs); the load histogram is not kept on this path
+            out = grouped_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                              self.spec.activation or _silu_mul, self._biases())
+            return out if self.tp is None else self.tp.all_reduce(out)
         counts = expert_counts(ids, self.spec.num_experts)
         self.load.record(counts)
         out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts,
                         self._biases(), self.spec.activation)
         return out if self.tp is None else self.tp.all_reduce(out)
 
+    def is_grouped(self, x: torch.Tensor) -> bool:
+        """The experts run as grouped GEMMs without a host sync (model/moe_grouped.py) for inputs like x."""
+        return can_group(x, self.experts.gate_up_proj, self.experts.down_proj)
 
     def _biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The experts' biases; on a tensor-parallel rank other than 0 without the down bias, which the

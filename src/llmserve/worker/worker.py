@@ -150,8 +150,8 @@ class Worker:
             return None
         if self.tp is not None:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
-        if getattr(model, "is_moe", False):
-            return None  # the MoE layers read their expert counts on the host, which a graph cannot
+        if getattr(model, "has_host_syncs", lambda: False)():
+            return None  # MoE layers that read their expert counts on the host, which a graph cannot
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
                               queries_per_row=queries_per_row)
