@@ -75,3 +75,24 @@ def test_empty_batches_launch_nothing():
     x = torch.empty(0, 64, device=DEVICE)
     assert triton_elementwise.rms_norm(x, torch.ones(64, device=DEVICE), EPS).shape == (0, 64)
     assert triton_elementwise.silu_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rotates_a_strided_view_in_place_as_layers_does(dtype):
+    """q and k as views of one fused qkv output (rows wider than the heads), head_dim 64 and 80."""
+    for head_dim in (64, 80):
+        qkv = _rows(6, 5 * head_dim, dtype, head_dim)  # 3 q/k heads, then 2 more columns of "v"
+        qk = qkv[:, :3 * head_dim].view(6, 3, head_dim)
+        gen = torch.Generator().manual_seed(head_dim)
+        angles = torch.rand(6, 1, head_dim // 2, generator=gen) * 6
+        cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+        want = _rotary_reference(qk, cos, sin)  # the torch code apply_rotary runs off the fused paths
+        v_before = qkv[:, 3 * head_dim:].clone()
+        got = triton_elementwise.rotary_(qk, cos, sin)
+        assert got.data_ptr() == qk.data_ptr() and torch.equal(qkv[:, 3 * head_dim:], v_before)
+        _close(got, want)
+
+
+def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.clone().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

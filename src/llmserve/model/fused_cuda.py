@@ -28,3 +28,12 @@ def fused_elementwise_enabled() -> bool:
     if value not in ("on", "off"):
         raise ValueError(f"LLMSERVE_FUSED_ELEMENTWISE={value!r}: choose on or off")
     return value == "on" and importlib.util.find_spec("triton") is not None
+
+
+def cuda_rotary(x: torch.Tensor, cos: torch.Tensor):
+    """The fused Triton rotary kernel when it takes x and cos (see cuda_fused), else None."""
+    if not x.is_cuda or not fused_elementwise_enabled():
+        return None
+    from llmserve.model import triton_elementwise
+
+    return triton_elementwise if triton_elementwise.can_rotate(x, cos) else None

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
-from llmserve.model.fused_cuda import cuda_fused
+from llmserve.model.fused_cuda import cuda_fused, cuda_rotary
 from llmserve.model.parallel import TensorParallel, column_linear, row_linear
 
 
@@ -235,13 +235,15 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D], cos/sin [T, 1, R/2] -> x [T, heads, D] with its first R features rotated (R < D: partial
-    rotary, the rest pass through); float32 on CPU in place (cpu_kernels)."""
+    rotary, the rest pass through); in place for float32 on CPU (cpu_kernels) and on CUDA (Triton)."""
     rot = 2 * cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     if x.stride(-1) == 1 and cpu_kernels.can_fuse(x):
         cpu_kernels.rotary_(x, cos, sin)
         return x
+    if (fused := cuda_rotary(x, cos)) is not None:
+        return fused.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for CUDA (Triton): RMSNorm with and without the residual add, and SiLU-and-mul.
+"""Fused elementwise kernels for CUDA (Triton): RMSNorm with and without the residual add, SiLU-and-mul, and the
+rotary embedding (in place).
 
 Unfused, each is a chain of torch kernels (the norm's add, upcast, square, mean, rsqrt, two products, cast:
 about eight launches per norm, 65 norms in an 8B decoder), each reading and writing the whole activation;
@@ -44,6 +45,43 @@ def _silu_mul_kernel(out_ptr, gate_up_ptr, width, stride_g, stride_o, BLOCK: tl.
     silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)  # F.silu rounds to the input dtype
     out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, out, mask=is_col)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, HALF: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    is_col = offs < HALF
+    base = x_ptr + token * stride_t + head * stride_h
+    x1 = tl.load(base + offs, mask=is_col, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=is_col, other=0.0)
+    cos = tl.load(cos_ptr + token * stride_c + offs, mask=is_col, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_c + offs, mask=is_col, other=0.0).to(tl.float32)
+    dtype = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    # each product and sum rounded to x's dtype, as torch's x1 * cos - x2 * sin computes it
+    out1 = ((a * cos).to(dtype).to(tl.float32) - (b * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((b * cos).to(dtype).to(tl.float32) + (a * sin).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(base + offs, out1, mask=is_col)
+    tl.store(base + HALF + offs, out2, mask=is_col)
+
+
+def can_rotate(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """x [T, heads, D] with contiguous features on CUDA, cos [T, 1, R/2] in x's dtype, the whole head rotated."""
+    return (x.is_cuda and x.dim() == 3 and x.stride(2) == 1 and x.dtype in (torch.float32, torch.bfloat16,
+            torch.float16) and cos.dtype == x.dtype and 2 * cos.shape[-1] == x.shape[-1] and cos.stride(-1) == 1)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style (rotate-half) rotary embedding of x [T, heads, D] in place, cos/sin [T, 1, D/2]; returns x."""
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_kernel[(num_tokens, num_heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=half,
+                                                BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return x
 
 
 def can_fuse(x: torch.Tensor) -> bool:
