@@ -62,11 +62,22 @@ def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
     return window
 
 
+def pooling_engine_config(config: EngineConfig) -> EngineConfig:
+    """A pooling engine's steps run in order, one forward each (its requests end when their prompt does:
+    nothing to overlap, no decode step); the prefix cache holds no hidden states, so only last-token
+    pooling, which needs none of the cached tokens', keeps it (as vLLM does)."""
+    if not config.model.is_pooling:
+        return config
+    scheduler = dataclasses.replace(config.scheduler, async_scheduling=False, num_scheduler_steps=1)
+    return dataclasses.replace(config, scheduler=scheduler)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
         """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.validate()  # before loading anything: a bad value fails in milliseconds
+        config = pooling_engine_config(config)
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
@@ -74,10 +85,14 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
-                                                     config.model.quantization, config.model.disable_sliding_window)
+                                                     config.model.quantization, config.model.disable_sliding_window,
+                                                     config.model.is_pooling, config.model.pooler_config)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
+        if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
+            self.config = config
         self.tp_executor = self._tp_executor(config, path, has_front_beside)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
