@@ -29,7 +29,8 @@ from llmserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from llmserve.model.loader import ModelInfo
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestTimeoutError", "StatLogger", "TokensPrompt", "merge_outputs"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestTimeoutError", "StatLogger", "TokensPrompt", "WrongRunnerError",
+           "merge_outputs"]
 
 logger = logging.getLogger("llmserve.engine.async_llm")
 
@@ -38,6 +39,13 @@ OUTPUT_CHUNK_SIZE = 128  # requests' outputs processed in one turn of the event 
 
 class RequestTimeoutError(Exception):
     """The request ran longer than the front's request timeout; it was aborted (its KV blocks freed)."""
+
+
+class WrongRunnerError(ValueError):
+    """A request the engine's runner does not serve (generation on --runner pooling, or embeddings on
+    --runner generate): a user error about the model served."""
+
+    param = "model"
 
 
 @dataclass
@@ -131,10 +139,10 @@ class AsyncLLM:
     def check_runner(self, is_pooling: bool) -> None:
         """ValueError unless the engine's runner serves this kind of request."""
         if is_pooling and not self.is_pooling:
-            raise ValueError("this server runs a generation model (--runner generate): embeddings need an "
+            raise WrongRunnerError("this server runs a generation model (--runner generate): embeddings need an "
                              "embedding model served with --runner pooling")
         if not is_pooling and self.is_pooling:
-            raise ValueError("this server runs an embedding model (--runner pooling): it serves /v1/embeddings "
+            raise WrongRunnerError("this server runs an embedding model (--runner pooling): it serves /v1/embeddings "
                              "only; text generation needs --runner generate")
 
     @classmethod

@@ -55,11 +55,14 @@ class Processor:
             raise ValueError(f"min_tokens={params.min_tokens} does not fit the context after "
                              f"{num_prompt_tokens} prompt tokens (max_model_len {self.max_model_len})")
 
+    def check_pooling_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                             f"input has {num_prompt_tokens} tokens. Shorten the input.")
+
     def process_pooling(self, request_id: str, prompt_token_ids: list[int], priority: int = 0) -> EngineCoreRequest:
         """A pooling request (--runner pooling): the prompt only, which may fill the whole context."""
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                             f"input has {len(prompt_token_ids)} tokens. Shorten the input.")
+        self.check_pooling_length(len(prompt_token_ids))
         return EngineCoreRequest(request_id, prompt_token_ids, pooling_params(), [], time.time(), priority)
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
