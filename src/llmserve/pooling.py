@@ -38,7 +38,8 @@ class PoolerConfig:
             raise ValueError(f"dimensions must be in 1..{hidden_size} (the model's size); got {dimensions}")
         allowed = self.matryoshka_dimensions
         if allowed and dimensions not in allowed:
-            raise ValueError(f"dimensions must be one of {', '.join(map(str, allowed))} for this model; got {dimensions}")
+            raise ValueError(f"dimensions must be one of {', '.join(map(str, allowed))} for this model; "
+                             f"got {dimensions}")
 
 
 OVERRIDE_KEYS = ("pooling_type", "normalize")  # --pooler-config's keys (vLLM's names)

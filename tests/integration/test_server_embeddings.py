@@ -1,13 +1,15 @@
 """POST /v1/embeddings on a real `llmserve serve --runner pooling` of a random-weight Qwen3 embedding model
 (a bare decoder saved by transformers, Matryoshka in its config), called by the official `openai` client:
 vectors equal transformers' last hidden states pooled as the checkpoint asks (last token, normalised), as
-floats and base64, truncated by `dimensions`; bad inputs are 400s in OpenAI's shape naming the field; the
+floats and base64, truncated by `dimensions`, and by the gRPC Embed call; bad inputs are 400s in OpenAI's shape naming the field; the
 pooling server refuses generation and a generation server refuses embeddings."""
 
 from __future__ import annotations
 
 import base64
+import re
 
+import grpc
 import httpx
 import numpy as np
 import openai
@@ -16,6 +18,8 @@ import torch
 
 from embedding_cases import embedding_checkpoint, hf_embedding, load_hf
 from llmserve.model.loader import load_tokenizer
+from llmserve.server.grpc_service import llmserve_pb2 as pb
+from llmserve.server.grpc_service import llmserve_pb2_grpc as pb_grpc
 from llmserve.server.testing import SMALL_ENGINE_ARGS, ServerProcess
 
 NAME = "tiny-embed"
@@ -32,7 +36,8 @@ def model_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def pooling_server(model_path):
     args = ["--model", model_path, *SMALL_ENGINE_ARGS, "--runner", "pooling", "--served-model-name", NAME,
-            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16"]
+            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
+            "--grpc-port", "0"]
     with ServerProcess(args) as server:
         yield server
 
@@ -127,3 +132,31 @@ def test_a_generation_server_refuses_embeddings(server):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "model" and "--runner pooling" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def stub(pooling_server):
+    port = int(re.search(r"llmserve: gRPC on 127\.0\.0\.1:(\d+)", pooling_server.log()).group(1))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def test_grpc_embed_gives_the_http_routes_vectors(stub, http, model_path):
+    ids = load_tokenizer(model_path).encode(TEXTS[0])
+    request = pb.EmbedRequest(inputs=[pb.EmbedInput(text=TEXTS[1]), pb.EmbedInput(token_ids=pb.TokenIds(ids=ids))],
+                              dimensions=16)
+    out = stub.Embed(request)
+    body = http.post("/v1/embeddings", json={"input": [TEXTS[1], TEXTS[0]], "dimensions": 16}).json()
+    assert [list(e.values) for e in out.embeddings] == [d["embedding"] for d in body["data"]]
+    assert out.prompt_tokens == body["usage"]["prompt_tokens"] and out.request_id.startswith("grpc-embd-")
+
+
+@pytest.mark.parametrize("request_, word", [
+    (pb.EmbedRequest(), "input"),
+    (pb.EmbedRequest(inputs=[pb.EmbedInput()]), "text or token_ids"),
+    (pb.EmbedRequest(inputs=[pb.EmbedInput(text="x")], dimensions=0), "dimensions"),
+])
+def test_grpc_embed_errors_are_invalid_argument(stub, request_, word):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Embed(request_)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in caught.value.details()

@@ -10,7 +10,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmserve.outputs import RequestOutput
+from llmserve.engine.async_llm import TokensPrompt
 from llmserve.pooling import PoolerConfig
 from llmserve.server.protocol import encode_json, decode_json
 from llmserve.server.protocol_embeddings import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
@@ -38,6 +38,33 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str
     return vector.tolist()
 
 
+def check_embeddings(ctx: ServingContext, prompts: list[TokensPrompt], dimensions: int | None) -> None:
+    """ValueError naming the field (`model`, `dimensions`, `input`) unless the engine may embed these prompts."""
+    ctx.engine.check_runner(is_pooling=True)
+    info = ctx.engine.model_info
+    if dimensions is not None:
+        try:
+            info.pooler.check_dimensions(dimensions, info.hidden_size)
+        except ValueError as e:
+            raise FieldError("dimensions", str(e)) from None
+    if not prompts:
+        raise FieldError("input", "input must not be empty")
+    try:
+        for prompt in prompts:
+            prompt.token_ids = ctx.engine.processor.tokenize(prompt.token_ids)  # ids in the vocabulary
+            ctx.engine.processor.check_pooling_length(len(prompt.token_ids))
+    except ValueError as e:
+        raise FieldError("input", str(e)) from None
+
+
+async def embed_all(ctx: ServingContext, prompts: list[TokensPrompt], request_id: str, dimensions: int | None,
+                    priority: int = 0) -> list[np.ndarray]:
+    """Each prompt's vector [D], pooled by the engine at once (cancelled together: each aborts its request)."""
+    finals = await asyncio.gather(*(ctx.engine.embed(prompt, f"{request_id}-{i}", priority)
+                                    for i, prompt in enumerate(prompts)))
+    return [embedding_vector(final.pooled, ctx.engine.model_info.pooler, dimensions) for final in finals]
+
+
 class EmbeddingServer:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -47,30 +74,16 @@ class EmbeddingServer:
         req: EmbeddingRequest = decode_json(body, EmbeddingRequest)
         ctx.check_model(req.model)
         ctx.engine.check_runner(is_pooling=True)
-        info = ctx.engine.model_info
-        if req.dimensions is not None:
-            try:
-                info.pooler.check_dimensions(req.dimensions, info.hidden_size)
-            except ValueError as e:
-                raise FieldError("dimensions", str(e)) from None
         try:
             prompts = token_prompts(ctx, req.input, req.add_special_tokens, "input")
-            for prompt in prompts:
-                prompt.token_ids = ctx.engine.processor.tokenize(prompt.token_ids)  # ids in the vocabulary
-                ctx.engine.processor.check_pooling_length(len(prompt.token_ids))
         except ValueError as e:
             raise FieldError("input", str(e)) from None
+        check_embeddings(ctx, prompts, req.dimensions)
         ctx.admit(request.scope, len(prompts))
         request_id = new_request_id("embd")
-        work = asyncio.gather(*(ctx.engine.embed(p, f"{request_id}-{i}") for i, p in enumerate(prompts)))
-        finals = await until_disconnect(request, work, request_id)
-        return Response(encode_json(self._response(req, request_id, finals)), media_type="application/json")
-
-    def _response(self, req: EmbeddingRequest, request_id: str, finals: list[RequestOutput]) -> EmbeddingResponse:
-        pooler = self.ctx.engine.model_info.pooler
-        data = [Embedding(i, encode_vector(embedding_vector(final.pooled, pooler, req.dimensions),
-                                           req.encoding_format))
-                for i, final in enumerate(finals)]
-        num_tokens = sum(len(final.prompt_token_ids) for final in finals)
-        return EmbeddingResponse(request_id, created_now(), self.ctx.model_name, data,
-                                 EmbeddingUsage(num_tokens, num_tokens))
+        vectors = await until_disconnect(request, embed_all(ctx, prompts, request_id, req.dimensions), request_id)
+        data = [Embedding(i, encode_vector(vector, req.encoding_format)) for i, vector in enumerate(vectors)]
+        num_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+        usage = EmbeddingUsage(num_tokens, num_tokens)
+        return Response(encode_json(EmbeddingResponse(request_id, created_now(), ctx.model_name, data, usage)),
+                        media_type="application/json")
