@@ -18,8 +18,11 @@ from llmserve.server.serving_embeddings import embedding_vector
 from llmserve.worker.pooler import Pooler
 
 BUDGET = 16  # tokens a step: the 40-token prompt runs in three chunks
-PROMPTS = [[7], [5, 6, 7, 8, 9], list(range(20, 33)), list(range(3, 43))]
-ENGINE = dict(runner="pooling", dtype="float32", max_num_batched_tokens=BUDGET, num_kv_blocks=64, max_model_len=128)
+MAX_MODEL_LEN = 128
+# the last one fills the whole context (an embedding's prompt may: nothing follows it)
+PROMPTS = [[7], [5, 6, 7, 8, 9], list(range(20, 33)), list(range(3, 43)), list(range(100, 100 + MAX_MODEL_LEN))]
+ENGINE = dict(runner="pooling", dtype="float32", max_num_batched_tokens=BUDGET, num_kv_blocks=64,
+              max_model_len=MAX_MODEL_LEN)
 
 
 def embed(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
