@@ -140,10 +140,10 @@ class AsyncLLM:
         """ValueError unless the engine's runner serves this kind of request."""
         if is_pooling and not self.is_pooling:
             raise WrongRunnerError("this server runs a generation model (--runner generate): embeddings need an "
-                             "embedding model served with --runner pooling")
+                                   "embedding model served with --runner pooling")
         if not is_pooling and self.is_pooling:
-            raise WrongRunnerError("this server runs an embedding model (--runner pooling): it serves /v1/embeddings "
-                             "only; text generation needs --runner generate")
+            raise WrongRunnerError("this server runs an embedding model (--runner pooling): it serves "
+                                   "/v1/embeddings only; text generation needs --runner generate")
 
     @classmethod
     async def from_config(cls, config: EngineConfig, *, startup_timeout: float = 600.0,

@@ -21,8 +21,8 @@ from llmserve.model.moe import num_experts_of
 from llmserve.model.parallel import TensorParallel, shard_of
 from llmserve.model.pooler_config import resolve_pooler_config
 from llmserve.model.registry import BARE_DECODERS, architecture_of, get_model_class
-from llmserve.pooling import PoolerConfig
 from llmserve.model.sliding_window import layer_windows
+from llmserve.pooling import PoolerConfig
 
 HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                       "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -125,7 +125,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
         model = cls(config, max_model_len=max_model_len, tp=tp, has_lm_head=has_lm_head)
     model = model.to(dtype=dtype).to_empty(device=device)
     layout = model.layout
-    weights = _with_model_prefix(iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout)))
+    weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout))
+    weights = _with_model_prefix(weights)
     if quant.checkpoint_method(config) is not None:
         weights = quant.dequantize_weights(weights, weight_block_size(config))
     if mxfp4.is_mxfp4(config):
@@ -138,10 +139,13 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     return model
 
 
+_BARE_DECODER_PARTS = ("embed_tokens.", "layers.", "norm.")  # a decoder's own modules, saved without `model.`
+
+
 def _with_model_prefix(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """A bare decoder's tensors (`layers.0...`, saved from AutoModel) under the causal LM's `model.` names."""
     for name, tensor in weights:
-        yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), tensor
+        yield (f"model.{name}" if name.startswith(_BARE_DECODER_PARTS) else name), tensor
 
 
 def _check_moe_quantization(config, method: str | None) -> None:
