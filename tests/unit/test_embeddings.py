@@ -11,6 +11,7 @@ import torch
 from embedding_cases import ATOL, embedding_checkpoint, hf_embedding, load_hf, write_sentence_transformers
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from llmserve.engine.startup_summary import startup_line
 from llmserve.model.pooler_config import resolve_pooler_config
 from llmserve.model.loader import load_hf_config
 from llmserve.pooling import PoolerConfig, parse_pooler_override
@@ -55,6 +56,8 @@ def test_sentence_transformers_mean_pooling_is_honoured(tmp_path):
     llm = LLM(path, **ENGINE)
     assert llm.engine.model_info.pooler == PoolerConfig("MEAN", False)
     assert not llm.engine.config.cache.enable_prefix_caching, "mean pooling needs every token's hidden state"
+    line = startup_line(llm.engine)
+    assert "runner pooling (MEAN pooling, not normalized)" in line and "prefix caching off" in line, line
     assert_matches(embed(llm, PROMPTS), load_hf(path), "MEAN", False)
 
 
