@@ -4,6 +4,8 @@ checkpoint asks for (sentence-transformers files) or --pooler-config names; what
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from embedding_cases import ATOL, embedding_checkpoint, hf_embedding, load_hf, w
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from llmserve.engine.startup_summary import startup_line
+from llmserve.model.maker import make_model
 from llmserve.model.pooler_config import resolve_pooler_config
 from llmserve.model.loader import load_hf_config
 from llmserve.pooling import PoolerConfig, parse_pooler_override
@@ -76,6 +79,14 @@ def test_a_pooling_engine_generates_nothing_and_a_generating_one_embeds_nothing(
         llm.generate([[5, 6]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="no lm_head.*--runner pooling"):
         LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)  # a bare decoder has no head to generate with
+
+
+def test_a_sentence_transformers_model_served_to_generate_is_told_of_the_pooling_runner(tmp_path, caplog):
+    path = make_model("qwen3", "tiny", str(tmp_path))  # a causal LM, head and all
+    write_sentence_transformers(path, "lasttoken", normalize=True)
+    with caplog.at_level(logging.WARNING, logger="llmserve.engine.engine_core"):
+        LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    assert any("add --runner pooling" in r.getMessage() for r in caplog.records)
 
 
 def test_pooling_engine_flags_are_validated():

@@ -31,6 +31,7 @@ from llmserve.model import quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
+from llmserve.model.pooler_config import is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
 from llmserve.worker.step_handle import StepHandle
@@ -90,6 +91,9 @@ class EngineCore:
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
+        if self.model_info.pooler is None and is_sentence_transformers(path):
+            logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "
+                           "add --runner pooling to serve its embeddings (POST /v1/embeddings)", name)
         if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
             self.config = config

@@ -43,11 +43,14 @@ def _read_json(path: str):
         return json.load(f)
 
 
+def is_sentence_transformers(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "modules.json"))
+
+
 def _sentence_transformers_pooler(path: str) -> PoolerConfig | None:
-    modules_file = os.path.join(path, "modules.json")
-    if not os.path.isfile(modules_file):
+    if not is_sentence_transformers(path):
         return None
-    modules = _read_json(modules_file)
+    modules = _read_json(os.path.join(path, "modules.json"))
     types = [m.get("type") for m in modules]
     for kind in types:
         if kind not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE):
