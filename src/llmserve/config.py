@@ -10,6 +10,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.pooling import RUNNERS, parse_pooler_override
+
 
 def check(is_ok: bool, flag: str, message: str) -> None:
     """ValueError('--flag: message') unless `is_ok`: a config error names the CLI flag that sets it."""
@@ -60,6 +62,12 @@ class ModelConfig:
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
+    runner: str = field(default="generate", metadata={"help": "generate (completions, chat, responses) | pooling (an "
+                        "embedding model: /v1/embeddings only, each prompt pooled into one vector)",
+                        "choices": ["generate", "pooling"]})
+    pooler_config: str | None = field(default=None, metadata={"help": "--runner pooling: JSON overriding the "
+                                      "checkpoint's pooling: pooling_type (LAST | MEAN | CLS), normalize (true | false) "
+                                      "(default: a sentence-transformers folder's own, else LAST, normalized)"})
 
     def validate(self) -> None:
         check_field_choices(self)
@@ -68,6 +76,12 @@ class ModelConfig:
               f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         check_min("max-cudagraph-capture-size", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
+        check(self.pooler_config is None or self.runner == "pooling", "pooler-config", "only with --runner pooling")
+        parse_pooler_override(self.pooler_config)  # ValueError naming --pooler-config
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
 
 @dataclass(frozen=True)
@@ -220,6 +234,7 @@ class EngineConfig:
             section.validate()
         check_model_len(self, max_model_len or self.model.max_model_len)
         check_tensor_parallel_combinations(self)
+        check_pooling_combinations(self)
         check(self.cache.kv_cache_dtype != "int8" or self.model.attention_backend != "triton", "kv-cache-dtype",
               "int8 is read by the CPU attention kernel only (--attention-backend auto or torch), not by triton")
 
@@ -232,6 +247,18 @@ def check_tensor_parallel_combinations(config: EngineConfig) -> None:
           "speculative decoding (--speculative) is not supported with tensor parallelism")
     check(":" not in config.model.device, "tensor-parallel-size",
           f"ranks use devices cuda:0..N-1; --device {config.model.device!r} names one device")
+
+
+def check_pooling_combinations(config: EngineConfig) -> None:
+    """What a pooling engine (prompt-only work: no sampled token, no decode step) does not run with."""
+    if not config.model.is_pooling:
+        return
+    check(config.speculative.speculative is None, "speculative", "not with --runner pooling (nothing is decoded)")
+    check(config.parallel.tensor_parallel_size == 1, "tensor-parallel-size", "not with --runner pooling yet")
+    check(not config.scheduler.async_scheduling, "async-scheduling",
+          "not with --runner pooling (a step's pooled vectors end its requests: nothing to overlap)")
+    check((config.scheduler.num_scheduler_steps or 1) == 1, "num-scheduler-steps",
+          "not with --runner pooling (multi-step runs decode steps only)")
 
 
 def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:

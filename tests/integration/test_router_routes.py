@@ -90,6 +90,13 @@ def test_tokenizer_routes_pass_through(router, replica):
     assert post(router, "/tokenize", {"model": "nope", "prompt": "hi"}).status_code == 404
 
 
+def test_embeddings_pass_through(router):
+    """To the replica, which answers as a generation server does (embeddings need --runner pooling)."""
+    response = post(router, "/v1/embeddings", {"model": "tiny", "input": "hello"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert "--runner pooling" in response.json()["error"]["message"]
+
+
 def test_tgi_generate_routes_pass_through(router):
     body = {"inputs": "hello", "parameters": {"max_new_tokens": 4}}
     generated = post(router, "/generate", body)

@@ -76,6 +76,12 @@ def test_errors_map_to_status_codes(stub, request_, metadata, code, word):
     assert caught.value.code() == code and word in caught.value.details()
 
 
+def test_a_generation_model_refuses_embed(stub):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text="x")]), metadata=AUTH)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--runner pooling" in caught.value.details()
+
+
 def test_a_cancelled_stream_frees_its_request(server, stub):
     long = pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     call = stub.GenerateStream(pb.GenerateRequest(text="Tell me", sampling=long), metadata=AUTH)

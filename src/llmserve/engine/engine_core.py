@@ -31,6 +31,7 @@ from llmserve.model import quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
+from llmserve.model.pooler_config import is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
 from llmserve.worker.step_handle import StepHandle
@@ -62,11 +63,22 @@ def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
     return window
 
 
+def pooling_engine_config(config: EngineConfig) -> EngineConfig:
+    """A pooling engine's steps run in order, one forward each (its requests end when their prompt does:
+    nothing to overlap, no decode step); the prefix cache holds no hidden states, so only last-token
+    pooling, which needs none of the cached tokens', keeps it (as vLLM does)."""
+    if not config.model.is_pooling:
+        return config
+    scheduler = dataclasses.replace(config.scheduler, async_scheduling=False, num_scheduler_steps=1)
+    return dataclasses.replace(config, scheduler=scheduler)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, is_served: bool = False) -> None:
         """is_served: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.validate()  # before loading anything: a bad value fails in milliseconds
+        config = pooling_engine_config(config)
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
@@ -74,10 +86,17 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
-                                                     config.model.quantization, config.model.disable_sliding_window)
+                                                     config.model.quantization, config.model.disable_sliding_window,
+                                                     config.model.is_pooling, config.model.pooler_config)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
+        if self.model_info.pooler is None and is_sentence_transformers(path):
+            logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "
+                           "add --runner pooling to serve its embeddings (POST /v1/embeddings)", name)
+        if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
+            self.config = config
         self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, is_served)

@@ -1,6 +1,6 @@
 """The engine's start-up line: what is on, with its sizes, in one place a user reads once (the model and
-device, the linear layers' kernel, the KV cache's dtype and size, prefix caching, speculation, the
-scheduler's overlap and steps, CUDA graphs, threads)."""
+device, the runner (generate, or pooling and how), the linear layers' kernel, the KV cache's dtype and size,
+prefix caching, speculation, the scheduler's overlap and steps, CUDA graphs, threads)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from llmserve.config import SpeculativeConfig
 from llmserve.model import cpu_kernels
+from llmserve.pooling import PoolerConfig
 
 
 def linear_kernel(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:
@@ -35,6 +36,12 @@ def speculation(spec: SpeculativeConfig) -> str:
     return f"speculative {method}, k={spec.num_speculative_tokens}, up to batch {spec.speculative_max_batch} ({rule})"
 
 
+def runner_kind(pooler: PoolerConfig | None) -> str:
+    if pooler is None:
+        return "runner generate"
+    return f"runner pooling ({pooler.pooling_type} pooling, {'normalized' if pooler.normalize else 'not normalized'})"
+
+
 def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int) -> str:
     num_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
     dtype = str(kv_caches[0].dtype).removeprefix("torch.") if kv_caches else "?"
@@ -48,7 +55,7 @@ def startup_line(core) -> str:
     config, info, runner = core.config, core.model_info, core.runner
     sched = config.scheduler
     graphs = "CUDA graphs off" if runner.graphs is None else f"CUDA graphs up to batch {runner.graphs.sizes[-1]}"
-    parts = [f"engine ready: {info.name} on {core.device}, {info.dtype}",
+    parts = [f"engine ready: {info.name} on {core.device}, {info.dtype}", runner_kind(info.pooler),
              f"linears {linear_kernel(runner.model, core.device, core.dtype, info.quantization)}",
              kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size),
              f"prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}",

@@ -177,9 +177,13 @@ class CausalLM(nn.Module):
     then `load_weights`. Tied embeddings reuse model.embed_tokens.weight for the logits.
     """
 
-    def __init__(self, config, max_model_len: int | None = None, tp: TensorParallel | None = None):
+    def __init__(self, config, max_model_len: int | None = None, tp: TensorParallel | None = None,
+                 has_lm_head: bool = True):
+        """has_lm_head=False: an embedding model (--runner pooling), which reads hidden states only: no
+        head is built, and a checkpoint's head (if any) is skipped."""
         super().__init__()
         self.config = config
+        self.has_lm_head = has_lm_head
         self.parts = decoder_parts(config)
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
@@ -197,7 +201,7 @@ class CausalLM(nn.Module):
         self.rope_kinds = gemma3.layer_kinds(config) if len(self.rotary) > 1 else ["default"] * len(windows)
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
-        self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if self.is_tied or not has_lm_head else Linear(config.hidden_size, vocab_rows, bias=False)
         # A tied head's table packed for the CPU GEMM (pack_tied_lm_head); a plain attribute, not a buffer:
         # weight counts (cpu_threads, roofline) count the table once
         self.tied_head_packed: torch.Tensor | None = None
@@ -225,7 +229,7 @@ class CausalLM(nn.Module):
     def pack_tied_lm_head(self) -> bool:
         """Keep a packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""
         table = self.model.embed_tokens.weight
-        if not (self.is_tied and self.lm_head is None and self.tp is None and can_pack(table)):
+        if not (self.is_tied and self.has_lm_head and self.lm_head is None and self.tp is None and can_pack(table)):
             return False
         self.tied_head_packed = packed(table)
         return True
@@ -252,6 +256,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped where the config says)."""
+        assert self.has_lm_head, "an embedding model (no lm_head) computes no logits"
         logits = self._head_logits(hidden)
         return logits if self.parts.logit_softcap is None else gemma3.soft_cap(logits, self.parts.logit_softcap)
 
@@ -277,7 +282,7 @@ class CausalLM(nn.Module):
         if self.architecture == gpt_oss.ARCHITECTURE:
             weights = gpt_oss.to_decoder_layout(weights)
         for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.is_tied)
+            target = _map_hf_name(hf_name, self.is_tied or not self.has_lm_head)
             if target is None:
                 continue
             name, shard = target
@@ -320,6 +325,8 @@ class CausalLM(nn.Module):
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = [key for name in params for key in self._shard_keys(name) if key not in loaded]
+        if missing == ["lm_head.weight"]:
+            raise ValueError("checkpoint has no lm_head: an embedding model? serve it with --runner pooling")
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -337,9 +344,9 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
 _SHARDS_OF = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
-def _map_hf_name(hf_name: str, is_tied: bool) -> tuple[str, str | None] | None:
+def _map_hf_name(hf_name: str, skips_head: bool) -> tuple[str, str | None] | None:
     """HF name -> (our parameter name, shard or None); None for tensors we skip."""
-    if "rotary_emb.inv_freq" in hf_name or (is_tied and hf_name == "lm_head.weight"):
+    if "rotary_emb.inv_freq" in hf_name or (skips_head and hf_name == "lm_head.weight"):
         return None
     expert = map_expert_name(hf_name)
     if expert is not None:

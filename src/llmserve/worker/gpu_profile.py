@@ -66,7 +66,8 @@ def profile_forward(model: torch.nn.Module, backend: AttentionBackend, kv_cache_
     torch.cuda.reset_peak_memory_stats(device)
     hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, kv_caches,
                    backend.build_metadata(inputs), backend)  # [T, hidden]
-    model.compute_logits(hidden[-num_logit_rows:])
+    if getattr(model, "has_lm_head", True):  # an embedding model (--runner pooling) computes no logits
+        model.compute_logits(hidden[-num_logit_rows:])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - sum(c.numel() * c.element_size() for c in kv_caches)
     del kv_caches, hidden

@@ -21,6 +21,7 @@ from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.pooler import Pooler
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
 from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
@@ -50,7 +51,8 @@ class Worker:
         tp: this rank of a tensor-parallel engine (torch.distributed initialised), None without."""
         self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
         self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
-        model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
+        model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization,
+                           has_lm_head=model_info.pooler is None)
         threads = apply_num_threads(config.model.num_threads, model, device.type, is_served,
                                     tp.size if tp is not None else 1)
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
@@ -64,7 +66,8 @@ class Worker:
         graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
-                                  model_info.max_model_len, tp)
+                                  model_info.max_model_len, tp,
+                                  None if model_info.pooler is None else Pooler(model_info.pooler))
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
@@ -148,6 +151,8 @@ class Worker:
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
+        if self.model_info.pooler is not None:
+            return None  # a pooling engine runs prompts only: no decode step to capture
         if self.tp is not None:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
         if getattr(model, "has_host_syncs", lambda: False)():
