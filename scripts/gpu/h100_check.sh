@@ -16,7 +16,7 @@
 #   repeated spans with clear argmaxes, so that n-gram lookup finds drafts and the oracle keeps its nominal A
 #   in bf16; the same cost), peaked (--peaked-logits) or random
 #   STEPPROF_AB=1: stepprof also with LLMSERVE_FUSED_ELEMENTWISE=off, first
-#   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy)
+#   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -116,6 +116,11 @@ if want serve; then
     # the checkpoint's sampling defaults (above) vs greedy: what the sampler costs a served step
     [[ $runs == *,c64greedy,* ]] && run serve_c64_greedy 45 "${S[@]}" --concurrency 64 --num-requests 256 \
         --extra-body '{"temperature": 0}' --out "$RES/serve_c64_greedy.json"
+    # structured outputs (issue 54's target: a JSON schema on every request >= 0.9x of none, c=16 and c=64)
+    [[ $runs == *,json,* ]] && run serve_json_none 60 "${S[@]}" --concurrency 16,64 --num-requests 256 \
+        --out "$RES/serve_json_none.json"
+    [[ $runs == *,json,* ]] && run serve_json 60 "${S[@]}" --concurrency 16,64 --num-requests 256 \
+        --json-schema scripts/gpu/schema.json --out "$RES/serve_json.json"
     kill $SERVER; wait $SERVER 2>/dev/null
 fi
 if want fp8; then
