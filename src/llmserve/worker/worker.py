@@ -24,7 +24,8 @@ from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
-from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
+from llmserve.worker.kv_cache import (allocate_kv_caches, bytes_per_block, cache_bytes_per_block, needs_gpu_profile,
+                                      num_kv_blocks)
 from llmserve.worker.model_runner import ModelRunner
 
 MAX_GRAPH_QUERIES = 16  # a captured row's queries fit one attention tile (triton_kernels.block_q_for)
@@ -45,6 +46,13 @@ def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
+def _backend_name(model: torch.nn.Module, requested: str) -> str:
+    """--attention-backend for this model: a latent cache (MLA) runs on the torch backend on every device."""
+    if not getattr(model, "has_latent_cache", False):
+        return requested
+    return "torch" if requested == "auto" else requested
+
+
 class Worker:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, path: str, device: torch.device,
                  dtype: torch.dtype, has_front_beside: bool = False, tp: TensorParallel | None = None) -> None:
@@ -55,7 +63,7 @@ class Worker:
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
         self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
         self.draft_info, draft_model = self._load_draft()
-        attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
+        attn_backend = select_attention_backend(device, _backend_name(model, config.model.attention_backend), dtype)
         self.num_blocks = self._num_blocks(model, attn_backend)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        model_info.num_layers, self.kv_dtype, device)
@@ -126,8 +134,8 @@ class Worker:
     def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
         """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
         cache, budget = self.config.cache, None
-        block_bytes = bytes_per_block(self.model_info.num_layers, cache.block_size, model.num_kv_heads,
-                                      self.model_info.head_dim, self.kv_dtype)  # this rank's KV heads
+        block_bytes = cache_bytes_per_block(model.kv_cache_shape(1, cache.block_size), self.model_info.num_layers,
+                                            self.kv_dtype)  # this rank's KV heads (or latents)
         if self.draft_info is not None:
             info = self.draft_info
             block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads, info.head_dim,
