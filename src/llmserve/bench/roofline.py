@@ -135,6 +135,7 @@ def run(cfg: RooflineBenchConfig) -> dict:
 def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
     from llmserve import LLM
     from llmserve.model.maker import make_model
+    from llmserve.worker.kv_cache import kv_bytes_per_token
 
     if cfg.output_len < 2:
         raise ValueError("output_len must be at least 2")
@@ -144,7 +145,7 @@ def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
               max_model_len=cfg.prompt_len + cfg.output_len + 16, enable_prefix_caching=False)
     engine, info = llm.engine, llm.engine.model_info
     weight_bytes = weight_bytes_read(engine.runner.model)
-    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * engine.runner.kv_caches[0].element_size()
+    kv_per_token = kv_bytes_per_token(engine.runner.kv_caches)  # the cache's layout: K/V per head, or MLA latents
     bandwidth = copy_bandwidth(engine.device, cfg.copy_mib * 2**20)
     prompt = [random.Random(0).randrange(10, info.vocab_size) for _ in range(cfg.prompt_len)]
     step_s = decode_seconds_per_token(llm, prompt, cfg.output_len, cfg.repeats)
