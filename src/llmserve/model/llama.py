@@ -290,7 +290,7 @@ class CausalLM(nn.Module):
         if self.architecture in deepseek.ARCHITECTURES:
             weights = deepseek.to_decoder_layout(weights, self.config, self.architecture)
         for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.is_tied)
+            target = _map_hf_name(hf_name, self.is_tied, fuses_qkv=not self.parts.is_mla)
             if target is None:
                 continue
             name, shard = target
@@ -355,15 +355,16 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
 _SHARDS_OF = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
-def _map_hf_name(hf_name: str, is_tied: bool) -> tuple[str, str | None] | None:
-    """HF name -> (our parameter name, shard or None); None for tensors we skip."""
+def _map_hf_name(hf_name: str, is_tied: bool, fuses_qkv: bool = True) -> tuple[str, str | None] | None:
+    """HF name -> (our parameter name, shard or None); None for tensors we skip. fuses_qkv=False keeps q_proj
+    (MLA's, without LoRA) whole."""
     if "rotary_emb.inv_freq" in hf_name or (is_tied and hf_name == "lm_head.weight"):
         return None
     expert = map_expert_name(hf_name)
     if expert is not None:
         return expert
     parts = hf_name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
+    if len(parts) >= 2 and parts[-2] in _FUSED and (fuses_qkv or _FUSED[parts[-2]][0] != "qkv_proj"):
         fused, shard = _FUSED[parts[-2]]
         return ".".join(parts[:-2] + [fused, parts[-1]]), shard
     return hf_name, None
