@@ -8,10 +8,12 @@ up-projections of c by `kv_b_proj` (W_UK_h [Dn, L], W_UV_h [Dv, L]) plus k_r for
     score_h(t) = q_nope_h . W_UK_h c(t) + q_rope_h . k_r(t) = [W_UK_h^T q_nope_h, q_rope_h] . [c(t), k_r(t)]
     out_h      = W_UV_h sum_t p_h(t) c(t)
 
-The absorbed form (vLLM's, SGLang's, FlashMLA's) computes it so: queries projected into the latent space
-(`_absorb_queries`), attention as multi-query attention with one head of width L + R over the cached
-entries, whose first L values are the value (model/attn_latent.py), then the up-projection W_UV per head
-(`_expand_values`). Nothing per head is ever cached or rebuilt for past tokens.
+Rows over a cached prefix (decode, later chunks, prefix hits) take the absorbed form (vLLM's, SGLang's,
+FlashMLA's): queries projected into the latent space (`_absorb_queries`), multi-query attention with one head
+of width L + R over the cached entries, whose first L values are the value (model/attn_latent.py), then the
+up-projection W_UV per head (`_expand_values`): nothing per head is cached or rebuilt for past tokens. Fresh
+prompt rows take the expanded form over their own tokens (`_expand_keys_values`: K and V per head from the
+step's latents), narrower attention than the absorbed one when the prompt is long.
 
 The queries come from `q_proj`, or through a low-rank `q_a_proj` -> RMSNorm -> `q_b_proj` when q_lora_rank is
 set. The rope features are rotated rotate-half style: model/deepseek.py reorders an interleaved checkpoint's
@@ -21,6 +23,7 @@ rope rows so that this equals its interleaved rotation.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import attn_latent, deepseek
@@ -67,15 +70,40 @@ class MlaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; attn_metadata is the torch backend's (attn_latent)."""
+        """x [T, hidden] -> [T, hidden]; attn_metadata is the torch backend's (model/attn_latent.py)."""
         num_tokens = x.shape[0]
         q = self._queries(x).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, Dn + R]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = apply_rotary(q_rope, *cos_sin)
         entries = self._latent_entries(x, cos_sin)  # [T, L + R]
-        queries = torch.cat([self._absorb_queries(q_nope), apply_rotary(q_rope, *cos_sin)], dim=-1)  # [T, H, L + R]
-        latent_out = attn_latent.attend(queries, entries, kv_cache, attn_metadata, self.scale,
-                                        self.kv_lora_rank)  # [T, H, L]
-        return self.o_proj(self._expand_values(latent_out).reshape(num_tokens, self.num_heads * self.v_dim))
+        groups = attn_latent.groups(attn_metadata)
+        attn_latent.write_entries(kv_cache, attn_metadata.slot_mapping, entries)
+        if len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == num_tokens:  # decode only
+            out = self._attend_group(q_nope, q_rope, entries, kv_cache, groups[0])  # [T, H, Dv]
+        else:
+            out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
+            for group in groups:
+                attn_latent.scatter(out, self._attend_group(q_nope, q_rope, entries, kv_cache, group), group)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _attend_group(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                      kv_cache: torch.Tensor, group) -> torch.Tensor:
+        """One group of rows -> its out [Bg * Q, H, Dv]: absorbed over the cache, or expanded for fresh rows."""
+        q_nope, q_rope = attn_latent.group_rows(q_nope, group), attn_latent.group_rows(q_rope, group)
+        if group.block_table is None:
+            k, v = self._expand_keys_values(attn_latent.group_rows(entries, group))
+            return attn_latent.attend_expanded(torch.cat([q_nope, q_rope], dim=-1), k, v, group, self.scale)
+        queries = torch.cat([self._absorb_queries(q_nope), q_rope], dim=-1)  # [n, H, L + R]
+        latent_out = attn_latent.attend_absorbed(queries, kv_cache, group, self.scale, self.kv_lora_rank)
+        return self._expand_values(latent_out)
+
+    def _expand_keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """entries [n, L + R] -> per-head k [n, H, Dn + R] (the rope key shared by all heads), v [n, H, Dv]."""
+        latent, k_rope = entries.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = F.linear(latent, self.kv_b_proj.weight).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        return k, v
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
