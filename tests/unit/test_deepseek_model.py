@@ -123,6 +123,16 @@ def test_routing_and_layers_are_those_transformers_builds(checkpoint):
     torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
 
 
+def test_a_bfloat16_model_keeps_its_router_float32(checkpoint):
+    """As transformers keeps gate.weight (and V3's e_score_correction_bias) float32: a bf16 bias would move the choice."""
+    path, _ = checkpoint
+    model = load_model(path, torch.bfloat16, "cpu")
+    block = model.model.layers[1].mlp
+    router = [t for t in (block.gate.weight, block.gate.e_score_correction_bias) if t is not None]
+    assert {t.dtype for t in router} == {torch.float32}
+    assert block.experts.gate_up_proj.dtype == model.model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
+
+
 def test_the_latent_cache_holds_one_entry_a_token_and_sizes_the_blocks(checkpoint):
     path, _ = checkpoint
     budget = 2**20

@@ -86,7 +86,8 @@ def moe_spec(config, architecture: str) -> MoeSpec:
                    num_topk_groups=(config.topk_group or 1) if grouped else 1,
                    group_score="top2_sum" if is_v3 else "max",
                    routed_scaling_factor=float(config.routed_scaling_factor or 1.0),
-                   shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0))
+                   shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+                   is_router_float32=True)  # as transformers keeps it: a bf16 correction bias moves the choice
 
 
 def _rope_settings(config) -> dict:

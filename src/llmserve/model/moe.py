@@ -73,6 +73,7 @@ class MoeSpec:
     group_score: str = "max"  # a group's score: its best expert's ("max") or its best two's sum ("top2_sum")
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this
     shared_intermediate_size: int = 0  # > 0: a dense gated MLP every token goes through (shared experts)
+    is_router_float32: bool = False  # the router's weight and correction bias stay float32 in a bf16 model
 
     @property
     def is_grouped(self) -> bool:
@@ -228,8 +229,10 @@ class Router(nn.Module):
     """The linear layer scoring each token against each expert (HF's `mlp.gate`; gpt-oss's has a bias,
     DeepSeek-V3's an `e_score_correction_bias` for the choice only)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, has_bias: bool = False, has_correction_bias: bool = False):
+    def __init__(self, hidden_size: int, num_experts: int, has_bias: bool = False, has_correction_bias: bool = False,
+                 is_float32: bool = False):
         super().__init__()
+        self.is_float32 = is_float32  # the loader keeps its tensors float32 (transformers' DeepSeek does)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
         self.bias = nn.Parameter(torch.empty(num_experts)) if has_bias else None  # [E]
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if has_correction_bias else None  # [E]
@@ -277,7 +280,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.spec = spec
         self.tp = tp
-        self.gate = Router(hidden_size, spec.num_experts, spec.has_bias, spec.has_correction_bias)
+        self.gate = Router(hidden_size, spec.num_experts, spec.has_bias, spec.has_correction_bias,
+                           spec.is_router_float32)
         self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts,
                                spec.has_bias)
         self.shared_experts = _shared_experts(hidden_size, spec.shared_intermediate_size)
