@@ -105,6 +105,15 @@ def test_preemption_under_a_small_cache_equals_transformers(checkpoint):
     llm.engine.check_integrity()
 
 
+def test_ngram_speculation_verifies_over_the_latent_cache_as_transformers(checkpoint):
+    path, hf = checkpoint
+    repeated = prompt(8, 30) * 3
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, speculative="ngram",
+              num_speculative_tokens=3)
+    assert list(greedy(llm, [repeated])[0].outputs[0].token_ids) == hf_greedy(hf, repeated)
+    llm.engine.check_integrity()
+
+
 def test_routing_and_layers_are_those_transformers_builds(checkpoint):
     """The dense and MoE layers, the softmax scale, and each token's experts and weights equal transformers'."""
     path, hf = checkpoint
