@@ -153,6 +153,18 @@ def test_the_latent_cache_holds_one_entry_a_token_and_sizes_the_blocks(checkpoin
     assert [tuple(c.shape) for c in caches] == [(1, llm.engine.num_blocks, 4, 1, KV_LORA + ROPE)] * LAYERS
 
 
+def test_a_draft_model_beside_a_latent_cache_sizes_blocks_by_both_layouts(tmp_path):
+    target = make_model("deepseek_v3", "tiny-deepseek-v3", str(tmp_path / "target"), seed=3)
+    draft = make_model("llama", "tiny", str(tmp_path / "draft"), seed=4)  # 2 layers of 2 kv heads of 16
+    budget = 2**20
+    llm = LLM(target, dtype="float32", max_model_len=128, kv_cache_memory=str(budget), block_size=4,
+              speculative="draft", draft_model=draft, num_speculative_tokens=2)
+    per_token = (KV_LORA + ROPE) * LAYERS * 4 + 2 * 2 * 2 * 16 * 4  # latents, then the draft's K and V
+    assert llm.engine.num_blocks == budget // (4 * per_token)
+    assert len(greedy(llm, [prompt(9, 1)])[0].outputs[0].token_ids) == NUM_OUT
+    llm.engine.check_integrity()
+
+
 def test_deepseek_v3_shape_caches_57x_fewer_bytes_than_per_head_k_and_v():
     config = build_config("deepseek_v3", SHAPES["deepseek-v3"], "bfloat16")
     with torch.device("meta"):
