@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
+from llmserve.model.fused_cuda import cuda_fused
 from llmserve.model.parallel import TensorParallel, column_linear, row_linear
 
 
@@ -37,6 +38,11 @@ class RMSNorm(nn.Module):
             if residual.is_contiguous():
                 cpu_kernels.add_rms_norm_(x, residual, self.weight, self.eps)
                 return x, residual
+        fused = cuda_fused(x)
+        if fused is not None and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1)):
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -255,5 +261,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        if (fused := cuda_fused(gate_up)) is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)

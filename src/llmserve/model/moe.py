@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
+from llmserve.model.fused_cuda import cuda_fused
 
 if TYPE_CHECKING:
     from llmserve.model.parallel import TensorParallel  # parallel.py imports this module
@@ -183,6 +184,8 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [n, 2I] -> silu(gate) * up [n, I]."""
     if gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
         return cpu_kernels.silu_mul(gate_up)
+    if (fused := cuda_fused(gate_up)) is not None:
+        return fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

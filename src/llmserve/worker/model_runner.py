@@ -327,8 +327,13 @@ class ModelRunner:
         """Rows [S] with penalties keep their sampled ids [S] on the device (their seen-token state).
         Plain greedy rows have none: nothing to look up when every row is one."""
         if self.num_not_plain_greedy and (is_penalized := self.batch.has_penalties[batch_rows]).any():  # [S]
+            if is_penalized.all():  # the common case: every row takes the checkpoint's penalty
+                self.sampling.penalty_tokens.append_sampled(batch_rows, sampled)
+                return
             penalized = np.flatnonzero(is_penalized)  # [S']
-            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized], sampled[torch.from_numpy(penalized)])
+            # the index goes to the device first: a host index on a CUDA tensor waits for the whole step
+            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
+                                                        sampled[on_device(penalized, sampled.device)])
 
     def _handle(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, sampled: torch.Tensor,
                 copy: HostCopy, num_logprobs: list[int | None] | None = None, is_sync: bool = False,

@@ -1,0 +1,77 @@
+"""The fused CUDA elementwise kernels (model/triton_elementwise.py) against the torch code they replace in
+model/layers.py, through Triton's interpreter off CUDA (tests/conftest.py sets TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from llmserve.model import triton_elementwise  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+
+
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def _rows(num_rows: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_rows, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the mean's summation order may move a value by one step of the 16-bit type; Triton's interpreter
+        # truncates its casts to bfloat16 where CUDA rounds, two steps with the weight's product
+        step = 2 ** -7 if DEVICE == "cuda" else 2 ** -5
+        torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 200, 4096])  # 200: a row shorter than its power-of-two block
+def test_rms_norm_is_layers_rms_norm(dtype, hidden):
+    x = _rows(5, hidden, dtype, hidden)
+    weight = _rows(1, hidden, dtype, 1)[0]
+    _close(triton_elementwise.rms_norm(x, weight, EPS), _norm_reference(x, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_writes_the_sum_into_the_residual(dtype):
+    x, residual = _rows(7, 256, dtype, 2), _rows(7, 256, dtype, 3)
+    weight = _rows(1, 256, dtype, 4)[0]
+    total = x + residual  # rounded to dtype, as the torch path adds
+    normed, summed = triton_elementwise.add_rms_norm(x, residual.clone(), weight, EPS)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(summed, total)
+    else:
+        _close(summed, total)  # the interpreter's truncating cast
+    _close(normed, _norm_reference(total, weight))
+
+
+def test_rows_are_normed_alone_whatever_the_batch():
+    x = _rows(9, 512, torch.bfloat16, 5)
+    weight = _rows(1, 512, torch.bfloat16, 6)[0]
+    batch = triton_elementwise.rms_norm(x, weight, EPS)
+    for i in (0, 4, 8):
+        assert torch.equal(triton_elementwise.rms_norm(x[i:i + 1], weight, EPS), batch[i:i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 1500])  # 1500: two column blocks, the second partial
+def test_silu_mul_is_silu_of_gate_times_up(dtype, width):
+    gate_up = _rows(3, 2 * width, dtype, width)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(triton_elementwise.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_empty_batches_launch_nothing():
+    x = torch.empty(0, 64, device=DEVICE)
+    assert triton_elementwise.rms_norm(x, torch.ones(64, device=DEVICE), EPS).shape == (0, 64)
+    assert triton_elementwise.silu_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
