@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.model import mla
+from llmserve.model import cpu_kernels, mla
 from llmserve.model.attn_torch import TorchAttentionBackend
 from llmserve.model.layers import RotaryEmbedding, apply_rotary, rope_params_from_config
 from llmserve.model.testing import PagedBatchBuilder
@@ -45,8 +45,15 @@ def _reference(attention: mla.MlaAttention, x: torch.Tensor, cos_sin, num_new: i
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
-@pytest.mark.parametrize("use_cpu_kernel", [False, None])
-def test_fresh_continuing_and_decode_rows_equal_per_head_attention(q_lora_rank, use_cpu_kernel):
+@pytest.mark.parametrize(("use_cpu_kernel", "kernel_takes_prompts", "dtype", "tolerance"), [
+    (False, False, torch.float64, 1e-10),  # torch groups only
+    (None, False, torch.float32, 1e-5),  # the C++ kernel's decode-like rows, groups for the prompts
+    (None, True, torch.float32, 1e-5),  # the C++ kernel's every row
+])
+def test_fresh_continuing_and_decode_rows_equal_per_head_attention(q_lora_rank, use_cpu_kernel, kernel_takes_prompts,
+                                                                   dtype, tolerance):
+    if use_cpu_kernel is None and not cpu_kernels.available():
+        pytest.skip("the C++ kernels do not build here")
     attention = _attention(q_lora_rank)
     rotary = RotaryEmbedding(ROPE, rope_params_from_config(
         type("Config", (), {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})()))
@@ -60,10 +67,11 @@ def test_fresh_continuing_and_decode_rows_equal_per_head_attention(q_lora_rank, 
             entries = attention._latent_entries(x[:cached], rotary.cos_sin(torch.arange(cached), torch.float64))
             cache.view(-1, KV_LORA + ROPE).index_copy_(0, slots, entries)
         _, positions, inputs = builder.step([(req, [0] * new) for req, (_, new) in enumerate(ROWS)])
-        backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
-        new_x = torch.cat([x[cached:] for (cached, _), x in zip(ROWS, xs)])
-        out = attention(new_x, rotary.cos_sin(positions, torch.float64), cache, backend.build_metadata(inputs), backend)
         expected = torch.cat([_reference(attention, x, rotary.cos_sin(torch.arange(x.shape[0]), torch.float64), new)
                               for (_, new), x in zip(ROWS, xs)])
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel, kernel_takes_prompts=kernel_takes_prompts)
+        new_x = torch.cat([x[cached:] for (cached, _), x in zip(ROWS, xs)])
+        attention, cache = attention.to(dtype), cache.to(dtype)
+        out = attention(new_x.to(dtype), rotary.cos_sin(positions, dtype), cache, backend.build_metadata(inputs), backend)
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
     assert cache.view(-1, KV_LORA + ROPE)[inputs.slot_mapping].abs().sum() > 0  # the new tokens' entries were stored

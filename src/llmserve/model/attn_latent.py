@@ -10,8 +10,9 @@ group:
   into the query axis (q [Bg, 1, H, L + R] against k [Bg, 1, K, L + R]);
 - fresh prompt rows take the expanded form over their own tokens (K and V per head up-projected from the
   step's latents, never cached): causal attention of width Dn + R (192 for V3) rather than L + R (576).
-Rows the C++ kernel would take for per-head caches come back as groups too (`KernelRows.fallback_groups`):
-the kernel reads K and V per head, not latents.
+On CPU the C++ kernel attends the rows it takes (decode-like ones; every row for float32 with AVX2) in the
+absorbed form straight from the cache, which it reads as both its K and its V half (`attend_kernel_rows`);
+where it cannot (another dtype, no build) they come back as groups (`KernelRows.fallback_groups`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmserve.model import cpu_kernels
 from llmserve.model.attn_torch import GroupMetadata, TorchAttentionMetadata
 
 
@@ -27,13 +29,34 @@ def write_entries(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, entries: t
     kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, entries.to(kv_cache.dtype))
 
 
-def groups(metadata: object) -> list[GroupMetadata]:
-    """Every row of the step as the torch backend's groups (full attention: DeepSeek has no sliding window)."""
+def check_metadata(metadata: object) -> None:
     if not isinstance(metadata, TorchAttentionMetadata):
         raise TypeError(f"a latent cache is read through the torch attention backend's metadata, "
                         f"not {type(metadata).__name__}")
-    kernel_groups = [] if metadata.kernel is None else metadata.kernel.fallback_groups(0)
+
+
+def kernel_takes(metadata: TorchAttentionMetadata, queries: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel attends the step's kernel rows (built, and their dtype one it reads)."""
+    return metadata.kernel is not None and cpu_kernels.supports(queries, kv_cache)
+
+
+def groups(metadata: TorchAttentionMetadata, is_kernel_used: bool) -> list[GroupMetadata]:
+    """The step's rows the torch groups attend (full attention: DeepSeek has no sliding window): all but the
+    kernel's when it is used."""
+    kernel_groups = [] if metadata.kernel is None or is_kernel_used else metadata.kernel.fallback_groups(0)
     return kernel_groups + metadata.groups_for(0)
+
+
+def attend_kernel_rows(queries: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,
+                       scale: float) -> torch.Tensor:
+    """Absorbed queries [T, H, L + R] of the kernel's rows over their cached entries, read in place -> [T, H, L + R]
+    (its rows only; the last R features of each are the rope keys' weighted sum, for the caller to drop). The
+    kernel sees the cache as its K and its V half at once (stride 0: the same memory), one kv head."""
+    both_halves = kv_cache.expand(2, *kv_cache.shape[1:])  # [2, N, bs, 1, L + R], no copy
+    kernel, out = metadata.kernel, queries.new_empty(queries.shape)
+    cpu_kernels.paged_attention(out, queries, both_halves, kernel.block_table, kernel.seq_lens,
+                                kernel.query_start_loc, kernel.rows, scale)
+    return out
 
 
 def group_rows(x: torch.Tensor, group: GroupMetadata) -> torch.Tensor:

@@ -76,15 +76,27 @@ class MlaAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_rotary(q_rope, *cos_sin)
         entries = self._latent_entries(x, cos_sin)  # [T, L + R]
-        groups = attn_latent.groups(attn_metadata)
+        attn_latent.check_metadata(attn_metadata)
         attn_latent.write_entries(kv_cache, attn_metadata.slot_mapping, entries)
-        if len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == num_tokens:  # decode only
-            out = self._attend_group(q_nope, q_rope, entries, kv_cache, groups[0])  # [T, H, Dv]
+        out = self._attend_kernel_rows(q_nope, q_rope, kv_cache, attn_metadata)  # [T, H, Dv] or None
+        groups = attn_latent.groups(attn_metadata, is_kernel_used=out is not None)
+        if out is None and len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == num_tokens:
+            out = self._attend_group(q_nope, q_rope, entries, kv_cache, groups[0])  # decode rows only
         else:
-            out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
+            out = x.new_empty(num_tokens, self.num_heads, self.v_dim) if out is None else out
             for group in groups:
                 attn_latent.scatter(out, self._attend_group(q_nope, q_rope, entries, kv_cache, group), group)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _attend_kernel_rows(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                            metadata) -> torch.Tensor | None:
+        """The C++ kernel's rows in the absorbed form -> out [T, H, Dv] (other rows' entries undefined: the
+        groups fill them); None when the kernel takes none."""
+        if not attn_latent.kernel_takes(metadata, q_rope, kv_cache):
+            return None
+        queries = torch.cat([self._absorb_queries(q_nope), q_rope], dim=-1)  # [T, H, L + R]
+        latent_out = attn_latent.attend_kernel_rows(queries, kv_cache, metadata, self.scale)
+        return self._expand_values(latent_out[..., :self.kv_lora_rank])
 
     def _attend_group(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
                       kv_cache: torch.Tensor, group) -> torch.Tensor:
