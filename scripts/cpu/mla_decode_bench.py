@@ -17,8 +17,8 @@ from llmserve.model.testing import PagedBatchBuilder
 from llmserve.model import cpu_kernels
 torch.manual_seed(0)
 ROWS, CTX, BS = 16, 2048, 16
-cfg = DeepseekV2Config(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-                       qk_nope_head_dim=128, v_head_dim=128)
+cfg = DeepseekV2Config(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                       qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 att = mla.MlaAttention(cfg).float()
 with torch.no_grad():
     for p in att.parameters(): p.normal_(0, 0.02)

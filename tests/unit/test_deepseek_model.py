@@ -13,7 +13,7 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import toy_tokenizer
+from llmserve.model import attn_latent, toy_tokenizer
 from llmserve.model.llama import CausalLM
 from llmserve.model.loader import load_hf_config, load_model
 from llmserve.model.maker import SHAPES, build_config, make_model
@@ -95,6 +95,21 @@ def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):
     llm.engine.check_integrity()
 
 
+def test_the_torch_groups_path_equals_transformers(checkpoint, monkeypatch):
+    """Without the C++ kernel (another dtype, no build, CUDA): fresh prompts expanded, the rest absorbed over
+    gathered latents; a mixed batch, then a chunked prompt that hits the cached prefix."""
+    monkeypatch.setattr(attn_latent, "kernel_takes", lambda *args: False)
+    path, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    prompts = [prompt(n, 40 + i) for i, n in enumerate((3, 13, 1))]
+    assert [list(o.outputs[0].token_ids) for o in greedy(llm, prompts)] == [hf_greedy(hf, p) for p in prompts]
+    longer = prompts[1] + prompt(5, 50)
+    hit = greedy(llm, [longer])[0]
+    assert hit.num_cached_tokens >= 12  # the 13-token prompt's 3 full blocks of 4
+    assert list(hit.outputs[0].token_ids) == hf_greedy(hf, longer)
+    llm.engine.check_integrity()
+
+
 def test_preemption_under_a_small_cache_equals_transformers(checkpoint):
     path, hf = checkpoint
     prompts = [prompt(n, 20 + i) for i, n in enumerate((20, 17, 22, 19))]
@@ -133,7 +148,8 @@ def test_routing_and_layers_are_those_transformers_builds(checkpoint):
 
 
 def test_a_bfloat16_model_keeps_its_router_float32(checkpoint):
-    """As transformers keeps gate.weight (and V3's e_score_correction_bias) float32: a bf16 bias would move the choice."""
+    """As transformers keeps gate.weight (and V3's e_score_correction_bias) float32: a bf16 bias would move the
+    choice."""
     path, _ = checkpoint
     model = load_model(path, torch.bfloat16, "cpu")
     block = model.model.layers[1].mlp

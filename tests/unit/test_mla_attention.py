@@ -72,6 +72,7 @@ def test_fresh_continuing_and_decode_rows_equal_per_head_attention(q_lora_rank, 
         backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel, kernel_takes_prompts=kernel_takes_prompts)
         new_x = torch.cat([x[cached:] for (cached, _), x in zip(ROWS, xs)])
         attention, cache = attention.to(dtype), cache.to(dtype)
-        out = attention(new_x.to(dtype), rotary.cos_sin(positions, dtype), cache, backend.build_metadata(inputs), backend)
+        metadata = backend.build_metadata(inputs)
+        out = attention(new_x.to(dtype), rotary.cos_sin(positions, dtype), cache, metadata, backend)
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
     assert cache.view(-1, KV_LORA + ROPE)[inputs.slot_mapping].abs().sum() > 0  # the new tokens' entries were stored

@@ -47,11 +47,25 @@ def groups(metadata: TorchAttentionMetadata, is_kernel_used: bool) -> list[Group
     return kernel_groups + metadata.groups_for(0)
 
 
+def kernel_tokens(metadata: TorchAttentionMetadata) -> torch.Tensor | None:
+    """The flat token indices [n] int64 of the kernel's rows; None when they are every token of the step (no
+    row left to the groups)."""
+    if not metadata.groups_for(0):
+        return None
+    kernel = metadata.kernel
+    rows = kernel.rows.long()
+    starts = kernel.query_start_loc[rows].long()
+    lens = kernel.query_start_loc[rows + 1].long() - starts
+    first_of_token = torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)  # [n] start minus its offset
+    return first_of_token + torch.arange(int(lens.sum()), device=rows.device)
+
+
 def attend_kernel_rows(queries: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,
                        scale: float) -> torch.Tensor:
-    """Absorbed queries [T, H, L + R] of the kernel's rows over their cached entries, read in place -> [T, H, L + R]
-    (its rows only; the last R features of each are the rope keys' weighted sum, for the caller to drop). The
-    kernel sees the cache as its K and its V half at once (stride 0: the same memory), one kv head."""
+    """Absorbed queries [T, H, L + R] (only the kernel's rows are read) over their rows' cached entries, read in
+    place -> [T, H, L + R] (the kernel's rows written; the last R features of each are the rope keys' weighted
+    sum, for the caller to drop). The kernel sees the cache as its K and its V half at once (stride 0: the same
+    memory), one kv head."""
     both_halves = kv_cache.expand(2, *kv_cache.shape[1:])  # [2, N, bs, 1, L + R], no copy
     kernel, out = metadata.kernel, queries.new_empty(queries.shape)
     cpu_kernels.paged_attention(out, queries, both_halves, kernel.block_table, kernel.seq_lens,

@@ -90,13 +90,22 @@ class MlaAttention(nn.Module):
 
     def _attend_kernel_rows(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                             metadata) -> torch.Tensor | None:
-        """The C++ kernel's rows in the absorbed form -> out [T, H, Dv] (other rows' entries undefined: the
-        groups fill them); None when the kernel takes none."""
+        """The C++ kernel's rows in the absorbed form -> out [T, H, Dv] (the other rows' entries undefined: the
+        groups fill them); None when the kernel takes none. Only the kernel's tokens are projected in and out."""
         if not attn_latent.kernel_takes(metadata, q_rope, kv_cache):
             return None
-        queries = torch.cat([self._absorb_queries(q_nope), q_rope], dim=-1)  # [T, H, L + R]
-        latent_out = attn_latent.attend_kernel_rows(queries, kv_cache, metadata, self.scale)
-        return self._expand_values(latent_out[..., :self.kv_lora_rank])
+        tokens = attn_latent.kernel_tokens(metadata)  # None: every token
+        if tokens is not None:
+            q_nope, q_rope = q_nope.index_select(0, tokens), q_rope.index_select(0, tokens)
+        absorbed = torch.cat([self._absorb_queries(q_nope), q_rope], dim=-1)  # [n, H, L + R]
+        num_tokens = metadata.slot_mapping.shape[0]
+        queries = absorbed if tokens is None else \
+            absorbed.new_empty(num_tokens, *absorbed.shape[1:]).index_copy_(0, tokens, absorbed)  # [T, H, L + R]
+        latent_out = attn_latent.attend_kernel_rows(queries, kv_cache, metadata, self.scale)[..., :self.kv_lora_rank]
+        if tokens is None:
+            return self._expand_values(latent_out)
+        out = latent_out.new_empty(num_tokens, self.num_heads, self.v_dim)
+        return out.index_copy_(0, tokens, self._expand_values(latent_out.index_select(0, tokens)))
 
     def _attend_group(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
                       kv_cache: torch.Tensor, group) -> torch.Tensor:
