@@ -30,6 +30,7 @@ def write_entries(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, entries: t
 
 
 def check_metadata(metadata: object) -> None:
+    """TypeError unless the step's metadata is the torch backend's (the only one that reads a latent cache)."""
     if not isinstance(metadata, TorchAttentionMetadata):
         raise TypeError(f"a latent cache is read through the torch attention backend's metadata, "
                         f"not {type(metadata).__name__}")
