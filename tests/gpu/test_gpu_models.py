@@ -16,6 +16,7 @@ from llmserve import LLM, SamplingParams
 from greedy_check import check_greedy_against_hf
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # the architecture tests' checkpoint writers
+import test_deepseek_model  # noqa: E402
 import test_gemma3_model  # noqa: E402
 import test_gpt_oss_model  # noqa: E402
 import test_moe_models  # noqa: E402
@@ -81,3 +82,18 @@ def test_moe_in_bfloat16_runs_through_decode_graphs(arch, tmp_path):
     tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, PARAMS)] for llm in (graphed, eager)]
     assert tokens[0] == tokens[1]
     graphed.engine.check_integrity()
+
+
+@pytest.mark.parametrize("arch", list(test_deepseek_model.ARCHS))
+def test_deepseek_latent_cache_on_cuda_equals_the_cpu_engine(arch, tmp_path):
+    """DeepSeek on CUDA: `auto` picks the torch backend (the latent cache has no Triton kernel yet); chunked prompts,
+    decode over the latents. The reference is the CPU engine's tokens (tests/unit ties them to transformers)."""
+    path = test_deepseek_model.write_checkpoint(arch, str(tmp_path / arch), seed=1)
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16,
+              max_num_batched_tokens=32)
+    assert llm.engine.runner.attn_backend.name == "torch"
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 29, 47, 70)]
+    outputs = llm.generate(prompts, PARAMS)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == _cpu_tokens(path, prompts)
+    llm.engine.check_integrity()

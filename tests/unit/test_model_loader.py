@@ -73,7 +73,8 @@ def test_unknown_architecture_names_the_supported_ones():
         get_model_class("GPT2LMHeadModel")
     assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                                            "GptOssForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM"}
+                                            "GptOssForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
+                                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 
 
 def test_tokenizer_decodes_every_id_and_applies_chat_template(tiny_path):

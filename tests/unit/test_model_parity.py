@@ -17,7 +17,8 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "llama:tiny-llama3",
                                                 "qwen3_moe:tiny-moe", "mixtral:tiny-moe", "gpt_oss:tiny-gpt-oss",
-                                                "phi3:tiny-phi3", "gemma3:tiny-gemma3"])
+                                                "phi3:tiny-phi3", "gemma3:tiny-gemma3",
+                                                "deepseek_v3:tiny-deepseek-v3", "deepseek_v2:tiny-deepseek-v3"])
 def models(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
     arch, _, shape = request.param.partition(":")

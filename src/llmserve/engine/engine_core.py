@@ -27,7 +27,7 @@ from llmserve.core.scheduler import Scheduler
 from llmserve.engine.startup_summary import startup_line
 from llmserve.heap import freeze_startup_heap
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
-from llmserve.model import quant
+from llmserve.model import deepseek, mla, quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
@@ -90,6 +90,8 @@ class EngineCore:
                                                      config.model.is_pooling, config.model.pooler_config)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
+        if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
+            mla.check_settings(config.cache.kv_cache_dtype, config.model.attention_backend)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         if self.model_info.pooler is None and is_sentence_transformers(path):
             logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "

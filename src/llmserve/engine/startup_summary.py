@@ -9,6 +9,7 @@ import torch
 from llmserve.config import SpeculativeConfig
 from llmserve.model import cpu_kernels
 from llmserve.pooling import PoolerConfig
+from llmserve.worker.kv_cache import kv_bytes_per_token
 
 
 def linear_kernel(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:
@@ -45,8 +46,9 @@ def runner_kind(pooler: PoolerConfig | None) -> str:
 def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int) -> str:
     num_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
     dtype = str(kv_caches[0].dtype).removeprefix("torch.") if kv_caches else "?"
+    per_token = kv_bytes_per_token(kv_caches)
     return (f"KV cache {dtype}, {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size:,} tokens, "
-            f"{num_bytes / 2**30:.2f} GiB)")
+            f"{per_token:,} bytes a token, {num_bytes / 2**30:.2f} GiB)")
 
 
 def startup_line(core) -> str:

@@ -124,6 +124,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     with torch.device("meta"), _no_initial_values():
         model = cls(config, max_model_len=max_model_len, tp=tp, has_lm_head=has_lm_head)
     model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():  # a router transformers keeps float32 (DeepSeek's): its choice would move
+        if getattr(module, "is_float32", False):
+            module.float()
     layout = model.layout
     weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout))
     weights = _with_model_prefix(weights)

@@ -19,6 +19,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": CausalLM,
     "Phi3ForCausalLM": CausalLM,
     "Gemma3ForCausalLM": CausalLM,
+    "DeepseekV2ForCausalLM": CausalLM,
+    "DeepseekV3ForCausalLM": CausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

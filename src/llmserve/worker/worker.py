@@ -23,7 +23,7 @@ from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.pooler import Pooler
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
-from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
+from llmserve.worker.kv_cache import allocate_kv_caches, cache_bytes_per_block, needs_gpu_profile, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
 
 MAX_GRAPH_QUERIES = 16  # a captured row's queries fit one attention tile (triton_kernels.block_q_for)
@@ -44,6 +44,14 @@ def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
+def _backend_name(models: list[torch.nn.Module | None], requested: str) -> str:
+    """--attention-backend for these models (the target, a draft): a latent cache (MLA) runs on the torch backend
+    on every device."""
+    if not any(getattr(model, "has_latent_cache", False) for model in models):
+        return requested
+    return "torch" if requested == "auto" else requested
+
+
 class Worker:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, path: str, device: torch.device,
                  dtype: torch.dtype, is_served: bool = False, tp: TensorParallel | None = None) -> None:
@@ -57,8 +65,9 @@ class Worker:
                                     tp.size if tp is not None else 1)
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
         self.draft_info, draft_model = self._load_draft()
-        attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
-        self.num_blocks = self._num_blocks(model, attn_backend)
+        attn_backend = select_attention_backend(device, _backend_name([model, draft_model],
+                                                                       config.model.attention_backend), dtype)
+        self.num_blocks = self._num_blocks(model, draft_model, attn_backend)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                        model_info.num_layers, self.kv_dtype, device)
         speculator = self._speculator(attn_backend, draft_model)
@@ -119,15 +128,14 @@ class Worker:
         return DraftModelProposer(draft_model, head, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                   self.model_info.max_model_len, self.device, self.config.model.seed, chain)
 
-    def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
+    def _num_blocks(self, model: torch.nn.Module, draft_model: torch.nn.Module | None, attn_backend) -> int:
         """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
         cache, budget = self.config.cache, None
-        block_bytes = bytes_per_block(self.model_info.num_layers, cache.block_size, model.num_kv_heads,
-                                      self.model_info.head_dim, self.kv_dtype)  # this rank's KV heads
-        if self.draft_info is not None:
-            info = self.draft_info
-            block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads, info.head_dim,
-                                           self.kv_dtype)
+        block_bytes = cache_bytes_per_block(model.kv_cache_shape(1, cache.block_size), self.model_info.num_layers,
+                                            self.kv_dtype)  # this rank's KV heads (or latents)
+        if draft_model is not None:
+            block_bytes += cache_bytes_per_block(draft_model.kv_cache_shape(1, cache.block_size),
+                                                 self.draft_info.num_layers, self.kv_dtype)
         if needs_gpu_profile(cache, self.device):
             sched = self.config.scheduler
             profile = profile_forward(model, attn_backend, model.kv_cache_shape(1, cache.block_size),
