@@ -20,7 +20,7 @@ class FakeClient:
     """Takes requests; the test plays the engine by calling `on_outputs`."""
 
     def __init__(self) -> None:
-        self.model_info = SimpleNamespace(vocab_size=300, max_model_len=512, eos_token_ids=[1])
+        self.model_info = SimpleNamespace(vocab_size=300, max_model_len=512, eos_token_ids=[1], pooler=None)
         self.added: list[str] = []
         self.is_dead = False
         self.dead_reason = None
