@@ -27,7 +27,8 @@ from llmserve.worker.kv_offload import TieredKVConnector, read_device_blocks
 from llmserve.worker.kv_tiers import DiskTier, HostTier
 
 logger = logging.getLogger(__name__)
-SEND_TIMEOUT_MS = 30_000  # a decode server that does not ack by then is given up (it recomputes the prompt)
+CONNECT_TIMEOUT_MS = 1_000  # a decode server not connected by then is given up (it recomputes the prompt)
+ACK_TIMEOUT_MS = 30_000  # likewise one that does not ack a transfer by then
 RECEIVER_POLL_MS = 500
 
 
@@ -90,16 +91,20 @@ class KVSender:
         self.num_sent_blocks += ack.num_blocks
 
     def _exchange(self, address: str, frames: list[bytes]) -> KVTransferAck | None:
-        """Send and wait for the ack; a socket left without one is closed (a REQ socket cannot send again)."""
+        """Send and wait for the ack; a socket left without one is closed (a REQ socket cannot send again).
+        IMMEDIATE: the socket is writable only once connected, so a decode server that is down costs the
+        step loop CONNECT_TIMEOUT_MS, not the ack's timeout."""
         sock = self.sockets.get(address)
         if sock is None:
             sock = self.sockets[address] = self.ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.connect(address)
         try:
-            sock.send_multipart(frames, copy=False)
-            if sock.poll(SEND_TIMEOUT_MS, zmq.POLLIN):
-                return msgspec.msgpack.decode(sock.recv(), type=KVTransferAck)
+            if sock.poll(CONNECT_TIMEOUT_MS, zmq.POLLOUT):
+                sock.send_multipart(frames, copy=False)
+                if sock.poll(ACK_TIMEOUT_MS, zmq.POLLIN):
+                    return msgspec.msgpack.decode(sock.recv(), type=KVTransferAck)
         except (zmq.ZMQError, msgspec.DecodeError) as e:
             logger.warning("KV transfer to %s failed: %s", address, e)
         sock.close()
