@@ -103,6 +103,23 @@ def test_streaming_through_the_router(servers, router):
     assert texts == [expected["choices"][0]["message"]["content"]] * 2
 
 
+def test_a_client_that_goes_away_mid_stream_leaves_nothing_running(servers, router):
+    _, prefill, decode = servers
+    body = {"prompt": _prompt(7), "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def num_aborted() -> float:
+        return sample_value(_metrics(decode), "llmserve:request_success_total", finished_reason="abort")
+
+    num_before = num_aborted()
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    for server in (prefill, decode):  # the decode server aborts the request once the router drops it
+        wait_until(lambda: sample_value(_metrics(server), "llmserve:num_requests_running") == 0, timeout=60,
+                   what="no request running")
+    wait_until(lambda: num_aborted() == num_before + 1, timeout=30, what="the decode server's abort")
+
+
 def test_kv_transfer_params_are_refused_by_a_server_that_is_no_prefill_server(servers):
     plain, _, decode = servers
     for server in (plain, decode):

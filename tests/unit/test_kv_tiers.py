@@ -143,3 +143,14 @@ def test_host_evictions_are_demoted_to_disk_and_found_there(tmp_path):
     assert (stats.num_host_hit_tokens, stats.num_disk_hit_tokens) == (4, 4)
     conn.check_integrity()
     conn.close()
+
+
+def test_blocks_matched_but_not_loaded_are_let_go_at_the_next_apply():
+    caches = _caches()
+    conn = TieredKVConnector(caches, HostTier(10 * NBYTES), None)
+    conn.receive(_hash(7), read_device_blocks(caches, [5])[0])
+    assert conn.num_matched_blocks([_hash(7)]) == 1  # the request then found no room (or was aborted)
+    with pytest.raises(AssertionError, match="held aside"):
+        conn.check_integrity()
+    conn.apply(KVTransfers())
+    conn.check_integrity()

@@ -35,10 +35,6 @@ class KVTransfers:
     saves: list[KVBlockCopy] = field(default_factory=list)
     loads: list[KVBlockCopy] = field(default_factory=list)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.saves and not self.loads
-
 
 class KVConnector(abc.ABC):
     """Contract: a hash that `num_matched_blocks` counted stays loadable until the next `apply` (the

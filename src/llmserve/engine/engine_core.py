@@ -188,7 +188,7 @@ class EngineCore:
         """The scheduler's step, with its KV copies done (evicted blocks out, lower-tier hits in) before any
         forward reads or overwrites those blocks."""
         sched_out = self.scheduler.schedule()
-        if sched_out.kv_transfers is not None and not sched_out.kv_transfers.is_empty:
+        if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
             self.kv_connector.apply(sched_out.kv_transfers)
         return sched_out
 

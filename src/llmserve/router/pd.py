@@ -58,8 +58,8 @@ def prefill_body(obj: dict, decode_kv_address: str) -> dict:
     """The prefill server's copy of a request: one token, not streamed, its KV sent to the decode server."""
     body = {**obj, "max_tokens": 1, "stream": False, "n": 1,
             "kv_transfer_params": {"decode_kv_address": decode_kv_address}}
-    body.pop("stream_options", None)
-    body.pop("max_completion_tokens", None)
+    for name in ("stream_options", "max_completion_tokens", "best_of", "min_tokens"):  # all about the output
+        body.pop(name, None)
     return body
 
 
