@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import tempfile
+import weakref
 import zlib
 from collections import OrderedDict
 
@@ -101,6 +102,7 @@ class DiskTier:
     def __init__(self, root: str, capacity_bytes: int) -> None:
         os.makedirs(root, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="llmserve-kv-", dir=root)
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, True)  # also if never closed
         self.capacity_bytes = capacity_bytes
         self.files: OrderedDict[int, tuple[BlockHash, int]] = OrderedDict()  # hash value -> (hash, file bytes)
         self.num_bytes = 0
@@ -178,7 +180,7 @@ class DiskTier:
             self._remove(value)
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._remove_dir()
         self.files.clear()
         self.num_bytes = 0
 
