@@ -2,6 +2,7 @@
 disk gives the same greedy tokens as without tiers and computes only the rest of the prompt; a corrupt disk
 block is recomputed; the bookkeeping holds after churn; the flags are validated."""
 
+import json
 import os
 import random
 
@@ -110,3 +111,12 @@ def test_churn_keeps_every_count_in_step(path):
 def test_flags_are_validated_before_loading(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM("/nonexistent", **kwargs)
+
+
+def test_a_model_whose_every_layer_slides_is_refused_before_its_weights_load(tmp_path):
+    path = make_model("mistral", "tiny", str(tmp_path), seed=1)
+    config_path = os.path.join(path, "config.json")
+    config = json.load(open(config_path))
+    json.dump({**config, "sliding_window": 64}, open(config_path, "w"))
+    with pytest.raises(ValueError, match="every layer slides"):
+        LLM(path, dtype="float32", max_model_len=256, kv_offload_memory="1MiB")

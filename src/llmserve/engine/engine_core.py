@@ -63,6 +63,15 @@ def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
     return window
 
 
+def check_kv_transfer_window(config: EngineConfig, window: int) -> None:
+    """The KV tiers and disaggregation are refused (before loading the weights) for a model whose every layer
+    slides: its blocks are found by window hits, which a lower tier does not answer yet."""
+    kv = config.kv_transfer
+    if window and (kv.is_offloading or kv.disaggregation_mode != "null"):
+        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported for a "
+                         f"model whose every layer slides (window {window}) yet")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
         """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
@@ -79,13 +88,14 @@ class EngineCore:
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
+        window = kv_cache_window(self.model_info.layer_windows)
+        check_kv_transfer_window(config, window)
         self.tp_executor = self._tp_executor(config, path, has_front_beside)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
-        window = kv_cache_window(self.model_info.layer_windows)
-        self.kv_connector = self._kv_connector(config, window)
+        self.kv_connector = build_kv_connector(config.kv_transfer, self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative, window, self.kv_connector)
         self.kv_sender, self.kv_receiver = self._kv_transports(config)
@@ -96,15 +106,6 @@ class EngineCore:
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
         logger.info("%s", startup_line(self))
         freeze_startup_heap()
-
-    def _kv_connector(self, config: EngineConfig, window: int):
-        """The KV tiers below the device (engine/kv_transfer.py), or None; refused for a model whose layers
-        slide, whose blocks are found by window hits that a lower tier does not answer yet."""
-        kv = config.kv_transfer
-        if window and (kv.is_offloading or kv.disaggregation_mode != "null"):
-            raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported for a "
-                             f"model whose every layer slides (window {window}) yet")
-        return build_kv_connector(kv, self.runner.kv_caches)
 
     def _kv_transports(self, config: EngineConfig) -> tuple[KVSender | None, KVReceiver | None]:
         mode = config.kv_transfer.disaggregation_mode
@@ -138,10 +139,10 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         core_request = Request.from_engine_core_request(request, self.model_info.max_model_len)
-        if self.kv_sender is not None:  # its prompt's full blocks go to the decode server it names
+        if self.kv_sender is not None and request.sampling_params.kv_transfer_params is not None:
             block_size = self.config.cache.block_size
             hashes = core_request.update_block_hashes(block_size)[:core_request.num_prompt_tokens // block_size]
-            self.kv_sender.add(request, list(hashes))
+            self.kv_sender.add(request, list(hashes))  # its prompt's full blocks go to the decode server
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
             core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
