@@ -57,9 +57,10 @@ def _prompt(seed: int, length: int = 150) -> list[int]:
     return [rng.randrange(3, 250) for _ in range(length)]
 
 
-def _complete(url: str, prompt, **fields) -> dict:
-    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            **fields}
+def _complete(url: str, prompt=None, **fields) -> dict:
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **fields}
+    if prompt is not None:
+        body["prompt"] = prompt
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -101,6 +102,17 @@ def test_streaming_through_the_router(servers, router):
         chunks = [json.loads(line[6:]) for line in lines[:-1]]
         texts.append("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]))
     assert texts == [expected["choices"][0]["message"]["content"]] * 2
+
+
+def test_structured_outputs_through_the_router(servers, router):
+    """The prefill server runs the grammar for its one token, the decode server for the whole answer."""
+    plain, _, _ = servers
+    body = {"prompt": _prompt(11), "max_tokens": 20, "temperature": 0, "ignore_eos": False,
+            "structured_outputs": {"choice": ["prefill", "decode", "disaggregated"]}}
+    expected = _complete(plain.url, **body)
+    for _ in range(2):  # both prefill servers in turn
+        text = _complete(router.url, **body)["choices"][0]["text"]
+        assert text == expected["choices"][0]["text"] and text in ("prefill", "decode", "disaggregated")
 
 
 def test_a_client_that_goes_away_mid_stream_leaves_nothing_running(servers, router):
