@@ -246,7 +246,8 @@ class KVTransferConfig:
         check(self.kv_offload_disk != "", "kv-offload-disk", "must name a directory")
         check(self.kv_offload_disk_bytes is None or self.kv_offload_disk is not None, "kv-offload-disk-bytes",
               "only with --kv-offload-disk")
-        check(self.disk_tier_bytes() > 0, "kv-offload-disk-bytes", f"must be positive, got {self.kv_offload_disk_bytes!r}")
+        check(self.disk_tier_bytes() > 0, "kv-offload-disk-bytes",
+              f"must be positive, got {self.kv_offload_disk_bytes!r}")
         check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
         check(0 < self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
               f"must be a TCP port (1-65535), got {self.disaggregation_kv_port}")
