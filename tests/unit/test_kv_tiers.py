@@ -48,12 +48,12 @@ def test_host_tier_returns_a_block_larger_than_its_budget():
     assert len(host) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8])
 def test_disk_tier_round_trip(tmp_path, dtype):
     disk = DiskTier(str(tmp_path), 1 << 20)
     disk.put(_hash(5), _block(1.5, dtype))
     back = disk.get(_hash(5))
-    assert back.dtype == dtype and torch.equal(back, _block(1.5, dtype))
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), _block(1.5, dtype).view(torch.uint8))
     disk.check_integrity()
     disk.close()
     assert not os.listdir(tmp_path)
@@ -154,3 +154,15 @@ def test_blocks_matched_but_not_loaded_are_let_go_at_the_next_apply():
         conn.check_integrity()
     conn.apply(KVTransfers())
     conn.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.int8])
+def test_every_cache_dtype_copies_out_and_back_bit_for_bit(dtype):
+    """fp16 / fp8 / int8 KV caches (--kv-cache-dtype): float8 has no index_copy_ on CPU, copied as bytes."""
+    caches = [cache.to(dtype) for cache in _caches()]
+    conn = TieredKVConnector(caches, HostTier(10 * NBYTES), None)
+    conn.apply(KVTransfers(saves=[KVBlockCopy(3, _hash(3))]))
+    assert conn.num_matched_blocks([_hash(3)]) == 1
+    conn.apply(KVTransfers(loads=[KVBlockCopy(1, _hash(3))]))
+    for cache in caches:
+        assert torch.equal(cache[:, 1].view(torch.uint8), cache[:, 3].view(torch.uint8))

@@ -30,7 +30,7 @@ def encode_blocks(request_id: str, hashes: list[BlockHash], blocks: list[torch.T
     assert blocks and len(hashes) == len(blocks), "one hash a block, at least one block"
     header = KVBlocksHeader(request_id, [h.value for h in hashes], [list(h.token_ids) for h in hashes],
                             str(blocks[0].dtype).removeprefix("torch."), list(blocks[0].shape))
-    payload = torch.stack(blocks).contiguous().view(torch.uint8).numpy().tobytes()
+    payload = b"".join(block.contiguous().view(torch.uint8).numpy().tobytes() for block in blocks)
     return [msgspec.msgpack.encode(header), payload]
 
 

@@ -21,14 +21,19 @@ from llmserve.messages import KVTierStats
 from llmserve.worker.kv_tiers import DiskTier, HostTier
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A one-byte dtype's tensor as uint8 (same shape): torch has no index_copy_ or stack for float8 on CPU."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+
+
 def read_device_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
     """Host copies of device blocks, one [num_layers, 2, block_size, Hkv, D] tensor each."""
     if not block_ids:
         return []
     index = torch.tensor(block_ids, device=kv_caches[0].device)
-    stacked = torch.stack([cache.index_select(1, index) for cache in kv_caches])  # [L, 2, n, bs, Hkv, D]
+    stacked = torch.stack([as_bytes(cache).index_select(1, index) for cache in kv_caches])  # [L, 2, n, bs, Hkv, D]
     stacked = stacked.to("cpu").movedim(2, 0)  # [n, L, 2, bs, Hkv, D]
-    return [block.contiguous() for block in stacked]
+    return [block.contiguous().view(kv_caches[0].dtype) for block in stacked]
 
 
 def write_device_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], blocks: list[torch.Tensor]) -> None:
@@ -37,9 +42,9 @@ def write_device_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], blo
         return
     device = kv_caches[0].device
     index = torch.tensor(block_ids, device=device)
-    data = torch.stack(blocks).to(device, non_blocking=True)  # [n, L, 2, bs, Hkv, D]
+    data = torch.stack([as_bytes(block) for block in blocks]).to(device, non_blocking=True)  # [n, L, 2, bs, Hkv, D]
     for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, index, data[:, layer].movedim(0, 1).to(cache.dtype))  # [2, n, bs, Hkv, D]
+        as_bytes(cache).index_copy_(1, index, data[:, layer].movedim(0, 1))  # [2, n, bs, Hkv, D]
 
 
 class TieredKVConnector(KVConnector):
