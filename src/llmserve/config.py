@@ -202,6 +202,7 @@ class ParallelConfig:
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DEFAULT_DISK_TIER_BYTES = "16GiB"
 DEFAULT_DECODE_HOST_TIER_BYTES = "2GiB"
+DEFAULT_KV_PORT = 14579  # vLLM's kv_port default
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class KVTransferConfig:
                 "to the decode server a request names) | decode (receive KV blocks on --disaggregation-kv-port); "
                 "SGLang's flag, the router pairs the two: llmserve route --pd-disaggregation",
         "choices": list(DISAGGREGATION_MODES)})
-    disaggregation_kv_port: int = field(default=14579, metadata={
+    disaggregation_kv_port: int = field(default=DEFAULT_KV_PORT, metadata={
         "help": "decode server: the TCP port its KV receiver binds (ZMQ), advertised at GET /kv_transfer"})
 
     @property
@@ -251,6 +252,8 @@ class KVTransferConfig:
         check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
         check(0 < self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
               f"must be a TCP port (1-65535), got {self.disaggregation_kv_port}")
+        check(self.disaggregation_kv_port == DEFAULT_KV_PORT or self.disaggregation_mode == "decode",
+              "disaggregation-kv-port", "only with --disaggregation-mode decode (the decode server binds it)")
 
 
 @dataclass(frozen=True)

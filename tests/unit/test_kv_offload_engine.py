@@ -106,7 +106,8 @@ def test_churn_keeps_every_count_in_step(path):
     ({"kv_offload_memory": "1GiB", "enable_prefix_caching": False}, "needs prefix caching"),
     ({"disaggregation_mode": "both"}, "--disaggregation-mode: must be one of"),
     ({"disaggregation_mode": "prefill", "tensor_parallel_size": 2}, "tensor parallelism"),
-    ({"disaggregation_kv_port": 0}, "--disaggregation-kv-port"),
+    ({"disaggregation_mode": "decode", "disaggregation_kv_port": 0}, "--disaggregation-kv-port: must be a TCP port"),
+    ({"disaggregation_kv_port": 9000}, "--disaggregation-kv-port: only with --disaggregation-mode decode"),
 ])
 def test_flags_are_validated_before_loading(kwargs, message):
     with pytest.raises(ValueError, match=message):
