@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
 
 import httpx
@@ -130,6 +131,27 @@ def test_a_client_that_goes_away_mid_stream_leaves_nothing_running(servers, rout
         wait_until(lambda: sample_value(_metrics(server), "llmserve:num_requests_running") == 0, timeout=60,
                    what="no request running")
     wait_until(lambda: num_aborted() == num_before + 1, timeout=30, what="the decode server's abort")
+
+
+def test_a_killed_decode_server_fails_its_requests_cleanly(model, servers):
+    """The router answers 502 in OpenAI's shape; the prefill server, whose transfer finds no receiver, finishes
+    its request after about a second and stays healthy and idle (its block counts checked when idle)."""
+    _, prefill, _ = servers
+    decode = ServerProcess(["--model", model, *ENGINE_ARGS, "--disaggregation-mode", "decode",
+                            "--disaggregation-kv-port", str(_free_port())]).start()
+    try:
+        with RouterProcess(["--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+                            "--port", "0"]) as proc:
+            _complete(proc.url, _prompt(21))  # the router learns the decode server's KV address
+            decode.stop(signal.SIGKILL)
+            response = httpx.post(f"{proc.url}/v1/completions", json={"prompt": _prompt(22), "max_tokens": 4},
+                                  timeout=120)
+            assert response.status_code == 502 and "decode server failed" in response.json()["error"]["message"]
+    finally:
+        decode.stop()
+    wait_until(lambda: sample_value(_metrics(prefill), "llmserve:num_requests_running") == 0, timeout=30,
+               what="no request running on the prefill server")
+    assert httpx.get(f"{prefill.url}/health", timeout=5).status_code == 200
 
 
 def test_kv_transfer_params_are_refused_by_a_server_that_is_no_prefill_server(servers):
