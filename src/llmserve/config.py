@@ -219,6 +219,63 @@ class ParallelConfig:
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
 
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DEFAULT_DISK_TIER_BYTES = "16GiB"
+DEFAULT_DECODE_HOST_TIER_BYTES = "2GiB"
+DEFAULT_KV_PORT = 14579  # vLLM's kv_port default
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV blocks beyond the device's cache: the tiers below it and prefill/decode disaggregation
+    (docs/disaggregation.md)."""
+
+    kv_offload_memory: str | None = field(default=None, metadata={
+        "help": "host memory for KV blocks evicted from the device's prefix cache, e.g. 8GiB: a later prefix "
+                "hit there is copied back instead of recomputed (default: off; a decode server's default: "
+                f"{DEFAULT_DECODE_HOST_TIER_BYTES}, where its prefill server's blocks arrive)"})
+    kv_offload_disk: str | None = field(default=None, metadata={
+        "help": "a directory for KV blocks evicted from host memory (or from the device, without "
+                "--kv-offload-memory); each block file is checksummed, a bad one is recomputed (default: off)"})
+    kv_offload_disk_bytes: str | None = field(default=None, metadata={
+        "help": f"bytes of --kv-offload-disk (default: {DEFAULT_DISK_TIER_BYTES})"})
+    disaggregation_mode: str = field(default="null", metadata={
+        "help": "null (prefill and decode in one engine) | prefill (compute prompts and send their KV blocks "
+                "to the decode server a request names) | decode (receive KV blocks on --disaggregation-kv-port); "
+                "SGLang's flag, the router pairs the two: llmserve route --pd-disaggregation",
+        "choices": list(DISAGGREGATION_MODES)})
+    disaggregation_kv_port: int = field(default=DEFAULT_KV_PORT, metadata={
+        "help": "decode server: the TCP port its KV receiver binds (ZMQ), advertised at GET /kv_transfer"})
+
+    @property
+    def is_offloading(self) -> bool:
+        return (self.kv_offload_memory is not None or self.kv_offload_disk is not None
+                or self.disaggregation_mode == "decode")
+
+    def host_tier_bytes(self) -> int | None:
+        if self.kv_offload_memory is not None:
+            return parse_bytes(self.kv_offload_memory, "kv-offload-memory")
+        return parse_bytes(DEFAULT_DECODE_HOST_TIER_BYTES) if self.disaggregation_mode == "decode" else None
+
+    def disk_tier_bytes(self) -> int:
+        return parse_bytes(self.kv_offload_disk_bytes or DEFAULT_DISK_TIER_BYTES, "kv-offload-disk-bytes")
+
+    def validate(self) -> None:
+        if self.kv_offload_memory is not None:
+            check(parse_bytes(self.kv_offload_memory, "kv-offload-memory") > 0, "kv-offload-memory",
+                  f"must be positive, got {self.kv_offload_memory!r}")
+        check(self.kv_offload_disk != "", "kv-offload-disk", "must name a directory")
+        check(self.kv_offload_disk_bytes is None or self.kv_offload_disk is not None, "kv-offload-disk-bytes",
+              "only with --kv-offload-disk")
+        check(self.disk_tier_bytes() > 0, "kv-offload-disk-bytes",
+              f"must be positive, got {self.kv_offload_disk_bytes!r}")
+        check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        check(0 < self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
+              f"must be a TCP port (1-65535), got {self.disaggregation_kv_port}")
+        check(self.disaggregation_kv_port == DEFAULT_KV_PORT or self.disaggregation_mode == "decode",
+              "disaggregation-kv-port", "only with --disaggregation-mode decode (the decode server binds it)")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
@@ -226,15 +283,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
     def validate(self, max_model_len: int | None = None) -> None:
         """Each section's values, then the relations between them. `max_model_len`: the context length
         resolved from the model (default: --max-model-len, when given)."""
-        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel):
+        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel, self.kv_transfer):
             section.validate()
         check_model_len(self, max_model_len or self.model.max_model_len)
         check_tensor_parallel_combinations(self)
         check_pooling_combinations(self)
+        check_kv_transfer_combinations(self)
         check(self.cache.kv_cache_dtype != "int8" or self.model.attention_backend != "triton", "kv-cache-dtype",
               "int8 is read by the CPU attention kernel only (--attention-backend auto or torch), not by triton")
 
@@ -259,6 +318,20 @@ def check_pooling_combinations(config: EngineConfig) -> None:
           "not with --runner pooling (a step's pooled vectors end its requests: nothing to overlap)")
     check((config.scheduler.num_scheduler_steps or 1) == 1, "num-scheduler-steps",
           "not with --runner pooling (multi-step runs decode steps only)")
+
+
+def check_kv_transfer_combinations(config: EngineConfig) -> None:
+    """What the KV tiers and disaggregation run with: blocks are found by prefix-cache hashes, and the copies
+    cover one rank's target-model cache."""
+    kv = config.kv_transfer
+    flag = "disaggregation-mode" if kv.disaggregation_mode != "null" else \
+        "kv-offload-memory" if kv.kv_offload_memory is not None else "kv-offload-disk"
+    if not kv.is_offloading and kv.disaggregation_mode == "null":
+        return
+    check(config.cache.enable_prefix_caching, flag, "needs prefix caching (drop --no-enable-prefix-caching)")
+    check(config.parallel.tensor_parallel_size == 1, flag, "is not supported with tensor parallelism yet")
+    check(config.speculative.speculative != "draft", flag,
+          "is not supported with a draft model yet (its KV blocks are not copied)")
 
 
 def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
@@ -344,7 +417,7 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, and the model as a positional argument too (`llmserve serve MODEL`, as vLLM's)."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (the same as --model)")
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig, KVTransferConfig):
         add_dataclass_args(parser, cls)
     parser.add_argument("--speculative-config", metavar="JSON", help="vLLM's speculative decoding settings as one "
                         "JSON object, beside the flags above: method (ngram | draft_model), model, "
@@ -406,7 +479,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         cache=dataclass_from_args(CacheConfig, args),
                         scheduler=dataclass_from_args(SchedulerConfig, args),
                         speculative=dataclass_from_args(SpeculativeConfig, args),
-                        parallel=dataclass_from_args(ParallelConfig, args))
+                        parallel=dataclass_from_args(ParallelConfig, args),
+                        kv_transfer=dataclass_from_args(KVTransferConfig, args))
 
 
 def engine_kwargs(config: EngineConfig) -> dict:

@@ -85,6 +85,20 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
         return self.kind, spec, self.disable_any_whitespace, self.strict, self.best_effort, self.bound_numbers
 
 
+class KVTransferParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Disaggregated serving (vLLM's field name, set by the router): the prefill server that runs this request
+    sends its prompt's KV blocks to the decode server's KV receiver at `decode_kv_address` (tcp://HOST:PORT)
+    when the request finishes (engine/kv_transfer.py)."""
+
+    decode_kv_address: str
+
+    def validate(self) -> None:
+        host, _, port = self.decode_kv_address.removeprefix("tcp://").rpartition(":")
+        if not self.decode_kv_address.startswith("tcp://") or not host or not port.isdigit():
+            raise ValueError(f"kv_transfer_params.decode_kv_address must be tcp://HOST:PORT, "
+                             f"got {self.decode_kv_address!r}")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters of one request (vLLM's names and meanings).
 
@@ -116,6 +130,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     speculative: bool = True  # False opts this request out of speculative decoding
     structured_outputs: StructuredOutputsParams | None = None  # constrains the output (llmserve.structured)
+    kv_transfer_params: KVTransferParams | None = None  # disaggregation: where the prompt's KV blocks go
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +146,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.kv_transfer_params is not None:
+            self.kv_transfer_params.validate()
             if self.min_tokens:  # the grammar decides where the output ends
                 raise ValueError("min_tokens cannot be combined with structured outputs")
 

@@ -74,6 +74,9 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[int, KVBlock] = {}  # hash value -> block holding that KV
+        # (block id, hash) of each cached block evicted by an allocation, for a KV connector to copy out before
+        # the step overwrites it; None: nobody copies them (no connector), so none are recorded.
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -138,11 +141,19 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash.value] = block
 
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        if self.evicted is None:
+            return []
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash.value) is block:
             del self.cached[block.block_hash.value]
+            if self.evicted is not None:
+                self.evicted.append((block.block_id, block.block_hash))
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

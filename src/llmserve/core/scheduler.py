@@ -24,6 +24,7 @@ from llmserve.core.block_pool import KVBlock
 from llmserve.core.decode_steps import decode_step_counts
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -39,8 +40,9 @@ logger = logging.getLogger(__name__)
 class Scheduler(Preemption, OutputUpdate):
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
-                 sliding_window: int = 0) -> None:
-        """sliding_window: every layer's window (the KV cache drops the blocks before it); 0: some full layer."""
+                 sliding_window: int = 0, kv_connector: KVConnector | None = None) -> None:
+        """sliding_window: every layer's window (the KV cache drops the blocks before it); 0: some full layer.
+        kv_connector: where blocks live below the device (core/kv_connector.py); full attention only."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
         self.config = config
@@ -52,6 +54,12 @@ class Scheduler(Preemption, OutputUpdate):
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  sliding_window)
+        assert kv_connector is None or (not sliding_window and cache_config.enable_prefix_caching), \
+            "a KV connector needs prefix caching and full attention"
+        self.kv_connector = kv_connector
+        self.kv_loads: list[KVBlockCopy] = []  # the step's loads from the connector
+        if kv_connector is not None:
+            self.kv.pool.evicted = []  # the connector copies evicted blocks out
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -171,7 +179,14 @@ class Scheduler(Preemption, OutputUpdate):
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
+        if self.kv_connector is not None:
+            out.kv_transfers = self._take_kv_transfers()
         return out
+
+    def _take_kv_transfers(self) -> KVTransfers:
+        saves = [KVBlockCopy(block_id, block_hash) for block_id, block_hash in self.kv.pool.take_evicted()]
+        loads, self.kv_loads = self.kv_loads, []
+        return KVTransfers(saves, loads)
 
     def _advance_scheduled(self, out: SchedulerOutput) -> None:
         """The step's requests count their scheduled tokens as computed; one that reaches its last token
@@ -336,21 +351,39 @@ class Scheduler(Preemption, OutputUpdate):
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
-            num_new = request.num_tokens - num_hit_tokens
+            num_loaded = self._num_connector_tokens(request, len(hits))
+            num_new = request.num_tokens - num_hit_tokens - num_loaded
             limit = min(budget, self.prefill_budget)
             if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
                 break
             num_new = min(num_new, limit)
-            if self.kv.allocate_slots(request, num_new, hits, self.num_lookahead) is None:
+            if self.kv.allocate_slots(request, num_loaded + num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
             self.prefill_budget -= num_new
-            self._start_running(request, num_hit_tokens)
+            self._list_loads(request, len(hits), num_loaded)
+            self._start_running(request, num_hit_tokens + num_loaded)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
             budget -= num_new
+
+    def _num_connector_tokens(self, request: Request, num_hit_blocks: int) -> int:
+        """Tokens of the blocks after the device's prefix hits that the KV connector holds (loaded, not
+        computed); at least one token is still left to compute."""
+        if self.kv_connector is None or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        num_max = (request.num_tokens - 1) // self.kv.block_size
+        hashes = request.block_hashes[num_hit_blocks:num_max]
+        return self.kv_connector.num_matched_blocks(hashes) * self.kv.block_size if hashes else 0
+
+    def _list_loads(self, request: Request, num_hit_blocks: int, num_loaded: int) -> None:
+        """The connector's blocks go into the device blocks just allocated after the prefix hits."""
+        end = num_hit_blocks + num_loaded // self.kv.block_size
+        blocks = self.kv.req_to_blocks[request.request_id][num_hit_blocks:end]
+        self.kv_loads += [KVBlockCopy(block.block_id, block_hash)
+                          for block, block_hash in zip(blocks, request.block_hashes[num_hit_blocks:end])]
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING

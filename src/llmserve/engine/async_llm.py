@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, KVTransferConfig
 from llmserve.engine.core_client import EngineCoreClient, EngineDeadError
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
@@ -126,6 +126,7 @@ class AsyncLLM:
         self.stat_logger = stat_logger
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.last_stats: SchedulerStats | None = None
+        self.kv_transfer = KVTransferConfig()  # the engine's tiers and disaggregation role (from_config sets it)
         self.busy_since = time.monotonic()
         self.dead_callbacks: list[Callable[[str], None]] = []
         client.on_outputs = self._on_outputs
@@ -165,8 +166,10 @@ class AsyncLLM:
 
             path = client.model_info.path
             tokenizer = await (early if early is not None else asyncio.to_thread(_load_tokenizer, path, None))
-            return cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval,
-                       request_timeout)
+            llm = cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval,
+                      request_timeout)
+            llm.kv_transfer = config.kv_transfer
+            return llm
         except BaseException:
             await client.shutdown()
             raise
@@ -189,6 +192,12 @@ class AsyncLLM:
         params.validate()
         params.validate_for_vocab(self.model_info.vocab_size)
         self.processor.check_length(num_prompt_tokens, params)
+        self._check_kv_transfer(params)
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        if params.kv_transfer_params is not None and self.kv_transfer.disaggregation_mode != "prefill":
+            raise ValueError("kv_transfer_params: this server is not a prefill server (--disaggregation-mode "
+                             f"{self.kv_transfer.disaggregation_mode}): send the request without it")
 
     async def generate(self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -198,6 +207,7 @@ class AsyncLLM:
         self.check_runner(is_pooling=False)
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_new_id(request_id)
+        self._check_kv_transfer(params)
         requests = self.processor.process(request_id, token_ids, params, priority)
         collector = RequestOutputCollector()
         self._add(request_id, text, token_ids, params, requests, collector)

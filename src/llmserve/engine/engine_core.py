@@ -24,9 +24,10 @@ from llmserve.core.kv_cache_manager import cache_window
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
+from llmserve.engine.kv_transfer import KVReceiver, KVSender, build_kv_connector
 from llmserve.engine.startup_summary import startup_line
 from llmserve.heap import freeze_startup_heap
-from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
+from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, KVTierStats
 from llmserve.model import deepseek, mla, quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
@@ -73,6 +74,15 @@ def pooling_engine_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, scheduler=scheduler)
 
 
+def check_kv_transfer_window(config: EngineConfig, window: int) -> None:
+    """The KV tiers and disaggregation are refused (before loading the weights) for a model whose every layer
+    slides: its blocks are found by window hits, which a lower tier does not answer yet."""
+    kv = config.kv_transfer
+    if window and (kv.is_offloading or kv.disaggregation_mode != "null"):
+        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported for a "
+                         f"model whose every layer slides (window {window}) yet")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, is_served: bool = False) -> None:
         """is_served: this process serves beside an HTTP front (the engine-core process), which
@@ -99,14 +109,18 @@ class EngineCore:
         if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
             self.config = config
+        window = kv_cache_window(self.model_info.layer_windows)
+        check_kv_transfer_window(config, window)
         self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, is_served)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
         self.threads_reason = self.worker.threads_reason
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
+        self.kv_connector = build_kv_connector(config.kv_transfer, self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
-                                   config.speculative, kv_cache_window(self.model_info.layer_windows))
+                                   config.speculative, window, self.kv_connector)
+        self.kv_sender, self.kv_receiver = self._kv_transports(config)
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
@@ -114,6 +128,14 @@ class EngineCore:
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
         logger.info("%s", startup_line(self))
         freeze_startup_heap()
+
+    def _kv_transports(self, config: EngineConfig) -> tuple[KVSender | None, KVReceiver | None]:
+        mode = config.kv_transfer.disaggregation_mode
+        if mode == "prefill":
+            return KVSender(self.scheduler.kv.pool, self.runner.kv_caches, config.cache.block_size), None
+        if mode == "decode":
+            return None, KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port)
+        return None, None
 
     def _tp_executor(self, config: EngineConfig, path: str, is_served: bool):
         size = config.parallel.tensor_parallel_size
@@ -133,9 +155,16 @@ class EngineCore:
         """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
         if self.tp_executor is not None:
             self.tp_executor.shutdown()
+        for part in (self.kv_receiver, self.kv_sender, self.kv_connector):
+            if part is not None:
+                part.close()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         core_request = Request.from_engine_core_request(request, self.model_info.max_model_len)
+        if self.kv_sender is not None and request.sampling_params.kv_transfer_params is not None:
+            block_size = self.config.cache.block_size
+            hashes = core_request.update_block_hashes(block_size)[:core_request.num_prompt_tokens // block_size]
+            self.kv_sender.add(request, list(hashes))  # its prompt's full blocks go to the decode server
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
             core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
@@ -165,15 +194,34 @@ class EngineCore:
         elif self.in_flight is not None:
             outputs = self._finish_in_flight()  # leaving overlap: the step in flight first
         else:
-            sched_out = self.scheduler.schedule()
+            sched_out = self._schedule()
             if sched_out.is_empty and len(self.scheduler.compiling):
                 self.scheduler.compiling.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar compiles
             outputs = self.scheduler.update_from_output(sched_out, self._execute(sched_out))
+        if self.kv_sender is not None:
+            self.kv_sender.on_outputs(outputs)  # before the next schedule can evict the blocks it sends
         if outputs.stats is not None:
             outputs.stats.step_time = time.perf_counter() - start
             outputs.stats.grammar = self.grammars.take_stats()
             outputs.stats.expert_balance = self._take_expert_balance()
+            outputs.stats.kv_tiers = self._take_kv_stats()
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step, with its KV copies done (evicted blocks out, lower-tier hits in) before any
+        forward reads or overwrites those blocks."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
+            self.kv_connector.apply(sched_out.kv_transfers)
+        return sched_out
+
+    def _take_kv_stats(self) -> KVTierStats | None:
+        stats = self.kv_connector.take_stats() if self.kv_connector is not None else None
+        num_sent = self.kv_sender.take_num_sent() if self.kv_sender is not None else 0
+        if num_sent:
+            stats = stats or KVTierStats()
+            stats.num_sent_blocks = num_sent
+        return stats
 
     def _take_expert_balance(self) -> float | None:
         take = getattr(self.runner.model, "take_expert_balance", None)  # CausalLM's; other models have none
@@ -187,7 +235,7 @@ class EngineCore:
 
     def _step_overlapped(self) -> EngineCoreOutputs:
         """Schedule and launch step N+1, then finish and update from step N."""
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         if sched_out.is_empty:
             self.executor.drop_finished(sched_out.finished_req_ids)
             if self.in_flight is None:
@@ -204,7 +252,10 @@ class EngineCore:
         return self.scheduler.update_from_output(sched_out, self.executor.finish(handle))
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        is_reset = self.scheduler.reset_prefix_cache()
+        if is_reset and self.kv_connector is not None:
+            self.kv_connector.reset()
+        return is_reset
 
     def num_free_blocks(self) -> int:
         return self.scheduler.kv.pool.get_num_free_blocks()
@@ -214,3 +265,5 @@ class EngineCore:
         pending = set(self.scheduler.requests) | self.scheduler.finished_req_ids
         assert set(self.runner.states) <= pending, "runner holds finished requests"
         self.runner.check_integrity()
+        if self.kv_connector is not None:
+            self.kv_connector.check_integrity()

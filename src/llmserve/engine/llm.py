@@ -8,10 +8,12 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from llmserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from llmserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 from llmserve.engine.engine_core import EngineCore
 from llmserve.engine.output_processor import OutputProcessor, reads_final_only
 from llmserve.engine.processor import Processor
+from llmserve.messages import KVTierStats, SchedulerStats
 from llmserve.model.loader import load_generation_defaults, load_tokenizer
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -22,7 +24,8 @@ def build_engine_config(**kwargs) -> EngineConfig:
     parallel config)."""
     parts = {}
     for key, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                     ("speculative", SpeculativeConfig), ("parallel", ParallelConfig)):
+                     ("speculative", SpeculativeConfig), ("parallel", ParallelConfig),
+                     ("kv_transfer", KVTransferConfig)):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:
@@ -43,6 +46,8 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_preemptions = 0  # since construction: tests and benchmarks read it
+        self.num_prompt_tokens_computed = 0  # likewise: prompt tokens run through the model (not cache hits)
+        self.kv_tier_stats = KVTierStats()  # likewise: the KV tiers' counts (hits per tier, blocks offloaded)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -124,13 +129,20 @@ class LLM:
             self.engine.add_request(request)
         return request_id
 
+    def _add_stats(self, stats: SchedulerStats) -> None:
+        self.num_preemptions += stats.num_preemptions
+        self.num_prompt_tokens_computed += stats.num_prompt_tokens
+        if stats.kv_tiers is not None:
+            for name in KVTierStats.__struct_fields__:
+                setattr(self.kv_tier_stats, name, getattr(self.kv_tier_stats, name) + getattr(stats.kv_tiers, name))
+
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=num_requests, desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished_requests():
             outputs = self.engine.step()
             if outputs.stats is not None:
-                self.num_preemptions += outputs.stats.num_preemptions
+                self._add_stats(outputs.stats)
             processed = self.output_processor.process_outputs(outputs.outputs)
             if processed.reqs_to_abort:
                 self.engine.abort_requests(processed.reqs_to_abort)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.config import SpeculativeConfig
+from llmserve.config import KVTransferConfig, SpeculativeConfig
 from llmserve.model import cpu_kernels
 from llmserve.pooling import PoolerConfig
 from llmserve.worker.kv_cache import kv_bytes_per_token
@@ -51,6 +51,20 @@ def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int) ->
             f"{per_token:,} bytes a token, {num_bytes / 2**30:.2f} GiB)")
 
 
+def kv_tiers(config: KVTransferConfig) -> str | None:
+    """The KV tiers below the device and the disaggregation role, when any is on."""
+    parts = []
+    host = config.host_tier_bytes()
+    if host:
+        parts.append(f"host {host / 2**30:.2f} GiB")
+    if config.kv_offload_disk:
+        parts.append(f"disk {config.disk_tier_bytes() / 2**30:.2f} GiB in {config.kv_offload_disk}")
+    if config.disaggregation_mode != "null":
+        port = f" (KV port {config.disaggregation_kv_port})" if config.disaggregation_mode == "decode" else ""
+        parts.append(f"{config.disaggregation_mode} server{port}")
+    return "KV tiers: " + ", ".join(parts) if parts else None
+
+
 def startup_line(core) -> str:
     """'engine ready: ...' for a started EngineCore, naming every feature that is on, and off where one would
     look for it."""
@@ -61,6 +75,7 @@ def startup_line(core) -> str:
              f"linears {linear_kernel(runner.model, core.device, core.dtype, info.quantization)}",
              kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size),
              f"prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}",
+             *filter(None, [kv_tiers(config.kv_transfer)]),
              speculation(config.speculative),
              f"async scheduling {'on' if core.is_async else 'off'}", f"scheduler steps {sched.num_scheduler_steps}",
              graphs, f"threads {core.num_threads} ({core.threads_reason})",

@@ -127,6 +127,12 @@ def _add_info_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
             return error_response(service_unavailable(f"unhealthy: {reason}", retry_after=30))
         return Response(status_code=200)
 
+    @app.get("/kv_transfer", responses=app.responses(_object_of(disaggregation_mode="string", kv_port="integer")))
+    async def kv_transfer() -> Response:
+        """This server's disaggregation role, and the port its KV receiver binds (a decode server's)."""
+        kv = ctx.engine.kv_transfer
+        return json_response({"disaggregation_mode": kv.disaggregation_mode, "kv_port": kv.disaggregation_kv_port})
+
     @app.get("/version", responses=app.responses(_object_of(version="string")))
     async def version() -> Response:
         return json_response({"version": __version__})

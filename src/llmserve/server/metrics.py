@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, GrammarStats,
+from llmserve.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, GrammarStats, KVTierStats,
                                      SchedulerStats, SpecDecodeStats)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -89,6 +89,15 @@ class ServerMetrics:
         self.grammar_hits = self._counter("grammar_cache_hits", "Grammar cache lookups that found a compiled grammar.")
         self.request_success = Counter("llmserve:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
+        self.kv_tier_hits = Counter("llmserve:kv_offload_hit_tokens", "Prompt tokens loaded from a KV tier below "
+                                    "the device (host memory or disk) instead of computed.", ["model_name", "tier"],
+                                    registry=self.registry)
+        self.kv_offloaded = self._counter("kv_offload_saved_blocks", "KV blocks evicted from the device and kept "
+                                          "in host memory or on disk.")
+        self.kv_corrupt = self._counter("kv_offload_corrupt_blocks", "Disk KV blocks that failed their checks "
+                                        "(recomputed, never used).")
+        self.kv_sent = self._counter("kv_transfer_sent_blocks", "KV blocks a prefill server sent to decode servers.")
+        self.kv_received = self._counter("kv_transfer_received_blocks", "KV blocks a decode server received.")
 
     def _make_histograms(self) -> None:
         self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
@@ -172,6 +181,16 @@ class ServerMetrics:
             self._on_grammar_stats(stats.grammar)
         if stats.expert_balance is not None:
             self.expert_balance.observe(stats.expert_balance)
+        if stats.kv_tiers is not None:
+            self._on_kv_tier_stats(stats.kv_tiers)
+
+    def _on_kv_tier_stats(self, kv: KVTierStats) -> None:
+        self.kv_tier_hits.labels(self.model_name, "host").inc(kv.num_host_hit_tokens)
+        self.kv_tier_hits.labels(self.model_name, "disk").inc(kv.num_disk_hit_tokens)
+        self.kv_offloaded.inc(kv.num_offloaded_blocks)
+        self.kv_corrupt.inc(kv.num_corrupt_blocks)
+        self.kv_sent.inc(kv.num_sent_blocks)
+        self.kv_received.inc(kv.num_received_blocks)
 
     def _on_spec_stats(self, spec: SpecDecodeStats) -> None:
         self.spec_drafts.inc(spec.num_drafts)
