@@ -27,6 +27,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0  # the KV cache group whose KV it holds, while it has a hash
 
 
 class FreeBlockQueue:
@@ -73,7 +74,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached: dict[int, KVBlock] = {}  # hash value -> block holding that KV
+        self.cached: dict[tuple[int, int], KVBlock] = {}  # (group, hash value) -> block holding that KV
 
     @property
     def num_usable_blocks(self) -> int:
@@ -85,9 +86,9 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
-        """The block holding exactly these tokens after this parent, or None."""
-        block = self.cached.get(block_hash.value)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
+        """The block holding the group's KV of exactly these tokens after this parent, or None."""
+        block = self.cached.get((group, block_hash.value))
         if block is None or block.block_hash != block_hash:  # tokens differ: a collision
             return None
         return block
@@ -129,20 +130,22 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Record that `block` holds the KV of `block_hash` (a full block). First writer wins."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int = 0) -> None:
+        """Record that `block` holds the group's KV of `block_hash` (a full block). First writer wins."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
-        if block_hash.value in self.cached:
+        key = (group, block_hash.value)
+        if key in self.cached:
             return  # same content computed twice (or a collision): keep the first
-        block.block_hash = block_hash
-        self.cached[block_hash.value] = block
+        block.block_hash, block.group = block_hash, group
+        self.cached[key] = block
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached.get(block.block_hash.value) is block:
-            del self.cached[block.block_hash.value]
+        key = (block.group, block.block_hash.value)
+        if self.cached.get(key) is block:
+            del self.cached[key]
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -161,5 +164,6 @@ class BlockPool:
         free_ids = {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
         assert set(queued) == free_ids, "free queue differs from blocks with ref_cnt 0"
         assert all(b.ref_cnt >= 0 for b in self.blocks)
-        for value, block in self.cached.items():
-            assert block.block_hash is not None and block.block_hash.value == value, "stale hash index"
+        for (group, value), block in self.cached.items():
+            assert block.block_hash is not None and block.block_hash.value == value and block.group == group, \
+                "stale hash index"

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.core.kv_cache_manager import cache_window
+from llmserve.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
@@ -49,17 +49,27 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
     return config.model.model, resolve_model_path(config.model.model, config.model.revision)
 
 
-def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
-    """The window the KV cache frees blocks by (core/kv_cache_manager.py), logged: only a model whose every
-    layer slides gives blocks back; one that mixes full and sliding layers keeps every block (per-group
-    block tables are not built yet), which the log says."""
-    window = cache_window(list(layer_windows))
-    if window:
-        logger.info("KV cache: every layer slides (window %d): blocks before the window go back to the pool", window)
+def log_kv_cache_layout(layout: KVCacheLayout, layer_windows: tuple[int, ...]) -> tuple[int, ...]:
+    """Each KV cache group's window (core/kv_cache_groups.py), logged where some layer slides."""
+    if layout.is_hybrid:
+        logger.info("KV cache: %s: each sliding group gives back the blocks that left its window", layout.describe())
+    elif layout.group_windows[0]:
+        logger.info("KV cache: every layer slides (window %d): blocks before the window go back to the pool",
+                    layout.group_windows[0])
     elif any(layer_windows):
-        logger.info("KV cache: full and sliding-window layers mixed: every block is kept for the whole sequence "
-                    "(per-group block tables are not built yet), so the window raises no KV capacity")
-    return window
+        logger.info("KV cache: full and sliding-window layers in one group (--disable-hybrid-kv-cache-manager): "
+                    "every block is kept for the whole sequence, so the window raises no KV capacity")
+    return layout.group_windows
+
+
+def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]) -> KVCacheLayout:
+    """The KV cache groups (the worker makes the same); a draft model reads the target's block ids as its own,
+    so it is refused with several groups, before anything loads."""
+    layout = kv_cache_layout(layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
+    if layout.is_hybrid and config.speculative.speculative == "draft":
+        raise ValueError("--speculative draft with a model that mixes full and sliding-window layers is not "
+                         "supported with per-group block tables: add --disable-hybrid-kv-cache-manager")
+    return layout
 
 
 class EngineCore:
@@ -78,13 +88,16 @@ class EngineCore:
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
+        kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
         self.tp_executor = self._tp_executor(config, path, has_front_beside)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
+        assert self.worker.kv_layout == kv_layout, "the worker's KV cache groups differ from the scheduler's"
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
-                                   config.speculative, kv_cache_window(self.model_info.layer_windows))
+                                   config.speculative, log_kv_cache_layout(kv_layout,
+                                                                             self.model_info.layer_windows))
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,

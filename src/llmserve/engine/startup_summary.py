@@ -36,7 +36,8 @@ def speculation(spec: SpeculativeConfig) -> str:
 
 
 def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int) -> str:
-    num_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
+    tensors = {id(t): t for t in kv_caches}.values()  # KV cache groups: layers of several groups share one
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
     dtype = str(kv_caches[0].dtype).removeprefix("torch.") if kv_caches else "?"
     return (f"KV cache {dtype}, {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size:,} tokens, "
             f"{num_bytes / 2**30:.2f} GiB)")

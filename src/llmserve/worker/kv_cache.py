@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.config import CacheConfig, parse_bytes
+from llmserve.core.kv_cache_groups import KVCacheLayout
 
 DEFAULT_CPU_FRACTION = 0.25  # of available RAM, when no budget is given
 DEFAULT_CPU_CAP = 8 * 2**30
@@ -76,3 +77,9 @@ def allocate_kv_caches(shape: tuple[int, ...], num_layers: int, dtype: torch.dty
     """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer (D + 4 for int8: `row_width`)."""
     shape = (*shape[:-1], row_width(shape[-1], dtype))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def layer_kv_caches(slots: list[torch.Tensor], layout: KVCacheLayout) -> list[torch.Tensor]:
+    """Each layer's cache tensor: with KV cache groups the j-th layer of every group writes tensor j (a block
+    belongs to one group at a time, core/kv_cache_groups.py); with one group, one tensor a layer."""
+    return [slots[slot] for slot in layout.layer_slots]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import quant
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
@@ -24,7 +25,8 @@ from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
-from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
+from llmserve.worker.kv_cache import (allocate_kv_caches, bytes_per_block, layer_kv_caches, needs_gpu_profile,
+                                      num_kv_blocks)
 from llmserve.worker.model_runner import ModelRunner
 
 MAX_GRAPH_QUERIES = 16  # a captured row's queries fit one attention tile (triton_kernels.block_q_for)
@@ -52,19 +54,20 @@ class Worker:
         tp: this rank of a tensor-parallel engine (torch.distributed initialised), None without."""
         self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
         self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
+        self.kv_layout = kv_cache_layout(model_info.layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
         self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
         self.draft_info, draft_model = self._load_draft()
         attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
         self.num_blocks = self._num_blocks(model, attn_backend)
-        kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
-                                       model_info.num_layers, self.kv_dtype, device)
+        kv_caches = layer_kv_caches(allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
+                                                       self.kv_layout.num_slots, self.kv_dtype, device), self.kv_layout)
         speculator = self._speculator(attn_backend, draft_model)
         max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
         graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
-                                  model_info.max_model_len, tp)
+                                  model_info.max_model_len, tp, self.kv_layout)
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
@@ -124,9 +127,10 @@ class Worker:
                                   self.model_info.max_model_len, self.device, self.config.model.seed, chain)
 
     def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
-        """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
+        """Blocks that fit the budget; a block holds the KV of one group's layers (core/kv_cache_groups.py);
+        with a draft model each block also holds the draft's KV."""
         cache, budget = self.config.cache, None
-        block_bytes = bytes_per_block(self.model_info.num_layers, cache.block_size, model.num_kv_heads,
+        block_bytes = bytes_per_block(self.kv_layout.num_slots, cache.block_size, model.num_kv_heads,
                                       self.model_info.head_dim, self.kv_dtype)  # this rank's KV heads
         if self.draft_info is not None:
             info = self.draft_info
@@ -159,6 +163,8 @@ class Worker:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
         if getattr(model, "is_moe", False):
             return None  # the MoE layers read their expert counts on the host, which a graph cannot
+        if self.kv_layout.is_hybrid:
+            return None  # a graph holds one block table; KV cache groups have one each (eager for now)
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
                               queries_per_row=queries_per_row)
