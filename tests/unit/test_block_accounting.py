@@ -20,6 +20,7 @@ actions = st.lists(
 @given(actions=actions, caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
        num_blocks=st.integers(13, 40), n=st.integers(1, 3), windows=st.sampled_from([(0,), (0,), (5,), (9,), (0, 5), (5, 0, 5)]))
 def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blocks, n, windows):
+    num_blocks = (num_blocks - 1) * len(windows) + 1  # as many block positions in every KV cache group
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, budget=24, max_num_seqs=6, caching=caching,
                            policy=policy, max_model_len=48, group_windows=windows)
     num_added = 0
@@ -60,6 +61,7 @@ def test_blocks_all_free_with_speculation_rejections_and_prefill_cap(actions, ki
     rng = random.Random(seed)
     spec = SpeculativeConfig(speculative=kind, num_speculative_tokens=3, speculative_max_batch=3,
                              draft_model="d" if kind == "draft" else None)
+    num_blocks = (num_blocks - 1) * len(windows) + 1  # as many block positions in every KV cache group
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6, max_prefill_tokens_while_decoding=cap),
                       CacheConfig(block_size=4), num_blocks, 48, spec, group_windows=windows)
     num_added = 0

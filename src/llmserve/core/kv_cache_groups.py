@@ -38,6 +38,13 @@ class KVCacheLayout:
     def is_hybrid(self) -> bool:
         return self.num_groups > 1
 
+    def blocks_per_sequence(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
+        """The most blocks one sequence of num_tokens holds at once in every group: a full group all of them, a
+        sliding group the window before a prompt chunk of at most max_chunk tokens and the chunk."""
+        num_blocks = -(-num_tokens // block_size)
+        return sum(min(num_blocks, -(-(window - 1 + max_chunk) // block_size) + 1) if window else num_blocks
+                   for window in self.group_windows)
+
     def describe(self) -> str:
         full = sum(w == 0 for w in self.group_windows)
         windows = sorted({w for w in self.group_windows if w})

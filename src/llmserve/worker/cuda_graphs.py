@@ -92,8 +92,11 @@ class DecodeGraphs:
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
         """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts),
-        all of them decode tokens when the step says (the FP8 layers were captured on their decode kernel)."""
+        all of them decode tokens when the step says (the FP8 layers were captured on their decode kernel), one
+        block table for every layer (a graph holds one; KV cache groups have one each)."""
         attn = inputs.attn
+        if inputs.attn_groups is not None:
+            return False
         num_rows = len(attn.query_lens_cpu)
         kinds = inputs.token_kinds
         return (has_drafts == (self.q > 1) and (kinds is None or kinds.is_all_decode)

@@ -143,8 +143,10 @@ class Worker:
                                       min(sched.max_num_batched_tokens, self.model_info.max_model_len),
                                       sched.max_num_seqs)
             budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
-        num_blocks = num_kv_blocks(cache, block_bytes, self.model_info.max_model_len,
-                                   self.config.scheduler.max_num_seqs, budget)
+        max_model_len, sched = self.model_info.max_model_len, self.config.scheduler
+        num_blocks = num_kv_blocks(cache, block_bytes, max_model_len, sched.max_num_seqs, budget,
+                                   self.kv_layout.num_groups, self.kv_layout.blocks_per_sequence(
+                                       max_model_len, cache.block_size, sched.max_num_batched_tokens))
         if self.tp is None:
             return num_blocks
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
