@@ -35,12 +35,15 @@ def speculation(spec: SpeculativeConfig) -> str:
     return f"speculative {method}, k={spec.num_speculative_tokens}, up to batch {spec.speculative_max_batch} ({rule})"
 
 
-def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int) -> str:
-    tensors = {id(t): t for t in kv_caches}.values()  # KV cache groups: layers of several groups share one
+def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int, num_groups: int = 1) -> str:
+    """With KV cache groups (core/kv_cache_groups.py) a block holds one group's layers: the tokens are those of
+    the blocks shared out evenly, and layers of different groups share a tensor (counted once)."""
+    tensors = {id(t): t for t in kv_caches}.values()
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)
     dtype = str(kv_caches[0].dtype).removeprefix("torch.") if kv_caches else "?"
-    return (f"KV cache {dtype}, {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size:,} tokens, "
-            f"{num_bytes / 2**30:.2f} GiB)")
+    groups = f" in {num_groups} groups" if num_groups > 1 else ""
+    return (f"KV cache {dtype}, {num_blocks} blocks of {block_size} tokens{groups} "
+            f"({num_blocks // num_groups * block_size:,} tokens, {num_bytes / 2**30:.2f} GiB)")
 
 
 def startup_line(core) -> str:
@@ -51,7 +54,7 @@ def startup_line(core) -> str:
     graphs = "CUDA graphs off" if runner.graphs is None else f"CUDA graphs up to batch {runner.graphs.sizes[-1]}"
     parts = [f"engine ready: {info.name} on {core.device}, {info.dtype}",
              f"linears {linear_kernel(runner.model, core.device, core.dtype, info.quantization)}",
-             kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size),
+             kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size, core.scheduler.kv.num_groups),
              f"prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}",
              speculation(config.speculative),
              f"async scheduling {'on' if core.is_async else 'off'}", f"scheduler steps {sched.num_scheduler_steps}",
