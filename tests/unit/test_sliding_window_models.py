@@ -172,7 +172,7 @@ def test_greedy_equals_transformers_through_preemption_and_an_abort(checkpoint):
 def test_decode_graph_buffers_through_given_back_blocks(checkpoint):
     """Decode steps through the CUDA-graph buffers (run eagerly off CUDA) of the Triton backend, with the
     blocks before the window given back: the captured block table holds stale or null ids there, never read.
-    A graph holds one block table: the mixed model's layers in one KV cache group."""
+    Here the mixed model's layers in one KV cache group (a table per group: tests/unit/test_hybrid_kv_cache.py)."""
     pytest.importorskip("triton")
     from llmserve.worker.cuda_graphs import DecodeGraphs
 

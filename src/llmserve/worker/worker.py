@@ -64,7 +64,8 @@ class Worker:
                                                        self.kv_layout.num_slots, self.kv_dtype, device), self.kv_layout)
         speculator = self._speculator(attn_backend, draft_model)
         max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
-        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
+        layer_groups = self.kv_layout.layer_groups if self.kv_layout.is_hybrid else None
+        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp, self.kv_layout)
@@ -72,7 +73,7 @@ class Worker:
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
-                queries_per_row=spec.num_speculative_tokens + 1)
+                queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups)
 
     def _requested_threads(self) -> int | None:
         """--num-threads; CPU ranks of a tensor-parallel engine share the cores unless told otherwise."""
@@ -154,10 +155,11 @@ class Worker:
         return int(agreed.item())
 
     def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
-                       max_batch: int, queries_per_row: int = 1) -> DecodeGraphs | None:
+                       max_batch: int, queries_per_row: int = 1,
+                       layer_groups: tuple[int, ...] | None = None) -> DecodeGraphs | None:
         """CUDA graphs of `model`'s batches of up to max_batch rows of `queries_per_row` queries, captured now
         (CUDA with the Triton backend, unless --enforce-eager): the target's decode and verification
-        steps, and a draft model's later forwards."""
+        steps (with KV cache groups, `layer_groups`: each layer's), and a draft model's later forwards."""
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
@@ -165,10 +167,8 @@ class Worker:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
         if getattr(model, "is_moe", False):
             return None  # the MoE layers read their expert counts on the host, which a graph cannot
-        if self.kv_layout.is_hybrid:
-            return None  # a graph holds one block table; KV cache groups have one each (eager for now)
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
-                              queries_per_row=queries_per_row)
+                              queries_per_row=queries_per_row, layer_groups=layer_groups)
         graphs.capture()
         return graphs
