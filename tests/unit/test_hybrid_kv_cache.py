@@ -307,3 +307,27 @@ def test_decode_graph_buffers_hold_a_table_per_group(tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
     assert 3 in runs
     llm.engine.check_integrity()
+
+
+def test_ngram_drafts_and_async_scheduling_with_groups(tmp_path):
+    """Verification steps (a row's token and its drafts) and overlapped steps read each group's table: greedy
+    tokens still equal transformers'."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_parity
+    import test_gemma3_model as gemma3
+    from llmserve import LLM
+
+    path = gemma3.write_checkpoint(str(tmp_path / "gemma3"), seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
+              speculative="ngram", num_speculative_tokens=3, async_scheduling=True)
+    verified = []
+    observe = llm.engine.scheduler.spec_counter.observe
+    llm.engine.scheduler.spec_counter.observe = lambda *args: verified.append(args) or observe(*args)
+    prompts = [[5, 6, 7, 8] * 5 + [5, 6], hf_parity.random_prompt(19, 3, gemma3.VOCAB)]
+    outs = hf_parity.engine_greedy(llm, prompts, num_out=12)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 12) for p in prompts]
+    assert verified
+    llm.engine.check_integrity()
