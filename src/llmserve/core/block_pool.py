@@ -4,6 +4,8 @@ A block is free when its ref count is 0. Free blocks sit in a queue ordered for 
 (least recently freed first); a free block may still hold cached KV (it has a hash) and is "revived" by
 a prefix hit, which removes it from the middle of the queue in O(1).
 Block 0 is the null block: never handed out, used to pad block tables.
+With KV cache groups (core/kv_cache_groups.py) a block holds one group's KV, so the index is keyed by
+group and hash (`cache_key`): the same tokens have one cached block per group.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
+
+
+def cache_key(group: int, hash_value: int) -> int | tuple[int, int]:
+    """The hash index's key: the hash itself for group 0 (a model's only group unless it mixes attention kinds:
+    no tuple made per block there), (group, hash) for the others."""
+    return hash_value if group == 0 else (group, hash_value)
 
 
 class BlockHash(NamedTuple):
@@ -74,7 +82,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached: dict[tuple[int, int], KVBlock] = {}  # (group, hash value) -> block holding that KV
+        self.cached: dict[int | tuple[int, int], KVBlock] = {}  # cache_key(group, hash) -> block holding that KV
 
     @property
     def num_usable_blocks(self) -> int:
@@ -88,7 +96,7 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
         """The block holding the group's KV of exactly these tokens after this parent, or None."""
-        block = self.cached.get((group, block_hash.value))
+        block = self.cached.get(cache_key(group, block_hash.value))
         if block is None or block.block_hash != block_hash:  # tokens differ: a collision
             return None
         return block
@@ -134,7 +142,7 @@ class BlockPool:
         """Record that `block` holds the group's KV of `block_hash` (a full block). First writer wins."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
-        key = (group, block_hash.value)
+        key = cache_key(group, block_hash.value)
         if key in self.cached:
             return  # same content computed twice (or a collision): keep the first
         block.block_hash, block.group = block_hash, group
@@ -143,7 +151,7 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        key = (block.group, block.block_hash.value)
+        key = cache_key(block.group, block.block_hash.value)
         if self.cached.get(key) is block:
             del self.cached[key]
         block.block_hash = None
@@ -164,6 +172,6 @@ class BlockPool:
         free_ids = {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
         assert set(queued) == free_ids, "free queue differs from blocks with ref_cnt 0"
         assert all(b.ref_cnt >= 0 for b in self.blocks)
-        for (group, value), block in self.cached.items():
-            assert block.block_hash is not None and block.block_hash.value == value and block.group == group, \
+        for key, block in self.cached.items():
+            assert block.block_hash is not None and key == cache_key(block.group, block.block_hash.value), \
                 "stale hash index"

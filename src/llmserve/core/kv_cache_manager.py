@@ -136,9 +136,13 @@ class KVCacheManager:
             return
         hashes = request.update_block_hashes(self.block_size)
         blocks, num_groups = self.req_to_blocks[request.request_id], self.num_groups
-        for i in range(start, num_full):
-            for group in range(num_groups):
-                self.pool.cache_block(blocks[i * num_groups + group], hashes[i], group)
+        if num_groups == 1:
+            for i in range(start, num_full):
+                self.pool.cache_block(blocks[i], hashes[i])
+        else:
+            for i in range(start, num_full):
+                for group in range(num_groups):
+                    self.pool.cache_block(blocks[i * num_groups + group], hashes[i], group)
         self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
