@@ -10,6 +10,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.pooling import RUNNERS, parse_pooler_override
+
 
 def check(is_ok: bool, flag: str, message: str) -> None:
     """ValueError('--flag: message') unless `is_ok`: a config error names the CLI flag that sets it."""
@@ -24,6 +26,15 @@ def check_min(flag: str, value: float | None, minimum: float) -> None:
 
 def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
     check(value in choices, flag, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def check_field_choices(config) -> None:
+    """Each set field of a config dataclass whose metadata lists `choices` (the CLI's too) holds one of them:
+    the list is written once, beside the field."""
+    for f in dataclasses.fields(config):
+        value, choices = getattr(config, f.name), f.metadata.get("choices")
+        if choices is not None and value is not None:
+            check_choice(f.metadata.get("flag", f.name.replace("_", "-")), value, tuple(choices))
 
 
 LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
@@ -51,17 +62,26 @@ class ModelConfig:
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
+    runner: str = field(default="generate", metadata={"help": "generate (completions, chat, responses) | pooling (an "
+                        "embedding model: /v1/embeddings only, each prompt pooled into one vector)",
+                        "choices": ["generate", "pooling"]})
+    pooler_config: str | None = field(default=None, metadata={"help": "--runner pooling: JSON overriding the "
+                                      "checkpoint's pooling: pooling_type (LAST | MEAN | CLS), normalize (true | false) "
+                                      "(default: a sentence-transformers folder's own, else LAST, normalized)"})
 
     def validate(self) -> None:
-        check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        check_field_choices(self)
         check_min("max-model-len", self.max_model_len, 1)
         check(self.device in ("auto", "cpu") or self.device.split(":")[0] == "cuda", "device",
               f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        check_choice("attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         check_min("max-cudagraph-capture-size", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
-        if self.quantization is not None:
-            check_choice("quantization", self.quantization, ("int8", "fp8", "none"))
+        check(self.pooler_config is None or self.runner == "pooling", "pooler-config", "only with --runner pooling")
+        parse_pooler_override(self.pooler_config)  # ValueError naming --pooler-config
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,7 @@ class CacheConfig:
                                                   "core/kv_cache_groups.py)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("block-size", self.block_size, 1)
         if self.kv_cache_memory is not None:
             check(parse_bytes(self.kv_cache_memory, "kv-cache-memory-bytes") > 0, "kv-cache-memory-bytes",
@@ -97,7 +118,6 @@ class CacheConfig:
         check_min("num-gpu-blocks-override", self.num_kv_blocks, 2)  # the null block and one more
         check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        check_choice("kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -125,13 +145,13 @@ class SchedulerConfig:
                                             "overlaps it instead)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("max-num-seqs", self.max_num_seqs, 1)
         check_min("num-scheduler-steps", self.num_scheduler_steps, 1)
         check(not (self.async_scheduling and (self.num_scheduler_steps or 1) > 1), "num-scheduler-steps",
               f"{self.num_scheduler_steps} runs without async scheduling: add --no-async-scheduling")
         check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
         check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
-        check_choice("scheduling-policy", self.policy, ("fcfs", "priority"))
 
     def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
         """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""
@@ -175,8 +195,7 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.speculative == "draft" else 0
 
     def validate(self) -> None:
-        if self.speculative is not None:
-            check_choice("speculative", self.speculative, ("ngram", "draft"))
+        check_field_choices(self)
         check_min("num-speculative-tokens", self.num_speculative_tokens, 1)
         check_min("ngram-min", self.ngram_min, 1)
         check(self.ngram_min <= self.ngram_max, "ngram-max",
@@ -201,6 +220,7 @@ class ParallelConfig:
                                       "process each (CUDA: GPUs 0..N-1 over NCCL; CPU: processes over gloo, for tests)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
 
 
@@ -219,6 +239,7 @@ class EngineConfig:
             section.validate()
         check_model_len(self, max_model_len or self.model.max_model_len)
         check_tensor_parallel_combinations(self)
+        check_pooling_combinations(self)
         check(self.cache.kv_cache_dtype != "int8" or self.model.attention_backend != "triton", "kv-cache-dtype",
               "int8 is read by the CPU attention kernel only (--attention-backend auto or torch), not by triton")
 
@@ -231,6 +252,18 @@ def check_tensor_parallel_combinations(config: EngineConfig) -> None:
           "speculative decoding (--speculative) is not supported with tensor parallelism")
     check(":" not in config.model.device, "tensor-parallel-size",
           f"ranks use devices cuda:0..N-1; --device {config.model.device!r} names one device")
+
+
+def check_pooling_combinations(config: EngineConfig) -> None:
+    """What a pooling engine (prompt-only work: no sampled token, no decode step) does not run with."""
+    if not config.model.is_pooling:
+        return
+    check(config.speculative.speculative is None, "speculative", "not with --runner pooling (nothing is decoded)")
+    check(config.parallel.tensor_parallel_size == 1, "tensor-parallel-size", "not with --runner pooling yet")
+    check(not config.scheduler.async_scheduling, "async-scheduling",
+          "not with --runner pooling (a step's pooled vectors end its requests: nothing to overlap)")
+    check((config.scheduler.num_scheduler_steps or 1) == 1, "num-scheduler-steps",
+          "not with --runner pooling (multi-step runs decode steps only)")
 
 
 def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
@@ -379,6 +412,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         scheduler=dataclass_from_args(SchedulerConfig, args),
                         speculative=dataclass_from_args(SpeculativeConfig, args),
                         parallel=dataclass_from_args(ParallelConfig, args))
+
+
+def engine_kwargs(config: EngineConfig) -> dict:
+    """An EngineConfig as the flat keyword arguments LLM(...) and build_engine_config take."""
+    parts = (config.model, config.cache, config.scheduler, config.speculative, config.parallel)
+    return {f.name: getattr(part, f.name) for part in parts for f in dataclasses.fields(part)}
 
 
 def is_local_model(model: str) -> bool:

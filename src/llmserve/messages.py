@@ -63,6 +63,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Engine-side timestamps (time.time()) for metrics.
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    # --runner pooling: the prompt's pooled vector (float32, little-endian), on the output that ends it
+    pooled: bytes | None = None
 
 
 class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):

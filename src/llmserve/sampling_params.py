@@ -24,7 +24,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     `disable_any_whitespace`: JSON without whitespace between tokens (otherwise bounded whitespace).
     `strict` (JSON schemas): objects hold only the properties the schema names unless it allows more
     (OpenAI's strict); false: what the schema allows. `best_effort`: keywords the grammar cannot enforce
-    are left unenforced (and reported) instead of refused.
+    are left unenforced (and reported) instead of refused. `bound_numbers` (JSON schemas): integers without
+    bounds of their own stay within int64's range and numbers within +-(2**53 - 1), so a model cannot write
+    digits until max_tokens; false: what the schema says, unbounded.
     Syntax is checked by llmserve.structured.validate (the front calls it, so a bad one is a 400).
     """
 
@@ -36,6 +38,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     disable_any_whitespace: bool = False
     strict: bool = True
     best_effort: bool = False
+    bound_numbers: bool = True
 
     @classmethod
     def from_json_schema(cls, schema: dict | str | bool, **kwargs) -> StructuredOutputsParams:
@@ -79,7 +82,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     def cache_key(self) -> tuple:
         """Requests with equal keys share one compiled grammar."""
         spec = tuple(self.choice) if self.choice is not None else getattr(self, self.kind)
-        return self.kind, spec, self.disable_any_whitespace, self.strict, self.best_effort
+        return self.kind, spec, self.disable_any_whitespace, self.strict, self.best_effort, self.bound_numbers
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):

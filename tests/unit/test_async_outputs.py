@@ -9,9 +9,9 @@ from transformers import PreTrainedTokenizerFast
 
 from llmserve.engine.async_llm import OUTPUT_CHUNK_SIZE, AsyncLLM, output_chunks
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
-from llmserve.model.toy_tokenizer import build_tokenizer
+from llmserve.testing.toy_tokenizer import build_tokenizer
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.testing import until
+from llmserve.testing.servers import until
 
 NUM_REQUESTS = 2 * OUTPUT_CHUNK_SIZE + 44
 

@@ -16,9 +16,9 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import toy_tokenizer
+from llmserve.testing import toy_tokenizer
 from llmserve.model.loader import load_model
-from llmserve.model.maker import SHAPES, build_config
+from llmserve.testing.maker import SHAPES, build_config
 
 VOCAB = 512
 WINDOW = 8  # the sliding layers' window; the engine's blocks hold 4 tokens

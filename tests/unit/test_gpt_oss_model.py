@@ -17,9 +17,9 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import toy_tokenizer
+from llmserve.testing import toy_tokenizer
 from llmserve.model.loader import load_model
-from llmserve.model.maker import SHAPES, build_config
+from llmserve.testing.maker import SHAPES, build_config
 from llmserve.model.quant import mxfp4
 
 VOCAB = 512

@@ -18,7 +18,7 @@ import hf_parity
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.loader import load_model, load_model_info
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.model.sliding_window import layer_windows
 
 WINDOW = 7  # not a multiple of the block size (4): some blocks lie partly in a window

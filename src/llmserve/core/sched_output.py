@@ -65,3 +65,6 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None  # per row: drafts proposed for the next step
     prompt_logprobs: list | None = None  # per row: llmserve.messages.PromptLogprobs of its chunk, or None
     num_accepted: list[int] | None = None  # per row: drafts the target accepted (None: no drafts this step)
+    # A pooling step (--runner pooling): per row its pooled vector (float32 bytes) where its prompt ended,
+    # else None; nothing is sampled
+    pooled: list[bytes | None] | None = None

@@ -251,7 +251,7 @@ class Scheduler(Preemption, OutputUpdate):
                 self.num_step_rows += num_decodes
                 continue
             request = self.running[i]
-            if self._is_done_once_known(request):
+            if self._has_all_tokens_in_flight(request):
                 i += 1
                 continue
             num_real = request.num_tokens_with_placeholders - request.num_computed_tokens
@@ -294,7 +294,7 @@ class Scheduler(Preemption, OutputUpdate):
             req_id, num_after = request.request_id, request.num_computed_tokens + 1  # tokens computed after it
             num_known = len(request.all_token_ids)
             if (num_known + request.num_placeholders != num_after or request.spec_token_ids
-                    or (request.num_placeholders and self._is_done_once_known(request))):
+                    or (request.num_placeholders and self._has_all_tokens_in_flight(request))):
                 return i
             num_blocks = len(req_to_blocks[req_id])  # of every group (a block position holds num_groups)
             if num_after + num_lookahead > num_blocks // num_groups * block_size \
@@ -325,7 +325,7 @@ class Scheduler(Preemption, OutputUpdate):
                                                      request.num_computed_tokens, num_old_blocks))
             request.num_runner_blocks = num_blocks
 
-    def _is_done_once_known(self, request: Request) -> bool:
+    def _has_all_tokens_in_flight(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
         return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
 

@@ -27,10 +27,11 @@ from llmserve.core.scheduler import Scheduler
 from llmserve.engine.startup_summary import startup_line
 from llmserve.heap import freeze_startup_heap
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
-from llmserve.model import quant
+from llmserve.model import deepseek, mla, quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
+from llmserve.model.pooler_config import is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
 from llmserve.worker.step_handle import StepHandle
@@ -72,11 +73,22 @@ def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]
     return layout
 
 
+def pooling_engine_config(config: EngineConfig) -> EngineConfig:
+    """A pooling engine's steps run in order, one forward each (its requests end when their prompt does:
+    nothing to overlap, no decode step); the prefix cache holds no hidden states, so only last-token
+    pooling, which needs none of the cached tokens', keeps it (as vLLM does)."""
+    if not config.model.is_pooling:
+        return config
+    scheduler = dataclasses.replace(config.scheduler, async_scheduling=False, num_scheduler_steps=1)
+    return dataclasses.replace(config, scheduler=scheduler)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
-        """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
+    def __init__(self, config: EngineConfig, is_served: bool = False) -> None:
+        """is_served: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.validate()  # before loading anything: a bad value fails in milliseconds
+        config = pooling_engine_config(config)
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
@@ -84,15 +96,25 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
-                                                     config.model.quantization, config.model.disable_sliding_window)
+                                                     config.model.quantization, config.model.disable_sliding_window,
+                                                     config.model.is_pooling, config.model.pooler_config)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
+        if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
+            mla.check_settings(config.cache.kv_cache_dtype, config.model.attention_backend)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
-        self.tp_executor = self._tp_executor(config, path, has_front_beside)
+        if self.model_info.pooler is None and is_sentence_transformers(path):
+            logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "
+                           "add --runner pooling to serve its embeddings (POST /v1/embeddings)", name)
+        if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
+            self.config = config
+        self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
-            Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
+            Worker(config, self.model_info, path, self.device, self.dtype, is_served)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
+        self.threads_reason = self.worker.threads_reason
         assert self.worker.kv_layout == kv_layout, "the worker's KV cache groups differ from the scheduler's"
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
@@ -106,7 +128,7 @@ class EngineCore:
         logger.info("%s", startup_line(self))
         freeze_startup_heap()
 
-    def _tp_executor(self, config: EngineConfig, path: str, has_front_beside: bool):
+    def _tp_executor(self, config: EngineConfig, path: str, is_served: bool):
         size = config.parallel.tensor_parallel_size
         if size == 1:
             return None
@@ -118,7 +140,7 @@ class EngineCore:
             raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         from llmserve.worker.tp_executor import TPExecutor
 
-        return TPExecutor(config, self.model_info, self.device, self.dtype, has_front_beside)
+        return TPExecutor(config, self.model_info, self.device, self.dtype, is_served)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
@@ -132,7 +154,7 @@ class EngineCore:
             core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
         self.scheduler.add_request(core_request)
 
-    def end_windows_when(self, has_input: Callable[[], bool]) -> None:
+    def interrupt_windows_on_input(self, has_input: Callable[[], bool]) -> None:
         """For an engine whose outputs are read as they come (the engine-core process), a multi-step ends
         after the forward where `has_input()` turns true, or where some row ran its last forward
         (worker/multi_step.py): a request that arrives meanwhile waits one forward, not the window, and a

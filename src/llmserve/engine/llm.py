@@ -68,6 +68,25 @@ class LLM:
         texts = [self._render_chat(list(c), chat_template, add_generation_prompt, tools) for c in conversations]
         return self._generate(texts, sampling_params, None, use_tqdm, add_special_tokens=False)
 
+    def embed(self, prompts: Sequence[str] | Sequence[list[int]] | str, use_tqdm: bool = False) -> list[RequestOutput]:
+        """vLLM's offline embed (--runner pooling): each prompt pooled into one vector, its final RequestOutput
+        (the vector in `.embedding`), in input order."""
+        if self.engine.model_info.pooler is None:
+            raise ValueError("embed() needs an embedding model: LLM(..., runner='pooling')")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        request_ids = []
+        for prompt in prompts:
+            request_id = str(next(self._ids))
+            token_ids = self.processor.tokenize(prompt)
+            request = self.processor.process_pooling(request_id, token_ids)
+            self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                                              request.sampling_params)
+            self.engine.add_request(request)
+            request_ids.append(request_id)
+        finished = self._run(len(request_ids), use_tqdm)
+        return [finished[r] for r in request_ids]
+
     def _render_chat(self, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool,
                      tools: list[dict] | None) -> str:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -77,6 +96,8 @@ class LLM:
 
     def _generate(self, prompts: Sequence[str] | Sequence[list[int]], sampling_params, priority, use_tqdm: bool,
                   add_special_tokens: bool = True) -> list[RequestOutput]:
+        if self.engine.model_info.pooler is not None:
+            raise ValueError("this LLM runs an embedding model (runner='pooling'): use embed()")
         params = self._params_per_prompt(len(prompts), sampling_params)
         request_ids = [self._add(p, sp, priority[i] if priority else 0, add_special_tokens)
                        for i, (p, sp) in enumerate(zip(prompts, params))]

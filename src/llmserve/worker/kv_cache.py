@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from llmserve.config import CacheConfig, parse_bytes
@@ -17,9 +19,16 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + 4 if dtype == torch.int8 else head_dim
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def cache_bytes_per_block(block_shape: tuple[int, ...], num_layers: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers, from the model's `kv_cache_shape(1, block_size)`: the cache's real
+    layout (K and V per kv head, or one latent entry per token: model/mla.py)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * elem
+    return num_layers * math.prod(block_shape[:-1]) * row_width(block_shape[-1], dtype) * elem
+
+
+def kv_bytes_per_token(kv_caches: list[torch.Tensor]) -> int:
+    """Cache bytes one token takes over all layers, read off the allocated caches [kv, N, bs, heads, width]."""
+    return sum(c.numel() // (c.shape[1] * c.shape[2]) * c.element_size() for c in kv_caches)
 
 
 def available_cpu_memory() -> int:

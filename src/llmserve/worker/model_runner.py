@@ -40,6 +40,7 @@ from llmserve.worker.decode_window import DecodeWindow
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.multi_step import run_decode_steps
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
+from llmserve.worker.pooler import Pooler
 from llmserve.worker.prompt_logprobs import plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs
 from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
@@ -68,9 +69,11 @@ class ModelRunner:
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
                  speculator: Speculator | None = None, graphs: DecodeGraphs | None = None,
                  max_num_rows: int = 128, max_model_len: int = 4096, tp: TensorParallel | None = None,
-                 kv_layout: KVCacheLayout | None = None) -> None:
-        """kv_layout: the KV cache groups (core/kv_cache_groups.py), each with its own block table; None: one."""
+                 pooler: Pooler | None = None, kv_layout: KVCacheLayout | None = None) -> None:
+        """pooler: an embedding model's (--runner pooling): steps pool prompts instead of sampling.
+        kv_layout: the KV cache groups (core/kv_cache_groups.py), each with its own block table; None: one."""
         self.model = model
+        self.pooler = pooler
         self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
         # FP8 layers on CUDA route decode and prompt tokens by what each step says (model/quant/token_kinds.py)
         self.step_kinds = step_kinds_of(model) if device.type == "cuda" else None
@@ -114,9 +117,12 @@ class ModelRunner:
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
         states, step_rows = self.step_rows(req_ids)  # step_rows [B]: the rows' batch rows
+        if self.pooler is not None:
+            assert finishes_at_once, "pooling steps run in order (no async scheduling)"
+            return self._pool_step(sched_out, req_ids, states, step_rows, t0)
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
-            self.settle()
+            self.finish_in_flight()
             self._begin_spec_step(sched_out)
         prompt_plan = None
         if self.prompt_scorers:
@@ -174,7 +180,7 @@ class ModelRunner:
             self.times.propose += time.perf_counter() - t0
         return handle.output
 
-    def settle(self) -> None:
+    def finish_in_flight(self) -> None:
         """Bring the step in flight to the host now (the engine takes its output later)."""
         if self.in_flight is not None:
             self.finish(self.in_flight)
@@ -185,6 +191,8 @@ class ModelRunner:
     def drop_finished(self, req_ids: set[str]) -> None:
         if self.speculator is not None:
             self.speculator.forget(req_ids)
+        if self.pooler is not None:
+            self.pooler.forget(req_ids)
         for req_id in req_ids:
             state = self.states.pop(req_id, None)
             if state is not None:
@@ -312,8 +320,33 @@ class ModelRunner:
         groups = [self.attn_backend.build_metadata(attn) for attn in inputs.attn_groups]
         return [groups[group] for group in self.kv_layout.layer_groups]
 
+    def _pool_step(self, sched_out: SchedulerOutput, req_ids: list[str], states: list[CachedRequestState],
+                   rows: np.ndarray, t0: float) -> StepHandle:
+        """A pooling step: the forward, then the rows whose prompt ends here pooled (worker/pooler.py);
+        nothing is sampled, so the step's output is known when it returns."""
+        starts = self.batch.num_computed[rows].copy()  # [B]
+        counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=len(rows))  # [B]
+        num_prompt = self.batch.num_prompt[rows]  # [B]
+        inputs, _ = self._prepare(states, rows, sched_out, finishes_at_once=True)
+        t1 = self._mark()
+        hidden = self._hidden(inputs, False)  # [T, hidden]
+        t2 = self._mark()
+        pooled = self.pooler.pool(hidden, req_ids, starts, counts, num_prompt)
+        output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooled=pooled)
+        no_rows = np.empty(0, np.int64)
+        handle = StepHandle(req_ids, no_rows, torch.empty(0, dtype=torch.int64), HostCopy({}), no_rows, None,
+                            output=output)
+        self._add_times(t0, t1, t2, self._mark())
+        return handle
+
     @torch.inference_mode()
-    def _forward(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, has_drafts: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] and the sampling rows' logits [N, V]."""
+        hidden = self._hidden(inputs, has_drafts)
+        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def _hidden(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
         self.times.num_tokens += len(inputs.input_ids)
         graphs = self.verify_graphs if has_drafts else self.graphs
         kinds = inputs.token_kinds
@@ -324,7 +357,7 @@ class ModelRunner:
             metadata = self.attn_metadata(inputs)
             with nullcontext() if self.step_kinds is None else self.step_kinds.using(kinds):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
-        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
+        return hidden
 
     # ---- sampling -------------------------------------------------------------------------------------
 
@@ -350,8 +383,13 @@ class ModelRunner:
         """Rows [S] with penalties keep their sampled ids [S] on the device (their seen-token state).
         Plain greedy rows have none: nothing to look up when every row is one."""
         if self.num_not_plain_greedy and (is_penalized := self.batch.has_penalties[batch_rows]).any():  # [S]
+            if is_penalized.all():  # the common case: every row takes the checkpoint's penalty
+                self.sampling.penalty_tokens.append_sampled(batch_rows, sampled)
+                return
             penalized = np.flatnonzero(is_penalized)  # [S']
-            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized], sampled[torch.from_numpy(penalized)])
+            # the index goes to the device first: a host index on a CUDA tensor waits for the whole step
+            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
+                                                        sampled[on_device(penalized, sampled.device)])
 
     def _handle(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, sampled: torch.Tensor,
                 copy: HostCopy, num_logprobs: list[int | None] | None = None, is_sync: bool = False,
@@ -435,6 +473,8 @@ class ModelRunner:
         assert set(self.batch.row_of) == set(self.states), "batch rows and states differ"
         assert self.prompt_scorers == {r for r, s in self.states.items() if s.params.prompt_logprobs is not None}
         assert self.num_not_plain_greedy == sum(not s.is_plain_greedy for s in self.states.values())
+        if self.pooler is not None:
+            self.pooler.check_integrity(self.states)
         for req_id, state in self.states.items():
             assert self.batch.row_of[req_id] == state.row and state.batch is self.batch, "a state's row moved"
             assert self.batch.has_penalties[state.row] == state.has_penalties, "a row's penalty flag is stale"
