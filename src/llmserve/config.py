@@ -103,6 +103,11 @@ class CacheConfig:
                                 "it with F16C and computes in float32) | int8 (float32 models on CPU with the AVX2 kernels: a "
                                 "quarter of the bytes plus a scale per token and kv head, the kernel widens it and "
                                 "computes in float32)", "choices": list(KV_CACHE_DTYPES)})
+    disable_hybrid_kv_cache_manager: bool = field(default=False, metadata={"help": "one block table for every "
+                                                  "layer of a model that mixes full and sliding-window layers, "
+                                                  "which then keeps every block of its sliding layers too (vLLM's "
+                                                  "flag; default: a KV cache group per attention kind, "
+                                                  "core/kv_cache_groups.py)"})
 
     def validate(self) -> None:
         check_field_choices(self)

@@ -40,9 +40,9 @@ logger = logging.getLogger(__name__)
 class Scheduler(Preemption, OutputUpdate):
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
-                 sliding_window: int = 0, kv_connector: KVConnector | None = None) -> None:
-        """sliding_window: every layer's window (the KV cache drops the blocks before it); 0: some full layer.
-        kv_connector: where blocks live below the device (core/kv_connector.py); full attention only."""
+                 group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None) -> None:
+        """group_windows: each KV cache group's window (core/kv_cache_groups.py; 0: full attention).
+        kv_connector: where blocks live below the device (core/kv_connector.py); one full-attention group only."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
         self.config = config
@@ -53,9 +53,9 @@ class Scheduler(Preemption, OutputUpdate):
                                           or (config.num_scheduler_steps or 1) > 1)
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 sliding_window)
-        assert kv_connector is None or (not sliding_window and cache_config.enable_prefix_caching), \
-            "a KV connector needs prefix caching and full attention"
+                                 group_windows)
+        assert kv_connector is None or (group_windows == (0,) and cache_config.enable_prefix_caching), \
+            "a KV connector needs prefix caching and one full-attention group"
         self.kv_connector = kv_connector
         self.kv_loads: list[KVBlockCopy] = []  # the step's loads from the connector
         if kv_connector is not None:
@@ -238,7 +238,7 @@ class Scheduler(Preemption, OutputUpdate):
         for request, num in zip(self.running, counts):
             req_id, num_after = request.request_id, request.num_computed_tokens + num
             num_blocks = len(kv.req_to_blocks[req_id])
-            if num_after > num_blocks * kv.block_size or num_blocks != request.num_runner_blocks:
+            if num_after > kv.num_slots(req_id) or num_blocks != request.num_runner_blocks:
                 self._send_blocks(out, request, kv.grow(request, num_after))
             kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
             scheduled[req_id] = num
@@ -301,7 +301,7 @@ class Scheduler(Preemption, OutputUpdate):
         once (`_advance_scheduled` for one row; a row with a grammar is left to it). Returns how many; the
         first row that needs more (a prompt chunk, drafts, a preemption, or nothing) is left to the
         general path."""
-        block_size, num_lookahead = self.kv.block_size, self.num_lookahead
+        block_size, num_lookahead, num_groups = self.kv.block_size, self.num_lookahead, self.kv.num_groups
         req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
         is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
         rows = self.running[start:start + budget]
@@ -311,8 +311,9 @@ class Scheduler(Preemption, OutputUpdate):
             if (num_known + request.num_placeholders != num_after or request.spec_token_ids
                     or (request.num_placeholders and self._has_all_tokens_in_flight(request))):
                 return i
-            num_blocks = len(req_to_blocks[req_id])
-            if num_after + num_lookahead > num_blocks * block_size or num_blocks != request.num_runner_blocks:
+            num_blocks = len(req_to_blocks[req_id])  # of every group (a block position holds num_groups)
+            if num_after + num_lookahead > num_blocks // num_groups * block_size \
+                    or num_blocks != request.num_runner_blocks:
                 new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
                 if new_blocks is None:
                     return i  # out of blocks: the general path preempts

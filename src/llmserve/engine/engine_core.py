@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.core.kv_cache_manager import cache_window
+from llmserve.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
@@ -51,17 +51,27 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
     return config.model.model, resolve_model_path(config.model.model, config.model.revision)
 
 
-def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
-    """The window the KV cache frees blocks by (core/kv_cache_manager.py), logged: only a model whose every
-    layer slides gives blocks back; one that mixes full and sliding layers keeps every block (per-group
-    block tables are not built yet), which the log says."""
-    window = cache_window(list(layer_windows))
-    if window:
-        logger.info("KV cache: every layer slides (window %d): blocks before the window go back to the pool", window)
+def log_kv_cache_layout(layout: KVCacheLayout, layer_windows: tuple[int, ...]) -> tuple[int, ...]:
+    """Each KV cache group's window (core/kv_cache_groups.py), logged where some layer slides."""
+    if layout.is_hybrid:
+        logger.info("KV cache: %s: each sliding group gives back the blocks that left its window", layout.describe())
+    elif layout.group_windows[0]:
+        logger.info("KV cache: every layer slides (window %d): blocks before the window go back to the pool",
+                    layout.group_windows[0])
     elif any(layer_windows):
-        logger.info("KV cache: full and sliding-window layers mixed: every block is kept for the whole sequence "
-                    "(per-group block tables are not built yet), so the window raises no KV capacity")
-    return window
+        logger.info("KV cache: full and sliding-window layers in one group (--disable-hybrid-kv-cache-manager): "
+                    "every block is kept for the whole sequence, so the window raises no KV capacity")
+    return layout.group_windows
+
+
+def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]) -> KVCacheLayout:
+    """The KV cache groups (the worker makes the same); a draft model reads the target's block ids as its own,
+    so it is refused with several groups, before anything loads."""
+    layout = kv_cache_layout(layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
+    if layout.is_hybrid and config.speculative.speculative == "draft":
+        raise ValueError("--speculative draft with a model that mixes full and sliding-window layers is not "
+                         "supported with per-group block tables: add --disable-hybrid-kv-cache-manager")
+    return layout
 
 
 def pooling_engine_config(config: EngineConfig) -> EngineConfig:
@@ -74,13 +84,14 @@ def pooling_engine_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, scheduler=scheduler)
 
 
-def check_kv_transfer_window(config: EngineConfig, window: int) -> None:
-    """The KV tiers and disaggregation are refused (before loading the weights) for a model whose every layer
-    slides: its blocks are found by window hits, which a lower tier does not answer yet."""
+def check_kv_transfer_layout(config: EngineConfig, layout: KVCacheLayout) -> None:
+    """The KV tiers and disaggregation are refused (before loading the weights) unless the KV cache is one
+    full-attention group: a sliding group's blocks are found by window hits, and the copies move one group's
+    blocks, neither of which a lower tier does yet."""
     kv = config.kv_transfer
-    if window and (kv.is_offloading or kv.disaggregation_mode != "null"):
-        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported for a "
-                         f"model whose every layer slides (window {window}) yet")
+    if layout.group_windows != (0,) and (kv.is_offloading or kv.disaggregation_mode != "null"):
+        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported yet for a "
+                         f"model with sliding-window layers ({layout.describe()})")
 
 
 class EngineCore:
@@ -103,23 +114,25 @@ class EngineCore:
         if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
             mla.check_settings(config.cache.kv_cache_dtype, config.model.attention_backend)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
+        kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
         if self.model_info.pooler is None and is_sentence_transformers(path):
             logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "
                            "add --runner pooling to serve its embeddings (POST /v1/embeddings)", name)
         if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
             self.config = config
-        window = kv_cache_window(self.model_info.layer_windows)
-        check_kv_transfer_window(config, window)
+        check_kv_transfer_layout(config, kv_layout)
         self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, is_served)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
         self.threads_reason = self.worker.threads_reason
+        assert self.worker.kv_layout == kv_layout, "the worker's KV cache groups differ from the scheduler's"
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
         self.kv_connector = build_kv_connector(config.kv_transfer, self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
-                                   config.speculative, window, self.kv_connector)
+                                   config.speculative, log_kv_cache_layout(kv_layout, self.model_info.layer_windows),
+                                   self.kv_connector)
         self.kv_sender, self.kv_receiver = self._kv_transports(config)
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path

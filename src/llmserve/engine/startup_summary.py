@@ -43,12 +43,18 @@ def runner_kind(pooler: PoolerConfig | None) -> str:
     return f"runner pooling ({pooler.pooling_type} pooling, {'normalized' if pooler.normalize else 'not normalized'})"
 
 
-def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int) -> str:
-    num_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
+def kv_cache(kv_caches: list[torch.Tensor], num_blocks: int, block_size: int, num_groups: int = 1) -> str:
+    """With KV cache groups (core/kv_cache_groups.py) a block holds one group's layers: the tokens are those of
+    the blocks shared out evenly, and layers of different groups share a tensor (its bytes counted once; a
+    token's bytes are every layer's)."""
+    tensors = {id(t): t for t in kv_caches}.values()
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
     dtype = str(kv_caches[0].dtype).removeprefix("torch.") if kv_caches else "?"
     per_token = kv_bytes_per_token(kv_caches)
-    return (f"KV cache {dtype}, {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size:,} tokens, "
-            f"{per_token:,} bytes a token, {num_bytes / 2**30:.2f} GiB)")
+    groups = f" in {num_groups} groups" if num_groups > 1 else ""
+    return (f"KV cache {dtype}, {num_blocks} blocks of {block_size} tokens{groups} "
+            f"({num_blocks // num_groups * block_size:,} tokens, {per_token:,} bytes a token, "
+            f"{num_bytes / 2**30:.2f} GiB)")
 
 
 def kv_tiers(config: KVTransferConfig) -> str | None:
@@ -73,7 +79,7 @@ def startup_line(core) -> str:
     graphs = "CUDA graphs off" if runner.graphs is None else f"CUDA graphs up to batch {runner.graphs.sizes[-1]}"
     parts = [f"engine ready: {info.name} on {core.device}, {info.dtype}", runner_kind(info.pooler),
              f"linears {linear_kernel(runner.model, core.device, core.dtype, info.quantization)}",
-             kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size),
+             kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size, core.scheduler.kv.num_groups),
              f"prefix caching {'on' if config.cache.enable_prefix_caching else 'off'}",
              *filter(None, [kv_tiers(config.kv_transfer)]),
              speculation(config.speculative),

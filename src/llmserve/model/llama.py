@@ -260,15 +260,18 @@ class CausalLM(nn.Module):
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] int64 -> hidden [T, hidden] (after the final norm).
 
-        attn_metadata is what attn_backend.build_metadata returned for this step.
+        attn_metadata is what attn_backend.build_metadata returned for this step, or a list of one a layer (KV
+        cache groups give each group's layers their own block table: core/kv_cache_groups.py).
         """
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.parts.embed_scale is not None:
             x = gemma3.scale_embeddings(x, self.parts.embed_scale)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}  # 2 x [T, 1, D/2]
         residual = None
-        for layer, kind, kv_cache in zip(self.model.layers, self.rope_kinds, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin[kind], kv_cache, attn_metadata, attn_backend)
+        layer_metadata = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(kv_caches)
+        for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, layer_metadata,
+                                                   strict=True):
+            x, residual = layer(x, residual, cos_sin[kind], kv_cache, metadata, attn_backend)
         x, _ = self.model.norm(x, residual)
         return x
 

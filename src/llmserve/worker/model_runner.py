@@ -15,6 +15,7 @@ next step's diff).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -24,6 +25,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
+from llmserve.core.kv_cache_groups import KVCacheLayout
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.model.parallel import TensorParallel
@@ -67,10 +69,12 @@ class ModelRunner:
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
                  speculator: Speculator | None = None, graphs: DecodeGraphs | None = None,
                  max_num_rows: int = 128, max_model_len: int = 4096, tp: TensorParallel | None = None,
-                 pooler: Pooler | None = None) -> None:
-        """pooler: an embedding model's (--runner pooling): steps pool prompts instead of sampling."""
+                 pooler: Pooler | None = None, kv_layout: KVCacheLayout | None = None) -> None:
+        """pooler: an embedding model's (--runner pooling): steps pool prompts instead of sampling.
+        kv_layout: the KV cache groups (core/kv_cache_groups.py), each with its own block table; None: one."""
         self.model = model
         self.pooler = pooler
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
         # FP8 layers on CUDA route decode and prompt tokens by what each step says (model/quant/token_kinds.py)
         self.step_kinds = step_kinds_of(model) if device.type == "cuda" else None
         self.tp = tp  # tensor parallelism: rank 0 samples, the other ranks take its ids (_sample)
@@ -87,7 +91,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.num_not_plain_greedy = 0  # states whose sampling needs per-row inputs (SamplingInputs)
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
-        self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
+        self.batch = PersistentBatch(max_num_rows, max_model_len, block_size,
+                                     1 if self.kv_layout is None else self.kv_layout.num_groups)
         self.step_output = StepOutput(self.batch, self.sampling.penalty_tokens)
         self.in_flight: StepHandle | None = None  # launched last and not finished
         self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # step_rows
@@ -284,19 +289,36 @@ class ModelRunner:
             self.times.num_device_inputs += len(arrays.pending_tokens)
             sources = on_device(arrays.pending_sources, self.device)
             input_ids[on_device(arrays.pending_tokens, self.device)] = self.in_flight.sampled[sources]
+        tables, slots = [arrays.block_table], [arrays.slot_mapping]  # [B, W], [T]
+        if self.kv_layout is not None:  # one of each a KV cache group, out of [B, G * W] and [G, T]
+            tables, slots = self.batch.group_tables(arrays.block_table), list(arrays.slot_mapping)
         attn = AttentionInputs(
             query_start_loc=on_device(arrays.query_start_loc, self.device),
             seq_lens=on_device(arrays.seq_lens.astype(np.int32), self.device),
-            block_table=on_device(arrays.block_table, self.device),
-            slot_mapping=on_device(arrays.slot_mapping, self.device),
+            block_table=on_device(np.ascontiguousarray(tables[0]), self.device),
+            slot_mapping=on_device(slots[0], self.device),
             query_lens_cpu=[1] * len(arrays.seq_lens) if len(input_ids) == len(arrays.seq_lens)  # one token a row
             else np.diff(arrays.query_start_loc).tolist(),
             seq_lens_cpu=arrays.seq_lens.tolist(),
             block_size=self.block_size,
         )
-        return StepInputs(input_ids=input_ids, positions=on_device(arrays.positions, self.device), attn=attn,
-                          logits_indices=on_device(sample_indices, self.device),
-                          sample_rows=arrays.sample_rows.tolist())
+        inputs = StepInputs(input_ids=input_ids, positions=on_device(arrays.positions, self.device), attn=attn,
+                            logits_indices=on_device(sample_indices, self.device),
+                            sample_rows=arrays.sample_rows.tolist())
+        if self.kv_layout is not None:
+            inputs.attn_groups = [attn] + [
+                dataclasses.replace(attn, block_table=on_device(np.ascontiguousarray(table), self.device),
+                                    slot_mapping=on_device(group_slots, self.device))
+                for table, group_slots in zip(tables[1:], slots[1:])]
+        return inputs
+
+    def attn_metadata(self, inputs: StepInputs) -> object:
+        """What the model's layers read: the backend's metadata, or with KV cache groups [L] each layer's
+        group's (built once a group)."""
+        if inputs.attn_groups is None:
+            return self.attn_backend.build_metadata(inputs.attn)
+        groups = [self.attn_backend.build_metadata(attn) for attn in inputs.attn_groups]
+        return [groups[group] for group in self.kv_layout.layer_groups]
 
     def _pool_step(self, sched_out: SchedulerOutput, req_ids: list[str], states: list[CachedRequestState],
                    rows: np.ndarray, t0: float) -> StepHandle:
@@ -332,7 +354,7 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(inputs, has_drafts):
             hidden = graphs.run(inputs)  # [T, hidden]; captured with every token a decode token
         else:
-            metadata = self.attn_backend.build_metadata(inputs.attn)
+            metadata = self.attn_metadata(inputs)
             with nullcontext() if self.step_kinds is None else self.step_kinds.using(kinds):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
         return hidden

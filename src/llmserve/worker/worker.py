@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import quant
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
@@ -23,7 +24,8 @@ from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.pooler import Pooler
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
-from llmserve.worker.kv_cache import allocate_kv_caches, cache_bytes_per_block, needs_gpu_profile, num_kv_blocks
+from llmserve.worker.kv_cache import (allocate_kv_caches, cache_bytes_per_block, layer_kv_caches, needs_gpu_profile,
+                                      num_kv_blocks)
 from llmserve.worker.model_runner import ModelRunner
 
 MAX_GRAPH_QUERIES = 16  # a captured row's queries fit one attention tile (triton_kernels.block_q_for)
@@ -59,6 +61,7 @@ class Worker:
         tp: this rank of a tensor-parallel engine (torch.distributed initialised), None without."""
         self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
         self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
+        self.kv_layout = kv_cache_layout(model_info.layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization,
                            has_lm_head=model_info.pooler is None)
         threads = apply_num_threads(config.model.num_threads, model, device.type, is_served,
@@ -68,20 +71,21 @@ class Worker:
         attn_backend = select_attention_backend(device, _backend_name([model, draft_model],
                                                                        config.model.attention_backend), dtype)
         self.num_blocks = self._num_blocks(model, draft_model, attn_backend)
-        kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
-                                       model_info.num_layers, self.kv_dtype, device)
+        kv_caches = layer_kv_caches(allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
+                                                       self.kv_layout.num_slots, self.kv_dtype, device), self.kv_layout)
         speculator = self._speculator(attn_backend, draft_model)
         max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
-        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
+        layer_groups = self.kv_layout.layer_groups if self.kv_layout.is_hybrid else None
+        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp,
-                                  None if model_info.pooler is None else Pooler(model_info.pooler))
+                                  None if model_info.pooler is None else Pooler(model_info.pooler), self.kv_layout)
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
-                queries_per_row=spec.num_speculative_tokens + 1)
+                queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups)
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
@@ -129,9 +133,10 @@ class Worker:
                                   self.model_info.max_model_len, self.device, self.config.model.seed, chain)
 
     def _num_blocks(self, model: torch.nn.Module, draft_model: torch.nn.Module | None, attn_backend) -> int:
-        """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
+        """Blocks that fit the budget; a block holds the KV of one group's layers (core/kv_cache_groups.py);
+        with a draft model each block also holds the draft's KV."""
         cache, budget = self.config.cache, None
-        block_bytes = cache_bytes_per_block(model.kv_cache_shape(1, cache.block_size), self.model_info.num_layers,
+        block_bytes = cache_bytes_per_block(model.kv_cache_shape(1, cache.block_size), self.kv_layout.num_slots,
                                             self.kv_dtype)  # this rank's KV heads (or latents)
         if draft_model is not None:
             block_bytes += cache_bytes_per_block(draft_model.kv_cache_shape(1, cache.block_size),
@@ -143,8 +148,10 @@ class Worker:
                                       min(sched.max_num_batched_tokens, self.model_info.max_model_len),
                                       sched.max_num_seqs)
             budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
-        num_blocks = num_kv_blocks(cache, block_bytes, self.model_info.max_model_len,
-                                   self.config.scheduler.max_num_seqs, budget)
+        max_model_len, sched = self.model_info.max_model_len, self.config.scheduler
+        num_blocks = num_kv_blocks(cache, block_bytes, max_model_len, sched.max_num_seqs, budget,
+                                   self.kv_layout.num_groups, self.kv_layout.blocks_per_sequence(
+                                       max_model_len, cache.block_size, sched.max_num_batched_tokens))
         if self.tp is None:
             return num_blocks
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
@@ -152,10 +159,11 @@ class Worker:
         return int(agreed.item())
 
     def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
-                       max_batch: int, queries_per_row: int = 1) -> DecodeGraphs | None:
+                       max_batch: int, queries_per_row: int = 1,
+                       layer_groups: tuple[int, ...] | None = None) -> DecodeGraphs | None:
         """CUDA graphs of `model`'s batches of up to max_batch rows of `queries_per_row` queries, captured now
         (CUDA with the Triton backend, unless --enforce-eager): the target's decode and verification
-        steps, and a draft model's later forwards."""
+        steps (with KV cache groups, `layer_groups`: each layer's), and a draft model's later forwards."""
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
@@ -167,6 +175,6 @@ class Worker:
             return None  # MoE layers that read their expert counts on the host, which a graph cannot
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
-                              queries_per_row=queries_per_row)
+                              queries_per_row=queries_per_row, layer_groups=layer_groups)
         graphs.capture()
         return graphs
