@@ -146,10 +146,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
-        if self.kv_transfer_params is not None:
-            self.kv_transfer_params.validate()
             if self.min_tokens:  # the grammar decides where the output ends
                 raise ValueError("min_tokens cannot be combined with structured outputs")
+        if self.kv_transfer_params is not None:
+            self.kv_transfer_params.validate()
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Check the token ids the user gave (logit_bias keys, stop_token_ids) against the vocabulary."""
