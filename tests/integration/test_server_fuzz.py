@@ -69,7 +69,7 @@ POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/
                "/generate_stream", "/", "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize",
                "/reset_prefix_cache"]
 GET_ROUTES = ["/health", "/version", "/v1/models", "/v1/models/{model_id}", "/info", "/metrics",
-              "/tokenizer_info", "/v1/responses/{response_id}"]
+              "/tokenizer_info", "/v1/responses/{response_id}", "/kv_transfer"]
 OPERATIONS = [("POST", path) for path in POST_ROUTES] + [("GET", path) for path in GET_ROUTES]
 
 

@@ -90,6 +90,8 @@ def test_echo_with_logprobs_scores_the_prompt():
     assert completion_overrides(completion({"prompt": "x", "echo": True, "logprobs": 3}))["prompt_logprobs"] == 3
     assert completion_overrides(completion({"prompt": "x", "prompt_logprobs": 2}))["prompt_logprobs"] == 2
     assert "prompt_logprobs" not in completion_overrides(completion({"prompt": "x", "logprobs": 3}))
+    # echo without logprobs beside prompt_logprobs (found by the fuzz test: it raised, a 500)
+    assert completion_overrides(completion({"prompt": "x", "echo": True, "prompt_logprobs": 0}))["prompt_logprobs"] == 0
     with pytest.raises(msgspec.ValidationError):
         decode_json(b'{"prompt_logprobs": 1, "messages": []}', ChatCompletionRequest)  # completions only
 

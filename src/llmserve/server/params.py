@@ -62,7 +62,8 @@ def completion_overrides(req: CompletionRequest) -> dict:
     overrides["logprobs"] = req.logprobs
     if req.prompt_logprobs is not None or (req.echo and req.logprobs is not None):
         # echo with logprobs scores the echoed prompt too (OpenAI), with as many top tokens
-        overrides["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs if req.echo else 0)
+        echoed = req.logprobs if req.echo and req.logprobs is not None else 0
+        overrides["prompt_logprobs"] = max(req.prompt_logprobs or 0, echoed)
     return overrides
 
 
