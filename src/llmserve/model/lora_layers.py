@@ -1,0 +1,166 @@
+"""LoRA on the decoder's projections for a batch that mixes adapters: a fixed pool of slots per layer and
+the grouped products over a step's tokens.
+
+Each wrapped projection (qkv_proj, o_proj, gate_up_proj, down_proj) keeps, per slot, A stacked over its
+sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapter's rank) and one B per
+sub-projection ([slots, out_j, R], the adapter's scale folded in). A step's `LoRAStep` lists the tokens that
+run with an adapter, grouped by slot; base-model tokens are not touched. Two ways to compute the same sums:
+
+- segmented (Punica's SGMV, for steps with prompt chunks): per slot in the step, its tokens' x @ A^T @ B^T,
+  a loop over the step's adapters (at most --max-loras), never over rows;
+- gathered (BGMV, for decode steps: one token a row): every token's A and B gathered by its slot and
+  multiplied in one batched matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmserve.model.lora_adapter import LoRAWeights
+
+# fused projection of our decoder -> the HF module names it holds, in output order
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                 "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass
+class LoRAStep:
+    """A forward's tokens that carry an adapter, grouped by slot (base-model tokens are left out)."""
+
+    token_indices: torch.Tensor  # [N] int64 token positions in the step, slot by slot
+    token_slots: torch.Tensor  # [N] int64 the slot of each
+    segments: list[tuple[int, int, int]]  # (slot, start, end) over token_indices, one per slot in the step
+    is_gathered: bool  # BGMV-style gathered matmuls (decode steps); else segmented
+
+
+def lora_step(token_slots: np.ndarray, is_gathered: bool, device: torch.device) -> LoRAStep | None:
+    """token_slots [T] (-1: the base model) -> the step's grouping; None when no token has an adapter."""
+    indices = np.flatnonzero(token_slots >= 0)  # [N]
+    if not len(indices):
+        return None
+    indices = indices[np.argsort(token_slots[indices], kind="stable")]
+    slots = token_slots[indices]  # [N] sorted
+    bounds = np.flatnonzero(np.diff(slots)) + 1
+    starts, ends = np.concatenate(([0], bounds)), np.concatenate((bounds, [len(slots)]))
+    segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+    return LoRAStep(torch.from_numpy(indices).to(device), torch.from_numpy(slots.astype(np.int64)).to(device),
+                    segments, is_gathered)
+
+
+class LoRAContext:
+    """What every wrapped projection reads during a forward: the step's grouping (None: base model only)."""
+
+    def __init__(self) -> None:
+        self.step: LoRAStep | None = None
+
+
+class LoRALinear(nn.Module):
+    """A projection plus the LoRA of the adapter in each token's slot: base(x) + x @ A[slot]^T @ B[slot]^T."""
+
+    def __init__(self, base: nn.Module, in_features: int, out_sizes: list[int], num_slots: int, max_rank: int,
+                 context: LoRAContext, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.context = context
+        self.max_rank = max_rank
+        self.out_sizes = out_sizes
+        self.register_buffer("lora_a", torch.zeros(num_slots, len(out_sizes) * max_rank, in_features, dtype=dtype,
+                                                   device=device), persistent=False)  # [S, n_sub * R, in]
+        for j, size in enumerate(out_sizes):
+            self.register_buffer(f"lora_b{j}", torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device),
+                                 persistent=False)  # [S, out_j, R]
+
+    @property
+    def lora_bs(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        out = self.base(x)
+        step = self.context.step
+        if step is None:
+            return out
+        add = add_lora_gathered if step.is_gathered else add_lora_segmented
+        add(out, x, self.lora_a, self.lora_bs, step)
+        return out
+
+    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot `slot` holds these (A [r, in], B [out_j, r]) per sub-projection (None: the adapter leaves it)."""
+        rank = self.max_rank
+        self.lora_a[slot].zero_()
+        for j, pair in enumerate(pairs):
+            b = getattr(self, f"lora_b{j}")[slot]
+            b.zero_()
+            if pair is not None:
+                a_j, b_j = pair
+                self.lora_a[slot, j * rank:j * rank + a_j.shape[0]].copy_(a_j)
+                b[:, :b_j.shape[1]].copy_(b_j)
+
+
+def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                       step: LoRAStep) -> None:
+    """out [T, out] += each token's LoRA, one pair of matmuls per slot over that slot's tokens (SGMV)."""
+    rank = bs[0].shape[-1]
+    for slot, start, end in step.segments:
+        idx = step.token_indices[start:end]  # [n]
+        shrunk = x.index_select(0, idx) @ a[slot].T  # [n, n_sub * R]
+        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot].T for j, b in enumerate(bs)], dim=1)
+        out.index_add_(0, idx, delta.to(out.dtype))  # [n, out]
+
+
+def add_lora_gathered(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                      step: LoRAStep) -> None:
+    """out [T, out] += each token's LoRA: A and B gathered per token by slot, one batched matmul each (BGMV)."""
+    rank = bs[0].shape[-1]
+    idx, slots = step.token_indices, step.token_slots  # [N], [N]
+    shrunk = torch.bmm(a.index_select(0, slots), x.index_select(0, idx).unsqueeze(2))  # [N, n_sub * R, 1]
+    delta = torch.cat([torch.bmm(b.index_select(0, slots), shrunk[:, j * rank:(j + 1) * rank])
+                       for j, b in enumerate(bs)], dim=1)  # [N, out, 1]
+    out.index_add_(0, idx, delta.squeeze(2).to(out.dtype))
+
+
+def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRAContext, dict[str, list]]:
+    """Wrap every dense decoder layer's projections of a loaded CausalLM (MoE MLPs keep none) in place.
+
+    Returns the shared context and {fused name: [LoRALinear or None per layer]}."""
+    context = LoRAContext()
+    param = next(model.parameters())
+    wrapped: dict[str, list] = {name: [] for name in FUSED_MODULES}
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = model.config.hidden_size
+        sizes = {"qkv_proj": (attn, hidden, [attn.q_size, attn.kv_size, attn.kv_size]),
+                 "o_proj": (attn, attn.q_size, [hidden])}
+        if hasattr(mlp, "gate_up_proj"):
+            inter = mlp.intermediate_size
+            sizes |= {"gate_up_proj": (mlp, hidden, [inter, inter]), "down_proj": (mlp, inter, [hidden])}
+        for name in FUSED_MODULES:
+            if name not in sizes:
+                wrapped[name].append(None)
+                continue
+            owner, in_features, out_sizes = sizes[name]
+            module = LoRALinear(getattr(owner, name), in_features, out_sizes, num_slots, max_rank, context,
+                                param.dtype, param.device)
+            setattr(owner, name, module)
+            wrapped[name].append(module)
+    return context, wrapped
+
+
+def load_slot(wrapped: dict[str, list], slot: int, weights: LoRAWeights) -> None:
+    """Write an adapter into slot `slot` of every wrapped projection (zeros where it has no module);
+    ValueError when it targets a layer whose projection has no LoRA (an MoE layer's MLP)."""
+    placed = set()
+    for fused, modules in FUSED_MODULES.items():
+        for layer, linear in enumerate(wrapped[fused]):
+            pairs = [weights.modules.get((layer, module)) for module in modules]
+            if linear is None:
+                if any(pairs):
+                    raise ValueError(f"layer {layer}'s {fused} takes no LoRA (a Mixture-of-Experts layer)")
+                continue
+            linear.set_slot(slot, pairs)
+            placed.update((layer, m) for m, p in zip(modules, pairs) if p is not None)
+    assert placed == set(weights.modules), "an adapter module found no projection"
