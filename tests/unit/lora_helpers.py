@@ -37,7 +37,10 @@ def peft_greedy(base_path: str, adapter_dir: str | None, prompt: list[int], num_
     """transformers + peft greedy tokens (adapter_dir None: the base model; is_merged: merge_and_unload first)."""
     from peft import PeftModel
 
+    from transformers import GenerationConfig
+
     model = hf_base(base_path)
+    model.generation_config = GenerationConfig(do_sample=False, pad_token_id=0)  # what PeftModel.generate reads
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).eval()
         if is_merged:

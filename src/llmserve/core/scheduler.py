@@ -39,8 +39,9 @@ logger = logging.getLogger(__name__)
 class Scheduler(Preemption, OutputUpdate):
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
-                 sliding_window: int = 0) -> None:
-        """sliding_window: every layer's window (the KV cache drops the blocks before it); 0: some full layer."""
+                 sliding_window: int = 0, max_loras: int = 0) -> None:
+        """sliding_window: every layer's window (the KV cache drops the blocks before it); 0: some full layer.
+        max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off)."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
         self.config = config
@@ -50,6 +51,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.draft_backoff = DraftBackoff(is_enabled=bool(config.async_scheduling)
                                           or (config.num_scheduler_steps or 1) > 1)
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  sliding_window)
         self.requests: dict[str, Request] = {}
@@ -329,10 +331,13 @@ class Scheduler(Preemption, OutputUpdate):
         return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = self._running_adapters()
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
+            if not self._has_lora_slot(request, adapters):
+                break  # its adapter waits for a slot: a running adapter's requests to finish
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
@@ -351,6 +356,18 @@ class Scheduler(Preemption, OutputUpdate):
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
             budget -= num_new
+
+    def _running_adapters(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
+
+    def _has_lora_slot(self, request: Request, adapters: set[int]) -> bool:
+        """Whether the request's adapter runs already or a slot is left for it (then it takes it)."""
+        if request.lora is None or request.lora.lora_int_id in adapters:
+            return True
+        if len(adapters) >= self.max_loras:
+            return False
+        adapters.add(request.lora.lora_int_id)
+        return True
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING
@@ -374,6 +391,7 @@ class Scheduler(Preemption, OutputUpdate):
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             stop_token_ids_for_min_tokens=sorted(request.any_stop_token_ids),
+            lora=request.lora,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -84,7 +84,8 @@ class EngineCore:
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
-                                   config.speculative, kv_cache_window(self.model_info.layer_windows))
+                                   config.speculative, kv_cache_window(self.model_info.layer_windows),
+                                   config.lora.max_loras if config.lora.enable_lora else 0)
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
@@ -113,6 +114,9 @@ class EngineCore:
             self.tp_executor.shutdown()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.lora is not None and not self.config.lora.enable_lora:
+            raise ValueError(f"request {request.request_id} asks for LoRA adapter {request.lora.lora_name!r}, "
+                             "but this engine runs without --enable-lora")
         core_request = Request.from_engine_core_request(request, self.model_info.max_model_len)
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside

@@ -24,6 +24,7 @@ from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
+from llmserve.worker.lora_manager import LoRAManager
 from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
 
@@ -64,12 +65,21 @@ class Worker:
         graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
-                                  model_info.max_model_len, tp)
+                                  model_info.max_model_len, tp, self._lora_manager(model))
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
                 queries_per_row=spec.num_speculative_tokens + 1)
+
+    def _lora_manager(self, model: torch.nn.Module) -> LoRAManager | None:
+        """--enable-lora: the adapters' slots on the model's projections (after the KV cache is sized and
+        graphs would be captured: LoRA steps run eager)."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        return LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras,
+                           self.config.scheduler.max_num_seqs, self.device)
 
     def _requested_threads(self) -> int | None:
         """--num-threads; CPU ranks of a tensor-parallel engine share the cores unless told otherwise."""
@@ -155,6 +165,8 @@ class Worker:
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
+        if self.config.lora.enable_lora:
+            return None  # a step's adapter grouping is built on the host per step: not captured yet
         if self.tp is not None:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
         if getattr(model, "is_moe", False):
