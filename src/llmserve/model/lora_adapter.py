@@ -5,6 +5,9 @@ An adapter adds (alpha / r) * B @ A (rsLoRA: alpha / sqrt(r)) to a projection's 
 B [out, r]. Modules are the base model's unfused names (q_proj ... down_proj); model/lora_layers.py places
 them in our fused qkv_proj and gate_up_proj. Anything an adapter carries that we would not apply (biases,
 DoRA, modules_to_save, embeddings, per-module rank patterns) is refused, naming it.
+
+`check_adapter` needs no torch (the safetensors header is JSON): the HTTP front checks an adapter with it
+before any request can name it; `read_adapter` (the worker) checks the same and reads the tensors.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import json
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
@@ -35,14 +41,16 @@ class BaseShapes:
 
 
 def base_shapes(config) -> BaseShapes:
-    """The base model's projection shapes from its HF config (one rank: no tensor parallelism)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    """The base model's projection shapes from its HF config, an object or config.json's dict (one rank: no
+    tensor parallelism)."""
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    hidden, inter, num_heads = get("hidden_size"), get("intermediate_size"), get("num_attention_heads")
+    head_dim = get("head_dim") or hidden // num_heads
+    q_size, kv_size = num_heads * head_dim, (get("num_key_value_heads") or num_heads) * head_dim
     features = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
                 "o_proj": (q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
                 "down_proj": (inter, hidden)}
-    return BaseShapes(config.num_hidden_layers, features)
+    return BaseShapes(get("num_hidden_layers"), features)
 
 
 @dataclass(frozen=True)
@@ -94,26 +102,54 @@ def adapter_scale(config: dict) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def read_adapter(path: str, shapes: BaseShapes, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAWeights:
-    """The adapter at `path` as LoRAWeights (B scaled), in `dtype`; AdapterError names what does not fit."""
-    from safetensors.torch import load_file
-
-    config = read_adapter_config(path, max_rank)
+def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """adapter_model.safetensors' tensor names and shapes, from its JSON header (no tensor is read)."""
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
         raise AdapterError(f"LoRA adapter {path!r}: no {WEIGHTS_FILE}")
+    try:
+        with open(weights_path, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_size))
+    except (OSError, ValueError, struct.error) as e:
+        raise AdapterError(f"LoRA adapter {path!r}: cannot read {WEIGHTS_FILE}: {e}") from None
+    return {key: tuple(entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
+
+
+def check_adapter(path: str, shapes: BaseShapes | None, max_rank: int) -> dict:
+    """The adapter's config, once its config and its tensors' names and shapes fit the base (`shapes`; None:
+    unknown, only the config and names are checked); AdapterError names what does not."""
+    config = read_adapter_config(path, max_rank)
+    halves: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    for key, shape in tensor_shapes(path).items():
+        layer, module, half = _parse_key(path, key, shapes)
+        halves.setdefault((layer, module), {})[half] = shape
+    if not halves:
+        raise AdapterError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    for where, pair in halves.items():
+        _check_pair(path, where, pair, config["r"], shapes)
+    return config
+
+
+def read_adapter(path: str, shapes: BaseShapes, max_rank: int, dtype: torch.dtype | None = None) -> LoRAWeights:
+    """The adapter at `path` as LoRAWeights (B scaled), in `dtype` (default float32), once `check_adapter`
+    passes."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = check_adapter(path, shapes, max_rank)
+    dtype = dtype or torch.float32
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights_path).items():
+    for key, tensor in load_file(os.path.join(path, WEIGHTS_FILE)).items():
         layer, module, half = _parse_key(path, key, shapes)
         halves.setdefault((layer, module), {})[half] = tensor
-    scale, rank = adapter_scale(config), config["r"]
-    modules = {where: _checked_pair(path, where, pair, rank, shapes, scale, dtype) for where, pair in halves.items()}
-    if not modules:
-        raise AdapterError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    return LoRAWeights(rank, modules)
+    scale = adapter_scale(config)
+    modules = {where: (pair["A"].to(dtype).contiguous(), (pair["B"].float() * scale).to(dtype).contiguous())
+               for where, pair in halves.items()}
+    return LoRAWeights(config["r"], modules)
 
 
-def _parse_key(path: str, key: str, shapes: BaseShapes) -> tuple[int, str, str]:
+def _parse_key(path: str, key: str, shapes: BaseShapes | None) -> tuple[int, str, str]:
     match = _KEY.match(key)
     if match is None:
         raise AdapterError(f"LoRA adapter {path!r}: tensor {key!r} is not a LoRA A/B weight of a decoder "
@@ -121,22 +157,21 @@ def _parse_key(path: str, key: str, shapes: BaseShapes) -> tuple[int, str, str]:
     layer, module, half = int(match[1]), match[2], match[3]
     if module not in SUPPORTED_MODULES:
         raise AdapterError(f"LoRA adapter {path!r}: tensor {key!r} targets module {module!r}, not supported")
-    if layer >= shapes.num_layers:
+    if shapes is not None and layer >= shapes.num_layers:
         raise AdapterError(f"LoRA adapter {path!r}: tensor {key!r} is for layer {layer}; the base model has "
                            f"{shapes.num_layers}")
     return layer, module, half
 
 
-def _checked_pair(path: str, where: tuple[int, str], pair: dict[str, torch.Tensor], rank: int, shapes: BaseShapes,
-                  scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_pair(path: str, where: tuple[int, str], pair: dict[str, tuple[int, ...]], rank: int,
+                shapes: BaseShapes | None) -> None:
     layer, module = where
     if set(pair) != {"A", "B"}:
         raise AdapterError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_{''.join(pair)} but not both "
                            "lora_A and lora_B")
-    in_features, out_features = shapes.features[module]
     a, b = pair["A"], pair["B"]
-    if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
-        raise AdapterError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B "
-                           f"{tuple(b.shape)}; the base model (rank {rank}) needs {(rank, in_features)} and "
+    in_features, out_features = shapes.features[module] if shapes is not None else (a[-1], b[0])
+    if tuple(a) != (rank, in_features) or tuple(b) != (out_features, rank):
+        raise AdapterError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_A {tuple(a)} and lora_B "
+                           f"{tuple(b)}; the base model (rank {rank}) needs {(rank, in_features)} and "
                            f"{(out_features, rank)}")
-    return a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous()

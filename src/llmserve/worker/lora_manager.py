@@ -37,6 +37,10 @@ class LoRAManager:
 
     def acquire(self, row: int, lora: LoRARequest | None) -> None:
         """Batch row `row`'s request runs with `lora` (None: the base model) from now on."""
+        if row >= len(self.slot_of_row):  # the persistent batch grew its rows
+            grown = np.full(max(row + 1, 2 * len(self.slot_of_row)), -1, np.int64)
+            grown[:len(self.slot_of_row)] = self.slot_of_row
+            self.slot_of_row = grown
         if lora is None:
             self.slot_of_row[row] = -1
             return
