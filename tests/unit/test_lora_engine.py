@@ -105,3 +105,17 @@ def test_a_lora_request_without_enable_lora_is_refused(setup):
     llm = LLM(base, dtype="float32", block_size=4)
     with pytest.raises(ValueError, match="without --enable-lora"):
         _generate(llm, [prompts[0]], [loras[0]])
+
+
+@pytest.mark.parametrize("engine_args", [dict(speculative="ngram", num_speculative_tokens=3),
+                                         dict(async_scheduling=True, num_scheduler_steps=1)],
+                         ids=["ngram-speculation", "async-scheduling"])
+def test_adapters_with_speculation_and_async_scheduling(setup, engine_args):
+    """Drafts verified with the adapter on (a verification step is a segmented one); steps overlapped."""
+    base, loras, prompts = setup
+    prompt = prompts[0] + prompts[0][:12]  # a repeat for the n-gram proposer to find
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16, block_size=4, **engine_args)
+    outs = _generate(llm, [prompt, prompt], [loras[2], None])
+    assert list(outs[0].outputs[0].token_ids) == peft_greedy(base, loras[2].lora_path, prompt, NUM_OUT)
+    assert list(outs[1].outputs[0].token_ids) == peft_greedy(base, None, prompt, NUM_OUT)
+    llm.engine.check_integrity()
