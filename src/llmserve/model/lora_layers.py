@@ -10,10 +10,14 @@ run with an adapter, grouped by slot; base-model tokens are not touched. Two way
   a loop over the step's adapters (at most --max-loras), never over rows;
 - gathered (BGMV, for decode steps: one token a row): every token's A and B gathered by its slot and
   multiplied in one batched matmul each.
+
+On CUDA both run as two Triton kernels instead (model/lora_triton.py: one program a token, its slot read on
+the device).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,7 +88,10 @@ class LoRALinear(nn.Module):
         step = self.context.step
         if step is None:
             return out
-        add = add_lora_gathered if step.is_gathered else add_lora_segmented
+        if x.is_cuda:
+            add = _triton_add()
+        else:
+            add = add_lora_gathered if step.is_gathered else add_lora_segmented
         add(out, x, self.lora_a, self.lora_bs, step)
         return out
 
@@ -99,6 +106,14 @@ class LoRALinear(nn.Module):
                 a_j, b_j = pair
                 self.lora_a[slot, j * rank:j * rank + a_j.shape[0]].copy_(a_j)
                 b[:, :b_j.shape[1]].copy_(b_j)
+
+
+@functools.cache
+def _triton_add():
+    """The Triton kernels' entry (imported on first CUDA use: triton is not needed on CPU)."""
+    from llmserve.model.lora_triton import add_lora_triton
+
+    return add_lora_triton
 
 
 def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
