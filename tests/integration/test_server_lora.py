@@ -111,3 +111,4 @@ def test_metrics_count_requests_per_adapter(server, client):
     text = httpx.get(f"{server.url}/metrics").text
     assert metric_value(text, 'llmserve:lora_request_success_total{finished_reason="length",lora_name="a1",'
                               'model_name="base"}') >= 1
+    assert metric_value(text, "llmserve:lora_adapters") == 2  # a0 and a1 (a2 came and went)

@@ -155,7 +155,7 @@ def serving_context(engine: AsyncLLM, config: ServerConfig, lora: LoRAConfig = L
     metrics.set_cache_size(engine.client.num_kv_blocks)
     engine.stat_logger = metrics
     loras = LoRARegistry(lora.enable_lora, lora.max_lora_rank, engine.model_info.path,
-                         (model_name, engine.model_info.name))
+                         (model_name, engine.model_info.name), metrics.num_lora_adapters.set)
     for name, path in lora.modules().items():
         try:
             loras.add(name, path)

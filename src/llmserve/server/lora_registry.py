@@ -6,15 +6,20 @@ from __future__ import annotations
 import json
 import os
 
+from collections.abc import Callable
+
 from llmserve.lora_request import LoRARequest
 from llmserve.model.lora_adapter import AdapterError, BaseShapes, base_shapes, check_adapter
 from llmserve.server.errors import APIError
 
 
 class LoRARegistry:
-    def __init__(self, is_enabled: bool, max_rank: int, base_path: str, reserved_names: tuple[str, ...]) -> None:
+    def __init__(self, is_enabled: bool, max_rank: int, base_path: str, reserved_names: tuple[str, ...],
+                 on_count: Callable[[int], None] = lambda num: None) -> None:
         """base_path: the base model's directory (its config.json gives the shapes adapters must fit);
-        reserved_names: the base model's own names, which no adapter may take."""
+        reserved_names: the base model's own names, which no adapter may take; on_count: told the number of
+        adapters after each change (the metrics gauge)."""
+        self.on_count = on_count
         self.is_enabled = is_enabled
         self.max_rank = max_rank
         self.reserved_names = reserved_names
@@ -36,6 +41,7 @@ class LoRARegistry:
             raise APIError(400, str(e), param="lora_path") from None
         lora = self.adapters[name] = LoRARequest(name, self.next_id, os.path.abspath(path))
         self.next_id += 1
+        self.on_count(len(self.adapters))
         return lora
 
     def remove(self, name: str) -> None:
@@ -43,6 +49,7 @@ class LoRARegistry:
         if self.adapters.pop(name, None) is None:
             raise APIError(404, f"The lora adapter {name!r} cannot be found.", param="lora_name",
                            code="model_not_found")
+        self.on_count(len(self.adapters))
 
     def get(self, name: str | None) -> LoRARequest | None:
         return None if name is None else self.adapters.get(name)

@@ -69,6 +69,8 @@ class ServerMetrics:
         self.num_blocks = self._gauge("kv_cache_blocks", "KV blocks in the cache.")
         self.num_in_flight = self._gauge("num_requests_in_flight", "Engine requests the front is waiting on.")
         self.loop_lag_max = self._gauge("event_loop_lag_max_seconds", "Longest event-loop lag seen since start.")
+        self.num_lora_adapters = self._gauge("lora_adapters", "LoRA adapters served by name (a router reads "
+                                             "GET /v1/models again when this changes).")
 
     def _make_counters(self) -> None:
         self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
