@@ -11,7 +11,7 @@ import torch
 from lora_helpers import make_adapter
 
 from llmserve.model.lora_adapter import AdapterError, BaseShapes, adapter_scale, read_adapter, read_adapter_config
-from llmserve.model.lora_layers import LoRAContext, LoRALinear, add_lora_gathered, add_lora_segmented, lora_step
+from llmserve.model.lora_layers import LoRAContext, LoRALinear, add_lora_segmented, lora_step
 from llmserve.model.maker import make_model
 
 NUM_SLOTS, MAX_RANK, IN, OUT_SIZES = 3, 8, 24, [16, 8, 8]
@@ -41,23 +41,24 @@ def _per_row_reference(x: torch.Tensor, a, bs, token_slots: np.ndarray) -> torch
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("is_gathered", [False, True])
-def test_grouped_products_equal_the_per_row_reference(is_gathered):
+@pytest.mark.parametrize("token_slots", [[1, -1, 0, 2, 1, 1, -1, 2, 0, 1], [2, 0, 1], [-1, 0]],
+                         ids=["mixed", "one-token-each", "one-adapter-token"])
+def test_segmented_products_equal_the_per_row_reference(token_slots):
     a, bs, _ = _pool(0)
-    token_slots = np.array([1, -1, 0, 2, 1, 1, -1, 2, 0, 1])  # adapters mixed with base-model tokens
+    token_slots = np.array(token_slots)  # adapters mixed with base-model tokens
     x = torch.randn(len(token_slots), IN, generator=torch.Generator().manual_seed(1))
     out = torch.ones(len(token_slots), sum(OUT_SIZES))  # the base projection's output, added to
-    step = lora_step(token_slots, is_gathered, torch.device("cpu"))
-    (add_lora_gathered if is_gathered else add_lora_segmented)(out, x, a, bs, step)
+    step = lora_step(token_slots, torch.device("cpu"))
+    add_lora_segmented(out, x, a, bs, step)
     torch.testing.assert_close(out, 1 + _per_row_reference(x, a, bs, token_slots), atol=1e-5, rtol=1e-5)
 
 
 def test_step_groups_tokens_by_slot_and_leaves_base_tokens_out():
-    step = lora_step(np.array([2, -1, 0, 2, 0]), False, torch.device("cpu"))
+    step = lora_step(np.array([2, -1, 0, 2, 0]), torch.device("cpu"))
     assert step.token_indices.tolist() == [2, 4, 0, 3]
     assert step.token_slots.tolist() == [0, 0, 2, 2]
     assert step.segments == [(0, 0, 2), (2, 2, 4)]
-    assert lora_step(np.array([-1, -1]), True, torch.device("cpu")) is None
+    assert lora_step(np.array([-1, -1]), torch.device("cpu")) is None
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ def test_triton_products_equal_the_per_row_reference(token_slots):
     x = torch.randn(len(slots), a.shape[-1], generator=torch.Generator().manual_seed(2))
     expected = 1 + _per_row_reference(x, a, bs, slots)
     out = torch.ones(len(slots), sum(OUT_SIZES), device=DEVICE)
-    step = lora_step(slots, False, torch.device(DEVICE))
+    step = lora_step(slots, torch.device(DEVICE))
     # small tiles: several K and output tiles a token even on these shapes
     add_lora_triton(out, x.to(DEVICE), a.to(DEVICE), [b.to(DEVICE) for b in bs], step, block_k=16, block_n=8)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)

@@ -4,15 +4,13 @@ the grouped products over a step's tokens.
 Each wrapped projection (qkv_proj, o_proj, gate_up_proj, down_proj) keeps, per slot, A stacked over its
 sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapter's rank) and one B per
 sub-projection ([slots, out_j, R], the adapter's scale folded in). A step's `LoRAStep` lists the tokens that
-run with an adapter, grouped by slot; base-model tokens are not touched. Two ways to compute the same sums:
+run with an adapter, grouped by slot; base-model tokens are not touched.
 
-- segmented (Punica's SGMV, for steps with prompt chunks): per slot in the step, its tokens' x @ A^T @ B^T,
-  a loop over the step's adapters (at most --max-loras), never over rows;
-- gathered (BGMV, for decode steps: one token a row): every token's A and B gathered by its slot and
-  multiplied in one batched matmul each.
-
-On CUDA both run as two Triton kernels instead (model/lora_triton.py: one program a token, its slot read on
-the device).
+On CPU the products are segmented (Punica's SGMV): per slot in the step, its tokens' x @ A^T @ B^T, a loop
+over the step's adapters (at most --max-loras), never over rows. Decode steps too: gathering each token's A
+and B for one batched matmul (BGMV's form in torch) measured 1.2-22x slower on CPU (docs/benchmarks.md,
+"LoRA products on CPU"). On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a
+token, its slot read on the device.
 """
 
 from __future__ import annotations
@@ -38,10 +36,9 @@ class LoRAStep:
     token_indices: torch.Tensor  # [N] int64 token positions in the step, slot by slot
     token_slots: torch.Tensor  # [N] int64 the slot of each
     segments: list[tuple[int, int, int]]  # (slot, start, end) over token_indices, one per slot in the step
-    is_gathered: bool  # BGMV-style gathered matmuls (decode steps); else segmented
 
 
-def lora_step(token_slots: np.ndarray, is_gathered: bool, device: torch.device) -> LoRAStep | None:
+def lora_step(token_slots: np.ndarray, device: torch.device) -> LoRAStep | None:
     """token_slots [T] (-1: the base model) -> the step's grouping; None when no token has an adapter."""
     indices = np.flatnonzero(token_slots >= 0)  # [N]
     if not len(indices):
@@ -52,7 +49,7 @@ def lora_step(token_slots: np.ndarray, is_gathered: bool, device: torch.device) 
     starts, ends = np.concatenate(([0], bounds)), np.concatenate((bounds, [len(slots)]))
     segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
     return LoRAStep(torch.from_numpy(indices).to(device), torch.from_numpy(slots.astype(np.int64)).to(device),
-                    segments, is_gathered)
+                    segments)
 
 
 class LoRAContext:
@@ -88,10 +85,7 @@ class LoRALinear(nn.Module):
         step = self.context.step
         if step is None:
             return out
-        if x.is_cuda:
-            add = _triton_add()
-        else:
-            add = add_lora_gathered if step.is_gathered else add_lora_segmented
+        add = _triton_add() if x.is_cuda else add_lora_segmented
         add(out, x, self.lora_a, self.lora_bs, step)
         return out
 
@@ -125,17 +119,6 @@ def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: 
         shrunk = x.index_select(0, idx) @ a[slot].T  # [n, n_sub * R]
         delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot].T for j, b in enumerate(bs)], dim=1)
         out.index_add_(0, idx, delta.to(out.dtype))  # [n, out]
-
-
-def add_lora_gathered(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-                      step: LoRAStep) -> None:
-    """out [T, out] += each token's LoRA: A and B gathered per token by slot, one batched matmul each (BGMV)."""
-    rank = bs[0].shape[-1]
-    idx, slots = step.token_indices, step.token_slots  # [N], [N]
-    shrunk = torch.bmm(a.index_select(0, slots), x.index_select(0, idx).unsqueeze(2))  # [N, n_sub * R, 1]
-    delta = torch.cat([torch.bmm(b.index_select(0, slots), shrunk[:, j * rank:(j + 1) * rank])
-                       for j, b in enumerate(bs)], dim=1)  # [N, out, 1]
-    out.index_add_(0, idx, delta.squeeze(2).to(out.dtype))
 
 
 def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRAContext, dict[str, list]]:

@@ -69,9 +69,8 @@ class LoRAManager:
         if (slots < 0).all():
             self.context.step = None
             return
-        is_decode = counts is None or bool((counts == 1).all())
         token_slots = slots if counts is None else np.repeat(slots, counts)  # [T]
-        self.context.step = lora_step(token_slots, is_decode, self.device)
+        self.context.step = lora_step(token_slots, self.device)
 
     def _slot_of(self, lora_int_id: int) -> int | None:
         try:
