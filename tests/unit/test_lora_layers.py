@@ -18,7 +18,7 @@ NUM_SLOTS, MAX_RANK, IN, OUT_SIZES = 3, 8, 24, [16, 8, 8]
 
 
 def _pool(seed: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
-    """A [S, 3R, in] and B_j [S, out_j, R] with slot s of rank ranks[s] (zeros past it, as set_slot writes)."""
+    """A [S, 3R, in] and B^T_j [S, R, out_j] with slot s of rank ranks[s] (zeros past it, as set_slot writes)."""
     gen = torch.Generator().manual_seed(seed)
     ranks = [2, 8, 5]
     linear = LoRALinear(torch.nn.Identity(), IN, OUT_SIZES, NUM_SLOTS, MAX_RANK, LoRAContext(), torch.float32,
@@ -36,7 +36,7 @@ def _per_row_reference(x: torch.Tensor, a, bs, token_slots: np.ndarray) -> torch
         if slot < 0:
             rows.append(torch.zeros(sum(OUT_SIZES)))
             continue
-        parts = [(x[t] @ a[slot, j * MAX_RANK:(j + 1) * MAX_RANK].T) @ b[slot].T for j, b in enumerate(bs)]
+        parts = [(x[t] @ a[slot, j * MAX_RANK:(j + 1) * MAX_RANK].T) @ b[slot] for j, b in enumerate(bs)]
         rows.append(torch.cat(parts))
     return torch.stack(rows)
 
@@ -59,6 +59,7 @@ def test_step_groups_tokens_by_slot_and_leaves_base_tokens_out():
     assert step.token_slots.tolist() == [0, 0, 2, 2]
     assert step.segments == [(0, 0, 2), (2, 2, 4)]
     assert lora_step(np.array([-1, -1]), torch.device("cpu")) is None
+
 
 
 @pytest.fixture(scope="module")

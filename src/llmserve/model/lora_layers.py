@@ -2,14 +2,15 @@
 the grouped products over a step's tokens.
 
 Each wrapped projection (qkv_proj, o_proj, gate_up_proj, down_proj) keeps, per slot, A stacked over its
-sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapter's rank) and one B per
-sub-projection ([slots, out_j, R], the adapter's scale folded in). A step's `LoRAStep` lists the tokens that
+sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapter's rank) and one B^T per
+sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, out_j] is one matrix). A step's `LoRAStep` lists the tokens that
 run with an adapter, grouped by slot; base-model tokens are not touched.
 
 On CPU the products are segmented (Punica's SGMV): per slot in the step, its tokens' x @ A^T @ B^T, a loop
-over the step's adapters (at most --max-loras), never over rows. Decode steps too: gathering each token's A
-and B for one batched matmul (BGMV's form in torch) measured 1.2-22x slower on CPU (docs/benchmarks.md,
-"LoRA products on CPU"). On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a
+over the step's adapters (at most --max-loras), never over rows; decode steps too. Two other forms measured
+no better on CPU side by side (docs/benchmarks.md, "LoRA products on CPU"): gathering each token's A and B
+for one batched matmul (BGMV's form in torch: 1.3-28x slower), and every token against every slot at once
+(a fixed op count: 0.8x at 16 rows of 8 adapters, 1.1-2.5x slower elsewhere). On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a
 token, its slot read on the device.
 """
 
@@ -72,8 +73,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", torch.zeros(num_slots, len(out_sizes) * max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)  # [S, n_sub * R, in]
         for j, size in enumerate(out_sizes):
-            self.register_buffer(f"lora_b{j}", torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device),
-                                 persistent=False)  # [S, out_j, R]
+            self.register_buffer(f"lora_b{j}", torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device),
+                                 persistent=False)  # [S, R, out_j]: B^T
 
     @property
     def lora_bs(self) -> list[torch.Tensor]:
@@ -99,7 +100,7 @@ class LoRALinear(nn.Module):
             if pair is not None:
                 a_j, b_j = pair
                 self.lora_a[slot, j * rank:j * rank + a_j.shape[0]].copy_(a_j)
-                b[:, :b_j.shape[1]].copy_(b_j)
+                b[:b_j.shape[1]].copy_(b_j.T)
 
 
 @functools.cache
@@ -113,11 +114,11 @@ def _triton_add():
 def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
                        step: LoRAStep) -> None:
     """out [T, out] += each token's LoRA, one pair of matmuls per slot over that slot's tokens (SGMV)."""
-    rank = bs[0].shape[-1]
+    rank = bs[0].shape[1]
     for slot, start, end in step.segments:
         idx = step.token_indices[start:end]  # [n]
         shrunk = x.index_select(0, idx) @ a[slot].T  # [n, n_sub * R]
-        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot].T for j, b in enumerate(bs)], dim=1)
+        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot] for j, b in enumerate(bs)], dim=1)
         out.index_add_(0, idx, delta.to(out.dtype))  # [n, out]
 
 

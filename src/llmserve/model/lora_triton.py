@@ -1,7 +1,7 @@
 """LoRA's products as two Triton kernels (CUDA; on CPU through Triton's interpreter, for the tests).
 
 Per adapter token t with slot s (`LoRAStep`): shrink h[t] = x[t] @ A[s]^T over every sub-projection's R rows,
-then expand out[t, off_j:off_j + out_j] += h[t, jR:(j+1)R] @ B_j[s]^T. One program a token (and a tile of
+then expand out[t, off_j:off_j + out_j] += h[t, jR:(j+1)R] @ B^T_j[s] (B^T stored [S, R, out_j]). One program a token (and a tile of
 the shrunk or output features), its slot read from memory: BGMV's form, for decode and prompt tokens alike
 (a token's row of `out` is written by its own programs only, so no atomics). Accumulates in float32.
 """
@@ -34,14 +34,14 @@ def _shrink_kernel(x_ptr, a_ptr, token_ptr, slot_ptr, h_ptr, K, R_ALL, stride_x,
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, token_ptr, slot_ptr, out_ptr, N, R, h_offset, out_offset, stride_h, stride_bs,
-                   stride_bn, stride_o, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   stride_br, stride_o, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     token = tl.load(token_ptr + t)
     slot = tl.load(slot_ptr + t)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features of this sub-projection
     r = tl.arange(0, BLOCK_R)
     h = tl.load(h_ptr + t * stride_h + h_offset + r, mask=r < R, other=0.0)  # [BLOCK_R] float32
-    b = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
+    b = tl.load(b_ptr + slot * stride_bs + n[:, None] + r[None, :] * stride_br,
                 mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
     delta = tl.sum(b * h[None, :], axis=1)  # [BLOCK_N]
     dest = out_ptr + token * stride_o + out_offset + n
@@ -51,8 +51,8 @@ def _expand_kernel(h_ptr, b_ptr, token_ptr, slot_ptr, out_ptr, N, R, h_offset, o
 
 def add_lora_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], step: LoRAStep,
                     block_k: int = 64, block_n: int = 64) -> None:
-    """out [T, out] += each adapter token's LoRA (x [T, in], A [S, n_sub * R, in], B_j [S, out_j, R])."""
-    num_tokens, rank = len(step.token_indices), bs[0].shape[-1]
+    """out [T, out] += each adapter token's LoRA (x [T, in], A [S, n_sub * R, in], B^T_j [S, R, out_j])."""
+    num_tokens, rank = len(step.token_indices), bs[0].shape[1]
     if num_tokens == 0:
         return
     assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous(), "rows must be contiguous"
@@ -65,7 +65,7 @@ def add_lora_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: lis
     offset = 0
     for j, b in enumerate(bs):
         assert b.is_contiguous()
-        size = b.shape[1]
+        size = b.shape[2]
         _expand_kernel[(num_tokens, triton.cdiv(size, block_n))](
             shrunk, b, step.token_indices, step.token_slots, out, size, rank, j * rank, offset, shrunk.stride(0),
             b.stride(0), b.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank))
