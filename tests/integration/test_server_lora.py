@@ -112,3 +112,17 @@ def test_metrics_count_requests_per_adapter(server, client):
     assert metric_value(text, 'llmserve:lora_request_success_total{finished_reason="length",lora_name="a1",'
                               'model_name="base"}') >= 1
     assert metric_value(text, "llmserve:lora_adapters") == 2  # a0 and a1 (a2 came and went)
+
+
+def test_unloading_an_adapter_under_traffic_loses_no_request(client, paths):
+    """A stream running with an adapter that is unloaded meanwhile finishes with it."""
+    base, adapters, _ = paths
+    client.post("/load_lora_adapter", body={"lora_name": "a2", "lora_path": adapters[2]}, cast_to=httpx.Response)
+    stream = client.completions.create(model="a2", prompt=PROMPTS[2], max_tokens=40, temperature=0.0, stream=True,
+                                       extra_body=GREEDY)
+    chunks = [next(stream)]  # running
+    client.post("/unload_lora_adapter", body={"lora_name": "a2"}, cast_to=httpx.Response)
+    chunks += list(stream)
+    token_ids = [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert token_ids == peft_greedy(base, adapters[2], PROMPTS[2], 40)

@@ -119,3 +119,14 @@ def test_adapters_with_speculation_and_async_scheduling(setup, engine_args):
     assert list(outs[0].outputs[0].token_ids) == peft_greedy(base, loras[2].lora_path, prompt, NUM_OUT)
     assert list(outs[1].outputs[0].token_ids) == peft_greedy(base, None, prompt, NUM_OUT)
     llm.engine.check_integrity()
+
+
+def test_preempted_requests_give_their_slot_back_and_resume_with_their_adapter(setup, references):
+    """Too few KV blocks for all: requests are preempted (their slot freed) and resume with their adapter."""
+    base, loras, prompts = setup
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4,
+              num_kv_blocks=16, max_model_len=40, enable_prefix_caching=False)
+    outs = _generate(llm, prompts, [*loras, None])
+    assert llm.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == references
+    llm.engine.check_integrity()

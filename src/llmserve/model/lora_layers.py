@@ -127,7 +127,7 @@ def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRACo
 
     Returns the shared context and {fused name: [LoRALinear or None per layer]}."""
     context = LoRAContext()
-    param = next(model.parameters())
+    param = model.model.embed_tokens.weight  # the model's dtype (a quantized model's projections hold int8/FP8)
     wrapped: dict[str, list] = {name: [] for name in FUSED_MODULES}
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -27,7 +27,7 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.model.embed_tokens.weight.dtype
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recent first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
         self.slot_users = [0] * max_loras  # running requests on each slot

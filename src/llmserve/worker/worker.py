@@ -56,6 +56,7 @@ class Worker:
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
         self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
         self.draft_info, draft_model = self._load_draft()
+        lora = self._lora_manager(model)  # its slots allocated before the KV cache takes what memory is left
         attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
         self.num_blocks = self._num_blocks(model, attn_backend)
         kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
@@ -65,7 +66,7 @@ class Worker:
         graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
-                                  model_info.max_model_len, tp, self._lora_manager(model))
+                                  model_info.max_model_len, tp, lora)
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
@@ -73,8 +74,7 @@ class Worker:
                 queries_per_row=spec.num_speculative_tokens + 1)
 
     def _lora_manager(self, model: torch.nn.Module) -> LoRAManager | None:
-        """--enable-lora: the adapters' slots on the model's projections (after the KV cache is sized and
-        graphs would be captured: LoRA steps run eager)."""
+        """--enable-lora: the adapters' slots on the model's projections (LoRA steps run eager: no graphs)."""
         lora = self.config.lora
         if not lora.enable_lora:
             return None
