@@ -10,13 +10,18 @@ On CPU the products are segmented (Punica's SGMV): per slot in the step, its tok
 over the step's adapters (at most --max-loras), never over rows; decode steps too. Two other forms measured
 no better on CPU side by side (docs/benchmarks.md, "LoRA products on CPU"): gathering each token's A and B
 for one batched matmul (BGMV's form in torch: 1.3-28x slower), and every token against every slot at once
-(a fixed op count: 0.8x at 16 rows of 8 adapters, 1.1-2.5x slower elsewhere). On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a
-token, its slot read on the device.
+(a fixed op count: 0.8x at 16 rows of 8 adapters, 1.1-2.5x slower elsewhere). They run on one thread:
+the ops are small, and each parallel one waits for every torch thread (on a shared machine, for one the OS
+has descheduled): 50-240 us an op on 2 threads against 2-8 us on one, measured side by side.
+On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a token, its slot read on
+the device.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,8 +91,11 @@ class LoRALinear(nn.Module):
         step = self.context.step
         if step is None:
             return out
-        add = _triton_add() if x.is_cuda else add_lora_segmented
-        add(out, x, self.lora_a, self.lora_bs, step)
+        if x.is_cuda:
+            _triton_add()(out, x, self.lora_a, self.lora_bs, step)
+            return out
+        with _one_thread():
+            add_lora_segmented(out, x, self.lora_a, self.lora_bs, step)
         return out
 
     def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
@@ -101,6 +109,20 @@ class LoRALinear(nn.Module):
                 a_j, b_j = pair
                 self.lora_a[slot, j * rank:j * rank + a_j.shape[0]].copy_(a_j)
                 b[:b_j.shape[1]].copy_(b_j.T)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch ops on one CPU thread inside (switching costs ~4 us)."""
+    num_threads = torch.get_num_threads()
+    if num_threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 @functools.cache
@@ -119,7 +141,7 @@ def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: 
         idx = step.token_indices[start:end]  # [n]
         shrunk = x.index_select(0, idx) @ a[slot].T  # [n, n_sub * R]
         delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot] for j, b in enumerate(bs)], dim=1)
-        out.index_add_(0, idx, delta.to(out.dtype))  # [n, out]
+        out.index_put_((idx,), delta.to(out.dtype), accumulate=True)  # [n, out]; faster than index_add_ on CPU
 
 
 def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRAContext, dict[str, list]]:
