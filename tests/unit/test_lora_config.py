@@ -72,13 +72,14 @@ def test_the_scheduler_runs_at_most_max_loras_adapters_at_once():
         request.lora = lora
         sched.add_request(request)
     out, _ = step(sched)
-    # r4 (a third adapter) waits, and r5 behind it (first come, first served)
-    assert [r.req_id for r in out.new_reqs] == ["r0", "r1", "r2", "r3"]
-    assert [r.lora for r in out.new_reqs] == loras[:4]
+    # r4 (a third adapter) waits at the head of the queue; r5 (the base model) goes past it
+    assert [r.req_id for r in out.new_reqs] == ["r0", "r1", "r2", "r3", "r5"]
+    assert [r.lora for r in out.new_reqs] == [*loras[:4], None]
+    assert [r.request_id for r in sched.waiting] == ["r4"]
     while sched.has_unfinished_requests():
         out, _ = step(sched)
         if out.new_reqs:
-            assert [r.req_id for r in out.new_reqs] == ["r4", "r5"]
+            assert [r.req_id for r in out.new_reqs] == ["r4"]
             assert not any(r.lora and r.lora.lora_int_id in (1, 2) for r in sched.running)
     sched.check_integrity()
 

@@ -332,12 +332,14 @@ class Scheduler(Preemption, OutputUpdate):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         adapters = self._running_adapters()
+        set_aside: list[Request] = []  # their adapter waits for a slot; they keep their place in the queue
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
             if not self._has_lora_slot(request, adapters):
-                break  # its adapter waits for a slot: a running adapter's requests to finish
+                set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
@@ -356,6 +358,8 @@ class Scheduler(Preemption, OutputUpdate):
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
             budget -= num_new
+        for request in reversed(set_aside):
+            self.waiting.add_front(request)
 
     def _running_adapters(self) -> set[int]:
         return {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
