@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from schema_walk import CorpusStats, is_named_refusal, run_schema  # noqa: E402
 
 from llmserve.model.loader import load_tokenizer  # noqa: E402
-from llmserve.model.maker import make_model  # noqa: E402
+from llmserve.testing.maker import make_model  # noqa: E402
 from llmserve.structured.compiler import GrammarCompiler  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from llmserve.server.testing import EngineGates, StepGateClient
+    from llmserve.testing.servers import EngineGates, StepGateClient
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
@@ -51,7 +51,7 @@ def no_temporary_files_left(request: pytest.FixtureRequest) -> Iterator[None]:
 def gate() -> Iterator["StepGateClient"]:
     """A step gate for the test module's server (start it with `env=gate.env`): one per module, like the
     servers that use it, so tests hold and step the engine at step boundaries instead of racing it."""
-    from llmserve.server.testing import StepGateClient  # noqa: F811 (the server stack only when asked for)
+    from llmserve.testing.servers import StepGateClient  # noqa: F811 (the server stack only when asked for)
 
     with StepGateClient() as step_gate:
         yield step_gate
@@ -62,7 +62,7 @@ def gate() -> Iterator["StepGateClient"]:
 def engine_gates() -> Iterator["EngineGates"]:
     """Step gates for every engine started with `engine_gates.env` (several engines under one environment:
     Ray Serve's or the router's replicas), each on its own socket; free-running until a test holds one."""
-    from llmserve.server.testing import EngineGates  # noqa: F811
+    from llmserve.testing.servers import EngineGates  # noqa: F811
 
     gates = EngineGates()
     yield gates

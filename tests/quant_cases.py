@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.model.maker import Shape, write_checkpoint
+from llmserve.testing.maker import Shape, write_checkpoint
 
 # Peaked logits (maker's is_peaked): the lm_head's rows scaled by 3 * lognormal(0, 1), so that the top token
 # usually leads the second by several logit standard deviations (plain random weights leave near-ties). The

@@ -14,7 +14,7 @@ import torch
 
 from llmserve.model import cpu_kernels
 from llmserve.model.attention import quantize_int8_rows
-from llmserve.model.testing import PagedBatchBuilder
+from llmserve.testing.paged_batch import PagedBatchBuilder
 torch.set_num_threads(int(sys.argv[1]))
 nrows = int(sys.argv[2]); nsets = 12
 num_blocks = nsets * nrows * 33 + 1  # 500 tokens = 32 blocks a row, block 0 null

@@ -15,7 +15,7 @@ import torch
 
 from llmserve.model.loader import load_model
 from llmserve.model.attention import select_attention_backend
-from llmserve.model.testing import PagedBatchBuilder, allocate_kv_caches
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 torch.set_num_threads(int(sys.argv[1]))
 M = sys.argv[4] if len(sys.argv) > 4 else os.path.expanduser("~/.cache/llmserve-llamacpp/smollm2-135m")
 model = load_model(M, torch.float32, "cpu", 1024)

@@ -6,8 +6,8 @@
 # (every log and results JSON).
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
-#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,fp8,fp8serve,specprof,spec,specdyn
-#   (default: all but fp8probe, fp8sweep, fp8serve, specprof and specdyn, in that order); TESTS: the test
+#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,stepprof,fp8,fp8serve,specprof,spec,specdyn
+#   (default: all but fp8probe, fp8sweep, stepprof, fp8serve, specprof and specdyn, in that order); TESTS: the test
 #   paths (default below); SPEC_ARGS: extra `bench spec` arguments, SPEC_CONFIGS / SPEC_CONCURRENCY its
 #   configurations and batch sizes
 #   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the
@@ -15,6 +15,8 @@
 #   WEIGHTS: copying (default: make-model --copying, an induction circuit in layers 0-1 that continues
 #   repeated spans with clear argmaxes, so that n-gram lookup finds drafts and the oracle keeps its nominal A
 #   in bf16; the same cost), peaked (--peaked-logits) or random
+#   STEPPROF_AB=1: stepprof also with LLMSERVE_FUSED_ELEMENTWISE=off, first
+#   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -71,7 +73,7 @@ MAKER=$!
 if want tests; then
     TESTS=${TESTS:-tests/gpu tests/unit/test_triton_attention.py tests/unit/test_triton_engine.py tests/unit/test_async_scheduling.py tests/unit/test_fp8_triton.py tests/unit/test_token_kinds.py tests/unit/test_draft_chain.py}
     # shellcheck disable=SC2086
-    run tests 230 "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 $TESTS
+    run tests ${TESTS_LIMIT:-230} "$PY" -m pytest -q -p no:cacheprovider --timeout 150 --durations=10 $TESTS
 fi
 if want fp8probe; then
     run fp8probe 90 "$PY" scripts/gpu/fp8_probe.py 1,2,4,8,64,256
@@ -90,6 +92,15 @@ if want offline; then
     run offline_smollm2_sync 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --no-async-scheduling
     run offline_smollm2_prof 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --profile "$RES/profile_smollm2.txt"
 fi
+if want stepprof; then  # where a served decode step's time goes (c=64, c=256), and a mixed step
+    if [ -n "${STEPPROF_AB:-}" ]; then  # the same with torch's elementwise chains first (model/fused_cuda.py)
+        run stepprof_unfused 150 env LLMSERVE_FUSED_ELEMENTWISE=off "$PY" scripts/gpu/step_profile.py "$MODEL" \
+            ${STEPPROF_BATCHES:-64,256} "$RES/step_profile_unfused.txt"
+        grep -E '^batch|decode:|device busy' "$RES/step_profile_unfused.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+    fi
+    run stepprof 150 "$PY" scripts/gpu/step_profile.py "$MODEL" ${STEPPROF_BATCHES:-64,256} "$RES/step_profile.txt"
+    grep -E '^batch|decode:|synchronised|device busy|mixed|prompt phase' "$RES/step_profile.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+fi
 if want serve; then
     "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 >"$RES/server.log" 2>&1 &
     SERVER=$!
@@ -97,13 +108,19 @@ if want serve; then
     note "server up after $(elapsed)s: $(grep -iE 'blocks|graph' "$RES/server.log" | tail -1 | cut -c1-160)"
     S=("${L[@]}" bench serve --url http://127.0.0.1:8000 --tokenizer "$MODEL" --dataset random --input-len 200
        --output-len 180 --ignore-eos --no-progress)
-    run serve_c64 45 "${S[@]}" --concurrency 64 --num-requests 256 --out "$RES/serve_c64.json"
-    run serve_c256 60 "${S[@]}" --concurrency 256 --num-requests 512 --out "$RES/serve_c256.json"
-    run serve_c1024 75 "${S[@]}" --concurrency 1024 --num-requests 1024 --out "$RES/serve_c1024.json"
-    run serve_c1 25 "${S[@]}" --concurrency 1 --num-requests 4 --out "$RES/serve_c1.json"
+    runs=",${SERVE_RUNS:-c64,c256,c1024,c1,c64greedy},"
+    [[ $runs == *,c64,* ]] && run serve_c64 45 "${S[@]}" --concurrency 64 --num-requests 256 --out "$RES/serve_c64.json"
+    [[ $runs == *,c256,* ]] && run serve_c256 60 "${S[@]}" --concurrency 256 --num-requests 512 --out "$RES/serve_c256.json"
+    [[ $runs == *,c1024,* ]] && run serve_c1024 75 "${S[@]}" --concurrency 1024 --num-requests 1024 --out "$RES/serve_c1024.json"
+    [[ $runs == *,c1,* ]] && run serve_c1 25 "${S[@]}" --concurrency 1 --num-requests 4 --out "$RES/serve_c1.json"
     # the checkpoint's sampling defaults (above) vs greedy: what the sampler costs a served step
-    run serve_c64_greedy 45 "${S[@]}" --concurrency 64 --num-requests 256 --extra-body '{"temperature": 0}' \
-        --out "$RES/serve_c64_greedy.json"
+    [[ $runs == *,c64greedy,* ]] && run serve_c64_greedy 45 "${S[@]}" --concurrency 64 --num-requests 256 \
+        --extra-body '{"temperature": 0}' --out "$RES/serve_c64_greedy.json"
+    # structured outputs (issue 54's target: a JSON schema on every request >= 0.9x of none, c=16 and c=64)
+    [[ $runs == *,json,* ]] && run serve_json_none 60 "${S[@]}" --concurrency 16,64 --num-requests 256 \
+        --out "$RES/serve_json_none.json"
+    [[ $runs == *,json,* ]] && run serve_json 60 "${S[@]}" --concurrency 16,64 --num-requests 256 \
+        --json-schema scripts/gpu/schema.json --out "$RES/serve_json.json"
     kill $SERVER; wait $SERVER 2>/dev/null
 fi
 if want fp8; then

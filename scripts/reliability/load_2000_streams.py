@@ -1,6 +1,6 @@
 """2,000 streams held in the engine at once (step gate), then released; bench serve is the client."""
 import subprocess, sys, time, os, signal, httpx
-from llmserve.server.testing import ServerProcess, StepGateClient, metric_value, wait_until
+from llmserve.testing.servers import ServerProcess, StepGateClient, metric_value, wait_until
 
 M = ("llmserve:num_requests_in_flight", "llmserve:num_requests_running", "llmserve:num_requests_waiting",
      "llmserve:kv_cache_usage_perc", "llmserve:kv_cache_free_blocks", "llmserve:kv_cache_blocks")

@@ -1,7 +1,7 @@
 """Figure 2: disconnect storm (400 streams, 200 leave mid-stream). Figure 3: engine SIGKILLed under ~100 streams."""
 import asyncio, json, os, signal, sys, time
 import httpx
-from llmserve.server.testing import ServerProcess, metric_value, wait_until
+from llmserve.testing.servers import ServerProcess, metric_value, wait_until
 
 MODEL = ["--model", "/tmp/fig-tiny", "--dtype", "float32", "--max-model-len", "512"]
 

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.roofline import add_bench_roofline_parser
     from llmserve.bench.serve import add_bench_serve_parser
     from llmserve.bench.spec import add_bench_spec_parser
-    from llmserve.model.maker_cli import add_make_model_parser
+    from llmserve.testing.maker_cli import add_make_model_parser
     from llmserve.rayserve.cli import add_serve_ray_parser
     from llmserve.router.cli import add_route_parser
     from llmserve.server.cli import add_serve_parser

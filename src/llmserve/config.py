@@ -10,6 +10,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.pooling import RUNNERS, parse_pooler_override
+
 
 def check(is_ok: bool, flag: str, message: str) -> None:
     """ValueError('--flag: message') unless `is_ok`: a config error names the CLI flag that sets it."""
@@ -24,6 +26,15 @@ def check_min(flag: str, value: float | None, minimum: float) -> None:
 
 def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
     check(value in choices, flag, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def check_field_choices(config) -> None:
+    """Each set field of a config dataclass whose metadata lists `choices` (the CLI's too) holds one of them:
+    the list is written once, beside the field."""
+    for f in dataclasses.fields(config):
+        value, choices = getattr(config, f.name), f.metadata.get("choices")
+        if choices is not None and value is not None:
+            check_choice(f.metadata.get("flag", f.name.replace("_", "-")), value, tuple(choices))
 
 
 LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
@@ -51,17 +62,26 @@ class ModelConfig:
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
+    runner: str = field(default="generate", metadata={"help": "generate (completions, chat, responses) | pooling (an "
+                        "embedding model: /v1/embeddings only, each prompt pooled into one vector)",
+                        "choices": ["generate", "pooling"]})
+    pooler_config: str | None = field(default=None, metadata={"help": "--runner pooling: JSON overriding the "
+                                      "checkpoint's pooling: pooling_type (LAST | MEAN | CLS), normalize (true | false) "
+                                      "(default: a sentence-transformers folder's own, else LAST, normalized)"})
 
     def validate(self) -> None:
-        check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        check_field_choices(self)
         check_min("max-model-len", self.max_model_len, 1)
         check(self.device in ("auto", "cpu") or self.device.split(":")[0] == "cuda", "device",
               f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        check_choice("attention-backend", self.attention_backend, ("auto", "torch", "triton"))
         check_min("max-cudagraph-capture-size", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
-        if self.quantization is not None:
-            check_choice("quantization", self.quantization, ("int8", "fp8", "none"))
+        check(self.pooler_config is None or self.runner == "pooling", "pooler-config", "only with --runner pooling")
+        parse_pooler_override(self.pooler_config)  # ValueError naming --pooler-config
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
 
 @dataclass(frozen=True)
@@ -83,8 +103,14 @@ class CacheConfig:
                                 "it with F16C and computes in float32) | int8 (float32 models on CPU with the AVX2 kernels: a "
                                 "quarter of the bytes plus a scale per token and kv head, the kernel widens it and "
                                 "computes in float32)", "choices": list(KV_CACHE_DTYPES)})
+    disable_hybrid_kv_cache_manager: bool = field(default=False, metadata={"help": "one block table for every "
+                                                  "layer of a model that mixes full and sliding-window layers, "
+                                                  "which then keeps every block of its sliding layers too (vLLM's "
+                                                  "flag; default: a KV cache group per attention kind, "
+                                                  "core/kv_cache_groups.py)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("block-size", self.block_size, 1)
         if self.kv_cache_memory is not None:
             check(parse_bytes(self.kv_cache_memory, "kv-cache-memory-bytes") > 0, "kv-cache-memory-bytes",
@@ -92,7 +118,6 @@ class CacheConfig:
         check_min("num-gpu-blocks-override", self.num_kv_blocks, 2)  # the null block and one more
         check(0 < self.gpu_memory_utilization <= 1, "gpu-memory-utilization",
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        check_choice("kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -120,13 +145,13 @@ class SchedulerConfig:
                                             "overlaps it instead)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("max-num-seqs", self.max_num_seqs, 1)
         check_min("num-scheduler-steps", self.num_scheduler_steps, 1)
         check(not (self.async_scheduling and (self.num_scheduler_steps or 1) > 1), "num-scheduler-steps",
               f"{self.num_scheduler_steps} runs without async scheduling: add --no-async-scheduling")
         check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
         check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
-        check_choice("scheduling-policy", self.policy, ("fcfs", "priority"))
 
     def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
         """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""
@@ -170,8 +195,7 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.speculative == "draft" else 0
 
     def validate(self) -> None:
-        if self.speculative is not None:
-            check_choice("speculative", self.speculative, ("ngram", "draft"))
+        check_field_choices(self)
         check_min("num-speculative-tokens", self.num_speculative_tokens, 1)
         check_min("ngram-min", self.ngram_min, 1)
         check(self.ngram_min <= self.ngram_max, "ngram-max",
@@ -196,7 +220,65 @@ class ParallelConfig:
                                       "process each (CUDA: GPUs 0..N-1 over NCCL; CPU: processes over gloo, for tests)"})
 
     def validate(self) -> None:
+        check_field_choices(self)
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
+
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DEFAULT_DISK_TIER_BYTES = "16GiB"
+DEFAULT_DECODE_HOST_TIER_BYTES = "2GiB"
+DEFAULT_KV_PORT = 14579  # vLLM's kv_port default
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV blocks beyond the device's cache: the tiers below it and prefill/decode disaggregation
+    (docs/disaggregation.md)."""
+
+    kv_offload_memory: str | None = field(default=None, metadata={
+        "help": "host memory for KV blocks evicted from the device's prefix cache, e.g. 8GiB: a later prefix "
+                "hit there is copied back instead of recomputed (default: off; a decode server's default: "
+                f"{DEFAULT_DECODE_HOST_TIER_BYTES}, where its prefill server's blocks arrive)"})
+    kv_offload_disk: str | None = field(default=None, metadata={
+        "help": "a directory for KV blocks evicted from host memory (or from the device, without "
+                "--kv-offload-memory); each block file is checksummed, a bad one is recomputed (default: off)"})
+    kv_offload_disk_bytes: str | None = field(default=None, metadata={
+        "help": f"bytes of --kv-offload-disk (default: {DEFAULT_DISK_TIER_BYTES})"})
+    disaggregation_mode: str = field(default="null", metadata={
+        "help": "null (prefill and decode in one engine) | prefill (compute prompts and send their KV blocks "
+                "to the decode server a request names) | decode (receive KV blocks on --disaggregation-kv-port); "
+                "SGLang's flag, the router pairs the two: llmserve route --pd-disaggregation",
+        "choices": list(DISAGGREGATION_MODES)})
+    disaggregation_kv_port: int = field(default=DEFAULT_KV_PORT, metadata={
+        "help": "decode server: the TCP port its KV receiver binds (ZMQ), advertised at GET /kv_transfer"})
+
+    @property
+    def is_offloading(self) -> bool:
+        return (self.kv_offload_memory is not None or self.kv_offload_disk is not None
+                or self.disaggregation_mode == "decode")
+
+    def host_tier_bytes(self) -> int | None:
+        if self.kv_offload_memory is not None:
+            return parse_bytes(self.kv_offload_memory, "kv-offload-memory")
+        return parse_bytes(DEFAULT_DECODE_HOST_TIER_BYTES) if self.disaggregation_mode == "decode" else None
+
+    def disk_tier_bytes(self) -> int:
+        return parse_bytes(self.kv_offload_disk_bytes or DEFAULT_DISK_TIER_BYTES, "kv-offload-disk-bytes")
+
+    def validate(self) -> None:
+        if self.kv_offload_memory is not None:
+            check(parse_bytes(self.kv_offload_memory, "kv-offload-memory") > 0, "kv-offload-memory",
+                  f"must be positive, got {self.kv_offload_memory!r}")
+        check(self.kv_offload_disk != "", "kv-offload-disk", "must name a directory")
+        check(self.kv_offload_disk_bytes is None or self.kv_offload_disk is not None, "kv-offload-disk-bytes",
+              "only with --kv-offload-disk")
+        check(self.disk_tier_bytes() > 0, "kv-offload-disk-bytes",
+              f"must be positive, got {self.kv_offload_disk_bytes!r}")
+        check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        check(0 < self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
+              f"must be a TCP port (1-65535), got {self.disaggregation_kv_port}")
+        check(self.disaggregation_kv_port == DEFAULT_KV_PORT or self.disaggregation_mode == "decode",
+              "disaggregation-kv-port", "only with --disaggregation-mode decode (the decode server binds it)")
 
 
 @dataclass(frozen=True)
@@ -244,14 +326,18 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
     lora: LoRAConfig = LoRAConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
     def validate(self, max_model_len: int | None = None) -> None:
         """Each section's values, then the relations between them. `max_model_len`: the context length
         resolved from the model (default: --max-model-len, when given)."""
-        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel, self.lora):
+        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel, self.lora,
+                        self.kv_transfer):
             section.validate()
         check_model_len(self, max_model_len or self.model.max_model_len)
         check_tensor_parallel_combinations(self)
+        check_pooling_combinations(self)
+        check_kv_transfer_combinations(self)
         check(self.cache.kv_cache_dtype != "int8" or self.model.attention_backend != "triton", "kv-cache-dtype",
               "int8 is read by the CPU attention kernel only (--attention-backend auto or torch), not by triton")
 
@@ -266,6 +352,32 @@ def check_tensor_parallel_combinations(config: EngineConfig) -> None:
           "with tensor parallelism yet")
     check(":" not in config.model.device, "tensor-parallel-size",
           f"ranks use devices cuda:0..N-1; --device {config.model.device!r} names one device")
+
+
+def check_pooling_combinations(config: EngineConfig) -> None:
+    """What a pooling engine (prompt-only work: no sampled token, no decode step) does not run with."""
+    if not config.model.is_pooling:
+        return
+    check(config.speculative.speculative is None, "speculative", "not with --runner pooling (nothing is decoded)")
+    check(config.parallel.tensor_parallel_size == 1, "tensor-parallel-size", "not with --runner pooling yet")
+    check(not config.scheduler.async_scheduling, "async-scheduling",
+          "not with --runner pooling (a step's pooled vectors end its requests: nothing to overlap)")
+    check((config.scheduler.num_scheduler_steps or 1) == 1, "num-scheduler-steps",
+          "not with --runner pooling (multi-step runs decode steps only)")
+
+
+def check_kv_transfer_combinations(config: EngineConfig) -> None:
+    """What the KV tiers and disaggregation run with: blocks are found by prefix-cache hashes, and the copies
+    cover one rank's target-model cache."""
+    kv = config.kv_transfer
+    flag = "disaggregation-mode" if kv.disaggregation_mode != "null" else \
+        "kv-offload-memory" if kv.kv_offload_memory is not None else "kv-offload-disk"
+    if not kv.is_offloading and kv.disaggregation_mode == "null":
+        return
+    check(config.cache.enable_prefix_caching, flag, "needs prefix caching (drop --no-enable-prefix-caching)")
+    check(config.parallel.tensor_parallel_size == 1, flag, "is not supported with tensor parallelism yet")
+    check(config.speculative.speculative != "draft", flag,
+          "is not supported with a draft model yet (its KV blocks are not copied)")
 
 
 def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
@@ -352,7 +464,8 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, and the model as a positional argument too (`llmserve serve MODEL`, as vLLM's)."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (the same as --model)")
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig, LoRAConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig, LoRAConfig,
+                KVTransferConfig):
         add_dataclass_args(parser, cls)
     parser.add_argument("--speculative-config", metavar="JSON", help="vLLM's speculative decoding settings as one "
                         "JSON object, beside the flags above: method (ngram | draft_model), model, "
@@ -415,7 +528,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         scheduler=dataclass_from_args(SchedulerConfig, args),
                         speculative=dataclass_from_args(SpeculativeConfig, args),
                         parallel=dataclass_from_args(ParallelConfig, args),
-                        lora=dataclass_from_args(LoRAConfig, args))
+                        lora=dataclass_from_args(LoRAConfig, args),
+                        kv_transfer=dataclass_from_args(KVTransferConfig, args))
+
+
+def engine_kwargs(config: EngineConfig) -> dict:
+    """An EngineConfig as the flat keyword arguments LLM(...) and build_engine_config take."""
+    parts = [getattr(config, f.name) for f in dataclasses.fields(config)]
+    return {f.name: getattr(part, f.name) for part in parts for f in dataclasses.fields(part)}
 
 
 def is_local_model(model: str) -> bool:

@@ -65,6 +65,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Engine-side timestamps (time.time()) for metrics.
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    # --runner pooling: the prompt's pooled vector (float32, little-endian), on the output that ends it
+    pooled: bytes | None = None
 
 
 class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -84,6 +86,19 @@ class GrammarStats(msgspec.Struct, array_like=True, omit_defaults=True):
     compile_seconds: list[float] = []
 
 
+class KVTierStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The KV connector's counts over some steps (core/kv_connector.py): prompt tokens served from each tier
+    below the device instead of computed, blocks copied out, corrupt disk blocks found (and recomputed),
+    and blocks a prefill server sent or a decode server received (disaggregation)."""
+
+    num_host_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
+    num_offloaded_blocks: int = 0  # evicted from the device and kept in host memory or on disk
+    num_corrupt_blocks: int = 0
+    num_sent_blocks: int = 0
+    num_received_blocks: int = 0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -101,6 +116,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec: SpecDecodeStats | None = None  # None when no drafts were verified this step
     grammar: GrammarStats | None = None  # None when no grammar was asked for or compiled
     expert_balance: float | None = None  # MoE: tokens per expert, max / mean, over this step's layers; else None
+    kv_tiers: KVTierStats | None = None  # None without a KV connector or when it did nothing
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

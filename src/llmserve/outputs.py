@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class TokenLogprob:
@@ -44,3 +46,11 @@ class RequestOutput:
     # prompt_logprobs=k: per prompt token (None for the first) its logprob given the ones before it.
     # In delta mode only the first output carries them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # --runner pooling: the prompt's pooled vector (float32, little-endian; `embedding` reads it)
+    pooled: bytes | None = None
+
+    @property
+    def embedding(self) -> list[float]:
+        """The pooled vector as floats (a pooling request's final output)."""
+        assert self.pooled is not None, "not a pooling request's final output"
+        return np.frombuffer(self.pooled, dtype="<f4").tolist()

@@ -24,7 +24,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     `disable_any_whitespace`: JSON without whitespace between tokens (otherwise bounded whitespace).
     `strict` (JSON schemas): objects hold only the properties the schema names unless it allows more
     (OpenAI's strict); false: what the schema allows. `best_effort`: keywords the grammar cannot enforce
-    are left unenforced (and reported) instead of refused.
+    are left unenforced (and reported) instead of refused. `bound_numbers` (JSON schemas): integers without
+    bounds of their own stay within int64's range and numbers within +-(2**53 - 1), so a model cannot write
+    digits until max_tokens; false: what the schema says, unbounded.
     Syntax is checked by llmserve.structured.validate (the front calls it, so a bad one is a 400).
     """
 
@@ -36,6 +38,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     disable_any_whitespace: bool = False
     strict: bool = True
     best_effort: bool = False
+    bound_numbers: bool = True
 
     @classmethod
     def from_json_schema(cls, schema: dict | str | bool, **kwargs) -> StructuredOutputsParams:
@@ -79,7 +82,21 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     def cache_key(self) -> tuple:
         """Requests with equal keys share one compiled grammar."""
         spec = tuple(self.choice) if self.choice is not None else getattr(self, self.kind)
-        return self.kind, spec, self.disable_any_whitespace, self.strict, self.best_effort
+        return self.kind, spec, self.disable_any_whitespace, self.strict, self.best_effort, self.bound_numbers
+
+
+class KVTransferParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Disaggregated serving (vLLM's field name, set by the router): the prefill server that runs this request
+    sends its prompt's KV blocks to the decode server's KV receiver at `decode_kv_address` (tcp://HOST:PORT)
+    when the request finishes (engine/kv_transfer.py)."""
+
+    decode_kv_address: str
+
+    def validate(self) -> None:
+        host, _, port = self.decode_kv_address.removeprefix("tcp://").rpartition(":")
+        if not self.decode_kv_address.startswith("tcp://") or not host or not port.isdigit():
+            raise ValueError(f"kv_transfer_params.decode_kv_address must be tcp://HOST:PORT, "
+                             f"got {self.decode_kv_address!r}")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -113,6 +130,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     speculative: bool = True  # False opts this request out of speculative decoding
     structured_outputs: StructuredOutputsParams | None = None  # constrains the output (llmserve.structured)
+    kv_transfer_params: KVTransferParams | None = None  # disaggregation: where the prompt's KV blocks go
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +148,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.structured_outputs.validate()
             if self.min_tokens:  # the grammar decides where the output ends
                 raise ValueError("min_tokens cannot be combined with structured outputs")
+        if self.kv_transfer_params is not None:
+            self.kv_transfer_params.validate()
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Check the token ids the user gave (logit_bias keys, stop_token_ids) against the vocabulary."""

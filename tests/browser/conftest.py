@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmserve.server.testing import ServerProcess, start_tiny_server
+from llmserve.testing.servers import ServerProcess, start_tiny_server
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 

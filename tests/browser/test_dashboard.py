@@ -9,8 +9,8 @@ import httpx
 import pytest
 from streaming_load import StreamingLoad
 
-from llmserve.model.maker import make_model
-from llmserve.server.testing import SMALL_ENGINE_ARGS, ServerProcess
+from llmserve.testing.maker import make_model
+from llmserve.testing.servers import SMALL_ENGINE_ARGS, ServerProcess
 
 
 TIMEOUT_MS = 60_000

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
-from llmserve.server.testing import start_tiny_server, wait_until
+from llmserve.testing.servers import start_tiny_server, wait_until
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "size"],
           "properties": {"colour": {"enum": ["red", "green", "blue"]},

@@ -11,8 +11,8 @@ import pytest
 from streaming_load import StreamingLoad
 
 from llmserve.router.replicas import free_port
-from llmserve.router.testing import RouterProcess, shared_tiny_model
-from llmserve.server.testing import ServerProcess
+from llmserve.testing.router_servers import RouterProcess, shared_tiny_model
+from llmserve.testing.servers import ServerProcess
 
 REPLICA_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "200", "--served-model-name", "tiny",
                 "--log-level", "warning")

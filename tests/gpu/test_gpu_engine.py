@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 from greedy_check import check_greedy_against_hf
 
@@ -127,4 +127,36 @@ def test_penalised_requests_run_with_overlap(checkpoint):
                             frequency_penalty=0.5)
     outs = llm.generate(_prompts(6, seed=7), params)
     assert llm.engine.is_async and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("num_penalized", [6, 3])  # every row, and some rows (an index on the device)
+def test_a_penalised_decode_step_never_waits_for_the_device(checkpoint, num_penalized):
+    """With async scheduling the host launches step N+1 while step N runs: launching a decode step of sampled,
+    penalised rows (the checkpoint defaults of `bench serve`) makes no synchronising CUDA call."""
+    llm = LLM(checkpoint, dtype="bfloat16", **ENGINE)
+    penalized = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, max_tokens=40,
+                               ignore_eos=True)
+    plain = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(6, seed=9)):
+        for request in llm.processor.process(str(i), prompt, penalized if i < num_penalized else plain):
+            llm.engine.add_request(request)
+    for _ in range(8):  # prompts done, every row decoding
+        llm.engine.step()
+    runner = llm.engine.runner
+    launch = runner.launch
+
+    def strict_launch(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.launch = strict_launch
+    for _ in range(4):
+        llm.engine.step()
+    runner.launch = launch
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
     llm.engine.check_integrity()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
 from llmserve.model.quant.token_kinds import ALL_DECODE, ALL_PROMPT, StepKinds
 

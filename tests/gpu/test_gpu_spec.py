@@ -69,7 +69,7 @@ def test_target_as_its_own_draft_accepts_every_draft_on_cuda(target):
 def test_ngram_on_a_copying_target_in_bf16_accepts_and_equals_plain(tmp_path):
     """bench spec's n-gram case on the device: a target that copies (make-model --copying) in bfloat16, the
     benchmark's precision; its clear argmaxes keep greedy speculation equal to plain decoding."""
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     model = make_model("llama", "demo", str(tmp_path / "copying"), seed=3, dtype="bfloat16", is_copying=True)
     prompts = [(span * 9)[:128] for span in ([(37 * i + 11 * j) % 2000 + 10 for j in range(16)] for i in range(8))]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
                                                   reason="tensor parallelism over NCCL needs 2 CUDA devices")]

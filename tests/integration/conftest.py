@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmserve.server.testing import ServerProcess, start_tiny_server
+from llmserve.testing.servers import ServerProcess, start_tiny_server
 
 SHARED_NAME = "tiny"
 SHARED_MAX_MODEL_LEN = 2048  # room for tool definitions in the system turn

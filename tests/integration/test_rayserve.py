@@ -26,8 +26,8 @@ serve = pytest.importorskip("ray.serve")
 from llmserve.rayserve.app import REPLICA_DEPLOYMENT, build_application  # noqa: E402
 from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args  # noqa: E402
 from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
-from llmserve.router.testing import sample_value, shared_tiny_model  # noqa: E402
-from llmserve.server.testing import StepGateClient, wait_until  # noqa: E402
+from llmserve.testing.router_servers import sample_value, shared_tiny_model  # noqa: E402
+from llmserve.testing.servers import StepGateClient, wait_until  # noqa: E402
 
 APP = "llmserve"
 MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4

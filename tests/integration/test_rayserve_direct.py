@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
-from llmserve.router.testing import shared_tiny_model  # noqa: E402
-from llmserve.server.testing import read_log, wait_until  # noqa: E402
+from llmserve.testing.router_servers import shared_tiny_model  # noqa: E402
+from llmserve.testing.servers import read_log, wait_until  # noqa: E402
 
 READY_LINE = "without Ray's proxy at"
 STARTUP_TIMEOUT_S = 240.0  # Ray, its controller, the proxy, the ingress and one engine replica on 2 cores

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from llmserve.router.testing import RouterProcess, sample_value, shared_tiny_model
-from llmserve.server.testing import StepGateClient, is_alive, wait_until
+from llmserve.testing.router_servers import RouterProcess, sample_value, shared_tiny_model
+from llmserve.testing.servers import StepGateClient, is_alive, wait_until
 
 REPLICA_ARGS = "--max-model-len 512 --num-kv-blocks 200 --max-num-seqs 2 --log-level warning"
 

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from llmserve.router.testing import RouterProcess, sample_value, shared_tiny_model
-from llmserve.server.testing import ServerProcess, StepGateClient, wait_until
+from llmserve.testing.router_servers import RouterProcess, sample_value, shared_tiny_model
+from llmserve.testing.servers import ServerProcess, StepGateClient, wait_until
 
 REPLICA_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "200", "--served-model-name", "tiny",
                 "--log-level", "warning")

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from llmserve.router.testing import RouterProcess, shared_tiny_model
-from llmserve.server.testing import ServerProcess
+from llmserve.testing.router_servers import RouterProcess, shared_tiny_model
+from llmserve.testing.servers import ServerProcess
 
 REPLICA_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "200", "--log-level", "warning")
 
@@ -88,6 +88,13 @@ def test_tokenizer_routes_pass_through(router, replica):
                                                    timeout=60).json()["prompt"]
     assert post(router, "/tokenize", {"prompt": "hi"}).status_code == 200  # no model: the only pool
     assert post(router, "/tokenize", {"model": "nope", "prompt": "hi"}).status_code == 404
+
+
+def test_embeddings_pass_through(router):
+    """To the replica, which answers as a generation server does (embeddings need --runner pooling)."""
+    response = post(router, "/v1/embeddings", {"model": "tiny", "input": "hello"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert "--runner pooling" in response.json()["error"]["message"]
 
 
 def test_tgi_generate_routes_pass_through(router):

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from llmserve.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.testing.servers import metric_value, start_tiny_server
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -25,7 +25,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from llmserve.server.testing import ServerProcess, metric_value
+from llmserve.testing.servers import ServerProcess, metric_value
 
 EXAMPLES_PER_ROUTE = 30
 VALID_EXAMPLES_PER_ROUTE = 60
@@ -65,9 +65,9 @@ def api_schema(server: ServerProcess):
     return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
 
 
-POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/generate_stream", "/", "/tokenize",
-               "/detokenize", "/v1/tokenize", "/v1/detokenize", "/reset_prefix_cache", "/v1/load_lora_adapter",
-               "/v1/unload_lora_adapter"]
+POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/generate",
+               "/generate_stream", "/", "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize",
+               "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 GET_ROUTES = ["/health", "/version", "/v1/models", "/v1/models/{model_id}", "/info", "/metrics",
               "/tokenizer_info", "/v1/responses/{response_id}"]
 OPERATIONS = [("POST", path) for path in POST_ROUTES] + [("GET", path) for path in GET_ROUTES]

@@ -11,7 +11,7 @@ import pytest
 
 from llmserve.server.grpc_service import llmserve_pb2 as pb
 from llmserve.server.grpc_service import llmserve_pb2_grpc as pb_grpc
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.testing.servers import metric_value, start_tiny_server
 
 KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -74,6 +74,12 @@ def test_errors_map_to_status_codes(stub, request_, metadata, code, word):
     with pytest.raises(grpc.RpcError) as caught:
         stub.Generate(request_, metadata=metadata)
     assert caught.value.code() == code and word in caught.value.details()
+
+
+def test_a_generation_model_refuses_embed(stub):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text="x")]), metadata=AUTH)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--runner pooling" in caught.value.details()
 
 
 def test_a_cancelled_stream_frees_its_request(server, stub):

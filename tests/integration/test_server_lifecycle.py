@@ -12,7 +12,7 @@ import signal
 import httpx
 import pytest
 
-from llmserve.server.testing import StepGateClient, is_alive, start_tiny_server, wait_until
+from llmserve.testing.servers import StepGateClient, is_alive, start_tiny_server, wait_until
 
 LONG = {"max_tokens": 450, "ignore_eos": True}
 SHORT_TOKENS = 8  # one prefill step gives the first token, each later step one more (async scheduling: a

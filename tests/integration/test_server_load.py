@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from llmserve.server.testing import metric_value, start_tiny_server, wait_until
+from llmserve.testing.servers import metric_value, start_tiny_server, wait_until
 
 NUM_STREAMS = 200
 MAX_TOKENS = 32

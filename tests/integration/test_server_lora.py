@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.server.testing import ServerProcess, metric_value, tiny_model
+from llmserve.testing.servers import ServerProcess, metric_value, tiny_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # the unit tests' peft helpers
 from lora_helpers import make_adapter, peft_greedy  # noqa: E402

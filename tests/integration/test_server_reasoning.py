@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.server.testing import ServerProcess, start_tiny_server
+from llmserve.testing.servers import ServerProcess, start_tiny_server
 
 THOUGHT_THEN_ANSWER = {"structured_outputs": {"regex": "<think>[a-z]{1,8}</think>\n\n(yes|no)"}}
 MESSAGES = [{"role": "user", "content": "Is it?"}]
@@ -90,3 +90,30 @@ def test_responses_give_a_reasoning_item_before_the_message(client):
         final = stream.get_final_response()
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert [i.type for i in final.output] == ["reasoning", "message"] and thought == final.output[0].content[0].text
+
+
+HARMONY = {"structured_outputs": {"regex": r"<\|channel\|>analysis<\|message\|>[a-z]{1,8}<\|end\|>"
+                                           r"<\|start\|>assistant<\|channel\|>final<\|message\|>(yes|no)<\|return\|>"}}
+
+
+@pytest.fixture(scope="module")
+def harmony_client(tmp_path_factory):
+    """--reasoning-parser gpt_oss (the tiny model's tokenizer has no harmony special tokens: its markers are
+    plain text here, which the regex holds the output to, ending as gpt-oss's answers end, <|return|>)."""
+    server = start_tiny_server(str(tmp_path_factory.mktemp("harmony")), "--served-model-name", "tiny",
+                               "--reasoning-parser", "gpt_oss")
+    yield openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    assert server.stop() == 0
+
+
+def test_gpt_oss_returns_the_analysis_channel_apart_from_the_final_one(harmony_client):
+    out = harmony_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, extra_body=HARMONY)
+    message = out.choices[0].message
+    assert message.content in ("yes", "no")
+    thought = message.model_extra["reasoning_content"]
+    assert thought.isalpha() and thought.islower() and 1 <= len(thought) <= 8
+    chunks = list(harmony_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120,
+                                                         stream=True, extra_body=HARMONY))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) in ("yes", "no")
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas).isalpha()

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.testing.servers import metric_value, start_tiny_server
 
 REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
 

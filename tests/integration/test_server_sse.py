@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.testing.servers import metric_value, start_tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 
-from llmserve.server.testing import StepGateClient, child_pids, start_tiny_server
+from llmserve.testing.servers import StepGateClient, child_pids, start_tiny_server
 
 from test_server_lifecycle import in_thread, read_stream
 

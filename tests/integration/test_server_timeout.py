@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from llmserve.server.testing import metric_value, start_tiny_server
+from llmserve.testing.servers import metric_value, start_tiny_server
 
 # ~2,000 tokens take seconds on any device; the timeout is a fraction of that.
 ENDLESS = {"prompt": "never done", "max_tokens": 2000, "ignore_eos": True}

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from llmserve.model.testing import PagedBatchBuilder
+from llmserve.testing.paged_batch import PagedBatchBuilder
 
 HEAD_DIM, NUM_KV_HEADS, NUM_BLOCKS = 64, 2, 4096
 SCALE = HEAD_DIM ** -0.5

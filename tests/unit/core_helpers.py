@@ -19,10 +19,10 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int = 4, priority: 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_num_seqs: int = 16,
                    caching: bool = True, policy: str = "fcfs", max_model_len: int = 256,
-                   sliding_window: int = 0) -> Scheduler:
+                   group_windows: tuple[int, ...] = (0,)) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy),
                      CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks, max_model_len,
-                     sliding_window=sliding_window)
+                     group_windows=group_windows)
 
 
 def fake_runner_output(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:

@@ -9,9 +9,9 @@ from transformers import PreTrainedTokenizerFast
 
 from llmserve.engine.async_llm import OUTPUT_CHUNK_SIZE, AsyncLLM, output_chunks
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
-from llmserve.model.toy_tokenizer import build_tokenizer
+from llmserve.testing.toy_tokenizer import build_tokenizer
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.testing import until
+from llmserve.testing.servers import until
 
 NUM_REQUESTS = 2 * OUTPUT_CHUNK_SIZE + 44
 
@@ -20,7 +20,7 @@ class FakeClient:
     """Takes requests; the test plays the engine by calling `on_outputs`."""
 
     def __init__(self) -> None:
-        self.model_info = SimpleNamespace(vocab_size=300, max_model_len=512, eos_token_ids=[1])
+        self.model_info = SimpleNamespace(vocab_size=300, max_model_len=512, eos_token_ids=[1], pooler=None)
         self.added: list[str] = []
         self.is_dead = False
         self.dead_reason = None

@@ -5,7 +5,7 @@ penalties, min_tokens, speculative decoding, aborts)."""
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 
 @pytest.fixture(scope="module")

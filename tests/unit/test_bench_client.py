@@ -22,7 +22,7 @@ from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.runner import run_benchmark
 from llmserve.messages import GrammarStats, SchedulerStats
 from llmserve.server.metrics import ServerMetrics
-from llmserve.server.testing import wait_until
+from llmserve.testing.servers import wait_until
 
 MODELS = ["ok", "slow", "error500", "hang", "midstream_error", "drop", "garbage", "strict", "flaky"]
 TOKEN_DELAY_S = 0.002

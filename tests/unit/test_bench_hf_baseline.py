@@ -7,7 +7,7 @@ from llmserve.bench.hf_baseline import run_hf_baseline
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     return make_model("llama", "tiny", str(tmp_path_factory.mktemp("tiny")))
 

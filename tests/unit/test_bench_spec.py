@@ -3,7 +3,7 @@
 import pytest
 
 from llmserve.bench.spec import SpecBenchConfig, run
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 
 @pytest.mark.parametrize("one_engine_at_a_time", [False, True])

@@ -3,6 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmserve.core.kv_cache_groups import kv_cache_layout
+
 from core_helpers import EOS, make_request, make_scheduler, step
 
 actions = st.lists(
@@ -15,13 +17,21 @@ actions = st.lists(
 )
 
 
+# each KV cache group's window: full attention, a sliding-only model, and full and sliding groups mixed
+GROUP_WINDOWS = [(0,), (0,), (5,), (9,), (0, 5), (5, 0, 5)]
+
+
 @settings(max_examples=150, deadline=None)
 # 13 blocks = the null block + 12 x 4 tokens: one max_model_len sequence always fits, as the engine ensures.
 @given(actions=actions, caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
-       num_blocks=st.integers(13, 40), n=st.integers(1, 3), window=st.sampled_from([0, 0, 5, 9]))
-def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blocks, n, window):
+       num_blocks=st.integers(13, 40), n=st.integers(1, 3), windows=st.sampled_from(GROUP_WINDOWS))
+def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blocks, n, windows):
+    # from the fewest the engine takes (one max_model_len sequence in every group: a sliding one holds its window
+    # and a chunk) up, by block positions of every group
+    num_fewest = kv_cache_layout(windows).blocks_per_sequence(48, 4, 24) + 1
+    num_blocks = num_fewest + (num_blocks - 13) * len(windows)
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, budget=24, max_num_seqs=6, caching=caching,
-                           policy=policy, max_model_len=48, sliding_window=window)
+                           policy=policy, max_model_len=48, group_windows=windows)
     num_added = 0
     for action in actions:
         if action[0] == "add":
@@ -48,8 +58,8 @@ def test_blocks_all_free_after_everything_ends(actions, caching, policy, num_blo
 
 @settings(max_examples=100, deadline=None)
 @given(actions=actions, kind=st.sampled_from(["ngram", "draft"]), num_blocks=st.integers(16, 40),
-       cap=st.sampled_from([None, 3]), seed=st.integers(0, 1000), window=st.sampled_from([0, 0, 5, 9]))
-def test_blocks_all_free_with_speculation_rejections_and_prefill_cap(actions, kind, num_blocks, cap, seed, window):
+       cap=st.sampled_from([None, 3]), seed=st.integers(0, 1000), windows=st.sampled_from(GROUP_WINDOWS))
+def test_blocks_all_free_with_speculation_rejections_and_prefill_cap(actions, kind, num_blocks, cap, seed, windows):
     """Drafts of random length, accepted up to a random point, with aborts and preemptions (and a sliding
     window: rejected drafts never need a block given back)."""
     import random
@@ -60,8 +70,9 @@ def test_blocks_all_free_with_speculation_rejections_and_prefill_cap(actions, ki
     rng = random.Random(seed)
     spec = SpeculativeConfig(speculative=kind, num_speculative_tokens=3, speculative_max_batch=3,
                              draft_model="d" if kind == "draft" else None)
+    num_blocks = (num_blocks - 1) * len(windows) + 1  # as many block positions in every KV cache group
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6, max_prefill_tokens_while_decoding=cap),
-                      CacheConfig(block_size=4), num_blocks, 48, spec, sliding_window=window)
+                      CacheConfig(block_size=4), num_blocks, 48, spec, group_windows=windows)
     num_added = 0
     for action in [*actions, *[("step", 7)] * 300]:
         if action[0] == "add":

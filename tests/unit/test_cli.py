@@ -54,7 +54,7 @@ def test_serve_with_zero_max_num_seqs_exits_2_at_once_without_a_traceback():
 def test_generate_honours_every_engine_flag(tmp_path, monkeypatch, capsys):
     """`llmserve generate` builds its engine from all of the engine's flags (speculation included), not a few."""
     from llmserve.engine import llm as llm_module
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     path = make_model("llama", "tiny", str(tmp_path / "tiny"), seed=0)
     built, build = [], llm_module.build_engine_config

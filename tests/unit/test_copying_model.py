@@ -1,4 +1,4 @@
-"""`make-model --copying`: weights that continue the spans their context repeats (model/copying.py)."""
+"""`make-model --copying`: weights that continue the spans their context repeats (testing/copying.py)."""
 
 import random
 
@@ -6,8 +6,8 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.bench.spec import SpecCounter
-from llmserve.model.draft_maker import derive_draft
-from llmserve.model.maker import make_model
+from llmserve.testing.draft_maker import derive_draft
+from llmserve.testing.maker import make_model
 
 NUM_OUT = 48
 

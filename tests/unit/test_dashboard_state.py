@@ -7,7 +7,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from llmserve.messages import SchedulerStats, SpecDecodeStats
+from llmserve.messages import KVTierStats, SchedulerStats, SpecDecodeStats
 from llmserve.router.classifier import AutoRouteConfig
 from llmserve.router.config import AutoscaleConfig, BackendSpec, PoolSpec, RouterConfig, RouterSetup
 from llmserve.router.dashboard import router_state
@@ -180,3 +180,14 @@ def test_router_state_shows_the_autoscaler_of_its_pool():
     state = router_state(SnapshotRing(gw.metrics.registry).advance(0.0), gw)
     assert state["pools"][0]["autoscaler"] == {"replicas": 2, "scale_up": 3, "scale_down": 1,
                                                "decisions_in_window": 4}
+
+
+def test_server_state_shows_the_kv_tiers_only_once_they_moved():
+    metrics = ServerMetrics("tiny")
+    ring = SnapshotRing(metrics.registry)
+    assert server_state(ring.advance(0.0), "tiny")["kv_tiers"] is None
+    metrics.on_scheduler_stats(SchedulerStats(kv_tiers=KVTierStats(num_host_hit_tokens=32, num_disk_hit_tokens=16,
+                                                                   num_offloaded_blocks=5, num_received_blocks=3)))
+    tiers = server_state(ring.advance(2.0), "tiny")["kv_tiers"]
+    assert tiers == {"host_hit_tokens": 32, "disk_hit_tokens": 16, "offloaded_blocks": 5, "corrupt_blocks": 0,
+                     "sent_blocks": 0, "received_blocks": 3, "hit_tokens_per_s": 24.0}

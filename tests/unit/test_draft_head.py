@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmserve.model.loader import load_model
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.spec.draft_head import DraftHead, read_token_map
 
 

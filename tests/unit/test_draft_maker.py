@@ -6,8 +6,8 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from llmserve.model.draft_maker import derive_draft
-from llmserve.model.maker import make_model
+from llmserve.testing.draft_maker import derive_draft
+from llmserve.testing.maker import make_model
 
 
 @pytest.fixture(scope="module")

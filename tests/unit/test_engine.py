@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 from greedy_check import check_greedy_against_hf
 

@@ -11,7 +11,7 @@ from llmserve.config import CacheConfig, EngineConfig, ModelConfig
 from llmserve.core.block_pool import BlockPool, KVBlock
 from llmserve.engine.engine_core import EngineCore
 from llmserve.messages import EngineCoreRequest
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.sampling_params import SamplingParams
 
 

@@ -16,9 +16,9 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import toy_tokenizer
+from llmserve.testing import toy_tokenizer
 from llmserve.model.loader import load_model
-from llmserve.model.maker import SHAPES, build_config
+from llmserve.testing.maker import SHAPES, build_config
 
 VOCAB = 512
 WINDOW = 8  # the sliding layers' window; the engine's blocks hold 4 tokens
@@ -93,7 +93,7 @@ def test_one_forward_equals_transformers_logits(checkpoint):
 def test_a_batch_of_mixed_lengths_equals_transformers(checkpoint):
     path, hf = checkpoint
     prompts = [prompt(n, i) for i, n in enumerate((3, 29, 1, 17))]  # up to three windows and a half
-    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4)
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=129, block_size=4)
     outs = greedy(llm, prompts)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
     llm.engine.check_integrity()
@@ -101,7 +101,7 @@ def test_a_batch_of_mixed_lengths_equals_transformers(checkpoint):
 
 def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):
     path, hf = checkpoint
-    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=129, block_size=4, max_num_batched_tokens=8,
               enable_prefix_caching=True)
     shared = prompt(21, 7)
     (first,) = greedy(llm, [shared])  # 21 prompt tokens in chunks of at most 8
@@ -114,16 +114,17 @@ def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):
 
 
 def test_greedy_equals_transformers_through_preemption(checkpoint):
-    """A pool too small for the prompts at once: requests are preempted and recomputed; sliding and full layers
-    mixed keep every block (no window in the cache manager), and every block comes back."""
+    """A pool too small for the prompts at once: requests are preempted and recomputed; the sliding and full
+    layers in KV cache groups of their own (one layer each: three sliding groups, one full), and every block
+    comes back."""
     path, hf = checkpoint
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=17, max_num_batched_tokens=8,
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=8,
               enable_prefix_caching=True)
-    prompts = [prompt(40, 11), prompt(27, 13), prompt(33, 12)] + [prompt(5, 20 + i) for i in range(3)]
+    prompts = [prompt(40, 11), prompt(27, 13), prompt(33, 12), prompt(45, 14), prompt(38, 15), prompt(5, 20)]
     outs = greedy(llm, prompts)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
     assert llm.num_preemptions > 0
-    assert llm.engine.scheduler.kv.sliding_window == 0
+    assert llm.engine.scheduler.kv.group_windows == (0, WINDOW, WINDOW, WINDOW)
     llm.engine.check_integrity()
     pool = llm.engine.scheduler.kv.pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
@@ -172,7 +173,7 @@ def test_triton_backend_greedy_equals_transformers(checkpoint):
     pytest.importorskip("triton")
     path, hf = checkpoint
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=65, max_num_batched_tokens=16,
               attention_backend="triton", device=device)
     tokens = prompt(13, 5)
     (out,) = greedy(llm, [tokens])

@@ -17,9 +17,9 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import toy_tokenizer
+from llmserve.testing import toy_tokenizer
 from llmserve.model.loader import load_model
-from llmserve.model.maker import SHAPES, build_config
+from llmserve.testing.maker import SHAPES, build_config
 from llmserve.model.quant import mxfp4
 
 VOCAB = 512
@@ -78,7 +78,7 @@ def test_layers_slide_as_layer_types_says_and_carry_sinks(checkpoint):
 def test_a_batch_of_mixed_lengths_equals_transformers(checkpoint):
     path, hf = checkpoint
     prompts = [prompt(n, i) for i, n in enumerate((3, 29, 1, 17))]  # up to three windows and a half
-    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4)
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=97, block_size=4)
     outs = greedy(llm, prompts)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
     llm.engine.check_integrity()
@@ -86,7 +86,7 @@ def test_a_batch_of_mixed_lengths_equals_transformers(checkpoint):
 
 def test_chunked_prefill_and_a_prefix_cache_hit_equal_transformers(checkpoint):
     path, hf = checkpoint
-    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=97, block_size=4, max_num_batched_tokens=8,
               enable_prefix_caching=True)
     shared = prompt(21, 7)
     (first,) = greedy(llm, [shared])  # 21 prompt tokens in chunks of at most 8
@@ -132,7 +132,7 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(checkpoint, tm
     expected = write_mxfp4_checkpoint(path, tmp_path / "mxfp4", seed=3)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.load_state_dict(expected, strict=False)
-    llm = LLM(str(tmp_path / "mxfp4"), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=4)
+    llm = LLM(str(tmp_path / "mxfp4"), dtype="float32", max_model_len=64, num_kv_blocks=49, block_size=4)
     tokens = prompt(19, 9)
     (out,) = greedy(llm, [tokens])
     assert list(out.outputs[0].token_ids) == hf_greedy(hf, tokens)
@@ -177,7 +177,7 @@ def test_triton_backend_greedy_equals_transformers(checkpoint):
     pytest.importorskip("triton")
     path, hf = checkpoint
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=49, max_num_batched_tokens=16,
               attention_backend="triton", device=device)
     tokens = prompt(13, 5)
     (out,) = greedy(llm, [tokens])

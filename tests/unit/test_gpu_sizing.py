@@ -12,7 +12,7 @@ from llmserve.bench.roofline import (bytes_per_decode_step, copy_bandwidth, inac
                                     weight_bytes_read)
 from llmserve.config import CacheConfig
 from llmserve.model.loader import load_model
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.worker.cpu_threads import num_matmul_params
 from llmserve.worker.gpu_profile import MemoryProfile, kv_budget_from_profile
 from llmserve.worker.kv_cache import needs_gpu_profile, num_kv_blocks

@@ -35,3 +35,24 @@ def test_speculation_imports_nothing_from_the_runner():
                  for path in sorted((SRC / "spec").rglob("*.py")) for name in _imported_modules(path)
                  if name.split(".")[:2] == ["llmserve", "worker"]]
     assert not offending, offending
+
+
+def _top_level_imports(path: pathlib.Path) -> list[str]:
+    """What a module imports when it is imported (not inside its functions)."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return names
+
+
+def test_serving_imports_no_test_scaffolding():
+    """Checkpoint makers, toy tokenizers, test servers and the step gate live in llmserve.testing; no serving
+    package loads them with itself (the demo model and the step gate import them when they are asked for)."""
+    serving = LOWER + ("engine", "server", "router", "rayserve")
+    offending = [f"{path.relative_to(SRC)} imports {name}"
+                 for layer in serving for path in sorted((SRC / layer).rglob("*.py"))
+                 for name in _top_level_imports(path) if name.split(".")[:2] == ["llmserve", "testing"]]
+    assert not offending, offending

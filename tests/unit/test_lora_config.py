@@ -12,7 +12,7 @@ from llmserve.config import (CacheConfig, CommandLineParser, EngineConfig, LoRAC
 from llmserve.core.request import Request
 from llmserve.core.scheduler import Scheduler
 from llmserve.lora_request import LoRARequest
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.preflight import check_before_loading
 from llmserve.sampling_params import SamplingParams
 

@@ -8,7 +8,7 @@ from hf_parity import random_prompt
 from lora_helpers import make_adapter, peft_greedy
 
 from llmserve import LLM, LoRARequest, SamplingParams
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 NUM_OUT = 8
 VOCAB = 512

@@ -12,7 +12,7 @@ from lora_helpers import make_adapter
 
 from llmserve.model.lora_adapter import AdapterError, BaseShapes, adapter_scale, read_adapter, read_adapter_config
 from llmserve.model.lora_layers import LoRAContext, LoRALinear, add_lora_segmented, lora_step
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 NUM_SLOTS, MAX_RANK, IN, OUT_SIZES = 3, 8, 24, [16, 8, 8]
 

@@ -9,7 +9,7 @@ import torch
 
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.attn_torch import TorchAttentionBackend
-from llmserve.model.testing import PagedBatchBuilder
+from llmserve.testing.paged_batch import PagedBatchBuilder
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 16, 8, 2048
 SCALE = HEAD_DIM ** -0.5

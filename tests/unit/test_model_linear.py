@@ -82,7 +82,7 @@ def test_only_large_float32_cpu_weights_without_grad_are_packed():
 def test_a_loaded_cpu_model_is_packed_and_generates_what_the_unpacked_one_does(tmp_path, monkeypatch,
                                                                                cpu_linear_path):
     from llmserve import LLM, SamplingParams
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     path = make_model("llama", "demo", str(tmp_path), seed=3)  # its MLP weights are large enough to pack
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -104,7 +104,7 @@ def test_a_tied_lm_head_gets_a_packed_copy_with_the_same_logits_and_weight_count
 
     from llmserve.bench.roofline import weight_bytes_read
     from llmserve.model.llama import CausalLM
-    from llmserve.model.maker import SHAPES, build_config
+    from llmserve.testing.maker import SHAPES, build_config
     from llmserve.worker.cpu_threads import num_matmul_params
 
     config = build_config("llama", replace(SHAPES["demo"], is_tied=True), "float32")

@@ -16,8 +16,8 @@ from llmserve.model import loader
 from llmserve.model.demo import demo_model_path
 from llmserve.model.loader import (ModelInfo, load_generation_defaults, load_model, load_model_info,
                                    load_tokenizer, resolve_dtype, resolve_model_path)
-from llmserve.model.maker import make_model
-from llmserve.model.maker_cli import add_make_model_parser
+from llmserve.testing.maker import make_model
+from llmserve.testing.maker_cli import add_make_model_parser
 from llmserve.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
 
@@ -73,7 +73,8 @@ def test_unknown_architecture_names_the_supported_ones():
         get_model_class("GPT2LMHeadModel")
     assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                                            "GptOssForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM"}
+                                            "GptOssForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
+                                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 
 
 def test_tokenizer_decodes_every_id_and_applies_chat_template(tiny_path):
@@ -178,7 +179,7 @@ def test_demo_model_builds_once_and_is_cached(monkeypatch, tmp_path):
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(monkeypatch, tmp_path, tiny_path):
-    from llmserve.model import maker
+    from llmserve.testing import maker
     monkeypatch.setattr(maker, "_SHARD_BYTES", 40_000)
     sharded = make_model("qwen2", "tiny", str(tmp_path / "sharded"), seed=0)
     with open(os.path.join(sharded, "model.safetensors.index.json")) as f:

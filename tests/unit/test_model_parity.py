@@ -7,8 +7,8 @@ import torch
 
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import load_model
-from llmserve.model.maker import make_model
-from llmserve.model.testing import PagedBatchBuilder, allocate_kv_caches
+from llmserve.testing.maker import make_model
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -17,7 +17,8 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "llama:tiny-llama3",
                                                 "qwen3_moe:tiny-moe", "mixtral:tiny-moe", "gpt_oss:tiny-gpt-oss",
-                                                "phi3:tiny-phi3", "gemma3:tiny-gemma3"])
+                                                "phi3:tiny-phi3", "gemma3:tiny-gemma3",
+                                                "deepseek_v3:tiny-deepseek-v3", "deepseek_v2:tiny-deepseek-v3"])
 def models(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
     arch, _, shape = request.param.partition(":")

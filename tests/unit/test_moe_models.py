@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model import toy_tokenizer
+from llmserve.testing import toy_tokenizer
 from llmserve.model.loader import load_hf_config, load_model
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.model.parallel import check_tensor_parallel
 
 VOCAB = 512

@@ -11,7 +11,7 @@ from llmserve.core.decode_steps import decode_step_counts
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request
 from llmserve.messages import EngineCoreRequest
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +94,14 @@ def test_seeded_sampling_matches_and_seats_stay_full_while_others_wait(path):
 
 
 def test_a_window_ended_by_input_rolls_back_the_forwards_it_did_not_run(path):
-    """The engine-core process ends a window when input arrives (EngineCore.end_windows_when): each row
+    """The engine-core process ends a window when input arrives (EngineCore.interrupt_windows_on_input): each row
     reports the ids it got, the scheduler takes the rest of its count back, and nothing else changes."""
     prompts, params = _workload()
     plain = _llm(path, 1)
     expected = _run(plain, prompts, params)
     multi = _llm(path, 8)
     num_asked = itertools.count(1)
-    multi.engine.end_windows_when(lambda: next(num_asked) % 3 == 0)  # every third forward of the run
+    multi.engine.interrupt_windows_on_input(lambda: next(num_asked) % 3 == 0)  # every third forward of the run
     steps = _record_steps(multi)
     assert _run(multi, prompts, params) == expected
     assert 8 in steps and multi.engine.runner.times.num_steps == plain.engine.runner.times.num_steps
@@ -125,13 +125,13 @@ def _record_finishes(llm: LLM) -> dict[str, int]:
 
 
 def test_an_engine_read_as_it_goes_ends_windows_where_a_row_finishes(path):
-    """In the engine-core process (EngineCore.end_windows_when) a finished request's output leaves after
+    """In the engine-core process (EngineCore.interrupt_windows_on_input) a finished request's output leaves after
     the forward of its last token, as with one forward a step, not at the end of its window."""
     prompt_stop = _run(_llm(path, 1), *_workload())[9][0][6]
     prompts, params = _workload(prompt_stop)
     plain, multi = _llm(path, 1), _llm(path, 8)
     plain_finishes, multi_finishes = _record_finishes(plain), _record_finishes(multi)
-    multi.engine.end_windows_when(lambda: False)  # no input comes: finishes alone end the windows
+    multi.engine.interrupt_windows_on_input(lambda: False)  # no input comes: finishes alone end the windows
     steps = _record_steps(multi)
     assert _run(multi, prompts, params) == _run(plain, prompts, params)
     assert multi_finishes == plain_finishes and len(multi_finishes) == len(prompts)

@@ -5,7 +5,7 @@ from transformers import PreTrainedTokenizerFast
 
 from llmserve.messages import EngineCoreOutput, FinishReason
 from llmserve.engine.output_processor import OutputProcessor
-from llmserve.model.toy_tokenizer import build_tokenizer
+from llmserve.testing.toy_tokenizer import build_tokenizer
 from llmserve.sampling_params import SamplingParams
 
 

@@ -56,7 +56,7 @@ def test_device_tokens_give_the_host_penalties():
 def test_engine_serves_penalised_requests_past_the_buffers_first_sizes(tmp_path):
     """Buffers grown while sampling (inference mode) are written again when new requests arrive."""
     from llmserve import LLM, SamplingParams
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     llm = LLM(make_model("llama", "tiny", str(tmp_path / "m"), seed=0), dtype="float32", max_num_seqs=4, num_kv_blocks=1024)
     outputs = llm.generate([[5 + i] * (3 + i) for i in range(12)],

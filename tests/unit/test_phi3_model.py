@@ -18,11 +18,12 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import phi3, toy_tokenizer
+from llmserve.model import phi3
+from llmserve.testing import toy_tokenizer
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.layers import rope_inv_freq, rope_params_from_config
 from llmserve.model.loader import load_model
-from llmserve.model.testing import PagedBatchBuilder, allocate_kv_caches
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 
 VOCAB = 512
 WINDOW = 8

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from llmserve.model import quant
 from llmserve.model.attn_torch import TorchAttentionBackend
 from llmserve.model.loader import load_model, load_model_info, resolve_quantization
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.model.quant.checkpoint import block_dequantize, checkpoint_method, write_fp8_checkpoint
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
-from llmserve.model.testing import PagedBatchBuilder, allocate_kv_caches
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 from quant_cases import write_peaked
 
 # (mean logits cosine, top-1 agreement) against float32. e4m3 keeps 3 mantissa bits: measured per-GEMM

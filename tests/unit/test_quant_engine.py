@@ -11,7 +11,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig
 from llmserve.model import quant
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from quant_cases import write_peaked
 
 ENGINE = dict(dtype="float32", max_model_len=256, num_kv_blocks=160, enable_prefix_caching=False)

@@ -123,6 +123,8 @@ def test_route_request_from_bodies():
     assert r.prefix == b"ids:1,2,3" and r.num_prompt_chars == 20 and r.prompt_text == ""
     r = route_request(decode_body(b'{"model":"m","prompt":["first","second"]}'), cfg)
     assert r.prefix == b"first"
+    r = route_request(decode_body(b'{"model":"m","input":["embed me","and me"]}'), cfg)  # embeddings
+    assert r.prefix == b"embed me"
     chat = b'{"model":"m","messages":[{"role":"system","content":"sys"},' \
            b'{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_completion_tokens":7}'
     r = route_request(decode_body(chat), PrefixConfig())

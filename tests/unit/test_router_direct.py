@@ -15,7 +15,7 @@ from llmserve.router.app import build_app
 from llmserve.router.direct_write import RouterHttpProtocol
 from llmserve.router.upstream import Origin, UpstreamPool, UpstreamResponse
 
-from llmserve.server.testing import until
+from llmserve.testing.servers import until
 
 from test_router_upstream import EVENTS, SSE_HEAD, FakeBackend, chunk, connection, json_ok, make_gateway, sync
 

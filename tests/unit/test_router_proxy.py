@@ -15,8 +15,8 @@ from llmserve.router.config import AutoscaleConfig, BackendSpec, PoolSpec, Route
 from llmserve.router.gateway import Gateway
 from llmserve.router.health import HealthState
 from llmserve.router.ratelimit import RateLimit
-from llmserve.router.testing import Chunks
-from llmserve.server.testing import until
+from llmserve.testing.router_servers import Chunks
+from llmserve.testing.servers import until
 
 A, B = "http://a:1", "http://b:1"
 SSE = {"content-type": "text/event-stream"}

@@ -15,7 +15,7 @@ from llmserve.router.gateway import Gateway
 from llmserve.router.health import HealthState
 from llmserve.router.monitor import choose_card, probe_all
 from llmserve.router.rewrite import ModelRename, SseRenamer, json_body, request_body
-from llmserve.router.testing import Chunks
+from llmserve.testing.router_servers import Chunks
 
 RENAME = ModelRename(served="served-name", public="pool")
 STREAM = (b'data: {"id":"1","model":"served-name","choices":[{"text":"\\"model\\":\\"served-name\\""}]}\n\n'

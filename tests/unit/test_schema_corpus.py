@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.model.loader import load_tokenizer
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.structured.compiler import GrammarCompiler
 
 from schema_walk import CorpusStats, is_named_refusal, run_schema

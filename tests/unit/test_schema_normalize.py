@@ -126,3 +126,12 @@ def test_numbers_bounded():
     assert _accepts({"type": "number"}, "-12.25")
     assert _accepts({"type": "integer", "minimum": 0}, "9" * 19) is False  # int64's max still holds
     assert normalize({"type": "integer"}, bound_numbers=False).schema == {"type": "integer"}
+
+
+def test_a_request_may_leave_numbers_to_the_schema():
+    """structured_outputs.bound_numbers false: the schema's own bounds only (the grammar then takes 20 digits)."""
+    assert _accepts({"type": "integer"}, "1" * 20, bound_numbers=False)
+    assert not _accepts({"type": "integer", "maximum": 5}, "6", bound_numbers=False)
+    bounded, unbounded = (StructuredOutputsParams.from_json_schema({"type": "integer"}, bound_numbers=b)
+                          for b in (True, False))
+    assert bounded.cache_key != unbounded.cache_key  # two grammars

@@ -2,7 +2,7 @@
 
 from llmserve.messages import GrammarStats, SchedulerStats, SpecDecodeStats
 from llmserve.server.metrics import ServerMetrics
-from llmserve.server.testing import metric_value
+from llmserve.testing.servers import metric_value
 
 
 def test_kv_gauges_and_spec_counters_follow_scheduler_stats():

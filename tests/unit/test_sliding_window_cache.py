@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.core.kv_cache_manager import KVCacheManager, cache_window
+from llmserve.core.kv_cache_groups import single_group_layout
+from llmserve.core.kv_cache_manager import KVCacheManager
 
 from core_helpers import make_request, make_scheduler, step
 
@@ -24,7 +25,7 @@ def advance(kv: KVCacheManager, request, num_tokens: int) -> None:
 
 
 def test_blocks_before_the_window_go_back_as_tokens_advance():
-    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False, sliding_window=6)
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False, group_windows=(6,))
     request = make_request("a", list(range(1, 9)), max_tokens=20)
     advance(kv, request, 8)  # a query at position p reads keys p-5..p
     assert ids(kv, request) == [1, 2]
@@ -46,7 +47,7 @@ def test_blocks_before_the_window_go_back_as_tokens_advance():
 
 
 def test_a_hit_needs_only_the_window_blocks_before_it():
-    kv = KVCacheManager(num_blocks=5, block_size=4, enable_caching=True, sliding_window=6)
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_caching=True, group_windows=(6,))
     first = make_request("a", list(range(1, 17)), max_tokens=4)
     for _ in range(4):  # four chunks of 4: block 1 goes back (cached) before the last one
         advance(kv, first, 4)
@@ -64,7 +65,7 @@ def test_a_hit_needs_only_the_window_blocks_before_it():
 
 
 def test_a_hit_from_the_start_shorter_than_the_window():
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True, sliding_window=12)
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True, group_windows=(12,))
     first = make_request("a", list(range(1, 10)))
     advance(kv, first, 9)
     kv.free(first)
@@ -72,14 +73,17 @@ def test_a_hit_from_the_start_shorter_than_the_window():
     assert [b.block_id for b in hits] == [1, 2] and num_hit == 8
 
 
-def test_cache_window():
-    assert cache_window([8, 8]) == 8 and cache_window([8, 16]) == 16
-    assert cache_window([0, 8]) == 0 and cache_window([0, 0]) == 0 and cache_window([]) == 0
+def test_one_group_slides_only_where_every_layer_slides():
+    def window(layer_windows):
+        return single_group_layout(layer_windows).group_windows
+
+    assert window([8, 8]) == (8,) and window([8, 16]) == (16,)
+    assert window([0, 8]) == (0,) and window([0, 0]) == (0,) and window([]) == (0,)
 
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_nothing_leaks_through_preemption_and_aborts(caching):
-    sched = make_scheduler(num_blocks=9, block_size=4, budget=32, caching=caching, sliding_window=14)
+    sched = make_scheduler(num_blocks=9, block_size=4, budget=32, caching=caching, group_windows=(14,))
     shared = list(range(1, 25))
     requests = [make_request(f"r{i}", shared[:2 + i] if i % 2 else [200 + i] * (3 + i), max_tokens=30)
                 for i in range(6)]
@@ -101,7 +105,7 @@ def test_nothing_leaks_through_preemption_and_aborts(caching):
 def peak_long_sequences(num_blocks: int, window: int, context: int, block_size: int = 16) -> int:
     """The most requests that decode at once past a `context`-token prompt, from one pool of num_blocks."""
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=context, max_num_seqs=256,
-                           caching=False, max_model_len=context + 64, sliding_window=window)
+                           caching=False, max_model_len=context + 64, group_windows=(window,))
     for i in range(64):
         sched.add_request(make_request(f"r{i}", [1 + i % 50] * context, max_tokens=128, ignore_eos=True))
     peak = 0

@@ -18,7 +18,7 @@ import hf_parity
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.loader import load_model, load_model_info
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.model.sliding_window import layer_windows
 
 WINDOW = 7  # not a multiple of the block size (4): some blocks lie partly in a window
@@ -138,10 +138,10 @@ def test_disable_sliding_window_caps_the_context_to_the_window(checkpoint):
 def test_triton_backend_greedy_equals_transformers(checkpoint):
     """The Triton kernel (its interpreter off CUDA) through the engine: one prompt of three windows."""
     pytest.importorskip("triton")
-    path, _, hf = checkpoint
+    path, windows, hf = checkpoint
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
-              attention_backend="triton", device=device)
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=16 * len(set(windows)) + 1,
+              max_num_batched_tokens=16, attention_backend="triton", device=device)
     tokens = prompt(21, 5)
     (out,) = greedy(llm, [tokens])
     assert list(out.outputs[0].token_ids) == hf_greedy(hf, tokens)
@@ -150,10 +150,11 @@ def test_triton_backend_greedy_equals_transformers(checkpoint):
 def test_greedy_equals_transformers_through_preemption_and_an_abort(checkpoint):
     """A pool too small for the ten prompts at once: requests are preempted and recomputed, one is aborted
     mid-prompt; every block comes back. Where every layer slides (Mistral) a request holds only its window's
-    blocks, so the same pool keeps more of them running."""
+    blocks, so the same pool keeps more of them running; where it mixes them (Qwen2) each kind is a KV cache
+    group, a max_model_len sequence's blocks in each."""
     path, windows, hf = checkpoint
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=17, max_num_batched_tokens=8,
-              enable_prefix_caching=True)
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=16 * len(set(windows)) + 1,
+              max_num_batched_tokens=8, enable_prefix_caching=True)
     aborted = llm._add(prompt(30, 15), SamplingParams(temperature=0, max_tokens=NUM_OUT, ignore_eos=True), 0)
     for _ in range(2):
         llm.engine.step()
@@ -162,7 +163,7 @@ def test_greedy_equals_transformers_through_preemption_and_an_abort(checkpoint):
     outs = greedy(llm, prompts)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
     assert llm.num_preemptions > 0
-    assert llm.engine.scheduler.kv.sliding_window == (WINDOW if all(windows) else 0)
+    assert llm.engine.scheduler.kv.group_windows == tuple(sorted(set(windows)))  # mixed: a group of each kind
     llm.engine.check_integrity()
     pool = llm.engine.scheduler.kv.pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
@@ -170,14 +171,15 @@ def test_greedy_equals_transformers_through_preemption_and_an_abort(checkpoint):
 
 def test_decode_graph_buffers_through_given_back_blocks(checkpoint):
     """Decode steps through the CUDA-graph buffers (run eagerly off CUDA) of the Triton backend, with the
-    blocks before the window given back: the captured block table holds stale or null ids there, never read."""
+    blocks before the window given back: the captured block table holds stale or null ids there, never read.
+    Here the mixed model's layers in one KV cache group (a table per group: tests/unit/test_hybrid_kv_cache.py)."""
     pytest.importorskip("triton")
     from llmserve.worker.cuda_graphs import DecodeGraphs
 
     path, _, hf = checkpoint
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
-              attention_backend="triton", device=device, enforce_eager=True)
+              attention_backend="triton", device=device, enforce_eager=True, disable_hybrid_kv_cache_manager=True)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
                           device=torch.device(device), use_graphs=False)

@@ -5,8 +5,8 @@ import threading
 
 import zmq
 
-from llmserve.engine.step_gate import GATE_ENV, StepGate, gate_from_env
-from llmserve.server.testing import EngineGates, StepGateClient
+from llmserve.testing.step_gate import GATE_ENV, StepGate, gate_from_env
+from llmserve.testing.servers import EngineGates, StepGateClient
 
 
 def make_gate() -> tuple[StepGate, list[int]]:

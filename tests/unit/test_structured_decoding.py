@@ -14,7 +14,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.loader import load_tokenizer
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.sampling_params import StructuredOutputsParams as Constraint
 from llmserve.structured.bitmask import StepGrammar, apply_bitmask, unpack_bitmask
 from llmserve.structured.compiler import GrammarCompiler

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.worker.tp_executor import WorkerDied
 

@@ -12,7 +12,7 @@ import socket
 import pytest
 import torch
 
-from llmserve.model.maker import SHAPES, Shape, make_model, write_checkpoint
+from llmserve.testing.maker import SHAPES, Shape, make_model, write_checkpoint
 from llmserve.model.parallel import check_tensor_parallel, head_shard, shard_layout, split_evenly
 
 UNEVEN = Shape(48, 2, 6, 3, 99, 511, 512, init_std=0.1)  # 3 KV groups of 2 heads, head_dim 8
@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 
 def _batch(vocab: int):
-    from llmserve.model.testing import PagedBatchBuilder
+    from llmserve.testing.paged_batch import PagedBatchBuilder
 
     builder = PagedBatchBuilder(num_blocks=32, block_size=4, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -40,7 +40,7 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     """Logits of a prefill then a decode step of 3 requests (each step's last token per request)."""
     from llmserve.model.attn_torch import TorchAttentionBackend
     from llmserve.model.loader import load_model
-    from llmserve.model.testing import allocate_kv_caches
+    from llmserve.testing.paged_batch import allocate_kv_caches
 
     model = load_model(path, torch.float32, "cpu", tp=tp)
     backend = TorchAttentionBackend()

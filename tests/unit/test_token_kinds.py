@@ -10,7 +10,7 @@ import torch
 
 from llmserve.model import quant
 from llmserve.model.loader import load_model
-from llmserve.model.maker import make_model
+from llmserve.testing.maker import make_model
 from llmserve.model.quant.linear import Fp8Linear
 from llmserve.model.quant.token_kinds import ALL_DECODE, ALL_PROMPT, StepKinds, token_kinds
 
@@ -125,7 +125,7 @@ def test_an_engines_mixed_steps_have_their_decode_tokens_first(tmp_path, monkeyp
     from llmserve.worker import model_runner
 
     path = make_model("llama", "tiny", str(tmp_path / "m"), seed=1)
-    llm = LLM(path, dtype="float32", quantization="fp8", max_num_seqs=3, max_num_batched_tokens=32,
+    llm = LLM(path, device="cpu", dtype="float32", quantization="fp8", max_num_seqs=3, max_num_batched_tokens=32,
               max_model_len=128, num_kv_blocks=64)
     runner = llm.engine.runner
     runner.step_kinds = runner.model.step_kinds  # what the runner takes on CUDA

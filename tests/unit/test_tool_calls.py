@@ -9,7 +9,7 @@ import jsonschema
 import msgspec
 import pytest
 
-from llmserve.model.toy_tokenizer import CHATML_TEMPLATE
+from llmserve.testing.toy_tokenizer import CHATML_TEMPLATE
 from llmserve.server.protocol import ChatCompletionRequest, decode_json
 from llmserve.server.serving_common import chat_conversation
 from llmserve.server.tool_calls import ChoiceStream, plan_tools, required_schema, response_message
@@ -177,7 +177,7 @@ def sample_under_grammar(constraint, seed: int, max_tokens: int = 400) -> str:
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    from llmserve.model.toy_tokenizer import EOS_TOKEN, build_tokenizer
+    from llmserve.testing.toy_tokenizer import EOS_TOKEN, build_tokenizer
     from llmserve.structured.grammar import build_grammar
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(512), eos_token=EOS_TOKEN)

@@ -11,7 +11,7 @@ import pytest
 from llmserve.server.tool_parsers import (PARSERS, HermesParser, JsonArrayParser, Llama3JsonParser, MistralParser,
                                           ParsedCall, ParsedOutput, ToolCallStream, detect_parser, parse_output,
                                           resolve_parser)
-from llmserve.model.toy_tokenizer import CHATML_TEMPLATE
+from llmserve.testing.toy_tokenizer import CHATML_TEMPLATE
 
 NAMES = frozenset({"get_weather", "add"})
 WEATHER = ParsedCall("get_weather", '{"city":"Paris","unit":"c"}')

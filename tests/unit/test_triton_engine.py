@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from llmserve import LLM, SamplingParams  # noqa: E402
-from llmserve.model.maker import make_model  # noqa: E402
+from llmserve.testing.maker import make_model  # noqa: E402
 from llmserve.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

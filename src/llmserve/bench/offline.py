@@ -16,32 +16,20 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from llmserve.bench.command import add_bench_command
-from llmserve.config import KV_CACHE_DTYPES
+from llmserve.config import EngineConfig, engine_kwargs
 
 
 @dataclass(frozen=True)
 class OfflineBenchConfig:
-    model: str | None = field(default=None, metadata={"help": "checkpoint dir (default: make --shape with make-model)"})
-    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint"})
-    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint"})
-    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
+    """The workload and the report; the engine's settings are the engine's own flags (`engine`), as `serve`'s."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"engine": True})
+    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint (without --model)"})
+    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint (without --model)"})
     num_requests: int = field(default=128, metadata={"help": "requests, all submitted at once"})
     prompt_len: str = field(default="64-512", metadata={"help": "prompt length range MIN-MAX (uniform)"})
     output_len: str = field(default="32-256", metadata={"help": "output length range MIN-MAX (uniform)"})
-    seed: int = field(default=0, metadata={"help": "workload seed"})
-    max_num_seqs: int | None = field(default=None, metadata={"help": "engine: most running requests (default: the engine's for the device)"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "engine: token budget per step (default: the engine's for the device)"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "engine: prefix caching"})
-    quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16 | int8 (where each "
-                                "runs: llmserve serve --help)", "choices": list(KV_CACHE_DTYPES)})
-    async_scheduling: bool | None = field(default=None, metadata={"help": "engine: overlap step N+1's host work with step N (default: the engine's for the device)"})
-    num_scheduler_steps: int | None = field(default=None, metadata={"help": "engine: decode forwards a step may run "
-                                            "for requests that report only their final output (default: the engine's "
-                                            "for the device)"})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "engine: ranks each model layer is split over (on CPU: processes over gloo)"})
-    num_threads: int | None = field(default=None, metadata={"help": "engine: CPU threads of the model's ops "
-                                    "(default: one per core)"})
+    workload_seed: int = field(default=0, metadata={"help": "seed of the random prompts and lengths"})
     quiet: bool = field(default=False, metadata={"help": "no progress (the stages on stderr, a bar of finished "
                                                  "requests with its ETA); the results still print"})
     split_steps: bool = field(default=True, metadata={"help": "time the parts of a step (on CUDA: with a device synchronisation after each)"})
@@ -49,6 +37,8 @@ class OfflineBenchConfig:
     baseline: str | None = field(default=None, metadata={"help": "hf: also run transformers generate()"})
     baseline_batch_size: int = field(default=16, metadata={"help": "static batch size of the hf baseline"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+    plot: str | None = field(default=None, metadata={"help": "write PNG plots to this directory, as bench serve's: "
+                             "output throughput (and the hf baseline's), TTFT and end-to-end latency CDFs"})
     profile: str | None = field(default=None, metadata={"help": "run the timed workload under cProfile and write its "
                                                         "top functions (by own and by cumulative time) to this text file"})
 
@@ -59,7 +49,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def make_workload(cfg: OfflineBenchConfig, vocab_size: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.workload_seed)
     (p_lo, p_hi), (o_lo, o_hi) = _range(cfg.prompt_len), _range(cfg.output_len)
     return [([rng.randrange(10, vocab_size) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(o_lo, o_hi))
             for _ in range(cfg.num_requests)]
@@ -68,17 +58,29 @@ def make_workload(cfg: OfflineBenchConfig, vocab_size: int) -> list[tuple[list[i
 def run_engine(cfg: OfflineBenchConfig, path: str, workload) -> dict:
     from llmserve import LLM
 
-    llm = LLM(path, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-              async_scheduling=cfg.async_scheduling, num_scheduler_steps=cfg.num_scheduler_steps,
-              tensor_parallel_size=cfg.tensor_parallel_size, num_threads=cfg.num_threads,
-              quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
+    llm = LLM(**{**engine_kwargs(cfg.engine), "model": path, "num_threads": _num_threads(cfg)})
     with llm:
         return _measure(cfg, llm, workload)
 
 
+def _num_threads(cfg: OfflineBenchConfig) -> int | None:
+    """--num-threads, else on CPU (one rank, no OMP_NUM_THREADS) one thread per CPU free now: this process is
+    the engine's only user, and threads beyond the free CPUs wait at every barrier (worker/cpu_threads.py)."""
+    import torch
+
+    from llmserve.worker.cpu_threads import measure_cpus, omp_num_threads, threads_for_free_cpus
+
+    requested, num_ranks = cfg.engine.model.num_threads, cfg.engine.parallel.tensor_parallel_size
+    if requested is not None or omp_num_threads() is not None or num_ranks > 1 or torch.cuda.is_available():
+        return requested
+    choice = threads_for_free_cpus(measure_cpus(), torch.get_num_threads())
+    _progress(cfg, f"{choice.num_threads} thread(s): {choice.reason} (--num-threads to choose)")
+    return choice.num_threads
+
+
 def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     from llmserve import SamplingParams
+    from llmserve.bench.offline_plots import request_timings
 
     llm.generate([workload[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     runner, core = llm.engine.runner, llm.engine
@@ -94,20 +96,23 @@ def _measure(cfg: OfflineBenchConfig, llm, workload) -> dict:
     elapsed = time.perf_counter() - start
     _write_profile(profiler, cfg.profile)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    timings = request_timings(outputs, [p for p, _ in workload])
     t = runner.times
     steps = max(t.num_steps, 1)
     other = elapsed - (t.prepare + t.forward + t.sample)
     return {"engine": "llmserve", "device": str(core.device), "dtype": str(core.dtype), "elapsed_s": elapsed,
             "num_output_tokens": num_out, "output_tok_s": num_out / elapsed, "num_steps": t.num_steps,
+            "num_threads": core.num_threads,
             "mean_step_ms": {"scheduling_and_bookkeeping": 1e3 * other / steps, "input_prep": 1e3 * t.prepare / steps,
                              "forward": 1e3 * t.forward / steps, "sampling": 1e3 * t.sample / steps},
             "non_forward_share": 1 - t.forward / elapsed, "num_preemptions": llm.num_preemptions,
             "async_scheduling": core.is_async, "num_scheduler_steps": core.config.scheduler.num_scheduler_steps,
             "split_steps": cfg.split_steps,
-            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "tensor_parallel_size": cfg.engine.parallel.tensor_parallel_size,
             # rank 0's host time in collectives (all-reduces, logits all-gather, ids broadcast), waits for the
             # other ranks included; on CUDA without split_steps it times the launches only
-            "collective_share": None if tp is None else tp.comm_seconds / elapsed}
+            "collective_share": None if tp is None else tp.comm_seconds / elapsed,
+            "requests": timings}
 
 
 def _start_profile(path: str | None):
@@ -153,13 +158,13 @@ def run(cfg: OfflineBenchConfig) -> dict:
 
 def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
     from llmserve.model.loader import load_hf_config
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     if cfg.baseline not in (None, "hf"):
         raise ValueError("--baseline must be hf")
-    if cfg.model is None:
+    if cfg.engine.model.model is None:
         _progress(cfg, f"writing a random-weight {cfg.arch} {cfg.shape} checkpoint")
-    path = cfg.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
+    path = cfg.engine.model.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
     workload = make_workload(cfg, load_hf_config(path).vocab_size)
     _progress(cfg, f"loading the engine, then {cfg.num_requests} requests "
                    f"({sum(n for _, n in workload):,} output tokens) at once")
@@ -168,8 +173,13 @@ def _run(cfg: OfflineBenchConfig, scratch: str) -> dict:
     if cfg.baseline == "hf":
         from llmserve.bench.hf_baseline import run_hf_baseline
 
-        results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size, dtype=cfg.dtype))
+        results["hf"] = asdict(run_hf_baseline(path, workload, batch_size=cfg.baseline_batch_size,
+                                                  dtype=cfg.engine.model.dtype))
         _print(results)
+    if cfg.plot:
+        from llmserve.bench.offline_plots import write_offline_plots
+
+        print("plots: " + ", ".join(write_offline_plots(results, cfg.plot)))
     return results
 
 
@@ -184,7 +194,7 @@ def _print(results: dict) -> None:
     print(f"llmserve  {e['device']} {e['dtype']}: {e['num_output_tokens']} output tokens in {e['elapsed_s']:.1f} s"
           f" = {e['output_tok_s']:.1f} tok/s over {e['num_steps']} forwards ({e['num_preemptions']} preemptions, "
           f"async scheduling {'on' if e['async_scheduling'] else 'off'}, up to {e['num_scheduler_steps']} "
-          "forwards a step)")
+          f"forwards a step{_threads(e)})")
     split = ", ".join(f"{k} {v:.2f}" for k, v in e["mean_step_ms"].items())
     if e["split_steps"]:
         print(f"mean forward step (ms): {split}; non-forward share {100 * e['non_forward_share']:.1f}%")
@@ -195,6 +205,11 @@ def _print(results: dict) -> None:
         hf = results["hf"]
         print(f"hf generate (static batches, {hf['dtype']}): {hf['output_throughput']:.1f} tok/s; "
               f"ratio llmserve/hf = {e['output_tok_s'] / hf['output_throughput']:.2f}x")
+
+
+def _threads(engine: dict) -> str:
+    num = engine["num_threads"]
+    return f", {num} thread{'' if num == 1 else 's'}" if engine["device"] == "cpu" else ""
 
 
 def add_bench_offline_parser(subparsers):

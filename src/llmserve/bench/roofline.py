@@ -134,7 +134,8 @@ def run(cfg: RooflineBenchConfig) -> dict:
 
 def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
     from llmserve import LLM
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
+    from llmserve.worker.kv_cache import kv_bytes_per_token
 
     if cfg.output_len < 2:
         raise ValueError("output_len must be at least 2")
@@ -144,13 +145,14 @@ def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
               max_model_len=cfg.prompt_len + cfg.output_len + 16, enable_prefix_caching=False)
     engine, info = llm.engine, llm.engine.model_info
     weight_bytes = weight_bytes_read(engine.runner.model)
-    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * engine.runner.kv_caches[0].element_size()
+    kv_per_token = kv_bytes_per_token(engine.runner.kv_caches)  # the cache's layout: K/V per head, or MLA latents
     bandwidth = copy_bandwidth(engine.device, cfg.copy_mib * 2**20)
     prompt = [random.Random(0).randrange(10, info.vocab_size) for _ in range(cfg.prompt_len)]
     step_s = decode_seconds_per_token(llm, prompt, cfg.output_len, cfg.repeats)
     step_bytes = bytes_per_decode_step(weight_bytes, kv_per_token, cfg.prompt_len + cfg.output_len / 2)
     results = {"config": asdict(cfg), "model_path": path, "device": device_name(engine.device),
                "dtype": str(engine.dtype).removeprefix("torch."), "weight_bytes": weight_bytes,
+               "kv_bytes_per_token": kv_per_token,
                "copy_bandwidth_gb_s": bandwidth / 1e9, "decode_tok_s": 1 / step_s, "step_ms": 1e3 * step_s,
                "bytes_per_step": step_bytes, "achieved_gb_s": step_bytes / step_s / 1e9,
                "bandwidth_utilization": step_bytes / step_s / bandwidth, "roofline_tok_s": bandwidth / step_bytes,
@@ -162,7 +164,7 @@ def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
 def _print(r: dict) -> None:
     print(f"device: {r['device']} ({r['dtype']}), weights read per step {r['weight_bytes'] / 1e9:.2f} GB "
           f"(active: router and top-k experts of MoE layers), "
-          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
+          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}; KV cache {r['kv_bytes_per_token']:,} bytes a token")
     print(f"copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s -> roofline {r['roofline_tok_s']:.1f} tok/s")
     print(f"batch-1 decode {r['decode_tok_s']:.1f} tok/s ({r['step_ms']:.2f} ms/step), "
           f"{r['achieved_gb_s']:.1f} GB/s = {100 * r['bandwidth_utilization']:.1f}% of copy bandwidth")

@@ -116,7 +116,7 @@ def _dtype(cfg: SpecBenchConfig) -> str:
 
 
 def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str], scratch: str) -> dict[str, str]:
-    from llmserve.model.draft_maker import derive_draft
+    from llmserve.testing.draft_maker import derive_draft
 
     drafts = {}
     for name in names:
@@ -197,7 +197,7 @@ def run(cfg: SpecBenchConfig) -> dict:
 def _run(cfg: SpecBenchConfig, scratch: str) -> dict:
     from llmserve import SamplingParams
     from llmserve.model.loader import load_hf_config
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     target = cfg.model or make_model("llama", cfg.shape, os.path.join(scratch, "target"), seed=0,
                                      is_copying=cfg.copying)

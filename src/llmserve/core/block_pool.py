@@ -4,6 +4,8 @@ A block is free when its ref count is 0. Free blocks sit in a queue ordered for 
 (least recently freed first); a free block may still hold cached KV (it has a hash) and is "revived" by
 a prefix hit, which removes it from the middle of the queue in O(1).
 Block 0 is the null block: never handed out, used to pad block tables.
+With KV cache groups (core/kv_cache_groups.py) a block holds one group's KV, so the index is keyed by
+group and hash (`cache_key`): the same tokens have one cached block per group.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
+
+
+def cache_key(group: int, hash_value: int) -> int | tuple[int, int]:
+    """The hash index's key: the hash itself for group 0 (a model's only group unless it mixes attention kinds:
+    no tuple made per block there), (group, hash) for the others."""
+    return hash_value if group == 0 else (group, hash_value)
 
 
 class BlockHash(NamedTuple):
@@ -27,6 +35,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0  # the KV cache group whose KV it holds, while it has a hash
 
 
 class FreeBlockQueue:
@@ -73,7 +82,10 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached: dict[int, KVBlock] = {}  # hash value -> block holding that KV
+        self.cached: dict[int | tuple[int, int], KVBlock] = {}  # cache_key(group, hash) -> block holding that KV
+        # (block id, hash) of each cached block evicted by an allocation, for a KV connector to copy out before
+        # the step overwrites it; None: nobody copies them (no connector), so none are recorded.
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -85,9 +97,9 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
-        """The block holding exactly these tokens after this parent, or None."""
-        block = self.cached.get(block_hash.value)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
+        """The block holding the group's KV of exactly these tokens after this parent, or None."""
+        block = self.cached.get(cache_key(group, block_hash.value))
         if block is None or block.block_hash != block_hash:  # tokens differ: a collision
             return None
         return block
@@ -129,20 +141,30 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Record that `block` holds the KV of `block_hash` (a full block). First writer wins."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int = 0) -> None:
+        """Record that `block` holds the group's KV of `block_hash` (a full block). First writer wins."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
-        if block_hash.value in self.cached:
+        key = cache_key(group, block_hash.value)
+        if key in self.cached:
             return  # same content computed twice (or a collision): keep the first
-        block.block_hash = block_hash
-        self.cached[block_hash.value] = block
+        block.block_hash, block.group = block_hash, group
+        self.cached[key] = block
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        if self.evicted is None:
+            return []
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached.get(block.block_hash.value) is block:
-            del self.cached[block.block_hash.value]
+        key = cache_key(block.group, block.block_hash.value)
+        if self.cached.get(key) is block:
+            del self.cached[key]
+            if self.evicted is not None:
+                self.evicted.append((block.block_id, block.block_hash))
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -161,5 +183,6 @@ class BlockPool:
         free_ids = {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
         assert set(queued) == free_ids, "free queue differs from blocks with ref_cnt 0"
         assert all(b.ref_cnt >= 0 for b in self.blocks)
-        for value, block in self.cached.items():
-            assert block.block_hash is not None and block.block_hash.value == value, "stale hash index"
+        for key, block in self.cached.items():
+            assert block.block_hash is not None and key == cache_key(block.group, block.block_hash.value), \
+                "stale hash index"

@@ -34,7 +34,7 @@ def decode_step_counts(running: list[Request], num_steps: int, kv: KVCacheManage
     if not counts or max(counts) < 2:
         return None
     num_free = kv.pool.get_num_free_blocks()
-    if num_free < len(running) * cdiv(num_steps, kv.block_size):  # the bound does not settle it: count
-        num_free -= sum(max(0, cdiv(request.num_computed_tokens + num, kv.block_size)
-                            - len(kv.req_to_blocks[request.request_id])) for request, num in zip(running, counts))
+    if num_free < len(running) * cdiv(num_steps, kv.block_size) * kv.num_groups:  # the bound does not settle it
+        num_free -= sum(kv.num_blocks_to_grow(request, request.num_computed_tokens + num)
+                        for request, num in zip(running, counts))
     return counts if num_free >= 0 else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.core.kv_connector import KVTransfers
 from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.bitmask import StepGrammar
@@ -50,6 +51,8 @@ class SchedulerOutput:
     # Multi-step decoding (core/decode_steps.py): every row is a plain decode row that runs
     # num_scheduled_tokens[row] forwards of one token each, back to back; this many forwards in all.
     num_steps: int = 1
+    # With a KV connector: blocks to copy out of the device (evicted) and into it (loaded) before the forward.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -67,3 +70,6 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None  # per row: drafts proposed for the next step
     prompt_logprobs: list | None = None  # per row: llmserve.messages.PromptLogprobs of its chunk, or None
     num_accepted: list[int] | None = None  # per row: drafts the target accepted (None: no drafts this step)
+    # A pooling step (--runner pooling): per row its pooled vector (float32 bytes) where its prompt ended,
+    # else None; nothing is sampled
+    pooled: list[bytes | None] | None = None

@@ -24,6 +24,7 @@ from llmserve.core.block_pool import KVBlock
 from llmserve.core.decode_steps import decode_step_counts
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import make_queue
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -39,8 +40,10 @@ logger = logging.getLogger(__name__)
 class Scheduler(Preemption, OutputUpdate):
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
-                 sliding_window: int = 0, max_loras: int = 0) -> None:
-        """sliding_window: every layer's window (the KV cache drops the blocks before it); 0: some full layer.
+                 group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None,
+                 max_loras: int = 0) -> None:
+        """group_windows: each KV cache group's window (core/kv_cache_groups.py; 0: full attention).
+        kv_connector: where blocks live below the device (core/kv_connector.py); one full-attention group only.
         max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off)."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
@@ -53,7 +56,13 @@ class Scheduler(Preemption, OutputUpdate):
         self.max_model_len = max_model_len
         self.max_loras = max_loras
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 sliding_window)
+                                 group_windows)
+        assert kv_connector is None or (group_windows == (0,) and cache_config.enable_prefix_caching), \
+            "a KV connector needs prefix caching and one full-attention group"
+        self.kv_connector = kv_connector
+        self.kv_loads: list[KVBlockCopy] = []  # the step's loads from the connector
+        if kv_connector is not None:
+            self.kv.pool.evicted = []  # the connector copies evicted blocks out
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -173,7 +182,14 @@ class Scheduler(Preemption, OutputUpdate):
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
+        if self.kv_connector is not None:
+            out.kv_transfers = self._take_kv_transfers()
         return out
+
+    def _take_kv_transfers(self) -> KVTransfers:
+        saves = [KVBlockCopy(block_id, block_hash) for block_id, block_hash in self.kv.pool.take_evicted()]
+        loads, self.kv_loads = self.kv_loads, []
+        return KVTransfers(saves, loads)
 
     def _advance_scheduled(self, out: SchedulerOutput) -> None:
         """The step's requests count their scheduled tokens as computed; one that reaches its last token
@@ -225,7 +241,7 @@ class Scheduler(Preemption, OutputUpdate):
         for request, num in zip(self.running, counts):
             req_id, num_after = request.request_id, request.num_computed_tokens + num
             num_blocks = len(kv.req_to_blocks[req_id])
-            if num_after > num_blocks * kv.block_size or num_blocks != request.num_runner_blocks:
+            if num_after > kv.num_slots(req_id) or num_blocks != request.num_runner_blocks:
                 self._send_blocks(out, request, kv.grow(request, num_after))
             kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
             scheduled[req_id] = num
@@ -253,7 +269,7 @@ class Scheduler(Preemption, OutputUpdate):
                 self.num_step_rows += num_decodes
                 continue
             request = self.running[i]
-            if self._is_done_once_known(request):
+            if self._has_all_tokens_in_flight(request):
                 i += 1
                 continue
             num_real = request.num_tokens_with_placeholders - request.num_computed_tokens
@@ -288,7 +304,7 @@ class Scheduler(Preemption, OutputUpdate):
         once (`_advance_scheduled` for one row; a row with a grammar is left to it). Returns how many; the
         first row that needs more (a prompt chunk, drafts, a preemption, or nothing) is left to the
         general path."""
-        block_size, num_lookahead = self.kv.block_size, self.num_lookahead
+        block_size, num_lookahead, num_groups = self.kv.block_size, self.num_lookahead, self.kv.num_groups
         req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
         is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
         rows = self.running[start:start + budget]
@@ -296,10 +312,11 @@ class Scheduler(Preemption, OutputUpdate):
             req_id, num_after = request.request_id, request.num_computed_tokens + 1  # tokens computed after it
             num_known = len(request.all_token_ids)
             if (num_known + request.num_placeholders != num_after or request.spec_token_ids
-                    or (request.num_placeholders and self._is_done_once_known(request))):
+                    or (request.num_placeholders and self._has_all_tokens_in_flight(request))):
                 return i
-            num_blocks = len(req_to_blocks[req_id])
-            if num_after + num_lookahead > num_blocks * block_size or num_blocks != request.num_runner_blocks:
+            num_blocks = len(req_to_blocks[req_id])  # of every group (a block position holds num_groups)
+            if num_after + num_lookahead > num_blocks // num_groups * block_size \
+                    or num_blocks != request.num_runner_blocks:
                 new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
                 if new_blocks is None:
                     return i  # out of blocks: the general path preempts
@@ -326,7 +343,7 @@ class Scheduler(Preemption, OutputUpdate):
                                                      request.num_computed_tokens, num_old_blocks))
             request.num_runner_blocks = num_blocks
 
-    def _is_done_once_known(self, request: Request) -> bool:
+    def _has_all_tokens_in_flight(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
         return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
 
@@ -343,16 +360,18 @@ class Scheduler(Preemption, OutputUpdate):
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
-            num_new = request.num_tokens - num_hit_tokens
+            num_loaded = self._num_connector_tokens(request, len(hits))
+            num_new = request.num_tokens - num_hit_tokens - num_loaded
             limit = min(budget, self.prefill_budget)
             if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
                 break
             num_new = min(num_new, limit)
-            if self.kv.allocate_slots(request, num_new, hits, self.num_lookahead) is None:
+            if self.kv.allocate_slots(request, num_loaded + num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
             self.prefill_budget -= num_new
-            self._start_running(request, num_hit_tokens)
+            self._list_loads(request, len(hits), num_loaded)
+            self._start_running(request, num_hit_tokens + num_loaded)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
@@ -372,6 +391,22 @@ class Scheduler(Preemption, OutputUpdate):
             return False
         adapters.add(request.lora.lora_int_id)
         return True
+
+    def _num_connector_tokens(self, request: Request, num_hit_blocks: int) -> int:
+        """Tokens of the blocks after the device's prefix hits that the KV connector holds (loaded, not
+        computed); at least one token is still left to compute."""
+        if self.kv_connector is None or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        num_max = (request.num_tokens - 1) // self.kv.block_size
+        hashes = request.block_hashes[num_hit_blocks:num_max]
+        return self.kv_connector.num_matched_blocks(hashes) * self.kv.block_size if hashes else 0
+
+    def _list_loads(self, request: Request, num_hit_blocks: int, num_loaded: int) -> None:
+        """The connector's blocks go into the device blocks just allocated after the prefix hits."""
+        end = num_hit_blocks + num_loaded // self.kv.block_size
+        blocks = self.kv.req_to_blocks[request.request_id][num_hit_blocks:end]
+        self.kv_loads += [KVBlockCopy(block.block_id, block_hash)
+                          for block, block_hash in zip(blocks, request.block_hashes[num_hit_blocks:end])]
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING

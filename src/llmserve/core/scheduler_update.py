@@ -15,7 +15,7 @@ from llmserve.core.request_queue import FCFSQueue, PriorityQueue
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.spec_stats import SpecDecodeCounter
 from llmserve.core.stop_rules import check_stop, follow_grammar
-from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 
 
 class OutputUpdate:
@@ -44,6 +44,9 @@ class OutputUpdate:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.take_aborted_outputs()
         now = time.time()
+        if runner_out.pooled is not None:
+            self._update_pooled(runner_out, outputs, now)
+            return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, 0))
         if sched_out.num_steps > 1:
             num_generated = self._update_window(sched_out, runner_out, outputs, now)
             return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
@@ -78,6 +81,20 @@ class OutputUpdate:
         if sched_out.use_speculation:
             self.draft_backoff.observe(sum(bool(d) for d in proposals))
         return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
+
+    def _update_pooled(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> None:
+        """update_from_output for a pooling step: a row whose prompt ended has its vector, and ends (stop)."""
+        for req_id, pooled in zip(runner_out.req_ids, runner_out.pooled):
+            request = self.requests.get(req_id)
+            if request is None or pooled is None:
+                continue  # aborted during the step, or a prompt chunk
+            request.num_placeholders -= 1
+            self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.STOP,
+                                            num_cached_tokens=max(request.num_cached_tokens, 0),
+                                            scheduled_time=request.scheduled_time, first_token_time=now,
+                                            pooled=pooled))
 
     def _is_plain_decode(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> bool:
         """The step has only sampled ids to take in: no logprobs, drafts or siblings waiting on a prompt,

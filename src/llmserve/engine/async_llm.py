@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, KVTransferConfig
 from llmserve.engine.core_client import EngineCoreClient, EngineDeadError
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
@@ -30,7 +30,8 @@ from llmserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from llmserve.model.loader import ModelInfo
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestTimeoutError", "StatLogger", "TokensPrompt", "merge_outputs"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestTimeoutError", "StatLogger", "TokensPrompt", "WrongRunnerError",
+           "merge_outputs"]
 
 logger = logging.getLogger("llmserve.engine.async_llm")
 
@@ -39,6 +40,13 @@ OUTPUT_CHUNK_SIZE = 128  # requests' outputs processed in one turn of the event 
 
 class RequestTimeoutError(Exception):
     """The request ran longer than the front's request timeout; it was aborted (its KV blocks freed)."""
+
+
+class WrongRunnerError(ValueError):
+    """A request the engine's runner does not serve (generation on --runner pooling, or embeddings on
+    --runner generate): a user error about the model served."""
+
+    param = "model"
 
 
 @dataclass
@@ -73,7 +81,8 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
                                              c.finish_reason, c.stop_reason)
     return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids,
                          [by_index[i] for i in sorted(by_index)], new.finished, new.num_cached_tokens, new.metrics,
-                         old.prompt_logprobs if new.prompt_logprobs is None else new.prompt_logprobs)
+                         old.prompt_logprobs if new.prompt_logprobs is None else new.prompt_logprobs,
+                         old.pooled if new.pooled is None else new.pooled)
 
 
 class RequestOutputCollector:
@@ -118,10 +127,25 @@ class AsyncLLM:
         self.stat_logger = stat_logger
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.last_stats: SchedulerStats | None = None
+        self.kv_transfer = KVTransferConfig()  # the engine's tiers and disaggregation role (from_config sets it)
         self.busy_since = time.monotonic()
         self.dead_callbacks: list[Callable[[str], None]] = []
         client.on_outputs = self._on_outputs
         client.on_dead = self._on_dead
+
+    @property
+    def is_pooling(self) -> bool:
+        """An embedding engine (--runner pooling): it pools prompts (`embed`) and generates nothing."""
+        return self.model_info.pooler is not None
+
+    def check_runner(self, is_pooling: bool) -> None:
+        """ValueError unless the engine's runner serves this kind of request."""
+        if is_pooling and not self.is_pooling:
+            raise WrongRunnerError("this server runs a generation model (--runner generate): embeddings need an "
+                                   "embedding model served with --runner pooling")
+        if not is_pooling and self.is_pooling:
+            raise WrongRunnerError("this server runs an embedding model (--runner pooling): it serves "
+                                   "/v1/embeddings only; text generation needs --runner generate")
 
     @classmethod
     async def from_config(cls, config: EngineConfig, *, startup_timeout: float = 600.0,
@@ -143,8 +167,10 @@ class AsyncLLM:
 
             path = client.model_info.path
             tokenizer = await (early if early is not None else asyncio.to_thread(_load_tokenizer, path, None))
-            return cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval,
-                       request_timeout)
+            llm = cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval,
+                      request_timeout)
+            llm.kv_transfer = config.kv_transfer
+            return llm
         except BaseException:
             await client.shutdown()
             raise
@@ -163,18 +189,26 @@ class AsyncLLM:
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Validate before answering (e.g. before an SSE stream starts): ValueError naming the problem."""
+        self.check_runner(is_pooling=False)
         params.validate()
         params.validate_for_vocab(self.model_info.vocab_size)
         self.processor.check_length(num_prompt_tokens, params)
+        self._check_kv_transfer(params)
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        if params.kv_transfer_params is not None and self.kv_transfer.disaggregation_mode != "prefill":
+            raise ValueError("kv_transfer_params: this server is not a prefill server (--disaggregation-mode "
+                             f"{self.kv_transfer.disaggregation_mode}): send the request without it")
 
     async def generate(self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str,
                        priority: int = 0, lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request until it finishes (EngineDeadError if the engine dies,
         RequestTimeoutError when it runs past the request timeout)."""
         self.check_health()
+        self.check_runner(is_pooling=False)
         text, token_ids = self._tokenize_prompt(prompt)
-        if request_id in self.collectors:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_new_id(request_id)
+        self._check_kv_transfer(params)
         requests = self.processor.process(request_id, token_ids, params, priority, lora=lora)
         collector = RequestOutputCollector()
         self._add(request_id, text, token_ids, params, requests, collector)
@@ -186,11 +220,39 @@ class AsyncLLM:
                 is_finished = output.finished
                 yield output
         finally:
-            if timer is not None:
-                timer.cancel()
-            self.collectors.pop(request_id, None)
-            if not is_finished:
-                self.abort(request_id)
+            self._end(request_id, timer, is_finished)
+
+    async def embed(self, prompt: list[int] | TokensPrompt, request_id: str, priority: int = 0) -> RequestOutput:
+        """One prompt pooled into one vector (--runner pooling): its final RequestOutput, whose `pooled` holds
+        it. Run through the scheduler as prompt-only work (chunked like any prompt; no KV kept after)."""
+        self.check_health()
+        self.check_runner(is_pooling=True)
+        _, token_ids = self._tokenize_prompt(prompt)
+        self._check_new_id(request_id)
+        request = self.processor.process_pooling(request_id, token_ids, priority)
+        collector = RequestOutputCollector()
+        self._add(request_id, None, token_ids, request.sampling_params, [request], collector)
+        timer = self._start_timer(collector)
+        final = None
+        try:
+            while final is None or not final.finished:
+                output = await collector.get()
+                final = output if final is None else merge_outputs(final, output)
+            return final
+        finally:
+            self._end(request_id, timer, final is not None and final.finished)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _end(self, request_id: str, timer: asyncio.TimerHandle | None, is_finished: bool) -> None:
+        """A request's generator is done: its timer stopped, its mailbox gone, the request aborted unless it ended."""
+        if timer is not None:
+            timer.cancel()
+        self.collectors.pop(request_id, None)
+        if not is_finished:
+            self.abort(request_id)
 
     def _start_timer(self, collector: RequestOutputCollector) -> asyncio.TimerHandle | None:
         """Fail the request's generator once it ran for the request timeout (it then aborts the request)."""

@@ -10,7 +10,7 @@ Threads: the input thread receives and decodes (and watches the parent), the mai
 The core follows its parent: it ignores SIGINT/SIGTERM (the front drains, then sends SHUTDOWN) and
 exits on its own when the front process is gone.
 
-Tests can hold the loop at a step boundary (engine/step_gate.py, off unless LLMSERVE_STEP_GATE is set).
+Tests can hold the loop at a step boundary (testing/step_gate.py, loaded only when LLMSERVE_STEP_GATE is set).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.messages import EngineCoreRequest
-from llmserve.engine.step_gate import gate_from_env
 
 logger = logging.getLogger("llmserve.engine.core_proc")
 
@@ -135,7 +134,7 @@ def _build_and_run(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_
 def _build_core(config: EngineConfig):
     from llmserve.engine.engine_core import EngineCore
 
-    return EngineCore(config, has_front_beside=True)
+    return EngineCore(config, is_served=True)
 
 
 class EngineCoreProc:
@@ -148,7 +147,11 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
         self.is_stopping = False
         self.is_integrity_checked = True
-        self.gate = gate_from_env(ctx, lambda: self.inputs.put((InKind.WAKE, None)))  # tests only
+        self.gate = None  # tests only: a gate that holds the loop at step boundaries
+        if os.environ.get("LLMSERVE_STEP_GATE"):
+            from llmserve.testing.step_gate import gate_from_env
+
+            self.gate = gate_from_env(ctx, lambda: self.inputs.put((InKind.WAKE, None)))
         self._utilities = {
             "reset_prefix_cache": core.reset_prefix_cache,
             "check_integrity": self._check_integrity,
@@ -160,7 +163,7 @@ class EngineCoreProc:
                                               name="core-output")
         if core.tp_executor is not None:
             core.tp_executor.on_failure = self._fail_fast
-        core.end_windows_when(lambda: not self.inputs.empty())  # arrivals end a multi-step early
+        core.interrupt_windows_on_input(lambda: not self.inputs.empty())  # arrivals end a multi-step early
 
     def _fail_fast(self, reason: str) -> None:
         """A tensor-parallel rank died (the executor's monitor thread calls this): tell the front and exit

@@ -20,17 +20,19 @@ from collections.abc import Callable
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.core.kv_cache_manager import cache_window
+from llmserve.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
+from llmserve.engine.kv_transfer import KVReceiver, KVSender, build_kv_connector
 from llmserve.engine.startup_summary import startup_line
 from llmserve.heap import freeze_startup_heap
-from llmserve.messages import EngineCoreOutputs, EngineCoreRequest
-from llmserve.model import quant
+from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, KVTierStats
+from llmserve.model import deepseek, mla, quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
+from llmserve.model.pooler_config import is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
 from llmserve.worker.step_handle import StepHandle
@@ -49,24 +51,55 @@ def model_source(config: EngineConfig) -> tuple[str, str]:
     return config.model.model, resolve_model_path(config.model.model, config.model.revision)
 
 
-def kv_cache_window(layer_windows: tuple[int, ...]) -> int:
-    """The window the KV cache frees blocks by (core/kv_cache_manager.py), logged: only a model whose every
-    layer slides gives blocks back; one that mixes full and sliding layers keeps every block (per-group
-    block tables are not built yet), which the log says."""
-    window = cache_window(list(layer_windows))
-    if window:
-        logger.info("KV cache: every layer slides (window %d): blocks before the window go back to the pool", window)
+def log_kv_cache_layout(layout: KVCacheLayout, layer_windows: tuple[int, ...]) -> tuple[int, ...]:
+    """Each KV cache group's window (core/kv_cache_groups.py), logged where some layer slides."""
+    if layout.is_hybrid:
+        logger.info("KV cache: %s: each sliding group gives back the blocks that left its window", layout.describe())
+    elif layout.group_windows[0]:
+        logger.info("KV cache: every layer slides (window %d): blocks before the window go back to the pool",
+                    layout.group_windows[0])
     elif any(layer_windows):
-        logger.info("KV cache: full and sliding-window layers mixed: every block is kept for the whole sequence "
-                    "(per-group block tables are not built yet), so the window raises no KV capacity")
-    return window
+        logger.info("KV cache: full and sliding-window layers in one group (--disable-hybrid-kv-cache-manager): "
+                    "every block is kept for the whole sequence, so the window raises no KV capacity")
+    return layout.group_windows
+
+
+def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]) -> KVCacheLayout:
+    """The KV cache groups (the worker makes the same); a draft model reads the target's block ids as its own,
+    so it is refused with several groups, before anything loads."""
+    layout = kv_cache_layout(layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
+    if layout.is_hybrid and config.speculative.speculative == "draft":
+        raise ValueError("--speculative draft with a model that mixes full and sliding-window layers is not "
+                         "supported with per-group block tables: add --disable-hybrid-kv-cache-manager")
+    return layout
+
+
+def pooling_engine_config(config: EngineConfig) -> EngineConfig:
+    """A pooling engine's steps run in order, one forward each (its requests end when their prompt does:
+    nothing to overlap, no decode step); the prefix cache holds no hidden states, so only last-token
+    pooling, which needs none of the cached tokens', keeps it (as vLLM does)."""
+    if not config.model.is_pooling:
+        return config
+    scheduler = dataclasses.replace(config.scheduler, async_scheduling=False, num_scheduler_steps=1)
+    return dataclasses.replace(config, scheduler=scheduler)
+
+
+def check_kv_transfer_layout(config: EngineConfig, layout: KVCacheLayout) -> None:
+    """The KV tiers and disaggregation are refused (before loading the weights) unless the KV cache is one
+    full-attention group: a sliding group's blocks are found by window hits, and the copies move one group's
+    blocks, neither of which a lower tier does yet."""
+    kv = config.kv_transfer
+    if layout.group_windows != (0,) and (kv.is_offloading or kv.disaggregation_mode != "null"):
+        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported yet for a "
+                         f"model with sliding-window layers ({layout.describe()})")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, has_front_beside: bool = False) -> None:
-        """has_front_beside: this process serves beside an HTTP front (the engine-core process), which
+    def __init__(self, config: EngineConfig, is_served: bool = False) -> None:
+        """is_served: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.validate()  # before loading anything: a bad value fails in milliseconds
+        config = pooling_engine_config(config)
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
@@ -74,18 +107,33 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
-                                                     config.model.quantization, config.model.disable_sliding_window)
+                                                     config.model.quantization, config.model.disable_sliding_window,
+                                                     config.model.is_pooling, config.model.pooler_config)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
+        if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
+            mla.check_settings(config.cache.kv_cache_dtype, config.model.attention_backend)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
-        self.tp_executor = self._tp_executor(config, path, has_front_beside)
+        kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
+        if self.model_info.pooler is None and is_sentence_transformers(path):
+            logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "
+                           "add --runner pooling to serve its embeddings (POST /v1/embeddings)", name)
+        if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
+            self.config = config
+        check_kv_transfer_layout(config, kv_layout)
+        self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
-            Worker(config, self.model_info, path, self.device, self.dtype, has_front_beside)
+            Worker(config, self.model_info, path, self.device, self.dtype, is_served)
         self.runner, self.num_blocks, self.num_threads = self.worker.runner, self.worker.num_blocks, self.worker.num_threads
+        self.threads_reason = self.worker.threads_reason
+        assert self.worker.kv_layout == kv_layout, "the worker's KV cache groups differ from the scheduler's"
         self.executor = self.tp_executor or self.runner  # what runs steps: launch / finish / execute / drop_finished
+        self.kv_connector = build_kv_connector(config.kv_transfer, self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
-                                   config.speculative, kv_cache_window(self.model_info.layer_windows),
-                                   config.lora.max_loras if config.lora.enable_lora else 0)
+                                   config.speculative, log_kv_cache_layout(kv_layout, self.model_info.layer_windows),
+                                   self.kv_connector, config.lora.max_loras if config.lora.enable_lora else 0)
+        self.kv_sender, self.kv_receiver = self._kv_transports(config)
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
@@ -94,7 +142,15 @@ class EngineCore:
         logger.info("%s", startup_line(self))
         freeze_startup_heap()
 
-    def _tp_executor(self, config: EngineConfig, path: str, has_front_beside: bool):
+    def _kv_transports(self, config: EngineConfig) -> tuple[KVSender | None, KVReceiver | None]:
+        mode = config.kv_transfer.disaggregation_mode
+        if mode == "prefill":
+            return KVSender(self.scheduler.kv.pool, self.runner.kv_caches, config.cache.block_size), None
+        if mode == "decode":
+            return None, KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port)
+        return None, None
+
+    def _tp_executor(self, config: EngineConfig, path: str, is_served: bool):
         size = config.parallel.tensor_parallel_size
         if size == 1:
             return None
@@ -106,24 +162,31 @@ class EngineCore:
             raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         from llmserve.worker.tp_executor import TPExecutor
 
-        return TPExecutor(config, self.model_info, self.device, self.dtype, has_front_beside)
+        return TPExecutor(config, self.model_info, self.device, self.dtype, is_served)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
         if self.tp_executor is not None:
             self.tp_executor.shutdown()
+        for part in (self.kv_receiver, self.kv_sender, self.kv_connector):
+            if part is not None:
+                part.close()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.lora is not None and not self.config.lora.enable_lora:
             raise ValueError(f"request {request.request_id} asks for LoRA adapter {request.lora.lora_name!r}, "
                              "but this engine runs without --enable-lora")
         core_request = Request.from_engine_core_request(request, self.model_info.max_model_len)
+        if self.kv_sender is not None and request.sampling_params.kv_transfer_params is not None:
+            block_size = self.config.cache.block_size
+            hashes = core_request.update_block_hashes(block_size)[:core_request.num_prompt_tokens // block_size]
+            self.kv_sender.add(request, list(hashes))  # its prompt's full blocks go to the decode server
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
             core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
         self.scheduler.add_request(core_request)
 
-    def end_windows_when(self, has_input: Callable[[], bool]) -> None:
+    def interrupt_windows_on_input(self, has_input: Callable[[], bool]) -> None:
         """For an engine whose outputs are read as they come (the engine-core process), a multi-step ends
         after the forward where `has_input()` turns true, or where some row ran its last forward
         (worker/multi_step.py): a request that arrives meanwhile waits one forward, not the window, and a
@@ -147,15 +210,34 @@ class EngineCore:
         elif self.in_flight is not None:
             outputs = self._finish_in_flight()  # leaving overlap: the step in flight first
         else:
-            sched_out = self.scheduler.schedule()
+            sched_out = self._schedule()
             if sched_out.is_empty and len(self.scheduler.compiling):
                 self.scheduler.compiling.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar compiles
             outputs = self.scheduler.update_from_output(sched_out, self._execute(sched_out))
+        if self.kv_sender is not None:
+            self.kv_sender.on_outputs(outputs)  # before the next schedule can evict the blocks it sends
         if outputs.stats is not None:
             outputs.stats.step_time = time.perf_counter() - start
             outputs.stats.grammar = self.grammars.take_stats()
             outputs.stats.expert_balance = self._take_expert_balance()
+            outputs.stats.kv_tiers = self._take_kv_stats()
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step, with its KV copies done (evicted blocks out, lower-tier hits in) before any
+        forward reads or overwrites those blocks."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
+            self.kv_connector.apply(sched_out.kv_transfers)
+        return sched_out
+
+    def _take_kv_stats(self) -> KVTierStats | None:
+        stats = self.kv_connector.take_stats() if self.kv_connector is not None else None
+        num_sent = self.kv_sender.take_num_sent() if self.kv_sender is not None else 0
+        if num_sent:
+            stats = stats or KVTierStats()
+            stats.num_sent_blocks = num_sent
+        return stats
 
     def _take_expert_balance(self) -> float | None:
         take = getattr(self.runner.model, "take_expert_balance", None)  # CausalLM's; other models have none
@@ -169,7 +251,7 @@ class EngineCore:
 
     def _step_overlapped(self) -> EngineCoreOutputs:
         """Schedule and launch step N+1, then finish and update from step N."""
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         if sched_out.is_empty:
             self.executor.drop_finished(sched_out.finished_req_ids)
             if self.in_flight is None:
@@ -186,7 +268,10 @@ class EngineCore:
         return self.scheduler.update_from_output(sched_out, self.executor.finish(handle))
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        is_reset = self.scheduler.reset_prefix_cache()
+        if is_reset and self.kv_connector is not None:
+            self.kv_connector.reset()
+        return is_reset
 
     def num_free_blocks(self) -> int:
         return self.scheduler.kv.pool.get_num_free_blocks()
@@ -196,3 +281,5 @@ class EngineCore:
         pending = set(self.scheduler.requests) | self.scheduler.finished_req_ids
         assert set(self.runner.states) <= pending, "runner holds finished requests"
         self.runner.check_integrity()
+        if self.kv_connector is not None:
+            self.kv_connector.check_integrity()

@@ -8,11 +8,13 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from llmserve.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+from llmserve.config import (CacheConfig, EngineConfig, KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig,
                              SpeculativeConfig)
 from llmserve.engine.engine_core import EngineCore
 from llmserve.engine.output_processor import OutputProcessor, reads_final_only
 from llmserve.engine.processor import Processor
+from llmserve.messages import KVTierStats, SchedulerStats
 from llmserve.model.loader import load_generation_defaults, load_tokenizer
 from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput
@@ -24,7 +26,8 @@ def build_engine_config(**kwargs) -> EngineConfig:
     parallel config)."""
     parts = {}
     for key, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                     ("speculative", SpeculativeConfig), ("parallel", ParallelConfig), ("lora", LoRAConfig)):
+                     ("speculative", SpeculativeConfig), ("parallel", ParallelConfig), ("lora", LoRAConfig),
+                     ("kv_transfer", KVTransferConfig)):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:
@@ -53,6 +56,8 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_preemptions = 0  # since construction: tests and benchmarks read it
+        self.num_prompt_tokens_computed = 0  # likewise: prompt tokens run through the model (not cache hits)
+        self.kv_tier_stats = KVTierStats()  # likewise: the KV tiers' counts (hits per tier, blocks offloaded)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -80,6 +85,25 @@ class LLM:
         texts = [self._render_chat(list(c), chat_template, add_generation_prompt, tools) for c in conversations]
         return self._generate(texts, sampling_params, None, use_tqdm, add_special_tokens=False)
 
+    def embed(self, prompts: Sequence[str] | Sequence[list[int]] | str, use_tqdm: bool = False) -> list[RequestOutput]:
+        """vLLM's offline embed (--runner pooling): each prompt pooled into one vector, its final RequestOutput
+        (the vector in `.embedding`), in input order."""
+        if self.engine.model_info.pooler is None:
+            raise ValueError("embed() needs an embedding model: LLM(..., runner='pooling')")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        request_ids = []
+        for prompt in prompts:
+            request_id = str(next(self._ids))
+            token_ids = self.processor.tokenize(prompt)
+            request = self.processor.process_pooling(request_id, token_ids)
+            self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                                              request.sampling_params)
+            self.engine.add_request(request)
+            request_ids.append(request_id)
+        finished = self._run(len(request_ids), use_tqdm)
+        return [finished[r] for r in request_ids]
+
     def _render_chat(self, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool,
                      tools: list[dict] | None) -> str:
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -89,6 +113,8 @@ class LLM:
 
     def _generate(self, prompts: Sequence[str] | Sequence[list[int]], sampling_params, priority, use_tqdm: bool,
                   add_special_tokens: bool = True, lora_request=None) -> list[RequestOutput]:
+        if self.engine.model_info.pooler is not None:
+            raise ValueError("this LLM runs an embedding model (runner='pooling'): use embed()")
         params = self._params_per_prompt(len(prompts), sampling_params)
         loras = _per_prompt(lora_request, len(prompts))
         request_ids = [self._add(p, sp, priority[i] if priority else 0, add_special_tokens, loras[i])
@@ -117,13 +143,20 @@ class LLM:
             self.engine.add_request(request)
         return request_id
 
+    def _add_stats(self, stats: SchedulerStats) -> None:
+        self.num_preemptions += stats.num_preemptions
+        self.num_prompt_tokens_computed += stats.num_prompt_tokens
+        if stats.kv_tiers is not None:
+            for name in KVTierStats.__struct_fields__:
+                setattr(self.kv_tier_stats, name, getattr(self.kv_tier_stats, name) + getattr(stats.kv_tiers, name))
+
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=num_requests, desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished_requests():
             outputs = self.engine.step()
             if outputs.stats is not None:
-                self.num_preemptions += outputs.stats.num_preemptions
+                self._add_stats(outputs.stats)
             processed = self.output_processor.process_outputs(outputs.outputs)
             if processed.reqs_to_abort:
                 self.engine.abort_requests(processed.reqs_to_abort)

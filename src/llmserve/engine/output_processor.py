@@ -65,6 +65,7 @@ class RequestState:
     is_text_deferred: bool = False  # set on creation
     prompt_logprobs: list[TokenLogprob | None] | None = None  # prompt_logprobs=k: filled as chunks run
     is_prompt_logprobs_sent: bool = False
+    pooled: bytes | None = None  # a pooling request's vector, once its prompt ran
 
     def __post_init__(self) -> None:
         self.is_text_deferred = is_text_deferred(self.params, self.collector, self.is_delta)
@@ -159,6 +160,8 @@ class OutputProcessor:
             return False  # a stop string ended it; the core's abort is on its way
         _record_times(state, out)
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.pooled is not None:
+            state.pooled = out.pooled
         if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
             state.add_prompt_logprobs(out.prompt_logprobs)
         seq.token_ids.extend(out.new_token_ids)
@@ -225,7 +228,7 @@ class OutputProcessor:
             prompt_logprobs = list(state.prompt_logprobs)
             state.is_prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             state.num_cached_tokens, dict(state.metrics), prompt_logprobs)
+                             state.num_cached_tokens, dict(state.metrics), prompt_logprobs, state.pooled)
 
 
 def _full(seq: SequenceState) -> CompletionOutput:

@@ -56,6 +56,16 @@ class Processor:
             raise ValueError(f"min_tokens={params.min_tokens} does not fit the context after "
                              f"{num_prompt_tokens} prompt tokens (max_model_len {self.max_model_len})")
 
+    def check_pooling_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                             f"input has {num_prompt_tokens} tokens. Shorten the input.")
+
+    def process_pooling(self, request_id: str, prompt_token_ids: list[int], priority: int = 0) -> EngineCoreRequest:
+        """A pooling request (--runner pooling): the prompt only, which may fill the whole context."""
+        self.check_pooling_length(len(prompt_token_ids))
+        return EngineCoreRequest(request_id, prompt_token_ids, pooling_params(), [], time.time(), priority)
+
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                 arrival_time: float | None = None, is_final_only: bool = False,
                 lora: LoRARequest | None = None) -> list[EngineCoreRequest]:
@@ -74,6 +84,12 @@ class Processor:
                                   self.eos_token_ids, arrival_time, priority, parent_id=request_id,
                                   is_final_only=is_final_only, lora=lora)
                 for i in range(params.n)]
+
+
+def pooling_params() -> SamplingParams:
+    """What a pooling request carries for the parts of the engine that read sampling parameters: one
+    position past the prompt, never sampled (the runner pools instead)."""
+    return SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

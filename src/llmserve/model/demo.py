@@ -10,7 +10,6 @@ import shutil
 import tempfile
 
 from llmserve.config import cache_dir
-from llmserve.model.maker import SHAPES, write_checkpoint
 
 DEMO_NAME = "demo-model-v3"
 DEMO_SEED = 1234
@@ -28,6 +27,8 @@ def demo_model_path() -> str:
     path = os.path.join(root, DEMO_NAME)
     if _is_complete(path):
         return path
+    from llmserve.testing.maker import SHAPES, write_checkpoint  # the demo is a random checkpoint of shape "demo"
+
     tmp = tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=root)
     try:
         write_checkpoint("llama", SHAPES["demo"], tmp, seed=DEMO_SEED)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
+from llmserve.model.fused_cuda import cuda_fused, cuda_rotary
 from llmserve.model.parallel import TensorParallel, column_linear, row_linear
 
 
@@ -37,6 +38,11 @@ class RMSNorm(nn.Module):
             if residual.is_contiguous():
                 cpu_kernels.add_rms_norm_(x, residual, self.weight, self.eps)
                 return x, residual
+        fused = cuda_fused(x)
+        if fused is not None and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1)):
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -229,13 +235,15 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D], cos/sin [T, 1, R/2] -> x [T, heads, D] with its first R features rotated (R < D: partial
-    rotary, the rest pass through); float32 on CPU in place (cpu_kernels)."""
+    rotary, the rest pass through); in place for float32 on CPU (cpu_kernels) and on CUDA (Triton)."""
     rot = 2 * cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     if x.stride(-1) == 1 and cpu_kernels.can_fuse(x):
         cpu_kernels.rotary_(x, cos, sin)
         return x
+    if (fused := cuda_rotary(x, cos)) is not None:
+        return fused.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -255,5 +263,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        if (fused := cuda_fused(gate_up)) is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)

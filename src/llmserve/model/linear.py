@@ -1,38 +1,18 @@
-"""The linear layer every model layer uses: F.linear, except float32 on CPU, which goes through oneDNN or,
-for weights packed at load, our AVX2 kernel (below).
+"""The linear layer every model layer uses: F.linear, except float32 on CPU, which goes through oneDNN or, for
+weights packed at load, our AVX2 kernel.
 
-torch's CPU F.linear calls MKL's sgemm. On the AMD EPYC development machines oneDNN's matmul
-(`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU fusions call) is faster on the shapes
-that matter for small models, e.g. smollm2-135m's gate/up projection (576 -> 3072): 1.49x at 16 rows and
-1.27x at 64 on 2 threads (docs/benchmarks.md). oneDNN builds one primitive per new row count
-(0.8 ms for a 64 -> 192 layer, ~4 ms for 576 -> 3072, then cached in an LRU of 1,024), and a step's row
-count is its token count, which varies with every prompt chunk: so rows are padded up to a few buckets
-(`bucket_rows`): ~125 primitives per weight shape up to 4,096 rows, at most 7 rows or 1/16 wasted.
+- oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`) beats MKL's sgemm on the shapes of small models on the
+  EPYC machines; it builds one primitive per row count, so rows are padded up to a few buckets (`bucket_rows`).
+  Weights under 2^17 elements keep F.linear (oneDNN's call costs more than it saves there).
+- Weights are laid out once at load in oneDNN's blocked format (`pack_linears`); a tied lm_head keeps a packed
+  copy beside the embedding (`CausalLM.pack_tied_lm_head`).
+- Without AVX-512 weights are packed for our AVX2 kernel instead (csrc/linear_avx2.cpp: 16-column panels
+  streamed with prefetches), whose outputs do not depend on the batch; LLMSERVE_CPU_LINEAR forces either path
+  (docs/cpu.md). The two layouts tell themselves apart by rank: ours is [P, K, 16], oneDNN's [N, K].
+- Only plain inference on float32 2-D inputs takes these paths; other dtypes and devices keep F.linear.
 
-oneDNN's call costs ~10 us more than MKL's, which is more than it saves on small weights (64 x 192: 0.4-0.85x
-at 16-256 rows; 256 x 768: 1.09-1.28x; 2 threads), so weights under 2^17 elements keep F.linear.
-
-Only plain inference on float32 2-D inputs takes the oneDNN path: other dtypes (bf16 on a CPU without
-AMX could fall to a slow reference kernel), other devices, and anything autograd should see keep F.linear.
-
-Packed weights (`pack_linears`, called by the loader): given a plain [out, in] weight, oneDNN's matmul
-re-lays it out into its blocked format on every call. A `Linear` whose weight qualifies has it laid out once
-at load (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU weight-prepacking pass calls) and
-keeps only that copy. smollm2-135m's shapes, 2 threads, AMD EPYC (docs/benchmarks.md): at 16 rows
-576->3072 146 -> 193 GFLOP/s, 1536->576 132 -> 167, 576->576 119 -> 145; at 64 rows 1.13-1.8x. The layout is
-chosen for PACK_ROWS_HINT rows and serves any row count. A tied lm_head cannot give its plain weight
-up (the embedding lookup reads it): the model keeps a packed copy beside it (`CausalLM.pack_tied_lm_head`;
-+113 MB for smollm2-135m), which took its 16-row logits from 13.9 to 9.5 ms and its 64-row ones from 32.8
-to 18.5 ms (2 threads, AMD EPYC with AVX-512).
-
-On CPUs without AVX-512, where the CPU kernels are built with AVX2 + FMA (`cpu_kernels.packs_linears`;
-LLMSERVE_CPU_LINEAR=panels|onednn forces either path on any machine: docs/cpu.md), weights are packed for our
-own kernel instead (csrc/linear_avx2.cpp: 16-column panels streamed with
-prefetches): oneDNN's AVX2 code waits for weights coming from DRAM at decode sizes, where ours overlaps
-their stream with the FMAs (smollm2-135m's 16-row decode step on an AMD EPYC held to AVX2: 76.9 -> 50.2 ms;
-docs/benchmarks.md), and its outputs do not depend on the batch. With AVX-512, oneDNN's kernels
-stay (faster at prefill sizes). The two layouts tell themselves apart by rank: ours is [P, K, 16],
-oneDNN's keeps [N, K].
+The measurements behind each choice: docs/benchmarks.md ("Which int8 GEMM", "Packed oneDNN weights", "Our own
+AVX2 GEMM for float32 linears", "oneDNN row buckets").
 """
 
 from __future__ import annotations

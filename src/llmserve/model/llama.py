@@ -1,5 +1,5 @@
-"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Phi-3 and Gemma 3
-checkpoints.
+"""One decoder implementation for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Phi-3, Gemma 3 and
+DeepSeek-V2/V3 checkpoints.
 
 Tokens of all requests of a step are flattened ([T], no batch dim); attention goes through an
 AttentionBackend and the paged KV cache. The variants differ only in the parts read from the HF config
@@ -8,7 +8,9 @@ carry `attention_bias` and `mlp_bias`, head_dim comes from the config when it ha
 architecture puts a SparseMoeBlock (model/moe.py) in place of the dense MLP of its sparse layers, and gpt-oss
 adds a learned attention sink per head (its checkpoint's layout: model/gpt_oss.py); Phi-3's fused checkpoint
 tensors are the decoder's own (model/phi3.py). Gemma 3 brings its own norms, MLP activation, embedding scale,
-logit soft-cap and local/global rope tables (model/gemma3.py).
+logit soft-cap and local/global rope tables (model/gemma3.py). DeepSeek-V2/V3 put Multi-head Latent Attention
+(model/mla.py) in place of the attention, whose cache holds one latent per token (`kv_cache_shape`), and an MoE
+block with shared experts and grouped routing (model/deepseek.py).
 
 Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, gpt-oss, Gemma 3): each layer's window comes
 from the config (model/sliding_window.py) and is passed to the backend with the layer's attention call (with
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.model import gemma3, gpt_oss, phi3
+from llmserve.model import deepseek, gemma3, gpt_oss, mla, phi3
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import (GatedMLP, RMSNorm, RopeParams, RotaryEmbedding, apply_rotary,
                                    rope_params_from_config)
@@ -58,6 +60,7 @@ class DecoderParts:
     has_sandwich_norms: bool = False  # Gemma 3: norms after attention and around the MLP too
     embed_scale: float | None = None  # Gemma 3: embeddings times sqrt(hidden)
     logit_softcap: float | None = None  # Gemma 3: cap * tanh(logits / cap)
+    is_mla: bool = False  # DeepSeek: Multi-head Latent Attention over a latent cache
 
 
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -72,8 +75,13 @@ def decoder_parts(config) -> DecoderParts:
     fields = dict(has_qk_norm=arch in _QK_NORM_ARCHS)
     if arch == gemma3.ARCHITECTURE:
         fields.update(gemma3.parts_fields(config))
+    if arch in deepseek.ARCHITECTURES:
+        deepseek.check_config(config, arch)
+        fields.update(moe=deepseek.moe_spec(config, arch), is_mla=True)
+    else:
+        fields.update(moe=moe_spec_from_config(config, arch))
     return DecoderParts(qkv_bias=is_qwen2 or has_attention_bias, o_bias=has_attention_bias and not is_qwen2,
-                        moe=moe_spec_from_config(config, arch), has_sinks=arch == gpt_oss.ARCHITECTURE, **fields)
+                        has_sinks=arch == gpt_oss.ARCHITECTURE, **fields)
 
 
 class Attention(nn.Module):
@@ -134,7 +142,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, parts: DecoderParts, index: int, tp: TensorParallel | None = None,
                  layout: ShardLayout | None = None):
         super().__init__()
-        self.self_attn = Attention(config, parts, tp, layout)
+        self.self_attn = mla.MlaAttention(config) if parts.is_mla else Attention(config, parts, tp, layout)
         self.mlp = _feed_forward(config, parts, index, tp, layout)
         self.input_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
@@ -177,9 +185,13 @@ class CausalLM(nn.Module):
     then `load_weights`. Tied embeddings reuse model.embed_tokens.weight for the logits.
     """
 
-    def __init__(self, config, max_model_len: int | None = None, tp: TensorParallel | None = None):
+    def __init__(self, config, max_model_len: int | None = None, tp: TensorParallel | None = None,
+                 has_lm_head: bool = True):
+        """has_lm_head=False: an embedding model (--runner pooling), which reads hidden states only: no
+        head is built, and a checkpoint's head (if any) is skipped."""
         super().__init__()
         self.config = config
+        self.has_lm_head = has_lm_head
         self.parts = decoder_parts(config)
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
@@ -187,17 +199,19 @@ class CausalLM(nn.Module):
         self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if self.architecture == phi3.ARCHITECTURE:
             phi3.check_config(config, 1 if self.tp is None else self.tp.size)
+        if self.architecture in deepseek.ARCHITECTURES:
+            deepseek.check_config(config, self.architecture, 1 if self.tp is None else self.tp.size)
         windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
             layer.self_attn.window = window
         # one rotary table per rope kind (Gemma 3: local and global); each layer reads its kind's
-        self.rotary = {kind: RotaryEmbedding(_head_dim(config), params) for kind, params
+        self.rotary = {kind: RotaryEmbedding(_rotary_head_dim(config, self.parts), params) for kind, params
                        in _rope_params_by_kind(config, self.architecture, self.max_model_len).items()}
         self.rope_kinds = gemma3.layer_kinds(config) if len(self.rotary) > 1 else ["default"] * len(windows)
         self.is_tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_rows = config.vocab_size if self.layout is None else self.layout.vocab[1]
-        self.lm_head = None if self.is_tied else Linear(config.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if self.is_tied or not has_lm_head else Linear(config.hidden_size, vocab_rows, bias=False)
         # A tied head's table packed for the CPU GEMM (pack_tied_lm_head); a plain attribute, not a buffer:
         # weight counts (cpu_threads, roofline) count the table once
         self.tied_head_packed: torch.Tensor | None = None
@@ -207,8 +221,15 @@ class CausalLM(nn.Module):
 
     @property
     def is_moe(self) -> bool:
-        """Whether some layers are Mixture-of-Experts (their forward syncs with the host: no CUDA graphs)."""
+        """Whether some layers are Mixture-of-Experts."""
         return self.parts.moe is not None
+
+    def has_host_syncs(self) -> bool:
+        """Whether a forward waits for the device on the host (no CUDA graphs then): MoE layers do, unless their
+        experts run as grouped GEMMs on this device and dtype (model/moe_grouped.py)."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        probe = self.model.embed_tokens.weight[:1]  # [1, hidden] in the model's device and dtype
+        return not all(block.is_grouped(probe) for block in blocks)
 
     def take_expert_balance(self) -> float | None:
         """MoE layers' tokens per expert, max over mean, averaged over their forwards since the last call;
@@ -218,33 +239,45 @@ class CausalLM(nn.Module):
     def pack_tied_lm_head(self) -> bool:
         """Keep a packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""
         table = self.model.embed_tokens.weight
-        if not (self.is_tied and self.lm_head is None and self.tp is None and can_pack(table)):
+        if not (self.is_tied and self.has_lm_head and self.lm_head is None and self.tp is None and can_pack(table)):
             return False
         self.tied_head_packed = packed(table)
         return True
 
+    @property
+    def has_latent_cache(self) -> bool:
+        """Whether the cache holds latents (MLA: model/attn_latent.py), not K and V per kv head."""
+        return self.parts.is_mla
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        """Shape of one layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; with MLA
+        [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (mla.cache_shape)."""
+        if self.parts.is_mla:
+            return mla.cache_shape(num_blocks, block_size, self.config.kv_lora_rank, self.config.qk_rope_head_dim)
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] int64 -> hidden [T, hidden] (after the final norm).
 
-        attn_metadata is what attn_backend.build_metadata returned for this step.
+        attn_metadata is what attn_backend.build_metadata returned for this step, or a list of one a layer (KV
+        cache groups give each group's layers their own block table: core/kv_cache_groups.py).
         """
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.parts.embed_scale is not None:
             x = gemma3.scale_embeddings(x, self.parts.embed_scale)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}  # 2 x [T, 1, D/2]
         residual = None
-        for layer, kind, kv_cache in zip(self.model.layers, self.rope_kinds, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin[kind], kv_cache, attn_metadata, attn_backend)
+        layer_metadata = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(kv_caches)
+        for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, layer_metadata,
+                                                   strict=True):
+            x, residual = layer(x, residual, cos_sin[kind], kv_cache, metadata, attn_backend)
         x, _ = self.model.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped where the config says)."""
+        assert self.has_lm_head, "an embedding model (no lm_head) computes no logits"
         logits = self._head_logits(hidden)
         return logits if self.parts.logit_softcap is None else gemma3.soft_cap(logits, self.parts.logit_softcap)
 
@@ -269,8 +302,10 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         if self.architecture == gpt_oss.ARCHITECTURE:
             weights = gpt_oss.to_decoder_layout(weights)
+        if self.architecture in deepseek.ARCHITECTURES:
+            weights = deepseek.to_decoder_layout(weights, self.config, self.architecture)
         for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.is_tied)
+            target = _map_hf_name(hf_name, self.is_tied or not self.has_lm_head, fuses_qkv=not self.parts.is_mla)
             if target is None:
                 continue
             name, shard = target
@@ -313,8 +348,15 @@ class CausalLM(nn.Module):
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = [key for name in params for key in self._shard_keys(name) if key not in loaded]
+        if missing == ["lm_head.weight"]:
+            raise ValueError("checkpoint has no lm_head: an embedding model? serve it with --runner pooling")
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _rotary_head_dim(config, parts: DecoderParts) -> int:
+    """The features of a head that rotary turns: MLA's rope part (qk_rope_head_dim), else the head."""
+    return config.qk_rope_head_dim if parts.is_mla else _head_dim(config)
 
 
 def _rope_params_by_kind(config, architecture: str, max_model_len: int) -> dict[str, RopeParams]:
@@ -330,15 +372,16 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
 _SHARDS_OF = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
-def _map_hf_name(hf_name: str, is_tied: bool) -> tuple[str, str | None] | None:
-    """HF name -> (our parameter name, shard or None); None for tensors we skip."""
-    if "rotary_emb.inv_freq" in hf_name or (is_tied and hf_name == "lm_head.weight"):
+def _map_hf_name(hf_name: str, skips_head: bool, fuses_qkv: bool = True) -> tuple[str, str | None] | None:
+    """HF name -> (our parameter name, shard or None); None for tensors we skip. fuses_qkv=False keeps q_proj
+    (MLA's, without LoRA) whole."""
+    if "rotary_emb.inv_freq" in hf_name or (skips_head and hf_name == "lm_head.weight"):
         return None
     expert = map_expert_name(hf_name)
     if expert is not None:
         return expert
     parts = hf_name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
+    if len(parts) >= 2 and parts[-2] in _FUSED and (fuses_qkv or _FUSED[parts[-2]][0] != "qkv_proj"):
         fused, shard = _FUSED[parts[-2]]
         return ".".join(parts[:-2] + [fused, parts[-1]]), shard
     return hf_name, None

@@ -19,8 +19,10 @@ from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
 from llmserve.model.moe import num_experts_of
 from llmserve.model.parallel import TensorParallel, shard_of
-from llmserve.model.registry import architecture_of, get_model_class
+from llmserve.model.pooler_config import resolve_pooler_config
+from llmserve.model.registry import BARE_DECODERS, architecture_of, get_model_class
 from llmserve.model.sliding_window import layer_windows
+from llmserve.pooling import PoolerConfig
 
 HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                       "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -64,8 +66,14 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
 
 
 def load_hf_config(path: str):
+    """The checkpoint's transformers config; a bare decoder's architecture (BARE_DECODERS) named as its
+    causal LM's, whose decoder reads it."""
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None)
+    if archs and archs[0] in BARE_DECODERS:
+        config.architectures = [BARE_DECODERS[archs[0]], *archs[1:]]
+    return config
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -98,14 +106,14 @@ def iter_safetensors(path: str, shard_of: ShardOf | None = None) -> Iterator[tup
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
                max_model_len: int | None = None, tp: TensorParallel | None = None,
-               quantization: str | None = None, pack_head: bool = True):
+               quantization: str | None = None, pack_head: bool = True, has_lm_head: bool = True):
     """Build the config's architecture on `device` in `dtype` and load its safetensors weights
     (with tensor parallelism, this rank's slices of them).
 
     An FP8 checkpoint (and gpt-oss's MXFP4 experts) is dequantized as it streams in; `quantization` (int8 |
     fp8 | None, see resolve_quantization) then swaps the Linear layers for quantized ones (model/quant).
     pack_head=False keeps the lm_head's weight plain (a draft whose reduced head takes some of its rows:
-    spec/draft_head)."""
+    spec/draft_head); has_lm_head=False: an embedding model's decoder only (--runner pooling)."""
     from llmserve.model import quant
     from llmserve.model.quant import mxfp4
     from llmserve.model.quant.checkpoint import weight_block_size
@@ -114,10 +122,14 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     cls = get_model_class(architecture_of(config))
     _check_moe_quantization(config, quantization or quant.checkpoint_method(config))
     with torch.device("meta"), _no_initial_values():
-        model = cls(config, max_model_len=max_model_len, tp=tp)
+        model = cls(config, max_model_len=max_model_len, tp=tp, has_lm_head=has_lm_head)
     model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():  # a router transformers keeps float32 (DeepSeek's): its choice would move
+        if getattr(module, "is_float32", False):
+            module.float()
     layout = model.layout
     weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout))
+    weights = _with_model_prefix(weights)
     if quant.checkpoint_method(config) is not None:
         weights = quant.dequantize_weights(weights, weight_block_size(config))
     if mxfp4.is_mxfp4(config):
@@ -128,6 +140,15 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     model = model.eval().requires_grad_(False)
     pack_linears(model, pack_head)  # float32 on CPU: weights laid out once (model/linear.py)
     return model
+
+
+_BARE_DECODER_PARTS = ("embed_tokens.", "layers.", "norm.")  # a decoder's own modules, saved without `model.`
+
+
+def _with_model_prefix(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A bare decoder's tensors (`layers.0...`, saved from AutoModel) under the causal LM's `model.` names."""
+    for name, tensor in weights:
+        yield (f"model.{name}" if name.startswith(_BARE_DECODER_PARTS) else name), tensor
 
 
 def _check_moe_quantization(config, method: str | None) -> None:
@@ -223,6 +244,7 @@ class ModelInfo:
     dtype: str  # "float32" | "bfloat16" | "float16"
     quantization: str | None = None  # "int8" | "fp8" | None (resolved: see resolve_quantization)
     layer_windows: tuple[int, ...] = ()  # [num_layers] each layer's sliding window at max_model_len (0: full)
+    pooler: PoolerConfig | None = None  # --runner pooling: how prompts become vectors; None: a generate runner
 
 
 def _as_id_list(value) -> list[int]:
@@ -239,9 +261,11 @@ def eos_token_ids(config, path: str) -> list[int]:
 
 
 def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int | None = None,
-                    quantization: str | None = None, disable_sliding_window: bool = False) -> ModelInfo:
+                    quantization: str | None = None, disable_sliding_window: bool = False,
+                    is_pooling: bool = False, pooler_override: str | None = None) -> ModelInfo:
     """Summarise a checkpoint directory; max_model_len defaults to max_position_embeddings (to the smallest
-    sliding window under disable_sliding_window); quantization: --quantization (unset: the checkpoint's)."""
+    sliding window under disable_sliding_window); quantization: --quantization (unset: the checkpoint's);
+    is_pooling: --runner pooling, whose pooling the checkpoint and `pooler_override` (--pooler-config) say."""
     config = load_hf_config(path)
     limit = config.max_position_embeddings
     if max_model_len is not None and not 0 < max_model_len <= limit:
@@ -256,7 +280,8 @@ def load_model_info(name: str, path: str, dtype: torch.dtype, max_model_len: int
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         hidden_size=config.hidden_size, dtype=str(dtype).removeprefix("torch."),
         quantization=resolve_quantization(quantization, path),
-        layer_windows=tuple(layer_windows(config, architecture, max_model_len or limit)))
+        layer_windows=tuple(layer_windows(config, architecture, max_model_len or limit)),
+        pooler=resolve_pooler_config(path, config, pooler_override) if is_pooling else None)
 
 
 def _full_attention_limit(config, max_model_len: int | None, limit: int) -> int:

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
+from llmserve.model.fused_cuda import cuda_fused
+from llmserve.model.moe_grouped import can_group, grouped_moe
 
 if TYPE_CHECKING:
     from llmserve.model.parallel import TensorParallel  # parallel.py imports this module
@@ -65,6 +67,21 @@ class MoeSpec:
     dense_layers: tuple[int, ...] = ()  # layers that stay a dense MLP (Qwen3-MoE's mlp_only_layers)
     has_bias: bool = False  # the router and both expert GEMMs add a bias (gpt-oss)
     activation: ClampedSwiglu | None = None  # None: silu(gate) * up
+    # DeepSeek's routing (model/deepseek.py reads it from the config; `route_grouped`)
+    scoring: str = "softmax"  # or "sigmoid": each expert's score on its own
+    has_correction_bias: bool = False  # the router's e_score_correction_bias: added for the choice, not the weight
+    num_groups: int = 1  # experts in num_groups groups; only the best num_topk_groups groups' experts compete
+    num_topk_groups: int = 1
+    group_score: str = "max"  # a group's score: its best expert's ("max") or its best two's sum ("top2_sum")
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this
+    shared_intermediate_size: int = 0  # > 0: a dense gated MLP every token goes through (shared experts)
+    is_router_float32: bool = False  # the router's weight and correction bias stay float32 in a bf16 model
+
+    @property
+    def is_grouped(self) -> bool:
+        """Whether routing takes `route_grouped` (DeepSeek's), not the plain softmax top-k."""
+        return (self.scoring != "softmax" or self.num_groups > 1 or self.has_correction_bias
+                or self.routed_scaling_factor != 1.0)
 
     def is_sparse_layer(self, index: int) -> bool:
         return index not in self.dense_layers and (index + 1) % self.sparse_step == 0
@@ -131,10 +148,45 @@ def route(logits: torch.Tensor, top_k: int, is_renormalized: bool) -> tuple[torc
     return weights, ids
 
 
+def route_grouped(logits: torch.Tensor, spec: MoeSpec,
+                  correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing, per row: logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64).
+
+    Scores are softmax(logits) (V2) or sigmoid(logits) (V3); the choice adds the correction bias [E] (V3);
+    with groups only the experts of the num_topk_groups best groups compete (the others' choice is masked);
+    the k best are taken (ties to the lower id), weighted by their score (not the biased one), renormalised
+    when the spec says, times routed_scaling_factor (transformers' DeepseekV2/V3TopkRouter)."""
+    scores = torch.sigmoid(logits) if spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if spec.num_groups > 1:
+        choice = _best_groups_only(choice, spec)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :spec.top_k]  # [T, k]
+    weights = scores.gather(1, ids)
+    if spec.is_renormalized:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, ids
+
+
+def _best_groups_only(choice: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
+    """choice [T, E] -> the same with the experts outside each row's num_topk_groups best groups masked
+    (-inf for sigmoid scores, V3; 0 for softmax ones, V2, as transformers fills them)."""
+    grouped = choice.view(choice.shape[0], spec.num_groups, -1)  # [T, G, E/G]
+    if spec.group_score == "top2_sum":
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    else:
+        group_scores = grouped.amax(dim=-1)
+    best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :spec.num_topk_groups]
+    is_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+    fill = float("-inf") if spec.scoring == "sigmoid" else 0.0
+    return grouped.masked_fill(~is_kept[:, :, None], fill).view_as(choice)
+
+
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [n, 2I] -> silu(gate) * up [n, I]."""
     if gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
         return cpu_kernels.silu_mul(gate_up)
+    if (fused := cuda_fused(gate_up)) is not None:
+        return fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -178,12 +230,16 @@ def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
 
 
 class Router(nn.Module):
-    """The linear layer scoring each token against each expert (HF's `mlp.gate`; gpt-oss's has a bias)."""
+    """The linear layer scoring each token against each expert (HF's `mlp.gate`; gpt-oss's has a bias,
+    DeepSeek-V3's an `e_score_correction_bias` for the choice only)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, has_bias: bool = False):
+    def __init__(self, hidden_size: int, num_experts: int, has_bias: bool = False, has_correction_bias: bool = False,
+                 is_float32: bool = False):
         super().__init__()
+        self.is_float32 = is_float32  # the loader keeps its tensors float32 (transformers' DeepSeek does)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H]
         self.bias = nn.Parameter(torch.empty(num_experts)) if has_bias else None  # [E]
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if has_correction_bias else None  # [E]
 
 
 class Experts(nn.Module):
@@ -217,7 +273,8 @@ class ExpertLoad:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router -> top-k -> experts -> weighted sum; x [T, H] -> [T, H].
+    """Router -> top-k -> experts -> weighted sum (+ the shared experts' MLP where the spec has one);
+    x [T, H] -> [T, H].
 
     With tensor parallelism every rank holds the whole router and `intermediate_size` (its share) of every
     expert's features; each routes alike and an all-reduce (`tp`) sums the ranks' partial outputs."""
@@ -227,20 +284,34 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.spec = spec
         self.tp = tp
-        self.gate = Router(hidden_size, spec.num_experts, spec.has_bias)
+        self.gate = Router(hidden_size, spec.num_experts, spec.has_bias, spec.has_correction_bias,
+                           spec.is_router_float32)
         self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts,
                                spec.has_bias)
+        self.shared_experts = _shared_experts(hidden_size, spec.shared_intermediate_size)
         self.load = ExpertLoad()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = router_logits(x, self.gate.weight, self.gate.bias)  # [T, E]
-        weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)  # [T, k] each
-        counts = expert_counts(ids, self.spec.num_experts)
-        self.load.record(counts)
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts,
-                        self._biases(), self.spec.activation)
+        if self.spec.is_grouped:
+            weights, ids = route_grouped(logits, self.spec, self.gate.e_score_correction_bias)  # [T, k] each
+        else:
+            weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)
+        if self.runs_grouped_gemm(x):  # no host sync (CUDA graphs); the load histogram is not kept on this path
+            out = grouped_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                              self.spec.activation or _silu_mul, self._biases())
+        else:
+            counts = expert_counts(ids, self.spec.num_experts)
+            self.load.record(counts)
+            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts,
+                            self._biases(), self.spec.activation)
+        if self.shared_experts is not None:
+            out += self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
+    def runs_grouped_gemm(self, x: torch.Tensor) -> bool:
+        """The experts run as grouped GEMMs without a host sync (model/moe_grouped.py) for inputs like x."""
+        return can_group(x, self.experts.gate_up_proj, self.experts.down_proj)
 
     def _biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The experts' biases; on a tensor-parallel rank other than 0 without the down bias, which the
@@ -249,6 +320,15 @@ class SparseMoeBlock(nn.Module):
         if biases is None or self.tp is None or self.tp.rank == 0:
             return biases
         return biases[0], None
+
+
+def _shared_experts(hidden_size: int, intermediate_size: int) -> nn.Module | None:
+    """DeepSeek's shared experts: one dense gated MLP (None when the spec has none)."""
+    if not intermediate_size:
+        return None
+    from llmserve.model.layers import GatedMLP  # layers -> parallel -> this module: imported when used
+
+    return GatedMLP(hidden_size, intermediate_size)
 
 
 def take_load_balance(blocks: list[SparseMoeBlock]) -> float | None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.model import deepseek
 from llmserve.model.linear import Linear
 from llmserve.model.moe import expert_intermediate_size, expert_shard_of, num_experts_of
 
@@ -122,6 +123,9 @@ def shard_layout(config, size: int, rank: int) -> ShardLayout:
 
 def check_tensor_parallel(config, size: int) -> None:
     """ValueError (with the reason) unless every rank of `size` gets a share of the model."""
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    if architecture in deepseek.ARCHITECTURES:
+        deepseek.check_config(config, architecture, size)
     for rank in range(size):
         shard_layout(config, size, rank)
 

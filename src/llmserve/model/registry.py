@@ -19,9 +19,16 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": CausalLM,
     "Phi3ForCausalLM": CausalLM,
     "Gemma3ForCausalLM": CausalLM,
+    "DeepseekV2ForCausalLM": CausalLM,
+    "DeepseekV3ForCausalLM": CausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+# A bare decoder's name (a checkpoint saved from transformers' AutoModel, as embedding models are: weights
+# without the `model.` prefix, no lm_head) -> the causal LM whose decoder it is.
+BARE_DECODERS: dict[str, str] = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                                 "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

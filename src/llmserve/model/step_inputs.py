@@ -20,6 +20,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
     sample_rows: list[int]  # [S] row index of each sampling row
     token_kinds: TokenKinds | None = None  # decode and prompt tokens, for FP8 layers on CUDA (else None)
+    # KV cache groups (core/kv_cache_groups.py): [G] each group's block table and slots (`attn` is group 0's);
+    # None with one group
+    attn_groups: list[AttentionInputs] | None = None
 
 
 def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`llmserve serve-ray`: flags from EngineConfig's, ServerConfig's and RayServeConfig's dataclasses.
 
 Starts (or joins) Ray, starts Ray Serve's HTTP proxy on --host/--port, deploys the application and waits
-for SIGINT/SIGTERM, then deletes the application (and stops a Ray it started).
+for SIGINT/SIGTERM, then deletes the application (and stops a Ray it started). A signal during start-up
+stops what was started too, and exits 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -62,43 +63,85 @@ def serve_ray_command(args: argparse.Namespace) -> int:
     return run(serve, deployment)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM before the application is up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def run(serve, deployment: Deployment) -> int:
+    """Serve until SIGINT/SIGTERM, then stop what was started, also when the signal comes during start-up
+    (Ray's own SIGTERM handler would print a stack dump, abort, and leave Ray's agents running)."""
     import ray
 
-    from llmserve.rayserve.app import build_application, ray_env
+    config = deployment.ray
+    if config.address is None:  # a Ray of our own: its proxy and controller get the same settings
+        from llmserve.rayserve.app import ray_env
+
+        os.environ.update(ray_env(config))
+    _raise_on_stop_signals()
+    try:
+        return _start_and_serve(serve, deployment)
+    except Interrupted as e:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a second signal does not cut the clean-up short
+        print(f"llmserve serve-ray: {e} while starting: stopping", file=sys.stderr, flush=True)
+        if config.address is not None and ray.is_initialized():  # a cluster we joined: our application only
+            _delete_if_deployed(serve, config.app_name)
+        return 128 + e.signum
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        if ray.is_initialized():
+            if config.address is None:
+                serve.shutdown()
+            ray.shutdown()
+
+
+def _start_and_serve(serve, deployment: Deployment) -> int:
+    import ray
+
+    from llmserve.rayserve.app import build_application
 
     config, server = deployment.ray, deployment.server
-    if config.address is None:  # a Ray of our own: its proxy and controller get the same settings
-        os.environ.update(ray_env(config))
     ray.init(address=config.address, num_cpus=config.num_cpus if config.address is None else None,
              logging_level=server.log_level.upper())
+    _raise_on_stop_signals()  # again: ray.init installed Ray's
     try:
         config.check_fits(ray.available_resources())
     except ValueError as e:  # before any deployment exists: nothing would be served, and Ray would wait forever
         print(f"llmserve serve-ray: error: {e}", file=sys.stderr, flush=True)
-        ray.shutdown()
         return 2
-    try:
-        serve.start(http_options={"host": server.host, "port": server.port,
-                                  "keep_alive_timeout_s": server.timeout_keep_alive})
-        serve.run(build_application(deployment), name=config.app_name, route_prefix=config.route_prefix)
-        print(f"llmserve: serving on Ray Serve at http://{server.host}:{server.port}{config.route_prefix} "
-              f"(application {config.app_name})", file=sys.stderr, flush=True)
-        if config.direct_ingress_port is not None:
-            print(f"llmserve: and without Ray's proxy at http://{server.host}:{config.direct_ingress_port}",
-                  file=sys.stderr, flush=True)
-        _wait_for_signal()
-        logger.info("stopping: deleting application %s", config.app_name)
-        serve.delete(config.app_name)
-    finally:
-        if config.address is None:
-            serve.shutdown()
-        ray.shutdown()
+    serve.start(http_options={"host": server.host, "port": server.port,
+                              "keep_alive_timeout_s": server.timeout_keep_alive})
+    serve.run(build_application(deployment), name=config.app_name, route_prefix=config.route_prefix)
+    print(f"llmserve: serving on Ray Serve at http://{server.host}:{server.port}{config.route_prefix} "
+          f"(application {config.app_name})", file=sys.stderr, flush=True)
+    if config.direct_ingress_port is not None:
+        print(f"llmserve: and without Ray's proxy at http://{server.host}:{config.direct_ingress_port}",
+              file=sys.stderr, flush=True)
+    _wait_for_signal()
+    logger.info("stopping: deleting application %s", config.app_name)
+    serve.delete(config.app_name)
     return 0
 
 
-def _wait_for_signal() -> None:
-    signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    signal.sigwait(signals)
+def _delete_if_deployed(serve, app_name: str) -> None:
+    if app_name in serve.status().applications:
+        serve.delete(app_name)
 
+
+def _raise_on_stop_signals() -> None:
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
+
+
+def _wait_for_signal() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    signal.sigwait(set(STOP_SIGNALS))

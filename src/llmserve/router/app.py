@@ -30,8 +30,8 @@ _FORWARDED_HEADERS = frozenset({b"content-type", b"authorization", b"accept", b"
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # The replica's other routes: POSTs with a JSON body (TGI's generate API, vLLM's tokenizer), then GETs.
-POST_PATHS = GENERATION_PATHS | {"/v1/responses", "/generate", "/generate_stream", "/", "/tokenize",
-                                 "/detokenize", "/v1/tokenize", "/v1/detokenize"}
+POST_PATHS = GENERATION_PATHS | {"/v1/responses", "/v1/embeddings", "/generate", "/generate_stream", "/",
+                                 "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize"}
 GET_PATHS = frozenset({"/version", "/info", "/tokenizer_info", "/"})
 PLAYGROUND_ASSETS = "/static/playground"  # the playground page's files (GET / is the page)
 

@@ -12,6 +12,7 @@ from llmserve.router.config import AutoscaleConfig, RouterConfig
 EXAMPLES = """examples:
   llmserve route --backend tiny=http://127.0.0.1:8001 --backend tiny=http://127.0.0.1:8002 --policy prefix-aware
   llmserve route --config router.yaml --port 8080
+  llmserve route --pd-disaggregation --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002
   llmserve route --autoscale --min-replicas 1 --max-replicas 4 --replica-model DIR --replica-pool tiny \\
       --replica-args "--max-model-len 512 --num-kv-blocks 200"
 """
@@ -26,6 +27,14 @@ def add_route_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="router YAML file (see docs/router.md)")
     parser.add_argument("--backend", action="append", default=[], metavar="MODEL=URL",
                         help="a backend of pool MODEL (repeatable)")
+    parser.add_argument("--pd-disaggregation", action="store_true",
+                        help="prefill/decode disaggregation: each request's prompt on a --prefill server, which "
+                             "sends its KV blocks to a --decode server that streams the answer "
+                             "(docs/disaggregation.md); takes --host, --port, --upstream-timeout-s, --log-level")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="--pd-disaggregation: a server started with --disaggregation-mode prefill (repeatable)")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="--pd-disaggregation: a server started with --disaggregation-mode decode (repeatable)")
     add_dataclass_args(parser, RouterConfig)
     add_dataclass_args(parser, AutoscaleConfig)
     parser.set_defaults(func=route_command)
@@ -37,12 +46,26 @@ def route_command(args: argparse.Namespace) -> int:
     from llmserve.router.loading import setup_from_args
     from llmserve.router.server import run
 
+    if args.pd_disaggregation or args.prefill or args.decode:
+        return _pd_command(args)
     try:
         setup = setup_from_args(args)
     except ValueError as e:
         print(f"llmserve route: error: {e} (see llmserve route --help)", file=sys.stderr)
         return 2
     end_process(run(setup))
+
+
+def _pd_command(args: argparse.Namespace) -> int:
+    from llmserve.aio import end_process
+    from llmserve.router.pd_server import pd_config_from_args, run_pd
+
+    try:
+        config = pd_config_from_args(args)
+    except ValueError as e:
+        print(f"llmserve route: error: {e} (see llmserve route --help)", file=sys.stderr)
+        return 2
+    end_process(run_pd(config, args.host, args.port, args.log_level))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """What the router reads of an OpenAI request body: model, stream, user, max_tokens and the prompt's
-leading blocks (TGI's `inputs` too). The body itself goes upstream unchanged unless the model name must be
+leading blocks (TGI's `inputs`, embeddings' `input` too). The body itself goes upstream unchanged unless the model name must be
 rewritten (rewrite.py)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def prompt_of(obj: dict[str, Any]) -> str | list[int]:
     if "messages" in obj:
         messages = obj["messages"]
         return "".join(_message_text(m) for m in messages) if isinstance(messages, list) else ""
-    prompt = obj.get("prompt", obj.get("inputs", ""))
+    prompt = obj.get("prompt", obj.get("inputs", obj.get("input", "")))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of prompts: route on the first
     if isinstance(prompt, str):

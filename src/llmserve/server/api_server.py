@@ -21,6 +21,8 @@ from llmserve.server.serving_chat import ChatServer
 from llmserve.server.serving_common import ServingContext, created_now
 from llmserve.server.protocol_responses import ResponseObject, ResponsesRequest, StreamEvent
 from llmserve.server.serving_completions import CompletionServer
+from llmserve.server.serving_embeddings import EmbeddingServer
+from llmserve.server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from llmserve.server.serving_responses import ResponsesServer
 from llmserve.server.serving_tgi import (TGIInfo, TGIRequest, TGIResponse, TGIServer, TGIStreamError, TGIStreamEvent,
                                          tgi_info)
@@ -54,14 +56,14 @@ def build_app(ctx: ServingContext) -> DocumentedAPI:
     return app
 
 
-_DESCRIPTION = ("OpenAI-compatible completions, chat completions and responses, TGI's generate API, vLLM's tokenizer "
-                "routes (/tokenize, /detokenize, /tokenizer_info). Unknown request fields are refused (400) except "
-                "the ignored bookkeeping fields (user, metadata, store, ...) declared in each request schema.")
+_DESCRIPTION = ("OpenAI-compatible completions, chat completions, responses and embeddings (--runner pooling), "
+                "TGI's generate API, vLLM's tokenizer routes (/tokenize, /detokenize, /tokenizer_info). Unknown "
+                "request fields are refused (400) except the ignored bookkeeping fields (user, metadata, store, ...) declared in each request schema.")
 
 
 def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     completions, chat, tgi = CompletionServer(ctx), ChatServer(ctx), TGIServer(ctx)
-    responses = ResponsesServer(ctx)
+    responses, embeddings = ResponsesServer(ctx), EmbeddingServer(ctx)
 
     async def serve(handler, request: Request) -> Response:
         body = await request.body()
@@ -101,6 +103,10 @@ def _add_generation_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     async def create_response(request: Request) -> Response:
         return await serve(responses.create, request)
 
+    @app.post("/v1/embeddings", openapi_extra=app.body(EmbeddingRequest), responses=app.responses(EmbeddingResponse))
+    async def create_embedding(request: Request) -> Response:
+        return await serve(embeddings.create, request)
+
     @app.get("/v1/responses/{response_id}", responses=app.responses(ResponseObject))
     async def retrieve_response(response_id: str) -> Response:
         return json_response(responses.retrieve(response_id))
@@ -122,6 +128,12 @@ def _add_info_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
             reason = ctx.engine.client.dead_reason or "the engine has work but made no progress"
             return error_response(service_unavailable(f"unhealthy: {reason}", retry_after=30))
         return Response(status_code=200)
+
+    @app.get("/kv_transfer", responses=app.responses(_object_of(disaggregation_mode="string", kv_port="integer")))
+    async def kv_transfer() -> Response:
+        """This server's disaggregation role, and the port its KV receiver binds (a decode server's)."""
+        kv = ctx.engine.kv_transfer
+        return json_response({"disaggregation_mode": kv.disaggregation_mode, "kv_port": kv.disaggregation_kv_port})
 
     @app.get("/version", responses=app.responses(_object_of(version="string")))
     async def version() -> Response:

@@ -53,7 +53,8 @@ class ServerConfig:
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "return a thinking model's thoughts apart from its answer (chat's reasoning_content, the Responses "
                 "API's reasoning item): deepseek_r1 (the template opens <think>), qwen3 (the model writes "
-                "<think>...</think>); default: thoughts stay in the content", "choices": list(REASONING_PARSERS)})
+                "<think>...</think>), gpt_oss (harmony's analysis channel); default: thoughts stay in the content",
+        "choices": list(REASONING_PARSERS)})
 
     def __post_init__(self) -> None:
         self.validate()

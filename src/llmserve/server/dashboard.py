@@ -46,7 +46,8 @@ def server_state(w: Window, model_name: str) -> dict:
                         "e2e": w.latency(P + "e2e_request_latency_seconds")},
             "preemptions": {"total": w.gauge(P + "num_preemptions_total"),
                             "per_s": w.rate(P + "num_preemptions_total")},
-            "speculative": _speculative(w), "grammar_cache": _grammar_cache(w), "moe": _moe(w)}
+            "speculative": _speculative(w), "grammar_cache": _grammar_cache(w), "moe": _moe(w),
+            "kv_tiers": _kv_tiers(w)}
 
 
 def _requests(w: Window) -> dict:
@@ -86,6 +87,20 @@ def _moe(w: Window) -> dict | None:
     if w.gauge(name + "_count") <= 0:
         return None
     return {"load_max_over_mean": w.latency(name), "steps": w.gauge(name + "_count")}
+
+
+def _kv_tiers(w: Window) -> dict | None:
+    """The KV tiers below the device and the blocks a disaggregated pair moved, since start; None while none
+    of their counters moved (a server without tiers or a role: the page then draws no tile)."""
+    counts = {"host_hit_tokens": w.gauge(P + "kv_offload_hit_tokens_total", tier="host"),
+              "disk_hit_tokens": w.gauge(P + "kv_offload_hit_tokens_total", tier="disk"),
+              "offloaded_blocks": w.gauge(P + "kv_offload_saved_blocks_total"),
+              "corrupt_blocks": w.gauge(P + "kv_offload_corrupt_blocks_total"),
+              "sent_blocks": w.gauge(P + "kv_transfer_sent_blocks_total"),
+              "received_blocks": w.gauge(P + "kv_transfer_received_blocks_total")}
+    if not any(counts.values()):
+        return None
+    return {**counts, "hit_tokens_per_s": w.rate(P + "kv_offload_hit_tokens_total")}
 
 
 def add_dashboard_routes(app, metrics) -> None:

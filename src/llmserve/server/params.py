@@ -50,7 +50,7 @@ def common_overrides(req: SamplingFields) -> dict:
                      min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                      include_stop_str_in_output=req.include_stop_str_in_output,
                      skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
-                     structured_outputs=request_structured_outputs(req))
+                     structured_outputs=request_structured_outputs(req), kv_transfer_params=req.kv_transfer_params)
     return overrides
 
 

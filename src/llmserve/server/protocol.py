@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from llmserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from llmserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, KVTransferParams
 from llmserve.server.protocol_tools import ChatTool, DeltaToolCall, ToolCall, ToolChoice
 from llmserve.server.structured_fields import JsonSchema, ResponseFormat, StructuredOutputsRequest
 
@@ -110,6 +110,8 @@ class SamplingFields(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # "xgrammar" or "auto"
     guided_whitespace_pattern: refused_unless(NULL) = None
+    # Disaggregated serving: set by the router on a prefill server's copy of the request (vLLM's field).
+    kv_transfer_params: KVTransferParams | None = None
 
 
 PromptItem = str | int | list[int]

@@ -16,7 +16,7 @@ import uuid
 from llmserve.server.protocol import DeltaMessage, encode_json
 from llmserve.server.protocol_responses import (FunctionCallItem, OutputItem, OutputMessage, OutputText,
                                                 ReasoningItem, ReasoningText, StreamEvent)
-from llmserve.server.reasoning import ReasoningStream
+from llmserve.server.reasoning import reasoning_stream
 from llmserve.server.tool_calls import ChoiceStream, ToolPlan
 
 
@@ -46,7 +46,7 @@ class OutputEvents:
 
     def __init__(self, plan: ToolPlan, counter: EventCounter, reasoning_parser: str | None) -> None:
         self.choice = ChoiceStream(plan)
-        self.thoughts = None if reasoning_parser is None else ReasoningStream(reasoning_parser)
+        self.thoughts = None if reasoning_parser is None else reasoning_stream(reasoning_parser)
         self.counter = counter
         self.items: list[OutputItem] = []  # closed, in output order
         self.open: OutputItem | None = None

@@ -16,7 +16,7 @@ from llmserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob,
                                       DeltaMessage, ResponseMessage, TopLogprob, decode_json, encode_json,
                                       make_usage)
-from llmserve.server.reasoning import ReasoningStream, split_reasoning
+from llmserve.server.reasoning import ThoughtStream, needs_special_tokens, reasoning_stream, split_reasoning
 from llmserve.server.serving_common import (ServingContext, TokenLabels, collect_final, created_now,
                                             logprob_labels, new_request_id, render_chat, template_kwargs)
 from llmserve.server.streams import sse_event, sse_response, until_disconnect, with_error_event
@@ -52,6 +52,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[ToolP
     plan = plan_tools(req, ctx.config.tool_call_parser, getattr(tokenizer, "chat_template", None))
     overrides = chat_overrides(req)
     plan.apply(overrides)
+    if needs_special_tokens(ctx.config.reasoning_parser):  # its markers are special tokens
+        overrides["skip_special_tokens"] = False
     params = build_params(ctx.engine.default_sampling_params, overrides)
     kwargs = template_kwargs(tokenizer, req.reasoning_effort, req.chat_template_kwargs)
     text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools, kwargs)
@@ -99,7 +101,7 @@ class ChatServer:
         return ChatCompletionResponse(request_id, created_now(), self.ctx.served_name(req.model), choices, usage,
                                       prompt_token_ids=prompt_token_ids)
 
-    def _stream_choices(self, req: ChatCompletionRequest, stream: ChoiceStream, thoughts: ReasoningStream | None,
+    def _stream_choices(self, req: ChatCompletionRequest, stream: ChoiceStream, thoughts: ThoughtStream | None,
                         params: SamplingParams, out: CompletionOutput) -> list[ChatStreamChoice]:
         """One delta output of a choice as stream choices: logprobs and token ids on the first, the finish on
         the last; with a reasoning parser, the thoughts' delta before the answer's."""
@@ -136,7 +138,7 @@ class ChatServer:
 
         streams = [ChoiceStream(plan) for _ in range(params.n)]
         parser = self.ctx.config.reasoning_parser
-        thoughts = [None if parser is None else ReasoningStream(parser) for _ in range(params.n)]
+        thoughts = [None if parser is None else reasoning_stream(parser) for _ in range(params.n)]
         prompt_ids = list(prompt.token_ids) if req.return_token_ids else None
         for i in range(params.n):
             yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")), prompt_ids if i == 0 else None)

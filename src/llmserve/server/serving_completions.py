@@ -23,18 +23,22 @@ from llmserve.server.streams import merge_async_iterators, sse_event, sse_respon
 
 
 def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[TokensPrompt]:
-    prompt = req.prompt
+    return token_prompts(ctx, req.prompt, req.add_special_tokens, "prompt")
+
+
+def token_prompts(ctx: ServingContext, prompt: str | list, add_special_tokens: bool, name: str) -> list[TokensPrompt]:
+    """A request's prompts (field `name`: a string, strings, token ids, or lists of token ids), tokenized."""
     if isinstance(prompt, str):
-        return [_text_prompt(ctx, prompt, req.add_special_tokens)]
+        return [_text_prompt(ctx, prompt, add_special_tokens)]
     if not prompt:
-        raise ValueError("prompt must not be an empty list")
+        raise ValueError(f"{name} must not be an empty list")
     if all(isinstance(p, int) for p in prompt):
         return [TokensPrompt(list(prompt))]
     if all(isinstance(p, str) for p in prompt):
-        return [_text_prompt(ctx, p, req.add_special_tokens) for p in prompt]
+        return [_text_prompt(ctx, p, add_special_tokens) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [TokensPrompt(p) for p in prompt]
-    raise ValueError("prompt must be a string, a list of strings, a list of token ids, or a list of such lists")
+    raise ValueError(f"{name} must be a string, a list of strings, a list of token ids, or a list of such lists")
 
 
 def _text_prompt(ctx: ServingContext, text: str, add_special_tokens: bool) -> TokensPrompt:

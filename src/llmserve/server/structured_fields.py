@@ -35,6 +35,7 @@ _GUIDED_KINDS = {"guided_regex": "regex", "guided_choice": "choice", "guided_gra
 _NOT_SUPPORTED = "not supported: only the default"
 _NO_WHITESPACE = "structured_outputs.disable_any_whitespace"
 _BEST_EFFORT = "structured_outputs.best_effort"
+_BOUND_NUMBERS = "structured_outputs.bound_numbers"
 _CLOSED = "structured_outputs.disable_additional_properties"
 logger = logging.getLogger(__name__)
 UNENFORCED_HEADER = "llmserve-unenforced-schema-keywords"
@@ -89,7 +90,9 @@ class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_on
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object (or none, to
     pass `disable_any_whitespace`, `best_effort` or `disable_additional_properties` to another field's JSON
     constraint; the last is strict mode). `best_effort`: schema
-    keywords the grammar cannot enforce are left unenforced (logged) instead of refused. vLLM's other options are refused
+    keywords the grammar cannot enforce are left unenforced (logged) instead of refused. `bound_numbers` (default
+    true): a JSON schema's unbounded integers stay within int64 and its numbers within +-(2**53 - 1), so digits
+    cannot run to max_tokens; false keeps the schema's own bounds only. vLLM's other options are refused
     unless they have their default value (`disable_fallback` is accepted either way: there is no fallback)."""
 
     json: JsonSchema | None = None
@@ -99,6 +102,7 @@ class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_on
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     best_effort: bool = False
+    bound_numbers: bool = True
     disable_fallback: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: Annotated[str | None, Meta(description=_NOT_SUPPORTED)] = None
@@ -226,6 +230,8 @@ def request_structured_outputs(req: SamplingFields) -> StructuredOutputsParams |
                   ("structured_outputs", _structured_outputs(so)), *_guided(req)])
     if so is not None and so.disable_any_whitespace:
         found = _without_whitespace(found)
+    if so is not None and not so.bound_numbers:
+        found = _unbounded_numbers(found)
     if so is not None and so.best_effort:
         found = _best_effort(found)
     if so is not None and so.disable_additional_properties:
@@ -242,6 +248,13 @@ def _closed_objects(found: tuple[str, StructuredOutputsParams] | None) -> tuple[
     if found is None or found[1].json is None:
         raise FieldError(_CLOSED, f"{_CLOSED} applies to a JSON schema constraint")
     return found[0], msgspec.structs.replace(found[1], strict=True)
+
+
+def _unbounded_numbers(found: tuple[str, StructuredOutputsParams] | None) -> tuple[str, StructuredOutputsParams]:
+    """structured_outputs.bound_numbers false: the JSON schema's numbers keep only the bounds it gives them."""
+    if found is None or found[1].json is None:
+        raise FieldError(_BOUND_NUMBERS, f"{_BOUND_NUMBERS} applies to a JSON schema constraint")
+    return found[0], msgspec.structs.replace(found[1], bound_numbers=False)
 
 
 def _best_effort(found: tuple[str, StructuredOutputsParams] | None) -> tuple[str, StructuredOutputsParams]:

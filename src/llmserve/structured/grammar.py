@@ -44,7 +44,7 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex
 def json_schema_for_grammar(params: StructuredOutputsParams) -> dict | bool:
     """The request's schema normalised (schema_normalize); SchemaKeywordError for the first keyword the
     grammar cannot enforce, unless the request asked for best effort."""
-    normalized = normalize(json.loads(params.json))
+    normalized = normalize(json.loads(params.json), params.bound_numbers)
     if normalized.unenforced and not params.best_effort:
         raise normalized.unenforced[0]
     return normalized.schema
@@ -54,7 +54,8 @@ def unenforced_keywords(params: StructuredOutputsParams) -> list[str]:
     """What a best-effort JSON schema leaves unenforced, as "keyword at /pointer" (empty otherwise)."""
     if params.json is None:
         return []
-    return [f"{e.keyword} at {e.pointer or '/'}" for e in normalize(json.loads(params.json)).unenforced]
+    unenforced = normalize(json.loads(params.json), params.bound_numbers).unenforced
+    return [f"{e.keyword} at {e.pointer or '/'}" for e in unenforced]
 
 
 def _json_grammar(xgr, schema: dict | bool, params: StructuredOutputsParams):
@@ -123,8 +124,9 @@ def validate(params: StructuredOutputsParams) -> None:
 
 @functools.lru_cache(maxsize=256)  # only constraints that passed are kept (a raise is not cached)
 def _check_syntax(key: tuple) -> None:
-    kind, spec, disable_any_whitespace, strict, best_effort = key
-    options = {"disable_any_whitespace": disable_any_whitespace, "strict": strict, "best_effort": best_effort}
+    kind, spec, disable_any_whitespace, strict, best_effort, bound_numbers = key
+    options = {"disable_any_whitespace": disable_any_whitespace, "strict": strict, "best_effort": best_effort,
+               "bound_numbers": bound_numbers}
     if kind == "json_object":
         params = StructuredOutputsParams(json_object=True, **options)
     else:

@@ -8,6 +8,9 @@ padding: token 0 at position 0, as many keys as queries, block table all null bl
 write only into the null block (never allocated) and read only from it. The logits are taken outside
 the graph from the first B rows' hidden states.
 
+With KV cache groups (core/kv_cache_groups.py) each group has its block table and slot buffers, and each
+layer reads its group's metadata (`layer_groups`).
+
 `use_graphs=False` keeps the same buffers and padding but calls the model eagerly: that path runs
 on CPU (with the Triton backend under TRITON_INTERPRET) so the tests check the padding logic
 without a GPU.
@@ -40,8 +43,11 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
                  max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True,
-                 queries_per_row: int = 1) -> None:
+                 queries_per_row: int = 1, layer_groups: tuple[int, ...] | None = None) -> None:
+        """layer_groups: each layer's KV cache group (None: one group, one block table for every layer)."""
         self.model = model
+        self.layer_groups = layer_groups
+        num_groups = 1 if layer_groups is None else max(layer_groups) + 1
         self.step_kinds = step_kinds_of(model)
         self.backend = backend
         self.kv_caches = kv_caches
@@ -53,8 +59,9 @@ class DecodeGraphs:
         int32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
         self.positions = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
-        self.slot_mapping = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
-        self.block_table = torch.zeros(n, max_blocks, **int32)  # [n, W]
+        self.slot_mappings = torch.zeros(num_groups, n * self.q, dtype=torch.int64, device=device)  # [G, n * Q]
+        self.block_tables = torch.zeros(num_groups, n, max_blocks, **int32)  # [G, n, W]
+        self.slot_mapping, self.block_table = self.slot_mappings[0], self.block_tables[0]  # the first group's
         self.seq_lens = torch.full((n,), self.q, **int32)  # [n]
         self.query_start_loc = torch.arange(n + 1, **int32) * self.q  # [n + 1]: Q queries a row
         self.tile_rows = torch.arange(n, **int32)  # [n]: one tile per row
@@ -63,9 +70,12 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [size * Q, hidden]
 
     def _metadata(self, size: int):
-        return self.backend.graph_metadata(self.slot_mapping[:size * self.q], self.block_table[:size],
-                                           self.seq_lens[:size], self.query_start_loc[:size + 1],
-                                           self.tile_rows[:size], self.tile_starts[:size], self.q)
+        """The backend's metadata over the buffers; with groups [L] each layer's group's."""
+        groups = [self.backend.graph_metadata(slots[:size * self.q], table[:size], self.seq_lens[:size],
+                                              self.query_start_loc[:size + 1], self.tile_rows[:size],
+                                              self.tile_starts[:size], self.q)
+                  for slots, table in zip(self.slot_mappings, self.block_tables)]
+        return groups[0] if self.layer_groups is None else [groups[g] for g in self.layer_groups]
 
     def _forward(self, size: int) -> torch.Tensor:
         """Every token a decode token (FP8 layers: their decode kernel; model/quant/token_kinds.py)."""
@@ -92,8 +102,11 @@ class DecodeGraphs:
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
         """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts),
-        all of them decode tokens when the step says (the FP8 layers were captured on their decode kernel)."""
+        all of them decode tokens when the step says (the FP8 layers were captured on their decode kernel), one
+        as many KV cache groups as captured."""
         attn = inputs.attn
+        if (inputs.attn_groups is None) != (self.layer_groups is None):
+            return False
         num_rows = len(attn.query_lens_cpu)
         kinds = inputs.token_kinds
         return (has_drafts == (self.q > 1) and (kinds is None or kinds.is_all_decode)
@@ -110,23 +123,27 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """A step's hidden states [B * Q, hidden] through the smallest captured size >= B."""
-        attn = inputs.attn
-        return self.run_rows(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.seq_lens, attn.block_table)
+        groups = inputs.attn_groups or [inputs.attn]
+        return self.run_rows(inputs.input_ids, inputs.positions, [a.slot_mapping for a in groups],
+                             inputs.attn.seq_lens, [a.block_table for a in groups])
 
     @torch.inference_mode()
-    def run_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    def run_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor | list,
+                 seq_lens: torch.Tensor, block_table: torch.Tensor | list) -> torch.Tensor:
         """input_ids, positions, slot_mapping [B * Q] int64, seq_lens [B] int32, block_table [B, W] int32,
         all on the device -> hidden states [B * Q, hidden] (a view of the graph's output: read it before the
-        next run)."""
-        num_rows, width = block_table.shape
+        next run). With KV cache groups slot_mapping and block_table are lists, one a group."""
+        slot_mappings = slot_mapping if isinstance(slot_mapping, list) else [slot_mapping]
+        block_tables = block_table if isinstance(block_table, list) else [block_table]
+        num_rows, width = block_tables[0].shape
         size, num_tokens = self._padded_size(num_rows), num_rows * self.q
         self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
         self.positions[:num_tokens].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:num_rows].copy_(seq_lens, non_blocking=True)
-        self.block_table[:num_rows, :width].copy_(block_table, non_blocking=True)
-        self.block_table[:num_rows, width:].zero_()
+        for group, (slots, table) in enumerate(zip(slot_mappings, block_tables, strict=True)):
+            self.slot_mappings[group, :num_tokens].copy_(slots, non_blocking=True)
+            self.block_tables[group, :num_rows, :width].copy_(table, non_blocking=True)
+        self.block_tables[:, :num_rows, width:].zero_()
         self._reset_padding(num_rows, size)
         if not self.use_graphs:
             return self._forward(size)[:num_tokens]
@@ -140,6 +157,6 @@ class DecodeGraphs:
         tokens = slice(num_rows * self.q, size * self.q)
         self.input_ids[tokens].zero_()
         self.positions[tokens].zero_()
-        self.slot_mapping[tokens].zero_()
+        self.slot_mappings[:, tokens].zero_()
         self.seq_lens[num_rows:size].fill_(self.q)
-        self.block_table[num_rows:size].zero_()
+        self.block_tables[:, num_rows:size].zero_()

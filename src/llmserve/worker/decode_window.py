@@ -5,7 +5,7 @@ After the window's first forward every row's blocks for the whole window are in 
 position + j, whose id the forward before sampled. So each forward's positions and cache slots are
 computed for all forwards at once, the block table goes to the device once (again only when rows drop
 out), and a forward's inputs are a few views of those arrays plus the ids just sampled: no per-forward
-gather over the batch.
+gather over the batch. With KV cache groups (core/kv_cache_groups.py) each group has its table and slots.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ class DecodeWindow:
         self.positions = firsts[None, :] + np.arange(num_forwards)[:, None]  # [k, B0]
         # room for every id it samples (a row's last id goes at most right after the context's last token)
         batch.ensure_token_columns(min(int(firsts.max()) + num_forwards, batch.max_model_len) + 1)
-        block_table = batch.rows_block_table(batch_rows)  # [B0, W]
+        block_table = batch.rows_block_table(batch_rows)  # [B0, G * W]
         # a row's forwards past its count would index past its blocks: clipped (they never run)
-        last_slot = block_table.shape[1] * batch.block_size - 1
-        self.slots = slot_mapping(block_table, np.arange(len(batch_rows))[None, :],
-                                  np.minimum(self.positions, last_slot), batch.block_size)  # [k, B0]
+        last_slot = block_table.shape[1] // batch.num_groups * batch.block_size - 1
+        self.slots = [slot_mapping(table, np.arange(len(batch_rows))[None, :], np.minimum(self.positions, last_slot),
+                                   batch.block_size) for table in batch.group_tables(block_table)]  # [G] x [k, B0]
         self._arange = on_device(np.arange(len(batch_rows) + 1, dtype=np.int64), device)  # [B0 + 1]
         self._arange_int32 = self._arange.int()  # [B0 + 1]
         self._all_rows = list(range(len(batch_rows)))
@@ -49,8 +49,9 @@ class DecodeWindow:
 
     def _set_rows(self, batch_rows: np.ndarray, block_table: np.ndarray) -> None:
         num_rows = len(batch_rows)
-        self.batch_rows, self.block_table = batch_rows, block_table  # [B], [B, W]
-        self.block_table_device = on_device(block_table, self.device)
+        self.batch_rows, self.block_table = batch_rows, block_table  # [B], [B, G * W]
+        self.group_tables = [on_device(np.ascontiguousarray(table), self.device)
+                             for table in self.batch.group_tables(block_table)]  # [G] x [B, W]
         self.query_start_loc = self._arange_int32[:num_rows + 1]  # [B + 1]
         self.logits_indices = self._arange[:num_rows]  # [B]
         self.sample_rows = self._all_rows[:num_rows]
@@ -71,18 +72,20 @@ class DecodeWindow:
     def inputs(self, j: int, input_ids: np.ndarray) -> StepInputs:
         """Forward j's inputs: each row's token `input_ids` [B] (sampled by forward j - 1) at its position;
         the rows count it computed."""
-        positions, slots = self.positions[j], self.slots[j]  # [B0]
+        positions, slots = self.positions[j], [group_slots[j] for group_slots in self.slots]  # [B0], [G] x [B0]
         if self.columns is not None:
-            positions, slots = positions[self.columns], slots[self.columns]  # [B]
+            positions, slots = positions[self.columns], [group_slots[self.columns] for group_slots in slots]  # [B]
         seq_lens = self._seq_lens = positions + 1
         self.batch.num_computed[self.batch_rows] = seq_lens
-        attn = AttentionInputs(
-            query_start_loc=self.query_start_loc, seq_lens=on_device(seq_lens.astype(np.int32), self.device),
-            block_table=self.block_table_device, slot_mapping=on_device(slots, self.device),
-            query_lens_cpu=[1] * len(positions), seq_lens_cpu=seq_lens.tolist(), block_size=self.batch.block_size)
+        seq_lens_device = on_device(seq_lens.astype(np.int32), self.device)
+        attn = [AttentionInputs(
+            query_start_loc=self.query_start_loc, seq_lens=seq_lens_device, block_table=table,
+            slot_mapping=on_device(group_slots, self.device), query_lens_cpu=[1] * len(positions),
+            seq_lens_cpu=seq_lens.tolist(), block_size=self.batch.block_size)
+            for table, group_slots in zip(self.group_tables, slots)]
         return StepInputs(input_ids=on_device(input_ids, self.device), positions=on_device(positions, self.device),
-                          attn=attn, logits_indices=self.logits_indices, sample_rows=self.sample_rows,
-                          token_kinds=ALL_DECODE)
+                          attn=attn[0], logits_indices=self.logits_indices, sample_rows=self.sample_rows,
+                          token_kinds=ALL_DECODE, attn_groups=attn if len(attn) > 1 else None)
 
     def append(self, token_ids: np.ndarray) -> None:
         """The forward `inputs` was last called for sampled `token_ids` [B]: each row's next id, after the

@@ -57,16 +57,17 @@ def _profiling_inputs(num_tokens: int, block_size: int, device: torch.device) ->
 def profile_forward(model: torch.nn.Module, backend: AttentionBackend, kv_cache_shape, num_layers: int,
                     dtype: torch.dtype, device: torch.device, num_tokens: int, num_logit_rows: int) -> MemoryProfile:
     """Run the profiling forward on a CUDA device and measure it."""
-    _, _, block_size, num_kv_heads, head_dim = kv_cache_shape
+    block_size = kv_cache_shape[2]  # [kv, num_blocks, block_size, heads, width]: K/V per head, or MLA's latents
     num_blocks = -(-num_tokens // block_size) + 1  # + the null block
-    kv_caches = [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-                 for _ in range(num_layers)]
+    shape = (kv_cache_shape[0], num_blocks, *kv_cache_shape[2:])
+    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
     inputs, positions = _profiling_inputs(num_tokens, block_size, device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, kv_caches,
                    backend.build_metadata(inputs), backend)  # [T, hidden]
-    model.compute_logits(hidden[-num_logit_rows:])
+    if getattr(model, "has_lm_head", True):  # an embedding model (--runner pooling) computes no logits
+        model.compute_logits(hidden[-num_logit_rows:])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - sum(c.numel() * c.element_size() for c in kv_caches)
     del kv_caches, hidden

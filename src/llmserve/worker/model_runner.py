@@ -15,6 +15,7 @@ next step's diff).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -24,6 +25,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
+from llmserve.core.kv_cache_groups import KVCacheLayout
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionInputs
 from llmserve.model.parallel import TensorParallel
@@ -39,6 +41,7 @@ from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.lora_manager import LoRAManager
 from llmserve.worker.multi_step import run_decode_steps
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
+from llmserve.worker.pooler import Pooler
 from llmserve.worker.prompt_logprobs import plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs
 from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
@@ -67,9 +70,15 @@ class ModelRunner:
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
                  speculator: Speculator | None = None, graphs: DecodeGraphs | None = None,
                  max_num_rows: int = 128, max_model_len: int = 4096, tp: TensorParallel | None = None,
+                 pooler: Pooler | None = None, kv_layout: KVCacheLayout | None = None,
                  lora: LoRAManager | None = None) -> None:
+        """pooler: an embedding model's (--runner pooling): steps pool prompts instead of sampling.
+        kv_layout: the KV cache groups (core/kv_cache_groups.py), each with its own block table; None: one.
+        lora: adapters' slots and each forward's token -> slot map (None: LoRA off)."""
         self.model = model
-        self.lora = lora  # adapters' slots and each forward's token -> slot map (None: LoRA off)
+        self.pooler = pooler
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
+        self.lora = lora
         # FP8 layers on CUDA route decode and prompt tokens by what each step says (model/quant/token_kinds.py)
         self.step_kinds = step_kinds_of(model) if device.type == "cuda" else None
         self.tp = tp  # tensor parallelism: rank 0 samples, the other ranks take its ids (_sample)
@@ -86,7 +95,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.num_not_plain_greedy = 0  # states whose sampling needs per-row inputs (SamplingInputs)
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
-        self.batch = PersistentBatch(max_num_rows, max_model_len, block_size)
+        self.batch = PersistentBatch(max_num_rows, max_model_len, block_size,
+                                     1 if self.kv_layout is None else self.kv_layout.num_groups)
         self.step_output = StepOutput(self.batch, self.sampling.penalty_tokens)
         self.in_flight: StepHandle | None = None  # launched last and not finished
         self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # step_rows
@@ -111,9 +121,12 @@ class ModelRunner:
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
         states, step_rows = self.step_rows(req_ids)  # step_rows [B]: the rows' batch rows
+        if self.pooler is not None:
+            assert finishes_at_once, "pooling steps run in order (no async scheduling)"
+            return self._pool_step(sched_out, req_ids, states, step_rows, t0)
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
-            self.settle()
+            self.finish_in_flight()
             self._begin_spec_step(sched_out)
         prompt_plan = None
         if self.prompt_scorers:
@@ -175,7 +188,7 @@ class ModelRunner:
             self.times.propose += time.perf_counter() - t0
         return handle.output
 
-    def settle(self) -> None:
+    def finish_in_flight(self) -> None:
         """Bring the step in flight to the host now (the engine takes its output later)."""
         if self.in_flight is not None:
             self.finish(self.in_flight)
@@ -186,6 +199,8 @@ class ModelRunner:
     def drop_finished(self, req_ids: set[str]) -> None:
         if self.speculator is not None:
             self.speculator.forget(req_ids)
+        if self.pooler is not None:
+            self.pooler.forget(req_ids)
         for req_id in req_ids:
             state = self.states.pop(req_id, None)
             if state is not None:
@@ -286,22 +301,64 @@ class ModelRunner:
             self.times.num_device_inputs += len(arrays.pending_tokens)
             sources = on_device(arrays.pending_sources, self.device)
             input_ids[on_device(arrays.pending_tokens, self.device)] = self.in_flight.sampled[sources]
+        tables, slots = [arrays.block_table], [arrays.slot_mapping]  # [B, W], [T]
+        if self.kv_layout is not None:  # one of each a KV cache group, out of [B, G * W] and [G, T]
+            tables, slots = self.batch.group_tables(arrays.block_table), list(arrays.slot_mapping)
         attn = AttentionInputs(
             query_start_loc=on_device(arrays.query_start_loc, self.device),
             seq_lens=on_device(arrays.seq_lens.astype(np.int32), self.device),
-            block_table=on_device(arrays.block_table, self.device),
-            slot_mapping=on_device(arrays.slot_mapping, self.device),
+            block_table=on_device(np.ascontiguousarray(tables[0]), self.device),
+            slot_mapping=on_device(slots[0], self.device),
             query_lens_cpu=[1] * len(arrays.seq_lens) if len(input_ids) == len(arrays.seq_lens)  # one token a row
             else np.diff(arrays.query_start_loc).tolist(),
             seq_lens_cpu=arrays.seq_lens.tolist(),
             block_size=self.block_size,
         )
-        return StepInputs(input_ids=input_ids, positions=on_device(arrays.positions, self.device), attn=attn,
-                          logits_indices=on_device(sample_indices, self.device),
-                          sample_rows=arrays.sample_rows.tolist())
+        inputs = StepInputs(input_ids=input_ids, positions=on_device(arrays.positions, self.device), attn=attn,
+                            logits_indices=on_device(sample_indices, self.device),
+                            sample_rows=arrays.sample_rows.tolist())
+        if self.kv_layout is not None:
+            inputs.attn_groups = [attn] + [
+                dataclasses.replace(attn, block_table=on_device(np.ascontiguousarray(table), self.device),
+                                    slot_mapping=on_device(group_slots, self.device))
+                for table, group_slots in zip(tables[1:], slots[1:])]
+        return inputs
+
+    def attn_metadata(self, inputs: StepInputs) -> object:
+        """What the model's layers read: the backend's metadata, or with KV cache groups [L] each layer's
+        group's (built once a group)."""
+        if inputs.attn_groups is None:
+            return self.attn_backend.build_metadata(inputs.attn)
+        groups = [self.attn_backend.build_metadata(attn) for attn in inputs.attn_groups]
+        return [groups[group] for group in self.kv_layout.layer_groups]
+
+    def _pool_step(self, sched_out: SchedulerOutput, req_ids: list[str], states: list[CachedRequestState],
+                   rows: np.ndarray, t0: float) -> StepHandle:
+        """A pooling step: the forward, then the rows whose prompt ends here pooled (worker/pooler.py);
+        nothing is sampled, so the step's output is known when it returns."""
+        starts = self.batch.num_computed[rows].copy()  # [B]
+        counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=len(rows))  # [B]
+        num_prompt = self.batch.num_prompt[rows]  # [B]
+        inputs, _ = self._prepare(states, rows, sched_out, finishes_at_once=True)
+        t1 = self._mark()
+        hidden = self._hidden(inputs, False)  # [T, hidden]
+        t2 = self._mark()
+        pooled = self.pooler.pool(hidden, req_ids, starts, counts, num_prompt)
+        output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooled=pooled)
+        no_rows = np.empty(0, np.int64)
+        handle = StepHandle(req_ids, no_rows, torch.empty(0, dtype=torch.int64), HostCopy({}), no_rows, None,
+                            output=output)
+        self._add_times(t0, t1, t2, self._mark())
+        return handle
 
     @torch.inference_mode()
-    def _forward(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, has_drafts: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] and the sampling rows' logits [N, V]."""
+        hidden = self._hidden(inputs, has_drafts)
+        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def _hidden(self, inputs: StepInputs, has_drafts: bool) -> torch.Tensor:
         self.times.num_tokens += len(inputs.input_ids)
         graphs = self.verify_graphs if has_drafts else self.graphs
         kinds = inputs.token_kinds
@@ -309,10 +366,10 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(inputs, has_drafts):
             hidden = graphs.run(inputs)  # [T, hidden]; captured with every token a decode token
         else:
-            metadata = self.attn_backend.build_metadata(inputs.attn)
+            metadata = self.attn_metadata(inputs)
             with nullcontext() if self.step_kinds is None else self.step_kinds.using(kinds):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata, self.attn_backend)
-        return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
+        return hidden
 
     # ---- sampling -------------------------------------------------------------------------------------
 
@@ -338,8 +395,13 @@ class ModelRunner:
         """Rows [S] with penalties keep their sampled ids [S] on the device (their seen-token state).
         Plain greedy rows have none: nothing to look up when every row is one."""
         if self.num_not_plain_greedy and (is_penalized := self.batch.has_penalties[batch_rows]).any():  # [S]
+            if is_penalized.all():  # the common case: every row takes the checkpoint's penalty
+                self.sampling.penalty_tokens.append_sampled(batch_rows, sampled)
+                return
             penalized = np.flatnonzero(is_penalized)  # [S']
-            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized], sampled[torch.from_numpy(penalized)])
+            # the index goes to the device first: a host index on a CUDA tensor waits for the whole step
+            self.sampling.penalty_tokens.append_sampled(batch_rows[penalized],
+                                                        sampled[on_device(penalized, sampled.device)])
 
     def _handle(self, req_ids: list[str], sample_rows: list[int], batch_rows: np.ndarray, sampled: torch.Tensor,
                 copy: HostCopy, num_logprobs: list[int | None] | None = None, is_sync: bool = False,
@@ -425,6 +487,8 @@ class ModelRunner:
             self.lora.check_integrity([state.row for state in self.states.values()])
         assert self.prompt_scorers == {r for r, s in self.states.items() if s.params.prompt_logprobs is not None}
         assert self.num_not_plain_greedy == sum(not s.is_plain_greedy for s in self.states.values())
+        if self.pooler is not None:
+            self.pooler.check_integrity(self.states)
         for req_id, state in self.states.items():
             assert self.batch.row_of[req_id] == state.row and state.batch is self.batch, "a state's row moved"
             assert self.batch.has_penalties[state.row] == state.has_penalties, "a row's penalty flag is stale"

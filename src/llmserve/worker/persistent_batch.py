@@ -4,6 +4,10 @@ gathered from those rows with a few numpy ops instead of being rebuilt from Pyth
 also the one home of what changes per request every step (its token history, its count of sampled ids
 still on the device): a step's bookkeeping is a few numpy ops over its rows, not a loop over requests.
 
+With KV cache groups (core/kv_cache_groups.py) a row's block table holds every group's blocks, interleaved
+as the scheduler sends them (column i * G + g: group g's block i); each group's table and cache slots are
+taken from it per step (`group_tables`).
+
 Async scheduling: a row may end in one token that was sampled on the device by the step launched
 last and is not on the host yet. `gather` leaves such tokens to the caller as (token index, index in
 that step's sampled ids) pairs, which it fills on the device.
@@ -30,16 +34,17 @@ class StepArrays:
     positions: np.ndarray  # [T] int64
     query_start_loc: np.ndarray  # [B + 1] int32
     seq_lens: np.ndarray  # [B] int64
-    block_table: np.ndarray  # [B, W] int32, padded with the null block 0
-    slot_mapping: np.ndarray  # [T] int64
+    block_table: np.ndarray  # [B, G * W] int32, padded with the null block 0 (G groups interleaved)
+    slot_mapping: np.ndarray  # [T] int64; with G > 1 groups [G, T]: each group's
     sample_rows: np.ndarray  # [S] int64: rows whose last token here is the last known or pending one
     pending_tokens: np.ndarray  # [P] int64: token indices whose id is on the device only
     pending_sources: np.ndarray  # [P] int64: their index in the last launched step's sampled ids
 
 
 class PersistentBatch:
-    def __init__(self, max_num_rows: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_rows: int, max_model_len: int, block_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_rows, min(INITIAL_TOKEN_COLUMNS, max_model_len)), np.int64)  # [R, L]
         self.num_tokens = np.zeros(max_num_rows, np.int64)  # [R] ids known on the host (drafts excluded)
@@ -145,13 +150,20 @@ class PersistentBatch:
 
     def _blocks_and_slots(self, rows: np.ndarray, row_of_token: np.ndarray,
                           positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows' block table [B, W] and each token's cache slot [T]."""
+        """The rows' block table [B, G * W] and each token's cache slot [T] ([G, T] with G > 1 groups)."""
         block_table = self.rows_block_table(rows)
-        return block_table, slot_mapping(block_table, row_of_token, positions, self.block_size)
+        if self.num_groups == 1:
+            return block_table, slot_mapping(block_table, row_of_token, positions, self.block_size)
+        return block_table, np.stack([slot_mapping(table, row_of_token, positions, self.block_size)
+                                      for table in self.group_tables(block_table)])
 
     def rows_block_table(self, rows: np.ndarray) -> np.ndarray:
-        """The rows' block table [B, W], as wide as the widest row's blocks (at least one column)."""
-        return self.block_table[rows, :max(1, int(self.num_blocks[rows].max()))]
+        """The rows' block table [B, G * W], as wide as the widest row's blocks (at least one column a group)."""
+        return self.block_table[rows, :max(self.num_groups, int(self.num_blocks[rows].max()))]
+
+    def group_tables(self, block_table: np.ndarray) -> list[np.ndarray]:
+        """[G] each group's table [B, W] (views) of a rows' block table [B, G * W]."""
+        return [block_table[:, group::self.num_groups] for group in range(self.num_groups)]
 
     def _with_pending(self, batch_rows: np.ndarray, positions: np.ndarray,
                       num_known: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -77,7 +77,7 @@ def main_file_hidden_unless_a_file():
 
 class TPExecutor:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, device: torch.device, dtype: torch.dtype,
-                 has_front_beside: bool = False) -> None:
+                 is_served: bool = False) -> None:
         size = config.parallel.tensor_parallel_size
         self.ctx = zmq.Context()
         self.publisher = StepPublisher(self.ctx)
@@ -96,7 +96,7 @@ class TPExecutor:
             self._wait_joined(size, deadline)
             device = rank_device(device, 0)
             self.tp = init_rank(self.store, 0, size, device)
-            self.worker = Worker(config, model_info, model_info.path, device, dtype, has_front_beside, self.tp)
+            self.worker = Worker(config, model_info, model_info.path, device, dtype, is_served, self.tp)
             self.publisher.wait_for_subscribers(size - 1, deadline, self.check_workers)
         except Exception as e:
             reason = self._death(DEATH_GRACE_S)

@@ -5,12 +5,11 @@ with its slice of the model and of the KV cache (its KV heads), the block count 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import quant
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
@@ -23,9 +22,11 @@ from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.pooler import Pooler
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
+from llmserve.worker.kv_cache import (allocate_kv_caches, cache_bytes_per_block, layer_kv_caches, needs_gpu_profile,
+                                      num_kv_blocks)
 from llmserve.worker.lora_manager import LoRAManager
-from llmserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, needs_gpu_profile, num_kv_blocks
 from llmserve.worker.model_runner import ModelRunner
 
 MAX_GRAPH_QUERIES = 16  # a captured row's queries fit one attention tile (triton_kernels.block_q_for)
@@ -46,32 +47,48 @@ def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
+def _backend_name(models: list[torch.nn.Module | None], requested: str) -> str:
+    """--attention-backend for these models (the target, a draft): a latent cache (MLA) runs on the torch backend
+    on every device."""
+    if not any(getattr(model, "has_latent_cache", False) for model in models):
+        return requested
+    return "torch" if requested == "auto" else requested
+
+
 class Worker:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, path: str, device: torch.device,
-                 dtype: torch.dtype, has_front_beside: bool = False, tp: TensorParallel | None = None) -> None:
-        """`config` with the device's scheduler defaults resolved; has_front_beside: see cpu_threads;
+                 dtype: torch.dtype, is_served: bool = False, tp: TensorParallel | None = None) -> None:
+        """`config` with the device's scheduler defaults resolved; is_served: see cpu_threads;
         tp: this rank of a tensor-parallel engine (torch.distributed initialised), None without."""
         self.config, self.model_info, self.device, self.dtype, self.tp = config, model_info, device, dtype, tp
         self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
-        model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization)
-        self.num_threads = apply_num_threads(self._requested_threads(), model, device.type, has_front_beside)
+        self.kv_layout = kv_cache_layout(model_info.layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
+        model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization,
+                           has_lm_head=model_info.pooler is None)
+        threads = apply_num_threads(config.model.num_threads, model, device.type, is_served,
+                                    tp.size if tp is not None else 1)
+        self.num_threads, self.threads_reason = threads.num_threads, threads.reason
         self.draft_info, draft_model = self._load_draft()
         lora = self._lora_manager(model)  # its slots allocated before the KV cache takes what memory is left
-        attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
-        self.num_blocks = self._num_blocks(model, attn_backend)
-        kv_caches = allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
-                                       model_info.num_layers, self.kv_dtype, device)
+        attn_backend = select_attention_backend(device, _backend_name([model, draft_model],
+                                                                       config.model.attention_backend), dtype)
+        self.num_blocks = self._num_blocks(model, draft_model, attn_backend)
+        kv_caches = layer_kv_caches(allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
+                                                       self.kv_layout.num_slots, self.kv_dtype, device), self.kv_layout)
         speculator = self._speculator(attn_backend, draft_model)
         max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
-        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch)
+        layer_groups = self.kv_layout.layer_groups if self.kv_layout.is_hybrid else None
+        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
-                                  model_info.max_model_len, tp, lora)
+                                  model_info.max_model_len, tp,
+                                  None if model_info.pooler is None else Pooler(model_info.pooler), self.kv_layout,
+                                  lora)
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
-                queries_per_row=spec.num_speculative_tokens + 1)
+                queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups)
 
     def _lora_manager(self, model: torch.nn.Module) -> LoRAManager | None:
         """--enable-lora: the adapters' slots on the model's projections (LoRA steps run eager: no graphs)."""
@@ -80,13 +97,6 @@ class Worker:
             return None
         return LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras,
                            self.config.scheduler.max_num_seqs, self.device)
-
-    def _requested_threads(self) -> int | None:
-        """--num-threads; CPU ranks of a tensor-parallel engine share the cores unless told otherwise."""
-        requested = self.config.model.num_threads
-        if requested is None and self.tp is not None and self.device.type == "cpu":
-            return max(1, (os.cpu_count() or 1) // self.tp.size)
-        return requested
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
@@ -133,15 +143,15 @@ class Worker:
         return DraftModelProposer(draft_model, head, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                   self.model_info.max_model_len, self.device, self.config.model.seed, chain)
 
-    def _num_blocks(self, model: torch.nn.Module, attn_backend) -> int:
-        """Blocks that fit the budget; with a draft model each block also holds the draft's KV."""
+    def _num_blocks(self, model: torch.nn.Module, draft_model: torch.nn.Module | None, attn_backend) -> int:
+        """Blocks that fit the budget; a block holds the KV of one group's layers (core/kv_cache_groups.py);
+        with a draft model each block also holds the draft's KV."""
         cache, budget = self.config.cache, None
-        block_bytes = bytes_per_block(self.model_info.num_layers, cache.block_size, model.num_kv_heads,
-                                      self.model_info.head_dim, self.kv_dtype)  # this rank's KV heads
-        if self.draft_info is not None:
-            info = self.draft_info
-            block_bytes += bytes_per_block(info.num_layers, cache.block_size, info.num_kv_heads, info.head_dim,
-                                           self.kv_dtype)
+        block_bytes = cache_bytes_per_block(model.kv_cache_shape(1, cache.block_size), self.kv_layout.num_slots,
+                                            self.kv_dtype)  # this rank's KV heads (or latents)
+        if draft_model is not None:
+            block_bytes += cache_bytes_per_block(draft_model.kv_cache_shape(1, cache.block_size),
+                                                 self.draft_info.num_layers, self.kv_dtype)
         if needs_gpu_profile(cache, self.device):
             sched = self.config.scheduler
             profile = profile_forward(model, attn_backend, model.kv_cache_shape(1, cache.block_size),
@@ -149,8 +159,10 @@ class Worker:
                                       min(sched.max_num_batched_tokens, self.model_info.max_model_len),
                                       sched.max_num_seqs)
             budget = kv_budget_from_profile(profile, cache.gpu_memory_utilization)
-        num_blocks = num_kv_blocks(cache, block_bytes, self.model_info.max_model_len,
-                                   self.config.scheduler.max_num_seqs, budget)
+        max_model_len, sched = self.model_info.max_model_len, self.config.scheduler
+        num_blocks = num_kv_blocks(cache, block_bytes, max_model_len, sched.max_num_seqs, budget,
+                                   self.kv_layout.num_groups, self.kv_layout.blocks_per_sequence(
+                                       max_model_len, cache.block_size, sched.max_num_batched_tokens))
         if self.tp is None:
             return num_blocks
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
@@ -158,21 +170,24 @@ class Worker:
         return int(agreed.item())
 
     def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
-                       max_batch: int, queries_per_row: int = 1) -> DecodeGraphs | None:
+                       max_batch: int, queries_per_row: int = 1,
+                       layer_groups: tuple[int, ...] | None = None) -> DecodeGraphs | None:
         """CUDA graphs of `model`'s batches of up to max_batch rows of `queries_per_row` queries, captured now
         (CUDA with the Triton backend, unless --enforce-eager): the target's decode and verification
-        steps, and a draft model's later forwards."""
+        steps (with KV cache groups, `layer_groups`: each layer's), and a draft model's later forwards."""
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
         if self.config.lora.enable_lora:
             return None  # a step's adapter grouping is built on the host per step: not captured yet
+        if self.model_info.pooler is not None:
+            return None  # a pooling engine runs prompts only: no decode step to capture
         if self.tp is not None:
             return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
-        if getattr(model, "is_moe", False):
-            return None  # the MoE layers read their expert counts on the host, which a graph cannot
+        if getattr(model, "has_host_syncs", lambda: False)():
+            return None  # MoE layers that read their expert counts on the host, which a graph cannot
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
-                              queries_per_row=queries_per_row)
+                              queries_per_row=queries_per_row, layer_groups=layer_groups)
         graphs.capture()
         return graphs

@@ -255,8 +255,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
                      const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& rows,
                      double scale, int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "paged_attention: kv_cache must be a contiguous [2, N, bs, Hkv, D]");
+  // stride(0) == 0: the K and V halves are the same memory (MLA's latents: values = the keys' first features)
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache[0].is_contiguous() &&
+              (kv_cache.stride(0) == 0 || kv_cache.is_contiguous()),
+              "paged_attention: kv_cache must be a contiguous [2, N, bs, Hkv, D] (or one half seen twice)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_attention: out must be contiguous like q");
   const bool is_f32_q = q.scalar_type() == at::kFloat;

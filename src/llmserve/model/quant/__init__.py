@@ -51,7 +51,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         for layer in model.modules():
             if isinstance(layer, Fp8Linear):
                 layer.step_kinds = model.step_kinds
-    is_tied = getattr(model, "lm_head", "absent") is None
+    is_tied = getattr(model, "lm_head", "absent") is None and getattr(model, "has_lm_head", True)
     if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
         model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)
     if any(getattr(m, "panels", None) is not None for m in model.modules() if isinstance(m, Int8Linear)):

@@ -1,4 +1,5 @@
-"""The gRPC API (llmserve.proto's `Generation` service) on the HTTP server's engine and event loop.
+"""The gRPC API (llmserve.proto's `Generation` service: generation, and embeddings on --runner pooling) on the
+HTTP server's engine and event loop.
 
 Same rules as the HTTP routes: the API key (`authorization: Bearer KEY` metadata), admission
 (max_num_seqs + max_queued_requests sequences in flight, then UNAVAILABLE), the model's generation defaults
@@ -24,6 +25,7 @@ from llmserve.server.grpc_service import llmserve_pb2 as pb
 from llmserve.server.grpc_service import llmserve_pb2_grpc as pb_grpc
 from llmserve.server.params import build_params
 from llmserve.server.serving_common import ServingContext, new_request_id
+from llmserve.server.serving_embeddings import check_embeddings, embed_all
 
 logger = logging.getLogger("llmserve.server")
 
@@ -86,6 +88,29 @@ class GenerationService(pb_grpc.GenerationServicer):
             info = self.ctx.engine.model_info
             return pb.ModelInfoResponse(model=self.ctx.model_name, max_model_len=info.max_model_len,
                                         vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids))
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        async with self._call(context) as scope:
+            ctx = self.ctx
+            ctx.check_model(request.model or None)
+            ctx.engine.check_runner(is_pooling=True)
+            prompts = [self._embed_prompt(item) for item in request.inputs]
+            dimensions = request.dimensions if request.HasField("dimensions") else None
+            check_embeddings(ctx, prompts, dimensions)
+            ctx.admit(scope, len(prompts))
+            request_id = new_request_id("grpc-embd")
+            vectors = await embed_all(ctx, prompts, request_id, dimensions, request.priority)
+            embeddings = [pb.Embedding(values=vector.tolist()) for vector in vectors]
+            return pb.EmbedResponse(request_id=request_id, embeddings=embeddings,
+                                    prompt_tokens=sum(len(p.token_ids) for p in prompts))
+
+    def _embed_prompt(self, item: pb.EmbedInput) -> TokensPrompt:
+        kind = item.WhichOneof("input")
+        if kind is None:
+            raise APIError(400, "give each input as text or token_ids", param="inputs")
+        if kind == "text":
+            return TokensPrompt(self.ctx.engine.encode(item.text), item.text)
+        return TokensPrompt(list(item.token_ids.ids))
 
     def _start(self, request: pb.GenerateRequest,
                scope: dict) -> tuple[str, TokensPrompt, AsyncIterator[RequestOutput]]:

@@ -185,6 +185,7 @@ function renderServer(s) {
   setTile("grammar", "Grammar-cache hit rate", pct(s.grammar_cache.hit_rate),
           `${num(s.grammar_cache.queries)} lookups`);
   if (s.moe) renderMoe(s.moe);
+  if (s.kv_tiers) renderKvTiers(s.kv_tiers);
   serverCharts(s);
 }
 
@@ -193,6 +194,16 @@ function renderMoe(moe) {
   const b = moe.load_max_over_mean;
   setTile("moe", "Expert load max/mean p50", num(b.p50, 2), `p99 ${num(b.p99, 2)}, 1 = even`);
   pushChart("moe", "Expert load, max/mean (last minute)", v => num(v, 2), {p50: b.p50, p99: b.p99});
+}
+
+// Servers with KV tiers or a disaggregation role only (the state's `kv_tiers` is null otherwise).
+function renderKvTiers(t) {
+  setTile("kvtiers", "KV tier hits (tokens)", `${num(t.host_hit_tokens)} host / ${num(t.disk_hit_tokens)} disk`,
+          `${num(t.offloaded_blocks)} blocks offloaded, ${num(t.corrupt_blocks)} corrupt`);
+  if (t.sent_blocks || t.received_blocks) {
+    const role = t.sent_blocks ? "prefill server" : "decode server";
+    setTile("kvtransfer", "KV transfer", role, `${num(t.sent_blocks)} blocks sent, ${num(t.received_blocks)} received`);
+  }
 }
 
 function serverCharts(s) {

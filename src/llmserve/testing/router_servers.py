@@ -1,4 +1,4 @@
-"""A real `llmserve route` in a subprocess, for tests and benchmarks (like server/testing.py's ServerProcess);
+"""A real `llmserve route` in a subprocess, for tests and benchmarks (like testing/servers.py's ServerProcess);
 its log and the temporary files of the replicas it launches are removed when it is stopped."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 
 import httpx
 
-from llmserve.server.testing import ChildServer
+from llmserve.testing.servers import ChildServer
 
 _PORT_RE = re.compile(r"routing .* on http://[^:\s]+:(\d+)")
 
@@ -41,7 +41,7 @@ def sample_value(metrics_text: str, name: str, **labels: str) -> float:
 
 def shared_tiny_model(base_dir: str) -> str:
     """One tiny checkpoint per test session (under pytest's base temp dir), made on first use."""
-    from llmserve.server.testing import tiny_model
+    from llmserve.testing.servers import tiny_model
 
     path = os.path.join(base_dir, "router-tiny-model")
     if not os.path.exists(os.path.join(path, "config.json")):

@@ -2,7 +2,7 @@
 /health, finds the engine child, stops with a signal and reports the exit code. Leaves no file behind,
 even when a test kills it: its log is an anonymous temporary file, and its temporary files (the
 engine's sockets) go to a folder of its own, removed when it is stopped. `StepGateClient` holds its
-engine at a step boundary (engine/step_gate.py); `wait_until` polls a condition with a deadline."""
+engine at a step boundary (testing/step_gate.py); `wait_until` polls a condition with a deadline."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import zmq
 
-from llmserve.engine.step_gate import GATE_ENV
+from llmserve.testing.step_gate import GATE_ENV
 
 _PORT_RE = re.compile(r"serving .* on http://[^:\s]+:(\d+)")
 
@@ -299,7 +299,7 @@ SMALL_ENGINE_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "512", "--max-
 
 def tiny_model(out_dir: str) -> str:
     """A tiny random llama checkpoint (byte-level tokenizer, ChatML template) written to out_dir."""
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     return make_model("llama", "tiny", out_dir)
 

@@ -4,19 +4,20 @@
 model.safetensors (sharded above 4 GB; seeded, deterministic), a byte-level BPE tokenizer whose vocab
 covers every id, a ChatML chat template and generation_config.json. Parameter names and shapes are
 those of transformers' *ForCausalLM, built on the meta device, so nothing big is ever initialised twice.
-The shapes are in model/shapes.py, the `llmserve make-model` sub-command in model/maker_cli.py.
+The shapes are in model/shapes.py, the `llmserve make-model` sub-command in testing/maker_cli.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 
 import torch
 
-from llmserve.model import toy_tokenizer
-from llmserve.model.copying import COPYING_ARCHS, copying_plan, copying_tensor
-from llmserve.model.shapes import ARCHS, DTYPE_NAMES, MOE_ARCHS, SHAPES, Shape
+from llmserve.testing import toy_tokenizer
+from llmserve.testing.copying import COPYING_ARCHS, copying_plan, copying_tensor
+from llmserve.model.shapes import ARCHS, DTYPE_NAMES, MLA_ARCHS, MOE_ARCHS, SHAPES, Shape
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _SHARD_BYTES = 4 * 2**30
@@ -26,7 +27,8 @@ def _config_class(arch: str):
     import transformers
     names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
              "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig",
-             "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig"}
+             "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig", "deepseek_v2": "DeepseekV2Config",
+             "deepseek_v3": "DeepseekV3Config"}
     return getattr(transformers, names[arch])
 
 
@@ -34,11 +36,14 @@ def _model_class(arch: str):
     import transformers
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-             "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+             "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+             "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
     return getattr(transformers, names[arch])
 
 
 def _head_dim(arch: str, shape: Shape) -> int:
+    if shape.mla is not None:  # DeepSeek's configs: the rotary's width (transformers' rotary reads head_dim)
+        return shape.mla.qk_rope_head_dim
     if shape.head_dim is not None:
         return shape.head_dim
     default = shape.hidden_size // shape.num_heads
@@ -80,6 +85,13 @@ def _moe_kwargs(arch: str, shape: Shape) -> dict:
         return {"num_local_experts": shape.num_experts}
     if arch == "gpt_oss":
         return {"num_local_experts": shape.num_experts, "sliding_window": shape.sliding_window}
+    if arch in MLA_ARCHS:  # the MLA shape's fields are the config's own names; V2 limits to groups when it has some
+        fields = {"n_routed_experts": shape.num_experts, "moe_intermediate_size": shape.moe_intermediate_size,
+                  **asdict(shape.mla)}
+        if arch == "deepseek_v2":
+            fields.update(topk_method="group_limited_greedy" if shape.mla.n_group > 1 else "greedy",
+                          norm_topk_prob=False)
+        return fields
     return {"num_experts": shape.num_experts, "moe_intermediate_size": shape.moe_intermediate_size,
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
@@ -87,7 +99,9 @@ def _moe_kwargs(arch: str, shape: Shape) -> dict:
 # transformers holds the experts stacked ([E, 2I, H], [E, H, I]) and save_pretrained writes one tensor per
 # expert; Mixtral's under `block_sparse_moe.` as w1 (gate), w3 (up), w2 (down)
 _EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                 "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 def _per_expert_specs(arch: str, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
@@ -96,8 +110,8 @@ def _per_expert_specs(arch: str, name: str, shape: tuple[int, ...]) -> list[tupl
         return [(name, shape)]
     block, gate, up, down = _EXPERT_NAMES[arch]
     prefix = name.split(".mlp.")[0] + f".{block}."
-    if name.endswith(".mlp.gate.weight"):
-        return [(prefix + "gate.weight", shape)]
+    if ".mlp.gate." in name:  # the router's weight (and DeepSeek-V3's e_score_correction_bias)
+        return [(prefix + name.split(".mlp.")[1], shape)]
     num_experts, rows, cols = shape
     if name.endswith("experts.gate_up_proj"):
         return [(f"{prefix}experts.{e}.{part}.weight", (rows // 2, cols)) for e in range(num_experts)
@@ -148,7 +162,7 @@ def _plan_shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int) -> lis
 
 def _tensor_maker(config, shape: Shape, seed: int, dtype: torch.dtype, weights: str):
     """(name, shape) -> the checkpoint's tensor: random (`_peak`ed lm_head where weights == "peaked"),
-    or the copying circuit's (model/copying.py) where weights == "copying"; drawn in state-dict order."""
+    or the copying circuit's (testing/copying.py) where weights == "copying"; drawn in state-dict order."""
     gen = torch.Generator().manual_seed(seed)
     peaked = _head_name(config) if weights == "peaked" else None
     plan = copying_plan(config, seed) if weights == "copying" else None
@@ -193,7 +207,7 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
                      is_peaked: bool = False, is_copying: bool = False) -> str:
     """Write a random checkpoint of an explicit Shape into out_dir (created if needed); is_peaked: the
     lm_head's rows rescaled (`_peak`) so that greedy decoding has clear winners; is_copying: layers 0
-    and 1 an induction circuit (model/copying.py), so the model continues spans its context repeats."""
+    and 1 an induction circuit (testing/copying.py), so the model continues spans its context repeats."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
@@ -201,6 +215,9 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
     if shape.is_moe != (arch in MOE_ARCHS):
         kind = "a Mixture-of-Experts" if arch in MOE_ARCHS else "a dense"
         raise ValueError(f"arch {arch!r} needs {kind} shape; MoE shapes: {', '.join(moe_shapes())}")
+    if (shape.mla is not None) != (arch in MLA_ARCHS):
+        raise ValueError(f"latent-attention shapes ({', '.join(n for n, s in SHAPES.items() if s.mla)}) are for "
+                         f"{', '.join(MLA_ARCHS)}; got arch {arch!r}")
     if is_copying and (is_peaked or arch not in COPYING_ARCHS):
         raise ValueError(f"copying weights are for {', '.join(COPYING_ARCHS)}, without peaked logits "
                          f"(their logits are peaked by construction); got arch {arch!r}")

@@ -33,10 +33,10 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from llmserve.model.maker import make_model
+    from llmserve.testing.maker import make_model
 
     if args.draft_of is not None:
-        from llmserve.model.draft_maker import derive_draft
+        from llmserve.testing.draft_maker import derive_draft
 
         path = derive_draft(args.draft_of, args.out, args.draft_layers, args.noise, args.seed)
         print(f"wrote a draft of {args.draft_of} to {path}")

@@ -4,7 +4,7 @@
 Off unless the environment names a ZMQ address in `LLMSERVE_STEP_GATE` when the engine process starts
 (`gate_from_env`); off, the engine loop pays one `is None` check per step. On, the loop asks
 `may_step()` before each step, and a control thread answers JSON requests on a REP socket bound to that
-address (`llmserve.server.testing.StepGateClient` is the other end):
+address (`llmserve.testing.servers.StepGateClient` is the other end):
 
   {"cmd": "hold"}               no further step runs (a step under way finishes)
   {"cmd": "allow", "n": N}      N more steps may run, then the engine is held again
@@ -13,7 +13,7 @@ address (`llmserve.server.testing.StepGateClient` is the other end):
   {"cmd": "wait", "timeout": T} the counters, once the engine stopped stepping (held with work, or idle)
 
 An address with `{pid}` in it gets the engine process's pid there, so that one environment gates several
-engines, each on its own socket (the replicas of a Ray Serve deployment: `llmserve.server.testing.EngineGates`).
+engines, each on its own socket (the replicas of a Ray Serve deployment: `llmserve.testing.servers.EngineGates`).
 
 Counters: `steps` run, `state` ("running" | "held" | "idle"), requests `added` and `aborted` (as the
 engine received them). While held the loop still takes inputs (adds, aborts, utility calls); aborted
@@ -30,7 +30,7 @@ from typing import Any
 
 import zmq
 
-logger = logging.getLogger("llmserve.engine.step_gate")
+logger = logging.getLogger("llmserve.testing.step_gate")
 
 GATE_ENV = "LLMSERVE_STEP_GATE"
 

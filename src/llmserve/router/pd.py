@@ -1,0 +1,174 @@
+"""The prefill/decode router (`llmserve route --pd-disaggregation --prefill URL ... --decode URL ...`).
+
+A generation request goes first to a prefill server (round robin) as a one-token, non-streamed copy
+carrying `kv_transfer_params.decode_kv_address`, the KV receiver of the decode server chosen for it
+(round robin; its port read once from the decode server's GET /kv_transfer). The prefill server computes
+the prompt, sends its full KV blocks there and answers once they are acked; the router then forwards the
+client's request unchanged to that decode server, which loads the blocks, computes the prompt's last
+partial block and streams the rest; its bytes pass through untouched. A prefill server that fails (no
+connection, 5xx, timeout) costs nothing but time: the decode server computes the whole prompt. A 4xx from
+the prefill server is the client's error and is returned as is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+logger = logging.getLogger("llmserve.router.pd")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_FORWARDED_HEADERS = ("content-type", "authorization", "accept", "x-request-id")
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    prefill_timeout_s: float = 600.0
+    upstream_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
+        for url in (*self.prefill_urls, *self.decode_urls):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"--prefill / --decode: {url!r} is not an http(s) URL")
+
+
+@dataclass
+class PDStats:
+    num_requests: int = 0
+    num_prefill_failures: int = 0  # requests the decode server computed whole
+    prefill_by_url: dict[str, int] = field(default_factory=dict)
+    decode_by_url: dict[str, int] = field(default_factory=dict)
+
+
+def prefill_body(obj: dict, decode_kv_address: str) -> dict:
+    """The prefill server's copy of a request: one token, not streamed, its KV sent to the decode server."""
+    body = {**obj, "max_tokens": 1, "stream": False, "n": 1,
+            "kv_transfer_params": {"decode_kv_address": decode_kv_address}}
+    for name in ("stream_options", "max_completion_tokens", "best_of", "min_tokens"):  # all about the output
+        body.pop(name, None)
+    return body
+
+
+class PDRouter:
+    def __init__(self, config: PDConfig, client: httpx.AsyncClient | None = None) -> None:
+        self.config = config
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(config.upstream_timeout_s, connect=5.0))
+        self.prefills = itertools.cycle(config.prefill_urls)
+        self.decodes = itertools.cycle(config.decode_urls)
+        self.kv_addresses: dict[str, str] = {}  # decode URL -> tcp://host:port of its KV receiver
+        self.stats = PDStats()
+
+    async def kv_address(self, decode_url: str) -> str:
+        if decode_url not in self.kv_addresses:
+            response = await self.client.get(decode_url + "/kv_transfer", timeout=5.0)
+            info = response.json()
+            if info.get("disaggregation_mode") != "decode":
+                raise ValueError(f"{decode_url} is not a decode server (--disaggregation-mode decode)")
+            self.kv_addresses[decode_url] = f"tcp://{urlsplit(decode_url).hostname}:{info['kv_port']}"
+        return self.kv_addresses[decode_url]
+
+    async def prefill(self, path: str, obj: dict, headers: dict, decode_url: str) -> Response | None:
+        """Run the prompt on a prefill server; its error response when it is the client's (4xx), else None
+        (done, or failed: the decode server then computes the prompt itself)."""
+        url = next(self.prefills)
+        self.stats.prefill_by_url[url] = self.stats.prefill_by_url.get(url, 0) + 1
+        try:
+            body = prefill_body(obj, await self.kv_address(decode_url))
+            response = await self.client.post(url + path, json=body, headers=headers,
+                                              timeout=self.config.prefill_timeout_s)
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            return self._prefill_failed(url, repr(e))
+        if 400 <= response.status_code < 500:
+            return Response(response.content, response.status_code, media_type="application/json")
+        if response.status_code != 200:
+            return self._prefill_failed(url, f"HTTP {response.status_code}")
+        return None
+
+    def _prefill_failed(self, url: str, reason: str) -> None:
+        self.stats.num_prefill_failures += 1
+        logger.warning("prefill server %s failed (%s): the decode server computes the prompt", url, reason)
+        return None
+
+    async def generate(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return _error(400, "the body is not JSON")
+        if not isinstance(obj, dict):
+            return _error(400, "the body must be a JSON object")
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARDED_HEADERS}
+        self.stats.num_requests += 1
+        decode_url = next(self.decodes)
+        self.stats.decode_by_url[decode_url] = self.stats.decode_by_url.get(decode_url, 0) + 1
+        error = await self.prefill(request.url.path, obj, headers, decode_url)
+        if error is not None:
+            return error
+        return await self._forward(decode_url + request.url.path, raw, headers)
+
+    async def _forward(self, url: str, body: bytes, headers: dict) -> Response:
+        """The decode server's response, its bytes passed through as they come (SSE included); a client that
+        goes away closes the upstream stream, which aborts the request there."""
+        upstream = self.client.build_request("POST", url, content=body, headers=headers)
+        try:
+            response = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            return _error(502, f"the decode server failed: {e!r}", "bad_gateway")
+        kept = {k: v for k, v in response.headers.items() if k in ("content-type", "x-request-id")}
+        return StreamingResponse(response.aiter_raw(), response.status_code, headers=kept,
+                                 background=BackgroundTask(response.aclose))
+
+    async def get(self, request: Request) -> Response:
+        """Read-only routes from a decode server (models, version)."""
+        url = next(self.decodes) + request.url.path
+        try:
+            response = await self.client.get(url)
+        except httpx.HTTPError as e:
+            return _error(502, f"the decode server failed: {e!r}", "bad_gateway")
+        return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
+
+    async def health(self, request: Request) -> Response:
+        """Healthy when some prefill and some decode server answer their /health."""
+        async def is_up(url: str) -> bool:
+            try:
+                return (await self.client.get(url + "/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        roles = {}
+        for role, urls in (("prefill", self.config.prefill_urls), ("decode", self.config.decode_urls)):
+            roles[role] = {url: await is_up(url) for url in urls}
+        is_healthy = any(roles["prefill"].values()) and any(roles["decode"].values())
+        return JSONResponse(roles, status_code=200 if is_healthy else 503)
+
+    async def pd_stats(self, request: Request) -> Response:
+        stats = self.stats
+        return JSONResponse({"num_requests": stats.num_requests, "num_prefill_failures": stats.num_prefill_failures,
+                             "prefill": stats.prefill_by_url, "decode": stats.decode_by_url})
+
+
+def _error(status: int, message: str, code: str = "invalid_request_error") -> Response:
+    return JSONResponse({"error": {"message": message, "type": code, "param": None, "code": None}}, status)
+
+
+def build_pd_app(router: PDRouter) -> Starlette:
+    routes = [*(Route(path, router.generate, methods=["POST"]) for path in GENERATION_PATHS),
+              Route("/v1/models", router.get, methods=["GET"]), Route("/version", router.get, methods=["GET"]),
+              Route("/health", router.health, methods=["GET"]), Route("/pd_stats", router.pd_stats, methods=["GET"])]
+    app = Starlette(routes=routes)
+    app.state.router = router
+    return app

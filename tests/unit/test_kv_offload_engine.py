@@ -1,0 +1,123 @@
+"""KV tiers in the engine (float32 tiny model): a prefix evicted from the device and hit in host memory or on
+disk gives the same greedy tokens as without tiers and computes only the rest of the prompt; a corrupt disk
+block is recomputed; the bookkeeping holds after churn; the flags are validated."""
+
+import json
+import os
+import random
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.core.request import Request
+from llmserve.testing.maker import make_model
+
+NUM_PROMPT = 200  # 12 full blocks of 16 and 8 tokens; the 40-block cache holds two such requests
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny qwen3: layers x (k, v) x block x kv heads x head dim x float32
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_model("qwen3", "tiny", str(tmp_path_factory.mktemp("offload")), seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(3, 500) for _ in range(NUM_PROMPT)] for _ in range(4)]
+
+
+def _llm(path, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=40, max_num_batched_tokens=256, **kwargs)
+
+
+def _turns(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Each prompt in turn (the later ones evict the earlier ones' blocks from the device), then the first
+    again: (greedy tokens, prompt tokens not computed) each."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = [llm.generate([p], params)[0] for p in prompts + prompts[:1]]
+    llm.engine.check_integrity()
+    return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(path, prompts):
+    return _turns(_llm(path), prompts)
+
+
+def test_a_prefix_evicted_from_the_device_comes_back_from_host_memory(path, prompts, plain):
+    llm = _llm(path, kv_offload_memory="64MiB")
+    outs = _turns(llm, prompts)
+    assert [t for t, _ in outs] == [t for t, _ in plain]
+    assert plain[-1][1] == 0  # without tiers: evicted, recomputed
+    assert outs[-1][1] == 192  # with: every full block of the prompt loaded
+    assert llm.kv_tier_stats.num_host_hit_tokens == 192 and llm.kv_tier_stats.num_disk_hit_tokens == 0
+    assert llm.num_prompt_tokens_computed == 5 * NUM_PROMPT - 192
+
+
+def test_host_evictions_go_to_disk_and_come_back_from_it(path, prompts, plain, tmp_path):
+    llm = _llm(path, kv_offload_memory=str(8 * BLOCK_BYTES), kv_offload_disk=str(tmp_path))
+    outs = _turns(llm, prompts)
+    assert [t for t, _ in outs] == [t for t, _ in plain]
+    assert outs[-1][1] == 192
+    stats = llm.kv_tier_stats
+    assert stats.num_disk_hit_tokens > 0 and stats.num_host_hit_tokens + stats.num_disk_hit_tokens == 192
+    llm.engine.shutdown()
+    assert not os.listdir(tmp_path)  # the tier's directory goes with it
+
+
+def test_a_corrupt_disk_block_is_recomputed_never_used(path, prompts, plain, tmp_path):
+    llm = _llm(path, kv_offload_disk=str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for prompt in prompts:
+        llm.generate([prompt], params)
+    disk = llm.engine.kv_connector.disk
+    # the first prompt's 5th block: its blocks 1-4 still load, the rest are recomputed
+    fifth = Request("probe", prompts[0], params, [], 0.0, 8).update_block_hashes(16)[4]
+    with open(disk.path(fifth.value), "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x00\x01\x02")
+    out = llm.generate([prompts[0]], params)[0]
+    assert out.outputs[0].token_ids == plain[-1][0]
+    assert out.num_cached_tokens == 4 * 16
+    assert llm.kv_tier_stats.num_corrupt_blocks == 1
+    llm.engine.check_integrity()
+    llm.engine.shutdown()
+
+
+def test_churn_keeps_every_count_in_step(path):
+    llm = _llm(path, kv_offload_memory=str(30 * BLOCK_BYTES), max_num_seqs=4)
+    rng = random.Random(1)
+    shared = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 120))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for _ in range(4):
+        batch = [rng.choice(shared) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 60))] for _ in range(6)]
+        llm.generate(batch, params)
+        llm.engine.check_integrity()
+    assert llm.kv_tier_stats.num_offloaded_blocks > 0 and llm.kv_tier_stats.num_host_hit_tokens > 0
+    assert llm.engine.reset_prefix_cache()
+    assert len(llm.engine.kv_connector.host) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kv_offload_memory": "lots"}, "--kv-offload-memory"),
+    ({"kv_offload_memory": "0"}, "--kv-offload-memory: must be positive"),
+    ({"kv_offload_disk_bytes": "1GiB"}, "--kv-offload-disk-bytes: only with --kv-offload-disk"),
+    ({"kv_offload_memory": "1GiB", "enable_prefix_caching": False}, "needs prefix caching"),
+    ({"disaggregation_mode": "both"}, "--disaggregation-mode: must be one of"),
+    ({"disaggregation_mode": "prefill", "tensor_parallel_size": 2}, "tensor parallelism"),
+    ({"disaggregation_mode": "decode", "disaggregation_kv_port": 0}, "--disaggregation-kv-port: must be a TCP port"),
+    ({"disaggregation_kv_port": 9000}, "--disaggregation-kv-port: only with --disaggregation-mode decode"),
+])
+def test_flags_are_validated_before_loading(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("/nonexistent", **kwargs)
+
+
+def test_a_model_with_sliding_layers_is_refused_before_its_weights_load(tmp_path):
+    path = make_model("mistral", "tiny", str(tmp_path), seed=1)
+    config_path = os.path.join(path, "config.json")
+    config = json.load(open(config_path))
+    json.dump({**config, "sliding_window": 64}, open(config_path, "w"))
+    with pytest.raises(ValueError, match="sliding-window layers .*window 64"):
+        LLM(path, dtype="float32", max_model_len=256, kv_offload_memory="1MiB")

@@ -1,0 +1,98 @@
+"""The P/D router's decisions against scripted upstreams: the prefill copy of a request, the decode server's
+bytes passed through, a failed prefill server falling back to the decode server, a client's 4xx returned,
+and its flags validated."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from llmserve.router.cli import main as route_main
+from llmserve.router.pd import PDConfig, PDRouter, build_pd_app, prefill_body
+from llmserve.testing.router_servers import Chunks
+
+PREFILL, DECODE = "http://prefill:1", "http://decode:2"
+
+
+class Upstreams:
+    """The prefill and decode servers: record what they get; the prefill answers `prefill_status`."""
+
+    def __init__(self, prefill_status: int = 200) -> None:
+        self.prefill_status = prefill_status
+        self.seen: list[tuple[str, dict | None]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        url = str(request.url)
+        body = json.loads(request.content) if request.content else None
+        self.seen.append((url, body))
+        if url == f"{DECODE}/kv_transfer":
+            return httpx.Response(200, json={"disaggregation_mode": "decode", "kv_port": 14579})
+        if url.startswith(PREFILL):
+            if self.prefill_status == 599:
+                raise httpx.ConnectError("refused")
+            return httpx.Response(self.prefill_status, json={"error": {"message": "bad max_tokens"}})
+        return httpx.Response(200, stream=Chunks(b"data: {\"x\": 1}\n\n", b"data: [DONE]\n\n"),
+                              headers={"content-type": "text/event-stream"})
+
+
+def _post(upstreams: Upstreams, body: dict) -> tuple[httpx.Response, PDRouter]:
+    router = PDRouter(PDConfig((PREFILL,), (DECODE,)), httpx.AsyncClient(transport=httpx.MockTransport(upstreams)))
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_pd_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            response = await client.post("/v1/completions", json=body)
+            await response.aread()
+            return response
+
+    return asyncio.run(call()), router
+
+
+def test_the_prompt_goes_to_the_prefill_server_then_the_request_to_the_decode_server():
+    upstreams = Upstreams()
+    body = {"prompt": "hi", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}}
+    response, router = _post(upstreams, body)
+    assert response.status_code == 200 and response.content == b"data: {\"x\": 1}\n\ndata: [DONE]\n\n"
+    urls = [url for url, _ in upstreams.seen]
+    assert urls == [f"{DECODE}/kv_transfer", f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
+    assert upstreams.seen[1][1] == {"prompt": "hi", "max_tokens": 1, "stream": False, "n": 1,
+                                    "kv_transfer_params": {"decode_kv_address": "tcp://decode:14579"}}
+    assert upstreams.seen[2][1] == body  # the client's request, unchanged
+    assert router.stats.num_prefill_failures == 0
+
+
+@pytest.mark.parametrize("status", [500, 503, 599])
+def test_a_failed_prefill_server_leaves_the_prompt_to_the_decode_server(status):
+    upstreams = Upstreams(prefill_status=status)
+    response, router = _post(upstreams, {"prompt": "hi"})
+    assert response.status_code == 200 and upstreams.seen[-1][0] == f"{DECODE}/v1/completions"
+    assert router.stats.num_prefill_failures == 1
+
+
+def test_a_client_error_on_the_prefill_server_goes_back_to_the_client():
+    upstreams = Upstreams(prefill_status=400)
+    response, _ = _post(upstreams, {"prompt": "hi", "max_tokens": -1})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "bad max_tokens"
+    assert all(not url.endswith("/v1/completions") or url.startswith(PREFILL) for url, _ in upstreams.seen)
+
+
+def test_prefill_body_drops_what_is_about_the_output():
+    body = prefill_body({"messages": [], "max_completion_tokens": 9, "best_of": 2, "n": 2, "min_tokens": 3},
+                        "tcp://d:1")
+    assert body == {"messages": [], "max_tokens": 1, "stream": False, "n": 1,
+                    "kv_transfer_params": {"decode_kv_address": "tcp://d:1"}}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["route", "--pd-disaggregation", "--prefill", PREFILL], "at least one --prefill URL and one --decode URL"),
+    (["route", "--prefill", PREFILL, "--decode", DECODE], "only with --pd-disaggregation"),
+    (["route", "--pd-disaggregation", "--prefill", "prefill:1", "--decode", DECODE], "not an http"),
+    (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--policy", "round-robin"],
+     "--policy: not supported with --pd-disaggregation"),
+    (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--backend", f"m={DECODE}"],
+     "not --backend"),
+])
+def test_the_flags_are_validated(argv, message, capsys):
+    assert route_main(argv) == 2
+    assert message in capsys.readouterr().err
