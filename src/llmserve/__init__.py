@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from llmserve.lora_request import LoRARequest  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -14,4 +15,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]

@@ -282,18 +282,57 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (PEFT's format) of the model: "
+                              "a request picks one by its `model` name (docs/lora.md)"})
+    lora_modules: tuple[str, ...] = field(default=(), metadata={
+        "help": "adapters served from start-up, as NAME=PATH (PATH: a PEFT adapter directory); more load at run "
+                "time through POST /v1/load_lora_adapter", "nargs": "+", "metavar": "NAME=PATH"})
+    max_loras: int = field(default=1, metadata={"help": "adapters resident on the device at once (slots): a "
+                           "step's requests use at most this many different adapters"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank r served (slots are sized for it)"})
+    max_cpu_loras: int | None = field(default=None, metadata={"help": "adapters kept in host memory, least recently "
+                                      "used dropped first (default: --max-loras; at least --max-loras)"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))  # the CLI gives a list
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    def modules(self) -> dict[str, str]:
+        """--lora-modules as {name: path}, in the order given."""
+        return dict(module.split("=", 1) for module in self.lora_modules)
+
+    def validate(self) -> None:
+        check_min("max-loras", self.max_loras, 1)
+        check_min("max-lora-rank", self.max_lora_rank, 1)
+        check_min("max-cpu-loras", self.max_cpu_loras, self.max_loras)
+        names = [module.split("=", 1)[0] for module in self.lora_modules]
+        for module in self.lora_modules:
+            name, is_pair, path = module.partition("=")
+            check(is_pair and bool(name.strip()) and bool(path.strip()), "lora-modules",
+                  f"expected NAME=PATH, got {module!r}")
+        check(len(set(names)) == len(names), "lora-modules", f"an adapter name is given twice: {names}")
+        check(self.enable_lora or not self.lora_modules, "lora-modules", "only with --enable-lora")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
+    lora: LoRAConfig = LoRAConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
 
     def validate(self, max_model_len: int | None = None) -> None:
         """Each section's values, then the relations between them. `max_model_len`: the context length
         resolved from the model (default: --max-model-len, when given)."""
-        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel, self.kv_transfer):
+        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel, self.lora,
+                        self.kv_transfer):
             section.validate()
         check_model_len(self, max_model_len or self.model.max_model_len)
         check_tensor_parallel_combinations(self)
@@ -309,6 +348,8 @@ def check_tensor_parallel_combinations(config: EngineConfig) -> None:
         return
     check(config.speculative.speculative is None, "tensor-parallel-size",
           "speculative decoding (--speculative) is not supported with tensor parallelism")
+    check(not config.lora.enable_lora, "tensor-parallel-size", "LoRA adapters (--enable-lora) are not supported "
+          "with tensor parallelism yet")
     check(":" not in config.model.device, "tensor-parallel-size",
           f"ranks use devices cuda:0..N-1; --device {config.model.device!r} names one device")
 
@@ -404,13 +445,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         help_ = f.metadata.get("help", "")
         if aliases:
             help_ += f" ({', '.join(aliases)}: its former name, accepted for one more release)"
+        extra = {key: f.metadata[key] for key in ("nargs", "metavar") if key in f.metadata}
         if tp is bool:
             parser.add_argument(*flags, *aliases, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=help_)
         else:
             parser.add_argument(*flags, *aliases, dest=f.name, type=tp, default=f.default,
                                 help=f"{help_} (default: {f.default})" if f.default is not None else help_,
-                                choices=f.metadata.get("choices"))
+                                choices=f.metadata.get("choices"), **extra)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace):
@@ -422,7 +464,8 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, and the model as a positional argument too (`llmserve serve MODEL`, as vLLM's)."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (the same as --model)")
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig, KVTransferConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig, LoRAConfig,
+                KVTransferConfig):
         add_dataclass_args(parser, cls)
     parser.add_argument("--speculative-config", metavar="JSON", help="vLLM's speculative decoding settings as one "
                         "JSON object, beside the flags above: method (ngram | draft_model), model, "
@@ -485,12 +528,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         scheduler=dataclass_from_args(SchedulerConfig, args),
                         speculative=dataclass_from_args(SpeculativeConfig, args),
                         parallel=dataclass_from_args(ParallelConfig, args),
+                        lora=dataclass_from_args(LoRAConfig, args),
                         kv_transfer=dataclass_from_args(KVTransferConfig, args))
 
 
 def engine_kwargs(config: EngineConfig) -> dict:
     """An EngineConfig as the flat keyword arguments LLM(...) and build_engine_config take."""
-    parts = (config.model, config.cache, config.scheduler, config.speculative, config.parallel)
+    parts = [getattr(config, f.name) for f in dataclasses.fields(config)]
     return {f.name: getattr(part, f.name) for part in parts for f in dataclasses.fields(part)}
 
 

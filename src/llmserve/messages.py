@@ -10,6 +10,7 @@ import enum
 
 import msgspec
 
+from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 
 
@@ -35,6 +36,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # The front reads only the finished sequence (offline, no stop strings, no logprobs): the core reports
     # the request once, when it ends, with all its output ids, instead of one output a step.
     is_final_only: bool = False
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class Logprobs(msgspec.Struct, array_like=True):

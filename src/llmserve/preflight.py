@@ -10,6 +10,7 @@ import os
 
 from llmserve.config import EngineConfig, check, is_local_model
 from llmserve.model import cpu_isa
+from llmserve.model.lora_adapter import AdapterError, base_shapes, check_adapter
 from llmserve.model.shapes import SHAPES
 
 DEMO_SHAPE = "demo"  # the shape of the embedded demo model (model/demo.py), served when --model is unset
@@ -69,6 +70,21 @@ def check_before_loading(config: EngineConfig) -> None:
               f"directory {config.model.tokenizer!r} does not exist")
     read_model_config(config.speculative.draft_model, "draft-model")
     check_kv_cache_dtype(config)
+    check_lora_modules(config)
+
+
+def check_lora_modules(config: EngineConfig) -> None:
+    """Each --lora-modules adapter is a PEFT LoRA that fits the model (its config and tensor shapes; the shapes
+    only where the model's config.json is at hand)."""
+    if not config.lora.lora_modules:
+        return
+    hf_config = read_model_config(config.model.model, "model", config.model.revision)
+    shapes = None if hf_config is None else base_shapes(hf_config)
+    for name, path in config.lora.modules().items():
+        try:
+            check_adapter(os.path.expanduser(path), shapes, config.lora.max_lora_rank)
+        except AdapterError as e:
+            raise ValueError(f"--lora-modules: {name}: {e}") from None
 
 
 def check_kv_cache_dtype(config: EngineConfig) -> None:

@@ -39,7 +39,8 @@ def test_openapi_lists_every_route(openapi):
                                      "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/health",
                                      "/version", "/v1/models", "/v1/models/{model_id}", "/info", "/metrics",
                                      "/reset_prefix_cache", "/tokenizer_info", "/v1/responses",
-                                     "/v1/responses/{response_id}", "/v1/embeddings", "/kv_transfer"}
+                                     "/v1/responses/{response_id}", "/v1/embeddings", "/kv_transfer",
+                                     "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 
 
 def _request_schema(openapi: dict, path: str) -> dict:

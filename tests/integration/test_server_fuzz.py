@@ -67,7 +67,7 @@ def api_schema(server: ServerProcess):
 
 POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/generate",
                "/generate_stream", "/", "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize",
-               "/reset_prefix_cache"]
+               "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 GET_ROUTES = ["/health", "/version", "/v1/models", "/v1/models/{model_id}", "/info", "/metrics",
               "/tokenizer_info", "/v1/responses/{response_id}", "/kv_transfer"]
 OPERATIONS = [("POST", path) for path in POST_ROUTES] + [("GET", path) for path in GET_ROUTES]

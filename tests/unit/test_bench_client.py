@@ -288,3 +288,16 @@ def test_json_schema_run_reports_grammar_from_servers_that_export_it(fake, tmp_p
     whole = result.grammar["g"]  # probe and warm-up included
     assert set(result.grammar) == {"g"} and (whole.num_queries, whole.num_compiles) == (6, 1)
     assert whole.mean_compile_s == pytest.approx(0.05) and whole.max_compile_s == 0.05
+
+
+def test_several_models_are_spread_over_the_requests():
+    """--model a,b,c: each request names one, the same one every time it is sent."""
+    from llmserve.bench.client import Target, build_payload
+    from llmserve.bench.datasets import BenchRequest
+
+    target = Target("t", "http://x", "a0,a1,a2")
+    requests = [BenchRequest([i, i + 1, i + 2], 3, 4) for i in range(60)]
+    models = [build_payload(target, r)["model"] for r in requests]
+    assert set(models) == {"a0", "a1", "a2"}
+    assert models == [build_payload(target, r)["model"] for r in requests]
+    assert build_payload(Target("t", "http://x", "base"), requests[0])["model"] == "base"

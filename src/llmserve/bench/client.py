@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import httpx
@@ -40,6 +41,12 @@ class Target:
     @property
     def api_url(self) -> str:
         return self.url + ENDPOINT_PATHS[self.endpoint]
+
+    def model_for(self, req: BenchRequest) -> str:
+        """The model a request names: one of --model's comma-separated names (e.g. LoRA adapters), picked by
+        a hash of its prompt (random across requests, the same request the same on every run)."""
+        models = self.model.split(",")
+        return models[zlib.crc32(repr(req.prompt).encode()) % len(models)] if len(models) > 1 else self.model
 
 
 @dataclass
@@ -75,7 +82,7 @@ class StreamError(Exception):
 
 
 def build_payload(target: Target, req: BenchRequest) -> dict:
-    body: dict = {"model": target.model, "max_tokens": req.output_len, "stream": target.is_streaming}
+    body: dict = {"model": target.model_for(req), "max_tokens": req.output_len, "stream": target.is_streaming}
     if target.endpoint == "completions":
         body["prompt"] = req.prompt
     else:

@@ -19,7 +19,7 @@ ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completion
 @dataclass(frozen=True)
 class TargetConfig:
     url: str = field(default="http://127.0.0.1:8000", metadata={"help": "base URL of the OpenAI-compatible server"})
-    model: str | None = field(default=None, metadata={"help": "model name to send; unset: the first id /v1/models lists"})
+    model: str | None = field(default=None, metadata={"help": "model name to send; several, comma-separated (e.g. LoRA adapters): each request names one of them, picked at random by its prompt; unset: the first id /v1/models lists"})
     endpoint: str = field(default="completions", metadata={"help": "completions | chat", "choices": list(ENDPOINTS)})
     compare: str | None = field(default=None, metadata={"help": "base URL of a second server, run on the same requests, interleaved A B, B A, ..."})
     compare_model: str | None = field(default=None, metadata={"help": "model name for --compare; unset: the first id its /v1/models lists"})

@@ -101,6 +101,6 @@ def diagnose(target: Target, rec: RequestRecord, served: list[str], sample: Benc
 
 
 def _model_hint(model: str, served: list[str]) -> list[str]:
-    if served and model not in served:
+    if served and not set(model.split(",")) <= set(served):
         return [f"Model {model!r} is not among the served models {served}; pass --model NAME."]
     return []

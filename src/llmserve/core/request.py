@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from llmserve.core.block_pool import BlockHash
+from llmserve.lora_request import LoRARequest
 from llmserve.messages import EngineCoreRequest, FinishReason
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.matcher import RequestGrammar
@@ -32,7 +33,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: list[int], arrival_time: float, max_tokens: int,
                  priority: int = 0, parent_id: str | None = None, cache_salt: int = 0,
-                 is_final_only: bool = False) -> None:
+                 is_final_only: bool = False, lora: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -45,7 +46,9 @@ class Request:
         # caps it at the context length)
         self.priority = priority
         self.parent_id = parent_id
-        self.cache_salt = cache_salt
+        self.lora = lora  # its adapter (None: the base model)
+        # the hash chain starts from the adapter: a prefix computed with one adapter never serves another
+        self.cache_salt = cache_salt if lora is None else hash((cache_salt, "lora", lora.lora_int_id))
         self.is_final_only = is_final_only  # one output, when it ends, with all its ids (EngineCoreRequest)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -72,7 +75,7 @@ class Request:
         room = max_model_len - len(req.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return cls(req.request_id, req.prompt_token_ids, params, req.eos_token_ids, req.arrival_time,
-                   max_tokens, req.priority, req.parent_id, is_final_only=req.is_final_only)
+                   max_tokens, req.priority, req.parent_id, is_final_only=req.is_final_only, lora=req.lora)
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmserve.core.kv_connector import KVTransfers
+from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.bitmask import StepGrammar
 
@@ -20,6 +21,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids_for_min_tokens: list[int]
+    lora: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass

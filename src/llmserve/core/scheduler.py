@@ -40,9 +40,11 @@ logger = logging.getLogger(__name__)
 class Scheduler(Preemption, OutputUpdate):
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
-                 group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None) -> None:
+                 group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None,
+                 max_loras: int = 0) -> None:
         """group_windows: each KV cache group's window (core/kv_cache_groups.py; 0: full attention).
-        kv_connector: where blocks live below the device (core/kv_connector.py); one full-attention group only."""
+        kv_connector: where blocks live below the device (core/kv_connector.py); one full-attention group only.
+        max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off)."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
         self.config = config
@@ -52,6 +54,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.draft_backoff = DraftBackoff(is_enabled=bool(config.async_scheduling)
                                           or (config.num_scheduler_steps or 1) > 1)
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  group_windows)
         assert kv_connector is None or (group_windows == (0,) and cache_config.enable_prefix_caching), \
@@ -345,10 +348,15 @@ class Scheduler(Preemption, OutputUpdate):
         return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = self._running_adapters()
+        set_aside: list[Request] = []  # their adapter waits for a slot; they keep their place in the queue
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
+            if not self._has_lora_slot(request, adapters):
+                set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
@@ -369,6 +377,20 @@ class Scheduler(Preemption, OutputUpdate):
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
             budget -= num_new
+        for request in reversed(set_aside):
+            self.waiting.add_front(request)
+
+    def _running_adapters(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
+
+    def _has_lora_slot(self, request: Request, adapters: set[int]) -> bool:
+        """Whether the request's adapter runs already or a slot is left for it (then it takes it)."""
+        if request.lora is None or request.lora.lora_int_id in adapters:
+            return True
+        if len(adapters) >= self.max_loras:
+            return False
+        adapters.add(request.lora.lora_int_id)
+        return True
 
     def _num_connector_tokens(self, request: Request, num_hit_blocks: int) -> int:
         """Tokens of the blocks after the device's prefix hits that the KV connector holds (loaded, not
@@ -408,6 +430,7 @@ class Scheduler(Preemption, OutputUpdate):
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             stop_token_ids_for_min_tokens=sorted(request.any_stop_token_ids),
+            lora=request.lora,
         )
 
     def reset_prefix_cache(self) -> bool:

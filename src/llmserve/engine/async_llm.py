@@ -23,6 +23,7 @@ from llmserve.engine.core_client import EngineCoreClient, EngineDeadError
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.processor import Processor
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -200,7 +201,7 @@ class AsyncLLM:
                              f"{self.kv_transfer.disaggregation_mode}): send the request without it")
 
     async def generate(self, prompt: str | list[int] | TokensPrompt, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request until it finishes (EngineDeadError if the engine dies,
         RequestTimeoutError when it runs past the request timeout)."""
         self.check_health()
@@ -208,7 +209,7 @@ class AsyncLLM:
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_new_id(request_id)
         self._check_kv_transfer(params)
-        requests = self.processor.process(request_id, token_ids, params, priority)
+        requests = self.processor.process(request_id, token_ids, params, priority, lora=lora)
         collector = RequestOutputCollector()
         self._add(request_id, text, token_ids, params, requests, collector)
         timer = self._start_timer(collector)

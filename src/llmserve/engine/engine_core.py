@@ -132,7 +132,7 @@ class EngineCore:
         self.kv_connector = build_kv_connector(config.kv_transfer, self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative, log_kv_cache_layout(kv_layout, self.model_info.layer_windows),
-                                   self.kv_connector)
+                                   self.kv_connector, config.lora.max_loras if config.lora.enable_lora else 0)
         self.kv_sender, self.kv_receiver = self._kv_transports(config)
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
@@ -173,6 +173,9 @@ class EngineCore:
                 part.close()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.lora is not None and not self.config.lora.enable_lora:
+            raise ValueError(f"request {request.request_id} asks for LoRA adapter {request.lora.lora_name!r}, "
+                             "but this engine runs without --enable-lora")
         core_request = Request.from_engine_core_request(request, self.model_info.max_model_len)
         if self.kv_sender is not None and request.sampling_params.kv_transfer_params is not None:
             block_size = self.config.cache.block_size

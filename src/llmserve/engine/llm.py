@@ -8,13 +8,15 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from llmserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+from llmserve.config import (CacheConfig, EngineConfig, KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig,
                              SpeculativeConfig)
 from llmserve.engine.engine_core import EngineCore
 from llmserve.engine.output_processor import OutputProcessor, reads_final_only
 from llmserve.engine.processor import Processor
 from llmserve.messages import KVTierStats, SchedulerStats
 from llmserve.model.loader import load_generation_defaults, load_tokenizer
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -24,13 +26,21 @@ def build_engine_config(**kwargs) -> EngineConfig:
     parallel config)."""
     parts = {}
     for key, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                     ("speculative", SpeculativeConfig), ("parallel", ParallelConfig),
+                     ("speculative", SpeculativeConfig), ("parallel", ParallelConfig), ("lora", LoRAConfig),
                      ("kv_transfer", KVTransferConfig)):
         names = {f.name for f in dataclasses.fields(cls)}
         parts[key] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:
         raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
     return EngineConfig(**parts)
+
+
+def _per_prompt(lora_request, num_prompts: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} lora requests for {num_prompts} prompts")
+    return list(lora_request)
 
 
 class LLM:
@@ -57,10 +67,12 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[list[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request: the adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._generate(prompts, sampling_params, priority, use_tqdm)
+        return self._generate(prompts, sampling_params, priority, use_tqdm, lora_request=lora_request)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
@@ -100,11 +112,12 @@ class LLM:
                                                   add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def _generate(self, prompts: Sequence[str] | Sequence[list[int]], sampling_params, priority, use_tqdm: bool,
-                  add_special_tokens: bool = True) -> list[RequestOutput]:
+                  add_special_tokens: bool = True, lora_request=None) -> list[RequestOutput]:
         if self.engine.model_info.pooler is not None:
             raise ValueError("this LLM runs an embedding model (runner='pooling'): use embed()")
         params = self._params_per_prompt(len(prompts), sampling_params)
-        request_ids = [self._add(p, sp, priority[i] if priority else 0, add_special_tokens)
+        loras = _per_prompt(lora_request, len(prompts))
+        request_ids = [self._add(p, sp, priority[i] if priority else 0, add_special_tokens, loras[i])
                        for i, (p, sp) in enumerate(zip(prompts, params))]
         finished = self._run(len(request_ids), use_tqdm)
         return [finished[r] for r in request_ids]
@@ -119,11 +132,12 @@ class LLM:
         return list(sampling_params)
 
     def _add(self, prompt: str | list[int], params: SamplingParams, priority: int,
-             add_special_tokens: bool = True) -> str:
+             add_special_tokens: bool = True, lora: LoRARequest | None = None) -> str:
         request_id = str(next(self._ids))
         token_ids = self.processor.tokenize(prompt, add_special_tokens)
         requests = self.processor.process(request_id, token_ids, params, priority,
-                                          is_final_only=reads_final_only(params, collector=None, is_delta=False))
+                                          is_final_only=reads_final_only(params, collector=None, is_delta=False),
+                                          lora=lora)
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
         for request in requests:
             self.engine.add_request(request)

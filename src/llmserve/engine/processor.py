@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from llmserve.lora_request import LoRARequest
 from llmserve.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.grammar import validate as validate_constraint
@@ -66,7 +67,8 @@ class Processor:
         return EngineCoreRequest(request_id, prompt_token_ids, pooling_params(), [], time.time(), priority)
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                arrival_time: float | None = None, is_final_only: bool = False) -> list[EngineCoreRequest]:
+                arrival_time: float | None = None, is_final_only: bool = False,
+                lora: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """Validated engine requests: one per sequence (n of them, ids from child_request_id).
         is_final_only: the front reads only finished sequences (EngineCoreRequest.is_final_only)."""
         params.validate()
@@ -77,10 +79,10 @@ class Processor:
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time, priority,
-                                      is_final_only=is_final_only)]
+                                      is_final_only=is_final_only, lora=lora)]
         return [EngineCoreRequest(child_request_id(request_id, i), prompt_token_ids, _child_params(params, i),
                                   self.eos_token_ids, arrival_time, priority, parent_id=request_id,
-                                  is_final_only=is_final_only)
+                                  is_final_only=is_final_only, lora=lora)
                 for i in range(params.n)]
 
 

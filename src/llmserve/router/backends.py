@@ -17,6 +17,7 @@ class ScrapedLoad:
     num_waiting: float = 0.0
     num_running: float = 0.0
     kv_usage: float = 0.0
+    num_adapters: float = 0.0  # LoRA adapters it serves by name
 
 
 @dataclass(eq=False)
@@ -28,6 +29,7 @@ class Backend:
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     is_draining: bool = False  # taking no new requests (autoscaler scale-down); stopped when empty
     model_card: dict | None = None  # its entry of GET /v1/models, learned by the health probes
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves (GET /v1/models cards with a parent)
 
     @property
     def served_model(self) -> str | None:
@@ -70,10 +72,13 @@ class Pool:
         self.backends.remove(backend)
 
     def pick(self, request: RouteRequest, now: float, exclude: frozenset[str] = frozenset()) -> Backend | None:
-        """The policy's choice among routable backends (those not yet tried first), marked dispatched."""
+        """The policy's choice among routable backends (those not yet tried first; for a LoRA adapter's
+        request, those that serve it first), marked dispatched."""
         routable = [b for b in self.backends if b.is_routable(now, self.max_in_flight_per_backend)]
         fresh = [b for b in routable if b.url not in exclude]
         candidates = fresh or routable
+        holders = [b for b in candidates if request.model in b.adapters]
+        candidates = holders or candidates
         if not candidates:
             return None
         name = self.policy.choose(request, [b.load() for b in candidates])
@@ -82,9 +87,15 @@ class Pool:
         backend.num_in_flight += 1
         return backend
 
-    def model_of(self, backend: Backend) -> str:
-        """The model name to send `backend`: the configured one, else the one it serves, else the pool's."""
+    def model_of(self, backend: Backend, requested: str | None = None) -> str:
+        """The model name to send `backend`: the adapter `requested` where it serves one by that name, else
+        the configured one, else the one it serves, else the pool's."""
+        if requested is not None and requested in backend.adapters:
+            return requested
         return self.upstream_model or backend.served_model or self.name
+
+    def has_adapter(self, name: str) -> bool:
+        return any(name in backend.adapters for backend in self.backends)
 
     def release(self, backend: Backend) -> None:
         backend.num_in_flight -= 1

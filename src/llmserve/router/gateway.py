@@ -104,11 +104,15 @@ class Gateway:
             return self.pools[decision.pool], decision
         if not request.model:
             return self.default_pool(), None
-        pool = self.pools.get(request.model)
+        pool = self.pools.get(request.model) or self._adapter_pool(request.model)
         if pool is None:
             raise APIError(404, f"The model `{request.model}` does not exist (this router serves "
                                 f"{', '.join(self.model_names())}).", param="model", code="model_not_found")
         return pool, None
+
+    def _adapter_pool(self, name: str) -> Pool | None:
+        """The first pool some backend of which serves a LoRA adapter called `name` (learned from /v1/models)."""
+        return next((pool for pool in self.pools.values() if pool.has_adapter(name)), None)
 
     def default_pool(self) -> Pool:
         """The pool of requests that name no model: the autoscaled one, else the first configured."""

@@ -19,6 +19,7 @@ _WAITING = ("llmserve:num_requests_waiting", "llmserve_num_requests_waiting", "v
 _RUNNING = ("llmserve:num_requests_running", "llmserve_num_requests_running", "vllm:num_requests_running")
 _KV_USAGE = ("llmserve:kv_cache_usage_perc", "llmserve_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
              "vllm:gpu_cache_usage_perc")
+_ADAPTERS = ("llmserve:lora_adapters",)
 
 
 def parse_metrics(text: str, names: set[str]) -> dict[str, float]:
@@ -37,12 +38,12 @@ def parse_metrics(text: str, names: set[str]) -> dict[str, float]:
 
 
 def scraped_load(text: str) -> ScrapedLoad:
-    values = parse_metrics(text, {*_WAITING, *_RUNNING, *_KV_USAGE})
+    values = parse_metrics(text, {*_WAITING, *_RUNNING, *_KV_USAGE, *_ADAPTERS})
 
     def first(names: tuple[str, ...]) -> float:
         return next((values[n] for n in names if n in values), 0.0)
 
-    return ScrapedLoad(first(_WAITING), first(_RUNNING), first(_KV_USAGE))
+    return ScrapedLoad(first(_WAITING), first(_RUNNING), first(_KV_USAGE), first(_ADAPTERS))
 
 
 async def probe(gw: Gateway, backend: Backend) -> None:
@@ -69,6 +70,8 @@ async def learn_model(gw: Gateway, backend: Backend) -> bool:
     except (ValueError, KeyError, TypeError):
         return True
     pool = gw.pools[backend.pool]
+    backend.adapters = frozenset(c["id"] for c in cards if c.get("parent"))
+    cards = [c for c in cards if not c.get("parent")]
     card, problem = choose_card(pool.name, pool.upstream_model, cards)
     if problem:
         logger.warning("backend %s of pool `%s` left out: %s", backend.url, pool.name, problem)
@@ -99,6 +102,8 @@ async def scrape(gw: Gateway, backend: Backend) -> None:
         response = await gw.client.get(backend.url + "/metrics", timeout=gw.config.health_timeout_s)
         if response.status_code == 200:
             backend.scraped = scraped_load(response.text)
+        if backend.scraped.num_adapters != len(backend.adapters):  # adapters load and unload at run time
+            await learn_model(gw, backend)
     except httpx.HTTPError as e:
         logger.debug("scrape of %s failed: %s", backend.url, e)
 

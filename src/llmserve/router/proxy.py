@@ -51,7 +51,7 @@ class Forward:
     method: bytes = b"POST"
 
     def body_for(self, backend: Backend) -> bytes:
-        return request_body(self.body, self.obj, self.pool.model_of(backend))
+        return request_body(self.body, self.obj, self.pool.model_of(backend, self.route.model))
 
 
 @dataclass
@@ -204,7 +204,8 @@ def _response_headers(fwd: Forward, backend: Backend, upstream: Response) -> lis
 async def _relay(gw: Gateway, fwd: Forward, backend: Backend, upstream: Response, send, watch: _Watch,
                  started: float) -> None:
     pool = fwd.pool
-    rename = ModelRename(pool.model_of(backend), pool.name)
+    served = pool.model_of(backend, fwd.route.model)
+    rename = ModelRename(served, served if served in backend.adapters else pool.name)
     try:
         gw.metrics.requests.labels(pool.name, backend.url, str(upstream.status)).inc()
         if rename.is_needed and _content_type_is(upstream, b"application/json"):

@@ -9,12 +9,13 @@ from fastapi.responses import Response
 
 from llmserve import __version__
 from llmserve.server.dashboard import add_dashboard_routes
-from llmserve.server.errors import install_error_handlers, service_unavailable, error_response
+from llmserve.server.errors import APIError, install_error_handlers, service_unavailable, error_response
 from llmserve.server.middleware import FrontDoor
 from llmserve.server.openapi import DocumentedAPI, schema_ref
 from llmserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionChunk, CompletionRequest, CompletionResponse, DetokenizeRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo,
+                                      DetokenizeResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
+                                      TokenizeResponse, TokenizerInfo, UnloadLoRAAdapterRequest, decode_json,
                                       encode_json)
 from llmserve.server.serving_chat import ChatServer
 from llmserve.server.serving_common import ServingContext, created_now
@@ -47,6 +48,7 @@ def build_app(ctx: ServingContext) -> DocumentedAPI:
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
+    _add_lora_routes(app, ctx)
     add_dashboard_routes(app, ctx.metrics)
     add_ui_routes(app)
     app.add_middleware(FrontDoor, ctx=ctx, api_key=ctx.config.api_key,
@@ -137,19 +139,24 @@ def _add_info_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     async def version() -> Response:
         return json_response({"version": __version__})
 
-    def model_card() -> ModelCard:
+    def model_card(model_id: str | None = None) -> ModelCard:
         info = ctx.engine.model_info
+        lora = ctx.lora_for(model_id)
+        if lora is not None:
+            return ModelCard(lora.lora_name, created_now(), root=lora.lora_path, max_model_len=info.max_model_len,
+                             parent=ctx.model_name)
         return ModelCard(ctx.model_name, created_now(), root=info.path, max_model_len=info.max_model_len)
 
     @app.get("/v1/models", responses=app.responses(ModelList))
     async def models() -> Response:
-        return json_response(ModelList([model_card()]))
+        """The model, then its LoRA adapters (parent: the model)."""
+        names = [] if ctx.loras is None else list(ctx.loras.adapters)
+        return json_response(ModelList([model_card(), *map(model_card, names)]))
 
     @app.get("/v1/models/{model_id:path}", responses=app.responses(ModelCard))
     async def model(model_id: str) -> Response:
-        """OpenAI's models.retrieve: the served model's card, 404 for any other name."""
-        ctx.check_model(model_id)
-        return json_response(model_card())
+        """OpenAI's models.retrieve: the served model's or an adapter's card, 404 for any other name."""
+        return json_response(model_card(model_id))
 
     @app.get("/info", responses=app.responses(TGIInfo))
     async def info() -> Response:
@@ -163,6 +170,36 @@ def _add_info_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
     @app.post("/reset_prefix_cache", responses=app.responses(_object_of(success="boolean")))
     async def reset_prefix_cache() -> Response:
         return json_response({"success": await ctx.engine.reset_prefix_cache()})
+
+
+def _add_lora_routes(app: DocumentedAPI, ctx: ServingContext) -> None:
+    """vLLM's run-time adapter routes (behind the API key like every generation route). An adapter unloaded
+    while requests run with it lets them finish; new requests naming it get 404."""
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=app.body(LoadLoRAAdapterRequest),
+              responses=app.responses(text="text/plain"))
+    async def load_lora_adapter(request: Request) -> Response:
+        body: LoadLoRAAdapterRequest = decode_json(await request.body(), LoadLoRAAdapterRequest)
+        _registry(ctx).add(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=app.body(UnloadLoRAAdapterRequest),
+              responses=app.responses(text="text/plain"))
+    async def unload_lora_adapter(request: Request) -> Response:
+        body: UnloadLoRAAdapterRequest = decode_json(await request.body(), UnloadLoRAAdapterRequest)
+        registry = _registry(ctx)
+        lora = registry.get(body.lora_name)
+        if lora is not None and body.lora_int_id is not None and body.lora_int_id != lora.lora_int_id:
+            raise APIError(400, f"lora_int_id {body.lora_int_id} is not adapter {body.lora_name!r}'s "
+                           f"({lora.lora_int_id})", param="lora_int_id")
+        registry.remove(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+
+def _registry(ctx: ServingContext):
+    if ctx.loras is None or not ctx.loras.is_enabled:
+        raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora)")
+    return ctx.loras
 
 
 def _object_of(**types: str) -> dict:

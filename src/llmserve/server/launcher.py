@@ -18,12 +18,13 @@ import time
 import uvicorn
 
 from llmserve.aio import bind_socket, run_service
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, LoRAConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.heap import freeze_startup_heap
 from llmserve.server.api_server import build_app
 from llmserve.server.config import ServerConfig
-from llmserve.server.errors import service_unavailable
+from llmserve.server.errors import APIError, service_unavailable
+from llmserve.server.lora_registry import LoRARegistry
 from llmserve.server.grpc_service.service import bind_grpc, start_grpc
 from llmserve.server.loop_lag import probe_loop_lag
 from llmserve.server.metrics import ServerMetrics
@@ -120,7 +121,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.
                                         stream_interval=config.stream_interval,
                                         request_timeout=config.request_timeout)
     try:
-        ctx = serving_context(engine, config)
+        ctx = serving_context(engine, config, engine_config.lora)
         model_name = ctx.model_name
         server = DrainingServer(_uvicorn_config(build_app(ctx), config), ctx)
         engine.dead_callbacks.append(server.on_engine_dead)
@@ -146,13 +147,22 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.
         await engine.shutdown()
 
 
-def serving_context(engine: AsyncLLM, config: ServerConfig) -> ServingContext:
-    """The routes' state around a started engine, its metrics hooked to the engine's steps."""
+def serving_context(engine: AsyncLLM, config: ServerConfig, lora: LoRAConfig = LoRAConfig()) -> ServingContext:
+    """The routes' state around a started engine, its metrics hooked to the engine's steps, and the adapters
+    of --lora-modules (each checked: a bad one stops the start with its error)."""
     model_name = config.served_model_name or engine.model_info.name
     metrics = ServerMetrics(model_name)
     metrics.set_cache_size(engine.client.num_kv_blocks)
     engine.stat_logger = metrics
-    return ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs, TokenTexts(engine.tokenizer))
+    loras = LoRARegistry(lora.enable_lora, lora.max_lora_rank, engine.model_info.path,
+                         (model_name, engine.model_info.name), metrics.num_lora_adapters.set)
+    for name, path in lora.modules().items():
+        try:
+            loras.add(name, path)
+        except APIError as e:
+            raise ValueError(f"--lora-modules: {e.message}") from None
+    return ServingContext(engine, config, metrics, model_name, engine.client.max_num_seqs, TokenTexts(engine.tokenizer),
+                          loras)
 
 
 def run(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket | None = None) -> int:

@@ -311,6 +311,21 @@ class ModelCard(msgspec.Struct):
     root: str | None = None
     max_model_len: int | None = None
     object: str = "model"
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's POST /v1/unload_lora_adapter body (lora_int_id, when given, must be the adapter's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(msgspec.Struct):

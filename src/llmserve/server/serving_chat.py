@@ -72,7 +72,7 @@ class ChatServer:
         plan, params, prompt = prepare_chat(ctx, req)
         ctx.admit(request.scope, params.n)
         request_id = new_request_id("chatcmpl")
-        gen = ctx.engine.generate(prompt, params, request_id, req.priority)
+        gen = ctx.engine.generate(prompt, params, request_id, req.priority, lora=ctx.lora_for(req.model))
         if req.stream:
             return sse_response(with_error_event(self._stream(req, plan, params, request_id, prompt, gen),
                                                  request_id), request_id, ctx.is_shutting_down)
@@ -98,7 +98,7 @@ class ChatServer:
         usage = make_usage(len(prompt.token_ids), sum(len(out.token_ids) for out in final.outputs),
                            final.num_cached_tokens)
         prompt_token_ids = list(prompt.token_ids) if req.return_token_ids else None
-        return ChatCompletionResponse(request_id, created_now(), self.ctx.model_name, choices, usage,
+        return ChatCompletionResponse(request_id, created_now(), self.ctx.served_name(req.model), choices, usage,
                                       prompt_token_ids=prompt_token_ids)
 
     def _stream_choices(self, req: ChatCompletionRequest, stream: ChoiceStream, thoughts: ThoughtStream | None,
@@ -125,7 +125,7 @@ class ChatServer:
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams, request_id: str,
                       prompt: TokensPrompt, gen) -> AsyncIterator[bytes]:
-        created, model = created_now(), self.ctx.model_name
+        created, model = created_now(), self.ctx.served_name(req.model)
         options = req.stream_options
         is_usage = options is not None and options.include_usage
         is_continuous = is_usage and options.continuous_usage_stats

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 
 from llmserve.engine.async_llm import AsyncLLM, merge_outputs
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, service_unavailable
+from llmserve.server.lora_registry import LoRARegistry
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import ChatMessage
 from llmserve.server.protocol_tools import ToolCall
@@ -33,6 +35,7 @@ class ServingContext:
     model_name: str
     max_num_seqs: int
     token_text: TokenTexts
+    loras: LoRARegistry | None = None  # the adapters served by name (None: none)
     is_draining: bool = False
     num_http_in_flight: int = 0  # generation/tokenizer requests being answered (not /health, /metrics)
     num_admitted: int = 0  # engine sequences of the generation requests being answered
@@ -46,9 +49,22 @@ class ServingContext:
         return self.max_num_seqs + self.config.max_queued_requests
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.engine.model_info.name):
+        self.lora_for(model)
+
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name when the request named one, else the model's."""
+        lora = None if self.loras is None else self.loras.get(model)
+        return self.model_name if lora is None else lora.lora_name
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for a name nothing here has."""
+        if model is None or model in (self.model_name, self.engine.model_info.name):
+            return None
+        lora = None if self.loras is None else self.loras.get(model)
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
                            param="model", code="model_not_found")
+        return lora
 
     def admit(self, scope: dict, num_engine_requests: int) -> None:
         """Count the request's sequences in, in its `scope` (an HTTP request's: FrontDoor counts them out when

@@ -117,7 +117,9 @@ class CompletionServer:
                 prompt.text = prompt.text if prompt.text is not None else ctx.engine.decode(prompt.token_ids)
         ctx.admit(request.scope, len(prompts) * params.n)
         request_id = new_request_id("cmpl")
-        gens = [ctx.engine.generate(p, params, f"{request_id}-{i}", req.priority) for i, p in enumerate(prompts)]
+        lora = ctx.lora_for(req.model)
+        gens = [ctx.engine.generate(p, params, f"{request_id}-{i}", req.priority, lora=lora)
+                for i, p in enumerate(prompts)]
         if req.stream:
             return sse_response(with_error_event(self._stream(req, params, request_id, prompts, gens), request_id),
                                 request_id, ctx.is_shutting_down)
@@ -170,13 +172,13 @@ class CompletionServer:
             choices.extend(self._choice(req, params, state, i, prompt, out, final.prompt_logprobs)
                            for out in final.outputs)
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(request_id, created_now(), self.ctx.model_name, choices,
+        return CompletionResponse(request_id, created_now(), self.ctx.served_name(req.model), choices,
                                   self._usage(prompts, state))
 
     async def _stream(self, req: CompletionRequest, params: SamplingParams, request_id: str,
                       prompts: list[TokensPrompt], gens) -> AsyncIterator[bytes]:
         state = _Choices(params.n)
-        created, model = created_now(), self.ctx.model_name
+        created, model = created_now(), self.ctx.served_name(req.model)
         options = req.stream_options
         is_continuous = options is not None and options.include_usage and options.continuous_usage_stats
         async with aclosing(merge_async_iterators(gens)) as merged:

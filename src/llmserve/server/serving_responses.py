@@ -82,7 +82,7 @@ class ResponsesServer:
         plan, params, prompt = prepare_chat(ctx, chat_request(req, instructions + conversation))
         ctx.admit(request.scope, 1)
         draft = self._draft(req, new_request_id("resp"))
-        gen = ctx.engine.generate(prompt, params, draft.id, 0)
+        gen = ctx.engine.generate(prompt, params, draft.id, 0, lora=ctx.lora_for(req.model))
         if req.stream:
             events = self._stream(plan, draft, conversation, prompt, gen)
             return sse_response(with_error_event(events, draft.id, done=None), draft.id, ctx.is_shutting_down)

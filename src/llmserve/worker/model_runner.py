@@ -38,6 +38,7 @@ from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.decode_window import DecodeWindow
 from llmserve.worker.input_batch import CachedRequestState
+from llmserve.worker.lora_manager import LoRAManager
 from llmserve.worker.multi_step import run_decode_steps
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
 from llmserve.worker.pooler import Pooler
@@ -69,12 +70,15 @@ class ModelRunner:
                  block_size: int, vocab_size: int, device: torch.device, seed: int = 0,
                  speculator: Speculator | None = None, graphs: DecodeGraphs | None = None,
                  max_num_rows: int = 128, max_model_len: int = 4096, tp: TensorParallel | None = None,
-                 pooler: Pooler | None = None, kv_layout: KVCacheLayout | None = None) -> None:
+                 pooler: Pooler | None = None, kv_layout: KVCacheLayout | None = None,
+                 lora: LoRAManager | None = None) -> None:
         """pooler: an embedding model's (--runner pooling): steps pool prompts instead of sampling.
-        kv_layout: the KV cache groups (core/kv_cache_groups.py), each with its own block table; None: one."""
+        kv_layout: the KV cache groups (core/kv_cache_groups.py), each with its own block table; None: one.
+        lora: adapters' slots and each forward's token -> slot map (None: LoRA off)."""
         self.model = model
         self.pooler = pooler
         self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
+        self.lora = lora
         # FP8 layers on CUDA route decode and prompt tokens by what each step says (model/quant/token_kinds.py)
         self.step_kinds = step_kinds_of(model) if device.type == "cuda" else None
         self.tp = tp  # tensor parallelism: rank 0 samples, the other ranks take its ids (_sample)
@@ -129,6 +133,8 @@ class ModelRunner:
             prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
         # batch_rows [S]: the sampling rows'
         inputs, batch_rows = self._prepare(states, step_rows, sched_out, finishes_at_once)
+        if self.lora is not None:
+            self.lora.begin_forward(step_rows, np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64))
         t1 = self._mark()
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
@@ -155,6 +161,8 @@ class ModelRunner:
         the batch. No handle: nothing of it stays pending."""
         t0 = time.perf_counter()
         inputs = window.inputs(j, input_ids)
+        if self.lora is not None:
+            self.lora.begin_forward(window.batch_rows, None)
         t1 = self._mark()
         _, logits = self._forward(inputs, False)  # [B, V]
         t2 = self._mark()
@@ -197,6 +205,8 @@ class ModelRunner:
             state = self.states.pop(req_id, None)
             if state is not None:
                 self.num_not_plain_greedy -= not state.is_plain_greedy
+                if self.lora is not None:
+                    self.lora.release(state.row)
                 self.batch.remove(req_id)
                 self.prompt_scorers.discard(req_id)
                 self._last_rows = None
@@ -253,6 +263,8 @@ class ModelRunner:
             stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens, batch=self.batch)
         state.row = self.batch.add(new.req_id, [*new.prompt_token_ids, *new.output_token_ids], state.block_ids,
                                    state.has_penalties, new.num_computed_tokens, len(new.prompt_token_ids))
+        if self.lora is not None:
+            self.lora.acquire(state.row, new.lora)
         return state
 
     # ---- inputs and forward -------------------------------------------------------------------------
@@ -471,6 +483,8 @@ class ModelRunner:
     def check_integrity(self) -> None:
         self.batch.check_integrity()
         assert set(self.batch.row_of) == set(self.states), "batch rows and states differ"
+        if self.lora is not None:
+            self.lora.check_integrity([state.row for state in self.states.values()])
         assert self.prompt_scorers == {r for r, s in self.states.items() if s.params.prompt_logprobs is not None}
         assert self.num_not_plain_greedy == sum(not s.is_plain_greedy for s in self.states.values())
         if self.pooler is not None:

@@ -26,6 +26,7 @@ from llmserve.worker.pooler import Pooler
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
 from llmserve.worker.kv_cache import (allocate_kv_caches, cache_bytes_per_block, layer_kv_caches, needs_gpu_profile,
                                       num_kv_blocks)
+from llmserve.worker.lora_manager import LoRAManager
 from llmserve.worker.model_runner import ModelRunner
 
 MAX_GRAPH_QUERIES = 16  # a captured row's queries fit one attention tile (triton_kernels.block_q_for)
@@ -68,6 +69,7 @@ class Worker:
                                     tp.size if tp is not None else 1)
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
         self.draft_info, draft_model = self._load_draft()
+        lora = self._lora_manager(model)  # its slots allocated before the KV cache takes what memory is left
         attn_backend = select_attention_backend(device, _backend_name([model, draft_model],
                                                                        config.model.attention_backend), dtype)
         self.num_blocks = self._num_blocks(model, draft_model, attn_backend)
@@ -80,12 +82,21 @@ class Worker:
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp,
-                                  None if model_info.pooler is None else Pooler(model_info.pooler), self.kv_layout)
+                                  None if model_info.pooler is None else Pooler(model_info.pooler), self.kv_layout,
+                                  lora)
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
                 queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups)
+
+    def _lora_manager(self, model: torch.nn.Module) -> LoRAManager | None:
+        """--enable-lora: the adapters' slots on the model's projections (LoRA steps run eager: no graphs)."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        return LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras,
+                           self.config.scheduler.max_num_seqs, self.device)
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
@@ -167,6 +178,8 @@ class Worker:
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
+        if self.config.lora.enable_lora:
+            return None  # a step's adapter grouping is built on the host per step: not captured yet
         if self.model_info.pooler is not None:
             return None  # a pooling engine runs prompts only: no decode step to capture
         if self.tp is not None:

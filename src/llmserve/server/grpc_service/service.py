@@ -127,7 +127,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         ctx.engine.check_request(len(prompt.token_ids), params)
         ctx.admit(scope, 1)
         request_id = new_request_id("grpc")
-        return request_id, prompt, ctx.engine.generate(prompt, params, request_id, request.priority)
+        lora = ctx.lora_for(request.model or None)
+        return request_id, prompt, ctx.engine.generate(prompt, params, request_id, request.priority, lora=lora)
 
     @asynccontextmanager
     async def _call(self, context: grpc.aio.ServicerContext, is_counted: bool = True):

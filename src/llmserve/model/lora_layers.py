@@ -1,0 +1,187 @@
+"""LoRA on the decoder's projections for a batch that mixes adapters: a fixed pool of slots per layer and
+the grouped products over a step's tokens.
+
+Each wrapped projection (qkv_proj, o_proj, gate_up_proj, down_proj) keeps, per slot, A stacked over its
+sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapter's rank) and one B^T per
+sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, out_j] is one matrix). A step's `LoRAStep` lists the tokens that
+run with an adapter, grouped by slot; base-model tokens are not touched.
+
+On CPU the products are segmented (Punica's SGMV): per slot in the step, its tokens' x @ A^T @ B^T, a loop
+over the step's adapters (at most --max-loras), never over rows; decode steps too. Two other forms measured
+no better on CPU side by side (docs/benchmarks.md, "LoRA products on CPU"): gathering each token's A and B
+for one batched matmul (BGMV's form in torch: 1.3-28x slower), and every token against every slot at once
+(a fixed op count: 0.8x at 16 rows of 8 adapters, 1.1-2.5x slower elsewhere). They run on one thread:
+the ops are small, and each parallel one waits for every torch thread (on a shared machine, for one the OS
+has descheduled): 50-240 us an op on 2 threads against 2-8 us on one, measured side by side.
+On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a token, its slot read on
+the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmserve.model.lora_adapter import LoRAWeights
+
+# fused projection of our decoder -> the HF module names it holds, in output order
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                 "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass
+class LoRAStep:
+    """A forward's tokens that carry an adapter, grouped by slot (base-model tokens are left out)."""
+
+    token_indices: torch.Tensor  # [N] int64 token positions in the step, slot by slot
+    token_slots: torch.Tensor  # [N] int64 the slot of each
+    segments: list[tuple[int, int, int]]  # (slot, start, end) over token_indices, one per slot in the step
+
+
+def lora_step(token_slots: np.ndarray, device: torch.device) -> LoRAStep | None:
+    """token_slots [T] (-1: the base model) -> the step's grouping; None when no token has an adapter."""
+    indices = np.flatnonzero(token_slots >= 0)  # [N]
+    if not len(indices):
+        return None
+    indices = indices[np.argsort(token_slots[indices], kind="stable")]
+    slots = token_slots[indices]  # [N] sorted
+    bounds = np.flatnonzero(np.diff(slots)) + 1
+    starts, ends = np.concatenate(([0], bounds)), np.concatenate((bounds, [len(slots)]))
+    segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+    return LoRAStep(torch.from_numpy(indices).to(device), torch.from_numpy(slots.astype(np.int64)).to(device),
+                    segments)
+
+
+class LoRAContext:
+    """What every wrapped projection reads during a forward: the step's grouping (None: base model only)."""
+
+    def __init__(self) -> None:
+        self.step: LoRAStep | None = None
+
+
+class LoRALinear(nn.Module):
+    """A projection plus the LoRA of the adapter in each token's slot: base(x) + x @ A[slot]^T @ B[slot]^T."""
+
+    def __init__(self, base: nn.Module, in_features: int, out_sizes: list[int], num_slots: int, max_rank: int,
+                 context: LoRAContext, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.context = context
+        self.max_rank = max_rank
+        self.out_sizes = out_sizes
+        self.register_buffer("lora_a", torch.zeros(num_slots, len(out_sizes) * max_rank, in_features, dtype=dtype,
+                                                   device=device), persistent=False)  # [S, n_sub * R, in]
+        for j, size in enumerate(out_sizes):
+            self.register_buffer(f"lora_b{j}", torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device),
+                                 persistent=False)  # [S, R, out_j]: B^T
+
+    @property
+    def lora_bs(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        out = self.base(x)
+        step = self.context.step
+        if step is None:
+            return out
+        if x.is_cuda:
+            _triton_add()(out, x, self.lora_a, self.lora_bs, step)
+            return out
+        with _one_thread():
+            add_lora_segmented(out, x, self.lora_a, self.lora_bs, step)
+        return out
+
+    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot `slot` holds these (A [r, in], B [out_j, r]) per sub-projection (None: the adapter leaves it)."""
+        rank = self.max_rank
+        self.lora_a[slot].zero_()
+        for j, pair in enumerate(pairs):
+            b = getattr(self, f"lora_b{j}")[slot]
+            b.zero_()
+            if pair is not None:
+                a_j, b_j = pair
+                self.lora_a[slot, j * rank:j * rank + a_j.shape[0]].copy_(a_j)
+                b[:b_j.shape[1]].copy_(b_j.T)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch ops on one CPU thread inside (switching costs ~4 us)."""
+    num_threads = torch.get_num_threads()
+    if num_threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
+
+
+@functools.cache
+def _triton_add():
+    """The Triton kernels' entry (imported on first CUDA use: triton is not needed on CPU)."""
+    from llmserve.model.lora_triton import add_lora_triton
+
+    return add_lora_triton
+
+
+def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                       step: LoRAStep) -> None:
+    """out [T, out] += each token's LoRA, one pair of matmuls per slot over that slot's tokens (SGMV)."""
+    rank = bs[0].shape[1]
+    for slot, start, end in step.segments:
+        idx = step.token_indices[start:end]  # [n]
+        shrunk = x.index_select(0, idx) @ a[slot].T  # [n, n_sub * R]
+        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot] for j, b in enumerate(bs)], dim=1)
+        out.index_put_((idx,), delta.to(out.dtype), accumulate=True)  # [n, out]; faster than index_add_ on CPU
+
+
+def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRAContext, dict[str, list]]:
+    """Wrap every dense decoder layer's projections of a loaded CausalLM (MoE MLPs keep none) in place.
+
+    Returns the shared context and {fused name: [LoRALinear or None per layer]}."""
+    context = LoRAContext()
+    param = model.model.embed_tokens.weight  # the model's dtype (a quantized model's projections hold int8/FP8)
+    wrapped: dict[str, list] = {name: [] for name in FUSED_MODULES}
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = model.config.hidden_size
+        sizes = {"qkv_proj": (attn, hidden, [attn.q_size, attn.kv_size, attn.kv_size]),
+                 "o_proj": (attn, attn.q_size, [hidden])}
+        if hasattr(mlp, "gate_up_proj"):
+            inter = mlp.intermediate_size
+            sizes |= {"gate_up_proj": (mlp, hidden, [inter, inter]), "down_proj": (mlp, inter, [hidden])}
+        for name in FUSED_MODULES:
+            if name not in sizes:
+                wrapped[name].append(None)
+                continue
+            owner, in_features, out_sizes = sizes[name]
+            module = LoRALinear(getattr(owner, name), in_features, out_sizes, num_slots, max_rank, context,
+                                param.dtype, param.device)
+            setattr(owner, name, module)
+            wrapped[name].append(module)
+    return context, wrapped
+
+
+def load_slot(wrapped: dict[str, list], slot: int, weights: LoRAWeights) -> None:
+    """Write an adapter into slot `slot` of every wrapped projection (zeros where it has no module);
+    ValueError when it targets a layer whose projection has no LoRA (an MoE layer's MLP)."""
+    placed = set()
+    for fused, modules in FUSED_MODULES.items():
+        for layer, linear in enumerate(wrapped[fused]):
+            pairs = [weights.modules.get((layer, module)) for module in modules]
+            if linear is None:
+                if any(pairs):
+                    raise ValueError(f"layer {layer}'s {fused} takes no LoRA (a Mixture-of-Experts layer)")
+                continue
+            linear.set_slot(slot, pairs)
+            placed.update((layer, m) for m, p in zip(modules, pairs) if p is not None)
+    assert placed == set(weights.modules), "an adapter module found no projection"

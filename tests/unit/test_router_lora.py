@@ -1,0 +1,58 @@
+"""The router and LoRA adapters: it learns which backend serves which adapter (GET /v1/models cards with a
+parent, read again when a backend's adapter count changes) and sends an adapter's requests there, the
+adapter's name unchanged."""
+
+import asyncio
+import json
+
+import httpx
+from test_router_proxy import A, B, backend, call, json_response, make_gateway, ok
+
+from llmserve.router.monitor import learn_model, scrape
+
+ADAPTERS = {"a": [], "b": ["sql"]}
+
+
+def handler(request: httpx.Request) -> httpx.Response:
+    host = request.url.host
+    if request.url.path == "/v1/models":
+        cards = [{"id": "m"}, *({"id": name, "parent": "m"} for name in ADAPTERS.get(host, []))]
+        return json_response(200, {"object": "list", "data": cards})
+    if request.url.path == "/metrics":
+        text = f"llmserve:lora_adapters{{model_name=\"m\"}} {len(ADAPTERS.get(host, []))}\n"
+        return httpx.Response(200, text=text)
+    return ok(request)
+
+
+def test_an_adapters_requests_go_to_the_backends_that_serve_it():
+    async def run():
+        gw = make_gateway(handler)
+        for url in (A, B):
+            assert await learn_model(gw, backend(gw, url))
+        assert backend(gw, B).adapters == {"sql"} and backend(gw, B).served_model == "m"
+        for _ in range(3):
+            r = await call(gw, {"model": "sql", "prompt": "hi"})
+            assert r.status_code == 200 and r.json()["served_by"] == "b"
+            assert r.json()["body"]["model"] == "sql"  # the adapter's name reaches the backend
+        served = {(await call(gw, {"model": "m", "prompt": "hi"})).json()["served_by"] for _ in range(2)}
+        assert served == {"a", "b"}  # the base model: every backend, as before
+        assert (await call(gw, {"model": "nope", "prompt": "hi"})).status_code == 404
+
+    asyncio.run(run())
+
+
+def test_a_scrape_learns_adapters_loaded_at_run_time():
+    async def run():
+        gw = make_gateway(handler)
+        a = backend(gw, A)
+        assert await learn_model(gw, a) and a.adapters == frozenset()
+        ADAPTERS["a"] = ["chat"]
+        try:
+            await scrape(gw, a)
+            assert a.adapters == {"chat"} and a.scraped.num_adapters == 1
+            r = await call(gw, {"model": "chat", "prompt": "hi"})
+            assert json.loads(r.content)["served_by"] == "a"
+        finally:
+            ADAPTERS["a"] = []
+
+    asyncio.run(run())
