@@ -38,3 +38,16 @@ def fake_runner_output(sched: Scheduler, out: SchedulerOutput, token: int = 7) -
 def step(sched: Scheduler, token: int = 7):
     out = sched.schedule()
     return out, sched.update_from_output(out, fake_runner_output(sched, out, token))
+
+
+def ids(kv, request) -> list[int]:
+    """A request's block ids in a KVCacheManager."""
+    return kv.get_block_ids(request.request_id)
+
+
+def advance(kv, request, num_tokens: int) -> None:
+    """Computes `num_tokens` more; one that reaches the last known token samples the next (token 7)."""
+    assert kv.allocate_slots(request, num_tokens) is not None
+    request.num_computed_tokens += num_tokens
+    if request.num_computed_tokens == request.num_tokens:
+        request.append_output_token(7)

@@ -9,21 +9,9 @@ import pytest
 from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
 
-from core_helpers import make_request, make_scheduler, step
+from core_helpers import advance, ids, make_request, make_scheduler, step
 
 W = 6  # the sliding groups' window in the manager tests; blocks of 4 tokens
-
-
-def ids(kv: KVCacheManager, request) -> list[int]:
-    return kv.get_block_ids(request.request_id)
-
-
-def advance(kv: KVCacheManager, request, num_tokens: int) -> None:
-    """Computes `num_tokens` more; one that reaches the last known token samples the next (token 7)."""
-    assert kv.allocate_slots(request, num_tokens) is not None
-    request.num_computed_tokens += num_tokens
-    if request.num_computed_tokens == request.num_tokens:
-        request.append_output_token(7)
 
 
 def test_gemma3_layers_form_six_groups_of_two():

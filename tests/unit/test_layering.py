@@ -11,9 +11,11 @@ LOWER = ("core", "worker", "model", "sample", "spec", "structured")
 UPPER = ("engine", "server", "router", "bench", "rayserve")
 
 
-def _imported_modules(path: pathlib.Path) -> list[str]:
+def _imported_modules(path: pathlib.Path, is_top_level_only: bool = False) -> list[str]:
+    """What a module imports; is_top_level_only: only what it imports when it is imported (not in functions)."""
+    tree = ast.parse(path.read_text())
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in (tree.body if is_top_level_only else ast.walk(tree)):
         if isinstance(node, ast.ImportFrom) and node.module:
             names.append(node.module)
         elif isinstance(node, ast.Import):
@@ -37,22 +39,11 @@ def test_speculation_imports_nothing_from_the_runner():
     assert not offending, offending
 
 
-def _top_level_imports(path: pathlib.Path) -> list[str]:
-    """What a module imports when it is imported (not inside its functions)."""
-    names = []
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.append(node.module)
-        elif isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-    return names
-
-
 def test_serving_imports_no_test_scaffolding():
     """Checkpoint makers, toy tokenizers, test servers and the step gate live in llmserve.testing; no serving
     package loads them with itself (the demo model and the step gate import them when they are asked for)."""
     serving = LOWER + ("engine", "server", "router", "rayserve")
     offending = [f"{path.relative_to(SRC)} imports {name}"
                  for layer in serving for path in sorted((SRC / layer).rglob("*.py"))
-                 for name in _top_level_imports(path) if name.split(".")[:2] == ["llmserve", "testing"]]
+                 for name in _imported_modules(path, is_top_level_only=True) if name.split(".")[:2] == ["llmserve", "testing"]]
     assert not offending, offending

@@ -9,19 +9,7 @@ import pytest
 from llmserve.core.kv_cache_groups import single_group_layout
 from llmserve.core.kv_cache_manager import KVCacheManager
 
-from core_helpers import make_request, make_scheduler, step
-
-
-def ids(kv: KVCacheManager, request) -> list[int]:
-    return kv.get_block_ids(request.request_id)
-
-
-def advance(kv: KVCacheManager, request, num_tokens: int) -> None:
-    """Computes `num_tokens` more; one that reaches the last known token samples the next (token 7)."""
-    assert kv.allocate_slots(request, num_tokens) is not None
-    request.num_computed_tokens += num_tokens
-    if request.num_computed_tokens == request.num_tokens:
-        request.append_output_token(7)
+from core_helpers import advance, ids, make_request, make_scheduler, step
 
 
 def test_blocks_before_the_window_go_back_as_tokens_advance():
