@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.json_flags import parse_json_object_flag
 from llmserve.pooling import RUNNERS, parse_pooler_override
 
 
@@ -486,20 +486,12 @@ def _take_speculative_config(args: argparse.Namespace) -> None:
     text = getattr(args, "speculative_config", None)
     if text is None:
         return
-    try:
-        settings = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--speculative-config: not JSON: {e}") from None
-    if not isinstance(settings, dict):
-        raise ValueError("--speculative-config: must be a JSON object")
+    settings = parse_json_object_flag("speculative-config", text, SPECULATIVE_CONFIG_KEYS)
     if "model" in settings and "method" not in settings:
         settings["method"] = "draft_model"  # as vLLM infers it
     defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
     for key, value in settings.items():
-        name = SPECULATIVE_CONFIG_KEYS.get(key)
-        if name is None:
-            raise ValueError(f"--speculative-config: unsupported key {key!r}; supported: "
-                             f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
+        name = SPECULATIVE_CONFIG_KEYS[key]
         if key == "method":
             if value not in SPECULATIVE_METHODS:
                 raise ValueError(f"--speculative-config: method {value!r} is not supported; supported: "

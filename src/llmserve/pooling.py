@@ -8,8 +8,9 @@ files, else last-token pooling, normalised, as vLLM does for decoder embedders l
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from llmserve.json_flags import parse_json_object_flag
 
 RUNNERS = ("generate", "pooling")  # vLLM's --runner values that llmserve serves
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's names: the last prompt token, the mean of all, the first
@@ -49,15 +50,7 @@ def parse_pooler_override(text: str | None) -> dict:
     """--pooler-config's JSON as {key: value}; ValueError naming the flag and the key that is wrong."""
     if text is None:
         return {}
-    try:
-        settings = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--pooler-config: not JSON: {e}") from None
-    if not isinstance(settings, dict):
-        raise ValueError("--pooler-config: must be a JSON object")
-    for key in settings:
-        if key not in OVERRIDE_KEYS:
-            raise ValueError(f"--pooler-config: unsupported key {key!r}; supported: {', '.join(OVERRIDE_KEYS)}")
+    settings = parse_json_object_flag("pooler-config", text, OVERRIDE_KEYS)
     if "pooling_type" in settings:
         settings["pooling_type"] = str(settings["pooling_type"]).upper()
     try:
