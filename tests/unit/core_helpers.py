@@ -51,3 +51,21 @@ def advance(kv, request, num_tokens: int) -> None:
     request.num_computed_tokens += num_tokens
     if request.num_computed_tokens == request.num_tokens:
         request.append_output_token(7)
+
+
+def run_with_an_abort(sched: Scheduler, requests: list, abort_at: int, abort_id: str) -> None:
+    """Steps `requests` to their end, aborting `abort_id` after step `abort_at`, checking the bookkeeping after
+    every step; then every block is free again and some request was preempted."""
+    for request in requests:
+        sched.add_request(request)
+    num_steps = 0
+    while sched.has_unfinished_requests():
+        step(sched)
+        num_steps += 1
+        if num_steps == abort_at:
+            sched.abort_requests([abort_id])
+        sched.check_integrity()
+        assert num_steps < 500
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert sched.kv.pool.get_num_free_blocks() == sched.kv.pool.num_usable_blocks
+    assert not sched.kv.req_to_blocks and not sched.kv.window_starts

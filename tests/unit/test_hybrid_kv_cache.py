@@ -9,7 +9,7 @@ import pytest
 from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
 
-from core_helpers import advance, ids, make_request, make_scheduler, step
+from core_helpers import advance, ids, make_request, make_scheduler, run_with_an_abort, step
 
 W = 6  # the sliding groups' window in the manager tests; blocks of 4 tokens
 
@@ -118,19 +118,7 @@ def test_nothing_leaks_through_preemption_and_aborts(caching):
                            max_model_len=64, group_windows=(0, W, W))
     requests = [make_request(f"r{i}", [1 + (i * 3 + j) % 7 for j in range(20 + 5 * i)], max_tokens=12,
                              ignore_eos=True) for i in range(6)]
-    for request in requests:
-        sched.add_request(request)
-    num_steps = 0
-    while sched.has_unfinished_requests():
-        step(sched)
-        num_steps += 1
-        if num_steps == 7:
-            sched.abort_requests(["r4"])
-        sched.check_integrity()
-        assert num_steps < 500
-    assert sum(r.num_preemptions for r in requests) > 0
-    assert sched.kv.pool.get_num_free_blocks() == sched.kv.pool.num_usable_blocks
-    assert not sched.kv.req_to_blocks and not sched.kv.window_starts
+    run_with_an_abort(sched, requests, abort_at=7, abort_id="r4")
 
 
 NUM_OUT = 256  # decode steps enough for every admitted request to reach its decode at once

@@ -9,7 +9,7 @@ import pytest
 from llmserve.core.kv_cache_groups import single_group_layout
 from llmserve.core.kv_cache_manager import KVCacheManager
 
-from core_helpers import advance, ids, make_request, make_scheduler, step
+from core_helpers import advance, ids, make_request, make_scheduler, run_with_an_abort, step
 
 
 def test_blocks_before_the_window_go_back_as_tokens_advance():
@@ -75,19 +75,7 @@ def test_nothing_leaks_through_preemption_and_aborts(caching):
     shared = list(range(1, 25))
     requests = [make_request(f"r{i}", shared[:2 + i] if i % 2 else [200 + i] * (3 + i), max_tokens=30)
                 for i in range(6)]
-    for request in requests:
-        sched.add_request(request)
-    num_steps = 0
-    while sched.has_unfinished_requests():
-        step(sched)
-        num_steps += 1
-        if num_steps == 9:
-            sched.abort_requests(["r3"])
-        sched.check_integrity()
-        assert num_steps < 500
-    assert sum(r.num_preemptions for r in requests) > 0
-    assert sched.kv.pool.get_num_free_blocks() == sched.kv.pool.num_usable_blocks
-    assert not sched.kv.req_to_blocks and not sched.kv.window_starts
+    run_with_an_abort(sched, requests, abort_at=9, abort_id="r3")
 
 
 def peak_long_sequences(num_blocks: int, window: int, context: int, block_size: int = 16) -> int:
