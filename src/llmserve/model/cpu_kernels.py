@@ -45,8 +45,10 @@ MAX_QUERY_LEN = 16  # decode-like rows: up to this many query tokens over a cach
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
-                                                      "linear_avx2.cpp", "int8_linear_avx2.cpp")]
-_HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h")]
+                                                      "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
+                                                      "fused_ops_bf16.cpp")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
+                                                                     "fused_ops_bf16.h")]
 _NAME = "llmserve_cpu_kernels"
 FIRST_BUILD_TIME = "2-3 minutes on 2 cores"  # measured: about 2.5 minutes on an AMD EPYC Zen 3 (2 cores)
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
@@ -56,7 +58,19 @@ def _compile_flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]
     if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_isa.cpu_flags():
         flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in cpu_isa.cpu_flags() else [])
+        flags += _avx512_flags()
     return flags
+
+
+AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq"}
+
+
+def _avx512_flags() -> list[str]:
+    """-mavx512f/bw/vl/dq where the CPU has all four (csrc/linear_avx512.cpp), plus -mavx512bf16 with AVX512-BF16."""
+    cpu = cpu_isa.cpu_flags()
+    if not set(AVX512_FLAGS) <= cpu:
+        return []
+    return list(AVX512_FLAGS.values()) + (["-mavx512bf16"] if "avx512_bf16" in cpu else [])
 
 
 def _build_dir(flags: list[str]) -> str:
@@ -64,6 +78,7 @@ def _build_dir(flags: list[str]) -> str:
 
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
     tag += "-avx2" if "-mavx2" in flags else ""
+    tag += "-avx512" if "-mavx512f" in flags else ""
     # one directory per source location: two checkouts never rebuild (or lock) each other's build
     tag += "-" + hashlib.sha256(_CSRC.encode()).hexdigest()[:8]
     path = os.path.join(cache_dir(), "torch_extensions", re.sub(r"[^A-Za-z0-9._-]", "_", tag))
@@ -235,9 +250,13 @@ def attends_prompts(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and has_avx2_kernels()
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def can_fuse(x: torch.Tensor) -> bool:
-    """Whether the fused ops below take x: float32 on CPU, outside autograd, kernels built."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() and available()
+    """Whether the fused ops below take x: float32 or bfloat16 on CPU, outside autograd, kernels built (the other
+    tensors of a call share x's dtype)."""
+    return x.device.type == "cpu" and x.dtype in FUSED_DTYPES and not torch.is_grad_enabled() and available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -266,7 +285,8 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """k/v [T, Hkv, D] float32 (any row/head strides) into kv_cache [2, N, bs, Hkv, D] (float32, or float16:
-    rounded to nearest even) at slot_mapping [T] int64."""
+    rounded to nearest even; int8: quantized per row), or bfloat16 k/v into a bfloat16 cache, at slot_mapping [T]
+    int64."""
     _ops().write_kv(kv_cache, slot_mapping, k, v)
 
 
@@ -309,9 +329,11 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] contiguous float32, panels from `pack_linear_weight`, bias [N] or None -> [T, N]."""
+    """x [T, K] contiguous float32, panels from `pack_linear_weight`, bias [N] or None -> [T, N]; through
+    AVX-512 registers where the build and oneDNN's cap allow (the same sums in the same order as AVX2's)."""
     out = x.new_empty(x.shape[0], out_features)
-    _ops().packed_linear(out, x, panels, bias)
+    op = _ops().packed_linear_avx512 if _has_avx512_build() and cpu_isa.onednn_has_avx512() else _ops().packed_linear
+    op(out, x, panels, bias)
     return out
 
 
@@ -332,4 +354,44 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, w_scale: torch.Tensor, ou
     """x [T, K] contiguous float32 quantized per row, times the int8 panels, scaled -> [T, N] float32."""
     out = x.new_empty(x.shape[0], out_features)
     _ops().int8_linear(out, x, panels, w_scale, bias)
+    return out
+
+
+@functools.cache
+def _has_avx512_build() -> bool:
+    return available() and bool(_ops().has_avx512_linear())
+
+
+@functools.cache
+def _has_bf16_dot_build() -> bool:
+    return available() and bool(_ops().has_bf16_gemv())
+
+
+def has_avx512_linear() -> bool:
+    """Whether the build has csrc/linear_avx512.cpp's float32 panel kernel (an AVX-512 build, loaded);
+    `packed_linear` runs it where oneDNN may use AVX-512 too (ONEDNN_MAX_CPU_ISA holds both to AVX2)."""
+    return _has_avx512_build()
+
+
+def packed_linear_avx512(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`packed_linear` through AVX-512 registers: the same panels, the same sums in the same order."""
+    out = x.new_empty(x.shape[0], out_features)
+    _ops().packed_linear_avx512(out, x, panels, bias)
+    return out
+
+
+BF16_GEMV_MAX_ROWS = 4  # rows of x `bf16_gemv` takes (decode batches of one user or a few)
+
+
+def has_bf16_gemv() -> bool:
+    """Whether the build has the AVX512-BF16 GEMV (`bf16_gemv`)."""
+    return _has_bf16_dot_build()
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 4, K] contiguous bfloat16, weight [N, K] contiguous bfloat16 (as loaded), bias [N] or None ->
+    [M, N] bfloat16, float32 sums of bf16 products (what oneDNN's bf16 GEMM computes, in another order)."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _ops().bf16_gemv(out, x, weight, bias)
     return out
