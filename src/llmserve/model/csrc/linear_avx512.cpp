@@ -7,8 +7,8 @@
 //                         kernel: results do not depend on the number of rows, nor on which of the two runs.
 //   bf16_gemv             out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), bfloat16 in and out, M <= 4 (decode
 //                         rows), float32 sums through AVX512-BF16's dot products (vdpbf16ps), on the plain
-//                         row-major weight: threads take contiguous runs of 4 output rows and stream those rows
-//                         of w once; a row's 16 partial sums are added at the end.
+//                         row-major weight: threads take contiguous runs of output rows and stream those rows
+//                         of w once, one after the other; a row's partial sums are added at the end.
 //
 // Without AVX-512 (or AVX512-BF16) in the build the ops exist and refuse (`has_avx512_kernels` in Python says
 // which are there).
@@ -30,7 +30,7 @@ constexpr int64_t kChunk = 128;         // k-rows of a panel a row block passes 
 constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;
 constexpr int64_t kPrefetchRows = 256;  // k-rows ahead the weight stream is prefetched
 constexpr int kMaxRows = 6;             // rows of x a register block holds (for_each_row_block's limit)
-constexpr int64_t kGemvRows = 4;        // output rows (of w) a bf16 GEMV step covers
+constexpr int64_t kGemvGrain = 64;      // output rows (of w) a thread takes at least
 constexpr int64_t kMaxGemvM = 4;        // rows of x bf16_gemv takes
 
 struct Gemm {
@@ -123,40 +123,38 @@ inline float bf16_to_float(uint16_t bits) { return static_cast<float>(c10::BFloa
 
 inline uint16_t float_to_bf16(float value) { return c10::BFloat16(value).x; }  // round to nearest even
 
-// out[r, n0 + j] for r < M, j < NUM_N: 32 k a step (masked at the tail), one zmm of 16 pair sums per output.
-template <int M, int NUM_N>
-inline void gemv_step(const Gemv& g, int64_t n0) {
-  __m512 acc[M][NUM_N];
-  for (int r = 0; r < M; ++r)
-    for (int j = 0; j < NUM_N; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < g.k; k0 += 32) {
-    const __mmask32 mask = g.k - k0 >= 32 ? ~__mmask32(0) : (__mmask32(1) << (g.k - k0)) - 1;
-    __m512i wv[NUM_N];
-    for (int j = 0; j < NUM_N; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, g.w + (n0 + j) * g.k + k0);
+// out[r, n] for r < M: the row of w streamed once, 64 k a step into two accumulators a row of x (even and odd
+// 32-k halves, masked at the tail), one zmm of 16 pair sums each, added at the end. One row at a time keeps the
+// weights one sequential stream (rows interleaved four at a time read ~35% slower from DRAM).
+template <int M>
+inline void gemv_row(const Gemv& g, int64_t n) {
+  __m512 acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* w = g.w + n * g.k;
+  int64_t k0 = 0;
+  for (; k0 + 64 <= g.k; k0 += 64) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k0), w1 = (__m512bh)_mm512_loadu_si512(w + k0 + 32);
     for (int r = 0; r < M; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, g.x + r * g.k + k0);
-      for (int j = 0; j < NUM_N; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)wv[j]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(g.x + r * g.k + k0), w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(g.x + r * g.k + k0 + 32), w1);
     }
   }
+  for (; k0 < g.k; k0 += 32) {  // the tail: under 64 k, masked
+    const int64_t left = g.k - k0;
+    const __mmask32 mask = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k0);
+    for (int r = 0; r < M; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_maskz_loadu_epi16(mask, g.x + r * g.k + k0), wv);
+  }
+  const float bias = g.bias ? bf16_to_float(g.bias[n]) : 0.0f;
   for (int r = 0; r < M; ++r)
-    for (int j = 0; j < NUM_N; ++j) {
-      const float bias = g.bias ? bf16_to_float(g.bias[n0 + j]) : 0.0f;
-      g.out[r * g.n + n0 + j] = float_to_bf16(_mm512_reduce_add_ps(acc[r][j]) + bias);
-    }
+    g.out[r * g.n + n] = float_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + bias);
 }
 
 template <int M>
 void run_gemv_rows(const Gemv& g) {
-  const int64_t num_steps = (g.n + kGemvRows - 1) / kGemvRows;
-  at::parallel_for(0, num_steps, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t n0 = s * kGemvRows;
-      if (n0 + kGemvRows <= g.n) {
-        gemv_step<M, kGemvRows>(g, n0);
-      } else {
-        for (int64_t n = n0; n < g.n; ++n) gemv_step<M, 1>(g, n);
-      }
-    }
+  at::parallel_for(0, g.n, kGemvGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) gemv_row<M>(g, n);
   });
 }
 
