@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.core.block_pool import KVBlock
-from llmserve.core.decode_steps import decode_step_counts
+from llmserve.core.decode_window import schedule_window
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
@@ -172,7 +172,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
-        if not self._schedule_decode_steps(out, budget):
+        if not schedule_window(self, out, budget):  # the window path (core/decode_window.py)
             budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
             if not has_preempted:
                 self._schedule_waiting(out, budget)
@@ -225,40 +225,6 @@ class Scheduler(Preemption, OutputUpdate):
         return (self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
                 and not self.draft_backoff.is_skipping)
 
-    def _schedule_decode_steps(self, out: SchedulerOutput, budget: int) -> bool:
-        """A multi-step (core/decode_steps.py) where one can run: every running request decodes its
-        counted tokens, one a forward; False (nothing scheduled) where none can."""
-        num_steps = self._window_forwards()
-        if (num_steps == 1 or len(self.running) > budget or self.num_streamed
-                or self.num_structured or self.held_siblings
-                or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
-            return False  # a request waiting for a seat (or a grammar) would wait out the whole window
-        # while requests wait for a seat the window ends when its first row does: no seat idles meanwhile
-        counts = decode_step_counts(self.running, num_steps, self.kv, is_even=bool(len(self.waiting)))
-        if counts is None:
-            return False
-        kv, scheduled = self.kv, out.num_scheduled_tokens
-        for request, num in zip(self.running, counts):
-            req_id, num_after = request.request_id, request.num_computed_tokens + num
-            num_blocks = len(kv.req_to_blocks[req_id])
-            if num_after > kv.num_slots(req_id) or num_blocks != request.num_runner_blocks:
-                self._send_blocks(out, request, kv.grow(request, num_after))
-            kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
-            scheduled[req_id] = num
-            request.num_computed_tokens = num_after
-            request.num_placeholders = num
-        self.num_step_rows = len(counts)
-        out.num_steps = max(counts)
-        return True
-
-    def _window_forwards(self) -> int:
-        """The most forwards a multi-step may run now: none with speculation on, except while it backs
-        off after a step that found no drafts (core/spec_stats.DraftBackoff), for the forwards it skips."""
-        num_steps = self.config.num_scheduler_steps or 1
-        if not self.spec_config.is_enabled:
-            return num_steps
-        return min(num_steps, self.draft_backoff.num_skips_left) if self.draft_backoff.is_skipping else 1
-
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
         num_preemptions = self.num_preemptions
         i = 0
@@ -288,7 +254,7 @@ class Scheduler(Preemption, OutputUpdate):
             budget, i = budget + budget_back, i - num_before
             if new_blocks is None:
                 continue  # the request itself was preempted: running[i] is now the next one
-            self._send_blocks(out, request, new_blocks)
+            self.send_blocks(out, request, new_blocks)
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
@@ -320,7 +286,7 @@ class Scheduler(Preemption, OutputUpdate):
                 new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
                 if new_blocks is None:
                     return i  # out of blocks: the general path preempts
-                self._send_blocks(out, request, new_blocks)
+                self.send_blocks(out, request, new_blocks)
             elif is_caching and (num_after if num_after < num_known else num_known) // block_size > \
                     num_cached_blocks.get(req_id, 0):
                 self.kv.cache_full_blocks(request, num_after)  # a block fills in this step
@@ -334,7 +300,7 @@ class Scheduler(Preemption, OutputUpdate):
                 self.num_step_prompt_tokens += 1
         return len(rows)
 
-    def _send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
+    def send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
         """Tell the runner of the request's block changes (new blocks, or trimmed ones); nothing if none."""
         num_blocks = len(self.kv.req_to_blocks[request.request_id])
         num_old_blocks = num_blocks - len(new_blocks)

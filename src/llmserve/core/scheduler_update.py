@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from llmserve.config import SpeculativeConfig
+from llmserve.core.decode_window import update_from_window
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
@@ -48,7 +49,7 @@ class OutputUpdate:
             self._update_pooled(runner_out, outputs, now)
             return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, 0))
         if sched_out.num_steps > 1:
-            num_generated = self._update_window(sched_out, runner_out, outputs, now)
+            num_generated = update_from_window(self, sched_out, runner_out, outputs, now)
             return EngineCoreOutputs(outputs=outputs, stats=self._stats(sched_out, num_generated))
         if self._is_plain_decode(sched_out, runner_out):
             num_generated = self._update_plain(runner_out, outputs, now)
@@ -72,7 +73,7 @@ class OutputUpdate:
             request.num_placeholders -= 1
             self._reject_drafts(request, sched_out.scheduled_spec_tokens.get(req_id), num_accepted)
             num_generated += len(token_ids)
-            out = self._append_tokens(request, token_ids, row_logprobs, now)
+            out = self.append_tokens(request, token_ids, row_logprobs, now)
             if out is not None:
                 out.prompt_logprobs = row_prompt
                 outputs.append(out)
@@ -104,7 +105,7 @@ class OutputUpdate:
 
     def _update_plain(self, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput], now: float) -> int:
         """update_from_output for a plain step (`_is_plain_decode`): a row that samples one token and
-        stops on nothing takes it in a tight loop; the others go through `_append_tokens`. Returns the
+        stops on nothing takes it in a tight loop; the others go through `append_tokens`. Returns the
         number of tokens generated."""
         num_generated = 0
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
@@ -122,36 +123,9 @@ class OutputUpdate:
                     outputs.append(EngineCoreOutput(req_id, token_ids,
                                                     num_cached_tokens=max(request.num_cached_tokens, 0)))
                 continue
-            out = self._append_tokens(request, token_ids, None, now)
+            out = self.append_tokens(request, token_ids, None, now)
             if out is not None:
                 outputs.append(out)
-        return num_generated
-
-    def _update_window(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
-                       outputs: list[EngineCoreOutput], now: float) -> int:
-        """update_from_output for a multi-step (core/decode_steps.py), whose rows report only their final
-        output, follow no grammar and have their first token: a row whose ids stop on nothing only takes
-        them in; the others go through `_append_tokens`. A window the runner ended early gave a row fewer
-        ids than forwards counted: the rest is rolled back. Returns the number of tokens generated."""
-        num_generated = 0
-        scheduled = sched_out.num_scheduled_tokens
-        for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if request is None:
-                continue  # aborted during the step
-            num_generated += len(token_ids)
-            request.num_placeholders = 0
-            request.num_computed_tokens -= scheduled[req_id] - len(token_ids)  # forwards the window did not run
-            if request.any_stop_token_ids.isdisjoint(token_ids):  # (its count stops at max_num_tokens)
-                known = request.all_token_ids
-                known += token_ids
-                if len(known) < request.max_num_tokens:
-                    continue
-                out = self._append_tokens(request, [], None, now, RequestStatus.FINISHED_LENGTH)
-            else:  # a stop id: taken in one by one (min_tokens)
-                out = self._append_tokens(request, token_ids, None, now)
-            if out is not None:
-                outputs.append(out)  # it ended
         return num_generated
 
     def _reject_drafts(self, request: Request, drafts: list[int] | None, num_accepted: int) -> None:
@@ -162,7 +136,7 @@ class OutputUpdate:
         assert 0 <= num_accepted <= len(drafts), "more drafts accepted than scheduled"
         if num_accepted < len(drafts):
             request.num_computed_tokens -= len(drafts) - num_accepted
-            request.num_runner_blocks = -1  # the next step sends the runner this row's diff (`_send_blocks`)
+            request.num_runner_blocks = -1  # the next step sends the runner this row's diff (`send_blocks`)
         self.spec_counter.observe(len(drafts), num_accepted)
 
     def _store_drafts(self, request: Request, drafts: list[int]) -> None:
@@ -172,7 +146,7 @@ class OutputUpdate:
         request.spec_token_ids = drafts[:room]
         self.kv.trim(request, request.num_tokens + len(request.spec_token_ids) + self.num_lookahead)
 
-    def _append_tokens(self, request: Request, token_ids: list[int], row_logprobs, now: float,
+    def append_tokens(self, request: Request, token_ids: list[int], row_logprobs, now: float,
                        status: RequestStatus | None = None) -> EngineCoreOutput | None:
         """The row's ids in, up to a stop -> its output (None: a final-only request that goes on). `status`:
         the stop its ids already reached (taken in by the caller)."""

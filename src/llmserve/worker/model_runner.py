@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from operator import attrgetter
@@ -36,10 +35,9 @@ from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
-from llmserve.worker.decode_window import DecodeWindow
+from llmserve.worker.decode_window import WindowEnds, run_window
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.lora_manager import LoRAManager
-from llmserve.worker.multi_step import run_decode_steps
 from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
 from llmserve.worker.pooler import Pooler
 from llmserve.worker.prompt_logprobs import plan_prompt_logprobs, score_prompt
@@ -102,17 +100,14 @@ class ModelRunner:
         self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # step_rows
         self.times = StepTimes()
         self.sync_timing = False
-        # Asked between a multi-step's forwards (worker/multi_step.py): True ends the window there (input
-        # came for the engine: a new request, an abort). None: windows run whole.
-        self.window_interrupt: Callable[[], bool] | None = None
-        self.window_ends_at_finish = False  # a window ends after the forward where some row ran its last
+        self.window_ends = WindowEnds()  # where a multi-step window may end early (worker/decode_window.py)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """launch and finish at once: the step's sampled ids never wait on the device, so the batch keeps
         no pending-id bookkeeping for them (no row is taken over before they are appended). A multi-step
-        runs its forwards here (worker/multi_step.py)."""
+        window runs its forwards in worker/decode_window.py."""
         if sched_out.num_steps > 1:
-            return run_decode_steps(self, sched_out)
+            return run_window(self, sched_out)
         return self.finish(self.launch(sched_out, finishes_at_once=True))
 
     @torch.inference_mode()  # every tensor the runner keeps is made and updated in inference mode
@@ -155,22 +150,20 @@ class ModelRunner:
         self._add_times(t0, t1, t2, t3)
         return handle
 
-    def window_forward(self, window: DecodeWindow, j: int, input_ids: np.ndarray) -> np.ndarray:
-        """Forward j of a multi-step (worker/multi_step.py; j >= 1): the window's rows [B] decode one token
-        each, `input_ids` [B] the ids forward j - 1 sampled; their sampled ids [B] on the host, appended to
-        the batch. No handle: nothing of it stays pending."""
-        t0 = time.perf_counter()
-        inputs = window.inputs(j, input_ids)
+    def decode_forward(self, inputs: StepInputs, batch_rows: np.ndarray, states: list[CachedRequestState],
+                       started: float) -> np.ndarray:
+        """One forward of one token a row (a window's later forward, worker/decode_window.py) over batch rows
+        [B]: their sampled ids [B] on the host. No handle: nothing of it stays pending. `started`: when its
+        inputs began to be built (counted as its preparation)."""
         if self.lora is not None:
-            self.lora.begin_forward(window.batch_rows, None)
+            self.lora.begin_forward(batch_rows, None)
         t1 = self._mark()
         _, logits = self._forward(inputs, False)  # [B, V]
         t2 = self._mark()
-        sampled = self._sample(logits, window.states).sampled_token_ids  # [B]
-        self._note_penalized(window.batch_rows, sampled)
+        sampled = self._sample(logits, states).sampled_token_ids  # [B]
+        self._note_penalized(batch_rows, sampled)
         host = sampled.numpy() if sampled.device.type == "cpu" else sampled.cpu().numpy()  # [B]
-        window.append(host)
-        self._add_times(t0, t1, t2, self._mark())
+        self._add_times(started, t1, t2, self._mark())
         return host
 
     @torch.inference_mode()
@@ -440,8 +433,8 @@ class ModelRunner:
         return handle
 
     def finish_sampled(self, handle: StepHandle) -> np.ndarray:
-        """`finish` for one forward of a multi-step (worker/multi_step.py, which makes one output of all its
-        forwards): the sampled ids [S] only, appended to the batch."""
+        """`finish` for the first forward of a multi-step window (worker/decode_window.py, which makes one
+        output of all its forwards): the sampled ids [S] only, appended to the batch."""
         sampled = self.step_output.take(handle)
         if handle is self.in_flight:
             self.in_flight = None  # launched to finish at once: no id was left pending
