@@ -30,10 +30,11 @@ import torch
 
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.model.attention import AttentionInputs
+from llmserve.model.paged_indices import on_device, slot_mapping
 from llmserve.model.quant.token_kinds import ALL_DECODE
-from llmserve.model.step_inputs import StepInputs, on_device, slot_mapping
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.persistent_batch import PersistentBatch
+from llmserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from llmserve.worker.model_runner import ModelRunner

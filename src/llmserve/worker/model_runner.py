@@ -27,9 +27,9 @@ import torch
 from llmserve.core.kv_cache_groups import KVCacheLayout
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionInputs
+from llmserve.model.paged_indices import logits_indices, on_device
 from llmserve.model.parallel import TensorParallel
 from llmserve.model.quant.token_kinds import step_kinds_of, token_kinds
-from llmserve.model.step_inputs import StepInputs, logits_indices, on_device
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.speculator import Speculator
@@ -43,6 +43,7 @@ from llmserve.worker.pooler import Pooler
 from llmserve.worker.prompt_logprobs import plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs
 from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
+from llmserve.worker.step_inputs import StepInputs
 from llmserve.worker.step_output import StepOutput
 
 
