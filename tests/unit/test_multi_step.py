@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import CPU_SCHEDULER_STEPS, SchedulerConfig
+from llmserve.config_scheduler import CPU_SCHEDULER_STEPS, SchedulerConfig
 from llmserve.core.decode_window import window_counts
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request
