@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.core.request import Request, RequestStatus
+from llmserve.core.request_output import append_tokens
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.messages import EngineCoreOutput
 
@@ -113,9 +114,9 @@ def update_from_window(scheduler: Scheduler, sched_out: SchedulerOutput, runner_
             known += token_ids
             if len(known) < request.max_num_tokens:
                 continue
-            out = scheduler.append_tokens(request, [], None, now, RequestStatus.FINISHED_LENGTH)
+            out = append_tokens(scheduler, request, [], None, now, RequestStatus.FINISHED_LENGTH)
         else:  # a stop id: taken in one by one (min_tokens)
-            out = scheduler.append_tokens(request, token_ids, None, now)
+            out = append_tokens(scheduler, request, token_ids, None, now)
         if out is not None:
             outputs.append(out)  # it ended
     return num_generated
