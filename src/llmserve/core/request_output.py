@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmserve.core.request import Request, RequestStatus
-from llmserve.core.stop_rules import check_stop, follow_grammar
+from llmserve.core.token_stops import check_stop, follow_grammar
 from llmserve.messages import EngineCoreOutput
 
 if TYPE_CHECKING:
