@@ -10,7 +10,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from llmserve.config_checks import check, check_field_choices, check_min, parse_bytes
+from llmserve.config_checks import check, check_choice, check_field_choices, check_min, parse_bytes
 from llmserve.config_scheduler import SchedulerConfig
 from llmserve.config_speculative import SpeculativeConfig, take_speculative_config
 from llmserve.pooling import RUNNERS, parse_pooler_override
