@@ -35,6 +35,7 @@ from llmserve.model.parallel import check_tensor_parallel
 from llmserve.model.pooler_config import is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
+from llmserve.worker.decode_window import WindowEnds
 from llmserve.worker.step_handle import StepHandle
 from llmserve.worker.worker import Worker, device_memory, resolve_device
 
@@ -189,12 +190,11 @@ class EngineCore:
     def interrupt_windows_on_input(self, has_input: Callable[[], bool]) -> None:
         """For an engine whose outputs are read as they come (the engine-core process), a multi-step ends
         after the forward where `has_input()` turns true, or where some row ran its last forward
-        (worker/multi_step.py): a request that arrives meanwhile waits one forward, not the window, and a
-        finished request's output leaves at once (its client may be waiting to send the next). Not with
+        (worker/decode_window.py): a request that arrives meanwhile waits one forward, not the window, and
+        a finished request's output leaves at once (its client may be waiting to send the next). Not with
         tensor parallelism, whose ranks run each window whole (they cannot see this engine's input)."""
         if self.tp_executor is None:
-            self.runner.window_interrupt = has_input
-            self.runner.window_ends_at_finish = True
+            self.runner.window_ends = WindowEnds(has_input=has_input, is_at_first_finish=True)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

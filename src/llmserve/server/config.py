@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from llmserve.config import check, check_choice, check_min, parse_bytes
+from llmserve.config_checks import check, check_choice, check_min, parse_bytes
 from llmserve.server.reasoning import REASONING_PARSERS
 from llmserve.server.tool_parsers import PARSER_NAMES
 
