@@ -14,7 +14,7 @@ from llmserve.router.dashboard import router_state
 from llmserve.router.gateway import Gateway
 from llmserve.router.health import HealthState
 from llmserve.server.dashboard import server_state
-from llmserve.server.dashboard_state import (SnapshotRing, bucket_increase, histogram_quantile, percentiles,
+from llmserve.http.dashboard_state import (SnapshotRing, bucket_increase, histogram_quantile, percentiles,
                                              take_snapshot)
 from llmserve.server.metrics import ServerMetrics
 

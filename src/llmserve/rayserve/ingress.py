@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from llmserve.http.errors import error_response, service_unavailable
+from llmserve.http.sse import SSE_DONE, sse_error
 from llmserve.rayserve.config import Deployment
 from llmserve.rayserve.messages import REPLICA_HEADER, ForwardedRequest, ResponseHead
 from llmserve.router.requests import decode_body, route_request
-from llmserve.server.errors import error_response, service_unavailable
-from llmserve.server.streams import SSE_DONE, sse_error
 
 logger = logging.getLogger("llmserve.rayserve")
 

@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from llmserve.http.errors import APIError
 from llmserve.router.backends import Backend, Pool
 from llmserve.router.classifier import RouteDecision, classify
 from llmserve.router.config import BackendSpec, RouterConfig, RouterSetup
@@ -17,7 +18,6 @@ from llmserve.router.policies import RouteRequest, make_policy
 from llmserve.router.ratelimit import RateLimiter
 from llmserve.router.upstream import Upstream, UpstreamPool
 from llmserve.router.upstream_httpx import HttpxUpstream
-from llmserve.server.errors import APIError
 
 logger = logging.getLogger("llmserve.router")
 
