@@ -70,3 +70,15 @@ def test_router_and_ingress_import_neither_server_nor_engine():
     """The router and Ray Serve's ingress share HTTP pieces through http/, so they load without the engine."""
     assert not _imports_of("router", ("server", "engine"))
     assert not _imports_of("rayserve", ("server", "engine"), allowed=RAYSERVE_ENGINE_SIDE)
+
+
+def test_the_router_and_the_ingress_load_without_server_engine_or_torch():
+    """What they load, not only what they name: nothing below them pulls the server, the engine or torch in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, llmserve.router.server, llmserve.router.app, llmserve.rayserve.ingress\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['llmserve', 'server'], "
+            "['llmserve', 'engine']) or m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
