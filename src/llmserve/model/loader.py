@@ -18,7 +18,7 @@ from llmserve.config import is_local_model
 from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
 from llmserve.model.moe import num_experts_of
-from llmserve.model.parallel import TensorParallel, shard_of
+from llmserve.model.parallel import TensorParallel, is_read, shard_of
 from llmserve.model.pooler_config import resolve_pooler_config
 from llmserve.model.registry import BARE_DECODERS, architecture_of, get_model_class
 from llmserve.model.sliding_window import layer_windows
@@ -86,15 +86,19 @@ def _safetensors_files(path: str) -> list[str]:
 ShardOf = Callable[[str], "tuple[int, int, int] | None"]
 
 
-def iter_safetensors(path: str, shard_of: ShardOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, shard_of: ShardOf | None = None,
+                     is_wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) of every *.safetensors file of a directory, one tensor at a time.
 
     shard_of(name) -> (dim, start, length): only that slice is read from the file (a tensor-parallel
-    rank's share, model/parallel.py); None: the whole tensor."""
+    rank's share, model/parallel.py); None: the whole tensor. is_wanted(name) False: not read at all
+    (another rank's experts)."""
     from safetensors import safe_open
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if is_wanted is not None and not is_wanted(name):
+                    continue
                 spec = shard_of(name) if shard_of is not None else None
                 if spec is None:
                     yield name, f.get_tensor(name)
@@ -128,7 +132,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
         if getattr(module, "is_float32", False):
             module.float()
     layout = model.layout
-    weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout))
+    weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout),
+                               None if layout is None else lambda name: is_read(name, layout))
     weights = _with_model_prefix(weights)
     if quant.checkpoint_method(config) is not None:
         weights = quant.dequantize_weights(weights, weight_block_size(config))
