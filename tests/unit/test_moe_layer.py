@@ -176,3 +176,16 @@ def test_a_ranks_share_of_the_experts_is_the_same_from_per_expert_and_stacked_te
     share = shard_stacked("model.layers.0.mlp.experts.gate_up_proj", gate_up, 2, 3)  # [E, 6, H]
     assert torch.equal(share[4, :3], gate_up[4, 2:5]) and torch.equal(share[4, 3:], gate_up[4, INTER + 2:INTER + 5])
     assert torch.equal(shard_stacked("model.layers.0.mlp.experts.down_proj", down, 2, 3), down[:, :, 2:5])
+
+
+def test_the_grouped_gemm_path_counts_the_expert_load_as_the_loop_does(monkeypatch):
+    """The CUDA graphs' path (torch's grouped GEMM, run here on CPU) counts each layer's tokens per expert on
+    the device, as the loop path does: the same balance, and the same output."""
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(10))
+    loop, grouped = _block(11), _block(11)
+    monkeypatch.setattr(grouped, "runs_grouped_gemm", lambda _: True)
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(x), loop(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(grouped.load.counts, loop.load.counts) and int(loop.load.counts.sum()) == 9 * 2
+    balance = ExpertLoadReader().take([grouped.load])
+    assert balance == pytest.approx(float(loop.load.counts.max()) / (9 * 2 / EXPERTS))

@@ -17,7 +17,6 @@ import torch
 from llmserve.config import is_local_model
 from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
-from llmserve.model.moe import num_experts_of
 from llmserve.model.parallel import TensorParallel, is_read, shard_of
 from llmserve.model.pooler_config import resolve_pooler_config
 from llmserve.model.registry import BARE_DECODERS, architecture_of, get_model_class
@@ -124,7 +123,6 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
 
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
-    _check_moe_quantization(config, quantization or quant.checkpoint_method(config))
     with torch.device("meta"), _no_initial_values():
         model = cls(config, max_model_len=max_model_len, tp=tp, has_lm_head=has_lm_head)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -154,14 +152,6 @@ def _with_model_prefix(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[
     """A bare decoder's tensors (`layers.0...`, saved from AutoModel) under the causal LM's `model.` names."""
     for name, tensor in weights:
         yield (f"model.{name}" if name.startswith(_BARE_DECODER_PARTS) else name), tensor
-
-
-def _check_moe_quantization(config, method: str | None) -> None:
-    """Quantization swaps Linear layers; the stacked experts are not ones, so an MoE model would stay mostly
-    unquantized: refused until the experts quantize too."""
-    if method is not None and num_experts_of(config):
-        raise ValueError(f"quantization ({method}) of Mixture-of-Experts models is not supported yet: "
-                         "serve the model unquantized (--quantization none, and a checkpoint that is not FP8)")
 
 
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",

@@ -61,7 +61,8 @@ class ExpertLoadReader:
 
     @staticmethod
     def _take_counts(counted: list[torch.Tensor]) -> torch.Tensor:
-        """The layers' counts [L, E], which start again from zero."""
-        stacked = torch.stack(counted)
-        torch._foreach_zero_(counted)
+        """The layers' counts [L, E], which start again from zero (made in the forward's inference mode)."""
+        with torch.inference_mode():
+            stacked = torch.stack(counted)
+            torch._foreach_zero_(counted)
         return stacked

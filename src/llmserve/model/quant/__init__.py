@@ -1,8 +1,9 @@
 """Weight quantization of a loaded model.
 
 `quantize_model(model, method)` swaps every nn.Linear of the decoder layers (fused qkv, o, fused
-gate/up, down) and the lm_head for a quantized layer (model/quant/linear.py); a tied lm_head gets a
-quantized copy of the embedding table, the lookup keeps the float one. `checkpoint.py` reads (and
+gate/up, down) and the lm_head for a quantized layer (model/quant/linear.py), and each MoE layer's experts
+for one such layer per expert and matrix (model/quant/experts.py; the router stays in float); a tied
+lm_head gets a quantized copy of the embedding table, the lookup keeps the float one. `checkpoint.py` reads (and
 writes) checkpoints already quantized to FP8.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from llmserve.model import cpu_kernels
 from llmserve.model.quant.checkpoint import checkpoint_method, dequantize_weights
+from llmserve.model.quant.experts import quantize_model_experts
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
 from llmserve.model.quant.token_kinds import StepKinds
 
@@ -46,6 +48,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, quantized_linear(linear.weight, linear.bias, method))
+    quantize_model_experts(model, _LAYERS[method])
     if method == "fp8":  # its layers route decode and prompt tokens by what the runner says of a step
         model.step_kinds = StepKinds()
         for layer in model.modules():
