@@ -46,6 +46,8 @@ def test_quantized_experts_of_a_block_near_the_float_block(checkpoint, method):
     assert all(isinstance(layer, LAYERS[method]) for layer in [*experts.gate_up_proj, *experts.down_proj])
     assert experts.gate_up_proj[0].scale.numel() == 2 * spec.intermediate_size
     assert blocks[0].gate.weight.dtype == torch.float32  # the router stays in float
+    # an expert's rows are its routed pairs: no step-token kinds (the CUDA decode kernel's row order) for them
+    assert all(getattr(layer, "step_kinds", None) is None for layer in experts.gate_up_proj)
     x = torch.randn(24, floats[0].gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for quantized, float_block in zip(blocks, floats, strict=True):

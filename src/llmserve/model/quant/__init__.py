@@ -48,12 +48,14 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, quantized_linear(linear.weight, linear.bias, method))
-    quantize_model_experts(model, _LAYERS[method])
     if method == "fp8":  # its layers route decode and prompt tokens by what the runner says of a step
         model.step_kinds = StepKinds()
         for layer in model.modules():
             if isinstance(layer, Fp8Linear):
                 layer.step_kinds = model.step_kinds
+    # after the step kinds: an expert's rows are its routed pairs, not the step's tokens in order, so its fp8
+    # layers take every row as a prompt row
+    quantize_model_experts(model, _LAYERS[method])
     is_tied = getattr(model, "lm_head", "absent") is None and getattr(model, "has_lm_head", True)
     if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
         model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)
