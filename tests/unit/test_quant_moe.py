@@ -101,3 +101,19 @@ def test_fp8_checkpoint_with_stacked_float8_experts_is_refused_naming_the_tensor
         json.dump(config, f)
     with pytest.raises(ValueError, match=r"quantization_config\): tensor '.*mlp.experts.down_proj' is float8"):
         load_model(path, torch.float32, "cpu")
+
+
+def test_an_int8_moe_engine_gives_each_request_its_greedy_tokens_alone_and_in_a_batch(tmp_path):
+    """Through the engine (chunked prefill, a batch of mixed lengths): per-token activation scales and
+    batch-invariant routing keep a request's tokens the same whatever it is batched with."""
+    from llmserve import LLM, SamplingParams
+
+    path = make_model("qwen3_moe", "tiny-moe", str(tmp_path), seed=3, is_peaked=True)
+    prompts = _prompts(5, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(path, dtype="float32", quantization="int8", max_model_len=128, num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=32)
+    batched = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    alone = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
+    assert batched == alone and all(len(tokens) == 8 for tokens in batched)
+    llm.engine.check_integrity()
