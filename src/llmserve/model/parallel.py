@@ -10,7 +10,8 @@ Megatron's split, as vLLM and nano-vllm do it:
   - Mixture-of-Experts layers: the router whole on every rank, every expert's gate/up split as a column-
     parallel layer and its down as a row-parallel one (model/moe.py; gpt-oss's down bias added on rank 0);
     one all-reduce of the block's output. With expert parallelism each rank holds whole experts instead
-    (model/moe_parallel.py), and the same all-reduce sums their outputs. gpt-oss's attention sinks go with their query heads.
+    (model/moe_parallel.py), and the same all-reduce sums their outputs. gpt-oss's attention sinks go with
+    their query heads.
 So a decoder layer costs two all-reduces of [T, hidden], and a step one all-gather of the logits.
 
 Heads are split by KV group, so that a rank's query heads read only its own KV heads: with G query heads
