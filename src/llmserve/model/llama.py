@@ -18,8 +18,8 @@ its sinks, if any); a window at least as long as the context (max_model_len, def
 is full attention.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
-features and vocabulary rows (of every expert too); the loader hands `load_weights` those slices of the
-checkpoint.
+features and vocabulary rows (of every expert too, or with expert parallelism its whole experts:
+model/moe_parallel.py); the loader hands `load_weights` those slices of the checkpoint.
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ class CausalLM(nn.Module):
         self.has_lm_head = has_lm_head
         self.parts = decoder_parts(config)
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank, self.tp.is_expert_parallel)
+        self.layout = None if self.tp is None else \
+            shard_layout(config, self.tp.size, self.tp.rank, self.tp.is_expert_parallel)
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if self.architecture == phi3.ARCHITECTURE:
@@ -234,6 +235,7 @@ class CausalLM(nn.Module):
         return not all(block.runs_grouped_gemm(probe) for block in self.moe_blocks())
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The MoE layers' blocks, in layer order (none for a dense model)."""
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
     def take_expert_balance(self) -> float | None:
