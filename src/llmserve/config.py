@@ -101,10 +101,15 @@ class CacheConfig:
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={"help": "split every layer over this many devices, one "
                                       "process each (CUDA: GPUs 0..N-1 over NCCL; CPU: processes over gloo, for tests)"})
+    enable_expert_parallel: bool = field(default=False, metadata={"help": "Mixture-of-Experts models with "
+                                         "--tensor-parallel-size N: each rank holds E/N whole experts instead of "
+                                         "a 1/N slice of every expert (attention stays tensor-parallel; docs/moe.md)"})
 
     def validate(self) -> None:
         check_field_choices(self)
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
+        check(not self.enable_expert_parallel or self.tensor_parallel_size > 1, "enable-expert-parallel",
+              "needs --tensor-parallel-size 2 or more (the ranks the experts are placed on)")
 
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

@@ -155,7 +155,8 @@ class EngineCore:
         size = config.parallel.tensor_parallel_size
         if size == 1:
             return None
-        check_tensor_parallel(load_hf_config(path), size)  # before spawning: a clear error in milliseconds
+        # before spawning: a clear error in milliseconds
+        check_tensor_parallel(load_hf_config(path), size, config.parallel.enable_expert_parallel)
         if self.model_info.quantization is not None:  # model/quant swaps whole Linear layers, not rank slices
             raise ValueError(f"--tensor-parallel-size {size} with quantization ({self.model_info.quantization}) "
                              "is not supported yet: serve the model unquantized (--quantization none) or on one rank")
