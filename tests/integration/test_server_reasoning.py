@@ -5,6 +5,8 @@ outputs), so what the parser sees is known."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -101,7 +103,8 @@ def harmony_client(tmp_path_factory):
     """--reasoning-parser gpt_oss (the tiny model's tokenizer has no harmony special tokens: its markers are
     plain text here, which the regex holds the output to, ending as gpt-oss's answers end, <|return|>)."""
     server = start_tiny_server(str(tmp_path_factory.mktemp("harmony")), "--served-model-name", "tiny",
-                               "--reasoning-parser", "gpt_oss")
+                               "--reasoning-parser", "gpt_oss", "--tool-call-parser", "openai",
+                               "--max-model-len", "1024")  # the tools in the prompt, the markers spelt out
     yield openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
     assert server.stop() == 0
 
@@ -117,3 +120,30 @@ def test_gpt_oss_returns_the_analysis_channel_apart_from_the_final_one(harmony_c
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) in ("yes", "no")
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas).isalpha()
+
+
+HARMONY_CALL = {"structured_outputs": {"regex": r"<\|channel\|>analysis<\|message\|>[a-z]{1,8}<\|end\|>"
+                                                r"<\|start\|>assistant<\|channel\|>commentary to=functions\.get_weather "
+                                                r"<\|constrain\|>json<\|message\|>\{\"city\": \"(Paris|Rome)\"\}<\|call\|>"}}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_gpt_oss_calls_a_function_through_the_commentary_channel(harmony_client):
+    """--tool-call-parser openai beside --reasoning-parser gpt_oss: a message to functions.get_weather is a tool
+    call (the analysis channel the reasoning), whole and streamed."""
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=300, tools=[WEATHER_TOOL], extra_body=HARMONY_CALL)
+    out = harmony_client.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert choice.message.model_extra["reasoning_content"].isalpha()
+    chunks = list(harmony_client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in d.tool_calls or ()]
+    assert calls[0].function.name == "get_weather" and calls[0].id
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls))["city"] in ("Paris", "Rome")
+    assert not "".join(d.content or "" for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]

@@ -45,7 +45,8 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "how tool calls are read from the model's text under tool_choice 'auto': hermes "
                 "(<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}: "
-                "Llama 3.x), mistral ([TOOL_CALLS][...]); default: chosen by the markers the chat template mentions",
+                "Llama 3.x), mistral ([TOOL_CALLS][...]), openai (gpt-oss's harmony messages to=functions.NAME; with "
+                "--reasoning-parser gpt_oss); default: chosen by the markers the chat template mentions",
         "choices": list(PARSER_NAMES)})
     grpc_port: int | None = field(default=None, metadata={
         "help": "serve the gRPC API (llmserve.proto's Generation service) on this port too, same host, engine "
