@@ -1,7 +1,8 @@
 """--reasoning-parser qwen3 on a real server: thoughts apart from the answer (chat's reasoning_content, streamed
 or not; the Responses API's reasoning item), and chat_template_kwargs / reasoning_effort reaching the template
 or refused. The tiny random model's text is held to a thought-then-answer shape by a regex (structured
-outputs), so what the parser sees is known."""
+outputs, applied to the thoughts too), so what the parser sees is known. Without that setting a grammar waits
+for the end of the thoughts."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from llmserve.testing.servers import ServerProcess, start_tiny_server
 
 THOUGHT_THEN_ANSWER = {"structured_outputs": {"regex": "<think>[a-z]{1,8}</think>\n\n(yes|no)"}}
 MESSAGES = [{"role": "user", "content": "Is it?"}]
+# the regexes above script the whole output, thoughts included: the grammar must apply to the thoughts too
+IN_REASONING = ("--structured-outputs-config", '{"enable_in_reasoning": true}')
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     server = start_tiny_server(str(tmp_path_factory.mktemp("thinking")), "--served-model-name", "tiny",
-                               "--reasoning-parser", "qwen3")
+                               "--reasoning-parser", "qwen3", *IN_REASONING)
     yield server
     assert server.stop() == 0
 
@@ -103,7 +106,7 @@ def harmony_client(tmp_path_factory):
     """--reasoning-parser gpt_oss (the tiny model's tokenizer has no harmony special tokens: its markers are
     plain text here, which the regex holds the output to, ending as gpt-oss's answers end, <|return|>)."""
     server = start_tiny_server(str(tmp_path_factory.mktemp("harmony")), "--served-model-name", "tiny",
-                               "--reasoning-parser", "gpt_oss", "--tool-call-parser", "openai",
+                               "--reasoning-parser", "gpt_oss", "--tool-call-parser", "openai", *IN_REASONING,
                                "--max-model-len", "1024")  # the tools in the prompt, the markers spelt out
     yield openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
     assert server.stop() == 0
@@ -147,3 +150,27 @@ def test_gpt_oss_calls_a_function_through_the_commentary_channel(harmony_client)
     assert json.loads("".join(tc.function.arguments or "" for tc in calls))["city"] in ("Paris", "Rome")
     assert not "".join(d.content or "" for d in deltas)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}}}
+
+
+def test_a_grammar_waits_for_the_end_of_the_thoughts(tmp_path_factory):
+    """vLLM's rule: with a reasoning parser the grammar starts after </think>. Thinking on, the random model never
+    closes its thought, so its text stays free (no JSON); enable_thinking false closes the thought in the prompt,
+    so the grammar holds from the first token."""
+    server = start_tiny_server(str(tmp_path_factory.mktemp("gated")), "--served-model-name", "tiny",
+                               "--reasoning-parser", "qwen3")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, response_format=ANSWER_SCHEMA)
+        free = client.chat.completions.create(**kwargs).choices[0]
+        assert free.finish_reason == "length"
+        with pytest.raises(ValueError):
+            json.loads(free.message.content)
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        answer = client.chat.completions.create(**kwargs, extra_body=off).choices[0]
+        assert answer.finish_reason == "stop" and json.loads(answer.message.content)["answer"] in ("yes", "no")
+    finally:
+        assert server.stop() == 0

@@ -196,7 +196,7 @@ class EngineCore:
             self.kv_sender.add(request, list(hashes))  # its prompt's full blocks go to the decode server
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
-            core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
+            core_request.grammar = RequestGrammar(self.grammars.submit(constraint), constraint.reasoning_end)
         self.scheduler.add_request(core_request)
 
     def interrupt_windows_on_input(self, has_input: Callable[[], bool]) -> None:
