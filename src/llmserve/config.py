@@ -362,7 +362,6 @@ def check_pooling_combinations(config: EngineConfig) -> None:
     if not config.model.is_pooling:
         return
     check(config.speculative.speculative is None, "speculative", "not with --runner pooling (nothing is decoded)")
-    check(config.parallel.tensor_parallel_size == 1, "tensor-parallel-size", "not with --runner pooling yet")
     check(not config.scheduler.async_scheduling, "async-scheduling",
           "not with --runner pooling (a step's pooled vectors end its requests: nothing to overlap)")
     check((config.scheduler.num_scheduler_steps or 1) == 1, "num-scheduler-steps",

@@ -179,3 +179,15 @@ def test_pooler_over_chunks_equals_pooling_at_once_and_forgets_a_preempted_reque
     expected = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling]
     np.testing.assert_allclose(np.frombuffer(whole, "<f4"), expected.numpy(), rtol=1e-5)
     pooler.check_integrity(set())
+
+
+@pytest.mark.parametrize("mode", ["lasttoken", "mean_tokens"])
+def test_two_ranks_pool_what_one_rank_pools(mode, tmp_path):
+    """--tensor-parallel-size 2 (2 gloo ranks on CPU): every rank runs the forward, rank 0 pools its hidden
+    states (whole after each layer's all-reduce); chunked prompts, and a MEAN pooler's partial sums."""
+    path = embedding_checkpoint("qwen3", str(tmp_path))
+    write_sentence_transformers(path, mode, normalize=True)
+    pooling = "LAST" if mode == "lasttoken" else "MEAN"
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.engine.tp_executor is not None and llm.engine.model_info.pooler.pooling_type == pooling
+        assert_matches(embed(llm, PROMPTS), load_hf(path), pooling, True)
