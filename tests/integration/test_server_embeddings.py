@@ -1,5 +1,6 @@
 """POST /v1/embeddings on a real `llmserve serve` of a random-weight Qwen3 embedding model (a bare decoder saved
-by transformers, Matryoshka in its config; served as pooling by --runner auto, the default), called by the official `openai` client:
+by transformers, Matryoshka in its config; served as pooling by --runner auto, the default), called by the
+official `openai` client:
 vectors equal transformers' last hidden states pooled as the checkpoint asks (last token, normalised), as
 floats and base64, truncated by `dimensions`, and by the gRPC Embed call; bad inputs are 400s in OpenAI's shape naming the field; the
 pooling server refuses generation and a generation server refuses embeddings."""

@@ -125,9 +125,10 @@ def test_gpt_oss_returns_the_analysis_channel_apart_from_the_final_one(harmony_c
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas).isalpha()
 
 
-HARMONY_CALL = {"structured_outputs": {"regex": r"<\|channel\|>analysis<\|message\|>[a-z]{1,8}<\|end\|>"
-                                                r"<\|start\|>assistant<\|channel\|>commentary to=functions\.get_weather "
-                                                r"<\|constrain\|>json<\|message\|>\{\"city\": \"(Paris|Rome)\"\}<\|call\|>"}}
+HARMONY_CALL = {"structured_outputs": {"regex": (
+    r"<\|channel\|>analysis<\|message\|>[a-z]{1,8}<\|end\|>"
+    r"<\|start\|>assistant<\|channel\|>commentary to=functions\.get_weather "
+    r"<\|constrain\|>json<\|message\|>\{\"city\": \"(Paris|Rome)\"\}<\|call\|>")}}
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 

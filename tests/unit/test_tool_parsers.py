@@ -9,9 +9,9 @@ import random
 import pytest
 
 from llmserve.server.reasoning import reasoning_stream, split_reasoning
-from llmserve.server.tool_parsers import (PARSERS, HarmonyParser, HermesParser, JsonArrayParser, Llama3JsonParser, MistralParser,
-                                          ParsedCall, ParsedOutput, ToolCallStream, detect_parser, parse_output,
-                                          resolve_parser)
+from llmserve.server.tool_parsers import (PARSERS, HarmonyParser, HermesParser, JsonArrayParser, Llama3JsonParser,
+                                          MistralParser, ParsedCall, ParsedOutput, ToolCallStream, detect_parser,
+                                          parse_output, resolve_parser)
 from llmserve.testing.toy_tokenizer import CHATML_TEMPLATE
 
 NAMES = frozenset({"get_weather", "add"})
@@ -162,7 +162,8 @@ def test_detect_parser():
 
 GPT_OSS_OUTPUTS = [
     # (output, reasoning, content, calls): the gpt_oss reasoning parser, then the openai tool-call parser
-    (f"{ANALYSIS}The user wants <|weather|>.<|end|><|start|>assistant" + harmony_call("get_weather", json.dumps(W_ARGS)),
+    (f"{ANALYSIS}The user wants <|weather|>.<|end|><|start|>assistant"
+     + harmony_call("get_weather", json.dumps(W_ARGS)),
      "The user wants <|weather|>.", None, [WEATHER]),
     (f"{ANALYSIS}add them<|end|><|start|>assistant" + harmony_call("add", json.dumps(A_ARGS)) + "<|call|>",
      "add them", None, [ADD]),

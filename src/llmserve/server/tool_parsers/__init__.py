@@ -33,6 +33,7 @@ def resolve_parser(configured: str | None, chat_template: str | dict | None) -> 
     return PARSERS[name] if name is not None else None
 
 
-__all__ = ["PARSERS", "PARSER_NAMES", "HarmonyParser", "HermesParser", "JsonArrayParser", "Llama3JsonParser", "MistralParser",
+__all__ = ["PARSERS", "PARSER_NAMES", "HarmonyParser", "HermesParser", "JsonArrayParser", "Llama3JsonParser",
+           "MistralParser",
            "ParsedCall", "ParsedOutput", "ToolCallStream", "ToolDelta", "ToolParser", "detect_parser",
            "escape_controls", "parse_output", "resolve_parser"]
