@@ -175,3 +175,16 @@ def test_a_grammar_waits_for_the_end_of_the_thoughts(tmp_path_factory):
         assert answer.finish_reason == "stop" and json.loads(answer.message.content)["answer"] in ("yes", "no")
     finally:
         assert server.stop() == 0
+
+
+def test_gpt_oss_function_calls_reach_the_responses_api(harmony_client):
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}
+    kwargs = dict(model="tiny", input="Weather?", max_output_tokens=300, tools=[tool], extra_body=HARMONY_CALL)
+    out = harmony_client.responses.create(**kwargs)
+    reasoning, call = out.output
+    assert reasoning.type == "reasoning" and call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    with harmony_client.responses.stream(**kwargs) as stream:
+        list(stream)
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
