@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.model import lora_cpu
 from llmserve.model.lora_adapter import LoRAWeights
 
 # fused projection of our decoder -> the HF module names it holds, in output order
@@ -77,6 +78,8 @@ class LoRALinear(nn.Module):
         self.out_sizes = out_sizes
         self.register_buffer("lora_a", torch.zeros(num_slots, len(out_sizes) * max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)  # [S, n_sub * R, in]
+        self.register_buffer("lora_ranks", torch.zeros(num_slots, len(out_sizes), dtype=torch.int32, device=device),
+                             persistent=False)  # [S, n_sub] each slot's rank per sub-projection (0: none)
         for j, size in enumerate(out_sizes):
             self.register_buffer(f"lora_b{j}", torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device),
                                  persistent=False)  # [S, R, out_j]: B^T
@@ -94,6 +97,9 @@ class LoRALinear(nn.Module):
         if x.is_cuda:
             _triton_add()(out, x, self.lora_a, self.lora_bs, step)
             return out
+        if lora_cpu.can_run(x):
+            lora_cpu.add_lora(out, x, self.lora_a, self.lora_bs, self.lora_ranks, step.token_indices, step.token_slots)
+            return out
         with _one_thread():
             add_lora_segmented(out, x, self.lora_a, self.lora_bs, step)
         return out
@@ -102,6 +108,7 @@ class LoRALinear(nn.Module):
         """Slot `slot` holds these (A [r, in], B [out_j, r]) per sub-projection (None: the adapter leaves it)."""
         rank = self.max_rank
         self.lora_a[slot].zero_()
+        self.lora_ranks[slot] = torch.tensor([0 if pair is None else pair[0].shape[0] for pair in pairs])
         for j, pair in enumerate(pairs):
             b = getattr(self, f"lora_b{j}")[slot]
             b.zero_()
