@@ -10,8 +10,8 @@
 //   ranks          [S, n_sub] int32    each slot's rank per sub-projection (0: no LoRA there)
 //
 // Tokens of one slot go in tiles of up to kTile: each row of A is read once for the tile (shrink), and each
-// row of B^T once per token against a register block of the output row (expand). Rows past a slot's rank
-// are skipped. One thread: a decode step's products are a few microseconds each, less than waking others.
+// row of B^T once for the tile against a register block of each token's output row (expand). Rows past a
+// slot's rank are skipped. One thread: a decode step's products are a few microseconds each, less than waking others.
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -66,31 +66,46 @@ void dots_any(const float* const* xs, int64_t n, const float* arow, int64_t len,
   }
 }
 
-// orow[0:len] += sum_r h[r] * bt[r * len : r * len + len]
-void expand_row(float* orow, const float* h, const float* bt, int64_t rank, int64_t len) {
+// for each of the tile's N tokens t: orows[t][0:len] += sum_r hs[t][r] * bt[r * len : r * len + len]
+// (a block of 16 output columns of every token in registers, each row of B^T loaded once for all of them)
+template <int64_t N>
+void expand_rows(float* const* orows, const float* const* hs, const float* bt, int64_t rank, int64_t len) {
   int64_t o = 0;
 #ifdef LORA_AVX2
-  for (; o + 32 <= len; o += 32) {
-    __m256 c0 = _mm256_loadu_ps(orow + o), c1 = _mm256_loadu_ps(orow + o + 8);
-    __m256 c2 = _mm256_loadu_ps(orow + o + 16), c3 = _mm256_loadu_ps(orow + o + 24);
-    for (int64_t r = 0; r < rank; ++r) {
-      const __m256 hr = _mm256_set1_ps(h[r]);
-      const float* b = bt + r * len + o;
-      c0 = _mm256_fmadd_ps(hr, _mm256_loadu_ps(b), c0);
-      c1 = _mm256_fmadd_ps(hr, _mm256_loadu_ps(b + 8), c1);
-      c2 = _mm256_fmadd_ps(hr, _mm256_loadu_ps(b + 16), c2);
-      c3 = _mm256_fmadd_ps(hr, _mm256_loadu_ps(b + 24), c3);
+  for (; o + 16 <= len; o += 16) {
+    __m256 c[N][2];
+    for (int64_t t = 0; t < N; ++t) {
+      c[t][0] = _mm256_loadu_ps(orows[t] + o);
+      c[t][1] = _mm256_loadu_ps(orows[t] + o + 8);
     }
-    _mm256_storeu_ps(orow + o, c0);
-    _mm256_storeu_ps(orow + o + 8, c1);
-    _mm256_storeu_ps(orow + o + 16, c2);
-    _mm256_storeu_ps(orow + o + 24, c3);
+    for (int64_t r = 0; r < rank; ++r) {
+      const __m256 b0 = _mm256_loadu_ps(bt + r * len + o), b1 = _mm256_loadu_ps(bt + r * len + o + 8);
+      for (int64_t t = 0; t < N; ++t) {
+        const __m256 hr = _mm256_broadcast_ss(hs[t] + r);
+        c[t][0] = _mm256_fmadd_ps(hr, b0, c[t][0]);
+        c[t][1] = _mm256_fmadd_ps(hr, b1, c[t][1]);
+      }
+    }
+    for (int64_t t = 0; t < N; ++t) {
+      _mm256_storeu_ps(orows[t] + o, c[t][0]);
+      _mm256_storeu_ps(orows[t] + o + 8, c[t][1]);
+    }
   }
 #endif
-  for (; o < len; ++o) {
-    float c = orow[o];
-    for (int64_t r = 0; r < rank; ++r) c += h[r] * bt[r * len + o];
-    orow[o] = c;
+  for (; o < len; ++o)
+    for (int64_t t = 0; t < N; ++t) {
+      float c = orows[t][o];
+      for (int64_t r = 0; r < rank; ++r) c += hs[t][r] * bt[r * len + o];
+      orows[t][o] = c;
+    }
+}
+
+void expand_any(float* const* orows, const float* const* hs, int64_t n, const float* bt, int64_t rank, int64_t len) {
+  switch (n) {
+    case 1: expand_rows<1>(orows, hs, bt, rank, len); break;
+    case 2: expand_rows<2>(orows, hs, bt, rank, len); break;
+    case 3: expand_rows<3>(orows, hs, bt, rank, len); break;
+    default: expand_rows<4>(orows, hs, bt, rank, len); break;
   }
 }
 
@@ -152,9 +167,13 @@ void lora_sgmv(at::Tensor out, const at::Tensor& x, const at::Tensor& a, at::Ten
       const int64_t rank = rank_of[slot * num_sub + j], len = offsets[j + 1] - offsets[j];
       if (rank == 0) continue;
       const float* bt = bs[j].data_ptr<float>() + slot * max_rank * len;
-      for (int64_t t = 0; t < n; ++t)
-        expand_row(out_data + idx[start + t] * out.stride(0) + offsets[j], h.data() + t * k_rows + j * max_rank, bt,
-                   rank, len);
+      float* orows[kTile];
+      const float* hs[kTile];
+      for (int64_t t = 0; t < n; ++t) {
+        orows[t] = out_data + idx[start + t] * out.stride(0) + offsets[j];
+        hs[t] = h.data() + t * k_rows + j * max_rank;
+      }
+      expand_any(orows, hs, n, bt, rank, len);
     }
     start = end;
   }
