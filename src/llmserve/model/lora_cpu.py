@@ -3,7 +3,7 @@
 The segmented torch form (model/lora_layers.py's `add_lora_segmented`) costs about six small ops per adapter
 in the step, projection and layer: with 8 adapters that is ~5,800 ops a step on a 30-layer model, more time
 than the base model's matmuls on small shapes. This kernel reads each token's slot and does the shrink and
-the expand for every token in one call (docs/benchmarks.md, "LoRA products on CPU, one call").
+the expand for every token in one call (docs/benchmarks.md, "LoRA products on CPU: one call a projection").
 
 Built like model/cpu_kernels.py's kernels (same flags, a sub-directory of their build directory, the same
 LLMSERVE_CPU_KERNELS=0 switch) but as its own small library, so that it builds in seconds; float32 only.

@@ -6,13 +6,12 @@ sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapt
 sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, out_j] is one matrix). A step's `LoRAStep` lists the tokens that
 run with an adapter, grouped by slot; base-model tokens are not touched.
 
-On CPU the products are segmented (Punica's SGMV): per slot in the step, its tokens' x @ A^T @ B^T, a loop
-over the step's adapters (at most --max-loras), never over rows; decode steps too. Two other forms measured
-no better on CPU side by side (docs/benchmarks.md, "LoRA products on CPU"): gathering each token's A and B
-for one batched matmul (BGMV's form in torch: 1.3-28x slower), and every token against every slot at once
-(a fixed op count: 0.8x at 16 rows of 8 adapters, 1.1-2.5x slower elsewhere). They run on one thread:
-the ops are small, and each parallel one waits for every torch thread (on a shared machine, for one the OS
-has descheduled): 50-240 us an op on 2 threads against 2-8 us on one, measured side by side.
+On CPU, float32 projections take one C++ call each for every adapter token of the step (model/lora_cpu.py:
+each token's slot read in the kernel, rows past a slot's rank skipped). Other dtypes, or when the kernel does
+not build, use segmented products (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T,
+a loop over the step's adapters (at most --max-loras), never over rows, on one thread (small ops on several
+threads each wait for all of them). The segmented form costs ~6 small ops per adapter, projection and
+layer; the kernel one call (docs/benchmarks.md, "LoRA products on CPU").
 On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a token, its slot read on
 the device.
 """
