@@ -44,7 +44,7 @@ def main() -> None:
 
     def run(step, use_kernel: bool = True) -> None:
         context.step = step
-        lora_cpu.can_run = kernel_can_run if use_kernel else (lambda x: False)
+        lora_cpu.can_run = kernel_can_run if use_kernel else (lambda x, out: False)
         model.compute_logits(model(ids, pos, caches, backend.build_metadata(inp), backend))
 
     cases = {"base": lambda: run(None), "kernel": lambda: run(adapter_step),

@@ -27,9 +27,11 @@ _NAME = "llmserve_lora_cpu"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "lora_sgmv.cpp")
 
 
-def can_run(x: torch.Tensor) -> bool:
-    """Whether this kernel takes a projection's input x (float32 on CPU, once built)."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and available()
+def can_run(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether this kernel takes a projection's input x [T, in] and output out [T, out] (float32 rows on CPU,
+    once built)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+               for t in (x, out)) and available()
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], ranks: torch.Tensor,

@@ -96,7 +96,7 @@ class LoRALinear(nn.Module):
         if x.is_cuda:
             _triton_add()(out, x, self.lora_a, self.lora_bs, step)
             return out
-        if lora_cpu.can_run(x):
+        if lora_cpu.can_run(x, out):
             lora_cpu.add_lora(out, x, self.lora_a, self.lora_bs, self.lora_ranks, step.token_indices, step.token_slots)
             return out
         with _one_thread():
