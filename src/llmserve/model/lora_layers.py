@@ -3,8 +3,9 @@ the grouped products over a step's tokens.
 
 Each wrapped projection (qkv_proj, o_proj, gate_up_proj, down_proj) keeps, per slot, A stacked over its
 sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapter's rank) and one B^T per
-sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, out_j] is one matrix). A step's `LoRAStep` lists the tokens that
-run with an adapter, grouped by slot; base-model tokens are not touched.
+sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, out_j] is one matrix) and each
+slot's rank per sub-projection. A step's `LoRAStep` lists the tokens that run with an adapter, grouped by
+slot; base-model tokens are not touched.
 
 On CPU, float32 projections take one C++ call each for every adapter token of the step (model/lora_cpu.py:
 each token's slot read in the kernel, rows past a slot's rank skipped). Other dtypes, or when the kernel does

@@ -119,7 +119,8 @@ void lora_sgmv(at::Tensor out, const at::Tensor& x, const at::Tensor& a, at::Ten
   check_float_rows(out, "out");
   check_float_rows(x, "x");
   const int64_t num_sub = static_cast<int64_t>(bs.size());
-  TORCH_CHECK(num_sub > 0 && a.scalar_type() == at::kFloat && a.dim() == 3 && a.is_contiguous(), "a: float32 [S, K, I]");
+  TORCH_CHECK(num_sub > 0 && a.scalar_type() == at::kFloat && a.dim() == 3 && a.is_contiguous(),
+              "a: float32 [S, K, I]");
   const int64_t num_slots = a.size(0), k_rows = a.size(1), in = a.size(2), max_rank = k_rows / num_sub;
   TORCH_CHECK(x.size(1) == in && x.size(0) == out.size(0) && k_rows == num_sub * max_rank, "x, a: shapes differ");
   TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.size(0) == num_slots &&
