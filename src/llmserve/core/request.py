@@ -47,6 +47,7 @@ class Request:
         self.priority = priority
         self.parent_id = parent_id
         self.lora = lora  # its adapter (None: the base model)
+        self.num_lora_passes = 0  # requests of running adapters admitted past it while it waited for a slot
         # the hash chain starts from the adapter: a prefix computed with one adapter never serves another
         self.cache_salt = cache_salt if lora is None else hash((cache_salt, "lora", lora.lora_int_id))
         self.is_final_only = is_final_only  # one output, when it ends, with all its ids (EngineCoreRequest)

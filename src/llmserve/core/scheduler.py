@@ -38,6 +38,10 @@ from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs
 from llmserve.structured.bitmask import StepGrammar
 
+# A request waiting for a LoRA slot lets this many requests of running adapters go past it; then they wait
+# behind it, the running adapters drain, and it takes the slot that frees (aging: it is never starved).
+LORA_PASS_LIMIT = 16
+
 logger = logging.getLogger(__name__)
 
 
@@ -303,7 +307,7 @@ class Scheduler:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
-            if not self._has_lora_slot(request, adapters):
+            if self._is_held_behind(request, set_aside) or not self._has_lora_slot(request, adapters):
                 set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -318,6 +322,8 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_loaded + num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
+            if set_aside and request.lora is not None:
+                set_aside[0].num_lora_passes += 1
             self.prefill_budget -= num_new
             self._list_loads(request, len(hits), num_loaded)
             self._start_running(request, num_hit_tokens + num_loaded)
@@ -331,6 +337,12 @@ class Scheduler:
 
     def _running_adapters(self) -> set[int]:
         return {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
+
+    @staticmethod
+    def _is_held_behind(request: Request, set_aside: list[Request]) -> bool:
+        """An adapter's request waits behind the first one set aside for a slot once that one was passed
+        LORA_PASS_LIMIT times (base-model requests hold no slot and still go past)."""
+        return bool(set_aside) and request.lora is not None and set_aside[0].num_lora_passes >= LORA_PASS_LIMIT
 
     def _has_lora_slot(self, request: Request, adapters: set[int]) -> bool:
         """Whether the request's adapter runs already or a slot is left for it (then it takes it)."""
