@@ -40,6 +40,7 @@ from llmserve.worker.worker import Worker, device_memory, resolve_device
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
+KV_LOAD_POLL_S = 0.005  # likewise one whose only requests wait for their prefix's KV (core/kv_loading.py)
 
 
 def model_source(config: EngineConfig) -> tuple[str, str]:
@@ -224,11 +225,13 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with its KV copies done (evicted blocks out, lower-tier hits in) before any
-        forward reads or overwrites those blocks."""
+        """The scheduler's step, with the blocks it evicted copied out to the KV tiers before any forward
+        overwrites them (loads from the tiers run in the background: core/kv_loading.py)."""
         sched_out = self.scheduler.schedule()
         if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
             self.kv_connector.apply(sched_out.kv_transfers)
+            if sched_out.is_empty and self.in_flight is None:
+                self.scheduler.kv_loading.wait(KV_LOAD_POLL_S)  # nothing to run until a load ends
         return sched_out
 
     def _take_kv_stats(self) -> KVTierStats | None:
