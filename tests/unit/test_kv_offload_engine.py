@@ -1,10 +1,12 @@
 """KV tiers in the engine (float32 tiny model): a prefix evicted from the device and hit in host memory or on
 disk gives the same greedy tokens as without tiers and computes only the rest of the prompt; a corrupt disk
-block is recomputed; the bookkeeping holds after churn; the flags are validated."""
+block is recomputed; a load runs while other requests step, and an abort during it frees everything; the
+bookkeeping holds after churn; the flags are validated."""
 
 import json
 import os
 import random
+import threading
 
 import pytest
 
@@ -83,6 +85,70 @@ def test_a_corrupt_disk_block_is_recomputed_never_used(path, prompts, plain, tmp
     assert llm.kv_tier_stats.num_corrupt_blocks == 1
     llm.engine.check_integrity()
     llm.engine.shutdown()
+
+
+def _hold_loads(llm: LLM, monkeypatch) -> threading.Event:
+    """The connector's loads wait, on its loader thread, until the returned event is set."""
+    connector = llm.engine.kv_connector
+    gate, read = threading.Event(), connector._read
+
+    def held(loads, blocks):
+        assert gate.wait(timeout=120), "the test never let the load go"
+        return read(loads, blocks)
+
+    monkeypatch.setattr(connector, "_read", held)
+    return gate
+
+
+def _add(llm: LLM, request_id: str, prompt: list[int], max_tokens: int = 8) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for request in llm.processor.process(request_id, prompt, params):
+        llm.engine.add_request(request)
+
+
+def _evict_first(llm: LLM, prompts: list[list[int]]) -> None:
+    for prompt in prompts:  # the later prompts evict the first one's blocks into the host tier
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+
+
+def test_other_requests_step_while_a_prefix_loads(path, prompts, plain, monkeypatch):
+    llm = _llm(path, kv_offload_memory="64MiB")
+    _evict_first(llm, prompts)
+    gate, engine = _hold_loads(llm, monkeypatch), llm.engine
+    _add(llm, "again", prompts[0])
+    _add(llm, "other", [7, 8, 9], max_tokens=20)
+    tokens: dict[str, list[int]] = {"again": [], "other": []}
+    for _ in range(5):
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+        assert engine.scheduler.requests["again"].status.name == "WAITING_FOR_KV"
+        engine.check_integrity()
+    assert tokens["again"] == [] and len(tokens["other"]) == 5  # the other stream went on meanwhile
+    gate.set()
+    num_cached = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+            num_cached[out.request_id] = out.num_cached_tokens
+    assert tokens["again"] == plain[-1][0] and num_cached["again"] == 192  # loaded, not computed
+    engine.check_integrity()
+
+
+def test_an_abort_during_a_load_leaves_nothing_held(path, prompts, monkeypatch, tmp_path):
+    llm = _llm(path, kv_offload_memory=str(4 * BLOCK_BYTES), kv_offload_disk=str(tmp_path))
+    _evict_first(llm, prompts)
+    gate, engine = _hold_loads(llm, monkeypatch), llm.engine
+    _add(llm, "again", prompts[0])
+    engine.step()
+    engine.abort_requests(["again"])
+    assert [out.request_id for out in engine.step().outputs] == ["again"]
+    engine.check_integrity()
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.num_free_blocks() == engine.scheduler.kv.pool.num_usable_blocks
+    engine.shutdown()
 
 
 def test_churn_keeps_every_count_in_step(path):
