@@ -180,10 +180,29 @@ def test_flags_are_validated_before_loading(kwargs, message):
         LLM("/nonexistent", **kwargs)
 
 
-def test_a_model_with_sliding_layers_is_refused_before_its_weights_load(tmp_path):
+def test_disaggregation_of_a_model_with_sliding_layers_is_refused_before_its_weights_load(tmp_path):
     path = make_model("mistral", "tiny", str(tmp_path), seed=1)
     config_path = os.path.join(path, "config.json")
     config = json.load(open(config_path))
     json.dump({**config, "sliding_window": 64}, open(config_path, "w"))
-    with pytest.raises(ValueError, match="sliding-window layers .*window 64"):
-        LLM(path, dtype="float32", max_model_len=256, kv_offload_memory="1MiB")
+    with pytest.raises(ValueError, match="--disaggregation-mode: .*sliding-window layers .*window 64"):
+        LLM(path, dtype="float32", max_model_len=256, disaggregation_mode="decode")
+
+
+def test_a_sliding_window_models_groups_come_back_from_the_tiers(tmp_path, prompts):
+    """Gemma 3's layout (five sliding layers to one full: six KV cache groups): each group's blocks are kept
+    apart in the tiers and loaded back together; the tokens are those computed without tiers."""
+    path = make_model("gemma3", "tiny-gemma3", str(tmp_path), seed=6)
+
+    def run(**kwargs):
+        llm = LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=100, max_num_batched_tokens=256, **kwargs)
+        assert llm.engine.scheduler.kv.num_groups == 6
+        return llm, _turns(llm, prompts)
+
+    _, plain = run()
+    llm, tiered = run(kv_offload_memory="64MiB", kv_offload_disk=str(tmp_path / "disk"))
+    assert [t for t, _ in tiered] == [t for t, _ in plain]
+    assert plain[-1][1] == 0 and tiered[-1][1] == 192  # evicted from the device, loaded from the tiers
+    stats = llm.kv_tier_stats
+    assert stats.num_host_hit_tokens + stats.num_disk_hit_tokens == 192
+    llm.engine.shutdown()

@@ -17,7 +17,7 @@ class DictConnector(KVConnector):
     when the test says (`finish`): it is held until then, as a slow disk read would be."""
 
     def __init__(self) -> None:
-        self.stored: dict[int, BlockHash] = {}
+        self.stored: dict[tuple[int, int], BlockHash] = {}  # (group, hash value) -> hash
         self.applied: list[KVTransfers] = []
         self.loads: list[tuple[list[KVBlockCopy], Future]] = []  # started, not finished
 
@@ -32,16 +32,16 @@ class DictConnector(KVConnector):
         load.set_result(len(loads) if num_blocks is None else num_blocks)
         return loads
 
-    def num_matched_blocks(self, hashes: Sequence[BlockHash]) -> int:
+    def num_matched_blocks(self, hashes: Sequence[BlockHash], num_groups: int = 1) -> int:
         for i, block_hash in enumerate(hashes):
-            if self.stored.get(block_hash.value) != block_hash:
+            if any(self.stored.get((g, block_hash.value)) != block_hash for g in range(num_groups)):
                 return i
         return len(hashes)
 
     def apply(self, transfers: KVTransfers) -> None:
         self.applied.append(transfers)
         for copy in transfers.saves:
-            self.stored[copy.block_hash.value] = copy.block_hash
+            self.stored[(copy.group, copy.block_hash.value)] = copy.block_hash
 
     def take_stats(self):
         return None

@@ -43,8 +43,9 @@ class KVConnector(abc.ABC):
     connector keeps the block's data or its file's name), so `start_load` in the same step finds it."""
 
     @abc.abstractmethod
-    def num_matched_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of `hashes`, from the first on, the store holds (tokens compared, not just values)."""
+    def num_matched_blocks(self, hashes: Sequence[BlockHash], num_groups: int = 1) -> int:
+        """How many of `hashes`, from the first on, the store holds the block of for every one of the
+        `num_groups` KV cache groups (tokens compared, not just values)."""
 
     @abc.abstractmethod
     def start_load(self, loads: list[KVBlockCopy]) -> Future[int]:

@@ -46,7 +46,7 @@ class KVLoadWaitList:
         block_size = self.kv.block_size
         num_max = (request.num_tokens - 1) // block_size  # at least one token is left to compute
         hashes = request.block_hashes[num_hit_tokens // block_size:num_max]
-        num_matched = self.connector.num_matched_blocks(hashes) if hashes else 0
+        num_matched = self.connector.num_matched_blocks(hashes, self.kv.num_groups) if hashes else 0
         if num_matched == 0:
             return False
         new_blocks = self.kv.allocate_for_load(request, hits, num_matched)
@@ -68,8 +68,8 @@ class KVLoadWaitList:
             del self.loads[request.request_id]
             if request.is_finished:
                 continue
-            num_loaded = self._num_loaded(request, load)
-            self.kv.cache_full_blocks(request, num_hit_tokens + num_loaded * self.kv.block_size)
+            num_positions = self._num_loaded(request, load) // self.kv.num_groups  # whose every group's arrived
+            self.kv.cache_full_blocks(request, num_hit_tokens + num_positions * self.kv.block_size)
             self.kv.free(request)
             request.status = RequestStatus.WAITING
         return [request for request, _, _ in done]

@@ -44,7 +44,7 @@ class Scheduler(Preemption, OutputUpdate):
                  group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None,
                  max_loras: int = 0) -> None:
         """group_windows: each KV cache group's window (core/kv_cache_groups.py; 0: full attention).
-        kv_connector: where blocks live below the device (core/kv_connector.py); one full-attention group only.
+        kv_connector: where blocks live below the device (core/kv_connector.py).
         max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off)."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
@@ -58,8 +58,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.max_loras = max_loras
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  group_windows)
-        assert kv_connector is None or (group_windows == (0,) and cache_config.enable_prefix_caching), \
-            "a KV connector needs prefix caching and one full-attention group"
+        assert kv_connector is None or cache_config.enable_prefix_caching, "a KV connector needs prefix caching"
         self.kv_connector = kv_connector
         self.kv_loading = None if kv_connector is None else KVLoadWaitList(self.kv, kv_connector)
         if kv_connector is not None:
@@ -202,7 +201,7 @@ class Scheduler(Preemption, OutputUpdate):
         return out
 
     def _take_kv_transfers(self) -> KVTransfers:
-        return KVTransfers([KVBlockCopy(block_id, block_hash) for block_id, block_hash in self.kv.pool.take_evicted()])
+        return KVTransfers([KVBlockCopy(*evicted) for evicted in self.kv.pool.take_evicted()])
 
     def _advance_scheduled(self, out: SchedulerOutput) -> None:
         """The step's requests count their scheduled tokens as computed; one that reaches its last token

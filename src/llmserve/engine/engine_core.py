@@ -86,13 +86,12 @@ def pooling_engine_config(config: EngineConfig) -> EngineConfig:
 
 
 def check_kv_transfer_layout(config: EngineConfig, layout: KVCacheLayout) -> None:
-    """The KV tiers and disaggregation are refused (before loading the weights) unless the KV cache is one
-    full-attention group: a sliding group's blocks are found by window hits, and the copies move one group's
-    blocks, neither of which a lower tier does yet."""
-    kv = config.kv_transfer
-    if layout.group_windows != (0,) and (kv.is_offloading or kv.disaggregation_mode != "null"):
-        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported yet for a "
-                         f"model with sliding-window layers ({layout.describe()})")
+    """Disaggregation is refused (before loading the weights) unless the KV cache is one full-attention group:
+    the prefill server sends the prompt's group-0 blocks only. The tiers take any layout (each group's blocks
+    are kept apart: worker/kv_offload.tier_hash)."""
+    if layout.group_windows != (0,) and config.kv_transfer.disaggregation_mode != "null":
+        raise ValueError("--disaggregation-mode: not supported yet for a model with sliding-window layers "
+                         f"({layout.describe()})")
 
 
 class EngineCore:

@@ -30,6 +30,13 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
+def tier_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The tiers' key of one KV cache group's block of these tokens: the prefix cache's hash for group 0 (the
+    only one of most models, and what a prefill server sends), a hash of (group, hash) for the others (each
+    group's block of the same tokens holds other layers). Its token ids are the block's, compared on lookup."""
+    return block_hash if group == 0 else BlockHash(hash(("kv-group", group, block_hash.value)), block_hash.token_ids)
+
+
 def read_device_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
     """Host copies of device blocks, one [num_layers, 2, block_size, Hkv, D] tensor each."""
     if not block_ids:
@@ -67,28 +74,30 @@ class TieredKVConnector(KVConnector):
 
     # ---- scheduler side ---------------------------------------------------------------------
 
-    def num_matched_blocks(self, hashes: Sequence[BlockHash]) -> int:
+    def num_matched_blocks(self, hashes: Sequence[BlockHash], num_groups: int = 1) -> int:
         with self.lock:
             for i, block_hash in enumerate(hashes):
-                if block_hash.value not in self.matched and not self._match(block_hash):
-                    return i
+                for group in range(num_groups):
+                    key = tier_hash(block_hash, group)
+                    if key.value not in self.matched and not self._match(key):
+                        return i
             return len(hashes)
 
-    def _match(self, block_hash: BlockHash) -> bool:
+    def _match(self, key: BlockHash) -> bool:
         """Hold the block aside for this step's load: a host block's tensor, or a disk block's name (its file is
         read and checked by the load, off the step loop)."""
-        block = self.host.get(block_hash) if self.host is not None else None
-        if block is None and not (self.disk is not None and self.disk.has(block_hash)):
+        block = self.host.get(key) if self.host is not None else None
+        if block is None and not (self.disk is not None and self.disk.has(key)):
             return False
-        self.matched[block_hash.value] = block
+        self.matched[key.value] = block
         return True
 
     def start_load(self, loads: list[KVBlockCopy]) -> Future[int]:
         """Queued until this step's `apply` has copied its saves out: a load may go into a block this step
-        evicted."""
+        evicted. The future counts blocks of every group (a position counts once all its groups' arrived)."""
         load: Future[int] = Future()
         with self.lock:
-            blocks = [self.matched.pop(copy.block_hash.value) for copy in loads]
+            blocks = [self.matched.pop(tier_hash(copy.block_hash, copy.group).value) for copy in loads]
         self.queued.append((load, loads, blocks))
         return load
 
@@ -104,17 +113,17 @@ class TieredKVConnector(KVConnector):
         checks, copied into their device blocks; how many."""
         found = self._read(loads, blocks)
         self._write(loads[:len(found)], found)
-        num_disk = sum(block is None for block in blocks[:len(found)])
-        with self.lock:
+        firsts = [block is None for copy, block in zip(loads, blocks[:len(found)]) if copy.group == 0]
+        with self.lock:  # tokens: a position counts once, in its group 0 block
             block_size = self.kv_caches[0].shape[2]
-            self.stats.num_host_hit_tokens += block_size * (len(found) - num_disk)
-            self.stats.num_disk_hit_tokens += block_size * num_disk
+            self.stats.num_host_hit_tokens += block_size * (len(firsts) - sum(firsts))
+            self.stats.num_disk_hit_tokens += block_size * sum(firsts)
         return len(found)
 
     def _read(self, loads: list[KVBlockCopy], blocks: list[torch.Tensor | None]) -> list[torch.Tensor]:
         found = []
         for copy, block in zip(loads, blocks):
-            block = block if block is not None else self.disk.read(copy.block_hash, self.lock)
+            block = block if block is not None else self.disk.read(tier_hash(copy.block_hash, copy.group), self.lock)
             if block is None:
                 break
             found.append(block)
@@ -138,7 +147,7 @@ class TieredKVConnector(KVConnector):
         with self.lock:
             self.matched.clear()
             for copy, block in zip(transfers.saves, saved):
-                self._keep(copy.block_hash, block)
+                self._keep(tier_hash(copy.block_hash, copy.group), block)
             self.stats.num_offloaded_blocks += len(saved)
         queued, self.queued = self.queued, []
         for load in queued:
