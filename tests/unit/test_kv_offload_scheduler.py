@@ -127,9 +127,10 @@ def test_other_requests_step_while_a_load_is_held():
     a2 = make_request("a2", a + [13], max_tokens=2)
     sched.add_request(a2)
     for _ in range(3):  # a2's load held: c decodes on
-        out, _ = step(sched)
+        out, update = step(sched)
         connector.apply(out.kv_transfers)
         assert list(out.num_scheduled_tokens) == ["c"] and a2.status.name == "WAITING_FOR_KV"
+        assert update.stats.num_waiting == 1  # counted as waiting (the queue-depth metric scales on it)
         sched.check_integrity()
     assert len(connector.loads) == 1 and len(sched.requests["c"].output_token_ids) == 4
     connector.finish()

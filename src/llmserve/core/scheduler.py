@@ -242,7 +242,7 @@ class Scheduler(Preemption, OutputUpdate):
         counted tokens, one a forward; False (nothing scheduled) where none can."""
         num_steps = self._window_forwards()
         if (num_steps == 1 or len(self.running) > budget or self.num_streamed
-                or self.num_structured or self.held_siblings
+                or self.num_structured or self.held_siblings or self.kv_loading
                 or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
             return False  # a request waiting for a seat (or a grammar) would wait out the whole window
         # while requests wait for a seat the window ends when its first row does: no seat idles meanwhile

@@ -9,6 +9,7 @@ import time
 
 from llmserve.config import SpeculativeConfig
 from llmserve.core.grammar_wait import GrammarWaitList
+from llmserve.core.kv_loading import KVLoadWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import FCFSQueue, PriorityQueue
@@ -31,6 +32,7 @@ class OutputUpdate:
     running: list[Request]
     waiting: FCFSQueue | PriorityQueue
     compiling: GrammarWaitList
+    kv_loading: KVLoadWaitList | None
     held_siblings: dict[str, list[Request]]
     aborted_outputs: list[EngineCoreOutput]
     num_preemptions: int
@@ -207,7 +209,8 @@ class OutputUpdate:
         queries, hits = self.kv.take_prefix_stats()
         num_preemptions, self.num_preemptions = self.num_preemptions, 0
         return SchedulerStats(num_running=len(self.running),
-                              num_waiting=len(self.waiting) + self._num_held() + len(self.compiling),
+                              num_waiting=len(self.waiting) + self._num_held() + len(self.compiling)
+                              + len(self.kv_loading or ()),
                               kv_cache_usage=self.kv.usage(), num_kv_blocks=self.kv.pool.num_usable_blocks,
                               num_free_kv_blocks=self.kv.pool.get_num_free_blocks(), prefix_cache_queries=queries,
                               prefix_cache_hits=hits, num_preemptions=num_preemptions,
