@@ -1,10 +1,12 @@
-"""The continuous-batching scheduler.
+"""The continuous-batching scheduler: one class, whose step takes one of three paths.
 
 There is no prefill or decode phase: each step, every request's `num_computed_tokens` catches up with
-its token count under one token budget (`max_num_batched_tokens`). Running requests go first (a long
-prompt is chunked to what the budget leaves), then waiting ones in queue order. When blocks run out,
-the lowest-priority running request is preempted by recompute: its blocks are freed and it returns to
-the front of the waiting queue, so no request is ever lost.
+its token count under one token budget (`max_num_batched_tokens`). Where every running request can decode
+several tokens in a row, a multi-step window runs (core/decode_window.py); else running requests go first
+(a long prompt chunked to what the budget leaves; plain decode rows in a tight loop, core/decode_rows.py),
+then waiting ones in queue order. When blocks run out, the lowest-priority running request is preempted
+by recompute (core/scheduler_preempt.py): its blocks are freed and it returns to the front of the waiting
+queue, so no request is ever lost. `update_from_output` takes the step's ids in (core/scheduler_update.py).
 
 Async scheduling (the engine schedules step N+1 while step N runs): a scheduled step that will sample
 for a request leaves a placeholder on it (`num_placeholders`), which stands for the token until
@@ -21,24 +23,26 @@ from collections.abc import Iterable
 
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.core.block_pool import KVBlock
-from llmserve.core.decode_steps import decode_step_counts
+from llmserve.core.decode_rows import has_all_tokens_in_flight, schedule_decode_rows
+from llmserve.core.decode_window import schedule_window
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
 from llmserve.core.kv_loading import KVLoadWaitList
 from llmserve.core.request import Request, RequestStatus
+from llmserve.core.request_output import aborted_output
 from llmserve.core.request_queue import make_queue
-from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from llmserve.core.scheduler_preempt import Preemption
-from llmserve.core.scheduler_update import OutputUpdate, aborted_output
+from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmserve.core.scheduler_preempt import allocate_or_preempt
+from llmserve.core.scheduler_update import update_from_output
 from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
-from llmserve.messages import EngineCoreOutput
+from llmserve.messages import EngineCoreOutput, EngineCoreOutputs
 from llmserve.structured.bitmask import StepGrammar
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(Preemption, OutputUpdate):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
                  group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None,
@@ -77,7 +81,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.num_step_prompt_tokens = 0
         self.prefill_budget = 0  # prompt tokens left in the step being scheduled
         # The step being scheduled: rows that `_advance_scheduled` moves on once all are scheduled (plain
-        # decode rows move on as `_schedule_decodes` schedules them), and how many rows that made.
+        # decode rows move on as they are scheduled: core/decode_rows.py), and how many rows that made.
         self.rows_to_advance: list[Request] = []
         self.num_step_rows = 0
 
@@ -186,7 +190,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
-        if not self._schedule_decode_steps(out, budget):
+        if not self._schedule_window(out, budget):
             budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
             if not has_preempted:
                 self._schedule_waiting(out, budget)
@@ -199,6 +203,16 @@ class Scheduler(Preemption, OutputUpdate):
         if self.kv_connector is not None:
             out.kv_transfers = self._take_kv_transfers()
         return out
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
+        """The step's sampled ids in: stops, rejected drafts rolled back, outputs and stats
+        (core/scheduler_update.py)."""
+        return update_from_output(self, sched_out, runner_out)
+
+    def take_aborted_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests aborted since the last step (a step with nothing finished returns them)."""
+        outputs, self.aborted_outputs = self.aborted_outputs, []
+        return outputs
 
     def _take_kv_transfers(self) -> KVTransfers:
         return KVTransfers([KVBlockCopy(*evicted) for evicted in self.kv.pool.take_evicted()])
@@ -237,51 +251,26 @@ class Scheduler(Preemption, OutputUpdate):
         return (self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
                 and not self.draft_backoff.is_skipping)
 
-    def _schedule_decode_steps(self, out: SchedulerOutput, budget: int) -> bool:
-        """A multi-step (core/decode_steps.py) where one can run: every running request decodes its
-        counted tokens, one a forward; False (nothing scheduled) where none can."""
-        num_steps = self._window_forwards()
-        if (num_steps == 1 or len(self.running) > budget or self.num_streamed
-                or self.num_structured or self.held_siblings or self.kv_loading
-                or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
-            return False  # a request waiting for a seat (or a grammar) would wait out the whole window
-        # while requests wait for a seat the window ends when its first row does: no seat idles meanwhile
-        counts = decode_step_counts(self.running, num_steps, self.kv, is_even=bool(len(self.waiting)))
-        if counts is None:
-            return False
-        kv, scheduled = self.kv, out.num_scheduled_tokens
-        for request, num in zip(self.running, counts):
-            req_id, num_after = request.request_id, request.num_computed_tokens + num
-            num_blocks = len(kv.req_to_blocks[req_id])
-            if num_after > kv.num_slots(req_id) or num_blocks != request.num_runner_blocks:
-                self._send_blocks(out, request, kv.grow(request, num_after))
-            kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
-            scheduled[req_id] = num
-            request.num_computed_tokens = num_after
-            request.num_placeholders = num
-        self.num_step_rows = len(counts)
-        out.num_steps = max(counts)
-        return True
+    # ---- the three paths of a step: a window, the running requests, the waiting ones ---------------
 
-    def _window_forwards(self) -> int:
-        """The most forwards a multi-step may run now: none with speculation on, except while it backs
-        off after a step that found no drafts (core/spec_stats.DraftBackoff), for the forwards it skips."""
-        num_steps = self.config.num_scheduler_steps or 1
-        if not self.spec_config.is_enabled:
-            return num_steps
-        return min(num_steps, self.draft_backoff.num_skips_left) if self.draft_backoff.is_skipping else 1
+    def _schedule_window(self, out: SchedulerOutput, budget: int) -> bool:
+        """Every running request decodes several tokens, one a forward (core/decode_window.py), where a
+        window can run; False (nothing scheduled) where none can."""
+        return schedule_window(self, out, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
+        """The running requests in order: decode rows, prompt chunks, drafts, under the token budget,
+        preempting where blocks run out. Returns the budget left and whether it preempted."""
         num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
-            num_decodes = self._schedule_decodes(out, i, budget)
+            num_decodes = schedule_decode_rows(self, out, i, budget)
             if num_decodes:
                 i, budget = i + num_decodes, budget - num_decodes
                 self.num_step_rows += num_decodes
                 continue
             request = self.running[i]
-            if self._has_all_tokens_in_flight(request):
+            if has_all_tokens_in_flight(request):
                 i += 1
                 continue
             num_real = request.num_tokens_with_placeholders - request.num_computed_tokens
@@ -296,11 +285,11 @@ class Scheduler(Preemption, OutputUpdate):
                     continue
                 self.prefill_budget -= num_new
             drafts = drafts[:max(0, num_new - num_real)]
-            new_blocks, budget_back, num_before = self._allocate_or_preempt(out, request, num_new)
+            new_blocks, budget_back, num_before = allocate_or_preempt(self, out, request, num_new)
             budget, i = budget + budget_back, i - num_before
             if new_blocks is None:
                 continue  # the request itself was preempted: running[i] is now the next one
-            self._send_blocks(out, request, new_blocks)
+            self.send_blocks(out, request, new_blocks)
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
@@ -310,43 +299,7 @@ class Scheduler(Preemption, OutputUpdate):
             i += 1
         return budget, self.num_preemptions > num_preemptions
 
-    def _schedule_decodes(self, out: SchedulerOutput, start: int, budget: int) -> int:
-        """Schedules the plain decode rows from running[start] on in one tight loop: one token each, no
-        drafts; a row whose blocks are full gets one here. Each samples in this step, so it moves on at
-        once (`_advance_scheduled` for one row; a row with a grammar is left to it). Returns how many; the
-        first row that needs more (a prompt chunk, drafts, a preemption, or nothing) is left to the
-        general path."""
-        block_size, num_lookahead, num_groups = self.kv.block_size, self.num_lookahead, self.kv.num_groups
-        req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
-        is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
-        rows = self.running[start:start + budget]
-        for i, request in enumerate(rows):
-            req_id, num_after = request.request_id, request.num_computed_tokens + 1  # tokens computed after it
-            num_known = len(request.all_token_ids)
-            if (num_known + request.num_placeholders != num_after or request.spec_token_ids
-                    or (request.num_placeholders and self._has_all_tokens_in_flight(request))):
-                return i
-            num_blocks = len(req_to_blocks[req_id])  # of every group (a block position holds num_groups)
-            if num_after + num_lookahead > num_blocks // num_groups * block_size \
-                    or num_blocks != request.num_runner_blocks:
-                new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
-                if new_blocks is None:
-                    return i  # out of blocks: the general path preempts
-                self._send_blocks(out, request, new_blocks)
-            elif is_caching and (num_after if num_after < num_known else num_known) // block_size > \
-                    num_cached_blocks.get(req_id, 0):
-                self.kv.cache_full_blocks(request, num_after)  # a block fills in this step
-            scheduled[req_id] = 1
-            if request.grammar is not None:
-                self.rows_to_advance.append(request)
-                continue
-            request.num_computed_tokens = num_after
-            request.num_placeholders += 1
-            if num_after <= request.num_prompt_tokens:  # its last prompt token
-                self.num_step_prompt_tokens += 1
-        return len(rows)
-
-    def _send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
+    def send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
         """Tell the runner of the request's block changes (new blocks, or trimmed ones); nothing if none."""
         num_blocks = len(self.kv.req_to_blocks[request.request_id])
         num_old_blocks = num_blocks - len(new_blocks)
@@ -354,10 +307,6 @@ class Scheduler(Preemption, OutputUpdate):
             out.cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
                                                      request.num_computed_tokens, num_old_blocks))
             request.num_runner_blocks = num_blocks
-
-    def _has_all_tokens_in_flight(self, request: Request) -> bool:
-        """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
-        return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         adapters = self._running_adapters()

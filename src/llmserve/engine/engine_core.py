@@ -32,9 +32,10 @@ from llmserve.model import deepseek, mla, quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
-from llmserve.model.pooler_config import is_sentence_transformers
+from llmserve.model.pooler_config import is_embedding_checkpoint, is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
+from llmserve.worker.decode_window import WindowEnds
 from llmserve.worker.step_handle import StepHandle
 from llmserve.worker.worker import Worker, device_memory, resolve_device
 
@@ -75,6 +76,19 @@ def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]
     return layout
 
 
+def resolve_runner(config: EngineConfig, path: str) -> EngineConfig:
+    """--runner auto made pooling for an embedding checkpoint (model/pooler_config.py), else generate, and the
+    config checked again (a pooling engine refuses some flags)."""
+    if config.model.runner != "auto":
+        return config
+    runner = "pooling" if is_embedding_checkpoint(path) else "generate"
+    if runner == "pooling":
+        logger.info("%s is an embedding model: serving it with --runner pooling (POST /v1/embeddings)", path)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, runner=runner))
+    config.validate()
+    return config
+
+
 def pooling_engine_config(config: EngineConfig) -> EngineConfig:
     """A pooling engine's steps run in order, one forward each (its requests end when their prompt does:
     nothing to overlap, no decode step); the prefix cache holds no hidden states, so only last-token
@@ -99,13 +113,13 @@ class EngineCore:
         """is_served: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.validate()  # before loading anything: a bad value fails in milliseconds
-        config = pooling_engine_config(config)
+        name, path = model_source(config)
+        config = pooling_engine_config(resolve_runner(config, path))
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
         self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
                                                      config.model.quantization, config.model.disable_sliding_window,
                                                      config.model.is_pooling, config.model.pooler_config)
@@ -117,7 +131,7 @@ class EngineCore:
         kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
         if self.model_info.pooler is None and is_sentence_transformers(path):
             logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "
-                           "add --runner pooling to serve its embeddings (POST /v1/embeddings)", name)
+                           "drop --runner generate to serve its embeddings (POST /v1/embeddings)", name)
         if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
             self.config = config
@@ -154,7 +168,8 @@ class EngineCore:
         size = config.parallel.tensor_parallel_size
         if size == 1:
             return None
-        check_tensor_parallel(load_hf_config(path), size)  # before spawning: a clear error in milliseconds
+        # before spawning: a clear error in milliseconds
+        check_tensor_parallel(load_hf_config(path), size, config.parallel.enable_expert_parallel)
         if self.model_info.quantization is not None:  # model/quant swaps whole Linear layers, not rank slices
             raise ValueError(f"--tensor-parallel-size {size} with quantization ({self.model_info.quantization}) "
                              "is not supported yet: serve the model unquantized (--quantization none) or on one rank")
@@ -183,18 +198,17 @@ class EngineCore:
             self.kv_sender.add(request, list(hashes))  # its prompt's full blocks go to the decode server
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
-            core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
+            core_request.grammar = RequestGrammar(self.grammars.submit(constraint), constraint.reasoning_end)
         self.scheduler.add_request(core_request)
 
     def interrupt_windows_on_input(self, has_input: Callable[[], bool]) -> None:
         """For an engine whose outputs are read as they come (the engine-core process), a multi-step ends
         after the forward where `has_input()` turns true, or where some row ran its last forward
-        (worker/multi_step.py): a request that arrives meanwhile waits one forward, not the window, and a
-        finished request's output leaves at once (its client may be waiting to send the next). Not with
+        (worker/decode_window.py): a request that arrives meanwhile waits one forward, not the window, and
+        a finished request's output leaves at once (its client may be waiting to send the next). Not with
         tensor parallelism, whose ranks run each window whole (they cannot see this engine's input)."""
         if self.tp_executor is None:
-            self.runner.window_interrupt = has_input
-            self.runner.window_ends_at_finish = True
+            self.runner.window_ends = WindowEnds(has_input=has_input, is_at_first_finish=True)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

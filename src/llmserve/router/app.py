@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from llmserve.http.errors import APIError, error_response, install_error_handlers, service_unavailable
 from llmserve.router import proxy
 from llmserve.router.classifier import RouteDecision
 from llmserve.router.dashboard import dashboard_routes
@@ -23,7 +24,6 @@ from llmserve.router.gateway import Gateway
 from llmserve.router.ratelimit import retry_after_header
 from llmserve.router.policies import RouteRequest
 from llmserve.router.requests import decode_body, route_request
-from llmserve.server.errors import APIError, error_response, install_error_handlers, service_unavailable
 
 _FORWARDED_HEADERS = frozenset({b"content-type", b"authorization", b"accept", b"x-request-id"})
 

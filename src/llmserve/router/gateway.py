@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from llmserve.http.errors import APIError
 from llmserve.router.backends import Backend, Pool
 from llmserve.router.classifier import RouteDecision, classify
 from llmserve.router.config import BackendSpec, RouterConfig, RouterSetup
@@ -16,8 +17,6 @@ from llmserve.router.metrics import RouterMetrics
 from llmserve.router.policies import RouteRequest, make_policy
 from llmserve.router.ratelimit import RateLimiter
 from llmserve.router.upstream import Upstream, UpstreamPool
-from llmserve.router.upstream_httpx import HttpxUpstream
-from llmserve.server.errors import APIError
 
 logger = logging.getLogger("llmserve.router")
 
@@ -31,16 +30,17 @@ def make_client(config: RouterConfig) -> httpx.AsyncClient:
 
 
 class Gateway:
-    def __init__(self, setup: RouterSetup, client: httpx.AsyncClient | None = None) -> None:
-        """`client`: an httpx client for everything upstream (tests: a MockTransport); by default requests
-        go through the lean connection pool of upstream.py and probes through a fresh httpx client."""
+    def __init__(self, setup: RouterSetup, client: httpx.AsyncClient | None = None,
+                 upstream: Upstream | None = None) -> None:
+        """Requests go through `upstream` (by default the connection pool of upstream.py), the background
+        probes and scrapes through `client` (by default make_client's); tests pass in-memory ones."""
         self.setup = setup
         self.config = setup.router
         self.metrics = RouterMetrics()
         self.limiter = RateLimiter(self.config.default_rate_limit, setup.key_rate_limits)
         self.client = client or make_client(self.config)
-        self.upstream: Upstream = (HttpxUpstream(client) if client is not None else
-                                   UpstreamPool(self.config.connect_timeout_s, self.config.upstream_timeout_s))
+        self.upstream: Upstream = upstream or UpstreamPool(self.config.connect_timeout_s,
+                                                           self.config.upstream_timeout_s)
         self.pools: dict[str, Pool] = {}
         for spec in setup.pools:
             pool = self.ensure_pool(spec.name, spec.policy, spec.upstream_model)

@@ -7,7 +7,7 @@ import logging
 
 import uvicorn
 
-from llmserve.aio import bind_socket, run_service
+from llmserve.http.launch import bind_socket, run_service
 from llmserve.router.config import RouterConfig
 from llmserve.router.pd import PDConfig, PDRouter, build_pd_app
 

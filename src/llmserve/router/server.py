@@ -10,7 +10,7 @@ import signal
 
 import uvicorn
 
-from llmserve.aio import bind_socket, run_service
+from llmserve.http.launch import bind_socket, run_service
 from llmserve.router.app import build_app
 from llmserve.router.config import RouterSetup
 from llmserve.router.direct_write import RouterHttpProtocol

@@ -369,7 +369,7 @@ class UpstreamPool:
 
 
 class Response(Protocol):
-    """What the proxy needs of an upstream response (UpstreamResponse, or upstream_httpx's)."""
+    """What the proxy needs of an upstream response (UpstreamResponse; the tests' in-memory backends have their own)."""
 
     status: int
     headers: list[Header]  # names lower-case

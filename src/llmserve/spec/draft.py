@@ -25,8 +25,7 @@ from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
 from llmserve.spec.draft_chain import DraftChain, VerifiedStep
 from llmserve.spec.draft_head import DraftHead
-from llmserve.model.step_inputs import StepInputs
-from llmserve.spec.draft_inputs import prepare_inputs
+from llmserve.spec.draft_inputs import DraftInputs, prepare_inputs
 from llmserve.spec.proposer import ProposerRow
 
 _DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from positions of their own
@@ -146,7 +145,7 @@ class DraftModelProposer:
             if q is not None and rows[j].params.temperature != 0.0:
                 probs[j].append(q[a])
 
-    def _forward(self, inputs: list[_DraftInput], counts: list[int]) -> tuple[torch.Tensor, StepInputs]:
+    def _forward(self, inputs: list[_DraftInput], counts: list[int]) -> tuple[torch.Tensor, DraftInputs]:
         """One draft forward of `counts` tokens a row -> float32 logits [A, V] at each row's last token,
         and the forward's inputs."""
         step = prepare_inputs(inputs, counts, self.block_size, self.device)

@@ -1,5 +1,6 @@
-"""The upstream interface over an httpx.AsyncClient: for tests (httpx.MockTransport backends) and any
-client a caller brings. The router itself uses the lean pool in upstream.py."""
+"""The router's upstream interface over an httpx.AsyncClient, for the tests' in-memory backends
+(httpx.MockTransport): `Gateway(setup, client=c, upstream=MockUpstream(c))`. The router itself has one
+upstream client, the connection pool of router/upstream.py (docs/benchmarks.md, "One upstream client")."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class HttpxResponse:
             await self._response.aclose()
 
 
-class HttpxUpstream:
+class MockUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
