@@ -41,6 +41,7 @@ from llmserve.worker.worker import Worker, device_memory, resolve_device
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
+KV_LOAD_POLL_S = 0.005  # likewise one whose only requests wait for their prefix's KV (core/kv_loading.py)
 
 
 def model_source(config: EngineConfig) -> tuple[str, str]:
@@ -99,13 +100,12 @@ def pooling_engine_config(config: EngineConfig) -> EngineConfig:
 
 
 def check_kv_transfer_layout(config: EngineConfig, layout: KVCacheLayout) -> None:
-    """The KV tiers and disaggregation are refused (before loading the weights) unless the KV cache is one
-    full-attention group: a sliding group's blocks are found by window hits, and the copies move one group's
-    blocks, neither of which a lower tier does yet."""
-    kv = config.kv_transfer
-    if layout.group_windows != (0,) and (kv.is_offloading or kv.disaggregation_mode != "null"):
-        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported yet for a "
-                         f"model with sliding-window layers ({layout.describe()})")
+    """Disaggregation is refused (before loading the weights) unless the KV cache is one full-attention group:
+    the prefill server sends the prompt's group-0 blocks only. The tiers take any layout (each group's blocks
+    are kept apart: worker/kv_offload.tier_hash)."""
+    if layout.group_windows != (0,) and config.kv_transfer.disaggregation_mode != "null":
+        raise ValueError("--disaggregation-mode: not supported yet for a model with sliding-window layers "
+                         f"({layout.describe()})")
 
 
 class EngineCore:
@@ -238,11 +238,13 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with its KV copies done (evicted blocks out, lower-tier hits in) before any
-        forward reads or overwrites those blocks."""
+        """The scheduler's step, with the blocks it evicted copied out to the KV tiers before any forward
+        overwrites them (loads from the tiers run in the background: core/kv_loading.py)."""
         sched_out = self.scheduler.schedule()
         if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
             self.kv_connector.apply(sched_out.kv_transfers)
+            if sched_out.is_empty and self.in_flight is None:
+                self.scheduler.kv_loading.wait(KV_LOAD_POLL_S)  # nothing to run until a load ends
         return sched_out
 
     def _take_kv_stats(self) -> KVTierStats | None:
