@@ -111,6 +111,28 @@ def test_the_torch_groups_path_equals_transformers(checkpoint, monkeypatch):
     llm.engine.check_integrity()
 
 
+def test_the_triton_backend_and_the_decode_graph_buffers_equal_transformers(checkpoint):
+    """The latent cache read by the Triton kernel (on CPU through Triton's interpreter): a mixed batch of chunked
+    prompts, then decode steps through the graph buffers (run eagerly here; tests/gpu captures them)."""
+    pytest.importorskip("triton")
+    from llmserve.worker.cuda_graphs import DecodeGraphs
+
+    path, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=64, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+              attention_backend="triton", enforce_eager=True)
+    runner = llm.engine.runner
+    assert runner.attn_backend.name == "triton"
+    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
+                          device=torch.device("cpu"), use_graphs=False)
+    runs, original_run = [], graphs.run
+    graphs.run = lambda inputs: runs.append(inputs.input_ids.shape[0]) or original_run(inputs)
+    runner.graphs = graphs
+    prompts = [prompt(n, 60 + i) for i, n in enumerate((3, 21, 1))]
+    assert [list(o.outputs[0].token_ids) for o in greedy(llm, prompts)] == [hf_greedy(hf, p) for p in prompts]
+    assert runs and set(runs) <= {1, 2, 3}  # decode steps went through the buffers
+    llm.engine.check_integrity()
+
+
 def test_preemption_under_a_small_cache_equals_transformers(checkpoint):
     path, hf = checkpoint
     prompts = [prompt(n, 20 + i) for i, n in enumerate((20, 17, 22, 19))]
@@ -209,8 +231,6 @@ def test_flags_a_latent_cache_does_not_take_are_refused_before_loading(tmp_path)
     path = write_checkpoint("v3", str(tmp_path / "v3"))
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8: the latent cache"):
         LLM(path, dtype="float32", kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="--attention-backend triton: Multi-head Latent Attention"):
-        LLM(path, dtype="float32", attention_backend="triton")
     with pytest.raises(ValueError, match="tensor parallelism is not supported for DeepseekV3ForCausalLM"):
         check_tensor_parallel(load_hf_config(path), 2)
 

@@ -112,7 +112,7 @@ class EngineCore:
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
-            mla.check_settings(config.cache.kv_cache_dtype, config.model.attention_backend)
+            mla.check_settings(config.cache.kv_cache_dtype)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
         if self.model_info.pooler is None and is_sentence_transformers(path):

@@ -244,11 +244,6 @@ class CausalLM(nn.Module):
         self.tied_head_packed = packed(table)
         return True
 
-    @property
-    def has_latent_cache(self) -> bool:
-        """Whether the cache holds latents (MLA: model/attn_latent.py), not K and V per kv head."""
-        return self.parts.is_mla
-
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; with MLA
         [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (mla.cache_shape)."""

@@ -70,23 +70,46 @@ class MlaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; attn_metadata is the torch backend's (model/attn_latent.py)."""
+        """x [T, hidden] -> [T, hidden]; attn_metadata is the torch backend's (model/attn_latent.py) or the Triton
+        backend's (model/mla_triton.py)."""
         num_tokens = x.shape[0]
         q = self._queries(x).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, Dn + R]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_rotary(q_rope, *cos_sin)
         entries = self._latent_entries(x, cos_sin)  # [T, L + R]
-        attn_latent.check_metadata(attn_metadata)
         attn_latent.write_entries(kv_cache, attn_metadata.slot_mapping, entries)
+        if attn_backend.name == "triton":
+            out = self._attend_triton(q_nope, q_rope, kv_cache, attn_metadata)
+        else:
+            out = self._attend_torch(q_nope, q_rope, entries, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _attend_triton(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                       metadata) -> torch.Tensor:
+        """Every row in the absorbed form through the Triton kernel (model/mla_triton.py) -> out [T, H, Dv]."""
+        from llmserve.model import mla_triton  # triton is imported only where the Triton backend is used
+
+        q_latent = self._absorb_queries(q_nope)  # [T, H, L]
+        latent_out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+        mla_triton.paged_latent_attention(latent_out, q_latent, q_rope, kv_cache, metadata.block_table,
+                                          metadata.seq_lens, metadata.query_start_loc, metadata.tile_rows,
+                                          metadata.tile_starts, metadata.block_q, self.scale)
+        return self._expand_values(latent_out)
+
+    def _attend_torch(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                      kv_cache: torch.Tensor, attn_metadata) -> torch.Tensor:
+        """The torch backend's rows: the C++ kernel's (CPU), then its groups -> out [T, H, Dv]."""
+        attn_latent.check_metadata(attn_metadata)
+        num_tokens = q_nope.shape[0]
         out = self._attend_kernel_rows(q_nope, q_rope, kv_cache, attn_metadata)  # [T, H, Dv] or None
         groups = attn_latent.groups(attn_metadata, is_kernel_used=out is not None)
         if out is None and len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == num_tokens:
             out = self._attend_group(q_nope, q_rope, entries, kv_cache, groups[0])  # decode rows only
         else:
-            out = x.new_empty(num_tokens, self.num_heads, self.v_dim) if out is None else out
+            out = q_nope.new_empty(num_tokens, self.num_heads, self.v_dim) if out is None else out
             for group in groups:
                 attn_latent.scatter(out, self._attend_group(q_nope, q_rope, entries, kv_cache, group), group)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return out
 
     def _attend_kernel_rows(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                             metadata) -> torch.Tensor | None:
@@ -159,12 +182,9 @@ def cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: i
     return (1, num_blocks, block_size, 1, kv_lora_rank + rope_dim)
 
 
-def check_settings(kv_cache_dtype: str, attention_backend: str) -> None:
+def check_settings(kv_cache_dtype: str) -> None:
     """ValueError naming the flag a latent cache does not run with: it holds the model's dtype
-    (--kv-cache-dtype auto) and is read by the torch backend (--attention-backend auto or torch)."""
+    (--kv-cache-dtype auto)."""
     if kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: the latent cache of Multi-head Latent Attention holds "
                          "the model's dtype (auto)")
-    if attention_backend not in ("auto", "torch"):
-        raise ValueError(f"--attention-backend {attention_backend}: Multi-head Latent Attention runs on the torch "
-                         "backend only (auto or torch)")
