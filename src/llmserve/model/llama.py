@@ -132,8 +132,9 @@ def _feed_forward(config, parts: DecoderParts, index: int, tp: TensorParallel | 
                   layout: ShardLayout | None) -> nn.Module:
     """Layer `index`'s MLP: the MoE block on a sparse layer, else the dense gated MLP."""
     if parts.moe is not None and parts.moe.is_sparse_layer(index):
-        share = None if layout is None else layout.expert_intermediate[1]
-        return SparseMoeBlock(config.hidden_size, parts.moe, tp, share)
+        share, shared_share = (None, None) if layout is None else \
+            (layout.expert_intermediate[1], layout.shared_intermediate[1])
+        return SparseMoeBlock(config.hidden_size, parts.moe, tp, share, shared_share)
     intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
     return parts.dense_mlp(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
 
@@ -142,7 +143,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, parts: DecoderParts, index: int, tp: TensorParallel | None = None,
                  layout: ShardLayout | None = None):
         super().__init__()
-        self.self_attn = mla.MlaAttention(config) if parts.is_mla else Attention(config, parts, tp, layout)
+        self.self_attn = mla.MlaAttention(config, tp, layout) if parts.is_mla else Attention(config, parts, tp, layout)
         self.mlp = _feed_forward(config, parts, index, tp, layout)
         self.input_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
@@ -198,9 +199,9 @@ class CausalLM(nn.Module):
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if self.architecture == phi3.ARCHITECTURE:
-            phi3.check_config(config, 1 if self.tp is None else self.tp.size)
+            phi3.check_config(config)
         if self.architecture in deepseek.ARCHITECTURES:
-            deepseek.check_config(config, self.architecture, 1 if self.tp is None else self.tp.size)
+            deepseek.check_config(config, self.architecture)
         windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
@@ -299,6 +300,8 @@ class CausalLM(nn.Module):
             weights = gpt_oss.to_decoder_layout(weights)
         if self.architecture in deepseek.ARCHITECTURES:
             weights = deepseek.to_decoder_layout(weights, self.config, self.architecture)
+        if self.architecture == phi3.ARCHITECTURE:
+            weights = phi3.to_decoder_layout(weights, self.config, self.layout)
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name, self.is_tied or not self.has_lm_head, fuses_qkv=not self.parts.is_mla)
             if target is None:

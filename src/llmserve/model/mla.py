@@ -30,6 +30,7 @@ from llmserve.model import attn_latent, deepseek
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import RMSNorm, apply_rotary
 from llmserve.model.linear import Linear
+from llmserve.model.parallel import ShardLayout, TensorParallel, column_linear, row_linear
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not config.rms_norm_eps
 _LATENT_NORM_EPS = 1e-6
@@ -45,26 +46,30 @@ class LatentUpProjection(nn.Module):
 
 
 class MlaAttention(nn.Module):
-    """x [T, hidden] -> [T, hidden]; kv_cache [1, num_blocks, block_size, 1, L + R] (`cache_shape`)."""
+    """x [T, hidden] -> [T, hidden]; kv_cache [1, num_blocks, block_size, 1, L + R] (`cache_shape`).
 
-    def __init__(self, config):
+    With tensor parallelism (vLLM's split) a rank holds its heads' rows of q_proj / q_b_proj and kv_b_proj and
+    their inputs of o_proj (an all-reduce sums the ranks' outputs); the latent projections, their norms and so
+    the latent cache are whole on every rank."""
+
+    def __init__(self, config, tp: TensorParallel | None = None, layout: ShardLayout | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads if layout is None else layout.q_heads[1]
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         bias = bool(getattr(config, "attention_bias", False))
         q_size = self.num_heads * (self.nope_dim + self.rope_dim)
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = Linear(config.hidden_size, q_size, bias=False)
+            self.q_proj = column_linear(config.hidden_size, q_size, False, tp)
         else:
             self.q_a_proj = Linear(config.hidden_size, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = Linear(self.q_lora_rank, q_size, bias=False)
+            self.q_b_proj = column_linear(self.q_lora_rank, q_size, False, tp)
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
+        self.o_proj = row_linear(self.num_heads * self.v_dim, config.hidden_size, bias, tp)
         self.scale = deepseek.softmax_scale(config)
         self.window = 0  # no sliding window in DeepSeek; set by the decoder like every attention's
 

@@ -277,10 +277,11 @@ class SparseMoeBlock(nn.Module):
     x [T, H] -> [T, H].
 
     With tensor parallelism every rank holds the whole router and `intermediate_size` (its share) of every
-    expert's features; each routes alike and an all-reduce (`tp`) sums the ranks' partial outputs."""
+    expert's features (and `shared_intermediate_size` of the shared experts'); each routes alike and an
+    all-reduce (`tp`) sums the ranks' partial outputs."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallel | None = None,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, shared_intermediate_size: int | None = None):
         super().__init__()
         self.spec = spec
         self.tp = tp
@@ -288,7 +289,7 @@ class SparseMoeBlock(nn.Module):
                            spec.is_router_float32)
         self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts,
                                spec.has_bias)
-        self.shared_experts = _shared_experts(hidden_size, spec.shared_intermediate_size)
+        self.shared_experts = _shared_experts(hidden_size, shared_intermediate_size or spec.shared_intermediate_size)
         self.load = ExpertLoad()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
