@@ -132,7 +132,8 @@ class Worker:
                 catch_up = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch, queries_per_row=k + 2)
             chain = DraftChain(head, graphs, block_size, self.device, catch_up)
         return DraftModelProposer(draft_model, head, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
-                                  self.model_info.max_model_len, self.device, self.config.model.seed, chain)
+                                  self.model_info.max_model_len, self.device, self.config.model.seed, chain,
+                                  self.kv_layout.num_groups)
 
     def _num_blocks(self, model: torch.nn.Module, draft_model: torch.nn.Module | None, attn_backend) -> int:
         """Blocks that fit the budget; a block holds the KV of one group's layers (core/kv_cache_groups.py);
