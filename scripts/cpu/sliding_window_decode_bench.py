@@ -71,7 +71,8 @@ def main() -> None:
                 run()
                 times[name].append((time.perf_counter() - wall, time.thread_time() - cpu))
     medians = {name: sorted(t)[REPEATS // 2] for name, t in times.items()}
-    print(f"decode step, {ROWS} rows at {CONTEXT} tokens, {THREADS} thread(s); median of {REPEATS} (wall, thread-CPU) ms")
+    print(f"decode step, {ROWS} rows at {CONTEXT} tokens, {THREADS} thread(s); "
+          f"median of {REPEATS} (wall, thread-CPU) ms")
     for name, (wall, cpu) in medians.items():
         print(f"  {name:>12}: {wall * 1e3:8.1f} {cpu * 1e3:8.1f}")
     (full_wall, full_cpu), (win_wall, win_cpu) = medians["full"], medians[f"window {WINDOW}"]

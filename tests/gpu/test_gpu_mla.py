@@ -1,5 +1,5 @@
 """Multi-head Latent Attention's Triton kernel on CUDA: DeepSeek-V3's own head shape (L 512, R 64, 128 heads) in
-bfloat16 against the float64 reference, and a tiny DeepSeek served through captured decode graphs giving the
+bfloat16 (over a bfloat16 and an fp8 latent cache) against the float64 reference, and a tiny DeepSeek served through captured decode graphs giving the
 eager engine's tokens (graphs are captured when its MoE runs without host syncs)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 def _reference(q_latent, q_rope, cache, block_table, seq_lens, scale) -> torch.Tensor:
     """Decode rows: q_* [B, H, *] over each row's entries gathered from cache [1, N, bs, 1, L + R] -> [B, H, L]."""
     latent_dim, outs = q_latent.shape[-1], []
-    entries = cache[0, :, :, 0].double()  # [N, bs, L + R]
+    entries = cache[0, :, :, 0].float().double()  # [N, bs, L + R]
     for row, seq_len in enumerate(seq_lens.tolist()):
         seq = entries[block_table[row].long()].reshape(-1, entries.shape[-1])[:seq_len]  # [S, L + R]
         queries = torch.cat([q_latent[row], q_rope[row]], dim=-1).double()  # [H, L + R]
@@ -34,14 +34,15 @@ def _reference(q_latent, q_rope, cache, block_table, seq_lens, scale) -> torch.T
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("seq_lens", [[1, 300, 4097, 17], [2048] * 8])
-def test_v3_shape_decode_in_bfloat16(seq_lens):
+def test_v3_shape_decode_in_bfloat16(seq_lens, cache_dtype):
     heads, latent_dim, rope_dim, block_size = 128, 512, 64, 64
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * max_blocks + 1
     cache = torch.randn(1, num_blocks, block_size, 1, latent_dim + rope_dim, device="cuda", generator=gen,
-                        dtype=torch.bfloat16)
+                        dtype=torch.bfloat16).to(cache_dtype)  # fp8: --kv-cache-dtype fp8, scale 1
     block_table = (torch.randperm(num_blocks - 1, device="cuda", generator=gen)[:len(seq_lens) * max_blocks] + 1)
     block_table = block_table.view(len(seq_lens), max_blocks).to(torch.int32)
     q_latent = torch.randn(len(seq_lens), heads, latent_dim, device="cuda", generator=gen, dtype=torch.bfloat16)

@@ -43,14 +43,16 @@ def make_attention(q_lora_rank: int | None, num_heads: int = HEADS) -> mla.MlaAt
     return attention
 
 
-def reference(attention: mla.MlaAttention, x: torch.Tensor, cos_sin, num_new: int) -> torch.Tensor:
+def reference(attention: mla.MlaAttention, x: torch.Tensor, cos_sin, num_new: int,
+              cache_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """One request: x [S, hidden] of its whole sequence -> the last num_new tokens' output [n, hidden], K and V
-    expanded per head for every token, float64."""
+    expanded per head for every token from its latent entry as a cache of cache_dtype holds it, float64."""
     num_tokens, num_heads = x.shape[0], attention.num_heads
     q = attention._queries(x).view(num_tokens, num_heads, NOPE + ROPE)
     q_rope = apply_rotary(q[..., NOPE:].contiguous(), *cos_sin)
     q = torch.cat([q[..., :NOPE], q_rope], dim=-1)[-num_new:]  # [n, H, Dn + R]
-    k, v = attention._expand_keys_values(attention._latent_entries(x, cos_sin))  # [S, H, Dn + R], [S, H, Dv]
+    entries = attention._latent_entries(x, cos_sin).to(cache_dtype).double()  # [S, L + R]
+    k, v = attention._expand_keys_values(entries)  # [S, H, Dn + R], [S, H, Dv]
     scores = torch.einsum("qhd,shd->hqs", q, k) * attention.scale
     is_visible = torch.arange(num_tokens)[None, :] <= torch.arange(num_tokens - num_new, num_tokens)[:, None]
     probs = scores.masked_fill(~is_visible, float("-inf")).softmax(-1)
@@ -59,8 +61,10 @@ def reference(attention: mla.MlaAttention, x: torch.Tensor, cos_sin, num_new: in
 
 @torch.no_grad()
 def make_step(q_lora_rank: int | None, rows: list[tuple[int, int]] = ROWS, num_heads: int = HEADS,
-              block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, device: str = "cpu") -> LatentStep:
-    """rows: (cached tokens, new tokens) per request; everything on `device` but the reference (on the CPU)."""
+              block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, device: str = "cpu",
+              cache_dtype: torch.dtype = torch.float64) -> LatentStep:
+    """rows: (cached tokens, new tokens) per request; everything on `device` but the reference (on the CPU);
+    cache_dtype: the latent cache's (the reference rounds every entry through it)."""
     attention = make_attention(q_lora_rank, num_heads)
     rotary = RotaryEmbedding(ROPE, rope_params_from_config(
         type("Config", (), {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})()))
@@ -73,8 +77,8 @@ def make_step(q_lora_rank: int | None, rows: list[tuple[int, int]] = ROWS, num_h
         entries = attention._latent_entries(x[:cached], rotary.cos_sin(torch.arange(cached), torch.float64))
         cache.view(-1, KV_LORA + ROPE).index_copy_(0, slots, entries)
     _, positions, inputs = builder.step([(req, [0] * new) for req, (_, new) in enumerate(rows)], device)
-    expected = torch.cat([reference(attention, x, rotary.cos_sin(torch.arange(x.shape[0]), torch.float64), new)
-                          for (_, new), x in zip(rows, xs)])
+    expected = torch.cat([reference(attention, x, rotary.cos_sin(torch.arange(x.shape[0]), torch.float64), new,
+                                    cache_dtype) for (_, new), x in zip(rows, xs)])
     new_x = torch.cat([x[cached:] for (cached, _), x in zip(rows, xs)])
     cos_sin = tuple(t.to(device) for t in rotary.cos_sin(positions.cpu(), torch.float64))
     return LatentStep(attention.to(device), new_x.to(device), cos_sin, cache.to(device), inputs, expected)

@@ -228,8 +228,24 @@ def test_a_config_field_the_decoder_does_not_run_is_refused_by_name(tmp_path, ar
 
 def test_flags_a_latent_cache_does_not_take_are_refused_before_loading(tmp_path):
     path = write_checkpoint("v3", str(tmp_path / "v3"))
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: the latent cache"):
-        LLM(path, dtype="float32", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8: the latent cache"):
+        LLM(path, dtype="float32", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "num_bytes"), [("fp16", 2), ("fp8", 1)])
+def test_a_float16_or_fp8_latent_cache_holds_its_bytes_a_token_and_serves(checkpoint, kv_cache_dtype, num_bytes):
+    """The latent cache in float16 (the C++ kernel widens it) or fp8 (the torch groups do): its bytes a token, and
+    greedy tokens through chunked prompts and decode (the attention's error: tests/unit/test_mla_attention.py),
+    mostly transformers' own."""
+    path, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+              kv_cache_dtype=kv_cache_dtype)
+    assert kv_bytes_per_token(llm.engine.runner.kv_caches) == (KV_LORA + ROPE) * LAYERS * num_bytes
+    prompts = [prompt(n, 70 + i) for i, n in enumerate((3, 13, 1))]
+    got = [list(o.outputs[0].token_ids) for o in greedy(llm, prompts)]
+    want = [hf_greedy(hf, p) for p in prompts]
+    assert sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) >= 0.8 * NUM_OUT * len(prompts)
+    llm.engine.check_integrity()
 
 
 def test_make_model_writes_deepseek_shapes_transformers_runs(tmp_path):

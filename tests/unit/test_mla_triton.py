@@ -1,7 +1,8 @@
 """The Triton kernel of Multi-head Latent Attention (model/mla_triton.py) against the float64 reference that expands
 K and V per head: a step mixing fresh prompts, continued prefixes and decode rows (tiles of 16 queries of one
 head), decode-only steps (one query of 16 heads a program, more heads than a program takes), and the decode
-graphs' metadata over persistent buffers. On CUDA it runs compiled; elsewhere through Triton's interpreter."""
+graphs' metadata over persistent buffers; a float16 and an fp8 latent cache. On CUDA it runs compiled; elsewhere
+through Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -12,19 +13,20 @@ pytest.importorskip("triton")  # without CUDA, conftest.py set TRITON_INTERPRET=
 
 from mla_cases import KV_LORA, ROPE, make_step  # noqa: E402
 
+from llmserve.model.attention import FP8_KV_DTYPE  # noqa: E402
 from llmserve.model.attn_triton import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DECODE_ROWS = [(9, 1), (0, 1), (13, 1), (30, 1)]
 
 
-def _run(step, dtype, metadata=None) -> torch.Tensor:
+def _run(step, dtype, metadata=None, cache_dtype=None) -> torch.Tensor:
     backend = TritonAttentionBackend()
-    attention, cache = step.attention.to(dtype), step.cache.to(dtype)
+    attention, cache = step.attention.to(dtype), step.cache.to(cache_dtype or dtype)
     with torch.no_grad():
         metadata = metadata or backend.build_metadata(step.inputs)
         out = attention(step.new_x.to(dtype), tuple(t.to(dtype) for t in step.cos_sin), cache, metadata, backend)
-    assert cache.view(-1, KV_LORA + ROPE)[step.inputs.slot_mapping].abs().sum() > 0  # the new entries were stored
+    assert cache.view(-1, KV_LORA + ROPE)[step.inputs.slot_mapping].float().abs().sum() > 0  # the new entries, stored
     return out.double().cpu()
 
 
@@ -56,3 +58,10 @@ def test_decode_graph_metadata_over_persistent_buffers():
 def test_half_precision_rows():
     step = make_step(12, device=DEVICE)
     torch.testing.assert_close(_run(step, torch.float16), step.expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(("cache_dtype", "tolerance"), [(torch.float16, 2e-3), (FP8_KV_DTYPE, 3e-2)])
+def test_a_float16_or_fp8_latent_cache(cache_dtype, tolerance):
+    step = make_step(12, device=DEVICE, cache_dtype=cache_dtype)
+    out = _run(step, torch.float32, cache_dtype=cache_dtype)
+    torch.testing.assert_close(out, step.expected, rtol=tolerance, atol=tolerance)

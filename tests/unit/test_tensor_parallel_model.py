@@ -1,10 +1,10 @@
 """Tensor-parallel layers and sharded loading: 2 gloo ranks reproduce the whole model's logits.
 
 The checkpoints cover the four dense architectures and the three MoE ones (every expert split; gpt-oss's sinks
-and expert biases), Gemma 3, Phi-3's fused qkv_proj and gate_up_proj cut per rank, DeepSeek V3 and V2 (latent attention's heads
-split, the latent cache whole on each rank, shared experts split), uneven splits (3 KV groups over 2 ranks, an odd
-intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head, 2 ranks),
-biases on every projection, and tied embeddings.
+and expert biases), Gemma 3, Phi-3's fused qkv_proj and gate_up_proj cut per rank, DeepSeek V3 and V2 (latent
+attention's heads split, the latent cache whole on each rank, shared experts split), uneven splits (3 KV groups
+over 2 ranks, an odd intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head,
+2 ranks), biases on every projection, and tied embeddings.
 """
 
 import multiprocessing

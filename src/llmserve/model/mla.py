@@ -83,6 +83,7 @@ class MlaAttention(nn.Module):
         q_rope = apply_rotary(q_rope, *cos_sin)
         entries = self._latent_entries(x, cos_sin)  # [T, L + R]
         attn_latent.write_entries(kv_cache, attn_metadata.slot_mapping, entries)
+        entries = attn_latent.as_cached(entries, kv_cache.dtype)  # fresh rows read what later rows will
         if attn_backend.name == "triton":
             out = self._attend_triton(q_nope, q_rope, kv_cache, attn_metadata)
         else:
@@ -188,8 +189,8 @@ def cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: i
 
 
 def check_settings(kv_cache_dtype: str) -> None:
-    """ValueError naming the flag a latent cache does not run with: it holds the model's dtype
-    (--kv-cache-dtype auto)."""
-    if kv_cache_dtype != "auto":
+    """ValueError naming the flag a latent cache does not run with: it holds the model's dtype, float16 or fp8
+    (--kv-cache-dtype auto, fp16, fp8; int8's per-row scales are not laid out for latents)."""
+    if kv_cache_dtype not in ("auto", "fp16", "fp8"):
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: the latent cache of Multi-head Latent Attention holds "
-                         "the model's dtype (auto)")
+                         "the model's dtype, float16 or fp8 (auto, fp16, fp8)")

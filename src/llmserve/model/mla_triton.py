@@ -94,7 +94,8 @@ def _latent_attention_kernel(
 def paged_latent_attention(out: torch.Tensor, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            tile_rows: torch.Tensor, tile_starts: torch.Tensor, block_q: int, scale: float) -> None:
-    """out/q_latent [T, H, L], q_rope [T, H, R], kv_cache [1, N, bs, 1, L + R] (q's dtype), block_table [B, W]
+    """out/q_latent [T, H, L], q_rope [T, H, R], kv_cache [1, N, bs, 1, L + R] (q's dtype, or float16 / fp8 with
+    scale 1, widened as it is read), block_table [B, W]
     int32, seq_lens [B] int32, query_start_loc [B + 1] int32, tile_rows/tile_starts [tiles] int32 (tiles of
     block_q queries, model/attn_triton.py) -> fills out's rows with each head's softmax-weighted latents."""
     _, _, block_size, _, width = kv_cache.shape
