@@ -1,6 +1,7 @@
 """Multi-head Latent Attention's Triton kernel on CUDA: DeepSeek-V3's own head shape (L 512, R 64, 128 heads) in
-bfloat16 (over a bfloat16 and an fp8 latent cache) against the float64 reference, and a tiny DeepSeek served through captured decode graphs giving the
-eager engine's tokens (graphs are captured when its MoE runs without host syncs)."""
+bfloat16 (over a bfloat16 and an fp8 latent cache) against the float64 reference, and a tiny DeepSeek served
+through captured decode graphs giving the eager engine's tokens (graphs are captured when its MoE runs without
+host syncs)."""
 
 from __future__ import annotations
 
