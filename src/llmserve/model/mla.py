@@ -83,11 +83,11 @@ class MlaAttention(nn.Module):
         q_rope = apply_rotary(q_rope, *cos_sin)
         entries = self._latent_entries(x, cos_sin)  # [T, L + R]
         attn_latent.write_entries(kv_cache, attn_metadata.slot_mapping, entries)
-        entries = attn_latent.as_cached(entries, kv_cache.dtype)  # fresh rows read what later rows will
         if attn_backend.name == "triton":
             out = self._attend_triton(q_nope, q_rope, kv_cache, attn_metadata)
-        else:
-            out = self._attend_torch(q_nope, q_rope, entries, kv_cache, attn_metadata)
+        else:  # fresh rows' expanded form reads the entries as the cache holds them, as later rows will
+            out = self._attend_torch(q_nope, q_rope, attn_latent.as_cached(entries, kv_cache.dtype), kv_cache,
+                                     attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
     def _attend_triton(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
