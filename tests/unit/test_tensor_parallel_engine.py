@@ -30,7 +30,8 @@ def _check_idle(llm: LLM) -> None:
     assert llm.engine.num_free_blocks() == llm.engine.scheduler.kv.pool.num_usable_blocks
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe:tiny-moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe:tiny-moe", "phi3",
+                                  "deepseek_v3:tiny-deepseek-v3"])
 def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
     arch, _, shape = arch.partition(":")
     path = make_model(arch, shape or "tiny", str(tmp_path), seed=1)

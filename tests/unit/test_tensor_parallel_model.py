@@ -1,9 +1,10 @@
 """Tensor-parallel layers and sharded loading: 2 gloo ranks reproduce the whole model's logits.
 
 The checkpoints cover the four dense architectures and the three MoE ones (every expert split; gpt-oss's sinks
-and expert biases), uneven splits (3 KV groups over 2 ranks, an odd
-intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head, 2 ranks),
-biases on every projection, and tied embeddings.
+and expert biases), Gemma 3, Phi-3's fused qkv_proj and gate_up_proj cut per rank, DeepSeek V3 and V2 (latent
+attention's heads split, the latent cache whole on each rank, shared experts split), uneven splits (3 KV groups
+over 2 ranks, an odd intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head,
+2 ranks), biases on every projection, and tied embeddings.
 """
 
 import multiprocessing
@@ -78,6 +79,10 @@ def checkpoints(tmp_path_factory) -> list[str]:
     paths += [make_model(arch, "tiny-moe", str(root / arch), seed=6) for arch in ("qwen3_moe", "mixtral")]
     paths.append(make_model("gpt_oss", "tiny-gpt-oss", str(root / "gpt_oss"), seed=6))
     paths.append(make_model("gemma3", "tiny-gemma3", str(root / "gemma3"), seed=6))
+    paths.append(make_model("phi3", "tiny", str(root / "phi3"), seed=7))  # fused qkv_proj / gate_up_proj
+    paths.append(write_checkpoint("phi3", UNEVEN, str(root / "phi3-uneven"), seed=8))  # fused, cut unevenly
+    # latent attention: heads split, latents whole on each rank; routed and shared experts split
+    paths += [make_model(arch, "tiny-deepseek-v3", str(root / arch), seed=9) for arch in ("deepseek_v3", "deepseek_v2")]
     return paths
 
 
@@ -133,3 +138,20 @@ def test_smollm2_shape_splits_over_two_ranks():
                                 hidden_size=s.hidden_size, head_dim=None))()
     check_tensor_parallel(config, 2)
     assert shard_layout(config, 2, 1).q_heads == (6, 3)
+
+
+def test_deepseek_v3_shape_cuts_heads_and_shared_experts_and_keeps_the_latents_whole():
+    from llmserve.model.parallel import shard_of
+    from llmserve.testing.maker import build_config
+
+    config = build_config("deepseek_v3", SHAPES["deepseek-v3"], "bfloat16")
+    check_tensor_parallel(config, 8)
+    layout = shard_layout(config, 8, 3)
+    assert layout.q_heads == (48, 16) and layout.shared_intermediate == (768, 256)
+    attn, mlp = "model.layers.5.self_attn", "model.layers.5.mlp"
+    assert shard_of(f"{attn}.q_b_proj.weight", layout) == (0, 48 * 192, 16 * 192)  # qk_nope 128 + rope 64
+    assert shard_of(f"{attn}.kv_b_proj.weight", layout) == (0, 48 * 256, 16 * 256)  # qk_nope 128 + v 128
+    assert shard_of(f"{attn}.o_proj.weight", layout) == (1, 48 * 128, 16 * 128)
+    for whole in ("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"):
+        assert shard_of(f"{attn}.{whole}", layout) is None  # the latent path: the cache is whole on every rank
+    assert shard_of(f"{mlp}.shared_experts.down_proj.weight", layout) == (1, 768, 256)

@@ -67,12 +67,14 @@ def log_kv_cache_layout(layout: KVCacheLayout, layer_windows: tuple[int, ...]) -
 
 
 def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]) -> KVCacheLayout:
-    """The KV cache groups (the worker makes the same); a draft model reads the target's block ids as its own,
-    so it is refused with several groups, before anything loads."""
+    """The KV cache groups (the worker makes the same). A draft model keeps its cache in the target's first
+    group's blocks (spec/draft.py), which must then be a full-attention group (it keeps every block); without one
+    the draft is refused before anything loads."""
     layout = kv_cache_layout(layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
-    if layout.is_hybrid and config.speculative.speculative == "draft":
-        raise ValueError("--speculative draft with a model that mixes full and sliding-window layers is not "
-                         "supported with per-group block tables: add --disable-hybrid-kv-cache-manager")
+    if layout.is_hybrid and config.speculative.speculative == "draft" and layout.group_windows[0] != 0:
+        raise ValueError("--speculative draft with a model whose layers all slide, over windows of several "
+                         "sizes, is not supported with per-group block tables (the draft's cache needs a "
+                         "full-attention group): add --disable-hybrid-kv-cache-manager")
     return layout
 
 
@@ -126,7 +128,7 @@ class EngineCore:
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
-            mla.check_settings(config.cache.kv_cache_dtype, config.model.attention_backend)
+            mla.check_settings(config.cache.kv_cache_dtype)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
         if self.model_info.pooler is None and is_sentence_transformers(path):

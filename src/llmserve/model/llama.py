@@ -134,8 +134,10 @@ def _feed_forward(config, parts: DecoderParts, index: int, tp: TensorParallel | 
                   layout: ShardLayout | None) -> nn.Module:
     """Layer `index`'s MLP: the MoE block on a sparse layer, else the dense gated MLP."""
     if parts.moe is not None and parts.moe.is_sparse_layer(index):
-        share = None if layout is None else layout.expert_intermediate[1]
-        return SparseMoeBlock(config.hidden_size, parts.moe, tp, share, None if layout is None else layout.experts)
+        if layout is None:
+            return SparseMoeBlock(config.hidden_size, parts.moe, tp)
+        return SparseMoeBlock(config.hidden_size, parts.moe, tp, layout.expert_intermediate[1], layout.experts,
+                              layout.shared_intermediate[1])
     intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
     return parts.dense_mlp(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
 
@@ -144,7 +146,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, parts: DecoderParts, index: int, tp: TensorParallel | None = None,
                  layout: ShardLayout | None = None):
         super().__init__()
-        self.self_attn = mla.MlaAttention(config) if parts.is_mla else Attention(config, parts, tp, layout)
+        self.self_attn = mla.MlaAttention(config, tp, layout) if parts.is_mla else Attention(config, parts, tp, layout)
         self.mlp = _feed_forward(config, parts, index, tp, layout)
         self.input_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
@@ -201,9 +203,9 @@ class CausalLM(nn.Module):
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if self.architecture == phi3.ARCHITECTURE:
-            phi3.check_config(config, 1 if self.tp is None else self.tp.size)
+            phi3.check_config(config)
         if self.architecture in deepseek.ARCHITECTURES:
-            deepseek.check_config(config, self.architecture, 1 if self.tp is None else self.tp.size)
+            deepseek.check_config(config, self.architecture)
         windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
@@ -250,11 +252,6 @@ class CausalLM(nn.Module):
             return False
         self.tied_head_packed = packed(table)
         return True
-
-    @property
-    def has_latent_cache(self) -> bool:
-        """Whether the cache holds latents (MLA: model/attn_latent.py), not K and V per kv head."""
-        return self.parts.is_mla
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; with MLA
@@ -313,6 +310,8 @@ class CausalLM(nn.Module):
             weights = deepseek.to_decoder_layout(weights, self.config, self.architecture)
         if self.layout is not None and self.layout.experts is not None:
             weights = to_local_experts(weights, self.layout.experts)  # expert parallelism: this rank's experts
+        if self.architecture == phi3.ARCHITECTURE:
+            weights = phi3.to_decoder_layout(weights, self.config, self.layout)
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name, self.is_tied or not self.has_lm_head, fuses_qkv=not self.parts.is_mla)
             if target is None:

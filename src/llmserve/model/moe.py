@@ -274,12 +274,13 @@ class SparseMoeBlock(nn.Module):
     x [T, H] -> [T, H].
 
     With tensor parallelism every rank holds the whole router and routes alike; an all-reduce (`tp`) sums
-    the ranks' partial outputs. Each rank holds `intermediate_size` (its share) of every expert's features,
-    or with expert parallelism `held_experts` (first, count): whole experts, of which it computes the pairs
-    routed to them (model/moe_parallel.py)."""
+    the ranks' partial outputs. Each rank holds `intermediate_size` (its share) of every expert's features
+    (and `shared_intermediate_size` of the shared experts'), or with expert parallelism `held_experts` (first,
+    count): whole experts, of which it computes the pairs routed to them (model/moe_parallel.py)."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallel | None = None,
-                 intermediate_size: int | None = None, held_experts: tuple[int, int] | None = None):
+                 intermediate_size: int | None = None, held_experts: tuple[int, int] | None = None,
+                 shared_intermediate_size: int | None = None):
         super().__init__()
         self.spec = spec
         self.tp = tp
@@ -288,7 +289,7 @@ class SparseMoeBlock(nn.Module):
                            spec.is_router_float32)
         num_held = spec.num_experts if held_experts is None else held_experts[1]
         self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, num_held, spec.has_bias)
-        self.shared_experts = _shared_experts(hidden_size, spec.shared_intermediate_size)
+        self.shared_experts = _shared_experts(hidden_size, shared_intermediate_size or spec.shared_intermediate_size)
         self.load = ExpertLoad(spec.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,8 @@ class ShardLayout:
     head_dim: int
     expert_intermediate: tuple[int, int] = (0, 0)  # of every expert (Mixture-of-Experts models)
     experts: ExpertRange | None = None  # expert parallelism: the whole experts held (their features all)
+    shared_intermediate: tuple[int, int] = (0, 0)  # of the shared experts' MLP (DeepSeek)
+    mla_head_dims: tuple[int, int, int] | None = None  # MLA: rows a head of q_(b_)proj, of kv_b_proj; o_proj's inputs
 
 
 def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -120,19 +122,26 @@ def shard_layout(config, size: int, rank: int, is_expert_parallel: bool = False)
     expert_size = expert_intermediate_size(config) if num_experts and not is_expert_parallel else size
     experts = expert_range(num_experts, size, rank) if is_expert_parallel else None
     expert_share = (0, expert_intermediate_size(config)) if experts else split_evenly(expert_size, size, rank)
-    for name, value in (("intermediate size", config.intermediate_size), ("experts' intermediate size", expert_size)):
+    is_mla = getattr(config, "kv_lora_rank", None) is not None
+    shared_size = deepseek.shared_intermediate_size(config) if is_mla else 0
+    for name, value in (("intermediate size", config.intermediate_size), ("experts' intermediate size", expert_size),
+                        ("shared experts' intermediate size", shared_size or size)):
         if value < size:
             raise ValueError(f"--tensor-parallel-size {size} exceeds the {name} {value}")
     per_rank = -(-config.vocab_size // size)
     return ShardLayout(q_heads, kv_heads, split_evenly(config.intermediate_size, size, rank),
-                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config), expert_share, experts)
+                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config), expert_share, experts,
+                       split_evenly(shared_size, size, rank), deepseek.mla_head_dims(config) if is_mla else None)
 
 
 def check_tensor_parallel(config, size: int, is_expert_parallel: bool = False) -> None:
     """ValueError (with the reason) unless every rank of `size` gets a share of the model."""
     architecture = (getattr(config, "architectures", None) or [""])[0]
     if architecture in deepseek.ARCHITECTURES:
-        deepseek.check_config(config, architecture, size)
+        deepseek.check_config(config, architecture)
+        if is_expert_parallel:
+            raise ValueError(f"--enable-expert-parallel is not supported for {architecture} yet (its shared experts "
+                             "and latent attention are split by tensor parallelism only)")
     if is_expert_parallel and not num_experts_of(config):
         raise ValueError(f"--enable-expert-parallel: {architecture or 'this model'} is not a Mixture-of-Experts "
                          "model (it has no experts to place on ranks)")
@@ -153,6 +162,10 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
     if "experts" in parts:
         return expert_slice_of(hf_name, layout.expert_intermediate, layout.experts)
     module, kind, d = parts[-2], parts[-1], layout.head_dim
+    if "shared_experts" in parts:
+        return _mlp_shard(module, kind, layout.shared_intermediate)
+    if layout.mla_head_dims is not None and module in _MLA_HEAD_ROWS:
+        return _mla_shard(module, kind, layout)
     (q0, nq), (kv0, nkv), (i0, ni) = layout.q_heads, layout.kv_heads, layout.intermediate
     if kind == "sinks":  # one per query head (gpt-oss)
         return 0, q0, nq
@@ -170,6 +183,28 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
         v0, nv = layout.vocab
         return 0, min(v0, layout.vocab_size), max(0, min(nv, layout.vocab_size - v0))
     return None
+
+
+def _mlp_shard(module: str, kind: str, features: tuple[int, int]) -> tuple[int, int, int] | None:
+    """A gated MLP's gate/up rows or down inputs [start, start + count) of its intermediate features."""
+    if module in ("gate_proj", "up_proj"):
+        return 0, *features
+    if module == "down_proj" and kind == "weight":
+        return 1, *features
+    return None
+
+
+_MLA_HEAD_ROWS = {"q_proj": 0, "q_b_proj": 0, "kv_b_proj": 1, "o_proj": 2}  # -> index in mla_head_dims
+
+
+def _mla_shard(module: str, kind: str, layout: ShardLayout) -> tuple[int, int, int] | None:
+    """Latent attention's per-head tensors: the rank's heads' rows of q_proj / q_b_proj and kv_b_proj, its
+    heads' inputs of o_proj (whose bias rank 0 adds whole)."""
+    q0, nq = layout.q_heads
+    per_head = layout.mla_head_dims[_MLA_HEAD_ROWS[module]]
+    if module == "o_proj":
+        return (1, q0 * per_head, nq * per_head) if kind == "weight" else None
+    return 0, q0 * per_head, nq * per_head
 
 
 class ColumnParallelLinear(Linear):
