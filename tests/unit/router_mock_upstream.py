@@ -68,7 +68,7 @@ class MockUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header],
+    async def send(self, url: str, path: str, body: bytes, headers: Sequence[Header],
                    method: bytes = b"POST") -> HttpxResponse:
         request = self.client.build_request(method.decode(), url + path, content=body, headers=list(headers))
         try:

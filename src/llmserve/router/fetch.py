@@ -55,7 +55,7 @@ async def fetch_json(upstream: Upstream, url: str, path: str, timeout_s: float, 
 
 async def _exchange(upstream: Upstream, url: str, path: str, method: bytes, body: bytes,
                     headers: Sequence[Header]) -> Fetched:
-    response = await upstream.post(url, path, body, headers, method)
+    response = await upstream.send(url, path, body, headers, method)
     try:
         return Fetched(response.status, list(response.headers), await response.read_all())
     finally:

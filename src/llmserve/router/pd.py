@@ -130,7 +130,7 @@ class PDRouter:
         """The decode server's response, its bytes passed through as they come (SSE included); a client that
         goes away closes the upstream connection, which aborts the request there."""
         try:
-            response = await self.upstream.post(url, path, body, headers)
+            response = await self.upstream.send(url, path, body, headers)
         except UpstreamError as e:
             return _error(502, f"the decode server failed: {e!r}", "bad_gateway")
 
