@@ -39,9 +39,10 @@ class ModelConfig:
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
-    runner: str = field(default="generate", metadata={"help": "generate (completions, chat, responses) | pooling (an "
-                        "embedding model: /v1/embeddings only, each prompt pooled into one vector)",
-                        "choices": ["generate", "pooling"]})
+    runner: str = field(default="auto", metadata={"help": "auto (pooling for an embedding checkpoint: a "
+                        "sentence-transformers folder or a bare decoder such as Qwen3Model; else generate) | generate "
+                        "(completions, chat, responses) | pooling (an embedding model: /v1/embeddings only, each "
+                        "prompt pooled into one vector)", "choices": ["auto", "generate", "pooling"]})
     pooler_config: str | None = field(default=None, metadata={"help": "--runner pooling: JSON overriding the "
                                       "checkpoint's pooling: pooling_type (LAST | MEAN | CLS), normalize (true | false) "
                                       "(default: a sentence-transformers folder's own, else LAST, normalized)"})
@@ -53,11 +54,13 @@ class ModelConfig:
               f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         check_min("max-cudagraph-capture-size", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
-        check(self.pooler_config is None or self.runner == "pooling", "pooler-config", "only with --runner pooling")
+        check(self.pooler_config is None or self.runner != "generate", "pooler-config",
+              "only for an embedding model (--runner pooling, or auto on an embedding checkpoint)")
         parse_pooler_override(self.pooler_config)  # ValueError naming --pooler-config
 
     @property
     def is_pooling(self) -> bool:
+        """--runner pooling, or auto resolved to it (engine/runner_choice.py); False while auto is unresolved."""
         return self.runner == "pooling"
 
 
@@ -101,10 +104,15 @@ class CacheConfig:
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={"help": "split every layer over this many devices, one "
                                       "process each (CUDA: GPUs 0..N-1 over NCCL; CPU: processes over gloo, for tests)"})
+    enable_expert_parallel: bool = field(default=False, metadata={"help": "Mixture-of-Experts models with "
+                                         "--tensor-parallel-size N: each rank holds E/N whole experts instead of "
+                                         "a 1/N slice of every expert (attention stays tensor-parallel; docs/moe.md)"})
 
     def validate(self) -> None:
         check_field_choices(self)
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
+        check(not self.enable_expert_parallel or self.tensor_parallel_size > 1, "enable-expert-parallel",
+              "needs --tensor-parallel-size 2 or more (the ranks the experts are placed on)")
 
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -242,7 +250,6 @@ def check_pooling_combinations(config: EngineConfig) -> None:
     if not config.model.is_pooling:
         return
     check(config.speculative.speculative is None, "speculative", "not with --runner pooling (nothing is decoded)")
-    check(config.parallel.tensor_parallel_size == 1, "tensor-parallel-size", "not with --runner pooling yet")
     check(not config.scheduler.async_scheduling, "async-scheduling",
           "not with --runner pooling (a step's pooled vectors end its requests: nothing to overlap)")
     check((config.scheduler.num_scheduler_steps or 1) == 1, "num-scheduler-steps",

@@ -46,6 +46,19 @@ def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
         _check_idle(llm)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, tmp_path):
+    """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load."""
+    path = make_model(arch, "tiny-moe", str(tmp_path), seed=1)
+    prompts = _prompts(6, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)
+    with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE) as llm:
+        assert {block.experts.gate_up_proj.shape[0] for block in llm.engine.runner.model.moe_blocks()} == {4}
+        assert _tokens(llm, prompts, params) == expected
+        _check_idle(llm)
+
+
 @pytest.fixture(scope="module")
 def invariance_case(tmp_path_factory):
     """16 mixed-length requests and each one's greedy output when served alone by one rank."""

@@ -43,6 +43,8 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     from llmserve.testing.paged_batch import allocate_kv_caches
 
     model = load_model(path, torch.float32, "cpu", tp=tp)
+    if tp is not None and tp.is_expert_parallel:  # the rank holds its 4 of the 8 experts, and only them
+        assert {block.experts.gate_up_proj.shape[0] for block in model.moe_blocks()} == {4}
     backend = TorchAttentionBackend()
     kv = allocate_kv_caches(model, 32, 4)
     out = []
@@ -53,7 +55,7 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], results) -> None:
+def _rank_main(rank: int, size: int, port: int, paths: list[str], results, is_expert_parallel: bool = False) -> None:
     import torch.distributed as dist
 
     from llmserve.model.parallel import TensorParallel
@@ -61,7 +63,7 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], results) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        logits = [_logits(p, TensorParallel(rank, size)) for p in paths]
+        logits = [_logits(p, TensorParallel(rank, size, is_expert_parallel=is_expert_parallel)) for p in paths]
         results.put((rank, [[t.tolist() for t in steps] for steps in logits]))
     finally:
         dist.destroy_process_group()
@@ -79,23 +81,40 @@ def checkpoints(tmp_path_factory) -> list[str]:
     return paths
 
 
-def test_two_ranks_reproduce_the_whole_model(checkpoints):
+def _run_ranks(paths: list[str], is_expert_parallel: bool = False) -> dict[int, list]:
+    """Each of 2 gloo ranks' logits of every checkpoint (rank -> [checkpoint][step])."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, checkpoints, results)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, paths, results, is_expert_parallel))
+             for rank in range(2)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    for i, path in enumerate(checkpoints):
+    return got
+
+
+def _check_ranks(paths: list[str], got: dict[int, list]) -> None:
+    for i, path in enumerate(paths):
         whole = _logits(path)
         for rank in range(2):
             for step, expected in zip(got[rank][i], whole):
                 torch.testing.assert_close(torch.tensor(step), expected, atol=2e-5, rtol=1e-4,
                                            msg=lambda m: f"{path} rank {rank}: {m}")
+
+
+def test_two_ranks_reproduce_the_whole_model(checkpoints):
+    _check_ranks(checkpoints, _run_ranks(checkpoints))
+
+
+def test_two_ranks_holding_whole_experts_reproduce_the_whole_model(checkpoints):
+    """Expert parallelism: each rank reads and runs 4 of the 8 experts (per-expert checkpoint tensors for
+    Qwen3-MoE and Mixtral, stacked ones with biases for gpt-oss)."""
+    moe = [path for path in checkpoints if path.endswith(("qwen3_moe", "mixtral", "gpt_oss"))]
+    _check_ranks(moe, _run_ranks(moe, is_expert_parallel=True))
 
 
 def test_heads_split_by_kv_group():

@@ -53,10 +53,10 @@ def schedule_window(scheduler: Scheduler, out: SchedulerOutput, budget: int) -> 
 
 def _can_open_window(scheduler: Scheduler, budget: int) -> bool:
     """No request reads its tokens as they come or follows a grammar, and none waits for a seat that a
-    running request would hold for the whole window (or for a sibling's prompt)."""
+    running request would hold for the whole window (or for a sibling's prompt, or for its KV load)."""
     waiting, num_running = scheduler.waiting, len(scheduler.running)
     return not (num_running > budget or scheduler.num_streamed or scheduler.num_structured
-                or scheduler.held_siblings
+                or scheduler.held_siblings or scheduler.kv_loading
                 or (len(waiting) and num_running < scheduler.config.max_num_seqs))
 
 

@@ -28,6 +28,7 @@ from llmserve.core.decode_window import schedule_window
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
+from llmserve.core.kv_loading import KVLoadWaitList
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_output import aborted_output
 from llmserve.core.request_queue import make_queue
@@ -38,6 +39,10 @@ from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs
 from llmserve.structured.bitmask import StepGrammar
 
+# A request waiting for a LoRA slot lets this many requests of running adapters go past it; then they wait
+# behind it, the running adapters drain, and it takes the slot that frees (aging: it is never starved).
+LORA_PASS_LIMIT = 16
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +52,7 @@ class Scheduler:
                  group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None,
                  max_loras: int = 0) -> None:
         """group_windows: each KV cache group's window (core/kv_cache_groups.py; 0: full attention).
-        kv_connector: where blocks live below the device (core/kv_connector.py); one full-attention group only.
+        kv_connector: where blocks live below the device (core/kv_connector.py).
         max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off)."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
@@ -61,10 +66,9 @@ class Scheduler:
         self.max_loras = max_loras
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  group_windows)
-        assert kv_connector is None or (group_windows == (0,) and cache_config.enable_prefix_caching), \
-            "a KV connector needs prefix caching and one full-attention group"
+        assert kv_connector is None or cache_config.enable_prefix_caching, "a KV connector needs prefix caching"
         self.kv_connector = kv_connector
-        self.kv_loads: list[KVBlockCopy] = []  # the step's loads from the connector
+        self.kv_loading = None if kv_connector is None else KVLoadWaitList(self.kv, kv_connector)
         if kv_connector is not None:
             self.kv.pool.evicted = []  # the connector copies evicted blocks out
         self.requests: dict[str, Request] = {}
@@ -123,6 +127,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_KV:  # its blocks are freed once the copy ends
+                request.status = RequestStatus.FINISHED_ABORTED
+                self.aborted_outputs.append(aborted_output(request))
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif not self._unhold(request) and not self.compiling.remove(request):
@@ -162,6 +170,14 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self.aborted_outputs.append(aborted_output(request))
 
+    def _admit_loaded(self) -> None:
+        """Requests whose prefix load ended go back to the front of the queue; one aborted meanwhile ends."""
+        for request in reversed(self.kv_loading.take_done()):
+            if request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+            else:
+                self.waiting.add_front(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.aborted_outputs)
 
@@ -173,6 +189,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._admit_compiled()
+        if self.kv_loading is not None:
+            self._admit_loaded()
         self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
@@ -201,9 +219,7 @@ class Scheduler:
         return outputs
 
     def _take_kv_transfers(self) -> KVTransfers:
-        saves = [KVBlockCopy(block_id, block_hash) for block_id, block_hash in self.kv.pool.take_evicted()]
-        loads, self.kv_loads = self.kv_loads, []
-        return KVTransfers(saves, loads)
+        return KVTransfers([KVBlockCopy(*evicted) for evicted in self.kv.pool.take_evicted()])
 
     def _advance_scheduled(self, out: SchedulerOutput) -> None:
         """The step's requests count their scheduled tokens as computed; one that reaches its last token
@@ -303,24 +319,27 @@ class Scheduler:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
-            if not self._has_lora_slot(request, adapters):
+            if self._is_held_behind(request, set_aside) or not self._has_lora_slot(request, adapters):
                 set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
-            num_loaded = self._num_connector_tokens(request, len(hits))
-            num_new = request.num_tokens - num_hit_tokens - num_loaded
+            if self.kv_loading is not None and self.kv_loading.try_start(request, hits, num_hit_tokens):
+                self.waiting.pop()  # waits for its prefix aside (WAITING_FOR_KV)
+                continue
+            num_new = request.num_tokens - num_hit_tokens
             limit = min(budget, self.prefill_budget)
             if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
                 break
             num_new = min(num_new, limit)
-            if self.kv.allocate_slots(request, num_loaded + num_new, hits, self.num_lookahead) is None:
+            if self.kv.allocate_slots(request, num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
+            if set_aside and request.lora is not None:
+                set_aside[0].num_lora_passes += 1
             self.prefill_budget -= num_new
-            self._list_loads(request, len(hits), num_loaded)
-            self._start_running(request, num_hit_tokens + num_loaded)
+            self._start_running(request, num_hit_tokens)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
@@ -332,6 +351,12 @@ class Scheduler:
     def _running_adapters(self) -> set[int]:
         return {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
 
+    @staticmethod
+    def _is_held_behind(request: Request, set_aside: list[Request]) -> bool:
+        """An adapter's request waits behind the first one set aside for a slot once that one was passed
+        LORA_PASS_LIMIT times (base-model requests hold no slot and still go past)."""
+        return bool(set_aside) and request.lora is not None and set_aside[0].num_lora_passes >= LORA_PASS_LIMIT
+
     def _has_lora_slot(self, request: Request, adapters: set[int]) -> bool:
         """Whether the request's adapter runs already or a slot is left for it (then it takes it)."""
         if request.lora is None or request.lora.lora_int_id in adapters:
@@ -340,22 +365,6 @@ class Scheduler:
             return False
         adapters.add(request.lora.lora_int_id)
         return True
-
-    def _num_connector_tokens(self, request: Request, num_hit_blocks: int) -> int:
-        """Tokens of the blocks after the device's prefix hits that the KV connector holds (loaded, not
-        computed); at least one token is still left to compute."""
-        if self.kv_connector is None or request.sampling_params.prompt_logprobs is not None:
-            return 0
-        num_max = (request.num_tokens - 1) // self.kv.block_size
-        hashes = request.block_hashes[num_hit_blocks:num_max]
-        return self.kv_connector.num_matched_blocks(hashes) * self.kv.block_size if hashes else 0
-
-    def _list_loads(self, request: Request, num_hit_blocks: int, num_loaded: int) -> None:
-        """The connector's blocks go into the device blocks just allocated after the prefix hits."""
-        end = num_hit_blocks + num_loaded // self.kv.block_size
-        blocks = self.kv.req_to_blocks[request.request_id][num_hit_blocks:end]
-        self.kv_loads += [KVBlockCopy(block.block_id, block_hash)
-                          for block, block_hash in zip(blocks, request.block_hashes[num_hit_blocks:end])]
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING
@@ -397,4 +406,7 @@ class Scheduler:
         assert self.num_streamed == sum(not r.is_final_only for r in self.requests.values())
         assert all(r.request_id in self.requests for r in self.compiling.requests)
         owners = set(self.kv.req_to_blocks)
-        assert owners <= {r.request_id for r in self.running}, "a non-running request holds blocks"
+        loading = set(self.kv_loading.loads) if self.kv_loading is not None else set()
+        assert owners <= {r.request_id for r in self.running} | loading, "a non-running request holds blocks"
+        if self.kv_loading is not None:
+            self.kv_loading.check_integrity()

@@ -148,7 +148,8 @@ def _stats(scheduler: Scheduler, sched_out: SchedulerOutput, num_generated: int)
     num_preemptions, scheduler.num_preemptions = scheduler.num_preemptions, 0
     num_held = sum(len(s) for s in scheduler.held_siblings.values())
     return SchedulerStats(num_running=len(scheduler.running),
-                          num_waiting=len(scheduler.waiting) + num_held + len(scheduler.compiling),
+                          num_waiting=len(scheduler.waiting) + num_held + len(scheduler.compiling)
+                          + len(scheduler.kv_loading or ()),
                           kv_cache_usage=kv.usage(), num_kv_blocks=kv.pool.num_usable_blocks,
                           num_free_kv_blocks=kv.pool.get_num_free_blocks(), prefix_cache_queries=queries,
                           prefix_cache_hits=hits, num_preemptions=num_preemptions,

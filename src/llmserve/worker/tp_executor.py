@@ -95,7 +95,7 @@ class TPExecutor:
         try:
             self._wait_joined(size, deadline)
             device = rank_device(device, 0)
-            self.tp = init_rank(self.store, 0, size, device)
+            self.tp = init_rank(self.store, 0, config, device)
             self.worker = Worker(config, model_info, model_info.path, device, dtype, is_served, self.tp)
             self.publisher.wait_for_subscribers(size - 1, deadline, self.check_workers)
         except Exception as e:
