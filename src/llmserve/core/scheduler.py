@@ -310,6 +310,8 @@ class Scheduler:
             request.num_runner_blocks = num_blocks
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not len(self.waiting):
+            return
         adapters = running_adapters(self.running, self.max_loras)
         set_aside: list[Request] = []  # their adapter waits for a slot; they keep their place in the queue
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
