@@ -39,7 +39,7 @@ mkdir -p "$OUT"
 
 ours() {  # ours NAME PORT FLAGS...: our f32 server in the background
   start "$1" "$PYTHON" -m llmserve.cli serve --model "$MODEL" --port "$2" --max-model-len 1024 \
-    --kv-cache-memory 3GiB --dtype float32 "${@:3}"
+    --kv-cache-memory-bytes 3GiB --dtype float32 "${@:3}"
 }
 
 take_bench_lock

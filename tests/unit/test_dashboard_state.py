@@ -149,7 +149,7 @@ def make_gateway() -> Gateway:
     pools = (PoolSpec("m", (BackendSpec("http://a:1"), BackendSpec("http://b:1"))),)
     setup = RouterSetup(RouterConfig(), pools, AutoRouteConfig(), AutoscaleConfig(), {})
     client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
-    return Gateway(setup, client=client, upstream=MockUpstream(client))
+    return Gateway(setup, upstream=MockUpstream(client))
 
 
 def test_router_state_has_a_row_per_pool_and_backend():

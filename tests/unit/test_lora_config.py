@@ -10,7 +10,7 @@ from lora_helpers import make_adapter
 from llmserve.config import (CacheConfig, CommandLineParser, EngineConfig, LoRAConfig, ParallelConfig,
                              SchedulerConfig, add_engine_args, engine_config_from_args)
 from llmserve.core.request import Request
-from llmserve.core import scheduler as scheduler_module
+from llmserve.core import lora_slots
 from llmserve.core.scheduler import Scheduler
 from llmserve.lora_request import LoRARequest
 from llmserve.testing.maker import make_model
@@ -86,7 +86,7 @@ def test_the_scheduler_runs_at_most_max_loras_adapters_at_once():
 
 
 def test_a_request_waiting_for_a_slot_is_passed_at_most_the_limit_then_the_running_adapter_drains(monkeypatch):
-    monkeypatch.setattr(scheduler_module, "LORA_PASS_LIMIT", 2)
+    monkeypatch.setattr(lora_slots, "LORA_PASS_LIMIT", 2)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), CacheConfig(block_size=4), 64, 256,
                       max_loras=1)
 

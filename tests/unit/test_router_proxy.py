@@ -45,7 +45,7 @@ def make_gateway(handler, urls=(A, B), auto=AutoRouteConfig(), limits=None, **ro
     config = RouterConfig(**{"retry_backoff_s": 0.0, "queue_timeout_s": 0.5, **router})
     setup = RouterSetup(config, pools, auto, AutoscaleConfig(), limits or {})
     client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    return Gateway(setup, client=client, upstream=MockUpstream(client))
+    return Gateway(setup, upstream=MockUpstream(client))
 
 
 async def call(gw, body, path="/v1/completions", headers=None):

@@ -114,7 +114,7 @@ def gateway(replicas: Replicas, upstream_model=None) -> Gateway:
              PoolSpec("other", (BackendSpec(C),)))
     setup = RouterSetup(RouterConfig(retry_backoff_s=0.0), pools, AutoRouteConfig(), AutoscaleConfig(), {})
     client = httpx.AsyncClient(transport=httpx.MockTransport(replicas))
-    return Gateway(setup, client=client, upstream=MockUpstream(client))
+    return Gateway(setup, upstream=MockUpstream(client))
 
 
 async def request(gw: Gateway, method: str, path: str, body=None) -> httpx.Response:

@@ -131,11 +131,11 @@ def test_a_main_module_without_a_file_is_hidden_while_ranks_start(monkeypatch, m
     import sys
     import types
 
-    from llmserve.worker.tp_executor import main_file_hidden_unless_a_file
+    from llmserve.worker.tp_executor import hide_missing_main_file
 
     main = types.ModuleType("__main__")
     main.__file__ = main_file
     monkeypatch.setitem(sys.modules, "__main__", main)
-    with main_file_hidden_unless_a_file():
+    with hide_missing_main_file():
         assert hasattr(main, "__file__") is not is_hidden
     assert main.__file__ == main_file

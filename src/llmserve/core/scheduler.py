@@ -29,6 +29,7 @@ from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
 from llmserve.core.kv_loading import KVLoadWaitList
+from llmserve.core.lora_slots import is_held_behind, running_adapters, take_lora_slot
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_output import aborted_output
 from llmserve.core.request_queue import make_queue
@@ -38,10 +39,6 @@ from llmserve.core.scheduler_update import update_from_output
 from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs
 from llmserve.structured.bitmask import StepGrammar
-
-# A request waiting for a LoRA slot lets this many requests of running adapters go past it; then they wait
-# behind it, the running adapters drain, and it takes the slot that frees (aging: it is never starved).
-LORA_PASS_LIMIT = 16
 
 logger = logging.getLogger(__name__)
 
@@ -313,13 +310,15 @@ class Scheduler:
             request.num_runner_blocks = num_blocks
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        adapters = self._running_adapters()
+        if not len(self.waiting):
+            return
+        adapters = running_adapters(self.running, self.max_loras)
         set_aside: list[Request] = []  # their adapter waits for a slot; they keep their place in the queue
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
-            if self._is_held_behind(request, set_aside) or not self._has_lora_slot(request, adapters):
+            if is_held_behind(request, set_aside) or not take_lora_slot(request, adapters, self.max_loras):
                 set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -347,24 +346,6 @@ class Scheduler:
             budget -= num_new
         for request in reversed(set_aside):
             self.waiting.add_front(request)
-
-    def _running_adapters(self) -> set[int]:
-        return {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
-
-    @staticmethod
-    def _is_held_behind(request: Request, set_aside: list[Request]) -> bool:
-        """An adapter's request waits behind the first one set aside for a slot once that one was passed
-        LORA_PASS_LIMIT times (base-model requests hold no slot and still go past)."""
-        return bool(set_aside) and request.lora is not None and set_aside[0].num_lora_passes >= LORA_PASS_LIMIT
-
-    def _has_lora_slot(self, request: Request, adapters: set[int]) -> bool:
-        """Whether the request's adapter runs already or a slot is left for it (then it takes it)."""
-        if request.lora is None or request.lora.lora_int_id in adapters:
-            return True
-        if len(adapters) >= self.max_loras:
-            return False
-        adapters.add(request.lora.lora_int_id)
-        return True
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING

@@ -155,7 +155,7 @@ async def _acquire(gw: Gateway, fwd: Forward, tried: frozenset[str]) -> Backend:
 async def _attempt(gw: Gateway, fwd: Forward, backend: Backend) -> Response | _Retry:
     sent_at = time.perf_counter()
     try:
-        upstream = await gw.upstream.post(backend.url, fwd.path, fwd.body_for(backend), _upstream_headers(fwd, backend),
+        upstream = await gw.upstream.send(backend.url, fwd.path, fwd.body_for(backend), _upstream_headers(fwd, backend),
                                           fwd.method)
     except BaseException as e:
         fwd.pool.release(backend)

@@ -70,5 +70,4 @@ async def serve(setup: RouterSetup) -> int:
 
 
 def run(setup: RouterSetup) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     return run_service(serve(setup), setup.router.log_level, logger)
