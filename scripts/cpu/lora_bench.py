@@ -2,7 +2,7 @@
 one token a row (a decode step): segmented (model/lora_layers.py: one matmul pair per adapter in the step)
 vs all slots (every token against every slot's A in one matmul, its own slot's features kept, then one
 matmul against every slot's B^T) vs gathered (each token's A and B gathered by slot, one torch.bmm each:
-BGMV's form), beside the base projection's own matmul. Median us per call over
+BGMV's form) vs kernel (model/lora_cpu.py: one C++ call for every token), beside the base projection's own matmul. Median us per call over
 interleaved rounds, so that all see the same load. NEVER RUN IN CI.
 
 usage: python scripts/cpu/lora_bench.py THREADS ROWS:ADAPTERS[,ROWS:ADAPTERS...]   (slots: ADAPTERS)
@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from llmserve.model import lora_cpu
 from llmserve.model.lora_layers import LoRAContext, LoRALinear, LoRAStep, add_lora_segmented, lora_step
 
 RANK, IN, OUT_SIZES = 16, 576, [576, 192, 192]
@@ -59,10 +60,13 @@ def main() -> None:
         layer.lora_a.normal_()
         for b in layer.lora_bs:
             b.normal_()
+        layer.lora_ranks.fill_(RANK)
         weight = torch.randn(sum(OUT_SIZES), IN)
         x, out = torch.randn(num_rows, IN), torch.zeros(num_rows, sum(OUT_SIZES))
         step = lora_step(np.arange(num_rows) % num_adapters, torch.device("cpu"))  # one token a row: decode
         calls = {"segmented": lambda: add_lora_segmented(out, x, layer.lora_a, layer.lora_bs, step),
+                 "kernel": lambda: lora_cpu.add_lora(out, x, layer.lora_a, layer.lora_bs, layer.lora_ranks,
+                                                     step.token_indices, step.token_slots),
                  "all slots": lambda: add_lora_all_slots(out, x, layer.lora_a, layer.lora_bs, step),
                  "gathered": lambda: add_lora_gathered(out, x, layer.lora_a, layer.lora_bs, step),
                  "base matmul": lambda: x @ weight.T}

@@ -6,7 +6,7 @@
 set -euo pipefail
 work=$1 num=$2 slots=$3 levels=$4 requests=${5:-64}
 py=${PYTHON:-python}
-port=8123
+port=${PORT:-8123}
 [ -d "$work/base" ] || $py -m llmserve.cli make-model --arch llama --shape smollm2-135m --out "$work/base"
 [ -d "$work/ad$num/a$((num - 1))" ] || $py scripts/cpu/make_lora_adapters.py "$work/base" "$work/ad$num" "$num" 16 \
     > /dev/null 2>&1

@@ -129,10 +129,10 @@ if want fp8; then
 fi
 if want fp8serve; then
     KV=${FP8_KV_MEMORY:-16GiB}
-    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 --kv-cache-memory "$KV" \
+    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 --kv-cache-memory-bytes "$KV" \
         >"$RES/server_bf16.log" 2>&1 &
     BF16=$!
-    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8001 --kv-cache-memory "$KV" \
+    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8001 --kv-cache-memory-bytes "$KV" \
         --quantization fp8 --kv-cache-dtype "${FP8_KV:-fp8}" >"$RES/server_fp8.log" 2>&1 &
     FP8=$!
     wait_up 8000 $BF16 200

@@ -10,8 +10,8 @@ def scrape(url):
 
 with StepGateClient(timeout=120) as gate:
     server = ServerProcess(["--model", "/tmp/fig-tiny", "--dtype", "float32", "--max-num-seqs", "2048",
-                            "--max-num-batched-tokens", "2048", "--num-kv-blocks", "8192", "--max-model-len", "512",
-                            "--max-queued-requests", "4096"], env=gate.env).start()
+                            "--max-num-batched-tokens", "2048", "--num-gpu-blocks-override", "8192",
+                            "--max-model-len", "512", "--max-queued-requests", "4096"], env=gate.env).start()
     try:
         print("server", server.url, "idle:", scrape(server.url), flush=True)
         start = gate.status()

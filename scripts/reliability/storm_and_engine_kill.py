@@ -41,7 +41,7 @@ async def stream(http, i, leave_after, max_tokens, on_event=None):
 
 def fig2():
     N = 400
-    server = ServerProcess([*MODEL, "--max-num-seqs", "512", "--num-kv-blocks", "4096"]).start()
+    server = ServerProcess([*MODEL, "--max-num-seqs", "512", "--num-gpu-blocks-override", "4096"]).start()
     try:
         before = scrape(server.url)
         print("fig2 idle before:", before, flush=True)
@@ -74,7 +74,7 @@ def fig2():
 
 def fig3():
     N = 100
-    server = ServerProcess([*MODEL, "--max-num-seqs", "128", "--num-kv-blocks", "4096"]).start()
+    server = ServerProcess([*MODEL, "--max-num-seqs", "128", "--num-gpu-blocks-override", "4096"]).start()
     try:
         engine = server.engine_pid()
         print("fig3 server pid", server.proc.pid, "children", server.children(), "engine", engine, flush=True)

@@ -1,4 +1,6 @@
-"""Frozen configuration records. Each default is written once, here; the CLI is built from them."""
+"""Frozen configuration records. Each default is written once, beside its field (here, or in a section's own
+module: config_scheduler.py, config_speculative.py; the checks they share: config_checks.py); the CLI is
+built from them."""
 
 from __future__ import annotations
 
@@ -7,38 +9,13 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any
 
-from llmserve.json_flags import parse_json_object_flag
+from llmserve.config_checks import check, check_choice, check_field_choices, check_min, parse_bytes
+from llmserve.config_scheduler import SchedulerConfig
+from llmserve.config_speculative import SpeculativeConfig, take_speculative_config
 from llmserve.pooling import RUNNERS, parse_pooler_override
 
 
-def check(is_ok: bool, flag: str, message: str) -> None:
-    """ValueError('--flag: message') unless `is_ok`: a config error names the CLI flag that sets it."""
-    if not is_ok:
-        raise ValueError(f"--{flag}: {message}")
-
-
-def check_min(flag: str, value: float | None, minimum: float) -> None:
-    """`value` (None: unset, allowed) is at least `minimum`."""
-    check(value is None or value >= minimum, flag, f"must be >= {minimum}, got {value}")
-
-
-def check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
-    check(value in choices, flag, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
-
-
-def check_field_choices(config) -> None:
-    """Each set field of a config dataclass whose metadata lists `choices` (the CLI's too) holds one of them:
-    the list is written once, beside the field."""
-    for f in dataclasses.fields(config):
-        value, choices = getattr(config, f.name), f.metadata.get("choices")
-        if choices is not None and value is not None:
-            check_choice(f.metadata.get("flag", f.name.replace("_", "-")), value, tuple(choices))
-
-
-LARGE_GPU_MEMORY = 70 * 2**30  # an 80 GB card (H100, A100-80G) and up: vLLM's larger defaults
-CPU_SCHEDULER_STEPS = 64  # decode forwards a CPU engine step may run (SchedulerConfig.num_scheduler_steps)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp16", "int8")  # which device/dtype each runs on: model/quant check_supported
 
 
@@ -62,9 +39,10 @@ class ModelConfig:
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
-    runner: str = field(default="generate", metadata={"help": "generate (completions, chat, responses) | pooling (an "
-                        "embedding model: /v1/embeddings only, each prompt pooled into one vector)",
-                        "choices": ["generate", "pooling"]})
+    runner: str = field(default="auto", metadata={"help": "auto (pooling for an embedding checkpoint: a "
+                        "sentence-transformers folder or a bare decoder such as Qwen3Model; else generate) | generate "
+                        "(completions, chat, responses) | pooling (an embedding model: /v1/embeddings only, each "
+                        "prompt pooled into one vector)", "choices": ["auto", "generate", "pooling"]})
     pooler_config: str | None = field(default=None, metadata={"help": "--runner pooling: JSON overriding the "
                                       "checkpoint's pooling: pooling_type (LAST | MEAN | CLS), normalize (true | false) "
                                       "(default: a sentence-transformers folder's own, else LAST, normalized)"})
@@ -76,11 +54,13 @@ class ModelConfig:
               f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         check_min("max-cudagraph-capture-size", self.max_graph_batch, 1)
         check_min("num-threads", self.num_threads, 1)
-        check(self.pooler_config is None or self.runner == "pooling", "pooler-config", "only with --runner pooling")
+        check(self.pooler_config is None or self.runner != "generate", "pooler-config",
+              "only for an embedding model (--runner pooling, or auto on an embedding checkpoint)")
         parse_pooler_override(self.pooler_config)  # ValueError naming --pooler-config
 
     @property
     def is_pooling(self) -> bool:
+        """--runner pooling, or auto resolved to it (engine/runner_choice.py); False while auto is unresolved."""
         return self.runner == "pooling"
 
 
@@ -121,107 +101,18 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int | None = field(default=None, metadata={"help": "most requests running at once (default: 128 on "
-                                     "CPU; on CUDA 1024 with 70 GiB of device memory or more, else 256)"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget of one engine step "
-                                               "(default: on CUDA 8192 with 70 GiB of device memory or more, else 2048; "
-                                               "512 on CPU, where 2,048 tokens are seconds of compute: shorter steps "
-                                               "give earlier first tokens, shorter stalls)"})
-    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
-    max_prefill_tokens_while_decoding: int | None = field(default=None, metadata={"help": "while requests decode, at most this many prompt tokens per step: bounds inter-token latency (default: the whole token budget)"})
-    policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"],
-                                                  "flag": "scheduling-policy", "aliases": ["policy"]})
-    async_scheduling: bool | None = field(default=None, metadata={"help": "schedule and prepare step N+1 while the "
-                                          "device runs step N (default: on for CUDA, off on CPU, where the host is "
-                                          "the device and nothing overlaps)"})
-    num_scheduler_steps: int | None = field(default=None, metadata={"help": "decode forwards one engine step may "
-                                            "run back to back when no request watches its tokens one by one (every "
-                                            "running request reports only its final output, as offline generate's "
-                                            "do; the server reads every token), none waits for a free seat and none "
-                                            "has drafts or a grammar: scheduling, bookkeeping and outputs once per "
-                                            f"this many tokens (default: {CPU_SCHEDULER_STEPS} on CPU, where that host work "
-                                            "competes with the forward; 1, off, with async scheduling, which "
-                                            "overlaps it instead)"})
-
-    def validate(self) -> None:
-        check_field_choices(self)
-        check_min("max-num-seqs", self.max_num_seqs, 1)
-        check_min("num-scheduler-steps", self.num_scheduler_steps, 1)
-        check(not (self.async_scheduling and (self.num_scheduler_steps or 1) > 1), "num-scheduler-steps",
-              f"{self.num_scheduler_steps} runs without async scheduling: add --no-async-scheduling")
-        check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
-        check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
-
-    def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
-        """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""
-        is_big_gpu = device_type == "cuda" and device_memory >= LARGE_GPU_MEMORY
-        defaults = {"max_num_seqs": 128 if device_type != "cuda" else 1024 if is_big_gpu else 256,
-                    "max_num_batched_tokens": 512 if device_type != "cuda" else 8192 if is_big_gpu else 2048,
-                    "async_scheduling": device_type == "cuda" and (self.num_scheduler_steps or 1) == 1}
-        is_async = defaults["async_scheduling"] if self.async_scheduling is None else self.async_scheduling
-        defaults["num_scheduler_steps"] = 1 if is_async or device_type == "cuda" else CPU_SCHEDULER_STEPS
-        unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
-        return dataclasses.replace(self, **unset) if unset else self
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    speculative: str | None = field(default=None, metadata={"help": "speculative decoding: ngram (prompt lookup) | draft (a smaller model); default off", "choices": ["ngram", "draft"]})
-    num_speculative_tokens: int = field(default=4, metadata={"help": "draft tokens proposed per request and step (k)"})
-    draft_model: str | None = field(default=None, metadata={"help": "HF directory or hub id of the draft model (--speculative draft); same tokenizer as the target"})
-    ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix matched against the prompt and output so far"})
-    ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
-    speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
-    speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it matches the cap alone at batch 1-8 within noise and beats always speculating above it, docs/benchmarks.md); off: every request speculates up to --speculative-max-batch"})
-    draft_vocab_size: int | None = field(default=None, metadata={"help": "--speculative draft: the draft's "
-                                         "head keeps only the first N token ids (the most frequent in BPE and "
-                                         "SentencePiece vocabularies; EAGLE-3 and FR-Spec reduce the draft's "
-                                         "vocabulary so): a cheaper draft forward, still exact; default: the "
-                                         "whole vocabulary"})
-    draft_token_map: str | None = field(default=None, metadata={"help": "--speculative draft: a JSON list of token "
-                                        "ids, most frequent first (FR-Spec's frequency-ranked vocabulary): the "
-                                        "draft's head keeps these (the first --draft-vocab-size of them when "
-                                        "given) instead of the first ids"})
-    speculative_queue_drafts: bool = field(default=False, metadata={"help": "draft model on CUDA with graphs: queue the next step's proposal on the device behind each verification whose rows all carried k drafts, so the host waits once for both (experimental: measured slower on an H100, docs/benchmarks.md)"})
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.speculative is not None
-
-    @property
-    def num_lookahead_tokens(self) -> int:
-        """KV slots past the scheduled tokens that the draft model writes while it proposes."""
-        return self.num_speculative_tokens if self.speculative == "draft" else 0
-
-    def validate(self) -> None:
-        check_field_choices(self)
-        check_min("num-speculative-tokens", self.num_speculative_tokens, 1)
-        check_min("ngram-min", self.ngram_min, 1)
-        check(self.ngram_min <= self.ngram_max, "ngram-max",
-              f"must be >= --ngram-min ({self.ngram_min}), got {self.ngram_max}")
-        check_min("speculative-max-batch", self.speculative_max_batch, 1)
-        check(isinstance(self.speculative_dynamic, bool), "speculative-dynamic",
-              f"must be true or false, got {self.speculative_dynamic!r}")
-        check(isinstance(self.speculative_queue_drafts, bool), "speculative-queue-drafts",
-              f"must be true or false, got {self.speculative_queue_drafts!r}")
-        check((self.speculative == "draft") == (self.draft_model is not None), "draft-model",
-              "required with --speculative draft, and only then")
-        check_min("draft-vocab-size", self.draft_vocab_size, 1)
-        check(self.draft_vocab_size is None or self.speculative == "draft", "draft-vocab-size",
-              "only with --speculative draft")
-        check(self.draft_token_map is None or self.speculative == "draft", "draft-token-map",
-              "only with --speculative draft")
-
-
-@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={"help": "split every layer over this many devices, one "
                                       "process each (CUDA: GPUs 0..N-1 over NCCL; CPU: processes over gloo, for tests)"})
+    enable_expert_parallel: bool = field(default=False, metadata={"help": "Mixture-of-Experts models with "
+                                         "--tensor-parallel-size N: each rank holds E/N whole experts instead of "
+                                         "a 1/N slice of every expert (attention stays tensor-parallel; docs/moe.md)"})
 
     def validate(self) -> None:
         check_field_choices(self)
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
+        check(not self.enable_expert_parallel or self.tensor_parallel_size > 1, "enable-expert-parallel",
+              "needs --tensor-parallel-size 2 or more (the ranks the experts are placed on)")
 
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -359,7 +250,6 @@ def check_pooling_combinations(config: EngineConfig) -> None:
     if not config.model.is_pooling:
         return
     check(config.speculative.speculative is None, "speculative", "not with --runner pooling (nothing is decoded)")
-    check(config.parallel.tensor_parallel_size == 1, "tensor-parallel-size", "not with --runner pooling yet")
     check(not config.scheduler.async_scheduling, "async-scheduling",
           "not with --runner pooling (a step's pooled vectors end its requests: nothing to overlap)")
     check((config.scheduler.num_scheduler_steps or 1) == 1, "num-scheduler-steps",
@@ -396,24 +286,6 @@ def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:
     if not sched.enable_chunked_prefill and budget is not None:
         check(budget >= max_model_len, "max-num-batched-tokens", f"{budget} is below --max-model-len "
               f"{max_model_len}: without --enable-chunked-prefill a prompt must fit one step")
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(text: str, flag: str | None = None) -> int:
-    """'4GiB' -> 4294967296; '512MB' -> 512000000; '1000' -> 1000. `flag`: named in the error."""
-    s = text.strip().lower().replace("_", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
-    unit = s[len(num):].strip()
-    try:
-        if unit in _UNITS:
-            return int(float(num) * _UNITS[unit])
-    except ValueError:
-        pass
-    prefix = f"--{flag}: " if flag else ""
-    raise ValueError(f"{prefix}cannot parse a byte size from {text!r} (examples: 4GiB, 512MB)")
 
 
 class CommandLineParser(argparse.ArgumentParser):
@@ -473,36 +345,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "draft_vocab_size")
 
 
-# --speculative-config's keys (vLLM's names) -> SpeculativeConfig's fields
-SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "model": "draft_model",
-                           "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_max": "ngram_max",
-                           "prompt_lookup_min": "ngram_min", "disable_by_batch_size": "speculative_max_batch",
-                           "draft_vocab_size": "draft_vocab_size"}
-SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}
-
-
-def _take_speculative_config(args: argparse.Namespace) -> None:
-    """--speculative-config's JSON onto the speculative flags; a setting given both ways is refused."""
-    text = getattr(args, "speculative_config", None)
-    if text is None:
-        return
-    settings = parse_json_object_flag("speculative-config", text, SPECULATIVE_CONFIG_KEYS)
-    if "model" in settings and "method" not in settings:
-        settings["method"] = "draft_model"  # as vLLM infers it
-    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
-    for key, value in settings.items():
-        name = SPECULATIVE_CONFIG_KEYS[key]
-        if key == "method":
-            if value not in SPECULATIVE_METHODS:
-                raise ValueError(f"--speculative-config: method {value!r} is not supported; supported: "
-                                 f"{', '.join(SPECULATIVE_METHODS)}")
-            value = SPECULATIVE_METHODS[value]
-        if getattr(args, name) not in (defaults[name], value):
-            raise ValueError(f"--speculative-config: {key} is also given by its own flag "
-                             f"(--{name.replace('_', '-')}); give it once")
-        setattr(args, name, value)
-
-
 def _take_positional_model(args: argparse.Namespace) -> None:
     tag = getattr(args, "model_tag", None)
     if tag is None:
@@ -514,7 +356,7 @@ def _take_positional_model(args: argparse.Namespace) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _take_positional_model(args)
-    _take_speculative_config(args)
+    take_speculative_config(args)
     return EngineConfig(model=dataclass_from_args(ModelConfig, args),
                         cache=dataclass_from_args(CacheConfig, args),
                         scheduler=dataclass_from_args(SchedulerConfig, args),

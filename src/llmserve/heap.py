@@ -9,9 +9,9 @@ import gc
 
 def freeze_startup_heap() -> None:
     """Move every object alive now (imported libraries, the tokenizer, the app; in the engine the model and
-    its KV blocks: ~1.07M objects for the tiny model with its 718k blocks) out of the collector's passes. A
-    full collection otherwise walks them all: ~257 ms in the engine (docs/benchmarks.md),
-    and up to ~1 s of a stalled event loop in the front at c=512 on the tiny model. Frozen objects are
+    its KV blocks, about a million objects for a small model) out of the collector's passes. A full
+    collection otherwise walks them all, stalling the engine's step and the front's event loop
+    (docs/benchmarks.md, "Figures behind choices in the code"). Frozen objects are
     still freed by reference counting, never by the cyclic collector: the engine holds no reference cycles
     of its own (tests/unit/test_engine_heap.py), so a dropped engine is freed. At exit the heap is unfrozen,
     so that the interpreter's last collection frees it as usual (extensions such as triton's check that)."""

@@ -39,6 +39,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     strict: bool = True
     best_effort: bool = False
     bound_numbers: bool = True
+    # Set by the server's reasoning parser: the grammar starts after the output holds these ids (the end of
+    # the model's thoughts, e.g. </think>); until then any token may come. None: from the first token.
+    reasoning_end: list[int] | None = None
 
     @classmethod
     def from_json_schema(cls, schema: dict | str | bool, **kwargs) -> StructuredOutputsParams:
@@ -77,6 +80,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string")
+        if self.reasoning_end is not None and (not self.reasoning_end or not all(
+                isinstance(t, int) and t >= 0 for t in self.reasoning_end)):
+            raise ValueError("reasoning_end must be a non-empty list of token ids")
 
     @property
     def cache_key(self) -> tuple:

@@ -108,11 +108,11 @@ def test_async_scheduling_is_the_cuda_default(checkpoint):
 
 
 def test_host_values_reach_the_device_through_pinned_memory():
-    """Lists through sample.metadata.to_device, numpy arrays through model.step_inputs.on_device (torch
+    """Lists through sample.metadata.to_device, numpy arrays through model.paged_indices.on_device (torch
     pins no tensor made from numpy: handing an array to to_device once crashed the engine)."""
     import numpy as np
 
-    from llmserve.model.step_inputs import on_device
+    from llmserve.model.paged_indices import on_device
     from llmserve.sample.metadata import to_device
 
     cuda = torch.device("cuda")

@@ -85,13 +85,15 @@ def test_moe_in_bfloat16_runs_through_decode_graphs(arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", list(test_deepseek_model.ARCHS))
-def test_deepseek_latent_cache_on_cuda_equals_the_cpu_engine(arch, tmp_path):
-    """DeepSeek on CUDA: `auto` picks the torch backend (the latent cache has no Triton kernel yet); chunked prompts,
-    decode over the latents. The reference is the CPU engine's tokens (tests/unit ties them to transformers)."""
+@pytest.mark.parametrize("backend,expected", [("auto", "triton"), ("torch", "torch")])
+def test_deepseek_latent_cache_on_cuda_equals_the_cpu_engine(arch, backend, expected, tmp_path):
+    """DeepSeek on CUDA: `auto` picks the Triton backend (model/mla_triton.py reads the latent cache), `torch` its
+    groups; chunked prompts, decode over the latents. The reference is the CPU engine's tokens (tests/unit ties them
+    to transformers)."""
     path = test_deepseek_model.write_checkpoint(arch, str(tmp_path / arch), seed=1)
     llm = LLM(path, device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=128, block_size=16,
-              max_num_batched_tokens=32)
-    assert llm.engine.runner.attn_backend.name == "torch"
+              max_num_batched_tokens=32, attention_backend=backend)
+    assert llm.engine.runner.attn_backend.name == expected
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 29, 47, 70)]
     outputs = llm.generate(prompts, PARAMS)

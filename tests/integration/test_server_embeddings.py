@@ -1,5 +1,6 @@
-"""POST /v1/embeddings on a real `llmserve serve --runner pooling` of a random-weight Qwen3 embedding model
-(a bare decoder saved by transformers, Matryoshka in its config), called by the official `openai` client:
+"""POST /v1/embeddings on a real `llmserve serve` of a random-weight Qwen3 embedding model (a bare decoder saved
+by transformers, Matryoshka in its config; served as pooling by --runner auto, the default), called by the
+official `openai` client:
 vectors equal transformers' last hidden states pooled as the checkpoint asks (last token, normalised), as
 floats and base64, truncated by `dimensions`, and by the gRPC Embed call; bad inputs are 400s in OpenAI's shape naming the field; the
 pooling server refuses generation and a generation server refuses embeddings."""
@@ -35,7 +36,7 @@ def model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pooling_server(model_path):
-    args = ["--model", model_path, *SMALL_ENGINE_ARGS, "--runner", "pooling", "--served-model-name", NAME,
+    args = ["--model", model_path, *SMALL_ENGINE_ARGS, "--served-model-name", NAME,  # --runner auto: pooling
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
             "--grpc-port", "0"]
     with ServerProcess(args) as server:

@@ -219,3 +219,20 @@ def test_logprobs_name_tokens_by_id_when_asked(client, route):
         tokens = [lp.token for lp in out.choices[0].logprobs.content]
         ids = out.choices[0].model_extra["token_ids"]
     assert tokens == [f"token_id:{i}" for i in ids]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_eos_that_ended_a_completion_is_not_in_its_text(client, include):
+    """skip_special_tokens=False: the EOS that stopped the sequence is left out of the text, streamed or not, as
+    vLLM does; include_stop_str_in_output keeps it. Its id is still among the output's ids."""
+    from llmserve.testing.toy_tokenizer import EOS_TOKEN, SPECIAL_TOKENS
+
+    eos = SPECIAL_TOKENS.index(EOS_TOKEN)
+    body = {"skip_special_tokens": False, "min_tokens": 3, "return_token_ids": True,
+            "include_stop_str_in_output": include}
+    kwargs = dict(model="tiny", prompt="Hello", max_tokens=10, logit_bias={str(eos): 100}, **GREEDY)
+    out = client.completions.create(**kwargs, extra_body=body).choices[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 4 and out.token_ids[-1] == eos
+    assert out.text.endswith(EOS_TOKEN) == include
+    chunks = list(client.completions.create(stream=True, **kwargs, extra_body=body))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.text

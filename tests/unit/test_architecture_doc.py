@@ -14,7 +14,7 @@ DIR = re.compile(r"`((?:[\w-]+/)+)`")
 
 
 def _path(name: str) -> pathlib.Path:
-    return ROOT / name if name.split("/")[0] in ("tests", "docs", "src") else SRC / name
+    return ROOT / name if name.split("/")[0] in ("tests", "docs", "src", "scripts") else SRC / name
 
 
 def test_every_file_the_map_names_exists():

@@ -7,6 +7,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from llmserve.http.dashboard_state import (SnapshotRing, bucket_increase, histogram_quantile, percentiles,
+                                           take_snapshot)
 from llmserve.messages import KVTierStats, SchedulerStats, SpecDecodeStats
 from llmserve.router.classifier import AutoRouteConfig
 from llmserve.router.config import AutoscaleConfig, BackendSpec, PoolSpec, RouterConfig, RouterSetup
@@ -14,9 +16,8 @@ from llmserve.router.dashboard import router_state
 from llmserve.router.gateway import Gateway
 from llmserve.router.health import HealthState
 from llmserve.server.dashboard import server_state
-from llmserve.server.dashboard_state import (SnapshotRing, bucket_increase, histogram_quantile, percentiles,
-                                             take_snapshot)
 from llmserve.server.metrics import ServerMetrics
+from router_mock_upstream import MockUpstream
 
 INF = math.inf
 
@@ -147,7 +148,8 @@ def test_server_state_shows_expert_balance_only_for_moe_models():
 def make_gateway() -> Gateway:
     pools = (PoolSpec("m", (BackendSpec("http://a:1"), BackendSpec("http://b:1"))),)
     setup = RouterSetup(RouterConfig(), pools, AutoRouteConfig(), AutoscaleConfig(), {})
-    return Gateway(setup, client=httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200))))
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    return Gateway(setup, upstream=MockUpstream(client))
 
 
 def test_router_state_has_a_row_per_pool_and_backend():

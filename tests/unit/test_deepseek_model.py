@@ -16,10 +16,9 @@ from llmserve import LLM
 from llmserve.model import attn_latent
 from llmserve.testing import toy_tokenizer
 from llmserve.model.llama import CausalLM
-from llmserve.model.loader import load_hf_config, load_model
+from llmserve.model.loader import load_model
 from llmserve.testing.maker import SHAPES, build_config, make_model
 from llmserve.model.moe import SparseMoeBlock, route_grouped
-from llmserve.model.parallel import check_tensor_parallel
 from llmserve.worker.kv_cache import kv_bytes_per_token
 
 VOCAB = 512
@@ -108,6 +107,28 @@ def test_the_torch_groups_path_equals_transformers(checkpoint, monkeypatch):
     hit = greedy(llm, [longer])[0]
     assert hit.num_cached_tokens >= 12  # the 13-token prompt's 3 full blocks of 4
     assert list(hit.outputs[0].token_ids) == hf_greedy(hf, longer)
+    llm.engine.check_integrity()
+
+
+def test_the_triton_backend_and_the_decode_graph_buffers_equal_transformers(checkpoint):
+    """The latent cache read by the Triton kernel (on CPU through Triton's interpreter): a mixed batch of chunked
+    prompts, then decode steps through the graph buffers (run eagerly here; tests/gpu captures them)."""
+    pytest.importorskip("triton")
+    from llmserve.worker.cuda_graphs import DecodeGraphs
+
+    path, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=64, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+              attention_backend="triton", enforce_eager=True)
+    runner = llm.engine.runner
+    assert runner.attn_backend.name == "triton"
+    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
+                          device=torch.device("cpu"), use_graphs=False)
+    runs, original_run = [], graphs.run
+    graphs.run = lambda inputs: runs.append(inputs.input_ids.shape[0]) or original_run(inputs)
+    runner.graphs = graphs
+    prompts = [prompt(n, 60 + i) for i, n in enumerate((3, 21, 1))]
+    assert [list(o.outputs[0].token_ids) for o in greedy(llm, prompts)] == [hf_greedy(hf, p) for p in prompts]
+    assert runs and set(runs) <= {1, 2, 3}  # decode steps went through the buffers
     llm.engine.check_integrity()
 
 
@@ -207,12 +228,24 @@ def test_a_config_field_the_decoder_does_not_run_is_refused_by_name(tmp_path, ar
 
 def test_flags_a_latent_cache_does_not_take_are_refused_before_loading(tmp_path):
     path = write_checkpoint("v3", str(tmp_path / "v3"))
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: the latent cache"):
-        LLM(path, dtype="float32", kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="--attention-backend triton: Multi-head Latent Attention"):
-        LLM(path, dtype="float32", attention_backend="triton")
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for DeepseekV3ForCausalLM"):
-        check_tensor_parallel(load_hf_config(path), 2)
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8: the latent cache"):
+        LLM(path, dtype="float32", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "num_bytes"), [("fp16", 2), ("fp8", 1)])
+def test_a_float16_or_fp8_latent_cache_holds_its_bytes_a_token_and_serves(checkpoint, kv_cache_dtype, num_bytes):
+    """The latent cache in float16 (the C++ kernel widens it) or fp8 (the torch groups do): its bytes a token, and
+    greedy tokens through chunked prompts and decode (the attention's error: tests/unit/test_mla_attention.py),
+    mostly transformers' own."""
+    path, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+              kv_cache_dtype=kv_cache_dtype)
+    assert kv_bytes_per_token(llm.engine.runner.kv_caches) == (KV_LORA + ROPE) * LAYERS * num_bytes
+    prompts = [prompt(n, 70 + i) for i, n in enumerate((3, 13, 1))]
+    got = [list(o.outputs[0].token_ids) for o in greedy(llm, prompts)]
+    want = [hf_greedy(hf, p) for p in prompts]
+    assert sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) >= 0.8 * NUM_OUT * len(prompts)
+    llm.engine.check_integrity()
 
 
 def test_make_model_writes_deepseek_shapes_transformers_runs(tmp_path):

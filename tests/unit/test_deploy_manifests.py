@@ -131,7 +131,7 @@ def _set_image(objects: list[dict], image: dict) -> None:
 
 
 def pod_spec(obj: dict) -> dict:
-    return obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else {}
+    return obj["spec"]["template"]["spec"] if obj["kind"] in ("Deployment", "StatefulSet") else {}
 
 
 # ---- fixtures and helpers --------------------------------------------------------------------------------

@@ -77,24 +77,55 @@ def test_a_pooling_engine_generates_nothing_and_a_generating_one_embeds_nothing(
     llm = LLM(path, **ENGINE)
     with pytest.raises(ValueError, match="use embed"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="no lm_head.*--runner pooling"):
-        LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)  # a bare decoder has no head to generate with
+    with pytest.raises(ValueError, match="no lm_head.*--runner pooling"):  # a bare decoder has no head to generate with
+        LLM(path, runner="generate", dtype="float32", num_kv_blocks=64, max_model_len=128)
+
+
+AUTO = dict(dtype="float32", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)  # --runner auto, the default
+
+
+def test_runner_auto_serves_a_bare_decoder_as_an_embedding_model(tmp_path):
+    path = embedding_checkpoint("qwen3", str(tmp_path))  # Qwen3Model: no sentence-transformers files
+    llm = LLM(path, **AUTO)
+    assert llm.engine.config.model.runner == "pooling" and llm.engine.model_info.pooler == PoolerConfig("LAST", True)
+    assert_matches(embed(llm, PROMPTS), load_hf(path), "LAST", True)
+
+
+def test_runner_auto_serves_a_sentence_transformers_folder_as_an_embedding_model(tmp_path):
+    """A causal LM's checkpoint (Qwen3ForCausalLM, head and all, as Qwen3-Embedding ships) with modules.json: its
+    decoder pooled as 1_Pooling/config.json says."""
+    path = make_model("qwen3", "tiny", str(tmp_path))
+    write_sentence_transformers(path, "mean_tokens", normalize=True)
+    llm = LLM(path, **AUTO)
+    assert llm.engine.config.model.runner == "pooling" and llm.engine.model_info.pooler == PoolerConfig("MEAN", True)
+    assert_matches(embed(llm, PROMPTS), load_hf(path), "MEAN", True)
+
+
+def test_runner_auto_serves_a_causal_lm_to_generate(tmp_path, caplog):
+    path = make_model("qwen3", "tiny", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="llmserve.engine.engine_core"):
+        llm = LLM(path, **AUTO)
+    assert llm.engine.config.model.runner == "generate" and llm.engine.model_info.pooler is None
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    assert not any("embedding" in r.getMessage() for r in caplog.records)
 
 
 def test_a_sentence_transformers_model_served_to_generate_is_told_of_the_pooling_runner(tmp_path, caplog):
     path = make_model("qwen3", "tiny", str(tmp_path))  # a causal LM, head and all
     write_sentence_transformers(path, "lasttoken", normalize=True)
     with caplog.at_level(logging.WARNING, logger="llmserve.engine.engine_core"):
-        LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
-    assert any("add --runner pooling" in r.getMessage() for r in caplog.records)
+        LLM(path, runner="generate", **AUTO)
+    assert any("drop --runner generate" in r.getMessage() for r in caplog.records)
 
 
 def test_pooling_engine_flags_are_validated():
     pooling = ModelConfig(runner="pooling")
     with pytest.raises(ValueError, match="--speculative"):
         EngineConfig(model=pooling, speculative=SpeculativeConfig(speculative="ngram")).validate()
-    with pytest.raises(ValueError, match="--pooler-config: only with --runner pooling"):
-        ModelConfig(pooler_config='{"normalize": false}').validate()
+    with pytest.raises(ValueError, match="--pooler-config: only for an embedding model"):
+        ModelConfig(runner="generate", pooler_config='{"normalize": false}').validate()
+    assert ModelConfig().runner == "auto"
+    ModelConfig(pooler_config='{"normalize": false}').validate()  # auto: the checkpoint decides
     with pytest.raises(ValueError, match="--pooler-config: unsupported key 'softmax'"):
         ModelConfig(runner="pooling", pooler_config='{"softmax": true}').validate()
     with pytest.raises(ValueError, match="--pooler-config: pooling_type must be one of"):
@@ -148,3 +179,15 @@ def test_pooler_over_chunks_equals_pooling_at_once_and_forgets_a_preempted_reque
     expected = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling]
     np.testing.assert_allclose(np.frombuffer(whole, "<f4"), expected.numpy(), rtol=1e-5)
     pooler.check_integrity(set())
+
+
+@pytest.mark.parametrize("mode", ["lasttoken", "mean_tokens"])
+def test_two_ranks_pool_what_one_rank_pools(mode, tmp_path):
+    """--tensor-parallel-size 2 (2 gloo ranks on CPU): every rank runs the forward, rank 0 pools its hidden
+    states (whole after each layer's all-reduce); chunked prompts, and a MEAN pooler's partial sums."""
+    path = embedding_checkpoint("qwen3", str(tmp_path))
+    write_sentence_transformers(path, mode, normalize=True)
+    pooling = "LAST" if mode == "lasttoken" else "MEAN"
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.engine.tp_executor is not None and llm.engine.model_info.pooler.pooling_type == pooling
+        assert_matches(embed(llm, PROMPTS), load_hf(path), pooling, True)

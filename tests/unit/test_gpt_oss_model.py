@@ -146,10 +146,13 @@ def test_mxfp4_of_another_architecture_is_refused():
         mxfp4.is_mxfp4(config)
 
 
-def test_quantization_is_refused(checkpoint):
+def test_quantized_experts_keep_their_biases(checkpoint):
+    """--quantization quantizes the experts (test_quant_moe.py); each expert's layers hold its biases."""
     path, _ = checkpoint
-    with pytest.raises(ValueError, match=r"quantization \(fp8\) of Mixture-of-Experts models"):
-        load_model(path, torch.float32, "cpu", quantization="fp8")
+    float_block = load_model(path, torch.float32, "cpu").moe_blocks()[0]
+    experts = load_model(path, torch.float32, "cpu", quantization="fp8").moe_blocks()[0].experts
+    assert torch.equal(experts.gate_up_proj[1].bias, float_block.experts.gate_up_proj_bias[1])
+    assert torch.equal(experts.down_proj[1].bias, float_block.experts.down_proj_bias[1])
 
 
 def test_an_unknown_layer_kind_is_refused(tmp_path):

@@ -243,14 +243,47 @@ def test_gpt_oss_alternating_greedy_equals_transformers(tmp_path):
     _greedy_through_chunks_hits_and_preemption(path, hf, (0, gpt_oss.WINDOW), gpt_oss.WINDOW, gpt_oss.VOCAB)
 
 
-def test_a_draft_model_is_refused_with_groups(tmp_path):
-    from llmserve import LLM
+def test_a_draft_model_keeps_its_cache_in_the_full_group(tmp_path):
+    """gpt-oss alternating sliding and full layers as its own draft: greedy tokens as without speculation through
+    prompts several windows long, chunked, and every draft accepted (the draft read back its own KV from the full
+    group's blocks while the sliding group gave its blocks back)."""
+    import torch
+
+    from llmserve import LLM, SamplingParams
+    from llmserve.bench.spec import SpecCounter
 
     import test_gpt_oss_model as gpt_oss
 
-    path = gpt_oss.write_checkpoint(str(tmp_path / "gpt_oss"), num_hidden_layers=2)
+    path = gpt_oss.write_checkpoint(str(tmp_path / "gpt_oss"), seed=3, num_hidden_layers=4,
+                                    layer_types=["sliding_attention", "full_attention"] * 2)
+    engine = dict(dtype="float32", max_model_len=96, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    prompts = [[(7 * i + 3 * j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 30, 41))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, params)]
+    llm = LLM(path, speculative="draft", draft_model=path, num_speculative_tokens=3, **engine)
+    assert llm.engine.runner.kv_layout.num_groups == 2
+    counts = SpecCounter(llm)
+    proposer, seen = llm.engine.runner.speculator.proposer, {}
+    original_propose = proposer.propose
+    proposer.propose = lambda rows: seen.update({r.req_id: (list(r.block_ids), len(r.token_ids)) for r in rows}) \
+        or original_propose(rows)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert counts.num_draft_tokens > 0 and counts.num_accepted == counts.num_draft_tokens
+    llm.engine.check_integrity()
+    target_cache, draft_cache = llm.engine.runner.kv_caches[1], proposer.kv_caches[1]  # layer 1: full attention
+    for block_ids, num_tokens in seen.values():  # the draft's KV of its full layer is the target's, block by block
+        full_blocks = torch.tensor(block_ids[0::2][:(num_tokens - 1) // 4])  # group 0's complete blocks
+        torch.testing.assert_close(draft_cache[:, full_blocks], target_cache[:, full_blocks], atol=1e-4, rtol=1e-4)
+
+
+def test_a_draft_model_is_refused_without_a_full_group():
+    from llmserve.config import EngineConfig, SpeculativeConfig
+    from llmserve.engine.engine_core import checked_kv_cache_layout
+
+    config = EngineConfig(speculative=SpeculativeConfig(speculative="draft", draft_model="d"))
+    assert checked_kv_cache_layout(config, (0, W)).num_groups == 2
     with pytest.raises(ValueError, match="add --disable-hybrid-kv-cache-manager"):
-        LLM(path, dtype="float32", max_model_len=64, speculative="draft", draft_model=path, num_speculative_tokens=2)
+        checked_kv_cache_layout(config, (4, W))  # two windows, no full layer
 
 
 def test_decode_graph_buffers_hold_a_table_per_group(tmp_path):

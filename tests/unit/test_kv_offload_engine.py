@@ -1,10 +1,12 @@
 """KV tiers in the engine (float32 tiny model): a prefix evicted from the device and hit in host memory or on
 disk gives the same greedy tokens as without tiers and computes only the rest of the prompt; a corrupt disk
-block is recomputed; the bookkeeping holds after churn; the flags are validated."""
+block is recomputed; a load runs while other requests step, and an abort during it frees everything; the
+bookkeeping holds after churn; the flags are validated."""
 
 import json
 import os
 import random
+import threading
 
 import pytest
 
@@ -85,6 +87,70 @@ def test_a_corrupt_disk_block_is_recomputed_never_used(path, prompts, plain, tmp
     llm.engine.shutdown()
 
 
+def _hold_loads(llm: LLM, monkeypatch) -> threading.Event:
+    """The connector's loads wait, on its loader thread, until the returned event is set."""
+    connector = llm.engine.kv_connector
+    gate, read = threading.Event(), connector._read
+
+    def held(loads, blocks):
+        assert gate.wait(timeout=120), "the test never let the load go"
+        return read(loads, blocks)
+
+    monkeypatch.setattr(connector, "_read", held)
+    return gate
+
+
+def _add(llm: LLM, request_id: str, prompt: list[int], max_tokens: int = 8) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for request in llm.processor.process(request_id, prompt, params):
+        llm.engine.add_request(request)
+
+
+def _evict_first(llm: LLM, prompts: list[list[int]]) -> None:
+    for prompt in prompts:  # the later prompts evict the first one's blocks into the host tier
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+
+
+def test_other_requests_step_while_a_prefix_loads(path, prompts, plain, monkeypatch):
+    llm = _llm(path, kv_offload_memory="64MiB")
+    _evict_first(llm, prompts)
+    gate, engine = _hold_loads(llm, monkeypatch), llm.engine
+    _add(llm, "again", prompts[0])
+    _add(llm, "other", [7, 8, 9], max_tokens=20)
+    tokens: dict[str, list[int]] = {"again": [], "other": []}
+    for _ in range(5):
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+        assert engine.scheduler.requests["again"].status.name == "WAITING_FOR_KV"
+        engine.check_integrity()
+    assert tokens["again"] == [] and len(tokens["other"]) == 5  # the other stream went on meanwhile
+    gate.set()
+    num_cached = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+            num_cached[out.request_id] = out.num_cached_tokens
+    assert tokens["again"] == plain[-1][0] and num_cached["again"] == 192  # loaded, not computed
+    engine.check_integrity()
+
+
+def test_an_abort_during_a_load_leaves_nothing_held(path, prompts, monkeypatch, tmp_path):
+    llm = _llm(path, kv_offload_memory=str(4 * BLOCK_BYTES), kv_offload_disk=str(tmp_path))
+    _evict_first(llm, prompts)
+    gate, engine = _hold_loads(llm, monkeypatch), llm.engine
+    _add(llm, "again", prompts[0])
+    engine.step()
+    engine.abort_requests(["again"])
+    assert [out.request_id for out in engine.step().outputs] == ["again"]
+    engine.check_integrity()
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.num_free_blocks() == engine.scheduler.kv.pool.num_usable_blocks
+    engine.shutdown()
+
+
 def test_churn_keeps_every_count_in_step(path):
     llm = _llm(path, kv_offload_memory=str(30 * BLOCK_BYTES), max_num_seqs=4)
     rng = random.Random(1)
@@ -114,10 +180,29 @@ def test_flags_are_validated_before_loading(kwargs, message):
         LLM("/nonexistent", **kwargs)
 
 
-def test_a_model_with_sliding_layers_is_refused_before_its_weights_load(tmp_path):
+def test_disaggregation_of_a_model_with_sliding_layers_is_refused_before_its_weights_load(tmp_path):
     path = make_model("mistral", "tiny", str(tmp_path), seed=1)
     config_path = os.path.join(path, "config.json")
     config = json.load(open(config_path))
     json.dump({**config, "sliding_window": 64}, open(config_path, "w"))
-    with pytest.raises(ValueError, match="sliding-window layers .*window 64"):
-        LLM(path, dtype="float32", max_model_len=256, kv_offload_memory="1MiB")
+    with pytest.raises(ValueError, match="--disaggregation-mode: .*sliding-window layers .*window 64"):
+        LLM(path, dtype="float32", max_model_len=256, disaggregation_mode="decode")
+
+
+def test_a_sliding_window_models_groups_come_back_from_the_tiers(tmp_path, prompts):
+    """Gemma 3's layout (five sliding layers to one full: six KV cache groups): each group's blocks are kept
+    apart in the tiers and loaded back together; the tokens are those computed without tiers."""
+    path = make_model("gemma3", "tiny-gemma3", str(tmp_path), seed=6)
+
+    def run(**kwargs):
+        llm = LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=100, max_num_batched_tokens=256, **kwargs)
+        assert llm.engine.scheduler.kv.num_groups == 6
+        return llm, _turns(llm, prompts)
+
+    _, plain = run()
+    llm, tiered = run(kv_offload_memory="64MiB", kv_offload_disk=str(tmp_path / "disk"))
+    assert [t for t, _ in tiered] == [t for t, _ in plain]
+    assert plain[-1][1] == 0 and tiered[-1][1] == 192  # evicted from the device, loaded from the tiers
+    stats = llm.kv_tier_stats
+    assert stats.num_host_hit_tokens + stats.num_disk_hit_tokens == 192
+    llm.engine.shutdown()

@@ -1,5 +1,6 @@
 """The KV tiers below the device (host memory, disk) and the tiered connector over a small fake cache:
-LRU order and byte budgets, checksummed disk files, collisions refused, saves copied before loads."""
+LRU order and byte budgets, checksummed disk files, collisions refused, saves copied before loads, loads
+run on the loader thread once the step's saves are out."""
 
 import os
 
@@ -105,12 +106,20 @@ def _caches(num_blocks: int = 6) -> list[torch.Tensor]:
     return layers
 
 
+def _load(conn: TieredKVConnector, loads: list[KVBlockCopy], saves: list[KVBlockCopy] = ()) -> int:
+    """A step's load: started when scheduled, run once the step's apply has its saves out; blocks read."""
+    load = conn.start_load(loads)
+    assert not load.done()  # queued behind the step's saves
+    conn.apply(KVTransfers(saves=list(saves)))
+    return load.result(timeout=60)
+
+
 def test_connector_copies_the_evicted_block_out_before_loading_into_it():
     caches = _caches()
     conn = TieredKVConnector(caches, HostTier(10 * NBYTES), None)
     conn.receive(_hash(7), read_device_blocks(caches, [5])[0])  # block 5's content, stored as hash 7
     assert conn.num_matched_blocks([_hash(7), _hash(8)]) == 1
-    conn.apply(KVTransfers(saves=[KVBlockCopy(2, _hash(3))], loads=[KVBlockCopy(2, _hash(7))]))
+    assert _load(conn, [KVBlockCopy(2, _hash(7))], saves=[KVBlockCopy(2, _hash(3))]) == 1
     assert torch.equal(caches[1][:, 2], torch.full((2, 4, 1, 3), 15.0))  # loaded over block 2
     assert torch.equal(conn.host.get(_hash(3))[1], torch.full((2, 4, 1, 3), 12.0))  # its old content kept
     stats = conn.take_stats()
@@ -124,7 +133,7 @@ def test_a_matched_block_stays_loadable_when_the_step_saves_push_it_out():
     conn = TieredKVConnector(caches, HostTier(NBYTES), None)  # room for one block
     conn.receive(_hash(7), read_device_blocks(caches, [5])[0])
     assert conn.num_matched_blocks([_hash(7)]) == 1
-    conn.apply(KVTransfers(saves=[KVBlockCopy(1, _hash(3))], loads=[KVBlockCopy(4, _hash(7))]))
+    assert _load(conn, [KVBlockCopy(4, _hash(7))], saves=[KVBlockCopy(1, _hash(3))]) == 1
     assert torch.equal(caches[0][:, 4], caches[0][:, 5])
     assert conn.host.get(_hash(7)) is None and conn.host.get(_hash(3)) is not None
     conn.check_integrity()
@@ -136,7 +145,7 @@ def test_host_evictions_are_demoted_to_disk_and_found_there(tmp_path):
     conn.apply(KVTransfers(saves=[KVBlockCopy(1, _hash(1)), KVBlockCopy(2, _hash(2))]))
     assert len(conn.host) == 1 and len(conn.disk) == 1
     assert conn.num_matched_blocks([_hash(1), _hash(2)]) == 2
-    conn.apply(KVTransfers(loads=[KVBlockCopy(4, _hash(1)), KVBlockCopy(5, _hash(2))]))
+    assert _load(conn, [KVBlockCopy(4, _hash(1)), KVBlockCopy(5, _hash(2))]) == 2
     assert torch.equal(caches[1][:, 4], torch.full((2, 4, 1, 3), 11.0))
     assert torch.equal(caches[1][:, 5], torch.full((2, 4, 1, 3), 12.0))
     stats = conn.take_stats()
@@ -163,6 +172,6 @@ def test_every_cache_dtype_copies_out_and_back_bit_for_bit(dtype):
     conn = TieredKVConnector(caches, HostTier(10 * NBYTES), None)
     conn.apply(KVTransfers(saves=[KVBlockCopy(3, _hash(3))]))
     assert conn.num_matched_blocks([_hash(3)]) == 1
-    conn.apply(KVTransfers(loads=[KVBlockCopy(1, _hash(3))]))
+    assert _load(conn, [KVBlockCopy(1, _hash(3))]) == 1
     for cache in caches:
         assert torch.equal(cache[:, 1].view(torch.uint8), cache[:, 3].view(torch.uint8))

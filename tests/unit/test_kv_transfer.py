@@ -66,7 +66,7 @@ def test_a_finished_requests_prompt_blocks_reach_the_decode_engines_host_tier():
         assert sender.take_num_sent() == 2 and not sender.pending
         assert connector.num_matched_blocks(hashes) == 2
         for block_hash, block_id in zip(hashes, (1, 2)):
-            assert torch.equal(connector.matched[block_hash.value][0], read_device_blocks(src, [block_id])[0])
+            assert torch.equal(connector.matched[block_hash.value], read_device_blocks(src, [block_id])[0])
         assert connector.take_stats().num_received_blocks == 2
     finally:
         sender.close()

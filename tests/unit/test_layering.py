@@ -47,3 +47,38 @@ def test_serving_imports_no_test_scaffolding():
                  for layer in serving for path in sorted((SRC / layer).rglob("*.py"))
                  for name in _imported_modules(path, is_top_level_only=True) if name.split(".")[:2] == ["llmserve", "testing"]]
     assert not offending, offending
+
+
+# The Ray Serve modules that configure and run an engine replica (the replica serves our server's app over
+# its own engine); the rest of rayserve/ (ingress, request router, ASGI bridge) runs no engine.
+RAYSERVE_ENGINE_SIDE = ("rayserve/replica.py", "rayserve/config.py", "rayserve/cli.py")
+
+
+def _imports_of(package: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> list[str]:
+    return [f"{path.relative_to(SRC)} imports {name}"
+            for path in sorted((SRC / package).rglob("*.py")) if path.relative_to(SRC).as_posix() not in allowed
+            for name in _imported_modules(path) if name.split(".")[:2] in [["llmserve", f] for f in forbidden]]
+
+
+def test_shared_http_pieces_import_no_other_package():
+    """http/ sits below the server, the router and Ray Serve: it imports none of our packages."""
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()} - {"http"}
+    assert not _imports_of("http", tuple(packages))
+
+
+def test_router_and_ingress_import_neither_server_nor_engine():
+    """The router and Ray Serve's ingress share HTTP pieces through http/, so they load without the engine."""
+    assert not _imports_of("router", ("server", "engine"))
+    assert not _imports_of("rayserve", ("server", "engine"), allowed=RAYSERVE_ENGINE_SIDE)
+
+
+def test_the_router_and_the_ingress_load_without_server_engine_or_torch():
+    """What they load, not only what they name: nothing below them pulls the server, the engine or torch in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, llmserve.router.server, llmserve.router.app, llmserve.rayserve.ingress\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['llmserve', 'server'], "
+            "['llmserve', 'engine']) or m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

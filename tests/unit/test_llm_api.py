@@ -163,3 +163,31 @@ def test_chat_takes_a_template_of_its_own(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
                    chat_template="{% for m in messages %}{{ m['content'] }}!{% endfor %}")
     assert out[0].prompt == "hi!"
+
+
+@pytest.mark.parametrize("stop", [None, ["never-in-the-output"]])  # text decoded once at the end / token by token
+def test_the_eos_that_ended_a_sequence_is_not_in_its_text(llm, stop):
+    """skip_special_tokens=False shows special tokens the model wrote, but not the EOS that stopped it (vLLM's
+    rule: a stop token's text is left out unless include_stop_str_in_output); its id stays in token_ids."""
+    tokenizer = llm.tokenizer
+    eos = tokenizer.eos_token_id
+    params = dict(temperature=0, max_tokens=10, min_tokens=3, logit_bias={eos: 100.0}, skip_special_tokens=False,
+                  stop=stop)
+    out = llm.generate([[3, 4]], SamplingParams(**params))[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 4 and out.token_ids[-1] == eos
+    assert out.text == tokenizer.decode(out.token_ids[:3], skip_special_tokens=False)
+    assert tokenizer.eos_token not in out.text
+    kept = llm.generate([[3, 4]], SamplingParams(**params, include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == out.text + tokenizer.eos_token
+
+
+def test_a_stop_token_ids_text_is_left_out_unless_asked_for(llm):
+    full = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    target = full.token_ids[4]
+    first = full.token_ids.index(target)
+    for include in (False, True):
+        out = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                    stop_token_ids=[target], include_stop_str_in_output=include))
+        kept = out[0].outputs[0].token_ids
+        assert kept == full.token_ids[:first + 1]
+        assert out[0].outputs[0].text == llm.tokenizer.decode(kept if include else kept[:-1], skip_special_tokens=True)

@@ -10,6 +10,7 @@ from lora_helpers import make_adapter
 from llmserve.config import (CacheConfig, CommandLineParser, EngineConfig, LoRAConfig, ParallelConfig,
                              SchedulerConfig, add_engine_args, engine_config_from_args)
 from llmserve.core.request import Request
+from llmserve.core import lora_slots
 from llmserve.core.scheduler import Scheduler
 from llmserve.lora_request import LoRARequest
 from llmserve.testing.maker import make_model
@@ -81,6 +82,33 @@ def test_the_scheduler_runs_at_most_max_loras_adapters_at_once():
         if out.new_reqs:
             assert [r.req_id for r in out.new_reqs] == ["r4"]
             assert not any(r.lora and r.lora.lora_int_id in (1, 2) for r in sched.running)
+    sched.check_integrity()
+
+
+def test_a_request_waiting_for_a_slot_is_passed_at_most_the_limit_then_the_running_adapter_drains(monkeypatch):
+    monkeypatch.setattr(lora_slots, "LORA_PASS_LIMIT", 2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), CacheConfig(block_size=4), 64, 256,
+                      max_loras=1)
+
+    def add(name: str, lora: LoRARequest | None) -> None:
+        request = make_request(name, [1, 2, 3, 4, 5], max_tokens=3)
+        request.lora = lora
+        sched.add_request(request)
+
+    add("r0", _lora(1))
+    add("wait", _lora(2))  # needs the one slot, which a1 holds
+    passed, num_steps = [], 0
+    while "wait" not in [r.request_id for r in sched.running]:  # steady traffic to a1 (and the base model)
+        add(f"a1-{num_steps}", _lora(1))
+        add(f"base-{num_steps}", None)
+        out, _ = step(sched)
+        passed += [r.req_id for r in out.new_reqs if r.lora is not None and r.req_id != "wait"]
+        num_steps += 1
+        assert num_steps < 20, "the request waiting for a slot starved"
+    assert passed == ["r0", "a1-0", "a1-1"]  # r0 took the slot before it; then two went past it
+    assert all(r.lora is None or r.lora.lora_int_id == 2 for r in sched.running)
+    while sched.has_unfinished_requests():
+        step(sched)
     sched.check_integrity()
 
 

@@ -29,7 +29,7 @@ def _case(num_tokens: int, num_experts: int, top_k: int, seed: int, has_bias: bo
 def test_grouped_experts_equal_the_per_expert_loop(num_tokens, has_bias):
     x, gate_up, down, weights, ids, biases = _case(num_tokens, 8, 2, num_tokens, has_bias)
     activation = ClampedSwiglu(alpha=1.702, limit=0.5) if has_bias else _silu_mul
-    want = fused_moe(x, gate_up, down, weights, ids, None, biases, activation if has_bias else None)
+    want = fused_moe(x, gate_up, down, weights, ids, biases, activation if has_bias else None)
     got = grouped_moe(x, gate_up, down, weights, ids, activation, biases)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -44,3 +44,19 @@ def test_experts_without_tokens_and_one_expert_for_all():
 def test_only_cuda_bfloat16_takes_the_grouped_path_in_the_engine():
     x, gate_up, down, *_ = _case(2, 4, 1, 0, False)
     assert not can_group(x, gate_up, down) and not can_group(x.bfloat16(), gate_up.bfloat16(), down.bfloat16())
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_pairs_of_other_ranks_experts_are_skipped_as_in_the_loop(has_bias):
+    """Expert parallelism: a rank holding experts 4..7 of 8 sees ids 0..3 as 4 (local_expert_ids)."""
+    from llmserve.model.moe_parallel import local_expert_ids
+
+    x, gate_up, down, weights, ids, biases = _case(9, 8, 2, 5, has_bias)
+    local = local_expert_ids(ids, (4, 4))
+    held = (gate_up[4:], down[4:])
+    held_biases = None if biases is None else (biases[0][4:], biases[1][4:])
+    activation = ClampedSwiglu(alpha=1.702, limit=0.5) if has_bias else _silu_mul
+    want = fused_moe(x, *held, weights, local, held_biases, activation if has_bias else None)
+    got = grouped_moe(x, *held, weights, local, activation, held_biases)
+    assert bool((local == 4).any()) and bool((local < 4).any())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

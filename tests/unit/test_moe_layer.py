@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_counts, expert_shard_of, expert_shard_view,
-                                fused_moe, map_expert_name, moe_spec_from_config, route, router_logits,
-                                shard_stacked, take_load_balance)
+from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_counts, fused_moe, moe_spec_from_config, route,
+                                router_logits)
+from llmserve.model.moe_load import ExpertLoadReader
+from llmserve.model.moe_names import expert_shard_view, map_expert_name
+from llmserve.model.moe_parallel import expert_slice_of, shard_stacked
 
 HIDDEN, INTER, EXPERTS = 32, 16, 8
 
@@ -98,19 +100,19 @@ def test_a_tokens_routing_is_the_same_alone_and_in_a_batch():
             torch.testing.assert_close(block(x[t:t + 1])[0], batch_out[t], atol=1e-6, rtol=0)
 
 
-def test_load_balance_is_max_over_mean_tokens_per_expert_averaged_over_forwards():
+def test_load_balance_is_max_over_mean_tokens_per_expert_of_each_layer_averaged_over_layers():
     ids = torch.tensor([[0, 1], [0, 2], [0, 3]])  # 6 pairs over 8 experts: mean 0.75, max 3
     assert expert_counts(ids, EXPERTS) == [3, 1, 1, 1, 0, 0, 0, 0]
-    first, second = _block(6), _block(7)
-    assert take_load_balance([first, second]) is None
-    first.load.record([3, 1, 1, 1, 0, 0, 0, 0])  # 4.0
-    second.load.record([1] * EXPERTS)  # 1.0: even
-    second.load.record([2, 0, 0, 0, 0, 0, 0, 0])  # 8.0: one expert takes all
-    assert take_load_balance([first, second]) == pytest.approx((4.0 + 1.0 + 8.0) / 3)
-    assert take_load_balance([first, second]) is None  # taken
+    first, second, reader = _block(6), _block(7), ExpertLoadReader()
+    assert reader.take([first.load, second.load]) is None
+    first.load.record(ids)  # 4.0
+    second.load.record(torch.arange(EXPERTS).view(4, 2))  # one pair each: 1.0 (even) ...
+    second.load.record(torch.arange(EXPERTS).view(4, 2))  # ... over the step's two forwards too
+    assert reader.take([first.load, second.load]) == pytest.approx((4.0 + 1.0) / 2)
+    assert reader.take([first.load, second.load]) is None  # taken: the counts start again from zero
     with torch.no_grad():
         first(torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(8)))
-    assert 1.0 <= take_load_balance([first]) <= EXPERTS / 2
+    assert 1.0 <= reader.take([first.load]) <= EXPERTS / 2
 
 
 def _config(**fields):
@@ -166,11 +168,24 @@ def test_expert_shards_view_their_rows():
 
 
 def test_a_ranks_share_of_the_experts_is_the_same_from_per_expert_and_stacked_tensors():
-    """Features [2, 5) of every expert: read from per-expert tensors (expert_shard_of) or cut from stacked ones."""
+    """Features [2, 5) of every expert: read from per-expert tensors (expert_slice_of) or cut from stacked ones."""
     gate_up, down = _experts(9)  # [E, 2I, H], [E, H, I]
-    assert expert_shard_of("model.layers.0.mlp.experts.4.up_proj.weight", 2, 3) == (0, 2, 3)
-    assert expert_shard_of("model.layers.0.block_sparse_moe.experts.4.w2.weight", 2, 3) == (1, 2, 3)
-    assert expert_shard_of("model.layers.0.mlp.experts.gate_up_proj", 2, 3) is None  # read whole
+    assert expert_slice_of("model.layers.0.mlp.experts.4.up_proj.weight", (2, 3), None) == (0, 2, 3)
+    assert expert_slice_of("model.layers.0.block_sparse_moe.experts.4.w2.weight", (2, 3), None) == (1, 2, 3)
+    assert expert_slice_of("model.layers.0.mlp.experts.gate_up_proj", (2, 3), None) is None  # read whole
     share = shard_stacked("model.layers.0.mlp.experts.gate_up_proj", gate_up, 2, 3)  # [E, 6, H]
     assert torch.equal(share[4, :3], gate_up[4, 2:5]) and torch.equal(share[4, 3:], gate_up[4, INTER + 2:INTER + 5])
     assert torch.equal(shard_stacked("model.layers.0.mlp.experts.down_proj", down, 2, 3), down[:, :, 2:5])
+
+
+def test_the_grouped_gemm_path_counts_the_expert_load_as_the_loop_does(monkeypatch):
+    """The CUDA graphs' path (torch's grouped GEMM, run here on CPU) counts each layer's tokens per expert on
+    the device, as the loop path does: the same balance, and the same output."""
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(10))
+    loop, grouped = _block(11), _block(11)
+    monkeypatch.setattr(grouped, "runs_grouped_gemm", lambda _: True)
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(x), loop(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(grouped.load.counts, loop.load.counts) and int(loop.load.counts.sum()) == 9 * 2
+    balance = ExpertLoadReader().take([grouped.load])
+    assert balance == pytest.approx(float(loop.load.counts.max()) / (9 * 2 / EXPERTS))

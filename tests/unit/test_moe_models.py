@@ -1,6 +1,6 @@
 """Qwen3-MoE and Mixtral checkpoints written by transformers itself: greedy tokens from the engine equal
 transformers' `generate`, through a batch of mixed lengths, chunked prefill and a prefix-cache hit; what MoE
-models cannot do yet is refused at load."""
+models cannot do yet is refused at load (quantized experts: test_quant_moe.py)."""
 
 from __future__ import annotations
 
@@ -140,14 +140,12 @@ def test_the_sparse_layers_are_those_transformers_builds():
     assert hf_sparse == [False, True, False, False, False, True]
 
 
-def test_quantization_is_refused_and_tensor_parallelism_splits_the_experts(tmp_path):
+def test_tensor_parallelism_splits_the_experts(tmp_path):
     path = write_checkpoint("mixtral", str(tmp_path / "mixtral"))
     check_tensor_parallel(load_hf_config(path), 2)
     narrow = write_checkpoint("qwen3_moe", str(tmp_path / "narrow"), moe_intermediate_size=1)
     with pytest.raises(ValueError, match="tensor-parallel-size 2 exceeds the experts' intermediate size 1"):
         check_tensor_parallel(load_hf_config(narrow), 2)
-    with pytest.raises(ValueError, match=r"quantization \(int8\) of Mixture-of-Experts models"):
-        load_model(path, torch.float32, "cpu", quantization="int8")
 
 
 def test_a_routing_field_this_layer_does_not_implement_is_refused_by_name(tmp_path):

@@ -1,4 +1,4 @@
-"""Multi-step decoding (core/decode_steps.py, worker/multi_step.py): the same outputs as one forward a step,
+"""Multi-step decoding (core/decode_window.py, worker/decode_window.py): the same outputs as one forward a step,
 only where no request reads its tokens as they come, and the bookkeeping intact."""
 
 import itertools
@@ -6,8 +6,8 @@ import itertools
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import CPU_SCHEDULER_STEPS, SchedulerConfig
-from llmserve.core.decode_steps import decode_step_counts
+from llmserve.config_scheduler import CPU_SCHEDULER_STEPS, SchedulerConfig
+from llmserve.core.decode_window import window_counts
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request
 from llmserve.messages import EngineCoreRequest
@@ -190,21 +190,21 @@ def _decoding(kv: KVCacheManager, request: Request, num_output: int) -> Request:
     return request
 
 
-def test_decode_step_counts_caps_rows_and_refuses_what_cannot_run():
+def test_window_counts_caps_rows_and_refuses_what_cannot_run():
     kv = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True)
     rows = [_decoding(kv, _request("a", 5, 10), 1), _decoding(kv, _request("b", 3, 3), 1)]
-    assert decode_step_counts(rows, 4, kv) == [4, 2]  # b has 2 tokens left to max_tokens
-    assert decode_step_counts(rows[1:], 4, kv) == [2]
-    assert decode_step_counts(rows, 4, kv, is_even=True) == [2, 2]  # requests wait: all end with b
-    assert decode_step_counts([_decoding(kv, _request("c", 3, 2), 1)], 4, kv) is None, "no row with 2 to go"
+    assert window_counts(rows, 4, kv) == [4, 2]  # b has 2 tokens left to max_tokens
+    assert window_counts(rows[1:], 4, kv) == [2]
+    assert window_counts(rows, 4, kv, is_even=True) == [2, 2]  # requests wait: all end with b
+    assert window_counts([_decoding(kv, _request("c", 3, 2), 1)], 4, kv) is None, "no row with 2 to go"
     prompt = _request("d", 9, 5)
     assert kv.allocate_slots(prompt, 4) is not None
     prompt.num_computed_tokens = 4
-    assert decode_step_counts(rows + [prompt], 4, kv) is None, "a prompt chunk"
+    assert window_counts(rows + [prompt], 4, kv) is None, "a prompt chunk"
     tight = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False)  # 2 usable blocks
     row = _decoding(tight, _request("f", 4, 20), 1)  # 1 block held, 1 free: 4 more tokens fit
-    assert decode_step_counts([row], 4, tight) == [4]
-    assert decode_step_counts([row], 8, tight) is None, "8 more tokens need 2 free blocks"
+    assert window_counts([row], 4, tight) == [4]
+    assert window_counts([row], 8, tight) is None, "8 more tokens need 2 free blocks"
 
 
 def test_scheduler_config_defaults_and_validation():

@@ -70,3 +70,24 @@ def test_offline_text_decoded_at_the_end_equals_the_streamed_text(tokenizer):
             assert final.finished and final.outputs[0].token_ids == ids
             texts.append(final.outputs[0].text)
         assert texts[0] == texts[1], trial
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("num_per_step", [1, 3])  # a step may bring the stop token with others (speculation)
+def test_a_streamed_sequence_that_the_core_stopped_leaves_out_its_stop_tokens_text(tokenizer, include,
+                                                                                   num_per_step):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = [40, 41, 1, 42, 43, eos]  # 1 is <|im_start|>: a special token the model wrote stays
+    processor = OutputProcessor(tokenizer)
+    mailbox = Mailbox()
+    params = SamplingParams(max_tokens=20, skip_special_tokens=False, include_stop_str_in_output=include)
+    processor.add_request("r", None, [5, 6], params, mailbox, is_delta=True)
+    for start in range(0, len(ids), num_per_step):
+        step = ids[start:start + num_per_step]
+        finish = FinishReason.STOP if start + num_per_step >= len(ids) else None
+        processor.process_outputs([EngineCoreOutput("r", step, finish_reason=finish)])
+    text = "".join(o.outputs[0].text for o in mailbox.outputs)
+    assert [t for o in mailbox.outputs for t in o.outputs[0].token_ids] == ids
+    expected = tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    assert "<|im_start|>" in expected
+    assert text == (expected + "<|im_end|>" if include else expected)

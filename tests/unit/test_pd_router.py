@@ -11,6 +11,7 @@ import pytest
 from llmserve.router.cli import main as route_main
 from llmserve.router.pd import PDConfig, PDRouter, build_pd_app, prefill_body
 from llmserve.testing.router_servers import Chunks
+from router_mock_upstream import MockUpstream
 
 PREFILL, DECODE = "http://prefill:1", "http://decode:2"
 
@@ -37,7 +38,8 @@ class Upstreams:
 
 
 def _post(upstreams: Upstreams, body: dict) -> tuple[httpx.Response, PDRouter]:
-    router = PDRouter(PDConfig((PREFILL,), (DECODE,)), httpx.AsyncClient(transport=httpx.MockTransport(upstreams)))
+    client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
+    router = PDRouter(PDConfig((PREFILL,), (DECODE,)), MockUpstream(client))
 
     async def call() -> httpx.Response:
         transport = httpx.ASGITransport(app=build_pd_app(router))

@@ -171,11 +171,6 @@ def test_gelu_is_refused(tmp_path):
         load_model(path, torch.float32, "cpu")
 
 
-def test_tensor_parallelism_is_refused():
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for Phi3ForCausalLM"):
-        phi3.check_config(SimpleNamespace(hidden_act="silu"), tensor_parallel_size=2)
-
-
 def test_factor_lists_of_the_wrong_length_are_refused():
     config = SimpleNamespace(architectures=[phi3.ARCHITECTURE], max_position_embeddings=256,
                              rope_parameters={**_LONGROPE["rope_parameters"], "partial_rotary_factor": 1.0,

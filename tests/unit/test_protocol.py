@@ -9,9 +9,10 @@ import msgspec
 import pytest
 
 from llmserve.engine.async_llm import RequestOutputCollector, merge_outputs
+from llmserve.http.errors import APIError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.errors import APIError, error_payload, to_api_error
+from llmserve.server.errors import error_payload, to_api_error
 from llmserve.server.params import chat_overrides, completion_overrides
 from llmserve.server.protocol import (IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                       decode_json)

@@ -47,7 +47,11 @@ FINAL = "<|start|>assistant<|channel|>final<|message|>"
     ("<|channel|>final<|message|>Paris<|return|>", Split(None, "Paris")),
     ("Paris <|end|>", Split(None, "Paris <|end|>")),  # no header: all content
     (f"{ANALYSIS}a<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{{}}"
-     f"<|call|>", Split("a", "{}")),
+     f"<|call|>", Split("a", "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}"
+                            "<|call|>")),  # a message to a function stays whole, for the tool-call parser
+    (f"{ANALYSIS}a<|end|>\n<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{{\"x\": 1}}",
+     Split("a", "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{\"x\": 1}")),
+    ("<|channel|>commentary to=python<|message|>print(1)<|call|>", Split(None, "print(1)")),  # not a function
     (f"{ANALYSIS}a<|end|>{FINAL}", Split("a", "")),
     ("<|chan", Split(None, "<|chan")),  # the end: no header after all
 ])
@@ -56,7 +60,9 @@ def test_a_whole_gpt_oss_output_is_split(text, want):
 
 
 @pytest.mark.parametrize("text", [f"{ANALYSIS}a <| b<|end|>{FINAL}yes <|end of it<|return|>",
-                                  f"{ANALYSIS}x", "plain <|message|> text"])
+                                  f"{ANALYSIS}x", "plain <|message|> text",
+                                  f"{ANALYSIS}a<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+                                  f"<|constrain|>json<|message|>{{\"a\": \"<|\"}}<|call|>"])
 def test_every_cut_of_a_gpt_oss_stream_gives_the_whole_split(text):
     want = split_reasoning("gpt_oss", text)
     for size in range(1, len(text) + 1):

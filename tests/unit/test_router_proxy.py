@@ -17,6 +17,7 @@ from llmserve.router.health import HealthState
 from llmserve.router.ratelimit import RateLimit
 from llmserve.testing.router_servers import Chunks
 from llmserve.testing.servers import until
+from router_mock_upstream import MockUpstream
 
 A, B = "http://a:1", "http://b:1"
 SSE = {"content-type": "text/event-stream"}
@@ -43,7 +44,8 @@ def make_gateway(handler, urls=(A, B), auto=AutoRouteConfig(), limits=None, **ro
              PoolSpec("big", (BackendSpec("http://big:1"),)))
     config = RouterConfig(**{"retry_backoff_s": 0.0, "queue_timeout_s": 0.5, **router})
     setup = RouterSetup(config, pools, auto, AutoscaleConfig(), limits or {})
-    return Gateway(setup, client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return Gateway(setup, upstream=MockUpstream(client))
 
 
 async def call(gw, body, path="/v1/completions", headers=None):

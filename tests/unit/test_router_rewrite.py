@@ -16,6 +16,7 @@ from llmserve.router.health import HealthState
 from llmserve.router.monitor import choose_card, probe_all
 from llmserve.router.rewrite import ModelRename, SseRenamer, json_body, request_body
 from llmserve.testing.router_servers import Chunks
+from router_mock_upstream import MockUpstream
 
 RENAME = ModelRename(served="served-name", public="pool")
 STREAM = (b'data: {"id":"1","model":"served-name","choices":[{"text":"\\"model\\":\\"served-name\\""}]}\n\n'
@@ -112,7 +113,8 @@ def gateway(replicas: Replicas, upstream_model=None) -> Gateway:
     pools = (PoolSpec("pool", (BackendSpec(A), BackendSpec(B)), policy="round-robin", upstream_model=upstream_model),
              PoolSpec("other", (BackendSpec(C),)))
     setup = RouterSetup(RouterConfig(retry_backoff_s=0.0), pools, AutoRouteConfig(), AutoscaleConfig(), {})
-    return Gateway(setup, client=httpx.AsyncClient(transport=httpx.MockTransport(replicas)))
+    client = httpx.AsyncClient(transport=httpx.MockTransport(replicas))
+    return Gateway(setup, upstream=MockUpstream(client))
 
 
 async def request(gw: Gateway, method: str, path: str, body=None) -> httpx.Response:

@@ -1,4 +1,4 @@
-"""The scheduler's plain decode rows (Scheduler._schedule_decodes, OutputUpdate._update_plain): stops,
+"""The scheduler's plain decode rows (core/decode_rows.py, core/scheduler_update.py): stops,
 aborts and streamed outputs in one step's update; blocks handed out in row order until the pool runs dry,
 then the general path's preemption."""
 

@@ -3,6 +3,7 @@
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.core.sched_output import ModelRunnerOutput
 from llmserve.core.scheduler import Scheduler
+from llmserve.core.scheduler_preempt import preempt
 
 from core_helpers import make_request
 
@@ -90,7 +91,7 @@ def test_preemption_drops_drafts_and_draft_lookahead_slots_are_reserved():
     out, _ = _run(sched, {"a": [1]}, {"a": [2, 3, 4, 5]})
     assert sched.kv.get_block_ids("a") == [1, 2]  # 3 prompt slots + 4 lookahead for the draft's proposals
     request = sched.requests["a"]
-    sched._preempt(request)
+    preempt(sched, request)
     assert request.spec_token_ids == [] and request.num_computed_tokens == 0
     out, _ = _run(sched, {"a": [1]}, {})
     assert out.new_reqs[0].req_id == "a" and out.scheduled_spec_tokens == {}

@@ -30,7 +30,8 @@ def _check_idle(llm: LLM) -> None:
     assert llm.engine.num_free_blocks() == llm.engine.scheduler.kv.pool.num_usable_blocks
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe:tiny-moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe:tiny-moe", "phi3",
+                                  "deepseek_v3:tiny-deepseek-v3"])
 def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
     arch, _, shape = arch.partition(":")
     path = make_model(arch, shape or "tiny", str(tmp_path), seed=1)
@@ -43,6 +44,19 @@ def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
         assert all(len(o.outputs[0].logprobs) == 3 for o in logprobs)  # rank 0's, reported once
         sampled = llm.generate(prompts[:3], SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
         assert [len(o.outputs[0].token_ids) for o in sampled] == [8] * 3
+        _check_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, tmp_path):
+    """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load."""
+    path = make_model(arch, "tiny-moe", str(tmp_path), seed=1)
+    prompts = _prompts(6, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)
+    with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE) as llm:
+        assert {block.experts.gate_up_proj.shape[0] for block in llm.engine.runner.model.moe_blocks()} == {4}
+        assert _tokens(llm, prompts, params) == expected
         _check_idle(llm)
 
 
@@ -117,11 +131,11 @@ def test_a_main_module_without_a_file_is_hidden_while_ranks_start(monkeypatch, m
     import sys
     import types
 
-    from llmserve.worker.tp_executor import main_file_hidden_unless_a_file
+    from llmserve.worker.tp_executor import hide_missing_main_file
 
     main = types.ModuleType("__main__")
     main.__file__ = main_file
     monkeypatch.setitem(sys.modules, "__main__", main)
-    with main_file_hidden_unless_a_file():
+    with hide_missing_main_file():
         assert hasattr(main, "__file__") is not is_hidden
     assert main.__file__ == main_file

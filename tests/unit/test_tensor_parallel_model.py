@@ -1,9 +1,10 @@
 """Tensor-parallel layers and sharded loading: 2 gloo ranks reproduce the whole model's logits.
 
 The checkpoints cover the four dense architectures and the three MoE ones (every expert split; gpt-oss's sinks
-and expert biases), uneven splits (3 KV groups over 2 ranks, an odd
-intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head, 2 ranks),
-biases on every projection, and tied embeddings.
+and expert biases), Gemma 3, Phi-3's fused qkv_proj and gate_up_proj cut per rank, DeepSeek V3 and V2 (latent
+attention's heads split, the latent cache whole on each rank, shared experts split), uneven splits (3 KV groups
+over 2 ranks, an odd intermediate size, a vocabulary that does not divide by 2), replicated KV heads (1 KV head,
+2 ranks), biases on every projection, and tied embeddings.
 """
 
 import multiprocessing
@@ -43,6 +44,8 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     from llmserve.testing.paged_batch import allocate_kv_caches
 
     model = load_model(path, torch.float32, "cpu", tp=tp)
+    if tp is not None and tp.is_expert_parallel:  # the rank holds its 4 of the 8 experts, and only them
+        assert {block.experts.gate_up_proj.shape[0] for block in model.moe_blocks()} == {4}
     backend = TorchAttentionBackend()
     kv = allocate_kv_caches(model, 32, 4)
     out = []
@@ -53,7 +56,7 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], results) -> None:
+def _rank_main(rank: int, size: int, port: int, paths: list[str], results, is_expert_parallel: bool = False) -> None:
     import torch.distributed as dist
 
     from llmserve.model.parallel import TensorParallel
@@ -61,7 +64,7 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], results) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        logits = [_logits(p, TensorParallel(rank, size)) for p in paths]
+        logits = [_logits(p, TensorParallel(rank, size, is_expert_parallel=is_expert_parallel)) for p in paths]
         results.put((rank, [[t.tolist() for t in steps] for steps in logits]))
     finally:
         dist.destroy_process_group()
@@ -76,26 +79,47 @@ def checkpoints(tmp_path_factory) -> list[str]:
     paths += [make_model(arch, "tiny-moe", str(root / arch), seed=6) for arch in ("qwen3_moe", "mixtral")]
     paths.append(make_model("gpt_oss", "tiny-gpt-oss", str(root / "gpt_oss"), seed=6))
     paths.append(make_model("gemma3", "tiny-gemma3", str(root / "gemma3"), seed=6))
+    paths.append(make_model("phi3", "tiny", str(root / "phi3"), seed=7))  # fused qkv_proj / gate_up_proj
+    paths.append(write_checkpoint("phi3", UNEVEN, str(root / "phi3-uneven"), seed=8))  # fused, cut unevenly
+    # latent attention: heads split, latents whole on each rank; routed and shared experts split
+    paths += [make_model(arch, "tiny-deepseek-v3", str(root / arch), seed=9) for arch in ("deepseek_v3", "deepseek_v2")]
     return paths
 
 
-def test_two_ranks_reproduce_the_whole_model(checkpoints):
+def _run_ranks(paths: list[str], is_expert_parallel: bool = False) -> dict[int, list]:
+    """Each of 2 gloo ranks' logits of every checkpoint (rank -> [checkpoint][step])."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, checkpoints, results)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, paths, results, is_expert_parallel))
+             for rank in range(2)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    for i, path in enumerate(checkpoints):
+    return got
+
+
+def _check_ranks(paths: list[str], got: dict[int, list]) -> None:
+    for i, path in enumerate(paths):
         whole = _logits(path)
         for rank in range(2):
             for step, expected in zip(got[rank][i], whole):
                 torch.testing.assert_close(torch.tensor(step), expected, atol=2e-5, rtol=1e-4,
                                            msg=lambda m: f"{path} rank {rank}: {m}")
+
+
+def test_two_ranks_reproduce_the_whole_model(checkpoints):
+    _check_ranks(checkpoints, _run_ranks(checkpoints))
+
+
+def test_two_ranks_holding_whole_experts_reproduce_the_whole_model(checkpoints):
+    """Expert parallelism: each rank reads and runs 4 of the 8 experts (per-expert checkpoint tensors for
+    Qwen3-MoE and Mixtral, stacked ones with biases for gpt-oss)."""
+    moe = [path for path in checkpoints if path.endswith(("qwen3_moe", "mixtral", "gpt_oss"))]
+    _check_ranks(moe, _run_ranks(moe, is_expert_parallel=True))
 
 
 def test_heads_split_by_kv_group():
@@ -114,3 +138,20 @@ def test_smollm2_shape_splits_over_two_ranks():
                                 hidden_size=s.hidden_size, head_dim=None))()
     check_tensor_parallel(config, 2)
     assert shard_layout(config, 2, 1).q_heads == (6, 3)
+
+
+def test_deepseek_v3_shape_cuts_heads_and_shared_experts_and_keeps_the_latents_whole():
+    from llmserve.model.parallel import shard_of
+    from llmserve.testing.maker import build_config
+
+    config = build_config("deepseek_v3", SHAPES["deepseek-v3"], "bfloat16")
+    check_tensor_parallel(config, 8)
+    layout = shard_layout(config, 8, 3)
+    assert layout.q_heads == (48, 16) and layout.shared_intermediate == (768, 256)
+    attn, mlp = "model.layers.5.self_attn", "model.layers.5.mlp"
+    assert shard_of(f"{attn}.q_b_proj.weight", layout) == (0, 48 * 192, 16 * 192)  # qk_nope 128 + rope 64
+    assert shard_of(f"{attn}.kv_b_proj.weight", layout) == (0, 48 * 256, 16 * 256)  # qk_nope 128 + v 128
+    assert shard_of(f"{attn}.o_proj.weight", layout) == (1, 48 * 128, 16 * 128)
+    for whole in ("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"):
+        assert shard_of(f"{attn}.{whole}", layout) is None  # the latent path: the cache is whole on every rank
+    assert shard_of(f"{mlp}.shared_experts.down_proj.weight", layout) == (1, 768, 256)

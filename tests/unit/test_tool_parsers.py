@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from llmserve.server.tool_parsers import (PARSERS, HermesParser, JsonArrayParser, Llama3JsonParser, MistralParser,
-                                          ParsedCall, ParsedOutput, ToolCallStream, detect_parser, parse_output,
-                                          resolve_parser)
+from llmserve.server.reasoning import reasoning_stream, split_reasoning
+from llmserve.server.tool_parsers import (PARSERS, HarmonyParser, HermesParser, JsonArrayParser, Llama3JsonParser,
+                                          MistralParser, ParsedCall, ParsedOutput, ToolCallStream, detect_parser,
+                                          parse_output, resolve_parser)
 from llmserve.testing.toy_tokenizer import CHATML_TEMPLATE
 
 NAMES = frozenset({"get_weather", "add"})
@@ -27,6 +28,14 @@ def llama_call(name: str, args: dict) -> str:
 
 
 W_ARGS, A_ARGS = {"city": "Paris", "unit": "c"}, {"a": 1, "b": [2, "}"]}
+
+
+def harmony_call(name: str, arguments: str) -> str:
+    """A gpt-oss message to a function, without the <|call|> that ends it (gpt-oss's EOS, not in the text)."""
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}"
+
+
+ANALYSIS = "<|channel|>analysis<|message|>"
 
 CASES = [
     # (parser, text, content, calls)
@@ -68,6 +77,20 @@ CASES = [
     (MistralParser, '[TOOL_CALLS][{"name": "add", "arguments": }]', '[TOOL_CALLS][{"name": "add", "arguments": }]', []),
     (MistralParser, "[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
     (MistralParser, "cut [TOOL_CALLS][{\"name\": \"add\"", "cut [TOOL_CALLS][{\"name\": \"add\"", []),
+    (HarmonyParser, "Paris is sunny.", "Paris is sunny.", []),
+    (HarmonyParser, harmony_call("get_weather", json.dumps(W_ARGS)), None, [WEATHER]),
+    (HarmonyParser, harmony_call("get_weather", json.dumps(W_ARGS)) + "<|call|>", None, [WEATHER]),
+    (HarmonyParser, "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>" + json.dumps(A_ARGS)
+     + "<|call|>", None, [ADD]),  # the recipient in the role part
+    (HarmonyParser, "Let me look.<|start|>assistant" + harmony_call("add", json.dumps(A_ARGS)), "Let me look.",
+     [ADD]),
+    (HarmonyParser, f"{ANALYSIS}think<|end|><|start|>assistant" + harmony_call("add", json.dumps(A_ARGS)),
+     f"{ANALYSIS}think<|end|>", [ADD]),  # a raw harmony output: its other messages stay as they are
+    (HarmonyParser, harmony_call("unknown", "{}") + "<|call|>", harmony_call("unknown", "{}") + "<|call|>", []),
+    (HarmonyParser, harmony_call("add", '{"a": 1'), harmony_call("add", '{"a": 1'), []),  # cut off: not JSON
+    (HarmonyParser, "text <|channel|>commentary to=functions.add", "text <|channel|>commentary to=functions.add",
+     []),
+    (HarmonyParser, "a <|chan", "a <|chan", []),
     (JsonArrayParser, json.dumps([{"name": "get_weather", "parameters": W_ARGS}]), None, [WEATHER]),
     (JsonArrayParser, json.dumps([{"name": "get_weather", "parameters": W_ARGS}, {"name": "add", "parameters": A_ARGS}],
                                  indent=2), None, [WEATHER, ADD]),
@@ -133,4 +156,43 @@ def test_detect_parser():
     assert detect_parser("{{ messages }}") is None and detect_parser(None) is None
     assert resolve_parser("mistral", CHATML_TEMPLATE) is MistralParser
     assert resolve_parser(None, CHATML_TEMPLATE) is HermesParser
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert detect_parser("{{ '<|start|>assistant to=functions.' + name + '<|call|>' }}") == "openai"
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "openai"}
+
+
+GPT_OSS_OUTPUTS = [
+    # (output, reasoning, content, calls): the gpt_oss reasoning parser, then the openai tool-call parser
+    (f"{ANALYSIS}The user wants <|weather|>.<|end|><|start|>assistant"
+     + harmony_call("get_weather", json.dumps(W_ARGS)),
+     "The user wants <|weather|>.", None, [WEATHER]),
+    (f"{ANALYSIS}add them<|end|><|start|>assistant" + harmony_call("add", json.dumps(A_ARGS)) + "<|call|>",
+     "add them", None, [ADD]),
+    (f"{ANALYSIS}no tool needed<|end|><|start|>assistant<|channel|>final<|message|>It is <|sunny|>.<|return|>",
+     "no tool needed", "It is <|sunny|>.", []),
+    (f"{ANALYSIS}hmm<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+     + harmony_call("add", json.dumps(A_ARGS)), "hmm", "Checking.", [ADD]),
+]
+
+
+@pytest.mark.parametrize("text, reasoning, content, calls", GPT_OSS_OUTPUTS)
+def test_a_whole_gpt_oss_output_gives_its_thoughts_answer_and_calls(text, reasoning, content, calls):
+    split = split_reasoning("gpt_oss", text)
+    assert split.reasoning == reasoning
+    assert parse_output(HarmonyParser(NAMES), split.content) == ParsedOutput(content, calls)
+
+
+@pytest.mark.parametrize("text, reasoning, content, calls", GPT_OSS_OUTPUTS)
+def test_every_cut_of_a_gpt_oss_stream_gives_the_whole_outputs_calls(text, reasoning, content, calls):
+    """Streamed in pieces of every size, the thoughts through the reasoning parser, what it leaves through the
+    tool-call parser (as a chat stream does): the same thoughts, answer and calls as the whole output."""
+    for size in range(1, len(text) + 1):
+        thoughts, tools = reasoning_stream("gpt_oss"), ToolCallStream(HarmonyParser(NAMES))
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        streamed_reasoning, deltas = "", []
+        for i, piece in enumerate(pieces):
+            thought, answer = thoughts.feed(piece, i == len(pieces) - 1)
+            streamed_reasoning += thought
+            deltas += tools.feed(answer, i == len(pieces) - 1)
+        assert streamed_reasoning == reasoning, size
+        assert [d.call for d in deltas if d.call is not None] == calls, size
+        assert ("".join(d.content for d in deltas if d.content is not None) or None) == content, size

@@ -12,10 +12,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+import llmserve.http
 from llmserve.server.middleware import is_open
 from llmserve.server.ui import DOCS_DIR, PLAYGROUND_DIR, STATIC_DIR, add_ui_routes
 
 ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD_DIR = Path(llmserve.http.__file__).parent / "static" / "dashboard"
 
 
 def scope(method: str, path: str) -> dict:
@@ -81,12 +83,14 @@ def test_nothing_loaded_from_elsewhere():
         assert not re.search(r"https?://|//cdn|@import", text), path.name
 
 
-def test_package_data_covers_every_static_file():
+@pytest.mark.parametrize("package, static_dir", [("llmserve.server", STATIC_DIR),
+                                                 ("llmserve.http", DASHBOARD_DIR.parent)])
+def test_package_data_covers_every_static_file(package, static_dir):
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["llmserve.server"]
-    for path in STATIC_DIR.rglob("*"):
+    patterns = config["tool"]["setuptools"]["package-data"][package]
+    for path in static_dir.rglob("*"):
         if path.is_file():
-            relative = path.relative_to(STATIC_DIR.parent).as_posix()
+            relative = path.relative_to(static_dir.parent).as_posix()
             assert any(fnmatch.fnmatch(relative, p) for p in patterns), relative
 
 
@@ -97,7 +101,7 @@ def test_the_dashboards_percentages_stay_distinct_at_low_usage():
 
     if shutil.which("node") is None:
         pytest.skip("no node on this machine")
-    source = (STATIC_DIR / "dashboard" / "dashboard.js").read_text()
+    source = (DASHBOARD_DIR / "dashboard.js").read_text()
     pct = re.search(r"^function pct\(v\) \{.*?^\}", source, re.M | re.S).group(0)
     script = pct + "\nconsole.log([0, 0.0005, 0.001, 0.25, 1].map(pct).join(' '));"
     out = subprocess.run(["node", "-e", script], capture_output=True, text=True, timeout=30, check=True).stdout

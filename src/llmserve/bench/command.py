@@ -15,7 +15,8 @@ from llmserve.config import add_dataclass_args, add_engine_args, dataclass_from_
 def add_bench_command(subparsers, name: str, help_text: str, config_cls: type,
                       run: Callable[[object], dict]) -> argparse.ArgumentParser:
     """`llmserve bench NAME`: flags from config_cls (and the engine's, for a field marked `engine`); runs
-    `run(config)`, writes its dict to config.out."""
+    `run(config)`, writes its dict to config.out. The engine's settings are checked before anything is made:
+    by the config's own `validate()` where the benchmark builds several engines from them, else as `serve`'s."""
     parser = subparsers.add_parser(name, help=help_text)
     engine_fields = tuple(f.name for f in dataclasses.fields(config_cls) if f.metadata.get("engine"))
     add_dataclass_args(parser, config_cls, skip=engine_fields)
@@ -26,8 +27,8 @@ def add_bench_command(subparsers, name: str, help_text: str, config_cls: type,
         cfg = dataclass_from_args(config_cls, args)
         if engine_fields:
             engine = engine_config_from_args(args)
-            engine.validate()
             cfg = dataclasses.replace(cfg, **{engine_fields[0]: engine})
+            getattr(cfg, "validate", engine.validate)()
         results = run(cfg)
         if cfg.out:
             with open(cfg.out, "w") as f:

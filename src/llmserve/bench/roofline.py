@@ -5,19 +5,23 @@ else, so its floor is (weight bytes + KV bytes) / memory bandwidth. This measure
 bandwidth (a large device-to-device copy: bytes read + bytes written per second), then the engine's
 batch-1 decode speed (a prompt, then `output_len` tokens with ignore_eos, minus a prompt-only run of
 the same request), and reports bytes moved per step over step time as a share of that bandwidth.
+The engine is set by the engine's own flags, as `serve`'s; each timed run has a prompt of its own, so a
+prefix cache gives the full run no head start over the prompt-only one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from llmserve.bench.command import add_bench_command
-from llmserve.config import KV_CACHE_DTYPES
+from llmserve.config import EngineConfig, engine_kwargs
 
 if TYPE_CHECKING:  # torch loads when the benchmark runs, not when the CLI builds its parser
     import torch
@@ -25,20 +29,30 @@ if TYPE_CHECKING:  # torch loads when the benchmark runs, not when the CLI build
 
 @dataclass(frozen=True)
 class RooflineBenchConfig:
-    model: str | None = field(default=None, metadata={"help": "checkpoint dir (default: make --shape with make-model)"})
-    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint"})
-    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint"})
-    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
-    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
-    quantization: str | None = field(default=None, metadata={"help": "engine: int8 | fp8 | none (default: the checkpoint's)"})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "engine: auto | fp8 | fp16 | int8 (where each "
-                                "runs: llmserve serve --help)", "choices": list(KV_CACHE_DTYPES)})
+    """The measurement; the engine's settings are the engine's own flags (`engine`), as `serve`'s (with
+    --max-num-seqs 1 and --max-model-len the run's length where they are not given)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"engine": True})
+    arch: str = field(default="llama", metadata={"help": "architecture of the made checkpoint (without a model)"})
+    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made checkpoint (without a model)"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
     output_len: int = field(default=256, metadata={"help": "decoded tokens per run"})
     repeats: int = field(default=3, metadata={"help": "timed runs (the median is reported)"})
     copy_mib: int = field(default=1024, metadata={"help": "size of the bandwidth probe's copy"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
+
+    def __post_init__(self) -> None:
+        if self.output_len < 2:
+            raise ValueError(f"--output-len must be at least 2 (a decode step after the first token), got "
+                             f"{self.output_len}")
+        max_model_len = self.engine.model.max_model_len
+        if max_model_len is not None and max_model_len < self.num_tokens:
+            raise ValueError(f"--max-model-len {max_model_len} is shorter than the run ({self.num_tokens} tokens: "
+                             f"--prompt-len + --output-len)")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.output_len
 
 
 def _sync(device: torch.device) -> None:
@@ -116,15 +130,22 @@ def _timed_generate(llm, prompt: list[int], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def decode_seconds_per_token(llm, prompt: list[int], output_len: int, repeats: int) -> float:
-    """Median over runs of (time for prompt + output_len tokens - time for prompt + 1 token) / (output_len - 1)."""
-    _timed_generate(llm, prompt, 4)  # warm-up
+def decode_seconds_per_token(llm, prompts: Iterator[list[int]], output_len: int, repeats: int) -> float:
+    """Median over runs of (time for prompt + output_len tokens - time for another prompt + 1 token) /
+    (output_len - 1); every run has a prompt of its own (a cached prefix would shorten the full run's prefill)."""
+    _timed_generate(llm, next(prompts), 4)  # warm-up
     samples = []
     for _ in range(repeats):
-        prefill = _timed_generate(llm, prompt, 1)
-        full = _timed_generate(llm, prompt, output_len)
+        prefill = _timed_generate(llm, next(prompts), 1)
+        full = _timed_generate(llm, next(prompts), output_len)
         samples.append((full - prefill) / (output_len - 1))
     return statistics.median(samples)
+
+
+def random_prompts(prompt_len: int, vocab_size: int, seed: int = 0) -> Iterator[list[int]]:
+    rng = random.Random(seed)
+    while True:
+        yield [rng.randrange(10, vocab_size) for _ in range(prompt_len)]
 
 
 def run(cfg: RooflineBenchConfig) -> dict:
@@ -137,18 +158,14 @@ def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
     from llmserve.testing.maker import make_model
     from llmserve.worker.kv_cache import kv_bytes_per_token
 
-    if cfg.output_len < 2:
-        raise ValueError("output_len must be at least 2")
-    path = cfg.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
-    llm = LLM(path, dtype=cfg.dtype, device=cfg.device, enforce_eager=cfg.enforce_eager, max_num_seqs=1,
-              quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
-              max_model_len=cfg.prompt_len + cfg.output_len + 16, enable_prefix_caching=False)
+    path = cfg.engine.model.model or make_model(cfg.arch, cfg.shape, scratch, seed=0)
+    llm = LLM(**engine_kwargs(_engine(cfg, path)))
     engine, info = llm.engine, llm.engine.model_info
     weight_bytes = weight_bytes_read(engine.runner.model)
     kv_per_token = kv_bytes_per_token(engine.runner.kv_caches)  # the cache's layout: K/V per head, or MLA latents
     bandwidth = copy_bandwidth(engine.device, cfg.copy_mib * 2**20)
-    prompt = [random.Random(0).randrange(10, info.vocab_size) for _ in range(cfg.prompt_len)]
-    step_s = decode_seconds_per_token(llm, prompt, cfg.output_len, cfg.repeats)
+    prompts = random_prompts(cfg.prompt_len, info.vocab_size)
+    step_s = decode_seconds_per_token(llm, prompts, cfg.output_len, cfg.repeats)
     step_bytes = bytes_per_decode_step(weight_bytes, kv_per_token, cfg.prompt_len + cfg.output_len / 2)
     results = {"config": asdict(cfg), "model_path": path, "device": device_name(engine.device),
                "dtype": str(engine.dtype).removeprefix("torch."), "weight_bytes": weight_bytes,
@@ -159,6 +176,15 @@ def _run(cfg: RooflineBenchConfig, scratch: str) -> dict:
                "cuda_graphs": engine.runner.graphs is not None}
     _print(results)
     return results
+
+
+def _engine(cfg: RooflineBenchConfig, path: str) -> EngineConfig:
+    """The engine flags given, with one sequence at a time and the run's length where they left them unset."""
+    e = cfg.engine
+    max_model_len = cfg.num_tokens + 16 if e.model.max_model_len is None else e.model.max_model_len
+    max_num_seqs = 1 if e.scheduler.max_num_seqs is None else e.scheduler.max_num_seqs
+    return dataclasses.replace(e, model=dataclasses.replace(e.model, model=path, max_model_len=max_model_len),
+                               scheduler=dataclasses.replace(e.scheduler, max_num_seqs=max_num_seqs))
 
 
 def _print(r: dict) -> None:

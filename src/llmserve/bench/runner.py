@@ -2,9 +2,8 @@
 
 With two servers, each level's requests are split into `rounds` slices run A B, B A, A B, ..., every slice on
 the same requests (and arrival times) for both, so slow drift on a noisy machine hits both alike, and each
-server goes first as often as the other (the server measured right after the other's slice was measured
-up to 1.3x faster than the same server measured first: docs/benchmarks.md). A server's
-duration at a level is the sum of its slices' wall times.
+server goes first as often as the other (the order alone changes a server's figure: docs/benchmarks.md,
+"Figures behind choices in the code"). A server's duration at a level is the sum of its slices' wall times.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ its last, over its other tokens) and plain decoding's TPOT over it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import statistics
@@ -32,19 +33,20 @@ from dataclasses import asdict, dataclass, field
 
 from llmserve.bench.command import add_bench_command
 from llmserve.bench.spec_oracle import OracleDraft
+from llmserve.config import EngineConfig, SpeculativeConfig, engine_kwargs
 
 
 @dataclass(frozen=True)
 class SpecBenchConfig:
-    model: str | None = field(default=None, metadata={"help": "target checkpoint (default: make --shape)"})
-    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made target"})
+    """The workload and the configurations; the engine's settings are the engine's own flags (`engine`), as
+    `serve`'s: the target (the model), its dtype and quantization, and the speculative flags (k, the
+    switch-off cap, the draft's vocabulary...) of every speculating configuration. --configs chooses each
+    configuration's method and draft, so --speculative and --draft-model are refused."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"engine": True})
+    shape: str = field(default="smollm2-135m", metadata={"help": "shape of the made target (without a model)"})
     copying: bool = field(default=False, metadata={"help": "make the target with copying weights (make-model "
                           "--copying): it continues repeated spans, so n-gram lookup finds drafts it accepts"})
-    dtype: str = field(default="auto", metadata={"help": "auto (the engine's: bfloat16 on CUDA and on CPUs with "
-                                                   "AMX or AVX512-BF16, else float32) | float32 | bfloat16"})
-    quantization: str | None = field(default=None, metadata={"help": "the target's weights: int8 | fp8 (every "
-                                     "configuration's target, plain decoding's too; drafts stay in --dtype)",
-                                     "choices": ["int8", "fp8"]})
     one_engine_at_a_time: bool | None = field(default=None, metadata={"help": "build, run and free each "
                                               "configuration's engine in turn (default: on CUDA)"})
     configs: str = field(default="none,self,oracle=0.6,oracle=0.9,ngram",
@@ -53,27 +55,79 @@ class SpecBenchConfig:
     requests_per_slot: int = field(default=2, metadata={"help": "requests per concurrency slot"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
     output_len: int = field(default=96, metadata={"help": "output tokens (ignore_eos)"})
-    num_speculative_tokens: int = field(default=4, metadata={"help": "k"})
     draft_layers: int = field(default=2, metadata={"help": "layers of the cheap draft behind oracle=A"})
-    draft_vocab_size: int | None = field(default=None, metadata={"help": "the draft configurations' heads keep the "
-                                         "first N token ids (engine --draft-vocab-size); default: the whole vocabulary"})
-    speculative_max_batch: int | None = field(default=None, metadata={"help": "switch-off cap (default: the engine's)"})
-    speculative_dynamic: bool | None = field(default=None, metadata={"help": "the dynamic rule: speculate only where "
-                                             "it pays (default: the engine's, off)"})
-    speculative_queue_drafts: bool | None = field(default=None, metadata={"help": "queue each proposal behind its "
-                                                  "verification on the device (default: the engine's, off)"})
     rounds: int = field(default=2, metadata={"help": "interleaved rounds; medians are reported"})
-    seed: int = field(default=0, metadata={"help": "workload seed"})
+    workload_seed: int = field(default=0, metadata={"help": "seed of the random prompts and of the oracle's "
+                                                    "acceptance"})
     out: str | None = field(default=None, metadata={"help": "write the results JSON here"})
 
     def __post_init__(self) -> None:
-        if self.copying and self.model is not None:
-            raise ValueError("--copying makes the target: give it without --model (or make the model with "
+        if self.copying and self.engine.model.model is not None:
+            raise ValueError("--copying makes the target: give it without a model (or make the model with "
                              "`llmserve make-model --copying`)")
+        spec = self.engine.speculative
+        if spec.speculative is not None or spec.draft_model is not None:
+            raise ValueError("--speculative, --draft-model: bench spec chooses each configuration's method and "
+                             "draft (--configs); give them there")
+        for name in self.names:
+            check_config_name(name)
+
+    @property
+    def names(self) -> list[str]:
+        return self.configs.split(",")
+
+    @property
+    def levels(self) -> list[int]:
+        return [int(c) for c in self.concurrency.split(",")]
+
+    def validate(self) -> None:
+        """Every configuration's engine checked before a model is made (a placeholder stands for the draft)."""
+        for name in ["none", *self.names]:
+            configuration_engine(self, name, self.engine.model.model, "draft").validate()
+
+
+def check_config_name(name: str) -> None:
+    kind, _, value = name.partition("=")
+    if name in ("none", "self", "ngram") or (kind in ("noise", "oracle") and _is_float(value)):
+        return
+    raise ValueError(f"--configs: unknown configuration {name!r} (none, self, noise=X, oracle=A, ngram)")
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def configuration_engine(cfg: SpecBenchConfig, name: str, target: str | None, draft: str | None) -> EngineConfig:
+    """One configuration's engine: the engine flags given, the workload's sizes where they left them unset
+    (a KV cache just large enough for the top level, as every engine may be alive at once), and the
+    configuration's method; plain decoding (`none`) speculates not at all, so no speculative flag applies to it."""
+    e = cfg.engine
+    max_model_len = _given_or(e.model.max_model_len, cfg.prompt_len + cfg.output_len + 64)
+    num_blocks = _given_or(e.cache.num_kv_blocks, max(cfg.levels) * (-(-max_model_len // e.cache.block_size)) + 16)
+    spec = SpeculativeConfig()
+    if name == "ngram":
+        spec = dataclasses.replace(e.speculative, speculative="ngram", draft_vocab_size=None, draft_token_map=None,
+                                   speculative_queue_drafts=False)
+    elif name != "none":
+        spec = dataclasses.replace(e.speculative, speculative="draft", draft_model=draft)
+    return dataclasses.replace(
+        e, model=dataclasses.replace(e.model, model=target, max_model_len=max_model_len),
+        cache=dataclasses.replace(e.cache, num_kv_blocks=num_blocks),
+        scheduler=dataclasses.replace(e.scheduler, max_num_seqs=_given_or(e.scheduler.max_num_seqs, 256)),
+        speculative=spec)
+
+
+def _given_or(value: int | None, default: int) -> int:
+    """A flag's value where it was given (a bad one is left for the engine's check to refuse), else `default`."""
+    return default if value is None else value
 
 
 def _workload(cfg: SpecBenchConfig, vocab_size: int, num: int, repeating: bool) -> list[list[int]]:
-    rng = random.Random(cfg.seed + num)
+    rng = random.Random(cfg.workload_seed + num)
     prompts = []
     for _ in range(num):
         if repeating:
@@ -84,30 +138,10 @@ def _workload(cfg: SpecBenchConfig, vocab_size: int, num: int, repeating: bool) 
     return prompts
 
 
-def _engine_kwargs(cfg: SpecBenchConfig, name: str, drafts: dict[str, str]) -> dict:
-    """One engine per configuration, all alive at once: a KV cache just large enough for the top level."""
-    max_model_len = cfg.prompt_len + cfg.output_len + 64
-    num_blocks = max(int(c) for c in cfg.concurrency.split(",")) * (-(-max_model_len // 16)) + 16
-    kwargs = {"dtype": _dtype(cfg), "max_model_len": max_model_len, "max_num_seqs": 256, "num_kv_blocks": num_blocks,
-              "quantization": cfg.quantization}
-    if name == "none":
-        return kwargs
-    kwargs["num_speculative_tokens"] = cfg.num_speculative_tokens
-    if cfg.speculative_max_batch is not None:
-        kwargs["speculative_max_batch"] = cfg.speculative_max_batch
-    if cfg.speculative_dynamic is not None:
-        kwargs["speculative_dynamic"] = cfg.speculative_dynamic
-    if cfg.speculative_queue_drafts is not None and name != "ngram":
-        kwargs["speculative_queue_drafts"] = cfg.speculative_queue_drafts
-    if name == "ngram":
-        return {**kwargs, "speculative": "ngram"}
-    return {**kwargs, "speculative": "draft", "draft_model": drafts[name], "draft_vocab_size": cfg.draft_vocab_size}
-
-
 def _dtype(cfg: SpecBenchConfig) -> str:
     """--dtype, auto resolved by the engine's rule (model/loader.resolve_dtype) on the device it will take."""
-    if cfg.dtype != "auto":
-        return cfg.dtype
+    if cfg.engine.model.dtype != "auto":
+        return cfg.engine.model.dtype
     import torch
 
     from llmserve.model.loader import resolve_dtype
@@ -153,15 +187,21 @@ def _build(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str],
     (built beside it when the group has none)."""
     from llmserve import LLM
 
-    llm = LLM(target, **_engine_kwargs(cfg, name, drafts))
+    llm = LLM(**_llm_kwargs(cfg, target, name, drafts))
     if name.startswith("oracle="):
         if "none" not in engines and "reference" not in engines:
-            engines["reference"] = (LLM(target, **_engine_kwargs(cfg, "none", drafts)), None)
+            engines["reference"] = (LLM(**_llm_kwargs(cfg, target, "none", drafts)), None)
         plain = engines.get("none", engines.get("reference"))[0]
         speculator = llm.engine.runner.speculator
         speculator.proposer = OracleDraft(speculator.proposer, reference, float(name.split("=")[1]),
-                                          llm.engine.runner.vocab_size, cfg.seed, _greedy(plain), cfg.output_len)
+                                          llm.engine.runner.vocab_size, cfg.workload_seed, _greedy(plain),
+                                          cfg.output_len)
     return llm, SpecCounter(llm)
+
+
+def _llm_kwargs(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str]) -> dict:
+    """LLM(...)'s arguments for one configuration, in the dtype `auto` resolves to (targets and drafts alike)."""
+    return {**engine_kwargs(configuration_engine(cfg, name, target, drafts.get(name))), "dtype": _dtype(cfg)}
 
 
 def _greedy(llm):
@@ -199,11 +239,10 @@ def _run(cfg: SpecBenchConfig, scratch: str) -> dict:
     from llmserve.model.loader import load_hf_config
     from llmserve.testing.maker import make_model
 
-    target = cfg.model or make_model("llama", cfg.shape, os.path.join(scratch, "target"), seed=0,
+    target = cfg.engine.model.model or make_model("llama", cfg.shape, os.path.join(scratch, "target"), seed=0,
                                      is_copying=cfg.copying)
     vocab_size = load_hf_config(target).vocab_size
-    names = cfg.configs.split(",")
-    levels = [int(c) for c in cfg.concurrency.split(",")]
+    names, levels = cfg.names, cfg.levels
     params = SamplingParams(temperature=0, max_tokens=cfg.output_len, ignore_eos=True)
     drafts = _make_drafts(cfg, target, names, scratch)
     workloads = {(c, rep): _workload(cfg, vocab_size, c * cfg.requests_per_slot, rep)

@@ -83,9 +83,9 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[int | tuple[int, int], KVBlock] = {}  # cache_key(group, hash) -> block holding that KV
-        # (block id, hash) of each cached block evicted by an allocation, for a KV connector to copy out before
-        # the step overwrites it; None: nobody copies them (no connector), so none are recorded.
-        self.evicted: list[tuple[int, BlockHash]] | None = None
+        # (block id, hash, group) of each cached block evicted by an allocation, for a KV connector to copy out
+        # before the step overwrites it; None: nobody copies them (no connector), so none are recorded.
+        self.evicted: list[tuple[int, BlockHash, int]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -151,7 +151,7 @@ class BlockPool:
         block.block_hash, block.group = block_hash, group
         self.cached[key] = block
 
-    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+    def take_evicted(self) -> list[tuple[int, BlockHash, int]]:
         if self.evicted is None:
             return []
         evicted, self.evicted = self.evicted, []
@@ -164,7 +164,7 @@ class BlockPool:
         if self.cached.get(key) is block:
             del self.cached[key]
             if self.evicted is not None:
-                self.evicted.append((block.block_id, block.block_hash))
+                self.evicted.append((block.block_id, block.block_hash, block.group))
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

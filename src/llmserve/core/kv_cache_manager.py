@@ -87,6 +87,20 @@ class KVCacheManager:
         self.cache_full_blocks(request, num_computed_tokens + num_new_tokens)
         return new_blocks
 
+    def allocate_for_load(self, request: Request, hits: list[KVBlock], num_positions: int) -> list[KVBlock] | None:
+        """Reference the prefix hits and allocate `num_positions` block positions after them (every group's)
+        for a KV connector's load; None if blocks are short. Unlike `allocate_slots`, the new blocks are not
+        indexed: their KV is not there yet (`cache_full_blocks` once it is)."""
+        assert request.request_id not in self.req_to_blocks, "a load's blocks are its request's first"
+        num_new_blocks = num_positions * self.num_groups
+        if num_new_blocks + sum(1 for b in hits if b.ref_cnt == 0) > self.pool.get_num_free_blocks():
+            return None
+        self.pool.touch([b for b in hits if b is not self.pool.null_block])
+        new_blocks = self.pool.allocate(num_new_blocks)
+        self.req_to_blocks[request.request_id] = hits + new_blocks
+        self.num_cached_blocks[request.request_id] = len(hits) // self.num_groups
+        return new_blocks
+
     def grow(self, request: Request, num_slots: int) -> list[KVBlock]:
         """The new blocks that give a running request `num_slots` slots (a multi-step's: no prefix hits,
         blocks the caller counted free: `num_blocks_to_grow`)."""

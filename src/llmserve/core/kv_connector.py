@@ -1,10 +1,11 @@
 """The KV connector: where KV blocks live beyond the device's cache, keyed by block hash.
 
 The scheduler asks it, when it first schedules a request, how many blocks past the device's prefix hits it
-holds (`num_matched_blocks`); it allocates device blocks for them, counts their tokens as computed, and
-lists them as loads in the step's `KVTransfers`. Blocks the prefix cache evicts while scheduling are listed
-as saves. The engine core has the connector `apply` the step's transfers after scheduling and before the
-forward: saves first (the evicted blocks are copied out before anything overwrites them), then loads.
+holds (`num_matched_blocks`); it allocates device blocks for them and has the connector `start_load` them in
+the background, while the request waits aside (WAITING_FOR_KV, core/kv_loading.py) and other requests keep
+stepping. Blocks the prefix cache evicts while scheduling are listed as saves in the step's `KVTransfers`;
+the engine core has the connector `apply` them after scheduling and before the forward (the evicted blocks
+are copied out before anything overwrites them).
 Block-hash keyed (BlockHash: chained hash + the block's token ids), so a connector composes with prefix
 caching: what it holds is exactly what the device's prefix cache would have held.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from llmserve.core.block_pool import BlockHash
@@ -21,32 +23,39 @@ from llmserve.messages import KVTierStats
 
 @dataclass(frozen=True, slots=True)
 class KVBlockCopy:
-    """One block's KV copied between a device block and the connector's store."""
+    """One block's KV copied between a device block and the connector's store (of KV cache group `group`:
+    each group's block of one token range is stored apart, core/kv_cache_groups.py)."""
 
     block_id: int
     block_hash: BlockHash
+    group: int = 0
 
 
 @dataclass
 class KVTransfers:
-    """One step's copies. saves: device -> store (evicted from the prefix cache by this step's allocations);
-    loads: store -> device (matched by `num_matched_blocks`, into blocks this step allocated)."""
+    """One step's copies out of the device: blocks evicted from the prefix cache by this step's allocations."""
 
     saves: list[KVBlockCopy] = field(default_factory=list)
-    loads: list[KVBlockCopy] = field(default_factory=list)
 
 
 class KVConnector(abc.ABC):
-    """Contract: a hash that `num_matched_blocks` counted stays loadable until the next `apply` (the
-    connector holds the block's data aside), so a load listed in the same step never misses."""
+    """Contract: a hash that `num_matched_blocks` counted stays held aside until the next `apply` (the
+    connector keeps the block's data or its file's name), so `start_load` in the same step finds it."""
 
     @abc.abstractmethod
-    def num_matched_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of `hashes`, from the first on, the store holds (tokens compared, not just values)."""
+    def num_matched_blocks(self, hashes: Sequence[BlockHash], num_groups: int = 1) -> int:
+        """How many of `hashes`, from the first on, the store holds the block of for every one of the
+        `num_groups` KV cache groups (tokens compared, not just values)."""
+
+    @abc.abstractmethod
+    def start_load(self, loads: list[KVBlockCopy]) -> Future[int]:
+        """Copy matched blocks (a chain, in order) into their device blocks in the background. The future
+        gives how many of them, from the first, arrived (fewer: a block failed its checks; the rest are
+        recomputed); once it is done the device blocks hold their KV and nothing writes them any more."""
 
     @abc.abstractmethod
     def apply(self, transfers: KVTransfers) -> None:
-        """Copy the step's saves out of the device cache, then its loads into it; drop held-aside data."""
+        """Copy the step's saves out of the device cache; drop held-aside blocks no load took."""
 
     @abc.abstractmethod
     def take_stats(self) -> KVTierStats | None:

@@ -15,9 +15,10 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_KV = 3  # its prefix is being copied in from a KV connector (core/kv_loading.py)
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -47,6 +48,7 @@ class Request:
         self.priority = priority
         self.parent_id = parent_id
         self.lora = lora  # its adapter (None: the base model)
+        self.num_lora_passes = 0  # requests of running adapters admitted past it while it waited for a slot
         # the hash chain starts from the adapter: a prefix computed with one adapter never serves another
         self.cache_salt = cache_salt if lora is None else hash((cache_salt, "lora", lora.lora_int_id))
         self.is_final_only = is_final_only  # one output, when it ends, with all its ids (EngineCoreRequest)
@@ -57,6 +59,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        self.has_loaded_kv = False  # a KV connector's load ran for it (once: then its prefix hits the device)
         self.block_hashes: list[BlockHash] = []
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         # Sampling steps scheduled whose token ids are not back yet (async scheduling: the step in

@@ -48,7 +48,7 @@ class SchedulerOutput:
     # Structured outputs: the grammars of the rows that sample this step (the runner fills their bitmask
     # once the forward is launched, so on a GPU the fill overlaps it).
     grammar: StepGrammar | None = None
-    # Multi-step decoding (core/decode_steps.py): every row is a plain decode row that runs
+    # Multi-step decoding (core/decode_window.py): every row is a plain decode row that runs
     # num_scheduled_tokens[row] forwards of one token each, back to back; this many forwards in all.
     num_steps: int = 1
     # With a KV connector: blocks to copy out of the device (evicted) and into it (loaded) before the forward.

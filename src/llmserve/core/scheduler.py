@@ -1,10 +1,12 @@
-"""The continuous-batching scheduler.
+"""The continuous-batching scheduler: one class, whose step takes one of three paths.
 
 There is no prefill or decode phase: each step, every request's `num_computed_tokens` catches up with
-its token count under one token budget (`max_num_batched_tokens`). Running requests go first (a long
-prompt is chunked to what the budget leaves), then waiting ones in queue order. When blocks run out,
-the lowest-priority running request is preempted by recompute: its blocks are freed and it returns to
-the front of the waiting queue, so no request is ever lost.
+its token count under one token budget (`max_num_batched_tokens`). Where every running request can decode
+several tokens in a row, a multi-step window runs (core/decode_window.py); else running requests go first
+(a long prompt chunked to what the budget leaves; plain decode rows in a tight loop, core/decode_rows.py),
+then waiting ones in queue order. When blocks run out, the lowest-priority running request is preempted
+by recompute (core/scheduler_preempt.py): its blocks are freed and it returns to the front of the waiting
+queue, so no request is ever lost. `update_from_output` takes the step's ids in (core/scheduler_update.py).
 
 Async scheduling (the engine schedules step N+1 while step N runs): a scheduled step that will sample
 for a request leaves a placeholder on it (`num_placeholders`), which stands for the token until
@@ -21,29 +23,33 @@ from collections.abc import Iterable
 
 from llmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmserve.core.block_pool import KVBlock
-from llmserve.core.decode_steps import decode_step_counts
+from llmserve.core.decode_rows import has_all_tokens_in_flight, schedule_decode_rows
+from llmserve.core.decode_window import schedule_window
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
+from llmserve.core.kv_loading import KVLoadWaitList
+from llmserve.core.lora_slots import is_held_behind, running_adapters, take_lora_slot
 from llmserve.core.request import Request, RequestStatus
+from llmserve.core.request_output import aborted_output
 from llmserve.core.request_queue import make_queue
-from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from llmserve.core.scheduler_preempt import Preemption
-from llmserve.core.scheduler_update import OutputUpdate, aborted_output
+from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmserve.core.scheduler_preempt import allocate_or_preempt
+from llmserve.core.scheduler_update import update_from_output
 from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
-from llmserve.messages import EngineCoreOutput
+from llmserve.messages import EngineCoreOutput, EngineCoreOutputs
 from llmserve.structured.bitmask import StepGrammar
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(Preemption, OutputUpdate):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
                  group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None,
                  max_loras: int = 0) -> None:
         """group_windows: each KV cache group's window (core/kv_cache_groups.py; 0: full attention).
-        kv_connector: where blocks live below the device (core/kv_connector.py); one full-attention group only.
+        kv_connector: where blocks live below the device (core/kv_connector.py).
         max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off)."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
@@ -57,10 +63,9 @@ class Scheduler(Preemption, OutputUpdate):
         self.max_loras = max_loras
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  group_windows)
-        assert kv_connector is None or (group_windows == (0,) and cache_config.enable_prefix_caching), \
-            "a KV connector needs prefix caching and one full-attention group"
+        assert kv_connector is None or cache_config.enable_prefix_caching, "a KV connector needs prefix caching"
         self.kv_connector = kv_connector
-        self.kv_loads: list[KVBlockCopy] = []  # the step's loads from the connector
+        self.kv_loading = None if kv_connector is None else KVLoadWaitList(self.kv, kv_connector)
         if kv_connector is not None:
             self.kv.pool.evicted = []  # the connector copies evicted blocks out
         self.requests: dict[str, Request] = {}
@@ -77,7 +82,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.num_step_prompt_tokens = 0
         self.prefill_budget = 0  # prompt tokens left in the step being scheduled
         # The step being scheduled: rows that `_advance_scheduled` moves on once all are scheduled (plain
-        # decode rows move on as `_schedule_decodes` schedules them), and how many rows that made.
+        # decode rows move on as they are scheduled: core/decode_rows.py), and how many rows that made.
         self.rows_to_advance: list[Request] = []
         self.num_step_rows = 0
 
@@ -119,6 +124,10 @@ class Scheduler(Preemption, OutputUpdate):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_KV:  # its blocks are freed once the copy ends
+                request.status = RequestStatus.FINISHED_ABORTED
+                self.aborted_outputs.append(aborted_output(request))
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif not self._unhold(request) and not self.compiling.remove(request):
@@ -158,6 +167,14 @@ class Scheduler(Preemption, OutputUpdate):
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self.aborted_outputs.append(aborted_output(request))
 
+    def _admit_loaded(self) -> None:
+        """Requests whose prefix load ended go back to the front of the queue; one aborted meanwhile ends."""
+        for request in reversed(self.kv_loading.take_done()):
+            if request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+            else:
+                self.waiting.add_front(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.aborted_outputs)
 
@@ -169,10 +186,12 @@ class Scheduler(Preemption, OutputUpdate):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._admit_compiled()
+        if self.kv_loading is not None:
+            self._admit_loaded()
         self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
-        if not self._schedule_decode_steps(out, budget):
+        if not self._schedule_window(out, budget):
             budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
             if not has_preempted:
                 self._schedule_waiting(out, budget)
@@ -186,10 +205,18 @@ class Scheduler(Preemption, OutputUpdate):
             out.kv_transfers = self._take_kv_transfers()
         return out
 
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
+        """The step's sampled ids in: stops, rejected drafts rolled back, outputs and stats
+        (core/scheduler_update.py)."""
+        return update_from_output(self, sched_out, runner_out)
+
+    def take_aborted_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests aborted since the last step (a step with nothing finished returns them)."""
+        outputs, self.aborted_outputs = self.aborted_outputs, []
+        return outputs
+
     def _take_kv_transfers(self) -> KVTransfers:
-        saves = [KVBlockCopy(block_id, block_hash) for block_id, block_hash in self.kv.pool.take_evicted()]
-        loads, self.kv_loads = self.kv_loads, []
-        return KVTransfers(saves, loads)
+        return KVTransfers([KVBlockCopy(*evicted) for evicted in self.kv.pool.take_evicted()])
 
     def _advance_scheduled(self, out: SchedulerOutput) -> None:
         """The step's requests count their scheduled tokens as computed; one that reaches its last token
@@ -225,51 +252,26 @@ class Scheduler(Preemption, OutputUpdate):
         return (self.spec_config.is_enabled and len(self.running) <= self.spec_config.speculative_max_batch
                 and not self.draft_backoff.is_skipping)
 
-    def _schedule_decode_steps(self, out: SchedulerOutput, budget: int) -> bool:
-        """A multi-step (core/decode_steps.py) where one can run: every running request decodes its
-        counted tokens, one a forward; False (nothing scheduled) where none can."""
-        num_steps = self._window_forwards()
-        if (num_steps == 1 or len(self.running) > budget or self.num_streamed
-                or self.num_structured or self.held_siblings
-                or (len(self.waiting) and len(self.running) < self.config.max_num_seqs)):
-            return False  # a request waiting for a seat (or a grammar) would wait out the whole window
-        # while requests wait for a seat the window ends when its first row does: no seat idles meanwhile
-        counts = decode_step_counts(self.running, num_steps, self.kv, is_even=bool(len(self.waiting)))
-        if counts is None:
-            return False
-        kv, scheduled = self.kv, out.num_scheduled_tokens
-        for request, num in zip(self.running, counts):
-            req_id, num_after = request.request_id, request.num_computed_tokens + num
-            num_blocks = len(kv.req_to_blocks[req_id])
-            if num_after > kv.num_slots(req_id) or num_blocks != request.num_runner_blocks:
-                self._send_blocks(out, request, kv.grow(request, num_after))
-            kv.cache_full_blocks(request, num_after)  # blocks its known tokens filled
-            scheduled[req_id] = num
-            request.num_computed_tokens = num_after
-            request.num_placeholders = num
-        self.num_step_rows = len(counts)
-        out.num_steps = max(counts)
-        return True
+    # ---- the three paths of a step: a window, the running requests, the waiting ones ---------------
 
-    def _window_forwards(self) -> int:
-        """The most forwards a multi-step may run now: none with speculation on, except while it backs
-        off after a step that found no drafts (core/spec_stats.DraftBackoff), for the forwards it skips."""
-        num_steps = self.config.num_scheduler_steps or 1
-        if not self.spec_config.is_enabled:
-            return num_steps
-        return min(num_steps, self.draft_backoff.num_skips_left) if self.draft_backoff.is_skipping else 1
+    def _schedule_window(self, out: SchedulerOutput, budget: int) -> bool:
+        """Every running request decodes several tokens, one a forward (core/decode_window.py), where a
+        window can run; False (nothing scheduled) where none can."""
+        return schedule_window(self, out, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, can_speculate: bool) -> tuple[int, bool]:
+        """The running requests in order: decode rows, prompt chunks, drafts, under the token budget,
+        preempting where blocks run out. Returns the budget left and whether it preempted."""
         num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
-            num_decodes = self._schedule_decodes(out, i, budget)
+            num_decodes = schedule_decode_rows(self, out, i, budget)
             if num_decodes:
                 i, budget = i + num_decodes, budget - num_decodes
                 self.num_step_rows += num_decodes
                 continue
             request = self.running[i]
-            if self._has_all_tokens_in_flight(request):
+            if has_all_tokens_in_flight(request):
                 i += 1
                 continue
             num_real = request.num_tokens_with_placeholders - request.num_computed_tokens
@@ -284,11 +286,11 @@ class Scheduler(Preemption, OutputUpdate):
                     continue
                 self.prefill_budget -= num_new
             drafts = drafts[:max(0, num_new - num_real)]
-            new_blocks, budget_back, num_before = self._allocate_or_preempt(out, request, num_new)
+            new_blocks, budget_back, num_before = allocate_or_preempt(self, out, request, num_new)
             budget, i = budget + budget_back, i - num_before
             if new_blocks is None:
                 continue  # the request itself was preempted: running[i] is now the next one
-            self._send_blocks(out, request, new_blocks)
+            self.send_blocks(out, request, new_blocks)
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
@@ -298,43 +300,7 @@ class Scheduler(Preemption, OutputUpdate):
             i += 1
         return budget, self.num_preemptions > num_preemptions
 
-    def _schedule_decodes(self, out: SchedulerOutput, start: int, budget: int) -> int:
-        """Schedules the plain decode rows from running[start] on in one tight loop: one token each, no
-        drafts; a row whose blocks are full gets one here. Each samples in this step, so it moves on at
-        once (`_advance_scheduled` for one row; a row with a grammar is left to it). Returns how many; the
-        first row that needs more (a prompt chunk, drafts, a preemption, or nothing) is left to the
-        general path."""
-        block_size, num_lookahead, num_groups = self.kv.block_size, self.num_lookahead, self.kv.num_groups
-        req_to_blocks, num_cached_blocks = self.kv.req_to_blocks, self.kv.num_cached_blocks
-        is_caching, scheduled = self.kv.enable_caching, out.num_scheduled_tokens
-        rows = self.running[start:start + budget]
-        for i, request in enumerate(rows):
-            req_id, num_after = request.request_id, request.num_computed_tokens + 1  # tokens computed after it
-            num_known = len(request.all_token_ids)
-            if (num_known + request.num_placeholders != num_after or request.spec_token_ids
-                    or (request.num_placeholders and self._has_all_tokens_in_flight(request))):
-                return i
-            num_blocks = len(req_to_blocks[req_id])  # of every group (a block position holds num_groups)
-            if num_after + num_lookahead > num_blocks // num_groups * block_size \
-                    or num_blocks != request.num_runner_blocks:
-                new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead)
-                if new_blocks is None:
-                    return i  # out of blocks: the general path preempts
-                self._send_blocks(out, request, new_blocks)
-            elif is_caching and (num_after if num_after < num_known else num_known) // block_size > \
-                    num_cached_blocks.get(req_id, 0):
-                self.kv.cache_full_blocks(request, num_after)  # a block fills in this step
-            scheduled[req_id] = 1
-            if request.grammar is not None:
-                self.rows_to_advance.append(request)
-                continue
-            request.num_computed_tokens = num_after
-            request.num_placeholders += 1
-            if num_after <= request.num_prompt_tokens:  # its last prompt token
-                self.num_step_prompt_tokens += 1
-        return len(rows)
-
-    def _send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
+    def send_blocks(self, out: SchedulerOutput, request: Request, new_blocks: list[KVBlock]) -> None:
         """Tell the runner of the request's block changes (new blocks, or trimmed ones); nothing if none."""
         num_blocks = len(self.kv.req_to_blocks[request.request_id])
         num_old_blocks = num_blocks - len(new_blocks)
@@ -343,35 +309,36 @@ class Scheduler(Preemption, OutputUpdate):
                                                      request.num_computed_tokens, num_old_blocks))
             request.num_runner_blocks = num_blocks
 
-    def _has_all_tokens_in_flight(self, request: Request) -> bool:
-        """Its tokens in flight reach max_tokens or the context length: nothing more to schedule."""
-        return 0 < request.num_placeholders >= request.max_num_tokens - len(request.all_token_ids)
-
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        adapters = self._running_adapters()
+        if not len(self.waiting):
+            return
+        adapters = running_adapters(self.running, self.max_loras)
         set_aside: list[Request] = []  # their adapter waits for a slot; they keep their place in the queue
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
-            if not self._has_lora_slot(request, adapters):
+            if is_held_behind(request, set_aside) or not take_lora_slot(request, adapters, self.max_loras):
                 set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
                 hits, num_hit_tokens = [], 0  # every prompt token is scored, so computed
-            num_loaded = self._num_connector_tokens(request, len(hits))
-            num_new = request.num_tokens - num_hit_tokens - num_loaded
+            if self.kv_loading is not None and self.kv_loading.try_start(request, hits, num_hit_tokens):
+                self.waiting.pop()  # waits for its prefix aside (WAITING_FOR_KV)
+                continue
+            num_new = request.num_tokens - num_hit_tokens
             limit = min(budget, self.prefill_budget)
             if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
                 break
             num_new = min(num_new, limit)
-            if self.kv.allocate_slots(request, num_loaded + num_new, hits, self.num_lookahead) is None:
+            if self.kv.allocate_slots(request, num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
+            if set_aside and request.lora is not None:
+                set_aside[0].num_lora_passes += 1
             self.prefill_budget -= num_new
-            self._list_loads(request, len(hits), num_loaded)
-            self._start_running(request, num_hit_tokens + num_loaded)
+            self._start_running(request, num_hit_tokens)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
@@ -379,34 +346,6 @@ class Scheduler(Preemption, OutputUpdate):
             budget -= num_new
         for request in reversed(set_aside):
             self.waiting.add_front(request)
-
-    def _running_adapters(self) -> set[int]:
-        return {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
-
-    def _has_lora_slot(self, request: Request, adapters: set[int]) -> bool:
-        """Whether the request's adapter runs already or a slot is left for it (then it takes it)."""
-        if request.lora is None or request.lora.lora_int_id in adapters:
-            return True
-        if len(adapters) >= self.max_loras:
-            return False
-        adapters.add(request.lora.lora_int_id)
-        return True
-
-    def _num_connector_tokens(self, request: Request, num_hit_blocks: int) -> int:
-        """Tokens of the blocks after the device's prefix hits that the KV connector holds (loaded, not
-        computed); at least one token is still left to compute."""
-        if self.kv_connector is None or request.sampling_params.prompt_logprobs is not None:
-            return 0
-        num_max = (request.num_tokens - 1) // self.kv.block_size
-        hashes = request.block_hashes[num_hit_blocks:num_max]
-        return self.kv_connector.num_matched_blocks(hashes) * self.kv.block_size if hashes else 0
-
-    def _list_loads(self, request: Request, num_hit_blocks: int, num_loaded: int) -> None:
-        """The connector's blocks go into the device blocks just allocated after the prefix hits."""
-        end = num_hit_blocks + num_loaded // self.kv.block_size
-        blocks = self.kv.req_to_blocks[request.request_id][num_hit_blocks:end]
-        self.kv_loads += [KVBlockCopy(block.block_id, block_hash)
-                          for block, block_hash in zip(blocks, request.block_hashes[num_hit_blocks:end])]
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         request.status = RequestStatus.RUNNING
@@ -448,4 +387,7 @@ class Scheduler(Preemption, OutputUpdate):
         assert self.num_streamed == sum(not r.is_final_only for r in self.requests.values())
         assert all(r.request_id in self.requests for r in self.compiling.requests)
         owners = set(self.kv.req_to_blocks)
-        assert owners <= {r.request_id for r in self.running}, "a non-running request holds blocks"
+        loading = set(self.kv_loading.loads) if self.kv_loading is not None else set()
+        assert owners <= {r.request_id for r in self.running} | loading, "a non-running request holds blocks"
+        if self.kv_loading is not None:
+            self.kv_loading.check_integrity()

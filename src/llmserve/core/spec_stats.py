@@ -40,7 +40,7 @@ MAX_SKIPPED_STEPS = 16  # the most forwards (overlapped, or a window's) between 
 class DraftBackoff:
     """A step that may carry drafts pays for it even when it finds none: with async scheduling it runs in
     order (the next step's drafts need this step's tokens on the host), and on CPU it runs alone where a
-    plain engine would run a multi-step window (core/decode_steps.py). When such a step finds drafts for
+    plain engine would run a multi-step window (core/decode_window.py). When such a step finds drafts for
     no row (n-gram lookup that matches nothing, a rule that turned every row off), that bought nothing;
     the next 1, 2, 4, ... up to MAX_SKIPPED_STEPS forwards then run without looking (overlapped, or in a
     window of at most that many forwards). The first step that finds drafts again ends the back-off, and

@@ -32,14 +32,16 @@ from llmserve.model import deepseek, mla, quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
-from llmserve.model.pooler_config import is_sentence_transformers
+from llmserve.model.pooler_config import is_embedding_checkpoint, is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
+from llmserve.worker.decode_window import WindowEnds
 from llmserve.worker.step_handle import StepHandle
 from llmserve.worker.worker import Worker, device_memory, resolve_device
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
+KV_LOAD_POLL_S = 0.005  # likewise one whose only requests wait for their prefix's KV (core/kv_loading.py)
 
 
 def model_source(config: EngineConfig) -> tuple[str, str]:
@@ -65,13 +67,28 @@ def log_kv_cache_layout(layout: KVCacheLayout, layer_windows: tuple[int, ...]) -
 
 
 def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]) -> KVCacheLayout:
-    """The KV cache groups (the worker makes the same); a draft model reads the target's block ids as its own,
-    so it is refused with several groups, before anything loads."""
+    """The KV cache groups (the worker makes the same). A draft model keeps its cache in the target's first
+    group's blocks (spec/draft.py), which must then be a full-attention group (it keeps every block); without one
+    the draft is refused before anything loads."""
     layout = kv_cache_layout(layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
-    if layout.is_hybrid and config.speculative.speculative == "draft":
-        raise ValueError("--speculative draft with a model that mixes full and sliding-window layers is not "
-                         "supported with per-group block tables: add --disable-hybrid-kv-cache-manager")
+    if layout.is_hybrid and config.speculative.speculative == "draft" and layout.group_windows[0] != 0:
+        raise ValueError("--speculative draft with a model whose layers all slide, over windows of several "
+                         "sizes, is not supported with per-group block tables (the draft's cache needs a "
+                         "full-attention group): add --disable-hybrid-kv-cache-manager")
     return layout
+
+
+def resolve_runner(config: EngineConfig, path: str) -> EngineConfig:
+    """--runner auto made pooling for an embedding checkpoint (model/pooler_config.py), else generate, and the
+    config checked again (a pooling engine refuses some flags)."""
+    if config.model.runner != "auto":
+        return config
+    runner = "pooling" if is_embedding_checkpoint(path) else "generate"
+    if runner == "pooling":
+        logger.info("%s is an embedding model: serving it with --runner pooling (POST /v1/embeddings)", path)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, runner=runner))
+    config.validate()
+    return config
 
 
 def pooling_engine_config(config: EngineConfig) -> EngineConfig:
@@ -85,13 +102,12 @@ def pooling_engine_config(config: EngineConfig) -> EngineConfig:
 
 
 def check_kv_transfer_layout(config: EngineConfig, layout: KVCacheLayout) -> None:
-    """The KV tiers and disaggregation are refused (before loading the weights) unless the KV cache is one
-    full-attention group: a sliding group's blocks are found by window hits, and the copies move one group's
-    blocks, neither of which a lower tier does yet."""
-    kv = config.kv_transfer
-    if layout.group_windows != (0,) and (kv.is_offloading or kv.disaggregation_mode != "null"):
-        raise ValueError("--kv-offload-memory / --kv-offload-disk / --disaggregation-mode: not supported yet for a "
-                         f"model with sliding-window layers ({layout.describe()})")
+    """Disaggregation is refused (before loading the weights) unless the KV cache is one full-attention group:
+    the prefill server sends the prompt's group-0 blocks only. The tiers take any layout (each group's blocks
+    are kept apart: worker/kv_offload.tier_hash)."""
+    if layout.group_windows != (0,) and config.kv_transfer.disaggregation_mode != "null":
+        raise ValueError("--disaggregation-mode: not supported yet for a model with sliding-window layers "
+                         f"({layout.describe()})")
 
 
 class EngineCore:
@@ -99,25 +115,25 @@ class EngineCore:
         """is_served: this process serves beside an HTTP front (the engine-core process), which
         picks the CPU thread count for a small model (worker/cpu_threads.py)."""
         config.validate()  # before loading anything: a bad value fails in milliseconds
-        config = pooling_engine_config(config)
+        name, path = model_source(config)
+        config = pooling_engine_config(resolve_runner(config, path))
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
         self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        name, path = model_source(config)
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
                                                      config.model.quantization, config.model.disable_sliding_window,
                                                      config.model.is_pooling, config.model.pooler_config)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
                               self.model_info.head_dim)
         if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
-            mla.check_settings(config.cache.kv_cache_dtype, config.model.attention_backend)
+            mla.check_settings(config.cache.kv_cache_dtype)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
         if self.model_info.pooler is None and is_sentence_transformers(path):
             logger.warning("%s is a sentence-transformers (embedding) model served with --runner generate: "
-                           "add --runner pooling to serve its embeddings (POST /v1/embeddings)", name)
+                           "drop --runner generate to serve its embeddings (POST /v1/embeddings)", name)
         if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
             self.config = config
@@ -154,7 +170,8 @@ class EngineCore:
         size = config.parallel.tensor_parallel_size
         if size == 1:
             return None
-        check_tensor_parallel(load_hf_config(path), size)  # before spawning: a clear error in milliseconds
+        # before spawning: a clear error in milliseconds
+        check_tensor_parallel(load_hf_config(path), size, config.parallel.enable_expert_parallel)
         if self.model_info.quantization is not None:  # model/quant swaps whole Linear layers, not rank slices
             raise ValueError(f"--tensor-parallel-size {size} with quantization ({self.model_info.quantization}) "
                              "is not supported yet: serve the model unquantized (--quantization none) or on one rank")
@@ -183,18 +200,17 @@ class EngineCore:
             self.kv_sender.add(request, list(hashes))  # its prompt's full blocks go to the decode server
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:  # compiled on the grammar thread; the request waits for it aside
-            core_request.grammar = RequestGrammar(self.grammars.submit(constraint))
+            core_request.grammar = RequestGrammar(self.grammars.submit(constraint), constraint.reasoning_end)
         self.scheduler.add_request(core_request)
 
     def interrupt_windows_on_input(self, has_input: Callable[[], bool]) -> None:
         """For an engine whose outputs are read as they come (the engine-core process), a multi-step ends
         after the forward where `has_input()` turns true, or where some row ran its last forward
-        (worker/multi_step.py): a request that arrives meanwhile waits one forward, not the window, and a
-        finished request's output leaves at once (its client may be waiting to send the next). Not with
+        (worker/decode_window.py): a request that arrives meanwhile waits one forward, not the window, and
+        a finished request's output leaves at once (its client may be waiting to send the next). Not with
         tensor parallelism, whose ranks run each window whole (they cannot see this engine's input)."""
         if self.tp_executor is None:
-            self.runner.window_interrupt = has_input
-            self.runner.window_ends_at_finish = True
+            self.runner.window_ends = WindowEnds(has_input=has_input, is_at_first_finish=True)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -224,11 +240,13 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with its KV copies done (evicted blocks out, lower-tier hits in) before any
-        forward reads or overwrites those blocks."""
+        """The scheduler's step, with the blocks it evicted copied out to the KV tiers before any forward
+        overwrites them (loads from the tiers run in the background: core/kv_loading.py)."""
         sched_out = self.scheduler.schedule()
         if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
             self.kv_connector.apply(sched_out.kv_transfers)
+            if sched_out.is_empty and self.in_flight is None:
+                self.scheduler.kv_loading.wait(KV_LOAD_POLL_S)  # nothing to run until a load ends
         return sched_out
 
     def _take_kv_stats(self) -> KVTierStats | None:

@@ -169,11 +169,12 @@ class OutputProcessor:
             seq.logprobs.extend(_token_logprob(lp) for lp in out.new_logprobs)
         if state.is_text_deferred:
             if out.finish_reason is not None:
-                seq.text = seq.detokenizer.decode_all(seq.token_ids)
+                seq.text = seq.detokenizer.decode_all(_text_token_ids(state.params, seq.token_ids, out))
                 seq.finish_reason = str(out.finish_reason)
                 seq.stop_reason = out.stop_reason
             return False
-        new_text = seq.detokenizer.add(out.new_token_ids) if out.new_token_ids else ""
+        text_ids = _text_token_ids(state.params, out.new_token_ids, out)
+        new_text = seq.detokenizer.add(text_ids) if text_ids else ""
         seq.text += new_text
         stops = state.params.stop
         if stops and new_text:
@@ -255,6 +256,15 @@ def _delta(seq: SequenceState, stops: list[str] | None) -> CompletionOutput | No
     seq.num_sent_tokens = len(seq.token_ids)
     seq.is_final_sent = is_done
     return completion
+
+
+def _text_token_ids(params: SamplingParams, token_ids: list[int], out: EngineCoreOutput) -> list[int]:
+    """The ids whose text the output carries: a sequence the core stopped (EOS, a stop token id, a grammar's
+    end) ends in that stop token, whose text is left out unless include_stop_str_in_output, as in vLLM (its id
+    stays in token_ids)."""
+    if out.finish_reason != FinishReason.STOP or not out.new_token_ids or params.include_stop_str_in_output:
+        return token_ids
+    return token_ids[:-1]
 
 
 def _token_logprob(lp) -> TokenLogprob:

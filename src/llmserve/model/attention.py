@@ -53,7 +53,7 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
         k, v = quantize_int8_rows(k.float()), quantize_int8_rows(v.float())
     elif kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
         kv_cache = kv_cache.view(torch.uint8)
-        k, v = _to_fp8(k, K_SCALE).view(torch.uint8), _to_fp8(v, V_SCALE).view(torch.uint8)
+        k, v = to_fp8(k, K_SCALE).view(torch.uint8), to_fp8(v, V_SCALE).view(torch.uint8)
     elif kv_cache.dtype != k.dtype:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(-1, num_kv_heads, row_width).index_copy_(0, slot_mapping, k)
@@ -75,7 +75,8 @@ def dequantize_int8_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., :-4].float() * scale
 
 
-def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale saturated to e4m3's range, as an fp8 cache stores it."""
     fp8_max = torch.finfo(FP8_KV_DTYPE).max
     return (x.float() / scale).clamp(-fp8_max, fp8_max).to(FP8_KV_DTYPE)
 

@@ -10,6 +10,7 @@ group:
   into the query axis (q [Bg, 1, H, L + R] against k [Bg, 1, K, L + R]);
 - fresh prompt rows take the expanded form over their own tokens (K and V per head up-projected from the
   step's latents, never cached): causal attention of width Dn + R (192 for V3) rather than L + R (576).
+A float16 or fp8 cache (--kv-cache-dtype) is widened to the queries' dtype as it is read.
 On CPU the C++ kernel attends the rows it takes (decode-like ones; every row for float32 with AVX2) in the
 absorbed form straight from the cache, which it reads as both its K and its V half (`attend_kernel_rows`);
 where it cannot (another dtype, no build) they come back as groups (`KernelRows.fallback_groups`).
@@ -21,12 +22,36 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model import cpu_kernels
+from llmserve.model.attention import FP8_KV_DTYPE, K_SCALE, to_fp8
 from llmserve.model.attn_torch import GroupMetadata, TorchAttentionMetadata
 
 
 def write_entries(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
-    """Store entries [T, L + R] at slot_mapping [T] int64 of kv_cache [1, N, bs, 1, L + R]."""
-    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, entries.to(kv_cache.dtype))
+    """Store entries [T, L + R] at slot_mapping [T] int64 of kv_cache [1, N, bs, 1, L + R]: in the cache's dtype
+    (--kv-cache-dtype: float16 rounds, fp8 divides by the per-tensor scale and saturates to e4m3's range)."""
+    rows = kv_cache.view(-1, kv_cache.shape[-1])
+    if kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
+        rows.view(torch.uint8).index_copy_(0, slot_mapping, to_fp8(entries, K_SCALE).view(torch.uint8))
+    else:
+        rows.index_copy_(0, slot_mapping, entries.to(kv_cache.dtype))
+
+
+def as_cached(entries: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """entries [T, L + R] as the cache returns them (stored in cache_dtype, read back in entries' dtype), so that
+    the expanded form of fresh rows reads what the absorbed form of later rows reads."""
+    if cache_dtype == entries.dtype:
+        return entries
+    if cache_dtype == FP8_KV_DTYPE:
+        return to_fp8(entries, K_SCALE).to(entries.dtype) * K_SCALE
+    return entries.to(cache_dtype).to(entries.dtype)
+
+
+def gather_entries(kv_cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks of block_table [n] int64 of kv_cache [1, N, bs, 1, L + R] -> [n, bs, 1, L + R] in dtype."""
+    if kv_cache.dtype == FP8_KV_DTYPE:  # no float8 index_select on CPU: gather the bytes
+        stored = kv_cache[0].view(torch.uint8).index_select(0, block_table).view(FP8_KV_DTYPE)
+        return stored.to(dtype) * K_SCALE
+    return kv_cache[0].index_select(0, block_table).to(dtype)
 
 
 def check_metadata(metadata: object) -> None:
@@ -83,7 +108,8 @@ def attend_absorbed(queries: torch.Tensor, kv_cache: torch.Tensor, group: GroupM
                     latent_dim: int) -> torch.Tensor:
     """The group's absorbed queries [Bg * Q, H, L + R] over its rows' cached entries -> [Bg * Q, H, L]."""
     num_heads, width = queries.shape[1], queries.shape[2]
-    keys = kv_cache[0].index_select(0, group.block_table).view(group.num_rows, 1, -1, width)  # [Bg, 1, K, L + R]
+    keys = gather_entries(kv_cache, group.block_table, queries.dtype)
+    keys = keys.view(group.num_rows, 1, -1, width)  # [Bg, 1, K, L + R]
     values = keys[..., :latent_dim]  # [Bg, 1, K, L]
     if group.max_query_len == 1:  # heads as queries of the one kv head
         out = F.scaled_dot_product_attention(queries.view(group.num_rows, 1, num_heads, width), keys, values,

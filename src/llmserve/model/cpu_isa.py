@@ -58,8 +58,8 @@ def onednn_has_vnni() -> bool:
 
 def has_fast_bf16() -> bool:
     """The CPU has bf16 dot products (AMX or AVX512-BF16) and oneDNN may use them: `--dtype auto` picks
-    bfloat16 there (a decode-sized bf16 GEMM runs ~2x f32's speed on an AVX512-BF16 EPYC; on AVX2 alone
-    ~100x slower: docs/benchmarks.md)."""
+    bfloat16 there (faster than f32 with those instructions, far slower without them: docs/benchmarks.md,
+    "Figures behind choices in the code")."""
     has_flags = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
     return has_flags and _cap_allows("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX")
 

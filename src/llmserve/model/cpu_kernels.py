@@ -245,7 +245,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
 
 def attends_prompts(dtype: torch.dtype) -> bool:
     """Whether `paged_attention` should take a model's prompt rows too: float32 through the AVX2 path, which
-    attends a 512-token prompt 1.7x faster than torch's SDPA (docs/benchmarks.md); the portable
+    attends a prompt faster than torch's SDPA (docs/benchmarks.md, "Figures behind choices in the code"); the portable
     path (bfloat16, float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows."""
     return dtype == torch.float32 and has_avx2_kernels()
 
@@ -298,10 +298,9 @@ def has_avx2_kernels() -> bool:
 
 def packs_linears() -> bool:
     """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: on CPUs
-    without AVX-512 (or held below it). There oneDNN runs AVX2 code, which our kernel beats at every row count
-    (smollm2-135m's linears, AMD EPYC held to AVX2: 1.5x at 16 rows, 1.2x at 64, 1.0-1.05x at 256-512); with
-    AVX-512, oneDNN's 512-bit kernels are ~10% faster at prefill sizes (512 rows) on a Zen 4, ours 1.25-1.4x
-    at 1-16 rows (docs/benchmarks.md). LLMSERVE_CPU_LINEAR=panels|onednn forces either
+    without AVX-512 (or held below it). There oneDNN runs AVX2 code, which our kernel beats at every row count;
+    with AVX-512, oneDNN's 512-bit kernels win at prefill sizes and ours only at decode sizes, so oneDNN
+    stays (docs/benchmarks.md, "Figures behind choices in the code"). LLMSERVE_CPU_LINEAR=panels|onednn forces either
     (`cpu_isa.linear_path`); panels without the AVX2 build is a ValueError, not a silent fallback."""
     path = cpu_isa.linear_path()
     if path == "onednn":
@@ -317,8 +316,8 @@ def packs_linears() -> bool:
 def packs_int8() -> bool:
     """Whether model/quant/linear.py's Int8Linear should run `int8_linear` rather than torch._int_mm: on
     CPUs where oneDNN has no VNNI. There its s8 GEMM multiplies with vpmaddubsw, whose int16 pair sums
-    saturate (held to AVX2 on an AMD EPYC: off by up to 55,195 on a [7, 300] x [300, 64] product, wrong
-    logits); ours widens to int16 and is exact (docs/benchmarks.md)."""
+    saturate (wrong logits: docs/benchmarks.md, "Figures behind choices in the code"); ours widens to int16
+    and is exact."""
     return not cpu_isa.onednn_has_vnni() and has_avx2_kernels()
 
 

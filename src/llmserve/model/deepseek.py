@@ -42,7 +42,7 @@ _SUPPORTED = {
 }
 
 
-def check_config(config, architecture: str, tensor_parallel_size: int = 1) -> None:
+def check_config(config, architecture: str) -> None:
     """ValueError naming the first config field (or setting) this decoder does not run for DeepSeek."""
     for field, supported in _SUPPORTED[architecture].items():
         value = getattr(config, field, supported[0])
@@ -59,9 +59,17 @@ def check_config(config, architecture: str, tensor_parallel_size: int = 1) -> No
     if not 0 < config.num_experts_per_tok <= num_experts:
         raise ValueError(f"num_experts_per_tok={config.num_experts_per_tok} must be in 1..{num_experts} "
                          "(n_routed_experts)")
-    if tensor_parallel_size > 1:
-        raise ValueError(f"tensor parallelism is not supported for {architecture} yet: its latent attention and "
-                         "shared experts are not cut per rank")
+
+
+def shared_intermediate_size(config) -> int:
+    """The shared experts' MLP width (0: none)."""
+    return config.moe_intermediate_size * (config.n_shared_experts or 0)
+
+
+def mla_head_dims(config) -> tuple[int, int, int]:
+    """Per head: q_proj's (q_b_proj's) rows, kv_b_proj's rows, o_proj's inputs (tensor-parallel cuts)."""
+    return (config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_nope_head_dim + config.v_head_dim,
+            config.v_head_dim)
 
 
 def _num_groups(config) -> int:
@@ -86,7 +94,7 @@ def moe_spec(config, architecture: str) -> MoeSpec:
                    num_topk_groups=(config.topk_group or 1) if grouped else 1,
                    group_score="top2_sum" if is_v3 else "max",
                    routed_scaling_factor=float(config.routed_scaling_factor or 1.0),
-                   shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+                   shared_intermediate_size=shared_intermediate_size(config),
                    is_router_float32=True)  # as transformers keeps it: a bf16 correction bias moves the choice
 
 
@@ -130,8 +138,8 @@ def _evens_then_odds(tensor: torch.Tensor, start: int, dim: int) -> torch.Tensor
 def _deinterleave_rope_rows(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
     """The rows producing q's and k's rope features, evens first: [x0, x2, .., x1, x3, ..]."""
     if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-        num_heads = config.num_attention_heads
-        per_head = tensor.view(num_heads, -1, tensor.shape[-1])  # [H, nope + rope, in]
+        head_rows = config.qk_nope_head_dim + config.qk_rope_head_dim
+        per_head = tensor.view(-1, head_rows, tensor.shape[-1])  # [H (a rank's), nope + rope, in]
         return _evens_then_odds(per_head, config.qk_nope_head_dim, dim=1).reshape(tensor.shape)
     if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
         return _evens_then_odds(tensor, config.kv_lora_rank, dim=0)

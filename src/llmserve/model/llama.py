@@ -18,8 +18,8 @@ its sinks, if any); a window at least as long as the context (max_model_len, def
 is full attention.
 
 With tensor parallelism (`tp`, model/parallel.py) every layer holds this rank's heads, intermediate
-features and vocabulary rows (of every expert too); the loader hands `load_weights` those slices of the
-checkpoint.
+features and vocabulary rows (of every expert too, or with expert parallelism its whole experts:
+model/moe_parallel.py); the loader hands `load_weights` those slices of the checkpoint.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import (GatedMLP, RMSNorm, RopeParams, RotaryEmbedding, apply_rotary,
                                    rope_params_from_config)
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
-from llmserve.model.moe import (MoeSpec, SparseMoeBlock, expert_shard_view, expert_shards, is_stacked_expert,
-                                map_expert_name, moe_spec_from_config, shard_stacked, take_load_balance)
+from llmserve.model.moe import MoeSpec, SparseMoeBlock, moe_spec_from_config
+from llmserve.model.moe_load import ExpertLoadReader
+from llmserve.model.moe_names import expert_shard_view, expert_shards, map_expert_name
+from llmserve.model.moe_parallel import is_stacked_expert, shard_stacked, to_local_experts
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 from llmserve.model.sliding_window import layer_windows
@@ -132,8 +134,10 @@ def _feed_forward(config, parts: DecoderParts, index: int, tp: TensorParallel | 
                   layout: ShardLayout | None) -> nn.Module:
     """Layer `index`'s MLP: the MoE block on a sparse layer, else the dense gated MLP."""
     if parts.moe is not None and parts.moe.is_sparse_layer(index):
-        share = None if layout is None else layout.expert_intermediate[1]
-        return SparseMoeBlock(config.hidden_size, parts.moe, tp, share)
+        if layout is None:
+            return SparseMoeBlock(config.hidden_size, parts.moe, tp)
+        return SparseMoeBlock(config.hidden_size, parts.moe, tp, layout.expert_intermediate[1], layout.experts,
+                              layout.shared_intermediate[1])
     intermediate = config.intermediate_size if layout is None else layout.intermediate[1]
     return parts.dense_mlp(config.hidden_size, intermediate, getattr(config, "mlp_bias", False), tp)
 
@@ -142,7 +146,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, parts: DecoderParts, index: int, tp: TensorParallel | None = None,
                  layout: ShardLayout | None = None):
         super().__init__()
-        self.self_attn = mla.MlaAttention(config) if parts.is_mla else Attention(config, parts, tp, layout)
+        self.self_attn = mla.MlaAttention(config, tp, layout) if parts.is_mla else Attention(config, parts, tp, layout)
         self.mlp = _feed_forward(config, parts, index, tp, layout)
         self.input_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
@@ -194,13 +198,14 @@ class CausalLM(nn.Module):
         self.has_lm_head = has_lm_head
         self.parts = decoder_parts(config)
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.layout = None if self.tp is None else shard_layout(config, self.tp.size, self.tp.rank)
+        self.layout = None if self.tp is None else \
+            shard_layout(config, self.tp.size, self.tp.rank, self.tp.is_expert_parallel)
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if self.architecture == phi3.ARCHITECTURE:
-            phi3.check_config(config, 1 if self.tp is None else self.tp.size)
+            phi3.check_config(config)
         if self.architecture in deepseek.ARCHITECTURES:
-            deepseek.check_config(config, self.architecture, 1 if self.tp is None else self.tp.size)
+            deepseek.check_config(config, self.architecture)
         windows = layer_windows(config, self.architecture, self.max_model_len)  # before building: fails fast
         self.model = DecoderModel(config, self.parts, self.tp, self.layout)
         for layer, window in zip(self.model.layers, windows, strict=True):
@@ -215,6 +220,7 @@ class CausalLM(nn.Module):
         # A tied head's table packed for the CPU GEMM (pack_tied_lm_head); a plain attribute, not a buffer:
         # weight counts (cpu_threads, roofline) count the table once
         self.tied_head_packed: torch.Tensor | None = None
+        self.expert_load_reader = ExpertLoadReader()
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
         self.head_dim = _head_dim(config)
@@ -227,14 +233,17 @@ class CausalLM(nn.Module):
     def has_host_syncs(self) -> bool:
         """Whether a forward waits for the device on the host (no CUDA graphs then): MoE layers do, unless their
         experts run as grouped GEMMs on this device and dtype (model/moe_grouped.py)."""
-        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
         probe = self.model.embed_tokens.weight[:1]  # [1, hidden] in the model's device and dtype
-        return not all(block.is_grouped(probe) for block in blocks)
+        return not all(block.runs_grouped_gemm(probe) for block in self.moe_blocks())
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The MoE layers' blocks, in layer order (none for a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
     def take_expert_balance(self) -> float | None:
-        """MoE layers' tokens per expert, max over mean, averaged over their forwards since the last call;
-        None for a dense model or when nothing ran."""
-        return take_load_balance([layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)])
+        """MoE layers' tokens per expert over the steps since the last call, max over mean, averaged over the
+        layers (model/moe_load.py); None for a dense model or when nothing ran."""
+        return self.expert_load_reader.take([block.load for block in self.moe_blocks()])
 
     def pack_tied_lm_head(self) -> bool:
         """Keep a packed copy of a tied table for the logits (float32 CPU, one rank: model/linear.py)."""
@@ -243,11 +252,6 @@ class CausalLM(nn.Module):
             return False
         self.tied_head_packed = packed(table)
         return True
-
-    @property
-    def has_latent_cache(self) -> bool:
-        """Whether the cache holds latents (MLA: model/attn_latent.py), not K and V per kv head."""
-        return self.parts.is_mla
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; with MLA
@@ -304,6 +308,10 @@ class CausalLM(nn.Module):
             weights = gpt_oss.to_decoder_layout(weights)
         if self.architecture in deepseek.ARCHITECTURES:
             weights = deepseek.to_decoder_layout(weights, self.config, self.architecture)
+        if self.layout is not None and self.layout.experts is not None:
+            weights = to_local_experts(weights, self.layout.experts)  # expert parallelism: this rank's experts
+        if self.architecture == phi3.ARCHITECTURE:
+            weights = phi3.to_decoder_layout(weights, self.config, self.layout)
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name, self.is_tied or not self.has_lm_head, fuses_qkv=not self.parts.is_mla)
             if target is None:
@@ -343,6 +351,8 @@ class CausalLM(nn.Module):
     def _shard_keys(self, name: str) -> list[str]:
         """The keys that mark parameter `name` filled: its own name, or one per shard of a fused one."""
         num_experts = 0 if self.parts.moe is None else self.parts.moe.num_experts
+        if self.layout is not None and self.layout.experts is not None:
+            num_experts = self.layout.experts[1]  # the experts this rank holds
         shards = expert_shards(name, num_experts) or _SHARDS_OF.get(name.rsplit(".", 2)[-2])
         return [name] if shards is None else [f"{name}#{s}" for s in shards]
 

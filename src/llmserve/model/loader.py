@@ -17,8 +17,7 @@ import torch
 from llmserve.config import is_local_model
 from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
-from llmserve.model.moe import num_experts_of
-from llmserve.model.parallel import TensorParallel, shard_of
+from llmserve.model.parallel import TensorParallel, is_read, shard_of
 from llmserve.model.pooler_config import resolve_pooler_config
 from llmserve.model.registry import BARE_DECODERS, architecture_of, get_model_class
 from llmserve.model.sliding_window import layer_windows
@@ -86,15 +85,19 @@ def _safetensors_files(path: str) -> list[str]:
 ShardOf = Callable[[str], "tuple[int, int, int] | None"]
 
 
-def iter_safetensors(path: str, shard_of: ShardOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, shard_of: ShardOf | None = None,
+                     is_wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) of every *.safetensors file of a directory, one tensor at a time.
 
     shard_of(name) -> (dim, start, length): only that slice is read from the file (a tensor-parallel
-    rank's share, model/parallel.py); None: the whole tensor."""
+    rank's share, model/parallel.py); None: the whole tensor. is_wanted(name) False: not read at all
+    (another rank's experts)."""
     from safetensors import safe_open
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if is_wanted is not None and not is_wanted(name):
+                    continue
                 spec = shard_of(name) if shard_of is not None else None
                 if spec is None:
                     yield name, f.get_tensor(name)
@@ -120,7 +123,6 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
 
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
-    _check_moe_quantization(config, quantization or quant.checkpoint_method(config))
     with torch.device("meta"), _no_initial_values():
         model = cls(config, max_model_len=max_model_len, tp=tp, has_lm_head=has_lm_head)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -128,7 +130,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
         if getattr(module, "is_float32", False):
             module.float()
     layout = model.layout
-    weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout))
+    weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout),
+                               None if layout is None else lambda name: is_read(name, layout))
     weights = _with_model_prefix(weights)
     if quant.checkpoint_method(config) is not None:
         weights = quant.dequantize_weights(weights, weight_block_size(config))
@@ -149,14 +152,6 @@ def _with_model_prefix(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[
     """A bare decoder's tensors (`layers.0...`, saved from AutoModel) under the causal LM's `model.` names."""
     for name, tensor in weights:
         yield (f"model.{name}" if name.startswith(_BARE_DECODER_PARTS) else name), tensor
-
-
-def _check_moe_quantization(config, method: str | None) -> None:
-    """Quantization swaps Linear layers; the stacked experts are not ones, so an MoE model would stay mostly
-    unquantized: refused until the experts quantize too."""
-    if method is not None and num_experts_of(config):
-        raise ValueError(f"quantization ({method}) of Mixture-of-Experts models is not supported yet: "
-                         "serve the model unquantized (--quantization none, and a checkpoint that is not FP8)")
 
 
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",

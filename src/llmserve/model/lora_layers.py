@@ -3,16 +3,16 @@ the grouped products over a step's tokens.
 
 Each wrapped projection (qkv_proj, o_proj, gate_up_proj, down_proj) keeps, per slot, A stacked over its
 sub-projections ([slots, n_sub * R, in]: q, k, v each R rows, zero past an adapter's rank) and one B^T per
-sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, out_j] is one matrix). A step's `LoRAStep` lists the tokens that
-run with an adapter, grouped by slot; base-model tokens are not touched.
+sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, out_j] is one matrix) and each
+slot's rank per sub-projection. A step's `LoRAStep` lists the tokens that run with an adapter, grouped by
+slot; base-model tokens are not touched.
 
-On CPU the products are segmented (Punica's SGMV): per slot in the step, its tokens' x @ A^T @ B^T, a loop
-over the step's adapters (at most --max-loras), never over rows; decode steps too. Two other forms measured
-no better on CPU side by side (docs/benchmarks.md, "LoRA products on CPU"): gathering each token's A and B
-for one batched matmul (BGMV's form in torch: 1.3-28x slower), and every token against every slot at once
-(a fixed op count: 0.8x at 16 rows of 8 adapters, 1.1-2.5x slower elsewhere). They run on one thread:
-the ops are small, and each parallel one waits for every torch thread (on a shared machine, for one the OS
-has descheduled): 50-240 us an op on 2 threads against 2-8 us on one, measured side by side.
+On CPU, float32 projections take one C++ call each for every adapter token of the step (model/lora_cpu.py:
+each token's slot read in the kernel, rows past a slot's rank skipped). Other dtypes, or when the kernel does
+not build, use segmented products (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T,
+a loop over the step's adapters (at most --max-loras), never over rows, on one thread (small ops on several
+threads each wait for all of them). The segmented form costs ~6 small ops per adapter, projection and
+layer; the kernel one call (docs/benchmarks.md, "LoRA products on CPU").
 On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a token, its slot read on
 the device.
 """
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.model import lora_cpu
 from llmserve.model.lora_adapter import LoRAWeights
 
 # fused projection of our decoder -> the HF module names it holds, in output order
@@ -77,6 +78,8 @@ class LoRALinear(nn.Module):
         self.out_sizes = out_sizes
         self.register_buffer("lora_a", torch.zeros(num_slots, len(out_sizes) * max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)  # [S, n_sub * R, in]
+        self.register_buffer("lora_ranks", torch.zeros(num_slots, len(out_sizes), dtype=torch.int32, device=device),
+                             persistent=False)  # [S, n_sub] each slot's rank per sub-projection (0: none)
         for j, size in enumerate(out_sizes):
             self.register_buffer(f"lora_b{j}", torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device),
                                  persistent=False)  # [S, R, out_j]: B^T
@@ -94,6 +97,9 @@ class LoRALinear(nn.Module):
         if x.is_cuda:
             _triton_add()(out, x, self.lora_a, self.lora_bs, step)
             return out
+        if lora_cpu.can_run(x, out):
+            lora_cpu.add_lora(out, x, self.lora_a, self.lora_bs, self.lora_ranks, step.token_indices, step.token_slots)
+            return out
         with _one_thread():
             add_lora_segmented(out, x, self.lora_a, self.lora_bs, step)
         return out
@@ -102,6 +108,7 @@ class LoRALinear(nn.Module):
         """Slot `slot` holds these (A [r, in], B [out_j, r]) per sub-projection (None: the adapter leaves it)."""
         rank = self.max_rank
         self.lora_a[slot].zero_()
+        self.lora_ranks[slot] = torch.tensor([0 if pair is None else pair[0].shape[0] for pair in pairs])
         for j, pair in enumerate(pairs):
             b = getattr(self, f"lora_b{j}")[slot]
             b.zero_()

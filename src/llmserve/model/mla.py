@@ -30,6 +30,7 @@ from llmserve.model import attn_latent, deepseek
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import RMSNorm, apply_rotary
 from llmserve.model.linear import Linear
+from llmserve.model.parallel import ShardLayout, TensorParallel, column_linear, row_linear
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not config.rms_norm_eps
 _LATENT_NORM_EPS = 1e-6
@@ -45,48 +46,76 @@ class LatentUpProjection(nn.Module):
 
 
 class MlaAttention(nn.Module):
-    """x [T, hidden] -> [T, hidden]; kv_cache [1, num_blocks, block_size, 1, L + R] (`cache_shape`)."""
+    """x [T, hidden] -> [T, hidden]; kv_cache [1, num_blocks, block_size, 1, L + R] (`cache_shape`).
 
-    def __init__(self, config):
+    With tensor parallelism (vLLM's split) a rank holds its heads' rows of q_proj / q_b_proj and kv_b_proj and
+    their inputs of o_proj (an all-reduce sums the ranks' outputs); the latent projections, their norms and so
+    the latent cache are whole on every rank."""
+
+    def __init__(self, config, tp: TensorParallel | None = None, layout: ShardLayout | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads if layout is None else layout.q_heads[1]
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         bias = bool(getattr(config, "attention_bias", False))
         q_size = self.num_heads * (self.nope_dim + self.rope_dim)
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = Linear(config.hidden_size, q_size, bias=False)
+            self.q_proj = column_linear(config.hidden_size, q_size, False, tp)
         else:
             self.q_a_proj = Linear(config.hidden_size, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = Linear(self.q_lora_rank, q_size, bias=False)
+            self.q_b_proj = column_linear(self.q_lora_rank, q_size, False, tp)
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias=bias)
+        self.o_proj = row_linear(self.num_heads * self.v_dim, config.hidden_size, bias, tp)
         self.scale = deepseek.softmax_scale(config)
         self.window = 0  # no sliding window in DeepSeek; set by the decoder like every attention's
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 attn_metadata: object, attn_backend: AttentionBackend) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; attn_metadata is the torch backend's (model/attn_latent.py)."""
+        """x [T, hidden] -> [T, hidden]; attn_metadata is the torch backend's (model/attn_latent.py) or the Triton
+        backend's (model/mla_triton.py)."""
         num_tokens = x.shape[0]
         q = self._queries(x).view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, Dn + R]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_rotary(q_rope, *cos_sin)
         entries = self._latent_entries(x, cos_sin)  # [T, L + R]
-        attn_latent.check_metadata(attn_metadata)
         attn_latent.write_entries(kv_cache, attn_metadata.slot_mapping, entries)
+        if attn_backend.name == "triton":
+            out = self._attend_triton(q_nope, q_rope, kv_cache, attn_metadata)
+        else:  # fresh rows' expanded form reads the entries as the cache holds them, as later rows will
+            out = self._attend_torch(q_nope, q_rope, attn_latent.as_cached(entries, kv_cache.dtype), kv_cache,
+                                     attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _attend_triton(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                       metadata) -> torch.Tensor:
+        """Every row in the absorbed form through the Triton kernel (model/mla_triton.py) -> out [T, H, Dv]."""
+        from llmserve.model import mla_triton  # triton is imported only where the Triton backend is used
+
+        q_latent = self._absorb_queries(q_nope)  # [T, H, L]
+        latent_out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+        mla_triton.paged_latent_attention(latent_out, q_latent, q_rope, kv_cache, metadata.block_table,
+                                          metadata.seq_lens, metadata.query_start_loc, metadata.tile_rows,
+                                          metadata.tile_starts, metadata.block_q, self.scale)
+        return self._expand_values(latent_out)
+
+    def _attend_torch(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                      kv_cache: torch.Tensor, attn_metadata) -> torch.Tensor:
+        """The torch backend's rows: the C++ kernel's (CPU), then its groups -> out [T, H, Dv]."""
+        attn_latent.check_metadata(attn_metadata)
+        num_tokens = q_nope.shape[0]
         out = self._attend_kernel_rows(q_nope, q_rope, kv_cache, attn_metadata)  # [T, H, Dv] or None
         groups = attn_latent.groups(attn_metadata, is_kernel_used=out is not None)
         if out is None and len(groups) == 1 and groups[0].is_in_token_order and groups[0].num_rows == num_tokens:
             out = self._attend_group(q_nope, q_rope, entries, kv_cache, groups[0])  # decode rows only
         else:
-            out = x.new_empty(num_tokens, self.num_heads, self.v_dim) if out is None else out
+            out = q_nope.new_empty(num_tokens, self.num_heads, self.v_dim) if out is None else out
             for group in groups:
                 attn_latent.scatter(out, self._attend_group(q_nope, q_rope, entries, kv_cache, group), group)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return out
 
     def _attend_kernel_rows(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                             metadata) -> torch.Tensor | None:
@@ -159,12 +188,9 @@ def cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: i
     return (1, num_blocks, block_size, 1, kv_lora_rank + rope_dim)
 
 
-def check_settings(kv_cache_dtype: str, attention_backend: str) -> None:
-    """ValueError naming the flag a latent cache does not run with: it holds the model's dtype
-    (--kv-cache-dtype auto) and is read by the torch backend (--attention-backend auto or torch)."""
-    if kv_cache_dtype != "auto":
+def check_settings(kv_cache_dtype: str) -> None:
+    """ValueError naming the flag a latent cache does not run with: it holds the model's dtype, float16 or fp8
+    (--kv-cache-dtype auto, fp16, fp8; int8's per-row scales are not laid out for latents)."""
+    if kv_cache_dtype not in ("auto", "fp16", "fp8"):
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: the latent cache of Multi-head Latent Attention holds "
-                         "the model's dtype (auto)")
-    if attention_backend not in ("auto", "torch"):
-        raise ValueError(f"--attention-backend {attention_backend}: Multi-head Latent Attention runs on the torch "
-                         "backend only (auto or torch)")
+                         "the model's dtype, float16 or fp8 (auto, fp16, fp8)")

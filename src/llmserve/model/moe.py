@@ -4,7 +4,7 @@
 `experts.gate_up_proj` [E, 2I, H] (gate rows first, then up) and `experts.down_proj` [E, H, I]: the names and
 layout of transformers' in-memory modules. Checkpoints that store one tensor per expert (what save_pretrained
 writes: `experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`) are stacked at load
-(`map_expert_name` says where each goes).
+(model/moe_names.py says where each goes).
 
 The forward (`fused_moe`) sorts the token-expert pairs by expert once, runs one gate/up and one down GEMM per
 expert that received tokens, and sums each token's k outputs weighted by its routing weights: no Python loop
@@ -28,6 +28,10 @@ from torch import nn
 from llmserve.model import cpu_kernels
 from llmserve.model.fused_cuda import cuda_fused
 from llmserve.model.moe_grouped import can_group, grouped_moe
+from llmserve.model.moe_load import ExpertLoad
+from llmserve.model.moe_parallel import local_expert_ids
+
+ExpertWeights = torch.Tensor | nn.ModuleList  # stacked [E, out, in], or one quantized layer per expert
 
 if TYPE_CHECKING:
     from llmserve.model.parallel import TensorParallel  # parallel.py imports this module
@@ -196,33 +200,41 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
     return torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, counts: list[int] | None = None,
-              biases: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
+              ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor | None] | None = None,
               activation: ClampedSwiglu | None = None) -> torch.Tensor:
-    """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k] -> [T, H]; counts: the
-    ids' expert_counts when the caller has them; biases: gate_up's [E, 2I] and down's [E, H] (weighted with
-    the expert's output); activation: silu(gate) * up when None.
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I] (or a quantized layer per expert: model/quant/experts.py),
+    routing weights/ids [T, k] -> [T, H]; biases: gate_up's [E, 2I] and down's [E, H] (weighted with the
+    expert's output); activation: silu(gate) * up when None. An id of E or more is a pair another rank
+    computes (expert parallelism: model/moe_parallel.py): skipped.
 
     The T*k token-expert pairs are sorted by expert once (stable: within an expert, token order); each expert
     with tokens runs its GEMM pair over its contiguous rows; index_add_ sums each token's k outputs in
     expert order."""
-    top_k = ids.shape[1]
-    order = torch.sort(ids.reshape(-1), stable=True).indices  # [T*k] pair indices grouped by expert
-    token_of = order // top_k  # [T*k] the token of each sorted pair
-    counts = expert_counts(ids, gate_up.shape[0]) if counts is None else counts
-    rows = x.index_select(0, token_of)  # [T*k, H]
-    outs = torch.empty_like(rows)  # [T*k, H]
+    top_k, num_experts = ids.shape[1], len(gate_up)
+    counts = expert_counts(ids, num_experts)[:num_experts]  # pairs of other ranks' experts sort last
+    order = torch.sort(ids.reshape(-1), stable=True).indices[:sum(counts)]  # [P] pairs grouped by expert
+    token_of = order // top_k  # [P] the token of each sorted pair
+    rows = x.index_select(0, token_of)  # [P, H]
+    outs = torch.empty_like(rows)  # [P, H]
     gate_up_bias, down_bias = (None, None) if biases is None else biases
     activation = activation or _silu_mul
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            gated = F.linear(rows[start:start + count], gate_up[expert], _row(gate_up_bias, expert))  # [n, 2I]
-            outs[start:start + count] = F.linear(activation(gated), down[expert], _row(down_bias, expert))  # [n, H]
+            gated = _expert_linear(gate_up, expert, rows[start:start + count], gate_up_bias)  # [n, 2I]
+            outs[start:start + count] = _expert_linear(down, expert, activation(gated), down_bias)  # [n, H]
             start += count
     outs *= weights.reshape(-1)[order].to(outs.dtype)[:, None]
     return torch.zeros_like(x).index_add_(0, token_of, outs)
+
+
+def _expert_linear(weight: ExpertWeights, expert: int, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [n, in] through one expert's matrix -> [n, out]: a slice of a stacked float tensor, or the
+    expert's quantized layer (which holds its own bias)."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(rows, weight[expert], _row(bias, expert))
+    return weight[expert](rows)
 
 
 def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
@@ -257,39 +269,28 @@ class Experts(nn.Module):
         return None if self.down_proj_bias is None else (self.gate_up_proj_bias, self.down_proj_bias)
 
 
-class ExpertLoad:
-    """The load balance of a layer's forwards: tokens per expert, max over mean (1 = even), summed until
-    taken (the engine's per-step metric)."""
-
-    def __init__(self) -> None:
-        self.ratio_sum = 0.0
-        self.num_forwards = 0
-
-    def record(self, counts: list[int]) -> None:
-        total = sum(counts)
-        if total:
-            self.ratio_sum += max(counts) * len(counts) / total
-            self.num_forwards += 1
-
-
 class SparseMoeBlock(nn.Module):
     """Router -> top-k -> experts -> weighted sum (+ the shared experts' MLP where the spec has one);
     x [T, H] -> [T, H].
 
-    With tensor parallelism every rank holds the whole router and `intermediate_size` (its share) of every
-    expert's features; each routes alike and an all-reduce (`tp`) sums the ranks' partial outputs."""
+    With tensor parallelism every rank holds the whole router and routes alike; an all-reduce (`tp`) sums
+    the ranks' partial outputs. Each rank holds `intermediate_size` (its share) of every expert's features
+    (and `shared_intermediate_size` of the shared experts'), or with expert parallelism `held_experts` (first,
+    count): whole experts, of which it computes the pairs routed to them (model/moe_parallel.py)."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallel | None = None,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, held_experts: tuple[int, int] | None = None,
+                 shared_intermediate_size: int | None = None):
         super().__init__()
         self.spec = spec
         self.tp = tp
+        self.held_experts = held_experts
         self.gate = Router(hidden_size, spec.num_experts, spec.has_bias, spec.has_correction_bias,
                            spec.is_router_float32)
-        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, spec.num_experts,
-                               spec.has_bias)
-        self.shared_experts = _shared_experts(hidden_size, spec.shared_intermediate_size)
-        self.load = ExpertLoad()
+        num_held = spec.num_experts if held_experts is None else held_experts[1]
+        self.experts = Experts(hidden_size, intermediate_size or spec.intermediate_size, num_held, spec.has_bias)
+        self.shared_experts = _shared_experts(hidden_size, shared_intermediate_size or spec.shared_intermediate_size)
+        self.load = ExpertLoad(spec.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = router_logits(x, self.gate.weight, self.gate.bias)  # [T, E]
@@ -297,27 +298,31 @@ class SparseMoeBlock(nn.Module):
             weights, ids = route_grouped(logits, self.spec, self.gate.e_score_correction_bias)  # [T, k] each
         else:
             weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)
-        if self.runs_grouped_gemm(x):  # no host sync (CUDA graphs); the load histogram is not kept on this path
-            out = grouped_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+        self.load.record(ids)
+        if self.held_experts is not None:
+            ids = local_expert_ids(ids, self.held_experts)
+        experts = self.experts
+        if self.runs_grouped_gemm(x):  # no host sync: CUDA graphs capture it
+            out = grouped_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,
                               self.spec.activation or _silu_mul, self._biases())
         else:
-            counts = expert_counts(ids, self.spec.num_experts)
-            self.load.record(counts)
-            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, counts,
-                            self._biases(), self.spec.activation)
+            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self._biases(),
+                            self.spec.activation)
         if self.shared_experts is not None:
             out += self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def runs_grouped_gemm(self, x: torch.Tensor) -> bool:
         """The experts run as grouped GEMMs without a host sync (model/moe_grouped.py) for inputs like x."""
-        return can_group(x, self.experts.gate_up_proj, self.experts.down_proj)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        return isinstance(gate_up, torch.Tensor) and can_group(x, gate_up, down)
 
     def _biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The experts' biases; on a tensor-parallel rank other than 0 without the down bias, which the
-        all-reduce would otherwise add once per rank (as a row-parallel layer's)."""
+        all-reduce would otherwise add once per rank (as a row-parallel layer's). With expert parallelism
+        each expert's down bias is on its one rank only."""
         biases = self.experts.biases()
-        if biases is None or self.tp is None or self.tp.rank == 0:
+        if biases is None or self.tp is None or self.tp.rank == 0 or self.held_experts is not None:
             return biases
         return biases[0], None
 
@@ -329,78 +334,3 @@ def _shared_experts(hidden_size: int, intermediate_size: int) -> nn.Module | Non
     from llmserve.model.layers import GatedMLP  # layers -> parallel -> this module: imported when used
 
     return GatedMLP(hidden_size, intermediate_size)
-
-
-def take_load_balance(blocks: list[SparseMoeBlock]) -> float | None:
-    """Tokens per expert, max over mean, averaged over the blocks' forwards since the last call (which it
-    forgets); None when none ran."""
-    ratio_sum = sum(block.load.ratio_sum for block in blocks)
-    num_forwards = sum(block.load.num_forwards for block in blocks)
-    for block in blocks:
-        block.load = ExpertLoad()
-    return ratio_sum / num_forwards if num_forwards else None
-
-
-# The per-expert checkpoint names: (module, part) -> part of the stacked tensor; Mixtral's w1/w3/w2 are
-# gate/up/down
-_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-
-
-def map_expert_name(hf_name: str) -> tuple[str, str | None] | None:
-    """A per-expert checkpoint tensor -> (our stacked parameter, shard "e{expert}:{gate|up|down}"); a whole
-    stacked tensor -> (its name, None); Mixtral's `block_sparse_moe.` read as `mlp.`; None: not an MoE name."""
-    name = hf_name.replace(".block_sparse_moe.", ".mlp.")
-    parts = name.split(".")
-    if "experts" not in parts:
-        return (name, None) if name != hf_name else None
-    at = parts.index("experts")
-    if len(parts) == at + 2:  # mlp.experts.gate_up_proj / mlp.experts.down_proj, stacked already
-        return name, None
-    if len(parts) != at + 4 or not parts[at + 1].isdigit() or parts[at + 2] not in _EXPERT_PARTS:
-        return name, None  # no place in the model: the loader names it
-    part = _EXPERT_PARTS[parts[at + 2]]
-    stacked = "down_proj" if part == "down" else "gate_up_proj"
-    return ".".join(parts[:at + 1] + [stacked]), f"e{parts[at + 1]}:{part}"
-
-
-def expert_shard_of(hf_name: str, start: int, count: int) -> tuple[int, int, int] | None:
-    """(dim, start, length) of a per-expert checkpoint tensor that a tensor-parallel rank reads: features
-    [start, start + count) of the expert's intermediate size; None (read it whole, `shard_stacked` slices it)
-    for a stacked one."""
-    target = map_expert_name(hf_name)
-    if target is None or target[1] is None:
-        return None
-    return (1 if target[1].endswith(":down") else 0), start, count
-
-
-def shard_stacked(name: str, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    """A rank's share of a whole stacked expert tensor: features [start, start + count) of the gate and of
-    the up half of gate_up_proj [E, 2I, H] (and of its bias [E, 2I]), of down_proj's inputs [E, H, I]."""
-    if name.endswith("experts.down_proj"):
-        return tensor[:, :, start:start + count]
-    gate, up = tensor.chunk(2, dim=1)
-    return torch.cat([gate[:, start:start + count], up[:, start:start + count]], dim=1)
-
-
-def expert_shard_view(param: torch.Tensor, shard: str) -> torch.Tensor:
-    """The slice of a stacked parameter that shard "e{expert}:{gate|up|down}" fills."""
-    expert, part = shard[1:].split(":")
-    rows = param[int(expert)]
-    if part == "down":
-        return rows
-    half = rows.shape[0] // 2
-    return rows[:half] if part == "gate" else rows[half:]
-
-
-def is_stacked_expert(name: str) -> bool:
-    """A stacked expert tensor that tensor parallelism splits (down_proj's bias [E, H] is not split)."""
-    return name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias"))
-
-
-def expert_shards(param_name: str, num_experts: int) -> list[str] | None:
-    """The shards that together fill a stacked expert parameter; None for any other parameter."""
-    if param_name.endswith("experts.gate_up_proj"):
-        return [f"e{e}:{part}" for e in range(num_experts) for part in ("gate", "up")]
-    if param_name.endswith("experts.down_proj"):
-        return [f"e{e}:down" for e in range(num_experts)]
-    return None

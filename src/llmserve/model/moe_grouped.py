@@ -30,14 +30,17 @@ def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
                 ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                 biases: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights/ids [T, k], activation [n, 2I] -> [n, I],
-    biases: gate_up's [E, 2I] and down's [E, H] or None -> [T, H], with no host sync."""
+    biases: gate_up's [E, 2I] and down's [E, H] or None -> [T, H], with no host sync. An id of E is a pair
+    another rank computes (expert parallelism: model/moe_parallel.py): its rows sort last, past the grouped
+    GEMMs' last group, and count zero."""
     num_tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)  # [T*k] the expert of each pair, in (token, k) order
     order = torch.sort(flat, stable=True).indices  # [T*k] pairs grouped by expert
-    expert_of_row = flat[order]  # [T*k]
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
-    offsets = counts.cumsum(0, dtype=torch.int32)  # [E] each group's end row
+    expert_of_row = flat[order].clamp(max=num_experts - 1)  # [T*k] (rows past the last group: any expert)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E + 1]
+    offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)  # [E] each group's end row
     rows = x.index_select(0, order // top_k)  # [T*k, H]
     gated = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)  # [T*k, 2I]
     if biases is not None:
@@ -48,4 +51,5 @@ def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
     by_pair = torch.empty_like(outs)
     by_pair[order] = outs  # back to (token, k) order: unique indices, no atomics
     weighted = by_pair.view(num_tokens, top_k, -1) * weights.unsqueeze(2).to(outs.dtype)  # [T, k, H]
-    return weighted.sum(dim=1)
+    is_here = (ids < num_experts).unsqueeze(2)  # [T, k, 1]; the other rows hold whatever the GEMMs left
+    return torch.where(is_here, weighted, 0).sum(dim=1)

@@ -9,7 +9,9 @@ Megatron's split, as vLLM and nano-vllm do it:
     all-reduce sums them. The LM head computes its vocabulary range's logits; an all-gather joins them.
   - Mixture-of-Experts layers: the router whole on every rank, every expert's gate/up split as a column-
     parallel layer and its down as a row-parallel one (model/moe.py; gpt-oss's down bias added on rank 0);
-    one all-reduce of the block's output. gpt-oss's attention sinks go with their query heads.
+    one all-reduce of the block's output. With expert parallelism each rank holds whole experts instead
+    (model/moe_parallel.py), and the same all-reduce sums their outputs. gpt-oss's attention sinks go with
+    their query heads.
 So a decoder layer costs two all-reduces of [T, hidden], and a step one all-gather of the logits.
 
 Heads are split by KV group, so that a rank's query heads read only its own KV heads: with G query heads
@@ -34,7 +36,8 @@ from torch import nn
 
 from llmserve.model import deepseek
 from llmserve.model.linear import Linear
-from llmserve.model.moe import expert_intermediate_size, expert_shard_of, num_experts_of
+from llmserve.model.moe import expert_intermediate_size, num_experts_of
+from llmserve.model.moe_parallel import ExpertRange, expert_range, expert_slice_of, is_held
 
 
 @dataclass
@@ -44,6 +47,7 @@ class TensorParallel:
     rank: int
     size: int
     group: Any = None  # the torch.distributed process group (None: the default one)
+    is_expert_parallel: bool = False  # MoE layers: whole experts a rank (--enable-expert-parallel)
     comm_seconds: float = field(default=0.0, compare=False)  # host time in collectives (benchmarks)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +88,9 @@ class ShardLayout:
     vocab_size: int  # the real vocabulary (rows past it are padding)
     head_dim: int
     expert_intermediate: tuple[int, int] = (0, 0)  # of every expert (Mixture-of-Experts models)
+    experts: ExpertRange | None = None  # expert parallelism: the whole experts held (their features all)
+    shared_intermediate: tuple[int, int] = (0, 0)  # of the shared experts' MLP (DeepSeek)
+    mla_head_dims: tuple[int, int, int] | None = None  # MLA: rows a head of q_(b_)proj, of kv_b_proj; o_proj's inputs
 
 
 def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -108,26 +115,43 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def shard_layout(config, size: int, rank: int) -> ShardLayout:
+def shard_layout(config, size: int, rank: int, is_expert_parallel: bool = False) -> ShardLayout:
     """Rank `rank`'s share of an HF config's model over `size` ranks (ValueError when it cannot split)."""
     q_heads, kv_heads = head_shard(config.num_attention_heads, config.num_key_value_heads, size, rank)
-    expert_size = expert_intermediate_size(config) if num_experts_of(config) else size
-    for name, value in (("intermediate size", config.intermediate_size), ("experts' intermediate size", expert_size)):
+    num_experts = num_experts_of(config)
+    expert_size = expert_intermediate_size(config) if num_experts and not is_expert_parallel else size
+    experts = expert_range(num_experts, size, rank) if is_expert_parallel else None
+    expert_share = (0, expert_intermediate_size(config)) if experts else split_evenly(expert_size, size, rank)
+    is_mla = getattr(config, "kv_lora_rank", None) is not None
+    shared_size = deepseek.shared_intermediate_size(config) if is_mla else 0
+    for name, value in (("intermediate size", config.intermediate_size), ("experts' intermediate size", expert_size),
+                        ("shared experts' intermediate size", shared_size or size)):
         if value < size:
             raise ValueError(f"--tensor-parallel-size {size} exceeds the {name} {value}")
     per_rank = -(-config.vocab_size // size)
     return ShardLayout(q_heads, kv_heads, split_evenly(config.intermediate_size, size, rank),
-                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config),
-                       split_evenly(expert_size, size, rank))
+                       (rank * per_rank, per_rank), config.vocab_size, head_dim_of(config), expert_share, experts,
+                       split_evenly(shared_size, size, rank), deepseek.mla_head_dims(config) if is_mla else None)
 
 
-def check_tensor_parallel(config, size: int) -> None:
+def check_tensor_parallel(config, size: int, is_expert_parallel: bool = False) -> None:
     """ValueError (with the reason) unless every rank of `size` gets a share of the model."""
     architecture = (getattr(config, "architectures", None) or [""])[0]
     if architecture in deepseek.ARCHITECTURES:
-        deepseek.check_config(config, architecture, size)
+        deepseek.check_config(config, architecture)
+        if is_expert_parallel:
+            raise ValueError(f"--enable-expert-parallel is not supported for {architecture} yet (its shared experts "
+                             "and latent attention are split by tensor parallelism only)")
+    if is_expert_parallel and not num_experts_of(config):
+        raise ValueError(f"--enable-expert-parallel: {architecture or 'this model'} is not a Mixture-of-Experts "
+                         "model (it has no experts to place on ranks)")
     for rank in range(size):
-        shard_layout(config, size, rank)
+        shard_layout(config, size, rank, is_expert_parallel)
+
+
+def is_read(hf_name: str, layout: ShardLayout) -> bool:
+    """Whether the rank reads checkpoint tensor `hf_name` at all (expert parallelism: not other ranks' experts)."""
+    return layout.experts is None or is_held(hf_name, layout.experts)
 
 
 def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
@@ -136,8 +160,12 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
     if len(parts) < 2:
         return None
     if "experts" in parts:
-        return expert_shard_of(hf_name, *layout.expert_intermediate)
+        return expert_slice_of(hf_name, layout.expert_intermediate, layout.experts)
     module, kind, d = parts[-2], parts[-1], layout.head_dim
+    if "shared_experts" in parts:
+        return _mlp_shard(module, kind, layout.shared_intermediate)
+    if layout.mla_head_dims is not None and module in _MLA_HEAD_ROWS:
+        return _mla_shard(module, kind, layout)
     (q0, nq), (kv0, nkv), (i0, ni) = layout.q_heads, layout.kv_heads, layout.intermediate
     if kind == "sinks":  # one per query head (gpt-oss)
         return 0, q0, nq
@@ -155,6 +183,28 @@ def shard_of(hf_name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
         v0, nv = layout.vocab
         return 0, min(v0, layout.vocab_size), max(0, min(nv, layout.vocab_size - v0))
     return None
+
+
+def _mlp_shard(module: str, kind: str, features: tuple[int, int]) -> tuple[int, int, int] | None:
+    """A gated MLP's gate/up rows or down inputs [start, start + count) of its intermediate features."""
+    if module in ("gate_proj", "up_proj"):
+        return 0, *features
+    if module == "down_proj" and kind == "weight":
+        return 1, *features
+    return None
+
+
+_MLA_HEAD_ROWS = {"q_proj": 0, "q_b_proj": 0, "kv_b_proj": 1, "o_proj": 2}  # -> index in mla_head_dims
+
+
+def _mla_shard(module: str, kind: str, layout: ShardLayout) -> tuple[int, int, int] | None:
+    """Latent attention's per-head tensors: the rank's heads' rows of q_proj / q_b_proj and kv_b_proj, its
+    heads' inputs of o_proj (whose bias rank 0 adds whole)."""
+    q0, nq = layout.q_heads
+    per_head = layout.mla_head_dims[_MLA_HEAD_ROWS[module]]
+    if module == "o_proj":
+        return (1, q0 * per_head, nq * per_head) if kind == "weight" else None
+    return 0, q0 * per_head, nq * per_head
 
 
 class ColumnParallelLinear(Linear):

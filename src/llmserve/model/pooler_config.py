@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 
+from llmserve.model.registry import BARE_DECODERS
 from llmserve.pooling import POOLING_TYPES, PoolerConfig, parse_pooler_override
 
 _ST_POOLING = "sentence_transformers.models.Pooling"
@@ -45,6 +46,16 @@ def _read_json(path: str):
 
 def is_sentence_transformers(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "modules.json"))
+
+
+def is_embedding_checkpoint(path: str) -> bool:
+    """What --runner auto serves as pooling: a sentence-transformers folder, or a bare decoder (transformers'
+    AutoModel saved without an lm_head, e.g. Qwen3Model: config.json's own name, which load_hf_config renames),
+    as vLLM's auto takes an architecture named *Model."""
+    if is_sentence_transformers(path):
+        return True
+    architectures = _read_json(os.path.join(path, "config.json")).get("architectures") or [None]
+    return architectures[0] in BARE_DECODERS
 
 
 def _sentence_transformers_pooler(path: str) -> PoolerConfig | None:

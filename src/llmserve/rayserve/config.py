@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.config import EngineConfig, check, check_choice, check_min
+from llmserve.config import EngineConfig
+from llmserve.config_checks import check, check_choice, check_min
 from llmserve.router.requests import PrefixConfig
 from llmserve.server.config import ServerConfig
 

@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from llmserve.rayserve.config import Deployment
+from llmserve.http.errors import error_response, service_unavailable
+from llmserve.http.sse import SSE_DONE, sse_error
 from llmserve.rayserve.messages import REPLICA_HEADER, ForwardedRequest, ResponseHead
 from llmserve.router.requests import decode_body, route_request
-from llmserve.server.errors import error_response, service_unavailable
-from llmserve.server.streams import SSE_DONE, sse_error
+
+if TYPE_CHECKING:  # the deployment's record carries the replicas' server config; the ingress reads only its Ray part
+    from llmserve.rayserve.config import Deployment
 
 logger = logging.getLogger("llmserve.rayserve")
 

@@ -8,22 +8,23 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from llmserve.http.errors import APIError, error_response, install_error_handlers, service_unavailable
 from llmserve.router import proxy
 from llmserve.router.classifier import RouteDecision
 from llmserve.router.dashboard import dashboard_routes
 from llmserve.router.direct_write import client_transport
+from llmserve.router.fetch import fetch
 from llmserve.router.gateway import Gateway
 from llmserve.router.ratelimit import retry_after_header
 from llmserve.router.policies import RouteRequest
 from llmserve.router.requests import decode_body, route_request
-from llmserve.server.errors import APIError, error_response, install_error_handlers, service_unavailable
+from llmserve.router.upstream import UpstreamError
 
 _FORWARDED_HEADERS = frozenset({b"content-type", b"authorization", b"accept", b"x-request-id"})
 
@@ -204,9 +205,10 @@ def _reset_prefix_cache(gw: Gateway):
     """Sent to every replica that is up; success when all of them succeeded."""
     async def reset(url: str) -> bool:
         try:
-            response = await gw.client.post(url + "/reset_prefix_cache", timeout=gw.config.health_timeout_s)
-            return response.status_code == 200 and response.json().get("success") is True
-        except (httpx.HTTPError, ValueError):
+            response = await fetch(gw.upstream, url, "/reset_prefix_cache", gw.config.health_timeout_s,
+                                   method=b"POST")
+            return response.status == 200 and response.json().get("success") is True
+        except (UpstreamError, ValueError, AttributeError):
             return False
 
     async def endpoint(request: Request) -> Response:

@@ -42,7 +42,7 @@ def add_route_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def route_command(args: argparse.Namespace) -> int:
-    from llmserve.aio import end_process
+    from llmserve.http.launch import end_process
     from llmserve.router.loading import setup_from_args
     from llmserve.router.server import run
 
@@ -57,7 +57,7 @@ def route_command(args: argparse.Namespace) -> int:
 
 
 def _pd_command(args: argparse.Namespace) -> int:
-    from llmserve.aio import end_process
+    from llmserve.http.launch import end_process
     from llmserve.router.pd_server import pd_config_from_args, run_pd
 
     try:

@@ -11,11 +11,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from llmserve.http.dashboard import STATIC_FILES, asset_response, page_response, state_response
+from llmserve.http.dashboard_state import SnapshotRing, Window
 from llmserve.router.backends import Backend, Pool
 from llmserve.router.gateway import Gateway
-from llmserve.server.dashboard import STATIC_FILES, asset_response, page_response
-from llmserve.server.dashboard_state import SnapshotRing, Window
-from llmserve.server.protocol import encode_json
 
 P = "llmserve_router:"
 SCALE_ACTIONS = ("up", "down")
@@ -80,8 +79,7 @@ def dashboard_routes(gw: Gateway) -> list[Route]:
         return page_response()
 
     async def state(request: Request) -> Response:
-        return Response(encode_json(router_state(ring.advance(time.monotonic()), gw)),
-                        media_type="application/json", headers={"Cache-Control": "no-store"})
+        return state_response(router_state(ring.advance(time.monotonic()), gw))
 
     return [Route("/dashboard", dashboard, methods=["GET"]), Route("/dashboard/state", state, methods=["GET"]),
             *(Route(f"/dashboard/{name}", _asset(name), methods=["GET"]) for name in STATIC_FILES)]

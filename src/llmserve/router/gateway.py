@@ -1,13 +1,13 @@
-"""The router's state, in one object the routes share: pools, the upstream HTTP client, metrics,
-rate limiter, and the health bookkeeping that both active probes and real requests feed."""
+"""The router's state, in one object the routes share: pools, the upstream HTTP client (one for relayed
+requests and background probes alike), metrics, rate limiter, and the health bookkeeping that both active
+probes and real requests feed."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-import httpx
-
+from llmserve.http.errors import APIError
 from llmserve.router.backends import Backend, Pool
 from llmserve.router.classifier import RouteDecision, classify
 from llmserve.router.config import BackendSpec, RouterConfig, RouterSetup
@@ -16,31 +16,20 @@ from llmserve.router.metrics import RouterMetrics
 from llmserve.router.policies import RouteRequest, make_policy
 from llmserve.router.ratelimit import RateLimiter
 from llmserve.router.upstream import Upstream, UpstreamPool
-from llmserve.router.upstream_httpx import HttpxUpstream
-from llmserve.server.errors import APIError
 
 logger = logging.getLogger("llmserve.router")
 
 
-def make_client(config: RouterConfig) -> httpx.AsyncClient:
-    """The client of the background probes and scrapes (requests go through `Gateway.upstream`)."""
-    timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.upstream_timeout_s,
-                            write=config.upstream_timeout_s, pool=config.queue_timeout_s)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
-
-
 class Gateway:
-    def __init__(self, setup: RouterSetup, client: httpx.AsyncClient | None = None) -> None:
-        """`client`: an httpx client for everything upstream (tests: a MockTransport); by default requests
-        go through the lean connection pool of upstream.py and probes through a fresh httpx client."""
+    def __init__(self, setup: RouterSetup, upstream: Upstream | None = None) -> None:
+        """Requests, probes and scrapes go through `upstream` (by default the connection pool of
+        upstream.py); tests pass in-memory ones."""
         self.setup = setup
         self.config = setup.router
         self.metrics = RouterMetrics()
         self.limiter = RateLimiter(self.config.default_rate_limit, setup.key_rate_limits)
-        self.client = client or make_client(self.config)
-        self.upstream: Upstream = (HttpxUpstream(client) if client is not None else
-                                   UpstreamPool(self.config.connect_timeout_s, self.config.upstream_timeout_s))
+        self.upstream: Upstream = upstream or UpstreamPool(self.config.connect_timeout_s,
+                                                           self.config.upstream_timeout_s)
         self.pools: dict[str, Pool] = {}
         for spec in setup.pools:
             pool = self.ensure_pool(spec.name, spec.policy, spec.upstream_model)
@@ -142,4 +131,3 @@ class Gateway:
 
     async def close(self) -> None:
         await self.upstream.aclose()
-        await self.client.aclose()

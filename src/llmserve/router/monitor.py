@@ -7,10 +7,10 @@ import asyncio
 import logging
 import time
 
-import httpx
-
 from llmserve.router.backends import Backend, ScrapedLoad
+from llmserve.router.fetch import fetch
 from llmserve.router.gateway import Gateway
+from llmserve.router.upstream import UpstreamError
 
 logger = logging.getLogger("llmserve.router")
 
@@ -50,9 +50,9 @@ async def probe(gw: Gateway, backend: Backend) -> None:
     if not backend.health.should_probe(time.monotonic()):
         return
     try:
-        response = await gw.client.get(backend.url + "/health", timeout=gw.config.health_timeout_s)
-        is_ok = response.status_code == 200 and (backend.model_card is not None or await learn_model(gw, backend))
-    except httpx.HTTPError:
+        response = await fetch(gw.upstream, backend.url, "/health", gw.config.health_timeout_s)
+        is_ok = response.status == 200 and (backend.model_card is not None or await learn_model(gw, backend))
+    except UpstreamError:
         is_ok = False
     if is_ok:
         gw.record_success(backend)
@@ -64,7 +64,7 @@ async def probe(gw: Gateway, backend: Backend) -> None:
 async def learn_model(gw: Gateway, backend: Backend) -> bool:
     """Ask the backend which model it serves (GET /v1/models); False when it serves none the pool can use.
     A backend without that route keeps no card: requests then carry the pool's (or its upstream_model) name."""
-    response = await gw.client.get(backend.url + "/v1/models", timeout=gw.config.health_timeout_s)
+    response = await fetch(gw.upstream, backend.url, "/v1/models", gw.config.health_timeout_s)
     try:
         cards = [c for c in response.json()["data"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
     except (ValueError, KeyError, TypeError):
@@ -99,12 +99,12 @@ async def scrape(gw: Gateway, backend: Backend) -> None:
     if not backend.is_up:
         return
     try:
-        response = await gw.client.get(backend.url + "/metrics", timeout=gw.config.health_timeout_s)
-        if response.status_code == 200:
+        response = await fetch(gw.upstream, backend.url, "/metrics", gw.config.health_timeout_s)
+        if response.status == 200:
             backend.scraped = scraped_load(response.text)
         if backend.scraped.num_adapters != len(backend.adapters):  # adapters load and unload at run time
             await learn_model(gw, backend)
-    except httpx.HTTPError as e:
+    except UpstreamError as e:
         logger.debug("scrape of %s failed: %s", backend.url, e)
 
 

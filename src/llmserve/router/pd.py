@@ -7,7 +7,8 @@ the prompt, sends its full KV blocks there and answers once they are acked; the 
 client's request unchanged to that decode server, which loads the blocks, computes the prompt's last
 partial block and streams the rest; its bytes pass through untouched. A prefill server that fails (no
 connection, 5xx, timeout) costs nothing but time: the decode server computes the whole prompt. A 4xx from
-the prefill server is the client's error and is returned as is.
+the prefill server is the client's error and is returned as is. Every call goes through the router's one
+upstream client (router/upstream.py).
 """
 
 from __future__ import annotations
@@ -18,16 +19,22 @@ import logging
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llmserve.router.fetch import fetch, fetch_json
+from llmserve.router.upstream import Header, Upstream, UpstreamError, UpstreamPool
+
 logger = logging.getLogger("llmserve.router.pd")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_FORWARDED_HEADERS = ("content-type", "authorization", "accept", "x-request-id")
+_FORWARDED_HEADERS = frozenset({b"content-type", b"authorization", b"accept", b"x-request-id"})
+_KEPT_HEADERS = frozenset({b"content-type", b"x-request-id"})  # of the decode server's response
+CONNECT_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,9 +71,10 @@ def prefill_body(obj: dict, decode_kv_address: str) -> dict:
 
 
 class PDRouter:
-    def __init__(self, config: PDConfig, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, config: PDConfig, upstream: Upstream | None = None) -> None:
+        """Calls go through `upstream` (by default the connection pool of upstream.py); tests pass in-memory ones."""
         self.config = config
-        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(config.upstream_timeout_s, connect=5.0))
+        self.upstream: Upstream = upstream or UpstreamPool(CONNECT_TIMEOUT_S, config.upstream_timeout_s)
         self.prefills = itertools.cycle(config.prefill_urls)
         self.decodes = itertools.cycle(config.decode_urls)
         self.kv_addresses: dict[str, str] = {}  # decode URL -> tcp://host:port of its KV receiver
@@ -74,28 +82,26 @@ class PDRouter:
 
     async def kv_address(self, decode_url: str) -> str:
         if decode_url not in self.kv_addresses:
-            response = await self.client.get(decode_url + "/kv_transfer", timeout=5.0)
-            info = response.json()
+            info = (await fetch(self.upstream, decode_url, "/kv_transfer", PROBE_TIMEOUT_S)).json()
             if info.get("disaggregation_mode") != "decode":
                 raise ValueError(f"{decode_url} is not a decode server (--disaggregation-mode decode)")
             self.kv_addresses[decode_url] = f"tcp://{urlsplit(decode_url).hostname}:{info['kv_port']}"
         return self.kv_addresses[decode_url]
 
-    async def prefill(self, path: str, obj: dict, headers: dict, decode_url: str) -> Response | None:
+    async def prefill(self, path: str, obj: dict, headers: list[Header], decode_url: str) -> Response | None:
         """Run the prompt on a prefill server; its error response when it is the client's (4xx), else None
         (done, or failed: the decode server then computes the prompt itself)."""
         url = next(self.prefills)
         self.stats.prefill_by_url[url] = self.stats.prefill_by_url.get(url, 0) + 1
         try:
             body = prefill_body(obj, await self.kv_address(decode_url))
-            response = await self.client.post(url + path, json=body, headers=headers,
-                                              timeout=self.config.prefill_timeout_s)
-        except (httpx.HTTPError, ValueError, KeyError) as e:
+            response = await fetch_json(self.upstream, url, path, self.config.prefill_timeout_s, body, headers)
+        except (UpstreamError, ValueError, KeyError, AttributeError) as e:
             return self._prefill_failed(url, repr(e))
-        if 400 <= response.status_code < 500:
-            return Response(response.content, response.status_code, media_type="application/json")
-        if response.status_code != 200:
-            return self._prefill_failed(url, f"HTTP {response.status_code}")
+        if 400 <= response.status < 500:
+            return Response(response.body, response.status, media_type="application/json")
+        if response.status != 200:
+            return self._prefill_failed(url, f"HTTP {response.status}")
         return None
 
     def _prefill_failed(self, url: str, reason: str) -> None:
@@ -111,42 +117,49 @@ class PDRouter:
             return _error(400, "the body is not JSON")
         if not isinstance(obj, dict):
             return _error(400, "the body must be a JSON object")
-        headers = {k: v for k, v in request.headers.items() if k in _FORWARDED_HEADERS}
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() in _FORWARDED_HEADERS]
         self.stats.num_requests += 1
         decode_url = next(self.decodes)
         self.stats.decode_by_url[decode_url] = self.stats.decode_by_url.get(decode_url, 0) + 1
         error = await self.prefill(request.url.path, obj, headers, decode_url)
         if error is not None:
             return error
-        return await self._forward(decode_url + request.url.path, raw, headers)
+        return await self._forward(decode_url, request.url.path, raw, headers)
 
-    async def _forward(self, url: str, body: bytes, headers: dict) -> Response:
+    async def _forward(self, url: str, path: str, body: bytes, headers: list[Header]) -> Response:
         """The decode server's response, its bytes passed through as they come (SSE included); a client that
-        goes away closes the upstream stream, which aborts the request there."""
-        upstream = self.client.build_request("POST", url, content=body, headers=headers)
+        goes away closes the upstream connection, which aborts the request there."""
         try:
-            response = await self.client.send(upstream, stream=True)
-        except httpx.HTTPError as e:
+            response = await self.upstream.send(url, path, body, headers)
+        except UpstreamError as e:
             return _error(502, f"the decode server failed: {e!r}", "bad_gateway")
-        kept = {k: v for k, v in response.headers.items() if k in ("content-type", "x-request-id")}
-        return StreamingResponse(response.aiter_raw(), response.status_code, headers=kept,
+
+        async def body_parts():
+            try:
+                while part := await response.read():
+                    yield part
+            finally:
+                await response.aclose()  # read to its end: back to the pool; cut short: closed
+
+        kept = {k.decode(): v.decode("latin-1") for k, v in response.headers if k in _KEPT_HEADERS}
+        return StreamingResponse(body_parts(), response.status, headers=kept,
                                  background=BackgroundTask(response.aclose))
 
     async def get(self, request: Request) -> Response:
         """Read-only routes from a decode server (models, version)."""
-        url = next(self.decodes) + request.url.path
         try:
-            response = await self.client.get(url)
-        except httpx.HTTPError as e:
+            response = await fetch(self.upstream, next(self.decodes), request.url.path, self.config.upstream_timeout_s)
+        except UpstreamError as e:
             return _error(502, f"the decode server failed: {e!r}", "bad_gateway")
-        return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
+        media_type = response.header(b"content-type")
+        return Response(response.body, response.status, media_type=media_type and media_type.decode("latin-1"))
 
     async def health(self, request: Request) -> Response:
         """Healthy when some prefill and some decode server answer their /health."""
         async def is_up(url: str) -> bool:
             try:
-                return (await self.client.get(url + "/health", timeout=2.0)).status_code == 200
-            except httpx.HTTPError:
+                return (await fetch(self.upstream, url, "/health", HEALTH_TIMEOUT_S)).status == 200
+            except UpstreamError:
                 return False
 
         roles = {}

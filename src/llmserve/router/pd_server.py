@@ -7,7 +7,7 @@ import logging
 
 import uvicorn
 
-from llmserve.aio import bind_socket, run_service
+from llmserve.http.launch import bind_socket, run_service
 from llmserve.router.config import RouterConfig
 from llmserve.router.pd import PDConfig, PDRouter, build_pd_app
 
@@ -41,11 +41,10 @@ async def serve_pd(config: PDConfig, host: str, port: int, log_level: str) -> in
     try:
         await server.serve(sockets=[sock])
     finally:
-        await router.client.aclose()
+        await router.upstream.aclose()
         sock.close()
     return 0
 
 
 def run_pd(config: PDConfig, host: str, port: int, log_level: str) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     return run_service(serve_pd(config, host, port, log_level), log_level, logger)

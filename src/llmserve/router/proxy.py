@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from llmserve.http.errors import APIError, ErrorBody, service_unavailable, to_api_error
+from llmserve.http.sse import SSE_DONE, sse_error
 from llmserve.router.admission import QueueFull, QueueTimeout
 from llmserve.router.backends import Backend, Pool
 from llmserve.router.direct_write import ChunkedBodyWriter
@@ -29,9 +31,7 @@ from llmserve.router.gateway import Gateway
 from llmserve.router.policies import RouteRequest
 from llmserve.router.rewrite import ModelRename, SseRenamer, json_body, request_body
 from llmserve.router.upstream import Header, Response, UpstreamConnectError, UpstreamError
-from llmserve.server.errors import APIError, ErrorBody, service_unavailable, to_api_error
 
-SSE_DONE = b"data: [DONE]\n\n"
 _DROPPED_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"})
 _FAILURE_STATUSES = frozenset({502, 504})  # a proxy in front of the backend could not reach it
 
@@ -155,7 +155,7 @@ async def _acquire(gw: Gateway, fwd: Forward, tried: frozenset[str]) -> Backend:
 async def _attempt(gw: Gateway, fwd: Forward, backend: Backend) -> Response | _Retry:
     sent_at = time.perf_counter()
     try:
-        upstream = await gw.upstream.post(backend.url, fwd.path, fwd.body_for(backend), _upstream_headers(fwd, backend),
+        upstream = await gw.upstream.send(backend.url, fwd.path, fwd.body_for(backend), _upstream_headers(fwd, backend),
                                           fwd.method)
     except BaseException as e:
         fwd.pool.release(backend)
@@ -285,7 +285,7 @@ async def _pump(gw: Gateway, pool: Pool, backend: Backend, upstream: Response, s
 def sse_error_event(exc: BaseException, backend: Backend) -> bytes:
     error = APIError(502, f"the backend {backend.url} closed the stream mid-way ({type(exc).__name__}: {exc})",
                      code="upstream_disconnected")
-    return b"data: " + msgspec.json.encode(ErrorBody(error.info())) + b"\n\n"
+    return sse_error(error)
 
 
 async def send_json(send, status: int, body: bytes, headers: tuple[Header, ...] = ()) -> None:

@@ -10,7 +10,7 @@ import signal
 
 import uvicorn
 
-from llmserve.aio import bind_socket, run_service
+from llmserve.http.launch import bind_socket, run_service
 from llmserve.router.app import build_app
 from llmserve.router.config import RouterSetup
 from llmserve.router.direct_write import RouterHttpProtocol
@@ -70,5 +70,4 @@ async def serve(setup: RouterSetup) -> int:
 
 
 def run(setup: RouterSetup) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     return run_service(serve(setup), setup.router.log_level, logger)

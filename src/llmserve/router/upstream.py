@@ -286,7 +286,7 @@ class UpstreamPool:
         self._idle: dict[Origin, list[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
 
-    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header],
+    async def send(self, url: str, path: str, body: bytes, headers: Sequence[Header],
                    method: bytes = b"POST") -> UpstreamResponse:
         """Send the request (a POST unless `method` says otherwise) and wait for the response head."""
         origin = self._origins.get(url) or self._origins.setdefault(url, Origin.parse(url))
@@ -369,7 +369,7 @@ class UpstreamPool:
 
 
 class Response(Protocol):
-    """What the proxy needs of an upstream response (UpstreamResponse, or upstream_httpx's)."""
+    """What the proxy needs of an upstream response (UpstreamResponse; the tests' in-memory backends have their own)."""
 
     status: int
     headers: list[Header]  # names lower-case
@@ -392,7 +392,7 @@ class Upstream(Protocol):
     """Sends a request (POST unless `method` says otherwise) to a backend and returns once the response head
     arrived (raises UpstreamError)."""
 
-    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header],
+    async def send(self, url: str, path: str, body: bytes, headers: Sequence[Header],
                    method: bytes = b"POST") -> Response: ...
 
     def forget(self, url: str) -> None: ...

@@ -206,7 +206,7 @@ def _padded(token_lists: list[list[int]], pad_id: int, device: torch.device) -> 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list -> tensor on device; pinned + non_blocking on CUDA so the host never waits (numpy arrays:
-    model.step_inputs.on_device)."""
+    model.paged_indices.on_device)."""
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     is_cuda = device.type == "cuda"

@@ -18,7 +18,8 @@ _TINY = torch.finfo(torch.float32).tiny
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B] int64: each row's first maximum (torch.argmax's tie rule). On the CPU numpy's
-    argmax, ~10x faster than torch's for a few hundred rows (and no OpenMP threads to wake)."""
+    argmax, faster than torch's for a few hundred rows, with no OpenMP threads to wake (docs/benchmarks.md,
+    "Figures behind choices in the code")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
         return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
@@ -87,7 +88,7 @@ def apply_top_k_top_p(
         return logits
     if logits.device.type != "cpu":
         return apply_top_k_top_p_sorted(logits, top_k, top_p)
-    # CPU sorts are slow (~2 ms per 50k-token row): top-k with topk, then top-p sorting only the
+    # CPU sorts of a vocabulary-wide row are slow: top-k with topk, then top-p sorting only the
     # candidates. Their count is a host sync, free on CPU.
     if top_k is not None:
         apply_top_k_only(logits, top_k, max_top_k)

@@ -8,8 +8,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from llmserve import __version__
+from llmserve.http.errors import APIError, service_unavailable
 from llmserve.server.dashboard import add_dashboard_routes
-from llmserve.server.errors import APIError, install_error_handlers, service_unavailable, error_response
+from llmserve.server.errors import install_error_handlers, error_response
 from llmserve.server.middleware import FrontDoor
 from llmserve.server.openapi import DocumentedAPI, schema_ref
 from llmserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,

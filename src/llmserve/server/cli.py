@@ -9,7 +9,7 @@ import errno
 import socket
 import sys
 
-from llmserve.aio import bind_socket, end_process
+from llmserve.http.launch import bind_socket, end_process
 from llmserve.config import (CommandLineParser, add_dataclass_args, add_engine_args, dataclass_from_args,
                              engine_config_from_args)
 from llmserve.preflight import check_before_loading

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from llmserve.config import check, check_choice, check_min, parse_bytes
+from llmserve.config_checks import check, check_choice, check_min, parse_bytes
 from llmserve.server.reasoning import REASONING_PARSERS
+from llmserve.server.reasoning_grammar import parse_structured_outputs_config
 from llmserve.server.tool_parsers import PARSER_NAMES
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
@@ -45,7 +46,8 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "how tool calls are read from the model's text under tool_choice 'auto': hermes "
                 "(<tool_call>{...}</tool_call>: Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}: "
-                "Llama 3.x), mistral ([TOOL_CALLS][...]); default: chosen by the markers the chat template mentions",
+                "Llama 3.x), mistral ([TOOL_CALLS][...]), openai (gpt-oss's harmony messages to=functions.NAME; with "
+                "--reasoning-parser gpt_oss); default: chosen by the markers the chat template mentions",
         "choices": list(PARSER_NAMES)})
     grpc_port: int | None = field(default=None, metadata={
         "help": "serve the gRPC API (llmserve.proto's Generation service) on this port too, same host, engine "
@@ -55,6 +57,9 @@ class ServerConfig:
                 "API's reasoning item): deepseek_r1 (the template opens <think>), qwen3 (the model writes "
                 "<think>...</think>), gpt_oss (harmony's analysis channel); default: thoughts stay in the content",
         "choices": list(REASONING_PARSERS)})
+    structured_outputs_config: str | None = field(default=None, metadata={
+        "help": "JSON: enable_in_reasoning (true: a grammar constrains the thoughts too; default false: with "
+                "--reasoning-parser it starts after the end of the thoughts, as vLLM's)"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,8 +83,13 @@ class ServerConfig:
               f"must be in [0, 65535], got {self.grpc_port}")
         if self.reasoning_parser is not None:
             check_choice("reasoning-parser", self.reasoning_parser, REASONING_PARSERS)
+        parse_structured_outputs_config(self.structured_outputs_config)  # ValueError naming the flag
         check(self.request_timeout is None or self.request_timeout > 0, "request-timeout",
               f"must be > 0, got {self.request_timeout}")
+
+    @property
+    def is_grammar_in_reasoning(self) -> bool:
+        return parse_structured_outputs_config(self.structured_outputs_config).get("enable_in_reasoning", False)
 
     @property
     def num_max_body_bytes(self) -> int:

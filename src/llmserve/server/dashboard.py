@@ -1,6 +1,6 @@
 """GET /dashboard: a live page of the server's state, fed by GET /dashboard/state (JSON), which reads the
-ServerMetrics registry that /metrics renders (dashboard_state.py). The page, its script and style are
-package files (static/dashboard/), served here; nothing loads from outside the server.
+ServerMetrics registry that /metrics renders (http/dashboard_state.py). The page, its script and style are
+the files the router's dashboard serves too (http/dashboard.py); nothing loads from outside the server.
 
 Like /metrics, these paths are open when an API key is set (middleware.OPEN_PATHS): the state says no
 more than /metrics does. The page still sends `Authorization: Bearer` when the state answers 401 (it
@@ -10,31 +10,14 @@ asks for the key once), so it keeps working if the state is ever put behind the 
 from __future__ import annotations
 
 import time
-from importlib import resources
-
 from starlette.requests import Request
 from starlette.responses import Response
 
-from llmserve.server.dashboard_state import SnapshotRing, Window, ratio
-from llmserve.server.protocol import encode_json
+from llmserve.http.dashboard import STATIC_FILES, asset_response, page_response, state_response
+from llmserve.http.dashboard_state import SnapshotRing, Window, ratio
 
-STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/state", *(f"/dashboard/{name}" for name in STATIC_FILES)})
 P = "llmserve:"
-
-
-def static_file(name: str) -> bytes:
-    return resources.files("llmserve.server").joinpath("static", "dashboard", name).read_bytes()
-
-
-def page_response() -> Response:
-    return Response(static_file("dashboard.html"), media_type="text/html; charset=utf-8",
-                    headers={"Cache-Control": "no-cache"})
-
-
-def asset_response(name: str) -> Response:
-    return Response(static_file(name), media_type=f"{STATIC_FILES[name]}; charset=utf-8",
-                    headers={"Cache-Control": "no-cache"})
 
 
 def server_state(w: Window, model_name: str) -> dict:
@@ -111,8 +94,7 @@ def add_dashboard_routes(app, metrics) -> None:
         return page_response()
 
     async def state(request: Request) -> Response:
-        return Response(encode_json(server_state(ring.advance(time.monotonic()), metrics.model_name)),
-                        media_type="application/json", headers={"Cache-Control": "no-store"})
+        return state_response(server_state(ring.advance(time.monotonic()), metrics.model_name))
 
     app.add_route("/dashboard", dashboard, methods=["GET"], include_in_schema=False)
     app.add_route("/dashboard/state", state, methods=["GET"], include_in_schema=False)

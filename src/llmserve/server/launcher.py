@@ -17,13 +17,13 @@ import time
 
 import uvicorn
 
-from llmserve.aio import bind_socket, run_service
+from llmserve.http.launch import bind_socket, run_service
 from llmserve.config import EngineConfig, LoRAConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.heap import freeze_startup_heap
+from llmserve.http.errors import APIError, service_unavailable
 from llmserve.server.api_server import build_app
 from llmserve.server.config import ServerConfig
-from llmserve.server.errors import APIError, service_unavailable
 from llmserve.server.lora_registry import LoRARegistry
 from llmserve.server.grpc_service.service import bind_grpc, start_grpc
 from llmserve.server.loop_lag import probe_loop_lag

@@ -8,9 +8,9 @@ import os
 
 from collections.abc import Callable
 
+from llmserve.http.errors import APIError
 from llmserve.lora_request import LoRARequest
 from llmserve.model.lora_adapter import AdapterError, BaseShapes, base_shapes, check_adapter
-from llmserve.server.errors import APIError
 
 
 class LoRARegistry:

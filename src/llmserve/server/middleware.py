@@ -10,8 +10,9 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserve.http.errors import APIError, service_unavailable
 from llmserve.server.dashboard import DASHBOARD_PATHS
-from llmserve.server.errors import APIError, error_response, service_unavailable
+from llmserve.server.errors import error_response
 from llmserve.server.serving_common import ServingContext
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"}) | DASHBOARD_PATHS

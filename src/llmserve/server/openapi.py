@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI
 
-from llmserve.server.errors import ErrorBody
+from llmserve.http.errors import ErrorBody
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 SSE = "text/event-stream"

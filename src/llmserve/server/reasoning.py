@@ -11,7 +11,9 @@ reasoning item) instead of inside `content`.
     <|channel|>analysis<|message|>THOUGHTS<|end|><|start|>assistant<|channel|>final<|message|>ANSWER<|return|>
   A body runs from <|message|> to <|end|>, <|return|>, <|call|> or <|endoftext|>; the analysis channel's
   bodies are the reasoning, the others' (final, commentary) the content. An output that opens with no header
-  is all content.
+  is all content. A message to a function (`<|channel|>commentary to=functions.NAME <|constrain|>json
+  <|message|>{...}<|call|>`) stays whole in the content, header and markers, for the `openai` tool-call
+  parser to read (tool_parsers/harmony.py).
 
 Tool calls and the answer are read from what follows the thoughts.
 """
@@ -113,6 +115,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 MESSAGE, CHANNEL, START = "<|message|>", "<|channel|>", "<|start|>"
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")  # the last three: gpt-oss's EOS ids
 REASONING_CHANNEL = "analysis"
+FUNCTION_RECIPIENT = "to=functions."
 
 
 class HarmonyStream:
@@ -123,6 +126,7 @@ class HarmonyStream:
         self.state = "start"  # start | header | body | plain
         self.has_reasoning = False
         self.is_reasoning_body = False
+        self.is_call_body = False  # a message to a function: passed on whole, as the content
         self.pending = ""  # held back: a header so far, or a possible start of a marker
 
     def feed(self, text: str, is_final: bool) -> tuple[str, str]:
@@ -138,7 +142,7 @@ class HarmonyStream:
                 content.append(text)
                 break
             elif self.state == "header":
-                text = self._header(text)
+                text = self._header(text, content)
                 if text is None:
                     break
             else:
@@ -157,13 +161,18 @@ class HarmonyStream:
         self.state = "plain"
         return text
 
-    def _header(self, text: str) -> str | None:
-        """Up to <|message|>: the body's channel read from it; None: the header goes on in the next delta."""
+    def _header(self, text: str, content: list[str]) -> str | None:
+        """Up to <|message|>: the body's channel read from it (a call's header goes to `content`); None: the
+        header goes on in the next delta."""
         end = text.find(MESSAGE)
         if end < 0:
             self.pending = text
             return None
-        self.is_reasoning_body = _channel(text[:end]) == REASONING_CHANNEL
+        header = text[:end]
+        self.is_reasoning_body = _channel(header) == REASONING_CHANNEL
+        self.is_call_body = not self.is_reasoning_body and function_name(header) is not None
+        if self.is_call_body:
+            content.append(header.lstrip() + MESSAGE)
         self.has_reasoning |= self.is_reasoning_body
         self.state = "body"
         return text[end + len(MESSAGE):]
@@ -173,13 +182,23 @@ class HarmonyStream:
         ends = [(i, marker) for marker in BODY_ENDS if (i := text.find(marker)) >= 0]
         if ends:
             i, marker = min(ends)
-            out.append(text[:i])
+            out.append(text[:i] + (marker if self.is_call_body else ""))
             self.state = "header"
             return text[i + len(marker):]
         keep = 0 if is_final else max(_partial_suffix(text, marker) for marker in BODY_ENDS)
         out.append(text[:len(text) - keep])
         self.pending = text[len(text) - keep:]
         return ""
+
+
+def function_name(header: str) -> str | None:
+    """The function a message header addresses (`... to=functions.NAME ...`), or None (no recipient, or a
+    built-in tool's such as `python`)."""
+    at = header.find(FUNCTION_RECIPIENT)
+    if at < 0:
+        return None
+    name = header[at + len(FUNCTION_RECIPIENT):].split("<|", 1)[0].split(None, 1)
+    return name[0] if name else None
 
 
 def _channel(header: str) -> str:

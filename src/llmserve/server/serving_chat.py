@@ -17,6 +17,7 @@ from llmserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       DeltaMessage, ResponseMessage, TopLogprob, decode_json, encode_json,
                                       make_usage)
 from llmserve.server.reasoning import ThoughtStream, needs_special_tokens, reasoning_stream, split_reasoning
+from llmserve.server.reasoning_grammar import grammar_after_thinking
 from llmserve.server.serving_common import (ServingContext, TokenLabels, collect_final, created_now,
                                             logprob_labels, new_request_id, render_chat, template_kwargs)
 from llmserve.server.streams import sse_event, sse_response, until_disconnect, with_error_event
@@ -57,6 +58,8 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[ToolP
     params = build_params(ctx.engine.default_sampling_params, overrides)
     kwargs = template_kwargs(tokenizer, req.reasoning_effort, req.chat_template_kwargs)
     text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools, kwargs)
+    if not ctx.config.is_grammar_in_reasoning:
+        grammar_after_thinking(params, ctx.config.reasoning_parser, tokenizer, text)
     prompt = TokensPrompt(ctx.engine.encode(text, add_special_tokens=False), text)
     ctx.engine.check_request(len(prompt.token_ids), params)
     return plan, params, prompt

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 
 from llmserve.engine.async_llm import AsyncLLM, merge_outputs
+from llmserve.http.errors import APIError, service_unavailable
 from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.server.config import ServerConfig
-from llmserve.server.errors import APIError, service_unavailable
 from llmserve.server.lora_registry import LoRARegistry
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import ChatMessage

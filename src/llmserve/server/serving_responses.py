@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from llmserve.engine.async_llm import TokensPrompt
-from llmserve.server.errors import APIError
+from llmserve.http.errors import APIError
 from llmserve.server.protocol import ChatMessage, ResponseMessage, decode_json, encode_json
 from llmserve.server.protocol_responses import (FunctionCallItem, IncompleteDetails, InputTokensDetails,
                                                 OutputItem, OutputMessage, OutputText, OutputTokensDetails,

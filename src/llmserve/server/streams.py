@@ -14,14 +14,15 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from llmserve.server.errors import error_payload, to_api_error
+from llmserve.http import sse
+from llmserve.http.sse import SSE_DONE
+from llmserve.server.errors import to_api_error
 from llmserve.server.protocol import encode_json
 
 T = TypeVar("T")
 
 logger = logging.getLogger("llmserve.server")
 
-SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -34,7 +35,7 @@ def sse_event(obj: Any) -> bytes:
 
 
 def sse_error(exc: BaseException) -> bytes:
-    return b"data: " + error_payload(exc) + b"\n\n"
+    return sse.sse_error(exc, to_api_error)
 
 
 def sse_response(events: AsyncIterator[bytes], request_id: str,

@@ -17,8 +17,8 @@ from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.server.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from llmserve.server.protocol_tools import (ChatTool, DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                             NamedToolChoice, ToolCall)
-from llmserve.server.tool_parsers import (JsonArrayParser, ParsedCall, ToolCallStream, ToolParser, escape_controls,
-                                          parse_output, resolve_parser)
+from llmserve.server.tool_parsers import (PARSER_NAMES, JsonArrayParser, ParsedCall, ToolCallStream, ToolParser,
+                                          escape_controls, parse_output, resolve_parser)
 
 ANY_OBJECT: dict = {"type": "object"}
 _DEFS_KEYS = ("$defs", "definitions")
@@ -122,7 +122,7 @@ def plan_tools(req: ChatCompletionRequest, configured_parser: str | None, chat_t
     parser_cls = resolve_parser(configured_parser, chat_template) if mode == "auto" else None
     if mode == "auto" and parser_cls is None:
         raise ValueError("tool_choice 'auto' needs a tool-call parser and none matches this model's chat template: "
-                         "start the server with --tool-call-parser (hermes, llama3_json or mistral), or send "
+                         f"start the server with --tool-call-parser ({', '.join(PARSER_NAMES)}), or send "
                          "tool_choice 'required' or a named function")
     return ToolPlan(mode, tools, None, is_parallel, parser_cls)
 

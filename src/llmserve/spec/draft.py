@@ -2,7 +2,10 @@
 
 It runs inside the engine step on its own paged KV cache, which has the target's number of blocks
 and is indexed by the same block tables, so the scheduler's allocation covers both (plus k
-lookahead slots for the tokens it proposes). Each proposal first catches the draft up on the real
+lookahead slots for the tokens it proposes). With KV cache groups (core/kv_cache_groups.py: a row's block
+ids interleave the groups) the draft's blocks are the first group's, a full-attention one, which keeps every
+block of the sequence while sliding groups give theirs back; the draft's own layers, full or sliding, read
+them as a one-group model's. Each proposal first catches the draft up on the real
 tokens it has not seen (the prompt the first time; then the tokens accepted last step), sampling the
 first draft at the last of them, then runs k - 1 single-token forwards. When every row is plain greedy
 and a `DraftChain` is given (CUDA graphs of the draft), those k - 1 forwards stay on the device
@@ -25,8 +28,7 @@ from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
 from llmserve.spec.draft_chain import DraftChain, VerifiedStep
 from llmserve.spec.draft_head import DraftHead
-from llmserve.model.step_inputs import StepInputs
-from llmserve.spec.draft_inputs import prepare_inputs
+from llmserve.spec.draft_inputs import DraftInputs, prepare_inputs
 from llmserve.spec.proposer import ProposerRow
 
 _DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from positions of their own
@@ -44,8 +46,10 @@ class _DraftInput:
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, head: DraftHead, attn_backend: AttentionBackend,
                  kv_caches: list[torch.Tensor], block_size: int, num_speculative_tokens: int, max_model_len: int,
-                 device: torch.device, seed: int = 0, chain: DraftChain | None = None) -> None:
+                 device: torch.device, seed: int = 0, chain: DraftChain | None = None,
+                 num_kv_groups: int = 1) -> None:
         self.model = model
+        self.num_kv_groups = num_kv_groups  # the target's; the draft's blocks are every num_kv_groups-th id
         self.head = head  # its logits, maybe over a reduced vocabulary (spec/draft_head.py)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per draft layer [2, num_blocks, block_size, Hkv, D]
@@ -97,7 +101,7 @@ class DraftModelProposer:
             for row in rows:
                 row.num_draft_computed = len(row.token_ids)
             return early, [None] * len(rows)
-        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, r.block_ids) for r in rows]
+        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, self._blocks(r)) for r in rows]
         if self._can_chain(rows):
             return self._propose_chained(rows, inputs, counts), [None] * len(rows)
         drafts: list[list[int]] = [[] for _ in rows]
@@ -110,7 +114,7 @@ class DraftModelProposer:
             if not active:
                 break
             inputs = [_DraftInput([*rows[j].token_ids.tolist(), *drafts[j]], len(rows[j].token_ids) + i - 1,
-                                  rows[j].block_ids) for j in active]
+                                  self._blocks(rows[j])) for j in active]
             self._step(rows, active, inputs, [1] * len(active), drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
 
@@ -120,7 +124,11 @@ class DraftModelProposer:
             return False
         if any(len(r.token_ids) + self.k - 1 >= self.max_model_len for r in rows):
             return False
-        return self.chain.fits(len(rows), max(len(r.block_ids) for r in rows))
+        return self.chain.fits(len(rows), max(len(self._blocks(r)) for r in rows))
+
+    def _blocks(self, row: ProposerRow) -> list[int]:
+        """The row's block ids of the first KV cache group: the draft's."""
+        return row.block_ids if self.num_kv_groups == 1 else row.block_ids[::self.num_kv_groups]
 
     def _propose_chained(self, rows: list[ProposerRow], inputs: list[_DraftInput],
                          counts: list[int]) -> list[list[int]]:
@@ -146,7 +154,7 @@ class DraftModelProposer:
             if q is not None and rows[j].params.temperature != 0.0:
                 probs[j].append(q[a])
 
-    def _forward(self, inputs: list[_DraftInput], counts: list[int]) -> tuple[torch.Tensor, StepInputs]:
+    def _forward(self, inputs: list[_DraftInput], counts: list[int]) -> tuple[torch.Tensor, DraftInputs]:
         """One draft forward of `counts` tokens a row -> float32 logits [A, V] at each row's last token,
         and the forward's inputs."""
         step = prepare_inputs(inputs, counts, self.block_size, self.device)

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from llmserve.model.step_inputs import slot_mapping
+from llmserve.model.paged_indices import slot_mapping
 from llmserve.spec.draft_head import DraftHead
 
 

@@ -3,15 +3,27 @@ gather theirs from its persistent batch, worker/persistent_batch.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from llmserve.model.attention import AttentionInputs
-from llmserve.model.step_inputs import StepInputs, flat_positions, logits_indices, on_device, slot_mapping
+from llmserve.model.paged_indices import flat_positions, logits_indices, on_device, slot_mapping
+
+
+@dataclass
+class DraftInputs:
+    """One draft forward's inputs (the runner's own: worker/step_inputs.py, which spec/ does not import)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionInputs
+    logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
 
 
 def prepare_inputs(states: list, num_scheduled: list[int], block_size: int,
-                   device: torch.device, drafts: list[list[int]] | None = None) -> StepInputs:
+                   device: torch.device, drafts: list[list[int]] | None = None) -> DraftInputs:
     """Flatten the step's rows into token, position, slot and block-table tensors (numpy, no per-token loop).
 
     `drafts` per row: draft tokens scheduled after the row's real tokens (speculative decoding)."""
@@ -35,12 +47,11 @@ def prepare_inputs(states: list, num_scheduled: list[int], block_size: int,
         seq_lens_cpu=seq_lens.tolist(),
         block_size=block_size,
     )
-    return StepInputs(
+    return DraftInputs(
         input_ids=on_device(input_ids, device),
         positions=on_device(positions, device),
         attn=attn,
         logits_indices=on_device(logits_indices(cu[1:][sample_rows], num_drafts[sample_rows]), device),
-        sample_rows=sample_rows,
     )
 
 

@@ -129,7 +129,7 @@ class Speculator:
                                         self.has_long_catch_up))
 
     def observe_window(self, num_rows: int, num_forwards: int, seconds: float) -> None:
-        """A plain multi-step window ran (worker/multi_step.py): plain decoding's cost a forward there."""
+        """A plain multi-step window ran (worker/decode_window.py): plain decoding's cost a forward there."""
         self.rule.observe_window(num_rows, num_forwards, seconds)
 
     def forget(self, req_ids) -> None:

@@ -56,7 +56,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)  # its CPU kernel: ~2x ours
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)  # its CPU kernel is faster than ours
         return
     rows = torch.tensor(indices, dtype=torch.int64)  # [P]
     allowed = unpack_bitmask(bitmask[rows].to(logits.device, non_blocking=True), logits.shape[-1])  # [P, V]

@@ -117,7 +117,7 @@ def native_message(error: BaseException) -> str:
 
 def validate(params: StructuredOutputsParams) -> None:
     """Check the constraint's fields and syntax (no tokenizer needed); ValueError naming the problem.
-    A constraint that passed is remembered (a JSON schema's check costs ~2 ms of the event loop)."""
+    A constraint that passed is remembered (a JSON schema's check holds up the event loop)."""
     params.validate()
     _check_syntax(params.cache_key)
 

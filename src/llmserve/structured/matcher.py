@@ -9,12 +9,16 @@ class RequestGrammar:
     """Starts once its grammar is compiled; then follows the request's output tokens.
 
     Draft tokens are tried and rolled back (`num_valid_drafts`, `fill_bitmask`): only tokens the request
-    keeps (`accept`) stay accepted.
+    keeps (`accept`) stay accepted. With `reasoning_end` (a thinking model's end-of-thought ids) the grammar
+    applies only after the output has held them: the thoughts before are free.
     """
 
-    def __init__(self, compiled: Future) -> None:
+    def __init__(self, compiled: Future, reasoning_end: list[int] | None = None) -> None:
         self.compiled = compiled
         self.matcher = None
+        self.reasoning_end = tuple(reasoning_end or ())
+        self.recent: tuple[int, ...] = ()  # the last kept ids while thinking (as many as reasoning_end holds)
+        self.is_thinking = bool(self.reasoning_end)
 
     @property
     def is_ready(self) -> bool:
@@ -36,14 +40,39 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may follow."""
-        return self.matcher.is_terminated()
+        return not self.is_thinking and self.matcher.is_terminated()
 
     def accept(self, token_id: int) -> bool:
         """Advance over one kept token; False (and no change) when the grammar forbids it."""
+        if self.is_thinking:
+            self.recent = self._after(self.recent, token_id)
+            self.is_thinking = self.recent != self.reasoning_end
+            return True
         return self.matcher.accept_token(token_id)
+
+    def _num_thought_drafts(self, drafts: list[int]) -> int | None:
+        """How many leading drafts are thoughts, the last of them ending the thinking: 0 when the grammar
+        applies already; None when the thinking goes on past them all."""
+        if not self.is_thinking:
+            return 0
+        recent = self.recent
+        for i, token_id in enumerate(drafts):
+            recent = self._after(recent, token_id)
+            if recent == self.reasoning_end:
+                return i + 1
+        return None
+
+    def _after(self, recent: tuple[int, ...], token_id: int) -> tuple[int, ...]:
+        return (*recent, token_id)[-len(self.reasoning_end):]
 
     def num_valid_drafts(self, drafts: list[int]) -> int:
         """How many leading drafts the grammar allows (the state is left as it was)."""
+        num_thought = self._num_thought_drafts(drafts)
+        if num_thought is None:
+            return len(drafts)
+        return num_thought + self._num_valid(drafts[num_thought:])
+
+    def _num_valid(self, drafts: list[int]) -> int:
         num = 0
         for token_id in drafts:
             if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
@@ -54,7 +83,15 @@ class RequestGrammar:
         return num
 
     def fill_bitmask(self, bitmask, row: int, drafts: list[int]) -> None:
-        """Rows row .. row + len(drafts): the allowed tokens after drafts[:j] (drafts already checked)."""
+        """Rows row .. row + len(drafts): the allowed tokens after drafts[:j] (drafts already checked); a row
+        still in thought allows any token."""
+        num_thought = self._num_thought_drafts(drafts)
+        for j in range(len(drafts) + 1 if num_thought is None else num_thought):
+            bitmask[row + j].fill_(-1)
+        if num_thought is not None:
+            self._fill_rows(bitmask, row + num_thought, drafts[num_thought:])
+
+    def _fill_rows(self, bitmask, row: int, drafts: list[int]) -> None:
         num_accepted = 0
         for j in range(len(drafts) + 1):
             if self.matcher.is_terminated():

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmserve.model.quant.token_kinds import ALL_DECODE, step_kinds_of
-from llmserve.model.step_inputs import StepInputs
+from llmserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:  # triton is imported only where the Triton backend is used
     from llmserve.model.attn_triton import TritonAttentionBackend

@@ -79,7 +79,7 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, max_model_len: int, max_
 def cpu_cap_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
     """The CPU default's cap: twice the blocks that max_num_seqs sequences of max_model_len tokens fill (as
     many again to keep finished prefixes), plus the null block. More would cost start-up time (zeroing and a
-    record a block: ~15 s for the tiny model's 750k blocks in a quarter of 23 GiB) and resident memory."""
+    record a block; docs/benchmarks.md, "Figures behind choices in the code") and resident memory."""
     return 2 * max_num_seqs * -(-max_model_len // block_size) + 1
 
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import weakref
 import zlib
 from collections import OrderedDict
@@ -141,6 +142,24 @@ class DiskTier:
             self._remove(block_hash.value)
             return None
         self.files.move_to_end(block_hash.value)
+        return block
+
+    def has(self, block_hash: BlockHash) -> bool:
+        entry = self.files.get(block_hash.value)
+        return entry is not None and entry[0] == block_hash
+
+    def read(self, block_hash: BlockHash, lock: threading.Lock) -> torch.Tensor | None:
+        """`get` for a reader beside the thread that writes: the file is read outside `lock`, the index
+        touched inside it. A file deleted meanwhile (evicted) is a miss; a bad one is deleted and counted."""
+        block = self._read(block_hash)
+        with lock:
+            if not self.has(block_hash):
+                return None  # evicted or replaced while it was read
+            if block is None:
+                self.num_corrupt += 1
+                self._remove(block_hash.value)
+                return None
+            self.files.move_to_end(block_hash.value)
         return block
 
     def _read(self, block_hash: BlockHash) -> torch.Tensor | None:

@@ -15,11 +15,8 @@ next step's diff).
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
@@ -27,39 +24,27 @@ import torch
 
 from llmserve.core.kv_cache_groups import KVCacheLayout
 from llmserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from llmserve.model.attention import AttentionBackend, AttentionInputs
+from llmserve.model.attention import AttentionBackend
+from llmserve.model.paged_indices import on_device
 from llmserve.model.parallel import TensorParallel
-from llmserve.model.quant.token_kinds import step_kinds_of, token_kinds
-from llmserve.model.step_inputs import StepInputs, logits_indices, on_device
+from llmserve.model.quant.token_kinds import step_kinds_of
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import apply_bitmask
 from llmserve.worker.cuda_graphs import DecodeGraphs
-from llmserve.worker.decode_window import DecodeWindow
+from llmserve.worker.decode_window import WindowEnds, run_window
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.lora_manager import LoRAManager
-from llmserve.worker.multi_step import run_decode_steps
-from llmserve.worker.persistent_batch import PersistentBatch, StepArrays
+from llmserve.worker.persistent_batch import PersistentBatch
 from llmserve.worker.pooler import Pooler
 from llmserve.worker.prompt_logprobs import plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs
+from llmserve.worker.speculation import begin_spec_step, propose_drafts
 from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
+from llmserve.worker.step_inputs import StepInputBuilder, StepInputs
+from llmserve.worker.step_times import StepTimes, mark
 from llmserve.worker.step_output import StepOutput
-
-
-@dataclass
-class StepTimes:
-    """Seconds spent in each part of the runner's steps since the last reset (with `sync_timing` on
-    CUDA the device is synchronised at each boundary, so that a part's time is its own)."""
-
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    propose: float = 0.0
-    num_steps: int = 0
-    num_tokens: int = 0  # tokens the forwards computed (their KV written)
-    num_device_inputs: int = 0  # input tokens read from the last step's sampled ids on the device
 
 
 _ROW = attrgetter("row")
@@ -101,18 +86,16 @@ class ModelRunner:
         self.in_flight: StepHandle | None = None  # launched last and not finished
         self._last_rows: tuple[list[str], list[CachedRequestState], np.ndarray] | None = None  # step_rows
         self.times = StepTimes()
+        self.inputs = StepInputBuilder(self.batch, device, self.kv_layout is not None, self.step_kinds, self.times)
         self.sync_timing = False
-        # Asked between a multi-step's forwards (worker/multi_step.py): True ends the window there (input
-        # came for the engine: a new request, an abort). None: windows run whole.
-        self.window_interrupt: Callable[[], bool] | None = None
-        self.window_ends_at_finish = False  # a window ends after the forward where some row ran its last
+        self.window_ends = WindowEnds()  # where a multi-step window may end early (worker/decode_window.py)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """launch and finish at once: the step's sampled ids never wait on the device, so the batch keeps
         no pending-id bookkeeping for them (no row is taken over before they are appended). A multi-step
-        runs its forwards here (worker/multi_step.py)."""
+        window runs its forwards in worker/decode_window.py."""
         if sched_out.num_steps > 1:
-            return run_decode_steps(self, sched_out)
+            return run_window(self, sched_out)
         return self.finish(self.launch(sched_out, finishes_at_once=True))
 
     @torch.inference_mode()  # every tensor the runner keeps is made and updated in inference mode
@@ -127,20 +110,21 @@ class ModelRunner:
         has_drafts = bool(sched_out.scheduled_spec_tokens)
         if has_drafts or sched_out.use_speculation:
             self.finish_in_flight()
-            self._begin_spec_step(sched_out)
+            if self.speculator is not None:
+                begin_spec_step(self.speculator, sched_out)
         prompt_plan = None
         if self.prompt_scorers:
             prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
         # batch_rows [S]: the sampling rows'
-        inputs, batch_rows = self._prepare(states, step_rows, sched_out, finishes_at_once)
+        inputs, batch_rows = self.inputs.build(states, step_rows, sched_out, finishes_at_once, self.in_flight)
         if self.lora is not None:
             self.lora.begin_forward(step_rows, np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64))
-        t1 = self._mark()
+        t1 = mark(self.device, self.sync_timing)
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
             bitmask, indices = sched_out.grammar.fill([req_ids[i] for i in inputs.sample_rows], logits.shape[-1])
             apply_bitmask(logits, bitmask, indices)
-        t2 = self._mark()
+        t2 = mark(self.device, self.sync_timing)
         rows = states if len(inputs.sample_rows) == len(states) else [states[i] for i in inputs.sample_rows]
         scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}
         if has_drafts:
@@ -149,28 +133,26 @@ class ModelRunner:
         else:
             handle = self._sample_step(req_ids, inputs.sample_rows, batch_rows, logits, rows, scored, finishes_at_once)
         handle.prompt_plan = prompt_plan
-        t3 = self._mark()
+        t3 = mark(self.device, self.sync_timing)
         handle.use_speculation = sched_out.use_speculation
         self.in_flight = handle
-        self._add_times(t0, t1, t2, t3)
+        self.times.add(t0, t1, t2, t3)
         return handle
 
-    def window_forward(self, window: DecodeWindow, j: int, input_ids: np.ndarray) -> np.ndarray:
-        """Forward j of a multi-step (worker/multi_step.py; j >= 1): the window's rows [B] decode one token
-        each, `input_ids` [B] the ids forward j - 1 sampled; their sampled ids [B] on the host, appended to
-        the batch. No handle: nothing of it stays pending."""
-        t0 = time.perf_counter()
-        inputs = window.inputs(j, input_ids)
+    def decode_forward(self, inputs: StepInputs, batch_rows: np.ndarray, states: list[CachedRequestState],
+                       started: float) -> np.ndarray:
+        """One forward of one token a row (a window's later forward, worker/decode_window.py) over batch rows
+        [B]: their sampled ids [B] on the host. No handle: nothing of it stays pending. `started`: when its
+        inputs began to be built (counted as its preparation)."""
         if self.lora is not None:
-            self.lora.begin_forward(window.batch_rows, None)
-        t1 = self._mark()
+            self.lora.begin_forward(batch_rows, None)
+        t1 = mark(self.device, self.sync_timing)
         _, logits = self._forward(inputs, False)  # [B, V]
-        t2 = self._mark()
-        sampled = self._sample(logits, window.states).sampled_token_ids  # [B]
-        self._note_penalized(window.batch_rows, sampled)
+        t2 = mark(self.device, self.sync_timing)
+        sampled = self._sample(logits, states).sampled_token_ids  # [B]
+        self._note_penalized(batch_rows, sampled)
         host = sampled.numpy() if sampled.device.type == "cpu" else sampled.cpu().numpy()  # [B]
-        window.append(host)
-        self._add_times(t0, t1, t2, self._mark())
+        self.times.add(started, t1, t2, mark(self.device, self.sync_timing))
         return host
 
     @torch.inference_mode()
@@ -184,7 +166,7 @@ class ModelRunner:
                 self.in_flight = None
             if self.speculator is not None:
                 self.speculator.end_step()
-                handle.output.spec_token_ids = self._propose(handle)
+                handle.output.spec_token_ids = propose_drafts(self.speculator, self.states, handle)
             self.times.propose += time.perf_counter() - t0
         return handle.output
 
@@ -267,62 +249,7 @@ class ModelRunner:
             self.lora.acquire(state.row, new.lora)
         return state
 
-    # ---- inputs and forward -------------------------------------------------------------------------
-
-    def _prepare(self, states: list[CachedRequestState], rows: np.ndarray, sched_out: SchedulerOutput,
-                 finishes_at_once: bool) -> tuple[StepInputs, np.ndarray]:
-        """The step's inputs on the device, and [S] the batch rows of its sampling rows; the rows [B]
-        count their scheduled tokens computed (the scheduler rolls rejected drafts back: next step's diff).
-        Unless the step finishes at once, the next step's inputs may find its sampled ids on the device."""
-        num_rows = len(states)
-        starts = self.batch.num_computed[rows]  # [B]
-        counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=num_rows)  # [B]
-        num_drafts = np.zeros(num_rows, np.int64)  # [B]
-        for i, state in enumerate(states if sched_out.scheduled_spec_tokens else ()):
-            drafts = sched_out.scheduled_spec_tokens.get(state.req_id)
-            if drafts:
-                self.batch.set_drafts(state.row, drafts)
-                num_drafts[i] = len(drafts)
-        arrays = self.batch.gather(rows, starts, counts)
-        self.batch.num_computed[rows] = starts + counts
-        sample_rows = arrays.sample_rows
-        batch_rows = rows[sample_rows]  # [S]
-        if not finishes_at_once:
-            self.batch.mark_sampled(batch_rows)
-        indices = logits_indices(arrays.query_start_loc[1:][sample_rows].astype(np.int64), num_drafts[sample_rows])
-        inputs = self._to_device(arrays, indices)
-        if self.step_kinds is not None:
-            inputs.token_kinds = token_kinds(arrays.positions, self.batch.num_prompt[rows], counts, self.device)
-        return inputs, batch_rows
-
-    def _to_device(self, arrays: StepArrays, sample_indices: np.ndarray) -> StepInputs:
-        input_ids = on_device(arrays.input_ids, self.device)
-        if len(arrays.pending_tokens):
-            self.times.num_device_inputs += len(arrays.pending_tokens)
-            sources = on_device(arrays.pending_sources, self.device)
-            input_ids[on_device(arrays.pending_tokens, self.device)] = self.in_flight.sampled[sources]
-        tables, slots = [arrays.block_table], [arrays.slot_mapping]  # [B, W], [T]
-        if self.kv_layout is not None:  # one of each a KV cache group, out of [B, G * W] and [G, T]
-            tables, slots = self.batch.group_tables(arrays.block_table), list(arrays.slot_mapping)
-        attn = AttentionInputs(
-            query_start_loc=on_device(arrays.query_start_loc, self.device),
-            seq_lens=on_device(arrays.seq_lens.astype(np.int32), self.device),
-            block_table=on_device(np.ascontiguousarray(tables[0]), self.device),
-            slot_mapping=on_device(slots[0], self.device),
-            query_lens_cpu=[1] * len(arrays.seq_lens) if len(input_ids) == len(arrays.seq_lens)  # one token a row
-            else np.diff(arrays.query_start_loc).tolist(),
-            seq_lens_cpu=arrays.seq_lens.tolist(),
-            block_size=self.block_size,
-        )
-        inputs = StepInputs(input_ids=input_ids, positions=on_device(arrays.positions, self.device), attn=attn,
-                            logits_indices=on_device(sample_indices, self.device),
-                            sample_rows=arrays.sample_rows.tolist())
-        if self.kv_layout is not None:
-            inputs.attn_groups = [attn] + [
-                dataclasses.replace(attn, block_table=on_device(np.ascontiguousarray(table), self.device),
-                                    slot_mapping=on_device(group_slots, self.device))
-                for table, group_slots in zip(tables[1:], slots[1:])]
-        return inputs
+    # ---- forward -------------------------------------------------------------------------
 
     def attn_metadata(self, inputs: StepInputs) -> object:
         """What the model's layers read: the backend's metadata, or with KV cache groups [L] each layer's
@@ -339,16 +266,16 @@ class ModelRunner:
         starts = self.batch.num_computed[rows].copy()  # [B]
         counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=len(rows))  # [B]
         num_prompt = self.batch.num_prompt[rows]  # [B]
-        inputs, _ = self._prepare(states, rows, sched_out, finishes_at_once=True)
-        t1 = self._mark()
+        inputs, _ = self.inputs.build(states, rows, sched_out, True, self.in_flight)
+        t1 = mark(self.device, self.sync_timing)
         hidden = self._hidden(inputs, False)  # [T, hidden]
-        t2 = self._mark()
+        t2 = mark(self.device, self.sync_timing)
         pooled = self.pooler.pool(hidden, req_ids, starts, counts, num_prompt)
         output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooled=pooled)
         no_rows = np.empty(0, np.int64)
         handle = StepHandle(req_ids, no_rows, torch.empty(0, dtype=torch.int64), HostCopy({}), no_rows, None,
                             output=output)
-        self._add_times(t0, t1, t2, self._mark())
+        self.times.add(t0, t1, t2, mark(self.device, self.sync_timing))
         return handle
 
     @torch.inference_mode()
@@ -440,45 +367,12 @@ class ModelRunner:
         return handle
 
     def finish_sampled(self, handle: StepHandle) -> np.ndarray:
-        """`finish` for one forward of a multi-step (worker/multi_step.py, which makes one output of all its
-        forwards): the sampled ids [S] only, appended to the batch."""
+        """`finish` for the first forward of a multi-step window (worker/decode_window.py, which makes one
+        output of all its forwards): the sampled ids [S] only, appended to the batch."""
         sampled = self.step_output.take(handle)
         if handle is self.in_flight:
             self.in_flight = None  # launched to finish at once: no id was left pending
         return sampled
-
-    def _propose(self, handle: StepHandle) -> list[list[int]]:
-        """Drafts for the next step, per row of this step (none for rows that did not sample); [] when no
-        row has any (the scheduler then takes the step in as a plain one)."""
-        proposals: list[list[int]] = [[] for _ in handle.req_ids]
-        rows = [(j, self.states.get(handle.req_ids[j])) for j in handle.sample_rows.tolist()]
-        rows = [(j, s) for j, s in rows if s is not None]
-        drafts = self.speculator.propose([s for _, s in rows], len(handle.req_ids), handle.use_speculation)
-        for (j, _), row_drafts in zip(rows, drafts):
-            proposals[j] = row_drafts
-        return proposals if any(drafts) else []
-
-    def _begin_spec_step(self, sched_out: SchedulerOutput) -> None:
-        """The Speculator times the steps it may speculate in (its rule weighs their cost)."""
-        if self.speculator is None:
-            return
-        num_rows = len(sched_out.num_scheduled_tokens)
-        num_drafts = sum(len(d) for d in sched_out.scheduled_spec_tokens.values())
-        is_decode = sched_out.total_num_scheduled_tokens == num_rows + num_drafts
-        self.speculator.begin_step(num_rows, len(sched_out.scheduled_spec_tokens), is_decode)
-
-    # ---- timing --------------------------------------------------------------------------------------
-
-    def _mark(self) -> float:
-        if self.sync_timing and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _add_times(self, t0: float, t1: float, t2: float, t3: float) -> None:
-        self.times.prepare += t1 - t0
-        self.times.forward += t2 - t1
-        self.times.sample += t3 - t2
-        self.times.num_steps += 1
 
     def check_integrity(self) -> None:
         self.batch.check_integrity()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmserve.model.step_inputs import on_device
+from llmserve.model.paged_indices import on_device
 from llmserve.sample.metadata import PenaltyMetadata, to_device
 from llmserve.worker.input_batch import CachedRequestState
 

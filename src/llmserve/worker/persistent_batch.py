@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmserve.model.step_inputs import flat_positions, slot_mapping
+from llmserve.model.paged_indices import flat_positions, slot_mapping
 
 INITIAL_TOKEN_COLUMNS = 256
 INITIAL_BLOCK_COLUMNS = 16

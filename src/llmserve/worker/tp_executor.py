@@ -58,7 +58,7 @@ DIED_BEFORE_OUR_CODE = ("it died before running llmserve's code; a spawned rank 
 
 
 @contextlib.contextmanager
-def main_file_hidden_unless_a_file():
+def hide_missing_main_file():
     """While ranks start: a spawned process re-runs the parent's main module from its file, and from
     `python -` (stdin) or an interactive session that "file" does not exist, so the rank would die before
     running any of our code. The ranks need nothing from the main module (their target is llmserve's):
@@ -95,7 +95,7 @@ class TPExecutor:
         try:
             self._wait_joined(size, deadline)
             device = rank_device(device, 0)
-            self.tp = init_rank(self.store, 0, size, device)
+            self.tp = init_rank(self.store, 0, config, device)
             self.worker = Worker(config, model_info, model_info.path, device, dtype, is_served, self.tp)
             self.publisher.wait_for_subscribers(size - 1, deadline, self.check_workers)
         except Exception as e:
@@ -116,7 +116,7 @@ class TPExecutor:
         procs = [ctx.Process(target=run_tp_worker, name=f"llmserve-tp-rank{rank}", daemon=True,
                              args=(*args, rank, self.store.port, self.publisher.address, parent_pid))
                  for rank in range(1, size)]
-        with main_file_hidden_unless_a_file():
+        with hide_missing_main_file():
             for proc in procs:
                 proc.start()
         return procs

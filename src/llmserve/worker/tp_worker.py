@@ -41,10 +41,11 @@ def store_timeout() -> timedelta:
     return timedelta(seconds=COLLECTIVE_TIMEOUT_S)
 
 
-def init_rank(store: dist.Store, rank: int, size: int, device: torch.device) -> TensorParallel:
+def init_rank(store: dist.Store, rank: int, config: EngineConfig, device: torch.device) -> TensorParallel:
     backend = "nccl" if device.type == "cuda" else "gloo"
+    size = config.parallel.tensor_parallel_size
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=store_timeout())
-    return TensorParallel(rank, size)
+    return TensorParallel(rank, size, is_expert_parallel=config.parallel.enable_expert_parallel)
 
 
 def run_tp_worker(config_bytes: bytes, info_bytes: bytes, dtype: str, rank: int, store_port: int,
@@ -79,7 +80,7 @@ def _start(config: EngineConfig, info: ModelInfo, dtype: torch.dtype, rank: int,
 
     device = rank_device(resolve_device(config.model.device), rank)
     store.set(f"joined/{rank}", "1")
-    tp = init_rank(store, rank, config.parallel.tensor_parallel_size, device)
+    tp = init_rank(store, rank, config, device)
     worker = Worker(config, info, info.path, device, dtype, tp=tp)
     return worker.runner, StepSubscriber(ctx, step_address, parent_pid)
 

@@ -47,14 +47,6 @@ def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def _backend_name(models: list[torch.nn.Module | None], requested: str) -> str:
-    """--attention-backend for these models (the target, a draft): a latent cache (MLA) runs on the torch backend
-    on every device."""
-    if not any(getattr(model, "has_latent_cache", False) for model in models):
-        return requested
-    return "torch" if requested == "auto" else requested
-
-
 class Worker:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, path: str, device: torch.device,
                  dtype: torch.dtype, is_served: bool = False, tp: TensorParallel | None = None) -> None:
@@ -70,8 +62,7 @@ class Worker:
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
         self.draft_info, draft_model = self._load_draft()
         lora = self._lora_manager(model)  # its slots allocated before the KV cache takes what memory is left
-        attn_backend = select_attention_backend(device, _backend_name([model, draft_model],
-                                                                       config.model.attention_backend), dtype)
+        attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
         self.num_blocks = self._num_blocks(model, draft_model, attn_backend)
         kv_caches = layer_kv_caches(allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),
                                                        self.kv_layout.num_slots, self.kv_dtype, device), self.kv_layout)
@@ -141,7 +132,8 @@ class Worker:
                 catch_up = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch, queries_per_row=k + 2)
             chain = DraftChain(head, graphs, block_size, self.device, catch_up)
         return DraftModelProposer(draft_model, head, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
-                                  self.model_info.max_model_len, self.device, self.config.model.seed, chain)
+                                  self.model_info.max_model_len, self.device, self.config.model.seed, chain,
+                                  self.kv_layout.num_groups)
 
     def _num_blocks(self, model: torch.nn.Module, draft_model: torch.nn.Module | None, attn_backend) -> int:
         """Blocks that fit the budget; a block holds the KV of one group's layers (core/kv_cache_groups.py);

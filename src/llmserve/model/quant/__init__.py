@@ -1,8 +1,9 @@
 """Weight quantization of a loaded model.
 
 `quantize_model(model, method)` swaps every nn.Linear of the decoder layers (fused qkv, o, fused
-gate/up, down) and the lm_head for a quantized layer (model/quant/linear.py); a tied lm_head gets a
-quantized copy of the embedding table, the lookup keeps the float one. `checkpoint.py` reads (and
+gate/up, down) and the lm_head for a quantized layer (model/quant/linear.py), and each MoE layer's experts
+for one such layer per expert and matrix (model/quant/experts.py; the router stays in float); a tied
+lm_head gets a quantized copy of the embedding table, the lookup keeps the float one. `checkpoint.py` reads (and
 writes) checkpoints already quantized to FP8.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from llmserve.model import cpu_kernels
 from llmserve.model.quant.checkpoint import checkpoint_method, dequantize_weights
+from llmserve.model.quant.experts import quantize_model_experts
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
 from llmserve.model.quant.token_kinds import StepKinds
 
@@ -51,6 +53,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         for layer in model.modules():
             if isinstance(layer, Fp8Linear):
                 layer.step_kinds = model.step_kinds
+    # after the step kinds: an expert's rows are its routed pairs, not the step's tokens in order, so its fp8
+    # layers take every row as a prompt row
+    quantize_model_experts(model, _LAYERS[method])
     is_tied = getattr(model, "lm_head", "absent") is None and getattr(model, "has_lm_head", True)
     if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
         model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)

@@ -110,7 +110,9 @@ def dequantize_weights(weights: Iterable[tuple[str, torch.Tensor]],
         else:
             if tensor.dtype != FP8_DTYPE:
                 yield name, tensor
-            elif name in pending_scales:
+                continue
+            _check_linear_weight(name, tensor)
+            if name in pending_scales:
                 yield name, block_dequantize(tensor, pending_scales.pop(name), block)
             else:
                 pending_weights[name] = tensor
@@ -119,6 +121,15 @@ def dequantize_weights(weights: Iterable[tuple[str, torch.Tensor]],
                          f"e.g. {sorted(pending_weights)[:3]}")
     if pending_scales:
         raise ValueError(f"FP8 checkpoint: scales without a weight, e.g. {sorted(pending_scales)[:3]}")
+
+
+def _check_linear_weight(name: str, tensor: torch.Tensor) -> None:
+    """A float8 tensor must be one Linear's [N, K] weight: stacked experts ([E, N, K] under `experts.`, as
+    transformers' fused MoE modules save them) have no per-tensor scale layout this reader knows."""
+    if tensor.dim() != 2:
+        raise _unsupported(f"FP8 checkpoint (quantization_config): tensor {name!r} is float8 with shape "
+                           f"{tuple(tensor.shape)}, not a 2-D Linear weight (stacked experts are read unquantized, "
+                           "or quantized one tensor per expert: experts.N.gate_proj.weight)")
 
 
 def _is_linear_weight(name: str, tensor: torch.Tensor) -> bool:

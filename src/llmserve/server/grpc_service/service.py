@@ -18,9 +18,10 @@ from contextlib import aclosing, asynccontextmanager
 import grpc
 
 from llmserve.engine.async_llm import TokensPrompt
+from llmserve.http.errors import APIError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
-from llmserve.server.errors import APIError, to_api_error
+from llmserve.server.errors import to_api_error
 from llmserve.server.grpc_service import llmserve_pb2 as pb
 from llmserve.server.grpc_service import llmserve_pb2_grpc as pb_grpc
 from llmserve.server.params import build_params

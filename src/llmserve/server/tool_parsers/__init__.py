@@ -3,6 +3,7 @@ else the chat template's markers)."""
 
 from __future__ import annotations
 
+from llmserve.server.tool_parsers.harmony import HarmonyParser
 from llmserve.server.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser, escape_controls, parse_output
 from llmserve.server.tool_parsers.hermes import HermesParser
 from llmserve.server.tool_parsers.json_array import JsonArrayParser
@@ -10,7 +11,8 @@ from llmserve.server.tool_parsers.llama3_json import Llama3JsonParser
 from llmserve.server.tool_parsers.mistral import MistralParser
 from llmserve.server.tool_parsers.stream import ToolCallStream, ToolDelta
 
-PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)}
+PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser,
+                                                                   HarmonyParser)}
 PARSER_NAMES: tuple[str, ...] = tuple(PARSERS)
 
 
@@ -31,6 +33,7 @@ def resolve_parser(configured: str | None, chat_template: str | dict | None) -> 
     return PARSERS[name] if name is not None else None
 
 
-__all__ = ["PARSERS", "PARSER_NAMES", "HermesParser", "JsonArrayParser", "Llama3JsonParser", "MistralParser",
+__all__ = ["PARSERS", "PARSER_NAMES", "HarmonyParser", "HermesParser", "JsonArrayParser", "Llama3JsonParser",
+           "MistralParser",
            "ParsedCall", "ParsedOutput", "ToolCallStream", "ToolDelta", "ToolParser", "detect_parser",
            "escape_controls", "parse_output", "resolve_parser"]

@@ -1,28 +1,11 @@
-"""A forward's inputs (the runner's and the draft model's): the record and the numpy helpers that build it
-(flat token positions, cache slots, the rows' logits indices) and the host-to-device copy."""
+"""Index arithmetic of a forward over the paged KV cache, for the runner (worker/step_inputs.py) and the draft
+model (spec/draft_inputs.py): flat token positions, cache slots, the sampling rows' logits indices, and the
+host-to-device copy of these arrays."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
-
-from llmserve.model.attention import AttentionInputs
-from llmserve.model.quant.token_kinds import TokenKinds
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn: AttentionInputs
-    logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
-    sample_rows: list[int]  # [S] row index of each sampling row
-    token_kinds: TokenKinds | None = None  # decode and prompt tokens, for FP8 layers on CUDA (else None)
-    # KV cache groups (core/kv_cache_groups.py): [G] each group's block table and slots (`attn` is group 0's);
-    # None with one group
-    attn_groups: list[AttentionInputs] | None = None
 
 
 def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Stop rules applied after each sampled token: pure functions of the request."""
+"""A request's stops on its tokens, checked after each sampled one: EOS, a stop token id, max_tokens, the
+context length, a grammar's end (pure functions of the request). Stop strings, found in the detokenized
+text, are the front's: engine/stop_strings.py."""
 
 from __future__ import annotations
 

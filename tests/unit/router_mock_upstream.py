@@ -1,5 +1,7 @@
-"""The upstream interface over an httpx.AsyncClient: for tests (httpx.MockTransport backends) and any
-client a caller brings. The router itself uses the lean pool in upstream.py."""
+"""The router's upstream interface over an httpx.AsyncClient, for the tests' in-memory backends
+(httpx.MockTransport): `Gateway(setup, upstream=MockUpstream(c))`, `PDRouter(config, MockUpstream(c))`.
+The router itself has one upstream client, the connection pool of router/upstream.py (docs/benchmarks.md,
+"One upstream client")."""
 
 from __future__ import annotations
 
@@ -21,12 +23,18 @@ def _upstream_error(e: httpx.TransportError) -> UpstreamError:
     return UpstreamDisconnected(message)
 
 
+async def _whole(content: bytes) -> AsyncIterator[bytes]:
+    """The body of a response made with its content (httpx.Response(json=...)), which httpx has read already."""
+    yield content
+
+
 class HttpxResponse:
     def __init__(self, response: httpx.Response) -> None:
         self._response = response
         self.status = response.status_code
         self.headers: list[Header] = [(name.lower(), value) for name, value in response.headers.raw]
-        self._chunks: AsyncIterator[bytes] = response.aiter_raw()
+        is_read = response.is_stream_consumed
+        self._chunks: AsyncIterator[bytes] = _whole(response.content) if is_read else response.aiter_raw()
         self.is_complete = False  # known only once read() returned b""
         self.is_at_event_boundary = True
 
@@ -56,11 +64,11 @@ class HttpxResponse:
             await self._response.aclose()
 
 
-class HttpxUpstream:
+class MockUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def post(self, url: str, path: str, body: bytes, headers: Sequence[Header],
+    async def send(self, url: str, path: str, body: bytes, headers: Sequence[Header],
                    method: bytes = b"POST") -> HttpxResponse:
         request = self.client.build_request(method.decode(), url + path, content=body, headers=list(headers))
         try:

@@ -1,0 +1,73 @@
+"""One decode step of a model with LoRA slots on CPU: the base model's rows alone, against the same rows each
+with one of N adapters, through the one-call kernel (model/lora_cpu.py) and through torch's segmented
+products; thread-CPU ms per step (the figure to trust on a shared machine), median over interleaved rounds,
+then torch.profiler's op table for the kernel's step. Random adapter weights of full rank. NEVER RUN IN CI.
+
+usage: python scripts/cpu/lora_step_bench.py MODEL_DIR DECODE_ROWS NUM_ADAPTERS
+"""
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from llmserve.model import lora_cpu
+from llmserve.model.attention import select_attention_backend
+from llmserve.model.lora_layers import attach_lora, lora_step
+from llmserve.model.loader import load_model
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
+
+RANK = 16
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    path, num_rows, num_adapters = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    model = load_model(path, torch.float32, "cpu", 1024)
+    context, wrapped = attach_lora(model, num_adapters, RANK)
+    for modules in wrapped.values():
+        for linear in modules:
+            linear.lora_a.normal_(std=0.02)
+            for b in linear.lora_bs:
+                b.normal_(std=0.02)
+            linear.lora_ranks.fill_(RANK)
+    backend = select_attention_backend(torch.device("cpu"), "auto", torch.float32)
+    caches = allocate_kv_caches(model, 4000, 16)
+    builder, rng = PagedBatchBuilder(4000, 16, seed=1), random.Random(0)
+    for row in range(num_rows):
+        builder.add_cached(row, rng.randint(300, 500))
+    ids, pos, inp = builder.step([(row, [5]) for row in range(num_rows)])
+    adapter_step = lora_step(np.arange(num_rows) % num_adapters, torch.device("cpu"))
+    kernel_can_run = lora_cpu.can_run
+
+    def run(step, use_kernel: bool = True) -> None:
+        context.step = step
+        lora_cpu.can_run = kernel_can_run if use_kernel else (lambda x, out: False)
+        model.compute_logits(model(ids, pos, caches, backend.build_metadata(inp), backend))
+
+    cases = {"base": lambda: run(None), "kernel": lambda: run(adapter_step),
+             "segmented": lambda: run(adapter_step, use_kernel=False)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    with torch.inference_mode():
+        for _ in range(2):
+            for fn in cases.values():
+                fn()
+        for _ in range(7):
+            for name, fn in cases.items():
+                start = time.thread_time()
+                fn()
+                times[name].append((time.thread_time() - start) * 1e3)
+        base = statistics.median(times["base"])
+        print(f"{num_rows} rows, {num_adapters} adapters, thread-CPU ms a step (median): " + ", ".join(
+            f"{name} {statistics.median(t):.1f} ({statistics.median(t) / base:.2f}x)" for name, t in times.items()))
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                cases["kernel"]()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The CPU LoRA kernel: one call a projection for all of a step's adapter tokens (csrc/lora_sgmv.cpp).
+
+The segmented torch form (model/lora_layers.py's `add_lora_segmented`) costs about six small ops per adapter
+in the step, projection and layer: with 8 adapters that is ~5,800 ops a step on a 30-layer model, more time
+than the base model's matmuls on small shapes. This kernel reads each token's slot and does the shrink and
+the expand for every token in one call (docs/benchmarks.md, "LoRA products on CPU: one call a projection").
+
+Built like model/cpu_kernels.py's kernels (same flags, a sub-directory of their build directory, the same
+LLMSERVE_CPU_KERNELS=0 switch) but as its own small library, so that it builds in seconds; float32 only.
+When the build or its self-test fails, `available()` is False and the layers keep the torch form.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import numpy as np
+import torch
+
+from llmserve.model import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+_NAME = "llmserve_lora_cpu"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "lora_sgmv.cpp")
+
+
+def can_run(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether this kernel takes a projection's input x [T, in] and output out [T, out] (float32 rows on CPU,
+    once built)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+               for t in (x, out)) and available()
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], ranks: torch.Tensor,
+             token_indices: torch.Tensor, token_slots: torch.Tensor) -> None:
+    """out [T, O] += each adapter token's x @ A[slot]^T @ B[slot]^T; ranks [S, n_sub] int32 (rows past are zero)."""
+    _ops().lora_sgmv(out, x, a, bs, token_indices, token_slots, ranks)
+
+
+def _self_test(ops) -> None:
+    """Mixed slots and ranks, a base-model token, against float64 matmuls: a miscompiled kernel must not serve."""
+    gen = torch.Generator().manual_seed(0)
+    num_slots, rank, in_features, out_sizes = 2, 4, 19, [21, 9]
+    a = torch.randn(num_slots, 2 * rank, in_features, generator=gen)
+    bs = [torch.randn(num_slots, rank, size, generator=gen) for size in out_sizes]
+    ranks = torch.tensor([[4, 0], [3, 4]], dtype=torch.int32)
+    a[1, 3:4].zero_()  # slot 1's q rank 3: rows past it are zero, as set_slot writes them
+    bs[0][1, 3:].zero_()
+    x, out = torch.randn(6, in_features, generator=gen), torch.zeros(6, sum(out_sizes))
+    token_slots = np.array([1, -1, 0, 1, 1, 1])
+    ops.lora_sgmv(out, x, a, bs, *_grouped(token_slots), ranks)
+    expected = torch.zeros(6, sum(out_sizes), dtype=torch.float64)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            shrunk = x[t].double() @ a[slot].double().T  # [2R]
+            parts = [shrunk[j * rank:(j + 1) * rank] @ b[slot].double() for j, b in enumerate(bs)]
+            expected[t, :21] = parts[0] if ranks[slot, 0] else 0
+            expected[t, 21:] = parts[1] if ranks[slot, 1] else 0
+    if not torch.allclose(out.double(), expected, atol=1e-4, rtol=1e-4):
+        raise RuntimeError("self-test mismatch (LoRA kernel)")
+
+
+def _grouped(token_slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    indices = np.flatnonzero(token_slots >= 0)
+    indices = indices[np.argsort(token_slots[indices], kind="stable")]
+    return torch.from_numpy(indices), torch.from_numpy(token_slots[indices].astype(np.int64))
+
+
+def _load():
+    if os.environ.get("LLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        flags = cpu_kernels._compile_flags()
+        build_dir = os.path.join(cpu_kernels._build_dir(flags), "lora")
+        os.makedirs(build_dir, exist_ok=True)
+        cpu_kernels._clear_stale_lock(build_dir)
+        cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=build_dir, is_python_module=False, verbose=False)
+        ops = torch.ops.llmserve_lora
+        _self_test(ops)
+    except Exception as e:  # no compiler, build or load error: keep the torch form
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        logger.warning("CPU LoRA kernel unavailable, using torch's segmented products (%s: %s)",
+                       type(e).__name__, first_line)
+        return None
+    logger.info("CPU LoRA kernel loaded (%s)", " ".join(flags))
+    return ops
+
+
+@functools.cache
+def _ops():
+    """The loaded ops' namespace, or None: built (or found failing) once per process."""
+    return _load()
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call; False on any failure)."""
+    return _ops() is not None

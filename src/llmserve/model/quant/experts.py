@@ -1,0 +1,51 @@
+"""Quantized experts of a Mixture-of-Experts layer: each expert's gate/up and down matrices as a quantized
+linear layer of the dense layers' kind (model/quant/linear.py: weights per output channel, so one scale per
+expert and channel; activations per token at run time).
+
+`QuantizedExperts` takes the place of the block's stacked `Experts`; the block's loop over the experts that
+received tokens (moe.fused_moe) calls expert e's layers in place of slicing the stacked tensors. Each layer
+holds its expert's bias (gpt-oss). The grouped-GEMM path (CUDA graphs) runs stacked float tensors only, so a
+quantized MoE model runs the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.model.moe import Experts
+
+
+class QuantizedExperts(nn.Module):
+    """E experts, each a quantized gate_up [2I, H] and down [H, I] layer (with its bias, if any)."""
+
+    def __init__(self, gate_up_proj: nn.ModuleList, down_proj: nn.ModuleList):
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+
+    def biases(self) -> None:
+        """None: each expert's layers add their own bias."""
+        return None
+
+
+def quantize_experts(experts: Experts, layer_type: type[nn.Module]) -> QuantizedExperts:
+    """A block's stacked float experts -> one `layer_type` (Int8Linear | Fp8Linear) per expert and matrix."""
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()  # [E, 2I, H], [E, H, I]
+    biases = experts.biases()
+    gate_up_bias, down_bias = (None, None) if biases is None else (biases[0].detach(), biases[1].detach())
+    return QuantizedExperts(
+        nn.ModuleList(layer_type.from_float(gate_up[e], _row(gate_up_bias, e)) for e in range(gate_up.shape[0])),
+        nn.ModuleList(layer_type.from_float(down[e], _row(down_bias, e)) for e in range(down.shape[0])))
+
+
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]
+
+
+def quantize_model_experts(model: nn.Module, layer_type: type[nn.Module]) -> int:
+    """Quantize the stacked experts of every MoE block of a model in place; returns how many blocks."""
+    blocks = [module for module in model.modules() if isinstance(getattr(module, "experts", None), Experts)]
+    for block in blocks:
+        block.experts = quantize_experts(block.experts, layer_type)
+    return len(blocks)
