@@ -4,12 +4,14 @@ bandwidth measured in the same run. NEVER RUN IN CI.
 
 usage: python scripts/cpu/gemv_bench.py [THREADS] [ROWS,...]     (defaults: all cores, 1,4,16,64)
 
-Read bandwidth: torch.sum over 1 GiB of float32 (the best of 5). Each path: the median of 9 sweeps, its bytes
-over that time (GB/s) and that as a share of the read bandwidth. Paths: oneDNN on weights packed for 16 rows
+Read bandwidth: torch.sum over 1 GiB of float32. The machine's bandwidth moves from minute to minute (a shared
+host), so each row count runs 5 rounds of (bandwidth, every path once: the median of 3 sweeps) and reports a
+path's median GB/s and its median share of its round's bandwidth. Paths: oneDNN on weights packed for 16 rows
 (what model/linear.py runs on AVX-512 machines by default), our panel kernel through AVX2 and through AVX-512,
 bfloat16 through F.linear (oneDNN) and through our AVX512-BF16 GEMV (rows <= 4).
 """
 import os
+import statistics
 import sys
 import time
 
@@ -21,6 +23,7 @@ from llmserve.model import cpu_kernels
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else os.cpu_count())
 ROWS = [int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16,64").split(",")]
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (in, out)
+BIG = torch.ones(1 << 28)  # 1 GiB of float32 for the read bandwidth
 
 
 def median_s(fn, reps=9):
@@ -34,9 +37,9 @@ def median_s(fn, reps=9):
 
 
 def read_bandwidth() -> float:
-    big = torch.ones(1 << 28)  # 1 GiB
-    best = min(median_s(lambda: big.sum(), reps=3) for _ in range(5))
-    return big.numel() * 4 / best / 1e9
+    """GB/s of torch.sum over 1 GiB of float32: the best of 3, a pass of ~40 ms."""
+    best = min(median_s(lambda: BIG.sum(), reps=3) for _ in range(3))
+    return BIG.numel() * 4 / best / 1e9
 
 
 def f32_paths():
@@ -65,24 +68,33 @@ def bf16_paths():
     return paths
 
 
-def sweep(paths, dtype, bandwidth):
+def sweep(paths, dtype, num_rounds=5):
+    """Rounds of (read bandwidth, then every path once): each path's median GB/s over the rounds, and its
+    median share of the same round's bandwidth (the machine's bandwidth moves between minutes)."""
     num_bytes = sum(k * n for k, n in SHAPES) * torch.empty(0, dtype=dtype).element_size()
     for rows in ROWS:
         xs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
-        for name, (weights, fn) in paths.items():
-            if name == "bf16-gemv" and rows > cpu_kernels.BF16_GEMV_MAX_ROWS:
-                continue
-            seconds = median_s(lambda: [fn(xs[k], w, n) for (k, n), w in zip(SHAPES, weights)])
-            gbps = num_bytes / seconds / 1e9
-            print(f"| {name} | {rows} | {seconds * 1e3:.2f} | {gbps:.1f} | {100 * gbps / bandwidth:.0f}% |", flush=True)
+        names = [n for n in paths if not (n == "bf16-gemv" and rows > cpu_kernels.BF16_GEMV_MAX_ROWS)]
+        gbps, shares = {n: [] for n in names}, {n: [] for n in names}
+        for _ in range(num_rounds):
+            bandwidth = read_bandwidth()
+            for name in names:
+                weights, fn = paths[name]
+                seconds = median_s(lambda: [fn(xs[k], w, n) for (k, n), w in zip(SHAPES, weights)], reps=3)
+                gbps[name].append(num_bytes / seconds / 1e9)
+                shares[name].append(gbps[name][-1] / bandwidth)
+        for name in names:
+            g = statistics.median(gbps[name])
+            print(f"| {name} | {rows} | {num_bytes / g / 1e6:.2f} | {g:.1f} | {100 * statistics.median(shares[name]):.0f}% |",
+                  flush=True)
 
 
 if __name__ == "__main__":
     with torch.inference_mode():
-        bandwidth = read_bandwidth()
-        print(f"threads {torch.get_num_threads()}, read bandwidth {bandwidth:.1f} GB/s, load {os.getloadavg()[0]:.1f}")
-        print("| path | rows | ms | GB/s | of read bw |\n|---|---|---|---|---|")
-        sweep(f32_paths(), torch.float32, bandwidth)
+        print(f"threads {torch.get_num_threads()}, read bandwidth {read_bandwidth():.1f} GB/s, "
+              f"load {os.getloadavg()[0]:.1f}")
+        print("| path | rows | ms | GB/s | of the round's read bw |\n|---|---|---|---|---|")
+        sweep(f32_paths(), torch.float32)
         if cpu_kernels.has_bf16_gemv() or "avx512_bf16" in open("/proc/cpuinfo").read():
-            sweep(bf16_paths(), torch.bfloat16, bandwidth)
+            sweep(bf16_paths(), torch.bfloat16)
         print(f"read bandwidth after {read_bandwidth():.1f} GB/s, load {os.getloadavg()[0]:.1f}")

@@ -45,7 +45,7 @@ mkdir -p "$OUT"
 ours() {  # ours NAME PORT ENV FLAGS...: our f32 server in the background (ENV: "K=V ..." or empty)
   local -a envs; read -r -a envs <<< "$3"
   start "$1" env "${envs[@]}" "$PYTHON" -m llmserve.cli serve "$MODEL" --port "$2" --max-model-len 1024 \
-    --kv-cache-memory-bytes 3GiB --dtype float32 "${@:4}"
+    --kv-cache-memory-bytes 3GiB --num-threads "$(nproc)" --dtype float32 "${@:4}"
 }
 
 take_bench_lock

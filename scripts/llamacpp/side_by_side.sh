@@ -116,7 +116,7 @@ trap stop_all EXIT
 for C in ${CONCURRENCY//,/ }; do
   echo "c=$C load average before: $(cat /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
   start "llmserve-c$C" "$PYTHON" -m llmserve.cli serve "$MODEL" --port "$PORT_OURS" \
-    --max-model-len 1024 --kv-cache-memory-bytes 3GiB "${OURS_FLAGS[@]}"
+    --max-model-len 1024 --kv-cache-memory-bytes 3GiB --num-threads "$(nproc)" "${OURS_FLAGS[@]}"
   # -np C slots (one per bench client) of 768 tokens each: the longest prompt + output.
   start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_LCPP" -t 2 -np "$C" -c $((C * 768))
   wait_healthy "$PORT_OURS" "${PIDS[0]}"

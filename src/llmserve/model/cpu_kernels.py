@@ -11,13 +11,15 @@ goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3 and -fope
 LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and callers keep their plain
 torch path.
 
-The same build holds the fused elementwise ops of a float32 decoder layer (csrc/fused_ops.cpp): RMSNorm
+The same build holds the fused elementwise ops of a float32 or bfloat16 decoder layer (csrc/fused_ops.cpp): RMSNorm
 (with the residual add, in place), SiLU-and-mul, rotary in place and the K/V write into the paged cache;
 `can_fuse(x)` says when the model's layers call them instead of their chains of torch ops.
 
 And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `has_avx2_kernels`): a weight packed
-once into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
-instead of oneDNN on CPUs without AVX-512 (`packs_linears`; LLMSERVE_CPU_LINEAR forces either: model/cpu_isa.py).
+once into 16-column panels, multiplied by a kernel that streams it with prefetches, through AVX-512 registers
+where the CPU has them (csrc/linear_avx512.cpp, built with -mavx512f... there); model/linear.py uses it instead of
+oneDNN (`packs_linears`; LLMSERVE_CPU_LINEAR forces either: model/cpu_isa.py). With AVX512-BF16, bfloat16
+decode rows go through a GEMV on the weight as loaded (`bf16_gemv`).
 Likewise int8 linear layers (csrc/int8_linear_avx2.cpp): on CPUs where oneDNN has no VNNI its s8 GEMM is inexact, and
 model/quant/linear.py's Int8Linear runs this exact one instead (`packs_int8`).
 """
@@ -297,20 +299,19 @@ def has_avx2_kernels() -> bool:
 
 
 def packs_linears() -> bool:
-    """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: on CPUs
-    without AVX-512 (or held below it). There oneDNN runs AVX2 code, which our kernel beats at every row count;
-    with AVX-512, oneDNN's 512-bit kernels win at prefill sizes and ours only at decode sizes, so oneDNN
-    stays (docs/benchmarks.md, "Figures behind choices in the code"). LLMSERVE_CPU_LINEAR=panels|onednn forces either
-    (`cpu_isa.linear_path`); panels without the AVX2 build is a ValueError, not a silent fallback."""
+    """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: wherever the
+    kernels built with AVX2 (through AVX-512 registers where the CPU has them: `packed_linear`). On AVX2-only CPUs
+    oneDNN runs AVX2 code, which ours beats at every row count; on AVX-512 ones ours streams a decode step's
+    weights at 1.6x oneDNN's speed at one row and matches it at prefill sizes (docs/benchmarks.md, "CPU batch
+    1"). LLMSERVE_CPU_LINEAR=panels|onednn forces either (`cpu_isa.linear_path`); panels without the AVX2 build
+    is a ValueError, not a silent fallback."""
     path = cpu_isa.linear_path()
     if path == "onednn":
         return False
-    if path == "panels":
-        if not has_avx2_kernels():
-            raise ValueError(f"{cpu_isa.LINEAR_ENV}=panels needs the AVX2 CPU kernels, which this machine "
-                             "did not build or load (see the log's 'CPU kernels' line)")
-        return True
-    return not cpu_isa.onednn_has_avx512() and has_avx2_kernels()
+    if path == "panels" and not has_avx2_kernels():
+        raise ValueError(f"{cpu_isa.LINEAR_ENV}=panels needs the AVX2 CPU kernels, which this machine "
+                         "did not build or load (see the log's 'CPU kernels' line)")
+    return has_avx2_kernels()
 
 
 def packs_int8() -> bool:
@@ -331,8 +332,7 @@ def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """x [T, K] contiguous float32, panels from `pack_linear_weight`, bias [N] or None -> [T, N]; through
     AVX-512 registers where the build and oneDNN's cap allow (the same sums in the same order as AVX2's)."""
     out = x.new_empty(x.shape[0], out_features)
-    op = _ops().packed_linear_avx512 if _has_avx512_build() and cpu_isa.onednn_has_avx512() else _ops().packed_linear
-    op(out, x, panels, bias)
+    _panel_op(cpu_isa.onednn_isa_cap())(out, x, panels, bias)
     return out
 
 
@@ -354,6 +354,17 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, w_scale: torch.Tensor, ou
     out = x.new_empty(x.shape[0], out_features)
     _ops().int8_linear(out, x, panels, w_scale, bias)
     return out
+
+
+def panel_isa() -> str:
+    """The registers `packed_linear` runs in here: AVX-512 or AVX2."""
+    return "AVX-512" if _panel_op(cpu_isa.onednn_isa_cap()) == _ops().packed_linear_avx512 else "AVX2"
+
+
+@functools.cache
+def _panel_op(isa_cap: str):
+    """The panel GEMM for oneDNN's ISA cap (read per call: tests change it): AVX-512 where both allow."""
+    return _ops().packed_linear_avx512 if _has_avx512_build() and cpu_isa.onednn_has_avx512() else _ops().packed_linear
 
 
 @functools.cache

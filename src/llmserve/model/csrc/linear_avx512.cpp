@@ -31,6 +31,8 @@ constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;
 constexpr int64_t kPrefetchRows = 256;  // k-rows ahead the weight stream is prefetched
 constexpr int kMaxRows = 6;             // rows of x a register block holds (for_each_row_block's limit)
 constexpr int64_t kGemvGrain = 64;      // output rows (of w) a thread takes at least
+constexpr int64_t kGemvPrefetch = 4096;  // elements of w ahead of the loads prefetched into L1 (8 KB; 2-16 KB
+                                         // measured alike, none 20% slower: docs/benchmarks.md)
 constexpr int64_t kMaxGemvM = 4;        // rows of x bf16_gemv takes
 
 struct Gemm {
@@ -133,6 +135,8 @@ inline void gemv_row(const Gemv& g, int64_t n) {
   const uint16_t* w = g.w + n * g.k;
   int64_t k0 = 0;
   for (; k0 + 64 <= g.k; k0 += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k0 + kGemvPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k0 + kGemvPrefetch + 32), _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k0), w1 = (__m512bh)_mm512_loadu_si512(w + k0 + 32);
     for (int r = 0; r < M; ++r) {
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(g.x + r * g.k + k0), w0);
