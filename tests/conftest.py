@@ -72,8 +72,8 @@ def engine_gates() -> Iterator["EngineGates"]:
 @pytest.fixture(scope="module", params=["panels", "onednn"])
 def cpu_linear_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """The module's tests once under each float32 linear path of the CPU (LLMSERVE_CPU_LINEAR, docs/cpu.md):
-    our AVX2 panels (what AVX2-only CPUs take) and oneDNN's packed weights (what AVX-512 CPUs take), whichever
-    kind of machine runs the suite; engine processes started meanwhile inherit it."""
+    our panels (what both kinds of CPU take by default) and oneDNN's packed weights, whichever kind of machine
+    runs the suite; engine processes started meanwhile inherit it."""
     from llmserve.model import cpu_isa, cpu_kernels, linear
 
     if request.param == "panels" and not cpu_kernels.has_avx2_kernels():

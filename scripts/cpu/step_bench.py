@@ -18,11 +18,12 @@ from llmserve.model.attention import select_attention_backend
 from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 torch.set_num_threads(int(sys.argv[1]))
 M = sys.argv[4] if len(sys.argv) > 4 else os.path.expanduser("~/.cache/llmserve-llamacpp/smollm2-135m")
-model = load_model(M, torch.float32, "cpu", 1024)
-backend = select_attention_backend(torch.device("cpu"), "auto", torch.float32)
+DTYPE = getattr(torch, os.environ.get("DTYPE", "float32"))
+model = load_model(M, DTYPE, "cpu", 1024)
+backend = select_attention_backend(torch.device("cpu"), "auto", DTYPE)
 backend.kernel_takes_prompts = backend.kernel_takes_prompts and os.environ.get("SDPA_PROMPTS") != "1"
 bs = 16
-caches = allocate_kv_caches(model, 4000, bs)
+caches = allocate_kv_caches(model, 4000, bs, dtype=DTYPE)
 def case(ndec, prefill):
     b = PagedBatchBuilder(4000, bs, seed=1)
     rng = random.Random(0)

@@ -22,11 +22,12 @@ take_bench_lock() {  # hold /tmp/llmserve-bench.lock (fd 9) until the script exi
   echo "waiting for /tmp/llmserve-bench.lock"; flock 9
 }
 
-compare_anchor() {  # compare_anchor PORT_A PORT_B LABELS C: the anchor workload on both, A B, B A
+compare_anchor() {  # compare_anchor PORT_A PORT_B LABELS C [N]: the anchor workload (N requests, 128 by default) on
+  # both, A B, B A
   # a level with failed requests exits non-zero: its table says so, and the next level still runs
   "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$1" \
     --compare "http://127.0.0.1:$2" --labels "$3" --tokenizer "$MODEL" --dataset random \
-    --input-len 288 --output-len 144 --range-ratio 0.7778 --num-requests 128 --concurrency "$4" \
+    --input-len 288 --output-len 144 --range-ratio 0.7778 --num-requests "${5:-128}" --concurrency "$4" \
     --ignore-eos --stream --seed 20 --timeout 1800 --out "$OUT/results-c$4.json" | tee "$OUT/table-c$4.txt" \
     || echo "c=$4: bench serve exited non-zero (failed requests: see $OUT/table-c$4.txt)" >&2
 }

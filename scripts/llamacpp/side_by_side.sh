@@ -4,12 +4,15 @@
 # NEVER RUN IN CI: no test calls this script. It builds C++ (8-12 min on 2 cores) and benchmarks for
 # tens of minutes per mode (both levels, 2 cores).
 #
-# usage: scripts/llamacpp/side_by_side.sh [--build] [--mode f32|int8] [--concurrency 16,64] [--out DIR]
-#                                         [--ours-flags "FLAGS"]
+# usage: scripts/llamacpp/side_by_side.sh [--build] [--mode f32|bf16|int8] [--concurrency 1,16,64] [--out DIR]
+#                                         [--num-requests N] [--ours-flags "FLAGS"]
 #   --build        build llama-server from the llama-cpp-python source distribution (which vendors
 #                  llama.cpp) into $LLAMACPP_CACHE; skipped when the binary is there
 #   --mode f32     ours float32             vs llama.cpp f32 GGUF   (default)
+#   --mode bf16    ours --dtype bfloat16     vs llama.cpp bf16 GGUF  (AVX512-BF16 / AMX machines)
 #   --mode int8    ours --quantization int8 vs llama.cpp Q8_0 GGUF
+#   --concurrency  levels, one server pair each; 1 is one user at a time (llama-server -np 1)
+#   --num-requests requests a level (default 128; 24 at concurrency 1, whose requests run one after another)
 #   --ours-flags   more flags for our server (word-split), e.g. "--kv-cache-dtype fp16"; named in its label
 #
 # The workload is the anchor of docs/benchmarks.md: smollm2-135m-shaped random checkpoint, 128 requests,
@@ -31,7 +34,7 @@ SRC=$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp
 SERVER_BIN=$CACHE/build/bin/llama-server
 CONVERT_PY=$CACHE/venv/bin/python
 
-BUILD=0 MODE=f32 CONCURRENCY=16,64 OUT= EXTRA_FLAGS=
+BUILD=0 MODE=f32 CONCURRENCY=16,64 OUT= EXTRA_FLAGS= NUM_REQUESTS=
 while [[ $# -gt 0 ]]; do
   case $1 in
     --build) BUILD=1; shift ;;
@@ -39,13 +42,15 @@ while [[ $# -gt 0 ]]; do
     --concurrency) CONCURRENCY=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --ours-flags) EXTRA_FLAGS=$2; shift 2 ;;
+    --num-requests) NUM_REQUESTS=$2; shift 2 ;;
     *) sed -n '2,21p' "$0"; exit 2 ;;
   esac
 done
 case $MODE in
-  f32) OURS_FLAGS=(); GGUF_TYPE=f32; LABELS=llmserve-f32,llama.cpp-f32 ;;
-  int8) OURS_FLAGS=(--quantization int8); GGUF_TYPE=q8_0; LABELS=llmserve-int8,llama.cpp-q8_0 ;;
-  *) echo "--mode f32|int8" >&2; exit 2 ;;
+  f32) OURS_FLAGS=(--dtype float32); GGUF_TYPE=f32; LABELS=llmserve-f32,llama.cpp-f32 ;;
+  bf16) OURS_FLAGS=(--dtype bfloat16); GGUF_TYPE=bf16; LABELS=llmserve-bf16,llama.cpp-bf16 ;;
+  int8) OURS_FLAGS=(--dtype float32 --quantization int8); GGUF_TYPE=q8_0; LABELS=llmserve-int8,llama.cpp-q8_0 ;;
+  *) echo "--mode f32|bf16|int8" >&2; exit 2 ;;
 esac
 if [[ -n $EXTRA_FLAGS ]]; then
   read -r -a EXTRA <<< "$EXTRA_FLAGS"
@@ -110,13 +115,13 @@ PIDS=()
 trap stop_all EXIT
 for C in ${CONCURRENCY//,/ }; do
   echo "c=$C load average before: $(cat /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
-  start "llmserve-c$C" "$PYTHON" -m llmserve.cli serve --model "$MODEL" --port "$PORT_OURS" \
-    --max-model-len 1024 --kv-cache-memory-bytes 3GiB --dtype float32 "${OURS_FLAGS[@]}"
+  start "llmserve-c$C" "$PYTHON" -m llmserve.cli serve "$MODEL" --port "$PORT_OURS" \
+    --max-model-len 1024 --kv-cache-memory-bytes 3GiB --num-threads "$(nproc)" "${OURS_FLAGS[@]}"
   # -np C slots (one per bench client) of 768 tokens each: the longest prompt + output.
   start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_LCPP" -t 2 -np "$C" -c $((C * 768))
   wait_healthy "$PORT_OURS" "${PIDS[0]}"
   wait_healthy "$PORT_LCPP" "${PIDS[1]}"
-  compare_anchor "$PORT_OURS" "$PORT_LCPP" "$LABELS" "$C"
+  compare_anchor "$PORT_OURS" "$PORT_LCPP" "$LABELS" "$C" "${NUM_REQUESTS:-$([[ $C == 1 ]] && echo 24 || echo 128)}"
   stop_all
 done
 echo "load average after: $(cat /proc/loadavg)" | tee -a "$OUT/loadavg.txt"

@@ -89,11 +89,11 @@ def test_write_kv_matches_index_copy(cache_dtype):
         cpu_kernels.write_kv(cache, torch.tensor([0, 1, 2, 3, 48]), k, v)
 
 
-def test_can_fuse_only_plain_float32_cpu_inference():
+def test_can_fuse_only_plain_float32_or_bfloat16_cpu_inference():
     x = torch.randn(2, 8)
     with torch.inference_mode():
-        assert cpu_kernels.can_fuse(x)
-        assert not cpu_kernels.can_fuse(x.bfloat16())
+        assert cpu_kernels.can_fuse(x) and cpu_kernels.can_fuse(x.bfloat16())
+        assert not cpu_kernels.can_fuse(x.half())
     assert not cpu_kernels.can_fuse(x)  # autograd on: the torch ops
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.config import KVTransferConfig, SpeculativeConfig
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_isa, cpu_kernels
 from llmserve.pooling import PoolerConfig
 from llmserve.worker.kv_cache import kv_bytes_per_token
 
@@ -24,8 +24,12 @@ def linear_kernel(model: torch.nn.Module, device: torch.device, dtype: torch.dty
         return "fp8 (Triton kernels)" if device.type == "cuda" else "fp8 (torch reference path)"
     if device.type == "cuda":
         return "cuBLAS"
-    has_panels = dtype == torch.float32 and cpu_kernels.packs_linears()
-    return "llmserve's AVX2 panels" if has_panels else "oneDNN"
+    if dtype == torch.float32 and cpu_kernels.packs_linears():
+        return f"llmserve's {cpu_kernels.panel_isa()} panels"
+    if dtype == torch.bfloat16 and cpu_kernels.has_bf16_gemv() and cpu_isa.has_fast_bf16() \
+            and cpu_isa.linear_path() != "onednn":
+        return "llmserve's AVX512-BF16 GEMV for decode rows, oneDNN beyond"
+    return "oneDNN"
 
 
 def speculation(spec: SpeculativeConfig) -> str:

@@ -46,7 +46,8 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     model) gets them rounded to float16, an int8 one gets them quantized per row (`quantize_int8_rows`)."""
     num_kv_heads, row_width = kv_cache.shape[3], kv_cache.shape[4]  # head_dim (+ 4 for int8: the scale)
     is_fusable = cpu_kernels.can_fuse(k) and kv_cache.is_contiguous()
-    if kv_cache.dtype in (torch.float32, torch.float16, torch.int8) and is_fusable:
+    cache_dtypes = (torch.bfloat16,) if k.dtype == torch.bfloat16 else (torch.float32, torch.float16, torch.int8)
+    if kv_cache.dtype in cache_dtypes and is_fusable:
         return cpu_kernels.write_kv(kv_cache, slot_mapping, k, v)  # one pass, no index_copy_ dispatch
     if kv_cache.dtype == torch.int8:  # rows of D + 4 (the scale)
         k, v = quantize_int8_rows(k.float()), quantize_int8_rows(v.float())

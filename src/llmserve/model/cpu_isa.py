@@ -1,14 +1,15 @@
 """What the CPU offers and which of our CPU paths it selects: the instruction sets /proc/cpuinfo lists,
 the ceiling oneDNN is held to (ONEDNN_MAX_CPU_ISA), and the project's switch for the float32 linears.
 
-The development and CI machines come in two kinds, AVX2-only and AVX-512 (some with AMX), and three
+The development and CI machines come in two kinds, AVX2-only and AVX-512 (some with AMX), and these
 choices follow from the kind (docs/cpu.md lists them with their switches):
-- float32 linears: our AVX2 panel kernel without AVX-512, oneDNN's packed weights with it
-  (`linear_path`; LLMSERVE_CPU_LINEAR=panels|onednn forces one, so either machine runs both);
+- float32 linears: our panel kernel on both, through AVX-512 registers where oneDNN may use them too (the same
+  bits); oneDNN's packed weights by name (`linear_path`; LLMSERVE_CPU_LINEAR=panels|onednn forces one);
+- bfloat16 decode rows: our AVX512-BF16 GEMV where `has_fast_bf16` (LLMSERVE_CPU_LINEAR=onednn: oneDNN's);
 - int8 linears: our exact AVX2 kernel where oneDNN has no VNNI (`onednn_has_vnni`);
 - `--dtype auto`: bfloat16 where oneDNN may run bf16 dot products (AMX or AVX512-BF16), else float32
   (`has_fast_bf16`).
-ONEDNN_MAX_CPU_ISA=AVX2 holds an AVX-512 machine to the AVX2 kind's choices, all three.
+ONEDNN_MAX_CPU_ISA=AVX2 holds an AVX-512 machine to the AVX2 kind's choices, all of them.
 """
 
 from __future__ import annotations

@@ -11,13 +11,15 @@ goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3 and -fope
 LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and callers keep their plain
 torch path.
 
-The same build holds the fused elementwise ops of a float32 decoder layer (csrc/fused_ops.cpp): RMSNorm
+The same build holds the fused elementwise ops of a float32 or bfloat16 decoder layer (csrc/fused_ops.cpp): RMSNorm
 (with the residual add, in place), SiLU-and-mul, rotary in place and the K/V write into the paged cache;
 `can_fuse(x)` says when the model's layers call them instead of their chains of torch ops.
 
 And float32 linear layers (csrc/linear_avx2.cpp, AVX2 + FMA builds: `has_avx2_kernels`): a weight packed
-once into 16-column panels, multiplied by a kernel that streams it with prefetches; model/linear.py uses it
-instead of oneDNN on CPUs without AVX-512 (`packs_linears`; LLMSERVE_CPU_LINEAR forces either: model/cpu_isa.py).
+once into 16-column panels, multiplied by a kernel that streams it with prefetches, through AVX-512 registers
+where the CPU has them (csrc/linear_avx512.cpp, built with -mavx512f... there); model/linear.py uses it instead of
+oneDNN (`packs_linears`; LLMSERVE_CPU_LINEAR forces either: model/cpu_isa.py). With AVX512-BF16, bfloat16
+decode rows go through a GEMV on the weight as loaded (`bf16_gemv`).
 Likewise int8 linear layers (csrc/int8_linear_avx2.cpp): on CPUs where oneDNN has no VNNI its s8 GEMM is inexact, and
 model/quant/linear.py's Int8Linear runs this exact one instead (`packs_int8`).
 """
@@ -45,8 +47,10 @@ MAX_QUERY_LEN = 16  # decode-like rows: up to this many query tokens over a cach
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
-                                                      "linear_avx2.cpp", "int8_linear_avx2.cpp")]
-_HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h")]
+                                                      "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
+                                                      "fused_ops_bf16.cpp")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
+                                                                     "fused_ops_bf16.h")]
 _NAME = "llmserve_cpu_kernels"
 FIRST_BUILD_TIME = "2-3 minutes on 2 cores"  # measured: about 2.5 minutes on an AMD EPYC Zen 3 (2 cores)
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
@@ -56,7 +60,19 @@ def _compile_flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]
     if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_isa.cpu_flags():
         flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in cpu_isa.cpu_flags() else [])
+        flags += _avx512_flags()
     return flags
+
+
+AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq"}
+
+
+def _avx512_flags() -> list[str]:
+    """-mavx512f/bw/vl/dq where the CPU has all four (csrc/linear_avx512.cpp), plus -mavx512bf16 with AVX512-BF16."""
+    cpu = cpu_isa.cpu_flags()
+    if not set(AVX512_FLAGS) <= cpu:
+        return []
+    return list(AVX512_FLAGS.values()) + (["-mavx512bf16"] if "avx512_bf16" in cpu else [])
 
 
 def _build_dir(flags: list[str]) -> str:
@@ -64,6 +80,7 @@ def _build_dir(flags: list[str]) -> str:
 
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
     tag += "-avx2" if "-mavx2" in flags else ""
+    tag += "-avx512" if "-mavx512f" in flags else ""
     # one directory per source location: two checkouts never rebuild (or lock) each other's build
     tag += "-" + hashlib.sha256(_CSRC.encode()).hexdigest()[:8]
     path = os.path.join(cache_dir(), "torch_extensions", re.sub(r"[^A-Za-z0-9._-]", "_", tag))
@@ -235,9 +252,13 @@ def attends_prompts(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and has_avx2_kernels()
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def can_fuse(x: torch.Tensor) -> bool:
-    """Whether the fused ops below take x: float32 on CPU, outside autograd, kernels built."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() and available()
+    """Whether the fused ops below take x: float32 or bfloat16 on CPU, outside autograd, kernels built (the other
+    tensors of a call share x's dtype)."""
+    return x.device.type == "cpu" and x.dtype in FUSED_DTYPES and not torch.is_grad_enabled() and available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -266,7 +287,8 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """k/v [T, Hkv, D] float32 (any row/head strides) into kv_cache [2, N, bs, Hkv, D] (float32, or float16:
-    rounded to nearest even) at slot_mapping [T] int64."""
+    rounded to nearest even; int8: quantized per row), or bfloat16 k/v into a bfloat16 cache, at slot_mapping [T]
+    int64."""
     _ops().write_kv(kv_cache, slot_mapping, k, v)
 
 
@@ -277,20 +299,19 @@ def has_avx2_kernels() -> bool:
 
 
 def packs_linears() -> bool:
-    """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: on CPUs
-    without AVX-512 (or held below it). There oneDNN runs AVX2 code, which our kernel beats at every row count;
-    with AVX-512, oneDNN's 512-bit kernels win at prefill sizes and ours only at decode sizes, so oneDNN
-    stays (docs/benchmarks.md, "Figures behind choices in the code"). LLMSERVE_CPU_LINEAR=panels|onednn forces either
-    (`cpu_isa.linear_path`); panels without the AVX2 build is a ValueError, not a silent fallback."""
+    """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: wherever the
+    kernels built with AVX2 (through AVX-512 registers where the CPU has them: `packed_linear`). On AVX2-only CPUs
+    oneDNN runs AVX2 code, which ours beats at every row count; on AVX-512 ones ours streams a decode step's
+    weights at 1.6x oneDNN's speed at one row and matches it at prefill sizes (docs/benchmarks.md, "CPU batch
+    1"). LLMSERVE_CPU_LINEAR=panels|onednn forces either (`cpu_isa.linear_path`); panels without the AVX2 build
+    is a ValueError, not a silent fallback."""
     path = cpu_isa.linear_path()
     if path == "onednn":
         return False
-    if path == "panels":
-        if not has_avx2_kernels():
-            raise ValueError(f"{cpu_isa.LINEAR_ENV}=panels needs the AVX2 CPU kernels, which this machine "
-                             "did not build or load (see the log's 'CPU kernels' line)")
-        return True
-    return not cpu_isa.onednn_has_avx512() and has_avx2_kernels()
+    if path == "panels" and not has_avx2_kernels():
+        raise ValueError(f"{cpu_isa.LINEAR_ENV}=panels needs the AVX2 CPU kernels, which this machine "
+                         "did not build or load (see the log's 'CPU kernels' line)")
+    return has_avx2_kernels()
 
 
 def packs_int8() -> bool:
@@ -308,9 +329,10 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] contiguous float32, panels from `pack_linear_weight`, bias [N] or None -> [T, N]."""
+    """x [T, K] contiguous float32, panels from `pack_linear_weight`, bias [N] or None -> [T, N]; through
+    AVX-512 registers where the build and oneDNN's cap allow (the same sums in the same order as AVX2's)."""
     out = x.new_empty(x.shape[0], out_features)
-    _ops().packed_linear(out, x, panels, bias)
+    _panel_op(cpu_isa.onednn_isa_cap())(out, x, panels, bias)
     return out
 
 
@@ -331,4 +353,55 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, w_scale: torch.Tensor, ou
     """x [T, K] contiguous float32 quantized per row, times the int8 panels, scaled -> [T, N] float32."""
     out = x.new_empty(x.shape[0], out_features)
     _ops().int8_linear(out, x, panels, w_scale, bias)
+    return out
+
+
+def panel_isa() -> str:
+    """The registers `packed_linear` runs in here: AVX-512 or AVX2."""
+    return "AVX-512" if _panel_op(cpu_isa.onednn_isa_cap()) == _ops().packed_linear_avx512 else "AVX2"
+
+
+@functools.cache
+def _panel_op(isa_cap: str):
+    """The panel GEMM for oneDNN's ISA cap (read per call: tests change it): AVX-512 where both allow."""
+    return _ops().packed_linear_avx512 if _has_avx512_build() and cpu_isa.onednn_has_avx512() else _ops().packed_linear
+
+
+@functools.cache
+def _has_avx512_build() -> bool:
+    return available() and bool(_ops().has_avx512_linear())
+
+
+@functools.cache
+def _has_bf16_dot_build() -> bool:
+    return available() and bool(_ops().has_bf16_gemv())
+
+
+def has_avx512_linear() -> bool:
+    """Whether the build has csrc/linear_avx512.cpp's float32 panel kernel (an AVX-512 build, loaded);
+    `packed_linear` runs it where oneDNN may use AVX-512 too (ONEDNN_MAX_CPU_ISA holds both to AVX2)."""
+    return _has_avx512_build()
+
+
+def packed_linear_avx512(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`packed_linear` through AVX-512 registers: the same panels, the same sums in the same order."""
+    out = x.new_empty(x.shape[0], out_features)
+    _ops().packed_linear_avx512(out, x, panels, bias)
+    return out
+
+
+BF16_GEMV_MAX_ROWS = 4  # rows of x `bf16_gemv` takes (decode batches of one user or a few)
+
+
+def has_bf16_gemv() -> bool:
+    """Whether the build has the AVX512-BF16 GEMV (`bf16_gemv`)."""
+    return _has_bf16_dot_build()
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 4, K] contiguous bfloat16, weight [N, K] contiguous bfloat16 (as loaded), bias [N] or None ->
+    [M, N] bfloat16, float32 sums of bf16 products (what oneDNN's bf16 GEMM computes, in another order)."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _ops().bf16_gemv(out, x, weight, bias)
     return out

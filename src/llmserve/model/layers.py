@@ -30,9 +30,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., hidden] -> normed; with residual: (normed(x + residual), x + residual).
 
-        float32 on CPU, 2-D and contiguous: one fused op (cpu_kernels); with a residual it works in place
+        float32 or bfloat16 on CPU, 2-D and contiguous: one fused op (cpu_kernels); with a residual it works in place
         (x's memory then holds the normed rows and residual's the sum, which it returns)."""
-        if x.dim() == 2 and x.is_contiguous() and cpu_kernels.can_fuse(x):
+        if x.dim() == 2 and x.is_contiguous() and self.weight.dtype == x.dtype and cpu_kernels.can_fuse(x):
             if residual is None:
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             if residual.is_contiguous():
@@ -235,11 +235,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D], cos/sin [T, 1, R/2] -> x [T, heads, D] with its first R features rotated (R < D: partial
-    rotary, the rest pass through); in place for float32 on CPU (cpu_kernels) and on CUDA (Triton)."""
+    rotary, the rest pass through); in place for float32 and bfloat16 on CPU (cpu_kernels) and on CUDA (Triton)."""
     rot = 2 * cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-    if x.stride(-1) == 1 and cpu_kernels.can_fuse(x):
+    if x.stride(-1) == 1 and cos.dtype == x.dtype and cpu_kernels.can_fuse(x):
         cpu_kernels.rotary_(x, cos, sin)
         return x
     if (fused := cuda_rotary(x, cos)) is not None:

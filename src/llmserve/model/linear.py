@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_isa, cpu_kernels
 
 
 @functools.cache
@@ -87,8 +87,21 @@ def bucket_rows(num_rows: int) -> int:
     return -(-num_rows // step) * step
 
 
+def uses_bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` goes through our AVX512-BF16 GEMV: bfloat16 decode rows (at most 4) on a CPU
+    with bf16 dot products, the weight as loaded (no packing: larger batches keep oneDNN on the same tensor);
+    LLMSERVE_CPU_LINEAR=onednn keeps oneDNN for every row count."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.dim() == 2 and x.shape[0] <= cpu_kernels.BF16_GEMV_MAX_ROWS and x.is_contiguous()
+            and weight.device.type == "cpu" and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and weight.requires_grad)
+            and cpu_kernels.has_bf16_gemv() and cpu_isa.has_fast_bf16() and cpu_isa.linear_path() != "onednn")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in], weight [out, in], bias [out] or None -> [T, out], like F.linear."""
+    if uses_bf16_gemv(x, weight):
+        return cpu_kernels.bf16_gemv(x, weight, bias)
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     return _onednn_linear(x, weight, bias)
