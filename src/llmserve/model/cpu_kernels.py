@@ -178,32 +178,47 @@ def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor, window: int = 0, sink
             raise RuntimeError("self-test mismatch")
 
 
-def _load():
-    if os.environ.get("LLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        logger.info("CPU kernels disabled (LLMSERVE_CPU_KERNELS=0): torch attention path")
-        return None
+def kernels_disabled() -> bool:
+    """LLMSERVE_CPU_KERNELS=0 (or false, no, off): no C++ kernel is built or loaded."""
+    return os.environ.get("LLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def build_and_load(name: str, sources: list[str], namespace: str, self_test, what: str, fallback: str,
+                   subdir: str = "", extra_cflags: tuple[str, ...] = ()):
+    """JIT-build (or load the build of) C++ `sources` with this machine's flags into torch.ops.<namespace>, then
+    run self_test(ops): the ops, or None with one warning line ("<what> unavailable, <fallback>") on any failure,
+    so that callers keep their torch path. Builds go to the CPU kernels' build directory (`subdir` below it)."""
     try:
         from torch.utils import cpp_extension
 
         flags = _compile_flags()
-        build_dir = _build_dir(flags)
+        build_dir = os.path.join(_build_dir(flags), subdir) if subdir else _build_dir(flags)
+        os.makedirs(build_dir, exist_ok=True)
         _clear_stale_lock(build_dir)
-        if _needs_build(build_dir):
-            logger.info("compiling the C++ CPU kernels (model/csrc) into %s: this takes about %s the first "
-                        "time, later starts load the build", build_dir, FIRST_BUILD_TIME)
-        cpp_extension.load(name=_NAME, sources=_SOURCES, extra_cflags=flags + [_header_digest()],
+        cpp_extension.load(name=name, sources=sources, extra_cflags=flags + list(extra_cflags),
                            extra_ldflags=["-fopenmp"], build_directory=build_dir, is_python_module=False,
                            verbose=False)
-        ops = torch.ops.llmserve_cpu
-        _self_test(ops)
-    except Exception as e:  # no compiler, no ninja, build or load error: keep the torch path
+        ops = getattr(torch.ops, namespace)
+        self_test(ops)
+    except Exception as e:  # no compiler, no ninja, build or load error: the caller keeps its torch path
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        logger.warning("CPU kernels unavailable, using the torch path (%s: %s)",
-                       type(e).__name__, first_line)
-        logger.debug("CPU kernel build failure", exc_info=True)
+        logger.warning("%s unavailable, %s (%s: %s)", what, fallback, type(e).__name__, first_line)
+        logger.debug("%s build failure", what, exc_info=True)
         return None
-    logger.info("CPU kernels loaded (%s)", " ".join(flags))
+    logger.info("%s loaded (%s)", what, " ".join(flags))
     return ops
+
+
+def _load():
+    if kernels_disabled():
+        logger.info("CPU kernels disabled (LLMSERVE_CPU_KERNELS=0): torch attention path")
+        return None
+    build_dir = _build_dir(_compile_flags())
+    if _needs_build(build_dir):
+        logger.info("compiling the C++ CPU kernels (model/csrc) into %s: this takes about %s the first "
+                    "time, later starts load the build", build_dir, FIRST_BUILD_TIME)
+    return build_and_load(_NAME, _SOURCES, "llmserve_cpu", _self_test, "CPU kernels", "using the torch path",
+                          extra_cflags=(_header_digest(),))
 
 
 @functools.cache

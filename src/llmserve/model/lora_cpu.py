@@ -13,7 +13,6 @@ When the build or its self-test fails, `available()` is False and the layers kee
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import numpy as np
@@ -21,7 +20,6 @@ import torch
 
 from llmserve.model import cpu_kernels
 
-logger = logging.getLogger(__name__)
 
 _NAME = "llmserve_lora_cpu"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "lora_sgmv.cpp")
@@ -70,26 +68,10 @@ def _grouped(token_slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _load():
-    if os.environ.get("LLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if cpu_kernels.kernels_disabled():
         return None
-    try:
-        from torch.utils import cpp_extension
-
-        flags = cpu_kernels._compile_flags()
-        build_dir = os.path.join(cpu_kernels._build_dir(flags), "lora")
-        os.makedirs(build_dir, exist_ok=True)
-        cpu_kernels._clear_stale_lock(build_dir)
-        cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=build_dir, is_python_module=False, verbose=False)
-        ops = torch.ops.llmserve_lora
-        _self_test(ops)
-    except Exception as e:  # no compiler, build or load error: keep the torch form
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        logger.warning("CPU LoRA kernel unavailable, using torch's segmented products (%s: %s)",
-                       type(e).__name__, first_line)
-        return None
-    logger.info("CPU LoRA kernel loaded (%s)", " ".join(flags))
-    return ops
+    return cpu_kernels.build_and_load(_NAME, [_SOURCE], "llmserve_lora", _self_test, "CPU LoRA kernel",
+                                      "using torch's segmented products", subdir="lora")
 
 
 @functools.cache

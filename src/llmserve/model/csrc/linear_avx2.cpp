@@ -25,7 +25,6 @@ namespace {
 
 constexpr int64_t kPanel = 16;       // output columns a panel: two ymm registers
 constexpr int64_t kChunk = 128;      // k-rows of a panel a row block passes over at a time (8 KB)
-constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;  // rows of x a work unit covers
 constexpr int64_t kPrefetchRows = 256;  // k-rows ahead the weight stream is prefetched
 constexpr int kMaxRows = 6;  // rows of x a register block holds: 12 accumulators + 2 panel rows + 1 broadcast
 
@@ -37,13 +36,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({num_panels, kPanel, k}).transpose(1, 2).contiguous();  // [P, K, 16]
 }
 
-struct Gemm {
-  const float* x;        // [M, K]
-  const float* panels;   // [P, K, 16]
-  const float* bias;     // [N] or nullptr
-  float* out;            // [M, N]
-  int64_t m, n, k, num_panels;
-};
+using Gemm = llmserve_cpu::F32PanelGemm;
 
 }  // namespace
 
@@ -76,39 +69,10 @@ inline void block(const float* a, int64_t lda, const float* b, int kc, float* c,
     for (int j = 0; j < 2; ++j) _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);
 }
 
-// One unit: panel p over rows [row0, row0 + num_rows). A panel whose columns run past N goes through a
-// 16-wide tile, then its valid columns are copied out.
-void run_unit(const Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
-  const float* b = g.panels + p * g.k * kPanel;
-  const int64_t num_elements = g.num_panels * g.k * kPanel;
-  const int64_t num_cols = std::min(kPanel, g.n - p * kPanel);
-  const bool is_full = num_cols == kPanel;
-  alignas(32) float tile[kRowBlock * kPanel];
-  alignas(32) float bias_tile[kPanel] = {};  // the last panel's bias, zero-padded to 16 columns
-  const float* bias = g.bias ? g.bias + p * kPanel : nullptr;
-  if (bias && !is_full) {
-    std::copy(bias, bias + num_cols, bias_tile);
-    bias = bias_tile;
-  }
-  for (int64_t k0 = 0; k0 < g.k; k0 += kChunk) {
-    const int kc = static_cast<int>(std::min(kChunk, g.k - k0));
-    const int64_t pf_offset = (p * g.k + k0 + kPrefetchRows) * kPanel;  // into the next panel near the end
-    const float* pf = prefetch && pf_offset + kc * kPanel <= num_elements ? g.panels + pf_offset : nullptr;
-    llmserve_cpu::for_each_row_block<kMaxRows>(num_rows, [&](auto rows, int64_t r) {
-      float* c = is_full ? g.out + (row0 + r) * g.n + p * kPanel : tile + r * kPanel;
-      block<decltype(rows)::value>(g.x + (row0 + r) * g.k + k0, g.k, b + k0 * kPanel, kc, c, is_full ? g.n : kPanel,
-                                   bias, k0 == 0, r == 0 ? pf : nullptr);
-    });
-  }
-  if (!is_full)
-    for (int64_t r = 0; r < num_rows; ++r)
-      std::copy(tile + r * kPanel, tile + r * kPanel + num_cols, g.out + (row0 + r) * g.n + p * kPanel);
-}
-
 void run(const Gemm& g) {
-  llmserve_cpu::for_each_panel_unit(g.num_panels, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
-    run_unit(g, p, row0, num_rows, prefetch);
-  });
+  llmserve_cpu::run_f32_panel_gemm<kMaxRows, kChunk, kPrefetchRows>(
+      g, [](auto rows, const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc, const float* bias,
+            bool first, const float* pf) { block<decltype(rows)::value>(a, lda, b, kc, c, ldc, bias, first, pf); });
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// What the AVX2 panel GEMMs share (linear_avx2.cpp: float32, int8_linear_avx2.cpp: int8): the split of the
-// work over threads and the dispatch to a register block of a given row count.
+// What the panel GEMMs share (linear_avx2.cpp and linear_avx512.cpp: float32, int8_linear_avx2.cpp: int8): the
+// split of the work over threads, the dispatch to a register block of a given row count, and the float32 unit.
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -41,6 +41,56 @@ inline void for_each_row_block(int64_t num_rows, Block block) {
       default: block(std::integral_constant<int, kMaxRows>{}, r); break;
     }
   }
+}
+
+// A float32 GEMM over 16-column panels: out [M, N] = x [M, K] @ w^T (+ bias [N]), panels [P, K, 16].
+struct F32PanelGemm {
+  const float* x;
+  const float* panels;
+  const float* bias;  // [N] or nullptr
+  float* out;
+  int64_t m, n, k, num_panels;
+};
+
+// One unit of an F32PanelGemm: panel p over rows [row0, row0 + num_rows), K in chunks of kChunk; a panel whose
+// columns run past N goes through a 16-wide tile, then its valid columns are copied out. block(rows, a, lda, b,
+// kc, c, ldc, bias, first, pf) is the ISA's register block (rows: std::integral_constant); with `prefetch` its
+// first row block prefetches the stream kPrefetchRows k-rows ahead (on into the next panel near the end).
+template <int kMaxRows, int64_t kChunk, int64_t kPrefetchRows, class Block>
+void run_f32_panel_unit(const F32PanelGemm& g, int64_t p, int64_t row0, int64_t num_rows, bool prefetch, Block block) {
+  constexpr int64_t kPanel = 16;
+  const float* b = g.panels + p * g.k * kPanel;
+  const int64_t num_elements = g.num_panels * g.k * kPanel;
+  const int64_t num_cols = std::min(kPanel, g.n - p * kPanel);
+  const bool is_full = num_cols == kPanel;
+  alignas(64) float tile[kPanelRowBlock * kPanel];
+  alignas(64) float bias_tile[kPanel] = {};  // the last panel's bias, zero-padded to 16 columns
+  const float* bias = g.bias ? g.bias + p * kPanel : nullptr;
+  if (bias && !is_full) {
+    std::copy(bias, bias + num_cols, bias_tile);
+    bias = bias_tile;
+  }
+  for (int64_t k0 = 0; k0 < g.k; k0 += kChunk) {
+    const int kc = static_cast<int>(std::min(kChunk, g.k - k0));
+    const int64_t pf_offset = (p * g.k + k0 + kPrefetchRows) * kPanel;
+    const float* pf = prefetch && pf_offset + kc * kPanel <= num_elements ? g.panels + pf_offset : nullptr;
+    for_each_row_block<kMaxRows>(num_rows, [&](auto rows, int64_t r) {
+      float* c = is_full ? g.out + (row0 + r) * g.n + p * kPanel : tile + r * kPanel;
+      block(rows, g.x + (row0 + r) * g.k + k0, g.k, b + k0 * kPanel, kc, c, is_full ? g.n : kPanel, bias, k0 == 0,
+            r == 0 ? pf : nullptr);
+    });
+  }
+  if (!is_full)
+    for (int64_t r = 0; r < num_rows; ++r)
+      std::copy(tile + r * kPanel, tile + r * kPanel + num_cols, g.out + (row0 + r) * g.n + p * kPanel);
+}
+
+// Every unit of an F32PanelGemm on ATen's threads (for_each_panel_unit).
+template <int kMaxRows, int64_t kChunk, int64_t kPrefetchRows, class Block>
+void run_f32_panel_gemm(const F32PanelGemm& g, Block block) {
+  for_each_panel_unit(g.num_panels, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
+    run_f32_panel_unit<kMaxRows, kChunk, kPrefetchRows>(g, p, row0, num_rows, prefetch, block);
+  });
 }
 
 }  // namespace llmserve_cpu
