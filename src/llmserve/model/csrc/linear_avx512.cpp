@@ -154,26 +154,10 @@ void run_gemv(const Gemv&) {}
 
 namespace {
 
-void packed_linear_avx512(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
-                          const c10::optional<at::Tensor>& bias) {
+void packed_linear_avx512(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kHasAvx512, "packed_linear_avx512: built without AVX-512");
-  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
-              "packed_linear_avx512: panels must be a contiguous float32 [P, K, 16] tensor (pack_linear_weight)");
-  const int64_t m = x.size(0), k = panels.size(1), n = out.size(1);
-  TORCH_CHECK(k > 0, "packed_linear_avx512: K must be positive");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == k && x.is_contiguous(),
-              "packed_linear_avx512: x must be a contiguous float32 [M, ", k, "] tensor");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == m && out.is_contiguous() &&
-                  (n + kPanel - 1) / kPanel == panels.size(0),
-              "packed_linear_avx512: out must be a contiguous float32 [M, N] tensor with ceil(N / 16) == P");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
-                "packed_linear_avx512: bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
-  if (m == 0) return;
-  run(Gemm{x.data_ptr<float>(), panels.data_ptr<float>(), b, out.data_ptr<float>(), m, n, k, panels.size(0)});
+  const Gemm g = llmserve_cpu::f32_panel_gemm("packed_linear_avx512", out, x, panels, bias);
+  if (g.m > 0) run(g);
 }
 
 void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

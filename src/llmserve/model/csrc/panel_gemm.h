@@ -2,6 +2,7 @@
 // split of the work over threads, the dispatch to a register block of a given row count, and the float32 unit.
 #pragma once
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -83,6 +84,27 @@ void run_f32_panel_unit(const F32PanelGemm& g, int64_t p, int64_t row0, int64_t 
   if (!is_full)
     for (int64_t r = 0; r < num_rows; ++r)
       std::copy(tile + r * kPanel, tile + r * kPanel + num_cols, g.out + (row0 + r) * g.n + p * kPanel);
+}
+
+// The F32PanelGemm of out = x @ panels^T (+ bias), every argument checked (errors name `op`).
+inline F32PanelGemm f32_panel_gemm(const char* op, at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.size(2) == 16 && panels.is_contiguous(),
+              op, ": panels must be a contiguous float32 [P, K, 16] tensor (pack_linear_weight)");
+  const int64_t m = x.size(0), k = panels.size(1), n = out.size(1);
+  TORCH_CHECK(k > 0, op, ": K must be positive");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == k && x.is_contiguous(),
+              op, ": x must be a contiguous float32 [M, ", k, "] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == m && out.is_contiguous() &&
+                  (n + 15) / 16 == panels.size(0),
+              op, ": out must be a contiguous float32 [M, N] tensor with ceil(N / 16) == P");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                op, ": bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  return F32PanelGemm{x.data_ptr<float>(), panels.data_ptr<float>(), b, out.data_ptr<float>(), m, n, k, panels.size(0)};
 }
 
 // Every unit of an F32PanelGemm on ATen's threads (for_each_panel_unit).
