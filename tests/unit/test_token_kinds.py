@@ -122,15 +122,15 @@ def test_an_engines_mixed_steps_have_their_decode_tokens_first(tmp_path, monkeyp
     runner is made to compute kinds as it does for an FP8 model on CUDA; 3 rows at most and a 32-token
     budget make prompts arrive, and get chunked, beside decoding rows."""
     from llmserve import LLM, SamplingParams
-    from llmserve.worker import model_runner
+    from llmserve.worker import step_inputs
 
     path = make_model("llama", "tiny", str(tmp_path / "m"), seed=1)
     llm = LLM(path, device="cpu", dtype="float32", quantization="fp8", max_num_seqs=3, max_num_batched_tokens=32,
               max_model_len=128, num_kv_blocks=64)
     runner = llm.engine.runner
-    runner.step_kinds = runner.model.step_kinds  # what the runner takes on CUDA
+    runner.step_kinds = runner.inputs.step_kinds = runner.model.step_kinds  # what the runner takes on CUDA
     seen = []
-    monkeypatch.setattr(model_runner, "token_kinds", lambda *args: seen.append(token_kinds(*args)) or seen[-1])
+    monkeypatch.setattr(step_inputs, "token_kinds", lambda *args: seen.append(token_kinds(*args)) or seen[-1])
     prompts = [list(range(5, 5 + n)) for n in (20, 45, 9, 30, 60, 12)]
     llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     mixed = [kinds for kinds in seen if kinds.is_mixed]
