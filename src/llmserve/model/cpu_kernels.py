@@ -317,7 +317,7 @@ def packs_linears() -> bool:
     """Whether model/linear.py should pack float32 weights for `packed_linear` rather than oneDNN: wherever the
     kernels built with AVX2 (through AVX-512 registers where the CPU has them: `packed_linear`). On AVX2-only CPUs
     oneDNN runs AVX2 code, which ours beats at every row count; on AVX-512 ones ours streams a decode step's
-    weights at 1.6x oneDNN's speed at one row and matches it at prefill sizes (docs/benchmarks.md, "CPU batch
+    weights faster than oneDNN and is within a few percent at prefill sizes (docs/benchmarks.md, "CPU batch
     1"). LLMSERVE_CPU_LINEAR=panels|onednn forces either (`cpu_isa.linear_path`); panels without the AVX2 build
     is a ValueError, not a silent fallback."""
     path = cpu_isa.linear_path()

@@ -120,7 +120,7 @@ class LoRALinear(nn.Module):
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """torch ops on one CPU thread inside (switching costs ~4 us)."""
+    """torch ops on one CPU thread inside: the small per-adapter ops would pay a fork/join each otherwise."""
     num_threads = torch.get_num_threads()
     if num_threads == 1:
         yield

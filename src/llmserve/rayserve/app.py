@@ -20,13 +20,13 @@ REPLICA_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMReplica", "Ingress"
 INGRESS_MAX_ONGOING = 16384  # the ingress only forwards: its limit must not be the bottleneck (Ray's default is 5)
 ROUTER_CLASS = "llmserve.rayserve.request_router:PrefixAwareRequestRouter"
 # Ray Serve runs user code on a second event loop in its own thread, and a handle's router on a third, by
-# default: every streamed item then hops between threads. With both on Ray's main loops (in every Ray process),
-# c=64 through Ray went from 0.53x to 0.58-0.75x of `llmserve serve` direct (docs/benchmarks.md, "Ray Serve").
+# default: every streamed item then hops between threads. Both on Ray's main loops (in every Ray process) is
+# faster through Ray (docs/benchmarks.md, "Ray Serve").
 SAME_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 # --direct-ingress-port: Ray 2.60's "throughput optimized" preset (the above, handle calls over gRPC instead of
 # Ray actor tasks, GC frozen after start, a buffered request-path log; Ray's logs still go to stderr) with
-# direct ingress: 0.90-0.92x at c=64, where direct ingress alone measured 0.59x and the preset through the
-# proxy no better than SAME_LOOP_ENV alone.
+# direct ingress: together they come closest to `llmserve serve` direct, either alone does not
+# (docs/benchmarks.md, "Ray Serve").
 THROUGHPUT_ENV = {**SAME_LOOP_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
 
 

@@ -23,7 +23,7 @@ class RayServeConfig:
     direct_ingress_port: int | None = field(default=None, metadata={
         "help": "local Ray only: the ingress also serves HTTP itself on this port (the next ones for more "
                 "--ingress-replicas), without Ray's proxy on the way (Ray 2.60's direct ingress, experimental: "
-                "0.90x of `llmserve serve` at c=64 against 0.75x through the proxy); --port keeps the proxy"})
+                "closer to `llmserve serve`'s throughput than the proxy); --port keeps the proxy"})
     app_name: str = field(default="llmserve", metadata={"help": "Ray Serve application name"})
     route_prefix: str = field(default="/", metadata={"help": "the application's path on Ray's HTTP proxy"})
     num_replicas: int | None = field(default=None, metadata={

@@ -1,8 +1,8 @@
 """The draft model's logits, optionally over a reduced vocabulary (`--draft-vocab-size N`).
 
 A small draft spends most of a forward in its lm_head: the 2-layer draft of the Llama-3.1-8B shape reads
-the 128,256 x 4,096 head, 1 GB in bf16 (368 us of a draft forward on an H100, 1.84 ms of a speculative
-step at k = 4), and smollm2-135m's two layers are 8M weights beside its 28M head. EAGLE-3 and FR-Spec
+the 128,256 x 4,096 head, 1 GB in bf16, and smollm2-135m's two layers are 8M weights beside its 28M head
+(docs/benchmarks.md has the times). EAGLE-3 and FR-Spec
 (Zhao et al., 2025) give the draft a head over the most frequent tokens only; SGLang takes such a token
 map for its drafts. Here the draft keeps the first N token ids, which BPE and SentencePiece vocabularies
 give their most frequent tokens (merge order), or the first N of a token map (`--draft-token-map`: ids
@@ -67,7 +67,7 @@ class DraftHead:
 
     def _set_rows(self, rows: torch.Tensor) -> None:
         """rows [N, H]: kept as they are, or packed for the CPU's linear path when they can be (our panels
-        or oneDNN's layout, whichever the CPU takes: model/linear.py; 5-12x F.linear's speed on the CPU,
+        or oneDNN's layout, whichever the CPU takes: model/linear.py; faster than F.linear on the CPU,
         docs/benchmarks.md)."""
         self.weight, self.is_packed = rows, can_pack(rows)
         if self.is_packed:

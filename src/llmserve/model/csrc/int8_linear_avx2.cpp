@@ -37,7 +37,7 @@ constexpr int64_t kChunkPairs = 128;    // pairs of k a row block passes over at
 constexpr int64_t kRowBlock = llmserve_cpu::kPanelRowBlock;  // rows of x a work unit covers
 constexpr int64_t kPrefetchPairs = 512;  // pairs of k ahead the weight stream is prefetched (16 KB)
 constexpr int kMaxRows = 4;  // rows of x a register block holds: with 6 (plus a madd's temporary) GCC spilled
-                             // accumulators to the stack (1.3-1.7x slower at 16-64 rows)
+                             // accumulators to the stack (slower at 16-64 rows)
 
 at::Tensor pack_int8_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "pack_int8_weight: int8 [N, K] expected");

@@ -28,7 +28,7 @@ void for_each_panel_unit(int64_t num_panels, int64_t m, Unit unit) {
 
 // block(std::integral_constant<int, R>{}, r) for the register blocks of a unit's num_rows rows: R rows
 // (1 .. kMaxRows) from row r, one inlined instance per row count. (Called through a table of function
-// pointers, GCC kept the accumulators on the stack: 2.5x slower.)
+// pointers, GCC kept the accumulators on the stack, much slower.)
 template <int kMaxRows, class Block>
 inline void for_each_row_block(int64_t num_rows, Block block) {
   static_assert(1 <= kMaxRows && kMaxRows <= 6, "register blocks of 1 to 6 rows");

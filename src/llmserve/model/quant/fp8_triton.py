@@ -1,27 +1,21 @@
 """Triton kernels of the FP8 linear layer on CUDA, for what torch's ops do slowly at decode sizes.
 
-Measured on an H100 (docs/benchmarks.md, "FP8 on the H100"): per-token quantization of the activation
-through torch is six kernels, 13-14 us a linear, as much as the GEMM it feeds; and `torch._scaled_mm`
-reads an FP8 weight at only 1.0-1.4 TB/s for a handful of rows. Two kernels replace them:
+Per-token quantization of the activation through torch is six kernels, as long as the GEMM it feeds, and
+`torch._scaled_mm` reads an FP8 weight far below the copy bandwidth for a handful of rows (docs/benchmarks.md,
+"FP8 on the H100"). Two kernels replace them:
 
 - `quantize_rows`: one launch. A program per row finds its largest |x|, then writes x / scale in
   float8_e4m3fn and the scale (what `_per_token` + clamp + cast compute in torch).
 - `fp8_decode_matmul`: decode rows (a sequence's next token, or that token and its drafts: token_kinds.py),
   whatever their number, on the tensor cores in row tiles (16 rows, or 64 for Hopper's wgmma: DecodeTiling)
   whose K order is fixed: a row's sums do not depend on how many rows share the launch, so greedy outputs
-  do not depend on the batch. It replaces an
-  FP8 GEMV (third run, 2026-11-27: one-row steps 1.15x bf16, but a row's sums then depended on the path
-  its batch size took, 5 of 8 sequences kept in tests/gpu/test_gpu_quant.py; and it read the weights at
-  ~40% of the copy bandwidth, converting and multiplying in float32 on the CUDA cores). Prompt rows keep
-  `quantize_rows` + `torch._scaled_mm`.
+  do not depend on the batch (an FP8 GEMV before it made a row's sums depend on its batch size:
+  docs/benchmarks.md, "H100, third run"). Prompt rows keep `quantize_rows` + `torch._scaled_mm`.
 
 Both are checked on CPU through Triton's interpreter, on inputs whose FP8 values are exact (its
 float32 -> float8 conversion goes wrong where a value rounds up into the next power of two), and on
-CUDA in tests/gpu. The kernels' 448.0 and 1e-12 are linear.FP8_MAX and its smallest scale.
-Measured on an H100 (scripts/gpu/fp8_probe.py; docs/benchmarks.md, "H100, third run"): quantize_rows
-2.1-4.3 us a linear. fp8_decode_matmul has not run on a GPU yet (written 2026-11-28 on CPU, checked
-through the interpreter, compiled for sm_90 by scripts/gpu/sm90_compile.py): docs/gpu.md, "Quantization",
-has the lease that measures it.
+CUDA in tests/gpu. The kernels' 448.0 and 1e-12 are linear.FP8_MAX and its smallest scale. What has run on
+which GPU, and what a lease measures next: docs/gpu.md, "Quantization".
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 quantized per token at run time (W8A8 dynamic), the GEMM in the low-precision type.
 
 Int8Linear: int8 weights and activations, `torch._int_mm` (int32 accumulation, exact), then
-x_scale[t] * w_scale[n]. Measured on CPU against float32 F.linear, fbgemm's quantized linear_dynamic
-and `torch._weight_int8pack_mm` (docs/benchmarks.md): 1.5-7x float32 at 16-512 rows on the
-smollm2-135m and 8B shapes (576x576 at 16 rows: 0.9x; at one row 0.5-7x). fbgemm is faster at 1-64
-rows but quantizes activations per tensor (a token's output then depends on the rest of the batch) and
-torch deprecates the quantized tensors it needs; per-token scales with an exact integer GEMM keep every token's output independent
-of its batch. On CUDA `_int_mm` wants more than 16 rows: smaller batches are zero-padded (untested on
+x_scale[t] * w_scale[n], chosen over fbgemm's quantized linear_dynamic and `torch._weight_int8pack_mm` by
+measurement (docs/benchmarks.md, "Which int8 GEMM"): fbgemm quantizes activations per tensor (a token's output
+then depends on the rest of the batch) and torch deprecates the quantized tensors it needs; per-token scales
+with an exact integer GEMM keep every token's output independent of its batch. On CUDA `_int_mm` wants more than 16 rows: smaller batches are zero-padded (untested on
 a GPU yet). On CPUs where oneDNN has no VNNI, `_int_mm` is not exact (its AVX2 s8 GEMM saturates int16
 pair sums), so there the layer keeps its weight in our kernel's panels and runs `cpu_kernels.int8_linear`
 (the same quantization, exact sums: csrc/int8_linear_avx2.cpp).
@@ -15,8 +13,7 @@ pair sums), so there the layer keeps its weight in our kernel's panels and runs 
 Fp8Linear: float8_e4m3fn weights and activations through `torch._scaled_mm` with row-wise scales
 (Hopper; CPU runs the same op in torch 2.13, as the reference path the tests use). On CUDA the
 activation's quantization is one Triton launch, and decode tokens take fp8_triton's decode kernel, whose
-row sums do not depend on the batch (model/quant/token_kinds.py; torch's path measured 0.94x bf16 at
-batch 1 on an H100).
+row sums do not depend on the batch (model/quant/token_kinds.py; docs/benchmarks.md has torch's path at batch 1).
 """
 
 from __future__ import annotations
