@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from attention_cases import check_against_reference, make_case, run_backend
+from kv_int8_rows import dequantize_int8_rows
 
 from llmserve.model import cpu_kernels
-from llmserve.model.attention import FP8_KV_DTYPE, dequantize_int8_rows, quantize_int8_rows
+from llmserve.model.attention import FP8_KV_DTYPE, quantize_int8_rows
 from llmserve.model.attn_torch import TorchAttentionBackend
 
 ROWS = [(40, 1), (0, 37), (7, 3), (0, 5), (100, 30), (61, 1), (0, 1), (33, 16), (5, 17), (15, 1)]

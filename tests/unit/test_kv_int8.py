@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from attention_cases import check_against_reference, make_case, random_rows, run_backend
+from kv_int8_rows import dequantize_int8_rows
 from quant_cases import write_peaked
 
 from llmserve import LLM, SamplingParams
 from llmserve.config import CacheConfig, EngineConfig, ModelConfig
 from llmserve.model import cpu_kernels, quant
-from llmserve.model.attention import dequantize_int8_rows, quantize_int8_rows, write_kv
+from llmserve.model.attention import quantize_int8_rows, write_kv
 from llmserve.model.attn_torch import TorchAttentionBackend
 
 MIXED_ROWS = [(40, 1), (0, 30), (7, 3), (0, 5), (60, 20), (99, 1), (0, 1), (33, 16)]

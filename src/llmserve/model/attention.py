@@ -69,12 +69,6 @@ def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
 
 
-def dequantize_int8_rows(rows: torch.Tensor) -> torch.Tensor:
-    """[..., D + 4] int8 rows of an int8 cache -> [..., D] float32 (q * scale)."""
-    scale = rows[..., -4:].contiguous().view(torch.float32)  # [..., 1]
-    return rows[..., :-4].float() * scale
-
-
 def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x / scale saturated to e4m3's range, as an fp8 cache stores it."""
     fp8_max = torch.finfo(FP8_KV_DTYPE).max
