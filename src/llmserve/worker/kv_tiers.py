@@ -133,16 +133,9 @@ class DiskTier:
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The block read back, or None: absent, another block's tokens, or a bad file (then deleted)."""
-        entry = self.files.get(block_hash.value)
-        if entry is None or entry[0] != block_hash:
+        if not self.has(block_hash):
             return None
-        block = self._read(block_hash)
-        if block is None:
-            self.num_corrupt += 1
-            self._remove(block_hash.value)
-            return None
-        self.files.move_to_end(block_hash.value)
-        return block
+        return self._accept(block_hash, self._read(block_hash))
 
     def has(self, block_hash: BlockHash) -> bool:
         entry = self.files.get(block_hash.value)
@@ -155,11 +148,15 @@ class DiskTier:
         with lock:
             if not self.has(block_hash):
                 return None  # evicted or replaced while it was read
-            if block is None:
-                self.num_corrupt += 1
-                self._remove(block_hash.value)
-                return None
-            self.files.move_to_end(block_hash.value)
+            return self._accept(block_hash, block)
+
+    def _accept(self, block_hash: BlockHash, block: torch.Tensor | None) -> torch.Tensor | None:
+        """The index's side of a read: a bad file (None) deleted and counted, a good one the most recent."""
+        if block is None:
+            self.num_corrupt += 1
+            self._remove(block_hash.value)
+            return None
+        self.files.move_to_end(block_hash.value)
         return block
 
     def _read(self, block_hash: BlockHash) -> torch.Tensor | None:
