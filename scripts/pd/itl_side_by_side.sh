@@ -11,7 +11,7 @@
 # usage: scripts/pd/itl_side_by_side.sh [--out DIR]
 # env: PYTHON (a python that imports llmserve; default python3), MODEL (default: the side-by-side checkpoint in
 #      ~/.cache/llmserve-llamacpp/smollm2-135m, made when absent), LONG_LEN (7900), LONG_RATE (0.02),
-#      NUM_LONG (3), NUM_CHATS (48), CHAT_CONCURRENCY (8), DTYPE (float32)
+#      NUM_LONG (3), NUM_CHATS (48), CHAT_CONCURRENCY (8), DTYPE (float32), MAX_MODEL_LEN (8192)
 # The measurement holds /tmp/llmserve-bench.lock.
 set -euo pipefail
 source "$(dirname "$0")/../lib/servers.sh"
@@ -20,6 +20,7 @@ PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}/smollm2-135m}
 LONG_LEN=${LONG_LEN:-7900} LONG_RATE=${LONG_RATE:-0.02} NUM_LONG=${NUM_LONG:-3}
 NUM_CHATS=${NUM_CHATS:-48} CHAT_CONCURRENCY=${CHAT_CONCURRENCY:-8} DTYPE=${DTYPE:-float32}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
 OUT=/tmp/pd-itl-side-by-side
 [[ ${1:-} == --out ]] && OUT=$2
 mkdir -p "$OUT"
@@ -27,7 +28,7 @@ mkdir -p "$OUT"
 
 serve() {  # serve NAME CORES THREADS PORT FLAGS...
   start "$1" taskset -c "$2" "$PYTHON" -m llmserve.cli serve "$MODEL" --port "$4" --num-threads "$3" \
-    --dtype "$DTYPE" --max-model-len 8192 --kv-cache-memory-bytes 3GiB --served-model-name m \
+    --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory-bytes 3GiB --served-model-name m \
     --log-level warning "${@:5}"
 }
 
