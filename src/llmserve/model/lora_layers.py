@@ -7,9 +7,9 @@ sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, ou
 slot's rank per sub-projection. A step's `LoRAStep` lists the tokens that run with an adapter, grouped by
 slot; base-model tokens are not touched.
 
-On CPU, float32 projections take one C++ call each for every adapter token of the step (model/lora_cpu.py:
-each token's slot read in the kernel, rows past a slot's rank skipped). Other dtypes, or when the kernel does
-not build, use segmented products (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T,
+On CPU, float32 and bfloat16 projections take one C++ call each for every adapter token of the step
+(model/lora_cpu.py: each token's slot read in the kernel, rows past a slot's rank skipped; float32 sums, one
+rounding into a bfloat16 output). Other dtypes, or when the kernel does not build, use segmented products (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T,
 a loop over the step's adapters (at most --max-loras), never over rows, on one thread (small ops on several
 threads each wait for all of them). The segmented form costs ~6 small ops per adapter, projection and
 layer; the kernel one call (docs/benchmarks.md, "LoRA products on CPU").
@@ -150,13 +150,17 @@ def _triton_add():
 
 def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
                        step: LoRAStep) -> None:
-    """out [T, out] += each token's LoRA, one pair of matmuls per slot over that slot's tokens (SGMV)."""
+    """out [T, out] += each token's LoRA, one pair of matmuls per slot over that slot's tokens (SGMV), in
+    float32 for a half-precision model too, rounded once into out (as PEFT upcasts an adapter to float32)."""
     rank = bs[0].shape[1]
     for slot, start, end in step.segments:
         idx = step.token_indices[start:end]  # [n]
-        shrunk = x.index_select(0, idx) @ a[slot].T  # [n, n_sub * R]
-        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot] for j, b in enumerate(bs)], dim=1)
-        out.index_put_((idx,), delta.to(out.dtype), accumulate=True)  # [n, out]; faster than index_add_ on CPU
+        shrunk = x.index_select(0, idx).float() @ a[slot].float().T  # [n, n_sub * R]
+        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot].float() for j, b in enumerate(bs)], dim=1)
+        if out.dtype == torch.float32:
+            out.index_put_((idx,), delta, accumulate=True)  # [n, out]; faster than index_add_ on CPU
+        else:
+            out.index_copy_(0, idx, (delta + out.index_select(0, idx)).to(out.dtype))
 
 
 def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRAContext, dict[str, list]]:
