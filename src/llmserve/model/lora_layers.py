@@ -9,9 +9,10 @@ slot; base-model tokens are not touched.
 
 On CPU, float32 and bfloat16 projections take one C++ call each for every adapter token of the step
 (model/lora_cpu.py: each token's slot read in the kernel, rows past a slot's rank skipped; float32 sums, one
-rounding into a bfloat16 output). Other dtypes, or when the kernel does not build, use segmented products (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T,
-a loop over the step's adapters (at most --max-loras), never over rows, on one thread (small ops on several
-threads each wait for all of them). The segmented form costs ~6 small ops per adapter, projection and
+rounding into a bfloat16 output). Other dtypes, or when the kernel does not build, use segmented products
+(Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T, a loop over the step's adapters
+(at most --max-loras), never over rows, on one thread (small ops on several threads each wait for all of
+them). The segmented form costs ~6 small ops per adapter, projection and
 layer; the kernel one call (docs/benchmarks.md, "LoRA products on CPU").
 On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a token, its slot read on
 the device.
@@ -159,7 +160,7 @@ def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: 
         delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot].float() for j, b in enumerate(bs)], dim=1)
         if out.dtype == torch.float32:
             out.index_put_((idx,), delta, accumulate=True)  # [n, out]; faster than index_add_ on CPU
-        else:
+        else:  # the float32 sum of the base output and the LoRA, rounded once
             out.index_copy_(0, idx, (delta + out.index_select(0, idx)).to(out.dtype))
 
 
