@@ -3,7 +3,7 @@ with one of N adapters, through the one-call kernel (model/lora_cpu.py) and thro
 products; thread-CPU ms per step (the figure to trust on a shared machine), median over interleaved rounds,
 then torch.profiler's op table for the kernel's step. Random adapter weights of full rank. NEVER RUN IN CI.
 
-usage: python scripts/cpu/lora_step_bench.py MODEL_DIR DECODE_ROWS NUM_ADAPTERS
+usage: python scripts/cpu/lora_step_bench.py MODEL_DIR DECODE_ROWS NUM_ADAPTERS [DTYPE (float32, bfloat16)]
 """
 import random
 import statistics
@@ -25,7 +25,8 @@ RANK = 16
 def main() -> None:
     torch.set_num_threads(1)
     path, num_rows, num_adapters = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    model = load_model(path, torch.float32, "cpu", 1024)
+    dtype = getattr(torch, sys.argv[4] if len(sys.argv) > 4 else "float32")
+    model = load_model(path, dtype, "cpu", 1024)
     context, wrapped = attach_lora(model, num_adapters, RANK)
     for modules in wrapped.values():
         for linear in modules:
@@ -33,8 +34,8 @@ def main() -> None:
             for b in linear.lora_bs:
                 b.normal_(std=0.02)
             linear.lora_ranks.fill_(RANK)
-    backend = select_attention_backend(torch.device("cpu"), "auto", torch.float32)
-    caches = allocate_kv_caches(model, 4000, 16)
+    backend = select_attention_backend(torch.device("cpu"), "auto", dtype)
+    caches = allocate_kv_caches(model, 4000, 16, dtype=dtype)
     builder, rng = PagedBatchBuilder(4000, 16, seed=1), random.Random(0)
     for row in range(num_rows):
         builder.add_cached(row, rng.randint(300, 500))

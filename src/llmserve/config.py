@@ -239,8 +239,6 @@ def check_tensor_parallel_combinations(config: EngineConfig) -> None:
         return
     check(config.speculative.speculative is None, "tensor-parallel-size",
           "speculative decoding (--speculative) is not supported with tensor parallelism")
-    check(not config.lora.enable_lora, "tensor-parallel-size", "LoRA adapters (--enable-lora) are not supported "
-          "with tensor parallelism yet")
     check(":" not in config.model.device, "tensor-parallel-size",
           f"ranks use devices cuda:0..N-1; --device {config.model.device!r} names one device")
 

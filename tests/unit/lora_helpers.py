@@ -9,15 +9,16 @@ from hf_parity import hf_greedy
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def hf_base(path: str):
+def hf_base(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def make_adapter(base_path: str, out_dir: str, seed: int, rank: int = 8, alpha: int = 16,
-                 targets: list[str] | None = None, use_rslora: bool = False) -> str:
-    """A PEFT adapter with random (non-zero) A and B, saved to out_dir; returns out_dir."""
+                 targets: list[str] | None = None, use_rslora: bool = False, dtype: torch.dtype | None = None) -> str:
+    """A PEFT adapter with random (non-zero) A and B, saved to out_dir (in `dtype`: default float32);
+    returns out_dir."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -28,18 +29,21 @@ def make_adapter(base_path: str, out_dir: str, seed: int, rank: int = 8, alpha: 
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.mul_(4.0)
+            if dtype is not None and "lora_" in name:
+                param.data = param.data.to(dtype)
     model.save_pretrained(out_dir)
     return out_dir
 
 
 def peft_greedy(base_path: str, adapter_dir: str | None, prompt: list[int], num_out: int,
-                is_merged: bool = False) -> list[int]:
-    """transformers + peft greedy tokens (adapter_dir None: the base model; is_merged: merge_and_unload first)."""
+                is_merged: bool = False, dtype: torch.dtype = torch.float32) -> list[int]:
+    """transformers + peft greedy tokens (adapter_dir None: the base model; is_merged: merge_and_unload first;
+    dtype: the base model's, the adapter upcast to float32 by peft as it does by default)."""
     from peft import PeftModel
 
     from transformers import GenerationConfig
 
-    model = hf_base(base_path)
+    model = hf_base(base_path, dtype)
     model.generation_config = GenerationConfig(do_sample=False, pad_token_id=0)  # what PeftModel.generate reads
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).eval()

@@ -7,7 +7,7 @@ import pytest
 from core_helpers import make_request, step
 from lora_helpers import make_adapter
 
-from llmserve.config import (CacheConfig, CommandLineParser, EngineConfig, LoRAConfig, ParallelConfig,
+from llmserve.config import (CacheConfig, CommandLineParser, EngineConfig, LoRAConfig,
                              SchedulerConfig, add_engine_args, engine_config_from_args)
 from llmserve.core.request import Request
 from llmserve.core import lora_slots
@@ -43,11 +43,6 @@ def test_the_flags_build_the_lora_config():
 def test_a_bad_lora_value_names_its_flag(lora, flag):
     with pytest.raises(ValueError, match=flag):
         EngineConfig(lora=lora).validate()
-
-
-def test_lora_with_tensor_parallelism_is_refused():
-    with pytest.raises(ValueError, match="--tensor-parallel-size: LoRA adapters"):
-        EngineConfig(lora=LoRAConfig(True), parallel=ParallelConfig(2)).validate()
 
 
 def test_a_bad_adapter_is_refused_before_loading(tmp_path):

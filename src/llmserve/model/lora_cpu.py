@@ -5,14 +5,17 @@ in the step, projection and layer: with 8 adapters that is ~5,800 ops a step on 
 than the base model's matmuls on small shapes. This kernel reads each token's slot and does the shrink and
 the expand for every token in one call (docs/benchmarks.md, "LoRA products on CPU: one call a projection").
 
+float32 and bfloat16 (csrc/lora_sgmv_bf16.cpp: AVX512-BF16 dot products where the CPU has them, else AVX2 on
+bfloat16 widened to float32; float32 sums and one rounding into the output, as PEFT on a bfloat16 model).
 Built like model/cpu_kernels.py's kernels (same flags, a sub-directory of their build directory, the same
-LLMSERVE_CPU_KERNELS=0 switch) but as its own small library, so that it builds in seconds; float32 only.
+LLMSERVE_CPU_KERNELS=0 switch) but as its own small library, so that it builds in seconds.
 When the build or its self-test fails, `available()` is False and the layers keep the torch form.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 
 import numpy as np
@@ -22,14 +25,17 @@ from llmserve.model import cpu_kernels
 
 
 _NAME = "llmserve_lora_cpu"
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "lora_sgmv.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = [os.path.join(_CSRC, name) for name in ("lora_sgmv.cpp", "lora_sgmv_bf16.cpp")]
+_HEADER = os.path.join(_CSRC, "lora_sgmv.h")
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_run(x: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether this kernel takes a projection's input x [T, in] and output out [T, out] (float32 rows on CPU,
-    once built)."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
-               for t in (x, out)) and available()
+    """Whether this kernel takes a projection's input x [T, in] and output out [T, out] (float32 or bfloat16
+    rows on CPU, of the slots' dtype, once built)."""
+    return x.dtype in DTYPES and all(t.dtype == x.dtype and t.device.type == "cpu" and t.dim() == 2 and
+                                     t.stride(1) == 1 for t in (x, out)) and available()
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], ranks: torch.Tensor,
@@ -39,26 +45,33 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch
 
 
 def _self_test(ops) -> None:
-    """Mixed slots and ranks, a base-model token, against float64 matmuls: a miscompiled kernel must not serve."""
+    """Mixed slots and ranks, a base-model token, against float64 matmuls in float32 and bfloat16: a
+    miscompiled kernel must not serve."""
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        out, expected = _self_test_case(ops, dtype)
+        if not torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance):
+            raise RuntimeError(f"self-test mismatch (LoRA kernel, {dtype})")
+
+
+def _self_test_case(ops, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    num_slots, rank, in_features, out_sizes = 2, 4, 19, [21, 9]
-    a = torch.randn(num_slots, 2 * rank, in_features, generator=gen)
-    bs = [torch.randn(num_slots, rank, size, generator=gen) for size in out_sizes]
+    num_slots, rank, in_features, out_sizes = 2, 4, 37, [21, 9]
+    a = torch.randn(num_slots, 2 * rank, in_features, generator=gen).to(dtype)
+    bs = [torch.randn(num_slots, rank, size, generator=gen).to(dtype) for size in out_sizes]
     ranks = torch.tensor([[4, 0], [3, 4]], dtype=torch.int32)
     a[1, 3:4].zero_()  # slot 1's q rank 3: rows past it are zero, as set_slot writes them
     bs[0][1, 3:].zero_()
-    x, out = torch.randn(6, in_features, generator=gen), torch.zeros(6, sum(out_sizes))
+    x, out = torch.randn(6, in_features, generator=gen).to(dtype), torch.ones(6, sum(out_sizes), dtype=dtype)
     token_slots = np.array([1, -1, 0, 1, 1, 1])
     ops.lora_sgmv(out, x, a, bs, *_grouped(token_slots), ranks)
-    expected = torch.zeros(6, sum(out_sizes), dtype=torch.float64)
+    expected = torch.ones(6, sum(out_sizes), dtype=torch.float64)
     for t, slot in enumerate(token_slots.tolist()):
         if slot >= 0:
             shrunk = x[t].double() @ a[slot].double().T  # [2R]
             parts = [shrunk[j * rank:(j + 1) * rank] @ b[slot].double() for j, b in enumerate(bs)]
-            expected[t, :21] = parts[0] if ranks[slot, 0] else 0
-            expected[t, 21:] = parts[1] if ranks[slot, 1] else 0
-    if not torch.allclose(out.double(), expected, atol=1e-4, rtol=1e-4):
-        raise RuntimeError("self-test mismatch (LoRA kernel)")
+            expected[t, :21] += parts[0] if ranks[slot, 0] else 0
+            expected[t, 21:] += parts[1] if ranks[slot, 1] else 0
+    return out, expected
 
 
 def _grouped(token_slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +83,15 @@ def _grouped(token_slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 def _load():
     if cpu_kernels.kernels_disabled():
         return None
-    return cpu_kernels.build_and_load(_NAME, [_SOURCE], "llmserve_lora", _self_test, "CPU LoRA kernel",
-                                      "using torch's segmented products", subdir="lora")
+    return cpu_kernels.build_and_load(_NAME, _SOURCES, "llmserve_lora", _self_test, "CPU LoRA kernel",
+                                      "using torch's segmented products", subdir="lora",
+                                      extra_cflags=(_header_digest(),))
+
+
+def _header_digest() -> str:
+    """A define naming the header's content: torch rebuilds when sources or flags change, not headers."""
+    with open(_HEADER, "rb") as f:
+        return f"-DLLMSERVE_LORA_HEADER_{hashlib.sha256(f.read()).hexdigest()[:12]}"
 
 
 @functools.cache

@@ -7,14 +7,17 @@ sub-projection ([slots, R, out_j], the adapter's scale folded in; [slots * R, ou
 slot's rank per sub-projection. A step's `LoRAStep` lists the tokens that run with an adapter, grouped by
 slot; base-model tokens are not touched.
 
-On CPU, float32 projections take one C++ call each for every adapter token of the step (model/lora_cpu.py:
-each token's slot read in the kernel, rows past a slot's rank skipped). Other dtypes, or when the kernel does
-not build, use segmented products (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T,
-a loop over the step's adapters (at most --max-loras), never over rows, on one thread (small ops on several
-threads each wait for all of them). The segmented form costs ~6 small ops per adapter, projection and
+On CPU, float32 and bfloat16 projections take one C++ call each for every adapter token of the step
+(model/lora_cpu.py: each token's slot read in the kernel, rows past a slot's rank skipped; float32 sums, one
+rounding into a bfloat16 output). Other dtypes, or when the kernel does not build, use segmented products
+(Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T, a loop over the step's adapters
+(at most --max-loras), never over rows, on one thread (small ops on several threads each wait for all of
+them). The segmented form costs ~6 small ops per adapter, projection and
 layer; the kernel one call (docs/benchmarks.md, "LoRA products on CPU").
 On CUDA two Triton kernels (model/lora_triton.py) take BGMV's form: one program a token, its slot read on
 the device.
+With tensor parallelism a rank's slots hold its share of each adapter (`shard_adapter`) and a row-parallel
+projection adds its LoRA share before the all-reduce.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 
 from llmserve.model import lora_cpu
 from llmserve.model.lora_adapter import LoRAWeights
+from llmserve.model.parallel import RowParallelLinear, ShardLayout, shard_of
 
 # fused projection of our decoder -> the HF module names it holds, in output order
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -89,19 +93,24 @@ class LoRALinear(nn.Module):
         return [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
-        out = self.base(x)
+        """x [T, in] -> [T, out]. A row-parallel base (tensor parallelism) adds its rank's share of the LoRA
+        (A's columns of its inputs, B whole) to its partial sum, and its one all-reduce sums both."""
         step = self.context.step
         if step is None:
-            return out
+            return self.base(x)
+        if isinstance(self.base, RowParallelLinear):
+            return self.base.tp.all_reduce(self._add(self.base.partial(x), x, step))
+        return self._add(self.base(x), x, step)
+
+    def _add(self, out: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        """out [T, out] += each adapter token's x @ A[slot]^T @ B[slot]^T, in place; returns out."""
         if x.is_cuda:
             _triton_add()(out, x, self.lora_a, self.lora_bs, step)
-            return out
-        if lora_cpu.can_run(x, out):
+        elif lora_cpu.can_run(x, out):
             lora_cpu.add_lora(out, x, self.lora_a, self.lora_bs, self.lora_ranks, step.token_indices, step.token_slots)
-            return out
-        with _one_thread():
-            add_lora_segmented(out, x, self.lora_a, self.lora_bs, step)
+        else:
+            with _one_thread():
+                add_lora_segmented(out, x, self.lora_a, self.lora_bs, step)
         return out
 
     def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
@@ -142,13 +151,17 @@ def _triton_add():
 
 def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
                        step: LoRAStep) -> None:
-    """out [T, out] += each token's LoRA, one pair of matmuls per slot over that slot's tokens (SGMV)."""
+    """out [T, out] += each token's LoRA, one pair of matmuls per slot over that slot's tokens (SGMV), in
+    float32 for a half-precision model too, rounded once into out (as PEFT upcasts an adapter to float32)."""
     rank = bs[0].shape[1]
     for slot, start, end in step.segments:
         idx = step.token_indices[start:end]  # [n]
-        shrunk = x.index_select(0, idx) @ a[slot].T  # [n, n_sub * R]
-        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot] for j, b in enumerate(bs)], dim=1)
-        out.index_put_((idx,), delta.to(out.dtype), accumulate=True)  # [n, out]; faster than index_add_ on CPU
+        shrunk = x.index_select(0, idx).float() @ a[slot].float().T  # [n, n_sub * R]
+        delta = torch.cat([shrunk[:, j * rank:(j + 1) * rank] @ b[slot].float() for j, b in enumerate(bs)], dim=1)
+        if out.dtype == torch.float32:
+            out.index_put_((idx,), delta, accumulate=True)  # [n, out]; faster than index_add_ on CPU
+        else:  # the float32 sum of the base output and the LoRA, rounded once
+            out.index_copy_(0, idx, (delta + out.index_select(0, idx)).to(out.dtype))
 
 
 def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRAContext, dict[str, list]]:
@@ -192,3 +205,18 @@ def load_slot(wrapped: dict[str, list], slot: int, weights: LoRAWeights) -> None
             linear.set_slot(slot, pairs)
             placed.update((layer, m) for m, p in zip(modules, pairs) if p is not None)
     assert placed == set(weights.modules), "an adapter module found no projection"
+
+
+def shard_adapter(weights: LoRAWeights, layout: ShardLayout) -> LoRAWeights:
+    """A tensor-parallel rank's share of an adapter, split as its base projection is (vLLM's split):
+    column-parallel (q/k/v, gate/up: this rank's output rows) keep A whole and B's rows of those outputs;
+    row-parallel (o, down: this rank's input columns) take A's columns of those inputs and B whole, their
+    products summed by the layer's all-reduce."""
+    modules = {}
+    for (layer, module), (a, b) in weights.modules.items():
+        shard = shard_of(f"model.layers.{layer}.{module}.weight", layout)  # (dim of [out, in], start, length)
+        if shard is not None:
+            dim, start, length = shard
+            a, b = (a, b[start:start + length]) if dim == 0 else (a[:, start:start + length], b)
+        modules[(layer, module)] = (a.contiguous(), b.contiguous())
+    return LoRAWeights(weights.rank, modules)

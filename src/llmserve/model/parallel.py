@@ -220,8 +220,12 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in / N] -> [T, out], the same on every rank."""
-        out = self.matmul(x, self.bias if self.tp.rank == 0 else None)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in / N] -> [T, out]: this rank's share of the sum, before the all-reduce (a LoRA adds its
+        own share of the sum to it first)."""
+        return self.matmul(x, self.bias if self.tp.rank == 0 else None)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -16,7 +16,7 @@ import torch
 
 from llmserve.lora_request import LoRARequest
 from llmserve.model.lora_adapter import LoRAWeights, base_shapes, read_adapter
-from llmserve.model.lora_layers import attach_lora, load_slot, lora_step
+from llmserve.model.lora_layers import attach_lora, load_slot, lora_step, shard_adapter
 
 
 class LoRAManager:
@@ -28,6 +28,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.device = device
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.layout = getattr(model, "layout", None)  # tensor parallelism: this rank's share (None: one rank)
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recent first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
         self.slot_users = [0] * max_loras  # running requests on each slot
@@ -90,6 +91,8 @@ class LoRAManager:
         weights = self.host.pop(lora.lora_int_id, None)
         if weights is None:
             weights = read_adapter(lora.lora_path, self.shapes, self.max_lora_rank, self.dtype)
+            if self.layout is not None:
+                weights = shard_adapter(weights, self.layout)
         self.host[lora.lora_int_id] = weights
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)

@@ -1,20 +1,24 @@
 // The LoRA products of one projection for every adapter token of a step, in one call (JIT-built by
 // llmserve/model/lora_cpu.py): out[t] += (x[t] @ A[s]^T) @ B[s]^T for each token t with slot s.
 //
-//   out            [T, O]  float32, rows may be strided; columns: sub-projection j at its offset
-//   x              [T, I]  float32, rows may be strided
+//   out            [T, O]  float32 or bfloat16 (all tensors below alike), rows may be strided; columns:
+//                          sub-projection j at its offset
+//   x              [T, I]  rows may be strided
 //   a              [S, n_sub * R, I]   A per slot, stacked over sub-projections (R rows each)
 //   bs[j]          [S, R, O_j]         B^T per slot and sub-projection (scale folded in)
 //   token_indices  [N] int64  the adapter tokens, grouped by slot (model/lora_layers.py's LoRAStep)
 //   token_slots    [N] int64  their slots
 //   ranks          [S, n_sub] int32    each slot's rank per sub-projection (0: no LoRA there)
 //
-// Tokens of one slot go in tiles of up to kTile: each row of A is read once for the tile (shrink), and each
-// row of B^T once for the tile against a register block of each token's output row (expand). Rows past a
-// slot's rank are skipped. One thread: a decode step's products are a few microseconds each, less than waking others.
+// Tokens of one slot go in tiles of up to kTile (lora_sgmv.h): each row of A is read once for the tile
+// (shrink), and each row of B^T once for the tile against a register block of each token's output row
+// (expand). Rows past a slot's rank are skipped. One thread: a decode step's products are a few microseconds
+// each, less than waking others. This file: float32 and the op; csrc/lora_sgmv_bf16.cpp: bfloat16.
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+
+#include "lora_sgmv.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -27,7 +31,7 @@
 
 namespace {
 
-constexpr int64_t kTile = 4;
+using llmserve_lora::Problem;
 
 #ifdef LORA_AVX2
 inline float hsum(__m256 v) {
@@ -109,75 +113,78 @@ void expand_any(float* const* orows, const float* const* hs, int64_t n, const fl
   }
 }
 
-void check_float_rows(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1, what,
-              ": expected a float32 [rows, cols] tensor with contiguous rows");
+struct F32Ops {
+  using T = float;
+  static void dots(const float* const* xs, int64_t n, const float* arow, int64_t len, float* h) {
+    dots_any(xs, n, arow, len, h);
+  }
+  static void expand(float* const* orows, const float* const* hs, int64_t n, const float* bt, int64_t rank,
+                     int64_t len) {
+    expand_any(orows, hs, n, bt, rank, len);
+  }
+};
+
+bool is_supported(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+void check_rows(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == 2 && t.stride(1) == 1, what,
+              ": expected a [rows, cols] tensor of out's dtype with contiguous rows");
+}
+
+// The checked shapes and pointers of one call (every tensor of out's dtype, float32 or bfloat16).
+Problem problem_of(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, at::TensorList bs,
+                   const at::Tensor& token_indices, const at::Tensor& token_slots, const at::Tensor& ranks) {
+  const at::ScalarType dtype = out.scalar_type();
+  TORCH_CHECK(is_supported(out), "out: float32 or bfloat16");
+  check_rows(out, dtype, "out");
+  check_rows(x, dtype, "x");
+  Problem p;
+  p.num_sub = static_cast<int64_t>(bs.size());
+  TORCH_CHECK(p.num_sub > 0 && a.scalar_type() == dtype && a.dim() == 3 && a.is_contiguous(), "a: [S, K, I]");
+  p.num_slots = a.size(0), p.k_rows = a.size(1), p.in = a.size(2), p.max_rank = p.k_rows / p.num_sub;
+  TORCH_CHECK(x.size(1) == p.in && x.size(0) == out.size(0) && p.k_rows == p.num_sub * p.max_rank,
+              "x, a: shapes differ");
+  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.size(0) == p.num_slots &&
+                  ranks.size(1) == p.num_sub, "ranks: int32 [S, n_sub]");
+  p.offsets.assign(p.num_sub + 1, 0);
+  for (int64_t j = 0; j < p.num_sub; ++j) {
+    TORCH_CHECK(bs[j].scalar_type() == dtype && bs[j].is_contiguous() && bs[j].dim() == 3 &&
+                    bs[j].size(0) == p.num_slots && bs[j].size(1) == p.max_rank, "bs: [S, R, O_j] each");
+    p.offsets[j + 1] = p.offsets[j] + bs[j].size(2);
+  }
+  TORCH_CHECK(p.offsets[p.num_sub] == out.size(1), "out: columns differ from the sub-projections' sum");
+  TORCH_CHECK(token_indices.scalar_type() == at::kLong && token_slots.scalar_type() == at::kLong &&
+                  token_indices.is_contiguous() && token_slots.is_contiguous() &&
+                  token_indices.numel() == token_slots.numel(), "token_indices, token_slots: int64 [N]");
+  p.num_tokens = token_indices.numel(), p.num_rows = x.size(0);
+  p.x_stride = x.stride(0), p.out_stride = out.stride(0);
+  p.idx = token_indices.data_ptr<int64_t>();
+  p.slots = token_slots.data_ptr<int64_t>();
+  p.rank_of = ranks.data_ptr<int32_t>();
+  for (int64_t i = 0; i < ranks.numel(); ++i)
+    TORCH_CHECK(p.rank_of[i] >= 0 && p.rank_of[i] <= p.max_rank, "ranks: over R");
+  return p;
+}
+
+template <class T>
+std::vector<const T*> b_pointers(at::TensorList bs) {
+  std::vector<const T*> bts;
+  for (const auto& b : bs) bts.push_back(static_cast<const T*>(b.data_ptr()));
+  return bts;
 }
 
 void lora_sgmv(at::Tensor out, const at::Tensor& x, const at::Tensor& a, at::TensorList bs,
                const at::Tensor& token_indices, const at::Tensor& token_slots, const at::Tensor& ranks) {
-  check_float_rows(out, "out");
-  check_float_rows(x, "x");
-  const int64_t num_sub = static_cast<int64_t>(bs.size());
-  TORCH_CHECK(num_sub > 0 && a.scalar_type() == at::kFloat && a.dim() == 3 && a.is_contiguous(),
-              "a: float32 [S, K, I]");
-  const int64_t num_slots = a.size(0), k_rows = a.size(1), in = a.size(2), max_rank = k_rows / num_sub;
-  TORCH_CHECK(x.size(1) == in && x.size(0) == out.size(0) && k_rows == num_sub * max_rank, "x, a: shapes differ");
-  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.size(0) == num_slots &&
-                  ranks.size(1) == num_sub, "ranks: int32 [S, n_sub]");
-  std::vector<int64_t> offsets(num_sub + 1, 0);
-  for (int64_t j = 0; j < num_sub; ++j) {
-    TORCH_CHECK(bs[j].scalar_type() == at::kFloat && bs[j].is_contiguous() && bs[j].dim() == 3 &&
-                    bs[j].size(0) == num_slots && bs[j].size(1) == max_rank, "bs: float32 [S, R, O_j] each");
-    offsets[j + 1] = offsets[j] + bs[j].size(2);
+  const Problem p = problem_of(out, x, a, bs, token_indices, token_slots, ranks);
+  if (out.scalar_type() == at::kFloat) {
+    llmserve_lora::run_tiles<F32Ops>(p, out.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(),
+                                     b_pointers<float>(bs));
+    return;
   }
-  TORCH_CHECK(offsets[num_sub] == out.size(1), "out: columns differ from the sub-projections' sum");
-  TORCH_CHECK(token_indices.scalar_type() == at::kLong && token_slots.scalar_type() == at::kLong &&
-                  token_indices.is_contiguous() && token_slots.is_contiguous() &&
-                  token_indices.numel() == token_slots.numel(), "token_indices, token_slots: int64 [N]");
-  const int64_t num_tokens = token_indices.numel(), num_rows = x.size(0);
-  const int64_t* idx = token_indices.data_ptr<int64_t>();
-  const int64_t* slots = token_slots.data_ptr<int64_t>();
-  const int32_t* rank_of = ranks.data_ptr<int32_t>();
-  for (int64_t i = 0; i < ranks.numel(); ++i) TORCH_CHECK(rank_of[i] >= 0 && rank_of[i] <= max_rank, "ranks: over R");
-  const float* a_data = a.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  const float* x_data = x.data_ptr<float>();
-  std::vector<float> h(kTile * k_rows);  // [tile, K] the tile's shrunk features
-  std::vector<float> column(kTile);
-  const float* xs[kTile];
-  for (int64_t start = 0; start < num_tokens;) {
-    const int64_t slot = slots[start];
-    TORCH_CHECK(slot >= 0 && slot < num_slots, "token slot out of range");
-    int64_t end = start + 1;
-    while (end < num_tokens && slots[end] == slot && end - start < kTile) ++end;
-    const int64_t n = end - start;
-    for (int64_t t = 0; t < n; ++t) {
-      TORCH_CHECK(idx[start + t] >= 0 && idx[start + t] < num_rows, "token index out of range");
-      xs[t] = x_data + idx[start + t] * x.stride(0);
-    }
-    for (int64_t j = 0; j < num_sub; ++j) {
-      const int64_t rank = rank_of[slot * num_sub + j];
-      for (int64_t r = 0; r < rank; ++r) {
-        const int64_t k = j * max_rank + r;
-        dots_any(xs, n, a_data + (slot * k_rows + k) * in, in, column.data());
-        for (int64_t t = 0; t < n; ++t) h[t * k_rows + k] = column[t];
-      }
-    }
-    for (int64_t j = 0; j < num_sub; ++j) {
-      const int64_t rank = rank_of[slot * num_sub + j], len = offsets[j + 1] - offsets[j];
-      if (rank == 0) continue;
-      const float* bt = bs[j].data_ptr<float>() + slot * max_rank * len;
-      float* orows[kTile];
-      const float* hs[kTile];
-      for (int64_t t = 0; t < n; ++t) {
-        orows[t] = out_data + idx[start + t] * out.stride(0) + offsets[j];
-        hs[t] = h.data() + t * k_rows + j * max_rank;
-      }
-      expand_any(orows, hs, n, bt, rank, len);
-    }
-    start = end;
-  }
+  llmserve_lora::run_tiles_bf16(p, static_cast<uint16_t*>(out.data_ptr()), static_cast<const uint16_t*>(x.data_ptr()),
+                                static_cast<const uint16_t*>(a.data_ptr()), b_pointers<uint16_t>(bs));
 }
 
 }  // namespace

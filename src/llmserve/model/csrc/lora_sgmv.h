@@ -1,0 +1,72 @@
+// The LoRA kernel's step (csrc/lora_sgmv.cpp: float32; csrc/lora_sgmv_bf16.cpp: bfloat16): the tiles of one
+// slot's tokens, shared by both element types. `Ops` gives the element type and the two inner products:
+//   Ops::dots(xs, n, arow, len, h)             h[t] = dot(xs[t], arow) in float32 for the tile's n tokens
+//   Ops::expand(orows, hs, n, bt, rank, len)   orows[t][o] += sum_r hs[t][r] * bt[r * len + o]
+// The shrunk features h stay float32 between the two (one rounding, into the output).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace llmserve_lora {
+
+constexpr int64_t kTile = 4;
+
+struct Problem {
+  int64_t num_slots, k_rows, in, max_rank, num_sub;  // a: [S, K = n_sub * R, I]
+  int64_t num_tokens, num_rows, x_stride, out_stride;
+  const int64_t* idx;        // [N] adapter tokens, grouped by slot
+  const int64_t* slots;      // [N]
+  const int32_t* rank_of;    // [S, n_sub]
+  std::vector<int64_t> offsets;  // [n_sub + 1] each sub-projection's first output column
+};
+
+template <class Ops>
+void run_tiles(const Problem& p, typename Ops::T* out, const typename Ops::T* x, const typename Ops::T* a,
+               const std::vector<const typename Ops::T*>& bts) {
+  using T = typename Ops::T;
+  std::vector<float> h(kTile * p.k_rows);  // [tile, K] the tile's shrunk features
+  float column[kTile];
+  const T* xs[kTile];
+  for (int64_t start = 0; start < p.num_tokens;) {
+    const int64_t slot = p.slots[start];
+    TORCH_CHECK(slot >= 0 && slot < p.num_slots, "token slot out of range");
+    int64_t end = start + 1;
+    while (end < p.num_tokens && p.slots[end] == slot && end - start < kTile) ++end;
+    const int64_t n = end - start;
+    for (int64_t t = 0; t < n; ++t) {
+      TORCH_CHECK(p.idx[start + t] >= 0 && p.idx[start + t] < p.num_rows, "token index out of range");
+      xs[t] = x + p.idx[start + t] * p.x_stride;
+    }
+    for (int64_t j = 0; j < p.num_sub; ++j) {
+      const int64_t rank = p.rank_of[slot * p.num_sub + j];
+      for (int64_t r = 0; r < rank; ++r) {
+        const int64_t k = j * p.max_rank + r;
+        Ops::dots(xs, n, a + (slot * p.k_rows + k) * p.in, p.in, column);
+        for (int64_t t = 0; t < n; ++t) h[t * p.k_rows + k] = column[t];
+      }
+    }
+    for (int64_t j = 0; j < p.num_sub; ++j) {
+      const int64_t rank = p.rank_of[slot * p.num_sub + j], len = p.offsets[j + 1] - p.offsets[j];
+      if (rank == 0) continue;
+      T* orows[kTile];
+      const float* hs[kTile];
+      for (int64_t t = 0; t < n; ++t) {
+        orows[t] = out + p.idx[start + t] * p.out_stride + p.offsets[j];
+        hs[t] = h.data() + t * p.k_rows + j * p.max_rank;
+      }
+      Ops::expand(orows, hs, n, bts[j] + slot * p.max_rank * len, rank, len);
+    }
+    start = end;
+  }
+}
+
+// bfloat16 (csrc/lora_sgmv_bf16.cpp): the same step on bfloat16 tensors (bits), float32 sums, one rounding
+// into each output element.
+void run_tiles_bf16(const Problem& p, uint16_t* out, const uint16_t* x, const uint16_t* a,
+                    const std::vector<const uint16_t*>& bts);
+
+}  // namespace llmserve_lora
