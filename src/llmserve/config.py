@@ -141,7 +141,8 @@ class KVTransferConfig:
                 "SGLang's flag, the router pairs the two: llmserve route --pd-disaggregation",
         "choices": list(DISAGGREGATION_MODES)})
     disaggregation_kv_port: int = field(default=DEFAULT_KV_PORT, metadata={
-        "help": "decode server: the TCP port its KV receiver binds (ZMQ), advertised at GET /kv_transfer"})
+        "help": "decode server: the TCP port its KV receiver binds (ZMQ), advertised at GET /kv_transfer (0: a free "
+                "port the system picks, as Ray Serve's decode replicas do)"})
 
     @property
     def is_offloading(self) -> bool:
@@ -166,8 +167,8 @@ class KVTransferConfig:
         check(self.disk_tier_bytes() > 0, "kv-offload-disk-bytes",
               f"must be positive, got {self.kv_offload_disk_bytes!r}")
         check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
-        check(0 < self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
-              f"must be a TCP port (1-65535), got {self.disaggregation_kv_port}")
+        check(0 <= self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
+              f"must be a TCP port (1-65535, or 0 for any free one), got {self.disaggregation_kv_port}")
         check(self.disaggregation_kv_port == DEFAULT_KV_PORT or self.disaggregation_mode == "decode",
               "disaggregation-kv-port", "only with --disaggregation-mode decode (the decode server binds it)")
 

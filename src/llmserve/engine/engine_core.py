@@ -163,7 +163,10 @@ class EngineCore:
         if mode == "prefill":
             return KVSender(self.scheduler.kv.pool, self.runner.kv_caches, config.cache.block_size), None
         if mode == "decode":
-            return None, KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port)
+            receiver = KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port)
+            kv_transfer = dataclasses.replace(config.kv_transfer, disaggregation_kv_port=receiver.port)
+            self.config = dataclasses.replace(config, kv_transfer=kv_transfer)  # port 0: the one bound
+            return None, receiver
         return None, None
 
     def _tp_executor(self, config: EngineConfig, path: str, is_served: bool):

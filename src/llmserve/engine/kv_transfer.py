@@ -130,6 +130,7 @@ class KVReceiver:
         self.sock = zmq.Context.instance().socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://*:{port}")  # before the engine reports ready: a prefill may send at once
+        self.port = int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])  # port 0: the one bound
         self.is_stopping = False
         self.thread = threading.Thread(target=self._loop, daemon=True, name="kv-receiver")
         self.thread.start()
