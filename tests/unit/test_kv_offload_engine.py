@@ -12,6 +12,7 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.core.request import Request
+from llmserve.sampling_params import KVTransferParams
 from llmserve.testing.maker import make_model
 
 NUM_PROMPT = 200  # 12 full blocks of 16 and 8 tokens; the 40-block cache holds two such requests
@@ -172,7 +173,7 @@ def test_churn_keeps_every_count_in_step(path):
     ({"kv_offload_memory": "1GiB", "enable_prefix_caching": False}, "needs prefix caching"),
     ({"disaggregation_mode": "both"}, "--disaggregation-mode: must be one of"),
     ({"disaggregation_mode": "prefill", "tensor_parallel_size": 2}, "tensor parallelism"),
-    ({"disaggregation_mode": "decode", "disaggregation_kv_port": 0}, "--disaggregation-kv-port: must be a TCP port"),
+    ({"disaggregation_mode": "decode", "disaggregation_kv_port": 70000}, "--disaggregation-kv-port: must be a TCP port"),
     ({"disaggregation_kv_port": 9000}, "--disaggregation-kv-port: only with --disaggregation-mode decode"),
 ])
 def test_flags_are_validated_before_loading(kwargs, message):
@@ -180,13 +181,32 @@ def test_flags_are_validated_before_loading(kwargs, message):
         LLM("/nonexistent", **kwargs)
 
 
-def test_disaggregation_of_a_model_with_sliding_layers_is_refused_before_its_weights_load(tmp_path):
-    path = make_model("mistral", "tiny", str(tmp_path), seed=1)
-    config_path = os.path.join(path, "config.json")
-    config = json.load(open(config_path))
-    json.dump({**config, "sliding_window": 64}, open(config_path, "w"))
-    with pytest.raises(ValueError, match="--disaggregation-mode: .*sliding-window layers .*window 64"):
-        LLM(path, dtype="float32", max_model_len=256, disaggregation_mode="decode")
+def test_disaggregation_of_a_sliding_window_model_gives_a_colocated_engines_tokens(tmp_path, prompts):
+    """Gemma 3's layout (six KV cache groups, five sliding of window 8): the prefill engine sends every
+    group's blocks of the prompt (the sliding groups' early ones too, still cached) and the decode engine
+    loads them all; its greedy tokens are those of an engine that computes the prompt itself."""
+    path = make_model("gemma3", "tiny-gemma3", str(tmp_path), seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def llm(**kwargs) -> LLM:
+        return LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=200, max_num_batched_tokens=64, **kwargs)
+
+    colocated = llm()
+    plain = [colocated.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]]
+    decode = llm(disaggregation_mode="decode", disaggregation_kv_port=0)
+    prefill = llm(disaggregation_mode="prefill")
+    address = KVTransferParams(decode_kv_address=f"tcp://127.0.0.1:{decode.engine.kv_receiver.port}")
+    try:
+        for prompt, expected in zip(prompts[:2], plain):
+            prefill.generate([prompt], SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=address))
+            out = decode.generate([prompt], params)[0]
+            assert out.outputs[0].token_ids == expected and out.num_cached_tokens == 192
+        assert decode.kv_tier_stats.num_received_blocks == 2 * 12 * 6  # every group's 12 full blocks
+        for engine in (prefill, decode):
+            engine.engine.check_integrity()
+    finally:
+        for engine in (prefill, decode):
+            engine.engine.shutdown()
 
 
 def test_a_sliding_window_models_groups_come_back_from_the_tiers(tmp_path, prompts):

@@ -101,15 +101,6 @@ def pooling_engine_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, scheduler=scheduler)
 
 
-def check_kv_transfer_layout(config: EngineConfig, layout: KVCacheLayout) -> None:
-    """Disaggregation is refused (before loading the weights) unless the KV cache is one full-attention group:
-    the prefill server sends the prompt's group-0 blocks only. The tiers take any layout (each group's blocks
-    are kept apart: worker/kv_offload.tier_hash)."""
-    if layout.group_windows != (0,) and config.kv_transfer.disaggregation_mode != "null":
-        raise ValueError("--disaggregation-mode: not supported yet for a model with sliding-window layers "
-                         f"({layout.describe()})")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, is_served: bool = False) -> None:
         """is_served: this process serves beside an HTTP front (the engine-core process), which
@@ -137,7 +128,6 @@ class EngineCore:
         if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
             self.config = config
-        check_kv_transfer_layout(config, kv_layout)
         self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, is_served)
@@ -161,9 +151,11 @@ class EngineCore:
     def _kv_transports(self, config: EngineConfig) -> tuple[KVSender | None, KVReceiver | None]:
         mode = config.kv_transfer.disaggregation_mode
         if mode == "prefill":
-            return KVSender(self.scheduler.kv.pool, self.runner.kv_caches, config.cache.block_size), None
+            kv = self.scheduler.kv
+            return KVSender(kv.pool, self.runner.kv_caches, config.cache.block_size, kv.num_groups), None
         if mode == "decode":
-            receiver = KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port)
+            receiver = KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port,
+                                  self.scheduler.kv.num_groups)
             kv_transfer = dataclasses.replace(config.kv_transfer, disaggregation_kv_port=receiver.port)
             self.config = dataclasses.replace(config, kv_transfer=kv_transfer)  # port 0: the one bound
             return None, receiver

@@ -32,8 +32,9 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def tier_hash(block_hash: BlockHash, group: int) -> BlockHash:
     """The tiers' key of one KV cache group's block of these tokens: the prefix cache's hash for group 0 (the
-    only one of most models, and what a prefill server sends), a hash of (group, hash) for the others (each
-    group's block of the same tokens holds other layers). Its token ids are the block's, compared on lookup."""
+    only one of most models), a hash of (group, hash) for the others (each group's block of the same tokens
+    holds other layers). Its token ids are the block's, compared on lookup. Made in the process that keeps the
+    block (a prefill server sends hash and group apart): the string's hash differs between processes."""
     return block_hash if group == 0 else BlockHash(hash(("kv-group", group, block_hash.value)), block_hash.token_ids)
 
 
