@@ -1,7 +1,8 @@
 """KV tiers in the engine (float32 tiny model): a prefix evicted from the device and hit in host memory or on
 disk gives the same greedy tokens as without tiers and computes only the rest of the prompt; a corrupt disk
-block is recomputed; a load runs while other requests step, and an abort during it frees everything; the
-bookkeeping holds after churn; the flags are validated."""
+block is recomputed; a load runs while other requests step, and an abort during it frees everything; saves
+run off the step loop, their blocks held until copied; the bookkeeping holds after churn; the flags are
+validated; disaggregation of a sliding-window model gives a colocated engine's tokens."""
 
 import json
 import os
@@ -152,8 +153,46 @@ def test_an_abort_during_a_load_leaves_nothing_held(path, prompts, monkeypatch, 
     engine.shutdown()
 
 
+def _hold_saves(llm: LLM, monkeypatch) -> threading.Event:
+    """The connector's saves wait, on its save thread, before reading the device, until the event is set."""
+    connector = llm.engine.kv_connector
+    gate, read = threading.Event(), connector._read_device
+
+    def held(saves, written):
+        assert gate.wait(timeout=120), "the test never let the save go"
+        return read(saves, written)
+
+    monkeypatch.setattr(connector, "_read_device", held)
+    return gate
+
+
+def test_saves_run_off_the_step_loop_and_hold_their_blocks_until_copied(path, prompts, monkeypatch):
+    llm = _llm(path, kv_offload_memory="64MiB")
+    gate, engine = _hold_saves(llm, monkeypatch), llm.engine
+    _add(llm, "first", prompts[0], max_tokens=1)
+    _add(llm, "other", [7, 8, 9], max_tokens=12)  # never fills a block: nothing of it is saved
+    while "first" in engine.scheduler.requests:
+        engine.step()
+    saves, pool = engine.scheduler.kv.saves, engine.scheduler.kv.pool
+    held = {block.block_id for block in saves.held_blocks()}
+    assert len(held) == 12  # the first prompt's full blocks, their copy not started
+    num_tokens = 0
+    for _ in range(4):  # the other stream steps on; no block a save holds is handed out meanwhile
+        num_tokens += sum(len(out.new_token_ids) for out in engine.step().outputs)
+        assert {block.block_id for block in saves.held_blocks()} == held
+        assert not held & set(pool.free_queue.block_ids())
+        engine.check_integrity()
+    assert num_tokens == 4 and len(engine.kv_connector.host) == 0
+    gate.set()
+    while engine.has_unfinished_requests():  # until the saves are in the tiers
+        engine.step()
+    assert len(engine.kv_connector.host) == 12 and engine.num_free_blocks() == pool.num_usable_blocks
+    engine.check_integrity()
+    engine.shutdown()
+
+
 def test_churn_keeps_every_count_in_step(path):
-    llm = _llm(path, kv_offload_memory=str(30 * BLOCK_BYTES), max_num_seqs=4)
+    llm = _llm(path, kv_offload_memory=str(60 * BLOCK_BYTES), max_num_seqs=4)  # a copy of the 40-block cache, and more
     rng = random.Random(1)
     shared = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 120))] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

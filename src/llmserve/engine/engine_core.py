@@ -41,7 +41,7 @@ from llmserve.worker.worker import Worker, device_memory, resolve_device
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
-KV_LOAD_POLL_S = 0.005  # likewise one whose only requests wait for their prefix's KV (core/kv_loading.py)
+KV_LOAD_POLL_S = 0.005  # likewise one waiting for its KV tiers' loads or saves (core/kv_loading.py, kv_saving.py)
 
 
 def model_source(config: EngineConfig) -> tuple[str, str]:
@@ -211,7 +211,13 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None or self._has_kv_saves()
+
+    def _has_kv_saves(self) -> bool:
+        """Saves to the KV tiers on their way (their blocks held, or not in the tiers yet): the engine steps
+        (waiting on them) until they are done, so that when it goes idle nothing is held and the tiers are whole."""
+        return self.kv_connector is not None and (self.scheduler.has_kv_saves()
+                                                  or not self.kv_connector.wait_for_saves(timeout=0))
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
@@ -235,13 +241,14 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with the blocks it evicted copied out to the KV tiers before any forward
-        overwrites them (loads from the tiers run in the background: core/kv_loading.py)."""
+        """The scheduler's step; then the KV tiers' loads and saves it started run in the background
+        (core/kv_loading.py, core/kv_saving.py)."""
         sched_out = self.scheduler.schedule()
-        if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
-            self.kv_connector.apply(sched_out.kv_transfers)
-            if sched_out.is_empty and self.in_flight is None:
-                self.scheduler.kv_loading.wait(KV_LOAD_POLL_S)  # nothing to run until a load ends
+        if self.kv_connector is not None:  # also lets go of blocks matched but not loaded
+            self.kv_connector.apply()
+            if sched_out.is_empty and self.in_flight is None:  # nothing to run until a load or a save ends
+                if not self.scheduler.wait_for_kv(KV_LOAD_POLL_S):
+                    self.kv_connector.wait_for_saves(KV_LOAD_POLL_S)
         return sched_out
 
     def _take_kv_stats(self) -> KVTierStats | None:
