@@ -127,11 +127,12 @@ class KVTransferConfig:
     (docs/disaggregation.md)."""
 
     kv_offload_memory: str | None = field(default=None, metadata={
-        "help": "host memory for KV blocks evicted from the device's prefix cache, e.g. 8GiB: a later prefix "
-                "hit there is copied back instead of recomputed (default: off; a decode server's default: "
+        "help": "host memory for copies of the cached KV blocks the device lets go of, e.g. 8GiB (more than the "
+                "device's KV cache: what the device evicts stays here): a later prefix hit there is copied back "
+                "instead of recomputed (default: off; a decode server's default: "
                 f"{DEFAULT_DECODE_HOST_TIER_BYTES}, where its prefill server's blocks arrive)"})
     kv_offload_disk: str | None = field(default=None, metadata={
-        "help": "a directory for KV blocks evicted from host memory (or from the device, without "
+        "help": "a directory for KV blocks evicted from host memory (or let go of by the device, without "
                 "--kv-offload-memory); each block file is checksummed, a bad one is recomputed (default: off)"})
     kv_offload_disk_bytes: str | None = field(default=None, metadata={
         "help": f"bytes of --kv-offload-disk (default: {DEFAULT_DISK_TIER_BYTES})"})

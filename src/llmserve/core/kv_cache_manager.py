@@ -194,7 +194,10 @@ class KVCacheManager:
         return self.pool.usage()
 
     def reset_prefix_cache(self) -> bool:
-        """Refused (False) while any block is in use; saves in flight are waited for first."""
+        """Refused (False) while a request holds blocks; saves in flight are waited for first, those not started
+        dropped (the cache they would keep is being forgotten)."""
+        if self.req_to_blocks:
+            return False
         if self.saves is not None:
             self.saves.drain()
         return self.pool.reset_prefix_cache()
