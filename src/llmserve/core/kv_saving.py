@@ -71,6 +71,8 @@ class KVSaves:
             blocks, save = entry
             if save.exception() is not None:  # the blocks are recomputed when needed: nothing is lost but time
                 logger.error("saving %d KV blocks failed: %r", len(blocks), save.exception())
+                for block in blocks:
+                    block.is_saved = False  # let go of again, they are saved again
             self.pool.free(blocks)
             num_released += len(blocks)
         return num_released
@@ -89,5 +91,6 @@ class KVSaves:
         held = self.held_blocks()
         assert len({b.block_id for b in held}) == len(held), "a block is held by two saves"
         for block in held:
-            assert block.block_hash is not None and block.is_saved, f"block {block.block_id} held for a save lost its KV"
+            assert block.block_hash is not None and block.is_saved, \
+                f"block {block.block_id} held for a save lost its KV"
             assert block.ref_cnt >= 1, f"block {block.block_id} held for a save is free"

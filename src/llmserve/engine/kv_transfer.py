@@ -2,10 +2,10 @@
 
 A prefill server (--disaggregation-mode prefill) runs a request that names a decode server's KV address
 (`kv_transfer_params.decode_kv_address`) as any other; when it finishes, the KVSender copies the request's
-full prompt blocks (every KV cache group's) out of the device's prefix cache (still there: nothing is allocated between the step
-that finished it and the next schedule) and sends them to that address over ZMQ, waiting for the ack
-before the request's output leaves the engine, so the router forwards to the decode server only once its
-blocks are there. The decode server's KVReceiver thread keeps them in its host tier (worker/kv_offload.py),
+full prompt blocks (every KV cache group's) out of the device's prefix cache (still there: nothing is
+allocated between the step that finished it and the next schedule) and sends them to that address over ZMQ,
+waiting for the ack before the request's output leaves the engine, so the router forwards to the decode
+server only once its blocks are there. The decode server's KVReceiver thread keeps them in its host tier (worker/kv_offload.py),
 where the decode request's prefix lookup finds them: it loads them and computes only the prompt's tail
 (the tokens of its last, partial block, at least one), which samples the first token again.
 """

@@ -57,7 +57,8 @@ def replica_options(deployment: Deployment, name: str = REPLICA_DEPLOYMENT, num_
     """An engine deployment's options: `num_replicas` fixed (default: --num-replicas, else autoscaling)."""
     config = deployment.ray
     num_replicas = config.num_replicas if num_replicas is None else num_replicas
-    options = {"name": name, "logging_config": logging_config(deployment), "max_ongoing_requests": config.max_ongoing_requests,
+    options = {"name": name, "logging_config": logging_config(deployment),
+               "max_ongoing_requests": config.max_ongoing_requests,
                "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus,
                                      "runtime_env": {"env_vars": ray_env(config)}},
                "graceful_shutdown_timeout_s": deployment.server.shutdown_timeout,
