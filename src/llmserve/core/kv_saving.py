@@ -19,6 +19,7 @@ from llmserve.core.block_pool import BlockPool, KVBlock
 from llmserve.core.kv_connector import KVBlockCopy, KVConnector
 
 logger = logging.getLogger(__name__)
+SAVE_WAIT_S = 1.0  # blocks short: how long to wait for a save holding blocks before preempting a request
 
 
 class KVSaves:
@@ -77,11 +78,22 @@ class KVSaves:
             num_released += len(blocks)
         return num_released
 
-    def wait(self, timeout: float) -> None:
-        """Block until one copy ends or `timeout` seconds pass (an engine with nothing else to do)."""
-        if self.in_flight:
-            concurrent.futures.wait([save for _, save in self.in_flight], timeout,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+    def wait_to_release(self, connector: KVConnector) -> int:
+        """Blocks ran short: start what is not started and wait (up to SAVE_WAIT_S) for the oldest copy to end;
+        the blocks let go of."""
+        if not self.num_held:
+            return 0
+        self.start(connector)
+        return self.release_done(wait_s=SAVE_WAIT_S)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until one copy ends or `timeout` seconds pass (an engine with nothing else to do); False (at
+        once) when none is under way."""
+        if not self.in_flight:
+            return False
+        concurrent.futures.wait([save for _, save in self.in_flight], timeout,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        return True
 
     def held_blocks(self) -> list[KVBlock]:
         return self.new + [block for blocks, _ in self.in_flight for block in blocks]

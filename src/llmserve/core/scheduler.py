@@ -42,7 +42,6 @@ from llmserve.messages import EngineCoreOutput, EngineCoreOutputs
 from llmserve.structured.bitmask import StepGrammar
 
 logger = logging.getLogger(__name__)
-SAVE_WAIT_S = 1.0  # blocks short: how long to wait for saves holding blocks before preempting a request
 
 
 class Scheduler:
@@ -180,29 +179,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.aborted_outputs)
 
-    def has_kv_saves(self) -> bool:
-        """Blocks held for their save to a KV connector (the engine steps until they are let go)."""
-        return self.kv.saves is not None and self.kv.saves.num_held > 0
-
     def release_saved_blocks(self) -> bool:
-        """Blocks ran short: wait (up to SAVE_WAIT_S) for the KV connector's saves to let go of the blocks they
-        hold, rather than preempt; whether any came back."""
-        saves = self.kv.saves
-        if saves is None or not saves.num_held:
-            return False
-        saves.start(self.kv_connector)
-        return saves.release_done(wait_s=SAVE_WAIT_S) > 0
+        """Blocks ran short: rather than preempt, wait for the saves holding blocks to let go of them
+        (core/kv_saving.py); whether any came back."""
+        return self.kv.saves is not None and self.kv.saves.wait_to_release(self.kv_connector) > 0
 
     def wait_for_kv(self, timeout: float) -> bool:
         """Block until a load of the KV connector or the copy of a save ends, or `timeout` seconds pass (nothing
         to run); False (at once) when none is under way."""
         if len(self.kv_loading):
             self.kv_loading.wait(timeout)
-        elif self.kv.saves.in_flight:
-            self.kv.saves.wait(timeout)
-        else:
-            return False
-        return True
+            return True
+        return self.kv.saves.wait(timeout)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -216,7 +216,7 @@ class EngineCore:
     def _has_kv_saves(self) -> bool:
         """Saves to the KV tiers on their way (their blocks held, or not in the tiers yet): the engine steps
         (waiting on them) until they are done, so that when it goes idle nothing is held and the tiers are whole."""
-        return self.kv_connector is not None and (self.scheduler.has_kv_saves()
+        return self.kv_connector is not None and (self.scheduler.kv.saves.num_held > 0
                                                   or not self.kv_connector.wait_for_saves(timeout=0))
 
     def step(self) -> EngineCoreOutputs:
