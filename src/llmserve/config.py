@@ -127,11 +127,12 @@ class KVTransferConfig:
     (docs/disaggregation.md)."""
 
     kv_offload_memory: str | None = field(default=None, metadata={
-        "help": "host memory for KV blocks evicted from the device's prefix cache, e.g. 8GiB: a later prefix "
-                "hit there is copied back instead of recomputed (default: off; a decode server's default: "
+        "help": "host memory for copies of the cached KV blocks the device lets go of, e.g. 8GiB (more than the "
+                "device's KV cache: what the device evicts stays here): a later prefix hit there is copied back "
+                "instead of recomputed (default: off; a decode server's default: "
                 f"{DEFAULT_DECODE_HOST_TIER_BYTES}, where its prefill server's blocks arrive)"})
     kv_offload_disk: str | None = field(default=None, metadata={
-        "help": "a directory for KV blocks evicted from host memory (or from the device, without "
+        "help": "a directory for KV blocks evicted from host memory (or let go of by the device, without "
                 "--kv-offload-memory); each block file is checksummed, a bad one is recomputed (default: off)"})
     kv_offload_disk_bytes: str | None = field(default=None, metadata={
         "help": f"bytes of --kv-offload-disk (default: {DEFAULT_DISK_TIER_BYTES})"})
@@ -141,7 +142,8 @@ class KVTransferConfig:
                 "SGLang's flag, the router pairs the two: llmserve route --pd-disaggregation",
         "choices": list(DISAGGREGATION_MODES)})
     disaggregation_kv_port: int = field(default=DEFAULT_KV_PORT, metadata={
-        "help": "decode server: the TCP port its KV receiver binds (ZMQ), advertised at GET /kv_transfer"})
+        "help": "decode server: the TCP port its KV receiver binds (ZMQ), advertised at GET /kv_transfer (0: a free "
+                "port the system picks, as Ray Serve's decode replicas do)"})
 
     @property
     def is_offloading(self) -> bool:
@@ -166,8 +168,8 @@ class KVTransferConfig:
         check(self.disk_tier_bytes() > 0, "kv-offload-disk-bytes",
               f"must be positive, got {self.kv_offload_disk_bytes!r}")
         check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
-        check(0 < self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
-              f"must be a TCP port (1-65535), got {self.disaggregation_kv_port}")
+        check(0 <= self.disaggregation_kv_port < 65536, "disaggregation-kv-port",
+              f"must be a TCP port (1-65535, or 0 for any free one), got {self.disaggregation_kv_port}")
         check(self.disaggregation_kv_port == DEFAULT_KV_PORT or self.disaggregation_mode == "decode",
               "disaggregation-kv-port", "only with --disaggregation-mode decode (the decode server binds it)")
 

@@ -93,7 +93,7 @@ class KVTierStats(msgspec.Struct, array_like=True, omit_defaults=True):
 
     num_host_hit_tokens: int = 0
     num_disk_hit_tokens: int = 0
-    num_offloaded_blocks: int = 0  # evicted from the device and kept in host memory or on disk
+    num_offloaded_blocks: int = 0  # let go of by the device, copied to host memory or disk
     num_corrupt_blocks: int = 0
     num_sent_blocks: int = 0
     num_received_blocks: int = 0

@@ -1,7 +1,8 @@
 """KV tiers in the engine (float32 tiny model): a prefix evicted from the device and hit in host memory or on
 disk gives the same greedy tokens as without tiers and computes only the rest of the prompt; a corrupt disk
-block is recomputed; a load runs while other requests step, and an abort during it frees everything; the
-bookkeeping holds after churn; the flags are validated."""
+block is recomputed; a load runs while other requests step, and an abort during it frees everything; saves
+run off the step loop, their blocks held until copied; the bookkeeping holds after churn; the flags are
+validated; disaggregation of a sliding-window model gives a colocated engine's tokens."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.core.request import Request
+from llmserve.sampling_params import KVTransferParams
 from llmserve.testing.maker import make_model
 
 NUM_PROMPT = 200  # 12 full blocks of 16 and 8 tokens; the 40-block cache holds two such requests
@@ -151,8 +153,46 @@ def test_an_abort_during_a_load_leaves_nothing_held(path, prompts, monkeypatch, 
     engine.shutdown()
 
 
+def _hold_saves(llm: LLM, monkeypatch) -> threading.Event:
+    """The connector's saves wait, on its save thread, before reading the device, until the event is set."""
+    connector = llm.engine.kv_connector
+    gate, read = threading.Event(), connector._read_device
+
+    def held(saves, written):
+        assert gate.wait(timeout=120), "the test never let the save go"
+        return read(saves, written)
+
+    monkeypatch.setattr(connector, "_read_device", held)
+    return gate
+
+
+def test_saves_run_off_the_step_loop_and_hold_their_blocks_until_copied(path, prompts, monkeypatch):
+    llm = _llm(path, kv_offload_memory="64MiB")
+    gate, engine = _hold_saves(llm, monkeypatch), llm.engine
+    _add(llm, "first", prompts[0], max_tokens=1)
+    _add(llm, "other", [7, 8, 9], max_tokens=12)  # never fills a block: nothing of it is saved
+    while "first" in engine.scheduler.requests:
+        engine.step()
+    saves, pool = engine.scheduler.kv.saves, engine.scheduler.kv.pool
+    held = {block.block_id for block in saves.held_blocks()}
+    assert len(held) == 12  # the first prompt's full blocks, their copy not started
+    num_tokens = 0
+    for _ in range(4):  # the other stream steps on; no block a save holds is handed out meanwhile
+        num_tokens += sum(len(out.new_token_ids) for out in engine.step().outputs)
+        assert {block.block_id for block in saves.held_blocks()} == held
+        assert not held & set(pool.free_queue.block_ids())
+        engine.check_integrity()
+    assert num_tokens == 4 and len(engine.kv_connector.host) == 0
+    gate.set()
+    while engine.has_unfinished_requests():  # until the saves are in the tiers
+        engine.step()
+    assert len(engine.kv_connector.host) == 12 and engine.num_free_blocks() == pool.num_usable_blocks
+    engine.check_integrity()
+    engine.shutdown()
+
+
 def test_churn_keeps_every_count_in_step(path):
-    llm = _llm(path, kv_offload_memory=str(30 * BLOCK_BYTES), max_num_seqs=4)
+    llm = _llm(path, kv_offload_memory=str(60 * BLOCK_BYTES), max_num_seqs=4)  # a copy of the 40-block cache, and more
     rng = random.Random(1)
     shared = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 120))] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -172,7 +212,7 @@ def test_churn_keeps_every_count_in_step(path):
     ({"kv_offload_memory": "1GiB", "enable_prefix_caching": False}, "needs prefix caching"),
     ({"disaggregation_mode": "both"}, "--disaggregation-mode: must be one of"),
     ({"disaggregation_mode": "prefill", "tensor_parallel_size": 2}, "tensor parallelism"),
-    ({"disaggregation_mode": "decode", "disaggregation_kv_port": 0}, "--disaggregation-kv-port: must be a TCP port"),
+    ({"disaggregation_mode": "decode", "disaggregation_kv_port": 70000}, "--disaggregation-kv-port: must be a TCP port"),
     ({"disaggregation_kv_port": 9000}, "--disaggregation-kv-port: only with --disaggregation-mode decode"),
 ])
 def test_flags_are_validated_before_loading(kwargs, message):
@@ -180,13 +220,32 @@ def test_flags_are_validated_before_loading(kwargs, message):
         LLM("/nonexistent", **kwargs)
 
 
-def test_disaggregation_of_a_model_with_sliding_layers_is_refused_before_its_weights_load(tmp_path):
-    path = make_model("mistral", "tiny", str(tmp_path), seed=1)
-    config_path = os.path.join(path, "config.json")
-    config = json.load(open(config_path))
-    json.dump({**config, "sliding_window": 64}, open(config_path, "w"))
-    with pytest.raises(ValueError, match="--disaggregation-mode: .*sliding-window layers .*window 64"):
-        LLM(path, dtype="float32", max_model_len=256, disaggregation_mode="decode")
+def test_disaggregation_of_a_sliding_window_model_gives_a_colocated_engines_tokens(tmp_path, prompts):
+    """Gemma 3's layout (six KV cache groups, five sliding of window 8): the prefill engine sends every
+    group's blocks of the prompt (the sliding groups' early ones too, still cached) and the decode engine
+    loads them all; its greedy tokens are those of an engine that computes the prompt itself."""
+    path = make_model("gemma3", "tiny-gemma3", str(tmp_path), seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def llm(**kwargs) -> LLM:
+        return LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=200, max_num_batched_tokens=64, **kwargs)
+
+    colocated = llm()
+    plain = [colocated.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]]
+    decode = llm(disaggregation_mode="decode", disaggregation_kv_port=0)
+    prefill = llm(disaggregation_mode="prefill")
+    address = KVTransferParams(decode_kv_address=f"tcp://127.0.0.1:{decode.engine.kv_receiver.port}")
+    try:
+        for prompt, expected in zip(prompts[:2], plain):
+            prefill.generate([prompt], SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=address))
+            out = decode.generate([prompt], params)[0]
+            assert out.outputs[0].token_ids == expected and out.num_cached_tokens == 192
+        assert decode.kv_tier_stats.num_received_blocks == 2 * 12 * 6  # every group's 12 full blocks
+        for engine in (prefill, decode):
+            engine.engine.check_integrity()
+    finally:
+        for engine in (prefill, decode):
+            engine.engine.shutdown()
 
 
 def test_a_sliding_window_models_groups_come_back_from_the_tiers(tmp_path, prompts):

@@ -1,12 +1,13 @@
-"""The scheduler with a KV connector: evicted blocks listed as saves, blocks the connector holds loaded into
-the blocks allocated after the device's prefix hits and counted as computed (exact block ids)."""
+"""The scheduler with a KV connector: cached blocks let go of are saved once, held until their save ends and
+never handed out before; blocks the connector holds loaded into the blocks allocated after the device's
+prefix hits and counted as computed (exact block ids)."""
 
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.block_pool import BlockHash
-from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
+from llmserve.core.kv_connector import KVBlockCopy, KVConnector
 from llmserve.core.scheduler import Scheduler
 
 from core_helpers import make_request, step
@@ -14,12 +15,15 @@ from core_helpers import make_request, step
 
 class DictConnector(KVConnector):
     """Keeps the hashes of what it is asked to save; its 'data' is the block id it came from. A load ends
-    when the test says (`finish`): it is held until then, as a slow disk read would be."""
+    when the test says (`finish`): it is held until then, as a slow disk read would be. A save ends at once,
+    or, with `is_holding_saves`, when the test says (`finish_saves`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, is_holding_saves: bool = False) -> None:
         self.stored: dict[tuple[int, int], BlockHash] = {}  # (group, hash value) -> hash
-        self.applied: list[KVTransfers] = []
+        self.saved: list[KVBlockCopy] = []  # every save's blocks, in the order they started
         self.loads: list[tuple[list[KVBlockCopy], Future]] = []  # started, not finished
+        self.saves: list[tuple[list[KVBlockCopy], Future]] = []  # likewise
+        self.is_holding_saves = is_holding_saves
 
     def start_load(self, loads: list[KVBlockCopy]) -> Future:
         load = Future()
@@ -32,16 +36,32 @@ class DictConnector(KVConnector):
         load.set_result(len(loads) if num_blocks is None else num_blocks)
         return loads
 
+    def start_save(self, saves: list[KVBlockCopy]) -> Future:
+        self.saved += saves
+        save = Future()
+        self.saves.append((saves, save))
+        if not self.is_holding_saves:
+            self.finish_saves()
+        return save
+
+    def finish_saves(self) -> None:
+        for saves, save in self.saves:
+            for copy in saves:
+                self.stored[(copy.group, copy.block_hash.value)] = copy.block_hash
+            save.set_result(None)
+        self.saves.clear()
+
     def num_matched_blocks(self, hashes: Sequence[BlockHash], num_groups: int = 1) -> int:
         for i, block_hash in enumerate(hashes):
             if any(self.stored.get((g, block_hash.value)) != block_hash for g in range(num_groups)):
                 return i
         return len(hashes)
 
-    def apply(self, transfers: KVTransfers) -> None:
-        self.applied.append(transfers)
-        for copy in transfers.saves:
-            self.stored[(copy.group, copy.block_hash.value)] = copy.block_hash
+    def apply(self) -> None:
+        pass
+
+    def wait_for_saves(self, timeout: float | None = None) -> bool:
+        return not self.saves
 
     def take_stats(self):
         return None
@@ -64,30 +84,30 @@ def _run(sched: Scheduler, connector: DictConnector, request) -> list:
     outs = []
     while sched.requests:
         out, _ = step(sched)
-        connector.apply(out.kv_transfers)
+        connector.apply()
         while connector.loads:
             connector.finish()
         outs.append(out)
     return outs
 
 
-def test_evicted_blocks_are_saved_and_a_later_hit_is_loaded_not_computed():
+def test_blocks_let_go_of_are_saved_once_and_a_later_hit_is_loaded_not_computed():
     connector = DictConnector()
     sched = _scheduler(connector)  # 7 usable blocks of 4 tokens
     a = list(range(1, 13))  # 3 full blocks
     _run(sched, connector, make_request("a", a, max_tokens=1))
-    assert connector.applied[0].saves == []
+    assert [c.block_hash.token_ids for c in connector.saved] == [(9, 10, 11, 12), (5, 6, 7, 8), (1, 2, 3, 4)]
+    _run(sched, connector, make_request("a1", a + [99], max_tokens=1))  # a's blocks hit, freed again: saved once
+    assert len(connector.saved) == 3
     _run(sched, connector, make_request("b", list(range(100, 124)), max_tokens=1))  # 6 blocks: evicts 2 of a's
-    saved = [c.block_hash.token_ids for t in connector.applied for c in t.saves]
-    assert saved == [(9, 10, 11, 12), (5, 6, 7, 8)]  # tail first
+    assert len(connector.saved) == 3 + 6  # b's; a's evicted blocks needed no copy, theirs was made
     sched.check_integrity()
-    connector.applied.clear()
     a2 = make_request("a2", a + [13], max_tokens=1)
     sched.add_request(a2)
     out, _ = step(sched)
     assert out.is_empty and a2.status.name == "WAITING_FOR_KV"  # block 1 on the device, 2 and 3 loading
     sched.check_integrity()
-    connector.apply(out.kv_transfers)
+    connector.apply()
     loads = connector.finish()
     assert [c.block_hash.token_ids for c in loads] == [(5, 6, 7, 8), (9, 10, 11, 12)]
     out, _ = step(sched)
@@ -104,14 +124,13 @@ def test_prompt_logprobs_requests_load_nothing():
     sched = _scheduler(connector)
     _run(sched, connector, make_request("a", list(range(1, 13)), max_tokens=1))
     _run(sched, connector, make_request("b", list(range(100, 124)), max_tokens=1))
-    connector.applied.clear()
     outs = _run(sched, connector, make_request("c", list(range(1, 14)), max_tokens=1, prompt_logprobs=1))
     assert outs[0].new_reqs[0].num_computed_tokens == 0 and not connector.loads
     sched.check_integrity()
 
 
 def _evict_a(sched: Scheduler, connector: DictConnector) -> list[int]:
-    """Runs a (3 full blocks), then b, whose blocks evict a's last two to the connector; a's prompt."""
+    """Runs a (3 full blocks, saved to the connector), then b, whose blocks evict a's last two; a's prompt."""
     a = list(range(1, 13))
     _run(sched, connector, make_request("a", a, max_tokens=1))
     _run(sched, connector, make_request("b", list(range(100, 124)), max_tokens=1))
@@ -123,12 +142,13 @@ def test_other_requests_step_while_a_load_is_held():
     sched = _scheduler(connector)
     a = _evict_a(sched, connector)
     sched.add_request(make_request("c", [50, 51], max_tokens=6, ignore_eos=True))
-    connector.apply(step(sched)[0].kv_transfers)  # c's prompt
+    step(sched)  # c's prompt
+    connector.apply()
     a2 = make_request("a2", a + [13], max_tokens=2)
     sched.add_request(a2)
     for _ in range(3):  # a2's load held: c decodes on
         out, update = step(sched)
-        connector.apply(out.kv_transfers)
+        connector.apply()
         assert list(out.num_scheduled_tokens) == ["c"] and a2.status.name == "WAITING_FOR_KV"
         assert update.stats.num_waiting == 1  # counted as waiting (the queue-depth metric scales on it)
         sched.check_integrity()
@@ -188,4 +208,48 @@ def test_a_load_that_raises_computes_the_rest_and_does_not_load_again():
     load.set_exception(OSError("disk gone"))
     out, _ = step(sched)
     assert out.new_reqs[0].num_computed_tokens == 4 and not connector.loads
+    sched.check_integrity()
+
+
+def test_a_save_holds_its_blocks_until_the_copy_ends_and_the_steps_go_on():
+    connector = DictConnector(is_holding_saves=True)
+    sched = _scheduler(connector)  # 7 usable blocks of 4 tokens
+    _run(sched, connector, make_request("a", list(range(1, 13)), max_tokens=1))
+    held = {c.block_id for c in connector.saved}
+    assert len(held) == 3 and connector.saves  # a's full blocks, their copy not done
+    pool = sched.kv.pool
+    assert pool.get_num_free_blocks() == 4 and not held & set(pool.free_queue.block_ids())
+    sched.check_integrity()  # the save counts as their holder
+    sched.add_request(make_request("c", [50, 51], max_tokens=1))
+    out, _ = step(sched)  # the step does not wait for the copy
+    assert out.num_scheduled_tokens == {"c": 2} and not held & set(out.new_reqs[0].block_ids)
+    sched.add_request(make_request("b", list(range(100, 124)), max_tokens=1))  # 6 blocks: 4 free
+    out, _ = step(sched)
+    assert out.is_empty  # b waits rather than take blocks a copy still reads
+    sched.check_integrity()
+    connector.finish_saves()
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"b": 24} and held & set(out.new_reqs[0].block_ids)
+    sched.check_integrity()
+
+
+def test_blocks_short_a_running_request_waits_for_a_save_rather_than_preempt():
+    connector = DictConnector(is_holding_saves=True)
+    sched = _scheduler(connector, num_blocks=5)  # 4 usable blocks of 4 tokens
+    long = make_request("long", [1, 2, 3], max_tokens=9, ignore_eos=True)
+    sched.add_request(long)
+    sched.add_request(make_request("a", list(range(10, 18)), max_tokens=1))
+    step(sched)  # long: 1 block; a: 2 full blocks, finished: held by its save
+    assert len(connector.saved) == 2 and sched.kv.pool.get_num_free_blocks() == 1
+    a_save = connector.saves[0][1]
+    release = sched.release_saved_blocks  # blocks short, the scheduler waits for the copies (else: preempts)
+
+    def copy_ends_while_it_waits() -> bool:
+        connector.finish_saves()
+        return release()
+
+    sched.release_saved_blocks = copy_ends_while_it_waits
+    while sched.requests:  # long needs a third block at its 9th token: a's are the only ones left
+        step(sched)
+    assert a_save.done() and long.num_preemptions == 0 and len(long.output_token_ids) == 9
     sched.check_integrity()

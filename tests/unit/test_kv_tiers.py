@@ -1,6 +1,6 @@
 """The KV tiers below the device (host memory, disk) and the tiered connector over a small fake cache:
-LRU order and byte budgets, checksummed disk files, collisions refused, saves copied before loads, loads
-run on the loader thread once the step's saves are out."""
+LRU order and byte budgets, checksummed disk files, collisions refused; saves run on the save thread, loads
+on the loader thread once the step is scheduled."""
 
 import os
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmserve.core.block_pool import BlockHash
-from llmserve.core.kv_connector import KVBlockCopy, KVTransfers
+from llmserve.core.kv_connector import KVBlockCopy
 from llmserve.worker.kv_offload import TieredKVConnector, read_device_blocks
 from llmserve.worker.kv_tiers import DiskTier, HostTier, block_nbytes
 
@@ -106,34 +106,42 @@ def _caches(num_blocks: int = 6) -> list[torch.Tensor]:
     return layers
 
 
-def _load(conn: TieredKVConnector, loads: list[KVBlockCopy], saves: list[KVBlockCopy] = ()) -> int:
-    """A step's load: started when scheduled, run once the step's apply has its saves out; blocks read."""
+def _load(conn: TieredKVConnector, loads: list[KVBlockCopy]) -> int:
+    """A step's load: started when scheduled, run once the step is (apply); blocks read."""
     load = conn.start_load(loads)
-    assert not load.done()  # queued behind the step's saves
-    conn.apply(KVTransfers(saves=list(saves)))
+    assert not load.done()  # queued until the step's apply
+    conn.apply()
     return load.result(timeout=60)
 
 
-def test_connector_copies_the_evicted_block_out_before_loading_into_it():
+def _save(conn: TieredKVConnector, saves: list[KVBlockCopy]) -> None:
+    """Saves read off the device (the future), then in the tiers (wait_for_saves)."""
+    conn.start_save(saves).result(timeout=60)
+    conn.wait_for_saves()
+
+
+def test_a_saved_block_is_loaded_back_into_another_device_block():
     caches = _caches()
     conn = TieredKVConnector(caches, HostTier(10 * NBYTES), None)
     conn.receive(_hash(7), read_device_blocks(caches, [5])[0])  # block 5's content, stored as hash 7
-    assert conn.num_matched_blocks([_hash(7), _hash(8)]) == 1
-    assert _load(conn, [KVBlockCopy(2, _hash(7))], saves=[KVBlockCopy(2, _hash(3))]) == 1
-    assert torch.equal(caches[1][:, 2], torch.full((2, 4, 1, 3), 15.0))  # loaded over block 2
-    assert torch.equal(conn.host.get(_hash(3))[1], torch.full((2, 4, 1, 3), 12.0))  # its old content kept
+    _save(conn, [KVBlockCopy(2, _hash(3))])
+    assert conn.num_matched_blocks([_hash(7), _hash(3), _hash(8)]) == 2
+    assert _load(conn, [KVBlockCopy(1, _hash(7)), KVBlockCopy(4, _hash(3))]) == 2
+    assert torch.equal(caches[1][:, 1], torch.full((2, 4, 1, 3), 15.0))
+    assert torch.equal(caches[1][:, 4], torch.full((2, 4, 1, 3), 12.0))  # block 2's content
     stats = conn.take_stats()
-    assert (stats.num_host_hit_tokens, stats.num_offloaded_blocks, stats.num_received_blocks) == (4, 1, 1)
+    assert (stats.num_host_hit_tokens, stats.num_offloaded_blocks, stats.num_received_blocks) == (8, 1, 1)
     assert conn.take_stats() is None
     conn.check_integrity()
 
 
-def test_a_matched_block_stays_loadable_when_the_step_saves_push_it_out():
+def test_a_matched_block_stays_loadable_when_a_save_pushes_it_out():
     caches = _caches()
     conn = TieredKVConnector(caches, HostTier(NBYTES), None)  # room for one block
     conn.receive(_hash(7), read_device_blocks(caches, [5])[0])
     assert conn.num_matched_blocks([_hash(7)]) == 1
-    assert _load(conn, [KVBlockCopy(4, _hash(7))], saves=[KVBlockCopy(1, _hash(3))]) == 1
+    _save(conn, [KVBlockCopy(1, _hash(3))])
+    assert _load(conn, [KVBlockCopy(4, _hash(7))]) == 1
     assert torch.equal(caches[0][:, 4], caches[0][:, 5])
     assert conn.host.get(_hash(7)) is None and conn.host.get(_hash(3)) is not None
     conn.check_integrity()
@@ -142,7 +150,7 @@ def test_a_matched_block_stays_loadable_when_the_step_saves_push_it_out():
 def test_host_evictions_are_demoted_to_disk_and_found_there(tmp_path):
     caches = _caches()
     conn = TieredKVConnector(caches, HostTier(NBYTES), DiskTier(str(tmp_path), 1 << 20))
-    conn.apply(KVTransfers(saves=[KVBlockCopy(1, _hash(1)), KVBlockCopy(2, _hash(2))]))
+    _save(conn, [KVBlockCopy(1, _hash(1)), KVBlockCopy(2, _hash(2))])
     assert len(conn.host) == 1 and len(conn.disk) == 1
     assert conn.num_matched_blocks([_hash(1), _hash(2)]) == 2
     assert _load(conn, [KVBlockCopy(4, _hash(1)), KVBlockCopy(5, _hash(2))]) == 2
@@ -161,7 +169,7 @@ def test_blocks_matched_but_not_loaded_are_let_go_at_the_next_apply():
     assert conn.num_matched_blocks([_hash(7)]) == 1  # the request then found no room (or was aborted)
     with pytest.raises(AssertionError, match="held aside"):
         conn.check_integrity()
-    conn.apply(KVTransfers())
+    conn.apply()
     conn.check_integrity()
 
 
@@ -170,7 +178,7 @@ def test_every_cache_dtype_copies_out_and_back_bit_for_bit(dtype):
     """fp16 / fp8 / int8 KV caches (--kv-cache-dtype): float8 has no index_copy_ on CPU, copied as bytes."""
     caches = [cache.to(dtype) for cache in _caches()]
     conn = TieredKVConnector(caches, HostTier(10 * NBYTES), None)
-    conn.apply(KVTransfers(saves=[KVBlockCopy(3, _hash(3))]))
+    _save(conn, [KVBlockCopy(3, _hash(3))])
     assert conn.num_matched_blocks([_hash(3)]) == 1
     assert _load(conn, [KVBlockCopy(1, _hash(3))]) == 1
     for cache in caches:

@@ -1,6 +1,7 @@
 """The KV block transfer between a prefill and a decode engine, in one process over real ZMQ sockets: the
 sender reads a finished request's prompt blocks from the prefix cache, the receiver keeps them in its host
-tier; a receiver that is down costs about a second; blocks of another layout are refused."""
+tier; every KV cache group's blocks go, each kept under its group's key; a receiver that is down costs about
+a second; blocks of another layout are refused."""
 
 import socket
 import time
@@ -14,7 +15,7 @@ from llmserve.engine.kv_transfer import KVReceiver, KVSender
 from llmserve.engine.kv_wire import decode_blocks, encode_blocks
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from llmserve.sampling_params import KVTransferParams, SamplingParams
-from llmserve.worker.kv_offload import TieredKVConnector, read_device_blocks
+from llmserve.worker.kv_offload import TieredKVConnector, read_device_blocks, tier_hash
 from llmserve.worker.kv_tiers import HostTier
 
 BLOCK_SIZE = 4
@@ -73,6 +74,33 @@ def test_a_finished_requests_prompt_blocks_reach_the_decode_engines_host_tier():
         receiver.close()
 
 
+def test_every_kv_cache_groups_blocks_are_sent_while_all_of_a_position_are_cached():
+    """Two groups (a full and a sliding one): the sliding group's third block was evicted, so positions 0 and
+    1 go with both groups' blocks, position 2 (whole only in the full group) and later do not."""
+    prompt = list(range(10, 23))  # 3 full blocks and 1 token
+    src = _caches(num_blocks=8, seed=1)
+    pool = BlockPool(8, enable_caching=True)
+    hashes = Request("r", prompt, SamplingParams(), [], 0.0, 1).update_block_hashes(BLOCK_SIZE)
+    blocks = pool.allocate(6)  # position i's group g block: blocks[2 * i + g]
+    for i, block in enumerate(blocks[:5]):  # position 2's sliding block is not cached (evicted)
+        pool.cache_block(block, hashes[i // 2], i % 2)
+    pool.free(blocks)
+    connector = TieredKVConnector(_caches(seed=2), HostTier(1 << 20), None)
+    port = _free_port()
+    receiver, sender = KVReceiver(connector, port, num_groups=2), KVSender(pool, src, BLOCK_SIZE, num_groups=2)
+    try:
+        sender.add(_request(f"tcp://127.0.0.1:{port}"), hashes[:3])
+        sender.on_outputs(_finished("r"))
+        assert sender.take_num_sent() == 4
+        assert connector.num_matched_blocks(hashes, num_groups=2) == 2
+        for i, block in enumerate(blocks[:4]):
+            key = tier_hash(hashes[i // 2], i % 2)
+            assert torch.equal(connector.matched[key.value], read_device_blocks(src, [block.block_id])[0])
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_an_aborted_request_sends_nothing():
     pool, hashes = _prefilled(list(range(10, 20)), _caches())
     sender = KVSender(pool, _caches(), BLOCK_SIZE)
@@ -103,4 +131,8 @@ def test_blocks_of_another_layout_are_refused():
     with pytest.raises(ValueError, match="bytes"):
         decode_blocks([frames[0], frames[1][:-4]], (2, 2, BLOCK_SIZE, 2, 3), torch.float32)
     _, blocks = decode_blocks(frames, (2, 2, BLOCK_SIZE, 2, 3), torch.float32)
-    assert blocks[0][0] == hashes[0] and torch.equal(blocks[0][1], read_device_blocks(caches, [1])[0])
+    assert blocks[0][:2] == (hashes[0], 0) and torch.equal(blocks[0][2], read_device_blocks(caches, [1])[0])
+    grouped = encode_blocks("r", hashes[:1], read_device_blocks(caches, [1]), groups=[1])
+    with pytest.raises(ValueError, match="KV cache groups"):  # a hybrid model's blocks, to a one-group engine
+        decode_blocks(grouped, (2, 2, BLOCK_SIZE, 2, 3), torch.float32)
+    assert decode_blocks(grouped, (2, 2, BLOCK_SIZE, 2, 3), torch.float32, num_groups=2)[1][0][1] == 1

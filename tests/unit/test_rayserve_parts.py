@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import subprocess
 import sys
 
 import pytest
 
-from llmserve.config import EngineConfig, ModelConfig
+from llmserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SpeculativeConfig
 from llmserve.rayserve.app import SAME_LOOP_ENV, _argv, ray_env
 from llmserve.rayserve.asgi import call_asgi
 from llmserve.rayserve.config import Deployment, RayServeConfig
 from llmserve.rayserve.ingress import _app_path
 from llmserve.rayserve.messages import ForwardedRequest, ResponseHead
+from llmserve.rayserve.pd_ingress import generation_body, prefill_request
 from llmserve.server.config import ServerConfig
 
 
@@ -171,3 +173,52 @@ def test_missing_ray_is_a_clear_install_hint(monkeypatch):
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         RayServeConfig().min_replicas = 3
+
+
+@pytest.mark.parametrize("changes, flag", [
+    ({"num_prefill_replicas": 2}, "num-prefill-replicas"),  # without --pd-disaggregation
+    ({"num_decode_replicas": 2}, "num-decode-replicas"),
+    ({"pd_disaggregation": True, "num_decode_replicas": 0}, "num-decode-replicas"),
+    ({"pd_disaggregation": True, "request_router": "pow-2"}, "request-router"),
+    ({"pd_disaggregation": True, "num_replicas": 2}, "num-replicas"),
+    ({"pd_disaggregation": True, "max_replicas": 8}, "max-replicas"),
+])
+def test_pd_replica_counts_are_checked_naming_the_flag(changes, flag):
+    with pytest.raises(ValueError, match=f"^--{flag}: "):
+        RayServeConfig(**changes)
+
+
+@pytest.mark.parametrize("engine, flag", [
+    (EngineConfig(kv_transfer=KVTransferConfig(disaggregation_mode="decode")), "disaggregation-mode"),
+    (EngineConfig(kv_transfer=KVTransferConfig(disaggregation_mode="decode", disaggregation_kv_port=9000)),
+     "disaggregation-mode"),
+    (EngineConfig(cache=CacheConfig(enable_prefix_caching=False)), "pd-disaggregation"),
+    (EngineConfig(speculative=SpeculativeConfig(speculative="draft", draft_model="/m")), "pd-disaggregation"),
+])
+def test_pd_engine_settings_are_checked_before_anything_starts(engine, flag):
+    with pytest.raises(ValueError, match=f"^--{flag}: "):
+        Deployment(engine, ServerConfig(), RayServeConfig(pd_disaggregation=True)).validate()
+
+
+def test_pd_roles_run_the_engine_as_prefill_and_decode_servers():
+    deployment = Deployment(EngineConfig(), ServerConfig(), RayServeConfig(pd_disaggregation=True,
+                                                                           num_decode_replicas=2))
+    deployment.validate()
+    prefill, decode = (deployment.for_role(role).engine.kv_transfer for role in ("prefill", "decode"))
+    assert (prefill.disaggregation_mode, decode.disaggregation_mode) == ("prefill", "decode")
+    assert decode.disaggregation_kv_port == 0  # each decode replica binds a free port and reports it
+    assert deployment.ray.autoscaling_config() is None and deployment.ray.num_starting_replicas == 3
+    with pytest.raises(ValueError, match="^--num-prefill-replicas / --num-decode-replicas: 3 engine replica"):
+        deployment.ray.check_fits({"CPU": 3.0})
+
+
+def test_pd_ingress_sends_the_prefill_replica_a_one_token_copy():
+    original = request("/v1/chat/completions", b'{"messages": [], "stream": true, "max_tokens": 50}')
+    original = dataclasses.replace(original, headers=((b"content-length", b"51"),), pinned_replica="r1")
+    assert generation_body(original) == {"messages": [], "stream": True, "max_tokens": 50}
+    assert generation_body(request("/v1/embeddings", b"{}")) is None
+    assert generation_body(request("/v1/completions", b"not json")) is None
+    copy = prefill_request(original, generation_body(original), "tcp://10.0.0.2:5555")
+    assert json.loads(copy.body) == {"messages": [], "stream": False, "max_tokens": 1, "n": 1,
+                                     "kv_transfer_params": {"decode_kv_address": "tcp://10.0.0.2:5555"}}
+    assert copy.headers == ((b"content-length", str(len(copy.body)).encode()),) and copy.pinned_replica is None

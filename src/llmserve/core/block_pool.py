@@ -36,6 +36,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     group: int = 0  # the KV cache group whose KV it holds, while it has a hash
+    is_saved: bool = False  # its KV went to a KV connector's store when its last holder let go (core/kv_saving.py)
 
 
 class FreeBlockQueue:
@@ -83,9 +84,6 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[int | tuple[int, int], KVBlock] = {}  # cache_key(group, hash) -> block holding that KV
-        # (block id, hash, group) of each cached block evicted by an allocation, for a KV connector to copy out
-        # before the step overwrites it; None: nobody copies them (no connector), so none are recorded.
-        self.evicted: list[tuple[int, BlockHash, int]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -151,28 +149,20 @@ class BlockPool:
         block.block_hash, block.group = block_hash, group
         self.cached[key] = block
 
-    def take_evicted(self) -> list[tuple[int, BlockHash, int]]:
-        if self.evicted is None:
-            return []
-        evicted, self.evicted = self.evicted, []
-        return evicted
-
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         key = cache_key(block.group, block.block_hash.value)
         if self.cached.get(key) is block:
             del self.cached[key]
-            if self.evicted is not None:
-                self.evicted.append((block.block_id, block.block_hash, block.group))
-        block.block_hash = None
+        block.block_hash, block.is_saved = None, False
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached KV; refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         for block in self.blocks[1:]:
-            block.block_hash = None
+            block.block_hash, block.is_saved = None, False
         self.cached.clear()
         return True
 

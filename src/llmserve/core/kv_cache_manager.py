@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from llmserve.core.block_pool import BlockPool, KVBlock
 from llmserve.core.kv_cache_hits import cdiv, longest_hit
+from llmserve.core.kv_saving import KVSaves
 from llmserve.core.request import Request
 
 
@@ -36,6 +37,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # block positions of the request already in the hash index
         # sliding groups: (computed tokens, block positions given back per sliding group) at the last drop
         self.window_starts: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.saves: KVSaves | None = None  # with a KV connector: blocks held while their KV is copied out
         self.num_queried_tokens = 0  # prefix-cache statistics, drained by the scheduler
         self.num_hit_tokens = 0
 
@@ -138,7 +140,7 @@ class KVCacheManager:
                     dropped.append(blocks[i])
                     blocks[i] = null
         self.window_starts[request_id] = (num_computed_tokens, tuple(num_drops))
-        self.pool.free(dropped)  # oldest first: evicted before the later blocks of the chain
+        self.pool.free(self._let_go(dropped))  # oldest first: evicted before the later blocks of the chain
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that will be full once this step has run (their KV is written in it)."""
@@ -164,7 +166,12 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.window_starts.pop(request.request_id, None)
-        self.pool.free([b for b in reversed(blocks) if b is not self.pool.null_block])
+        self.pool.free(self._let_go([b for b in reversed(blocks) if b is not self.pool.null_block]))
+
+    def _let_go(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        """The blocks to give back to the pool; with a KV connector, those whose KV goes to it are held for
+        their save instead (core/kv_saving.py)."""
+        return blocks if self.saves is None else self.saves.hold(blocks)
 
     def trim(self, request: Request, num_slots: int) -> int:
         """Give back the request's blocks past the first `num_slots` slots (rejected draft tokens);
@@ -187,6 +194,12 @@ class KVCacheManager:
         return self.pool.usage()
 
     def reset_prefix_cache(self) -> bool:
+        """Refused (False) while a request holds blocks; saves in flight are waited for first, those not started
+        dropped (the cache they would keep is being forgotten)."""
+        if self.req_to_blocks:
+            return False
+        if self.saves is not None:
+            self.saves.drain()
         return self.pool.reset_prefix_cache()
 
     def take_prefix_stats(self) -> tuple[int, int]:
@@ -207,6 +220,10 @@ class KVCacheManager:
         tokens computed at its last drop."""
         self.pool.check_integrity()
         owners: dict[int, int] = {}
+        if self.saves is not None:
+            self.saves.check_integrity()
+            for block in self.saves.held_blocks():  # a save holds its blocks until their copy ends
+                owners[block.block_id] = 1
         for req_id, all_blocks in self.req_to_blocks.items():
             assert len(all_blocks) % self.num_groups == 0, "the groups hold different numbers of block positions"
             blocks = [b for b in all_blocks if b is not self.pool.null_block]

@@ -3,9 +3,9 @@
 The scheduler asks it, when it first schedules a request, how many blocks past the device's prefix hits it
 holds (`num_matched_blocks`); it allocates device blocks for them and has the connector `start_load` them in
 the background, while the request waits aside (WAITING_FOR_KV, core/kv_loading.py) and other requests keep
-stepping. Blocks the prefix cache evicts while scheduling are listed as saves in the step's `KVTransfers`;
-the engine core has the connector `apply` them after scheduling and before the forward (the evicted blocks
-are copied out before anything overwrites them).
+stepping. A cached block whose last holder lets go of it is saved (`start_save`), in the background too,
+while the scheduler holds it so that nothing overwrites it before the copy ends (core/kv_saving.py). The
+engine core calls `apply` once a step is scheduled: the step's loads start then.
 Block-hash keyed (BlockHash: chained hash + the block's token ids), so a connector composes with prefix
 caching: what it holds is exactly what the device's prefix cache would have held.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmserve.core.block_pool import BlockHash
 from llmserve.messages import KVTierStats
@@ -29,13 +29,6 @@ class KVBlockCopy:
     block_id: int
     block_hash: BlockHash
     group: int = 0
-
-
-@dataclass
-class KVTransfers:
-    """One step's copies out of the device: blocks evicted from the prefix cache by this step's allocations."""
-
-    saves: list[KVBlockCopy] = field(default_factory=list)
 
 
 class KVConnector(abc.ABC):
@@ -54,8 +47,19 @@ class KVConnector(abc.ABC):
         recomputed); once it is done the device blocks hold their KV and nothing writes them any more."""
 
     @abc.abstractmethod
-    def apply(self, transfers: KVTransfers) -> None:
-        """Copy the step's saves out of the device cache; drop held-aside blocks no load took."""
+    def start_save(self, saves: list[KVBlockCopy]) -> Future[None]:
+        """Copy these device blocks (cached: their KV is final) out to the store in the background, in order,
+        starting at once. The future is done once they are read: until then the caller keeps the device
+        blocks from reuse."""
+
+    @abc.abstractmethod
+    def wait_for_saves(self, timeout: float | None = None) -> bool:
+        """Block until every save started so far is in the store (or `timeout` seconds pass); whether all are.
+        The engine counts saves on their way as work: it goes idle (and checks its books) once they are in."""
+
+    @abc.abstractmethod
+    def apply(self) -> None:
+        """The step is scheduled: start its loads; let go of held-aside blocks no load took."""
 
     @abc.abstractmethod
     def take_stats(self) -> KVTierStats | None:

@@ -70,9 +70,17 @@ class KVLoadWaitList:
                 continue
             num_positions = self._num_loaded(request, load) // self.kv.num_groups  # whose every group's arrived
             self.kv.cache_full_blocks(request, num_hit_tokens + num_positions * self.kv.block_size)
+            self._mark_saved(request, num_hit_tokens // self.kv.block_size, num_positions)
             self.kv.free(request)
             request.status = RequestStatus.WAITING
         return [request for request, _, _ in done]
+
+    def _mark_saved(self, request: Request, num_hit_positions: int, num_positions: int) -> None:
+        """The loaded blocks' KV is in the connector's store already: no save when they are let go of."""
+        num_groups = self.kv.num_groups
+        blocks = self.kv.req_to_blocks[request.request_id]
+        for block in blocks[num_hit_positions * num_groups:(num_hit_positions + num_positions) * num_groups]:
+            block.is_saved = block.block_hash is not None
 
     @staticmethod
     def _num_loaded(request: Request, load: Future[int]) -> int:

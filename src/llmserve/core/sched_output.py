@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.core.kv_connector import KVTransfers
 from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.bitmask import StepGrammar
@@ -51,8 +50,6 @@ class SchedulerOutput:
     # Multi-step decoding (core/decode_window.py): every row is a plain decode row that runs
     # num_scheduled_tokens[row] forwards of one token each, back to back; this many forwards in all.
     num_steps: int = 1
-    # With a KV connector: blocks to copy out of the device (evicted) and into it (loaded) before the forward.
-    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -27,8 +27,9 @@ from llmserve.core.decode_rows import has_all_tokens_in_flight, schedule_decode_
 from llmserve.core.decode_window import schedule_window
 from llmserve.core.grammar_wait import GrammarWaitList
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
+from llmserve.core.kv_connector import KVConnector
 from llmserve.core.kv_loading import KVLoadWaitList
+from llmserve.core.kv_saving import KVSaves
 from llmserve.core.lora_slots import is_held_behind, running_adapters, take_lora_slot
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_output import aborted_output
@@ -67,7 +68,7 @@ class Scheduler:
         self.kv_connector = kv_connector
         self.kv_loading = None if kv_connector is None else KVLoadWaitList(self.kv, kv_connector)
         if kv_connector is not None:
-            self.kv.pool.evicted = []  # the connector copies evicted blocks out
+            self.kv.saves = KVSaves(self.kv.pool)  # cached blocks let go of are copied out (core/kv_saving.py)
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -178,6 +179,19 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.aborted_outputs)
 
+    def release_saved_blocks(self) -> bool:
+        """Blocks ran short: rather than preempt, wait for the saves holding blocks to let go of them
+        (core/kv_saving.py); whether any came back."""
+        return self.kv.saves is not None and self.kv.saves.wait_to_release(self.kv_connector) > 0
+
+    def wait_for_kv(self, timeout: float) -> bool:
+        """Block until a load of the KV connector or the copy of a save ends, or `timeout` seconds pass (nothing
+        to run); False (at once) when none is under way."""
+        if len(self.kv_loading):
+            self.kv_loading.wait(timeout)
+            return True
+        return self.kv.saves.wait(timeout)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -188,6 +202,7 @@ class Scheduler:
         self._admit_compiled()
         if self.kv_loading is not None:
             self._admit_loaded()
+            self.kv.saves.release_done()
         self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
@@ -201,22 +216,22 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
-        if self.kv_connector is not None:
-            out.kv_transfers = self._take_kv_transfers()
+        if self.kv_connector is not None:  # the blocks let go of while scheduling (preempted, out of a window)
+            self.kv.saves.start(self.kv_connector)
         return out
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> EngineCoreOutputs:
         """The step's sampled ids in: stops, rejected drafts rolled back, outputs and stats
-        (core/scheduler_update.py)."""
-        return update_from_output(self, sched_out, runner_out)
+        (core/scheduler_update.py). The blocks finished requests let go of start their saves at once."""
+        outputs = update_from_output(self, sched_out, runner_out)
+        if self.kv_connector is not None:
+            self.kv.saves.start(self.kv_connector)
+        return outputs
 
     def take_aborted_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests aborted since the last step (a step with nothing finished returns them)."""
         outputs, self.aborted_outputs = self.aborted_outputs, []
         return outputs
-
-    def _take_kv_transfers(self) -> KVTransfers:
-        return KVTransfers([KVBlockCopy(*evicted) for evicted in self.kv.pool.take_evicted()])
 
     def _advance_scheduled(self, out: SchedulerOutput) -> None:
         """The step's requests count their scheduled tokens as computed; one that reaches its last token

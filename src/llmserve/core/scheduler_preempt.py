@@ -1,6 +1,7 @@
 """Preemption by recompute, the scheduler's way out when blocks run out: the lowest-priority running request
 (the newest under FCFS) gives its blocks back and returns to the front of the waiting queue, taken out of
-the step being scheduled if it was in it already."""
+the step being scheduled if it was in it already. Blocks a KV connector's saves still hold are waited for
+first (a copy out takes milliseconds; a recompute, a whole prompt)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def allocate_or_preempt(scheduler: Scheduler, out: SchedulerOutput, request: Req
         new_blocks = scheduler.kv.allocate_slots(request, num_new, num_lookahead_tokens=scheduler.num_lookahead)
         if new_blocks is not None:
             return new_blocks, budget_back, num_before
+        if scheduler.release_saved_blocks():
+            continue
         victim = pick_victim(running, scheduler.config.policy)
         num_before += running.index(victim) < running.index(request)
         budget_back += _unschedule(scheduler, out, victim)

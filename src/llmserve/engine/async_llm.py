@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from llmserve.config import EngineConfig, KVTransferConfig
@@ -170,6 +170,8 @@ class AsyncLLM:
             llm = cls(client, tokenizer, load_generation_defaults(path), stat_logger, stream_interval,
                       request_timeout)
             llm.kv_transfer = config.kv_transfer
+            if config.kv_transfer.disaggregation_mode == "decode":  # the port bound (0 asks for any free one)
+                llm.kv_transfer = replace(config.kv_transfer, disaggregation_kv_port=client.kv_port)
             return llm
         except BaseException:
             await client.shutdown()

@@ -58,6 +58,7 @@ class EngineCoreClient:
         self.model_info = msgspec.convert(ready.model_info, ModelInfo)
         self.num_kv_blocks = ready.num_kv_blocks
         self.max_num_seqs = ready.max_num_seqs
+        self.kv_port = ready.kv_port
         self.on_outputs: Callable[[EngineCoreOutputs], Awaitable[None]] = _ignore_outputs
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead_reason: str | None = None

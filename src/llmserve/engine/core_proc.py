@@ -67,6 +67,7 @@ class ReadyMessage(msgspec.Struct):
     num_kv_blocks: int
     pid: int
     max_num_seqs: int  # resolved for the engine's device (the front's backpressure reads it)
+    kv_port: int = 0  # a decode server's bound KV receiver port (--disaggregation-kv-port 0: the system's pick)
 
 
 def frames(kind: int, payload: Any) -> list[bytes]:
@@ -177,8 +178,10 @@ class EngineCoreProc:
     def run(self) -> None:
         self.output_thread.start()
         info = self.core.model_info
+        config = self.core.config
         self.outputs.put(frames(OutKind.READY, ReadyMessage(msgspec.to_builtins(info), self.core.num_blocks,
-                                                            os.getpid(), self.core.config.scheduler.max_num_seqs)))
+                                                            os.getpid(), config.scheduler.max_num_seqs,
+                                                            config.kv_transfer.disaggregation_kv_port)))
         self.input_thread.start()
         try:
             while not self.is_stopping:

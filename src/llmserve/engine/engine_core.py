@@ -41,7 +41,7 @@ from llmserve.worker.worker import Worker, device_memory, resolve_device
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
-KV_LOAD_POLL_S = 0.005  # likewise one whose only requests wait for their prefix's KV (core/kv_loading.py)
+KV_LOAD_POLL_S = 0.005  # likewise one waiting for its KV tiers' loads or saves (core/kv_loading.py, kv_saving.py)
 
 
 def model_source(config: EngineConfig) -> tuple[str, str]:
@@ -101,15 +101,6 @@ def pooling_engine_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, scheduler=scheduler)
 
 
-def check_kv_transfer_layout(config: EngineConfig, layout: KVCacheLayout) -> None:
-    """Disaggregation is refused (before loading the weights) unless the KV cache is one full-attention group:
-    the prefill server sends the prompt's group-0 blocks only. The tiers take any layout (each group's blocks
-    are kept apart: worker/kv_offload.tier_hash)."""
-    if layout.group_windows != (0,) and config.kv_transfer.disaggregation_mode != "null":
-        raise ValueError("--disaggregation-mode: not supported yet for a model with sliding-window layers "
-                         f"({layout.describe()})")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, is_served: bool = False) -> None:
         """is_served: this process serves beside an HTTP front (the engine-core process), which
@@ -137,7 +128,6 @@ class EngineCore:
         if self.model_info.pooler is not None and self.model_info.pooler.pooling_type != "LAST":
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
             self.config = config
-        check_kv_transfer_layout(config, kv_layout)
         self.tp_executor = self._tp_executor(config, path, is_served)
         self.worker = self.tp_executor.worker if self.tp_executor else \
             Worker(config, self.model_info, path, self.device, self.dtype, is_served)
@@ -161,9 +151,14 @@ class EngineCore:
     def _kv_transports(self, config: EngineConfig) -> tuple[KVSender | None, KVReceiver | None]:
         mode = config.kv_transfer.disaggregation_mode
         if mode == "prefill":
-            return KVSender(self.scheduler.kv.pool, self.runner.kv_caches, config.cache.block_size), None
+            kv = self.scheduler.kv
+            return KVSender(kv.pool, self.runner.kv_caches, config.cache.block_size, kv.num_groups), None
         if mode == "decode":
-            return None, KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port)
+            receiver = KVReceiver(self.kv_connector, config.kv_transfer.disaggregation_kv_port,
+                                  self.scheduler.kv.num_groups)
+            kv_transfer = dataclasses.replace(config.kv_transfer, disaggregation_kv_port=receiver.port)
+            self.config = dataclasses.replace(config, kv_transfer=kv_transfer)  # port 0: the one bound
+            return None, receiver
         return None, None
 
     def _tp_executor(self, config: EngineConfig, path: str, is_served: bool):
@@ -216,7 +211,13 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None or self._has_kv_saves()
+
+    def _has_kv_saves(self) -> bool:
+        """Saves to the KV tiers on their way (their blocks held, or not in the tiers yet): the engine steps
+        (waiting on them) until they are done, so that when it goes idle nothing is held and the tiers are whole."""
+        return self.kv_connector is not None and (self.scheduler.kv.saves.num_held > 0
+                                                  or not self.kv_connector.wait_for_saves(timeout=0))
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
@@ -240,13 +241,14 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with the blocks it evicted copied out to the KV tiers before any forward
-        overwrites them (loads from the tiers run in the background: core/kv_loading.py)."""
+        """The scheduler's step; then the KV tiers' loads and saves it started run in the background
+        (core/kv_loading.py, core/kv_saving.py)."""
         sched_out = self.scheduler.schedule()
-        if sched_out.kv_transfers is not None:  # even when empty: it lets go of blocks matched but not loaded
-            self.kv_connector.apply(sched_out.kv_transfers)
-            if sched_out.is_empty and self.in_flight is None:
-                self.scheduler.kv_loading.wait(KV_LOAD_POLL_S)  # nothing to run until a load ends
+        if self.kv_connector is not None:  # also lets go of blocks matched but not loaded
+            self.kv_connector.apply()
+            if sched_out.is_empty and self.in_flight is None:  # nothing to run until a load or a save ends
+                if not self.scheduler.wait_for_kv(KV_LOAD_POLL_S):
+                    self.kv_connector.wait_for_saves(KV_LOAD_POLL_S)
         return sched_out
 
     def _take_kv_stats(self) -> KVTierStats | None:

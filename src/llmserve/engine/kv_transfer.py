@@ -2,10 +2,10 @@
 
 A prefill server (--disaggregation-mode prefill) runs a request that names a decode server's KV address
 (`kv_transfer_params.decode_kv_address`) as any other; when it finishes, the KVSender copies the request's
-full prompt blocks out of the device's prefix cache (still there: nothing is allocated between the step
-that finished it and the next schedule) and sends them to that address over ZMQ, waiting for the ack
-before the request's output leaves the engine, so the router forwards to the decode server only once its
-blocks are there. The decode server's KVReceiver thread keeps them in its host tier (worker/kv_offload.py),
+full prompt blocks (every KV cache group's) out of the device's prefix cache (still there: nothing is
+allocated between the step that finished it and the next schedule) and sends them to that address over ZMQ,
+waiting for the ack before the request's output leaves the engine, so the router forwards to the decode
+server only once its blocks are there. The decode server's KVReceiver thread keeps them in its host tier (worker/kv_offload.py),
 where the decode request's prefix lookup finds them: it loads them and computes only the prompt's tail
 (the tokens of its last, partial block, at least one), which samples the first token again.
 """
@@ -23,7 +23,7 @@ from llmserve.config import KVTransferConfig
 from llmserve.core.block_pool import BlockHash, BlockPool
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from llmserve.engine.kv_wire import KVTransferAck, decode_blocks, encode_blocks
-from llmserve.worker.kv_offload import TieredKVConnector, read_device_blocks
+from llmserve.worker.kv_offload import TieredKVConnector, read_device_blocks, tier_hash
 from llmserve.worker.kv_tiers import DiskTier, HostTier
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,9 @@ def block_layout(kv_caches: list[torch.Tensor]) -> tuple[tuple[int, ...], torch.
 class KVSender:
     """Prefill side: the prompt blocks of finished requests to the decode server each one names."""
 
-    def __init__(self, pool: BlockPool, kv_caches: list[torch.Tensor], block_size: int) -> None:
-        self.pool, self.kv_caches, self.block_size = pool, kv_caches, block_size
+    def __init__(self, pool: BlockPool, kv_caches: list[torch.Tensor], block_size: int, num_groups: int = 1) -> None:
+        """num_groups: the KV cache groups (core/kv_cache_groups.py): every group's blocks are sent."""
+        self.pool, self.kv_caches, self.block_size, self.num_groups = pool, kv_caches, block_size, num_groups
         self.ctx = zmq.Context.instance()
         self.sockets: dict[str, zmq.Socket] = {}
         self.pending: dict[str, tuple[str, list[BlockHash]]] = {}  # request id -> (address, prompt hashes)
@@ -73,22 +74,29 @@ class KVSender:
                 self._send(out.request_id, address, hashes)
 
     def _send(self, request_id: str, address: str, hashes: list[BlockHash]) -> None:
-        found = []
-        for block_hash in hashes:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            found.append((block_hash, block.block_id))
+        found = self._cached_blocks(hashes)
         if not found:
             return
-        blocks = read_device_blocks(self.kv_caches, [block_id for _, block_id in found])
-        frames = encode_blocks(request_id, [h for h, _ in found], blocks)
+        blocks = read_device_blocks(self.kv_caches, [block_id for _, _, block_id in found])
+        frames = encode_blocks(request_id, [h for h, _, _ in found], blocks, [g for _, g, _ in found])
         ack = self._exchange(address, frames)
         if ack is None or ack.error is not None:
             logger.warning("request %s: %s took no KV blocks (%s): it computes the prompt itself", request_id,
                            address, "no answer" if ack is None else ack.error)
             return
         self.num_sent_blocks += ack.num_blocks
+
+    def _cached_blocks(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, int, int]]:
+        """(hash, group, block id) of the prompt's blocks, every group's, from the first block position on while
+        every group's block of it is still cached (a sliding group's early blocks left its window but stay
+        cached until evicted); the decode server loads a position only with all its groups' blocks."""
+        found = []
+        for block_hash in hashes:
+            blocks = [self.pool.get_cached_block(block_hash, group) for group in range(self.num_groups)]
+            if None in blocks:
+                break
+            found += [(block_hash, group, block.block_id) for group, block in enumerate(blocks)]
+        return found
 
     def _exchange(self, address: str, frames: list[bytes]) -> KVTransferAck | None:
         """Send and wait for the ack; a socket left without one is closed (a REQ socket cannot send again).
@@ -124,12 +132,13 @@ class KVSender:
 class KVReceiver:
     """Decode side: a thread that keeps the blocks prefill servers send in the connector's host tier."""
 
-    def __init__(self, connector: TieredKVConnector, port: int) -> None:
-        self.connector = connector
+    def __init__(self, connector: TieredKVConnector, port: int, num_groups: int = 1) -> None:
+        self.connector, self.num_groups = connector, num_groups
         self.block_shape, self.dtype = block_layout(connector.kv_caches)
         self.sock = zmq.Context.instance().socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://*:{port}")  # before the engine reports ready: a prefill may send at once
+        self.port = int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])  # port 0: the one bound
         self.is_stopping = False
         self.thread = threading.Thread(target=self._loop, daemon=True, name="kv-receiver")
         self.thread.start()
@@ -144,12 +153,12 @@ class KVReceiver:
 
     def _keep(self, frames: list[bytes]) -> KVTransferAck:
         try:
-            header, blocks = decode_blocks(frames, self.block_shape, self.dtype)
+            header, blocks = decode_blocks(frames, self.block_shape, self.dtype, self.num_groups)
         except (ValueError, msgspec.DecodeError) as e:
             logger.warning("refused a KV transfer: %s", e)
             return KVTransferAck(0, str(e))
-        for block_hash, block in blocks:
-            self.connector.receive(block_hash, block.clone())
+        for block_hash, group, block in blocks:
+            self.connector.receive(tier_hash(block_hash, group), block.clone())
         logger.debug("request %s: kept %d KV blocks", header.request_id, len(blocks))
         return KVTransferAck(len(blocks))
 

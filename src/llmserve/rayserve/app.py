@@ -1,4 +1,5 @@
-"""The Ray Serve application: engine replicas (replica.py) behind the ingress (ingress.py).
+"""The Ray Serve application: engine replicas (replica.py) behind the ingress (ingress.py); with
+--pd-disaggregation, prefill and decode replicas behind the P/D ingress (pd_ingress.py).
 
 `build_application(deployment)` for Python and `llmserve serve-ray`; `build_app` for Ray's own CLI:
 
@@ -14,9 +15,11 @@ import argparse
 from llmserve.rayserve import require_ray
 from llmserve.rayserve.config import PREFIX_AWARE, Deployment, RayServeConfig
 from llmserve.rayserve.ingress import Ingress
+from llmserve.rayserve.pd_ingress import PDIngress
 from llmserve.rayserve.replica import LLMReplica
 
 REPLICA_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMReplica", "Ingress"
+PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT = "LLMPrefill", "LLMDecode"  # --pd-disaggregation's engine deployments
 INGRESS_MAX_ONGOING = 16384  # the ingress only forwards: its limit must not be the bottleneck (Ray's default is 5)
 ROUTER_CLASS = "llmserve.rayserve.request_router:PrefixAwareRequestRouter"
 # Ray Serve runs user code on a second event loop in its own thread, and a handle's router on a third, by
@@ -50,15 +53,18 @@ def logging_config(deployment: Deployment) -> dict:
     return {"enable_access_log": server.access_log, "log_level": server.log_level.upper()}
 
 
-def replica_options(deployment: Deployment) -> dict:
+def replica_options(deployment: Deployment, name: str = REPLICA_DEPLOYMENT, num_replicas: int | None = None) -> dict:
+    """An engine deployment's options: `num_replicas` fixed (default: --num-replicas, else autoscaling)."""
     config = deployment.ray
-    options = {"name": REPLICA_DEPLOYMENT, "logging_config": logging_config(deployment), "max_ongoing_requests": config.max_ongoing_requests,
+    num_replicas = config.num_replicas if num_replicas is None else num_replicas
+    options = {"name": name, "logging_config": logging_config(deployment),
+               "max_ongoing_requests": config.max_ongoing_requests,
                "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus,
                                      "runtime_env": {"env_vars": ray_env(config)}},
                "graceful_shutdown_timeout_s": deployment.server.shutdown_timeout,
                "health_check_timeout_s": deployment.server.health_stall_timeout}
-    if config.num_replicas is not None:
-        options["num_replicas"] = config.num_replicas
+    if num_replicas is not None:
+        options["num_replicas"] = num_replicas
     else:
         options["autoscaling_config"] = config.autoscaling_config()
     if config.request_router == PREFIX_AWARE:
@@ -73,12 +79,30 @@ def build_application(deployment: Deployment):
     """The bound application (checked first: a bad value fails here, not in a replica)."""
     deployment.validate()
     serve = require_ray()
+    if deployment.ray.pd_disaggregation:
+        return _pd_application(serve, deployment)
     replicas = serve.deployment(LLMReplica).options(**replica_options(deployment)).bind(deployment)
+    return _ingress(serve, Ingress, deployment).bind(replicas, deployment)
+
+
+def _pd_application(serve, deployment: Deployment):
+    """--pd-disaggregation: a prefill and a decode deployment (engines of that --disaggregation-mode) behind
+    the P/D ingress (pd_ingress.py)."""
+    config = deployment.ray
+    roles = {}
+    for role, name, num in (("prefill", PREFILL_DEPLOYMENT, config.num_prefill_replicas),
+                            ("decode", DECODE_DEPLOYMENT, config.num_decode_replicas)):
+        role_deployment = deployment.for_role(role)
+        roles[role] = serve.deployment(LLMReplica).options(
+            **replica_options(role_deployment, name, num)).bind(role_deployment)
+    return _ingress(serve, PDIngress, deployment).bind(roles["decode"], roles["prefill"], deployment)
+
+
+def _ingress(serve, ingress_class: type, deployment: Deployment):
     ingress_resources = {"num_cpus": deployment.ray.ingress_num_cpus, "runtime_env": {"env_vars": ray_env(deployment.ray)}}
-    ingress = serve.deployment(Ingress).options(
+    return serve.deployment(ingress_class).options(
         name=INGRESS_DEPLOYMENT, num_replicas=deployment.ray.ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING,
         logging_config=logging_config(deployment), ray_actor_options=ingress_resources)
-    return ingress.bind(replicas, deployment)
 
 
 def build_app(args: dict[str, str]):

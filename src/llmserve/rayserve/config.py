@@ -3,15 +3,18 @@ generated from it like the engine's and the server's, checked before anything st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
-from llmserve.config import EngineConfig
+from llmserve.config import DEFAULT_KV_PORT, EngineConfig
 from llmserve.config_checks import check, check_choice, check_min
 from llmserve.router.requests import PrefixConfig
 from llmserve.server.config import ServerConfig
 
 PREFIX_AWARE, POW_2 = "prefix-aware", "pow-2"
 ROUTER_NAMES = (PREFIX_AWARE, POW_2)
+PD_ROLES = ("prefill", "decode")
+AUTOSCALING_FIELDS = ("num_replicas", "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
+                      "upscale_delay_s", "downscale_delay_s", "look_back_period_s")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,11 @@ class RayServeConfig:
     prefix_tokens: int = field(default=64, metadata={"help": "prefix-aware: leading token ids hashed (id prompts)"})
     max_attempts: int = field(default=3, metadata={
         "help": "ingress: tries of a request whose replica died before answering anything"})
+    pd_disaggregation: bool = field(default=False, metadata={
+        "help": "prefill/decode disaggregation: prefill replicas compute each prompt and send its KV blocks to a "
+                "decode replica, which streams the answer (docs/disaggregation.md); fixed replica counts"})
+    num_prefill_replicas: int = field(default=1, metadata={"help": "--pd-disaggregation: prefill replicas"})
+    num_decode_replicas: int = field(default=1, metadata={"help": "--pd-disaggregation: decode replicas"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,10 +95,40 @@ class RayServeConfig:
         for name in ("max_ongoing_requests", "ingress_replicas", "prefix_chars", "prefix_tokens", "max_attempts"):
             check_min(name.replace("_", "-"), getattr(self, name), 1)
         check_choice("request-router", self.request_router, ROUTER_NAMES)
+        check_min("num-prefill-replicas", self.num_prefill_replicas, 1)
+        check_min("num-decode-replicas", self.num_decode_replicas, 1)
+        if self.pd_disaggregation:
+            self._check_pd()
+        for name in ("num_prefill_replicas", "num_decode_replicas"):
+            check(self.pd_disaggregation or getattr(self, name) == 1, name.replace("_", "-"),
+                  "only with --pd-disaggregation")
+
+    def _check_pd(self) -> None:
+        """P/D runs fixed counts of each role, and pins each request's decode call to the replica its blocks
+        went to, which only our request router honours."""
+        check(self.request_router == PREFIX_AWARE, "request-router",
+              f"--pd-disaggregation needs {PREFIX_AWARE} (it pins each request to the decode replica holding its "
+              f"KV blocks; {POW_2} cannot), got {self.request_router}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in AUTOSCALING_FIELDS:
+            check(getattr(self, name) == defaults[name], name.replace("_", "-"),
+                  "not with --pd-disaggregation: its replicas are fixed counts (--num-prefill-replicas, "
+                  "--num-decode-replicas)")
+
+    @property
+    def replicas_flag(self) -> str:
+        """The flag(s) that set how many engine replicas start (named when they do not fit)."""
+        if self.pd_disaggregation:
+            return "num-prefill-replicas / --num-decode-replicas"
+        return "num-replicas" if self.num_replicas is not None else \
+            "initial-replicas" if self.initial_replicas is not None else "min-replicas"
 
     @property
     def num_starting_replicas(self) -> int:
-        """Engine replicas Ray creates at start: --num-replicas, else --initial-replicas or --min-replicas."""
+        """Engine replicas Ray creates at start: --num-replicas, else --initial-replicas or --min-replicas
+        (--pd-disaggregation: the prefill and the decode replicas)."""
+        if self.pd_disaggregation:
+            return self.num_prefill_replicas + self.num_decode_replicas
         for num in (self.num_replicas, self.initial_replicas):
             if num is not None:
                 return num
@@ -99,9 +137,7 @@ class RayServeConfig:
     def check_fits(self, available: dict[str, float]) -> None:
         """The CPUs and GPUs the deployments reserve at start against what the Ray cluster has free
         (`ray.available_resources()`): a replica that does not fit waits forever, so say which flag to lower."""
-        num = self.num_starting_replicas
-        replicas_flag = "num-replicas" if self.num_replicas is not None else \
-            "initial-replicas" if self.initial_replicas is not None else "min-replicas"
+        num, replicas_flag = self.num_starting_replicas, self.replicas_flag
         cpus = num * self.replica_num_cpus + self.ingress_replicas * self.ingress_num_cpus
         free_cpus = available.get("CPU", 0.0)
         more = ", or give Ray more with --num-cpus" if self.address is None else ""
@@ -119,8 +155,8 @@ class RayServeConfig:
         return PrefixConfig(self.prefix_chars, self.prefix_tokens)
 
     def autoscaling_config(self) -> dict | None:
-        """Ray Serve's autoscaling_config (None with a fixed --num-replicas)."""
-        if self.num_replicas is not None:
+        """Ray Serve's autoscaling_config (None with a fixed --num-replicas, and with --pd-disaggregation)."""
+        if self.num_replicas is not None or self.pd_disaggregation:
             return None
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                 "initial_replicas": self.initial_replicas, "target_ongoing_requests": self.target_ongoing_requests,
@@ -147,3 +183,26 @@ class Deployment:
         device = self.engine.model.device
         check(not (device.startswith("cuda") and self.ray.replica_num_gpus == 0), "replica-num-gpus",
               f"--device {device} needs a GPU per replica: give --replica-num-gpus 1")
+        if self.ray.pd_disaggregation:
+            self._check_pd()
+
+    def _check_pd(self) -> None:
+        """The roles are the option's to set; each role's engine config must hold (prefix caching, no tensor
+        parallelism, no draft model), checked as `llmserve serve --disaggregation-mode` would."""
+        kv = self.engine.kv_transfer
+        check(kv.disaggregation_mode == "null", "disaggregation-mode",
+              "not with --pd-disaggregation, which starts the prefill and the decode replicas itself")
+        check(kv.disaggregation_kv_port == DEFAULT_KV_PORT, "disaggregation-kv-port",
+              "not with --pd-disaggregation: each decode replica binds a free port and reports it")
+        for role in PD_ROLES:
+            try:
+                self.for_role(role).engine.validate()
+            except ValueError as e:
+                raise ValueError(f"--pd-disaggregation: its {role} replicas: {e}") from None
+
+    def for_role(self, role: str) -> Deployment:
+        """The deployment record of --pd-disaggregation's prefill or decode replicas: the engine with that
+        --disaggregation-mode (a decode replica's KV port: any free one, which it reports)."""
+        kv = replace(self.engine.kv_transfer, disaggregation_mode=role,
+                     disaggregation_kv_port=0 if role == "decode" else DEFAULT_KV_PORT)
+        return replace(self, engine=replace(self.engine, kv_transfer=kv))

@@ -37,7 +37,10 @@ class Ingress:
         self.config = deployment.ray
 
     async def __call__(self, request: Request) -> Response:
-        forwarded = await self.forwarded(request)
+        return await self.respond(await self.forwarded(request))
+
+    async def respond(self, forwarded: ForwardedRequest) -> Response:
+        """The client's response: a replica's answer, streamed when it streams."""
         answer = await self.first_answer(forwarded)
         if answer is None:
             return error_response(service_unavailable(

@@ -22,8 +22,10 @@ class LLMReplica:
 
     async def __init__(self, deployment: Deployment) -> None:  # Ray Serve awaits an async constructor
         from ray import serve
+        from ray.util import get_node_ip_address
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node_ip = get_node_ip_address()  # where prefill replicas reach a decode replica's KV receiver
         server = deployment.server
         self.engine = await AsyncLLM.from_config(deployment.engine, startup_timeout=server.engine_startup_timeout,
                                                  stream_interval=server.stream_interval,
@@ -36,6 +38,14 @@ class LLMReplica:
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
         async for item in call_asgi(self.app, request, self.headers):
             yield item
+
+    def kv_address(self) -> tuple[str, str]:
+        """(this replica's id, its KV receiver's address): --pd-disaggregation's ingress asks a decode replica
+        before it sends the request's prompt to a prefill replica (pd_ingress.py)."""
+        kv = self.engine.kv_transfer
+        if kv.disaggregation_mode != "decode":
+            raise RuntimeError(f"replica {self.replica_id} is no decode replica ({kv.disaggregation_mode})")
+        return self.replica_id, f"tcp://{self.node_ip}:{kv.disaggregation_kv_port}"
 
     def check_health(self) -> None:
         """Raising marks the replica unhealthy: Ray replaces it."""

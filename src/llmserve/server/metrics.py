@@ -101,8 +101,8 @@ class ServerMetrics:
         self.kv_tier_hits = Counter("llmserve:kv_offload_hit_tokens", "Prompt tokens loaded from a KV tier below "
                                     "the device (host memory or disk) instead of computed.", ["model_name", "tier"],
                                     registry=self.registry)
-        self.kv_offloaded = self._counter("kv_offload_saved_blocks", "KV blocks evicted from the device and kept "
-                                          "in host memory or on disk.")
+        self.kv_offloaded = self._counter("kv_offload_saved_blocks", "KV blocks the device let go of, copied to "
+                                          "host memory or disk.")
         self.kv_corrupt = self._counter("kv_offload_corrupt_blocks", "Disk KV blocks that failed their checks "
                                         "(recomputed, never used).")
         self.kv_sent = self._counter("kv_transfer_sent_blocks", "KV blocks a prefill server sent to decode servers.")

@@ -1,18 +1,20 @@
-"""The tiered KV connector: blocks evicted from the device's prefix cache go to host memory (and, evicted
-from there, to disk); a prefix hit in a lower tier is copied back into device blocks before the step's
-forward instead of recomputed (core/kv_connector.py has the contract).
+"""The tiered KV connector: cached blocks the device lets go of are saved to host memory (and, evicted from
+there, to disk); a prefix hit in a lower tier is copied back into device blocks instead of recomputed
+(core/kv_connector.py has the contract).
 
-Saves run on the step loop's thread, before the forward (the evicted blocks are read before anything
-overwrites them). Loads run on a loader thread while the steps go on: it reads disk blocks (checking each
-file) and copies into the request's device blocks, which nothing else reads or writes meanwhile; on CUDA the
-copy runs on a side stream of its own, from pinned memory, and the thread waits on the stream's event, so
-the load is done (and its request schedulable) only once the blocks are on the device. A decode server of a disaggregated pair (engine/kv_transfer.py) also
-puts the blocks its prefill server sends into the host tier, from its receiver thread: every tier access
-holds `lock`.
+Saves run on a save thread: it reads the blocks off the device (the scheduler keeps them from reuse until
+then: core/kv_saving.py) and keeps them in the tiers, disk writes included, off the step loop. Loads run on a
+loader thread while the steps go on: it reads disk blocks (checking each file) and copies into the request's
+device blocks, which nothing else reads or writes meanwhile. On CUDA each thread copies on a side stream of
+its own and waits on the stream's event (a save's stream first waits for what the step loop's stream had
+queued when the save started: the steps that wrote the blocks), so the step loop's stream never waits. A
+decode server of a disaggregated pair (engine/kv_transfer.py) also puts the blocks its prefill server sends
+into the host tier, from its receiver thread: every tier access holds `lock`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from llmserve.core.block_pool import BlockHash
-from llmserve.core.kv_connector import KVBlockCopy, KVConnector, KVTransfers
+from llmserve.core.kv_connector import KVBlockCopy, KVConnector
 from llmserve.messages import KVTierStats
 from llmserve.worker.kv_tiers import DiskTier, HostTier
 
@@ -32,8 +34,9 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def tier_hash(block_hash: BlockHash, group: int) -> BlockHash:
     """The tiers' key of one KV cache group's block of these tokens: the prefix cache's hash for group 0 (the
-    only one of most models, and what a prefill server sends), a hash of (group, hash) for the others (each
-    group's block of the same tokens holds other layers). Its token ids are the block's, compared on lookup."""
+    only one of most models), a hash of (group, hash) for the others (each group's block of the same tokens
+    holds other layers). Its token ids are the block's, compared on lookup. Made in the process that keeps the
+    block (a prefill server sends hash and group apart): the string's hash differs between processes."""
     return block_hash if group == 0 else BlockHash(hash(("kv-group", group, block_hash.value)), block_hash.token_ids)
 
 
@@ -69,8 +72,11 @@ class TieredKVConnector(KVConnector):
         self.stats = KVTierStats()
         self.queued: list[tuple[Future[int], list[KVBlockCopy], list[torch.Tensor | None]]] = []  # until apply
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self.saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")  # saves in order, apart from loads
+        self.saving: list[Future[None]] = []  # save jobs (copy out, then into the tiers) not known to be done
         is_cuda = kv_caches[0].device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(kv_caches[0].device) if is_cuda else None
+        self.save_stream = torch.cuda.Stream(kv_caches[0].device) if is_cuda else None
 
     # ---- scheduler side ---------------------------------------------------------------------
 
@@ -93,8 +99,8 @@ class TieredKVConnector(KVConnector):
         return True
 
     def start_load(self, loads: list[KVBlockCopy]) -> Future[int]:
-        """Queued until this step's `apply` has copied its saves out: a load may go into a block this step
-        evicted. The future counts blocks of every group (a position counts once all its groups' arrived)."""
+        """Queued until this step's `apply` (the step's scheduling is done with the blocks held aside). The
+        future counts blocks of every group (a position counts once all its groups' arrived)."""
         load: Future[int] = Future()
         with self.lock:
             blocks = [self.matched.pop(tier_hash(copy.block_hash, copy.group).value) for copy in loads]
@@ -140,18 +146,55 @@ class TieredKVConnector(KVConnector):
             done.record(self.copy_stream)
         done.synchronize()  # this thread waits; the step loop's stream never does
 
+    def start_save(self, saves: list[KVBlockCopy]) -> Future[None]:
+        """On CUDA the copy waits for what the step loop's stream has queued so far (the steps that wrote
+        the blocks), not for the host."""
+        read: Future[None] = Future()
+        written = None
+        if self.save_stream is not None:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.kv_caches[0].device))
+        self.saving = [job for job in self.saving if not job.done()]
+        self.saving.append(self.saver.submit(self._save, read, saves, written))
+        return read
+
+    def _save(self, read: Future[None], saves: list[KVBlockCopy], written) -> None:
+        """On the save thread: the blocks copied off the device, which lets the device blocks go (`read`), then
+        kept in the tiers (host memory; what that pushes out, or all without it, written to disk)."""
+        if not read.set_running_or_notify_cancel():
+            return
+        try:
+            blocks = self._read_device(saves, written)
+        except Exception as error:  # the blocks are not kept; a later request computes them
+            read.set_exception(error)
+            return
+        read.set_result(None)
+        for copy, block in zip(saves, blocks):
+            with self.lock:  # a block at a time: the step loop's lookups wait for one write at most
+                self._keep(tier_hash(copy.block_hash, copy.group), block)
+                self.stats.num_offloaded_blocks += 1
+
+    def _read_device(self, saves: list[KVBlockCopy], written) -> list[torch.Tensor]:
+        block_ids = [copy.block_id for copy in saves]
+        if self.save_stream is None:
+            return read_device_blocks(self.kv_caches, block_ids)
+        with torch.cuda.stream(self.save_stream):
+            self.save_stream.wait_event(written)
+            return read_device_blocks(self.kv_caches, block_ids)  # to the host: this thread waits for the copy
+
     # ---- worker side ----------------------------------------------------------------------------
 
-    def apply(self, transfers: KVTransfers) -> None:
-        saved = read_device_blocks(self.kv_caches, [c.block_id for c in transfers.saves])
+    def apply(self) -> None:
         with self.lock:
             self.matched.clear()
-            for copy, block in zip(transfers.saves, saved):
-                self._keep(tier_hash(copy.block_hash, copy.group), block)
-            self.stats.num_offloaded_blocks += len(saved)
         queued, self.queued = self.queued, []
         for load in queued:
             self.loader.submit(self._run_load, *load)
+
+    def wait_for_saves(self, timeout: float | None = None) -> bool:
+        concurrent.futures.wait(self.saving, timeout)
+        self.saving = [job for job in self.saving if not job.done()]
+        return not self.saving
 
     def _keep(self, block_hash: BlockHash, block: torch.Tensor) -> None:
         """Into host memory; what that evicts (or all, without a host tier) onto disk."""
@@ -174,6 +217,7 @@ class TieredKVConnector(KVConnector):
         return None if stats == KVTierStats() else stats
 
     def reset(self) -> None:
+        self.wait_for_saves()  # a save that ended later would put back what the reset dropped
         with self.lock:
             self.matched.clear()
             for tier in (self.host, self.disk):
@@ -182,6 +226,7 @@ class TieredKVConnector(KVConnector):
 
     def close(self) -> None:
         self.loader.shutdown(wait=True)  # a copy in flight writes into the cache until it ends
+        self.saver.shutdown(wait=True)  # and one reads it, then writes to disk
         if self.disk is not None:
             self.disk.close()
 
