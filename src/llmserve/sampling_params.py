@@ -16,11 +16,13 @@ MAX_SEED = 2**64 - 1
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
-    """One output constraint (vLLM's `structured_outputs` names); exactly one of the five is set.
+    """One output constraint (vLLM's `structured_outputs` names); exactly one of the six is set.
 
     `json`: a JSON schema as compact JSON text (its key order kept: properties come out in that order);
     `regex`: a regular expression the whole output matches; `choice`: the output is one of these strings;
-    `grammar`: an EBNF grammar (GBNF dialect, root rule `root`); `json_object`: any JSON object.
+    `grammar`: an EBNF grammar (GBNF dialect, root rule `root`); `json_object`: any JSON object;
+    `structural_tag`: xgrammar's structural tag as JSON text (fixed strings, free text and JSON schemas in
+    sequence; the server builds one for a model's tool-call syntax), its JSON schemas held as `json`'s are.
     `disable_any_whitespace`: JSON without whitespace between tokens (otherwise bounded whitespace).
     `strict` (JSON schemas): objects hold only the properties the schema names unless it allows more
     (OpenAI's strict); false: what the schema allows. `best_effort`: keywords the grammar cannot enforce
@@ -34,6 +36,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
     strict: bool = True
@@ -57,26 +60,27 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        """Which constraint is set: json, regex, choice, grammar, structural_tag or json_object."""
         kinds = self.kinds()
         assert len(kinds) == 1, "validate() first"
         return kinds[0]
 
     def kinds(self) -> list[str]:
-        set_kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        set_kinds = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                     if getattr(self, name) is not None]
         return set_kinds + (["json_object"] if self.json_object else [])
 
     def validate(self) -> None:
         kinds = self.kinds()
         if len(kinds) != 1:
-            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {kinds or 'none'}")
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar, structural_tag, "
+                             f"json_object; got {kinds or 'none'}")
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice:
                 raise ValueError("choice must be a non-empty list of strings")
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("choice must hold non-empty strings")
-        for name in ("json", "regex", "grammar"):
+        for name in ("json", "regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string")
