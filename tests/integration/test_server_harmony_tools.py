@@ -113,3 +113,20 @@ def test_responses_tool_choice_forces_a_commentary_call(client, base, tool_choic
     check_call(call.name, call.arguments, named)
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert deltas == call.arguments
+
+
+def test_responses_reasoning_effort_reaches_the_template(client, checkpoint):
+    """`reasoning.effort` is the template's reasoning_effort, as chat's field is (this template reads it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    def rendered(**kwargs) -> int:
+        text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    effort = next(e for e in ("minimal", "low", "high") if rendered(reasoning_effort=e) != rendered())  # tells apart
+    for reasoning, expected in (({"effort": effort}, rendered(reasoning_effort=effort)), (None, rendered())):
+        out = client.responses.create(model="oss", input=MESSAGES[0]["content"], max_output_tokens=1,
+                                      reasoning=reasoning)
+        assert out.usage.input_tokens == expected

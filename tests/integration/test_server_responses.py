@@ -118,7 +118,8 @@ def test_a_streamed_function_call(client):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"input": "x", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),  # the template reads none
+    ({"input": "x", "reasoning": {"summary": "auto"}}, 400, "reasoning.summary"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
