@@ -35,8 +35,8 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with ServerProcess(["--model", checkpoint, *SMALL_ENGINE_ARGS, "--served-model-name", "oss",
-                        "--reasoning-parser", "gpt_oss", "--tool-call-parser", "openai", "--max-model-len", "1024"]) as server:
+    with ServerProcess(["--model", checkpoint, *SMALL_ENGINE_ARGS, "--served-model-name", "oss", "--max-model-len",
+                        "1024", "--reasoning-parser", "gpt_oss", "--tool-call-parser", "openai"]) as server:
         yield server
 
 

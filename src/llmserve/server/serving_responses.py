@@ -36,7 +36,8 @@ from llmserve.server.structured_fields import FieldError
 from llmserve.server.tool_calls import ToolPlan
 
 MAX_STORED_RESPONSES = 1000
-_RESPONSES_FIELDS = {"reasoning_effort": "reasoning.effort"}  # chat's field -> the Responses field it came from
+# chat's field -> the Responses field it came from
+_RESPONSES_FIELDS = {"reasoning_effort": "reasoning.effort", "messages": "input", "max_tokens": "max_output_tokens"}
 
 
 @dataclass

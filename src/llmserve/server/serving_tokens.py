@@ -5,6 +5,7 @@ from __future__ import annotations
 from llmserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                       TokenizerInfo, decode_json)
 from llmserve.server.serving_common import ServingContext, render_chat
+from llmserve.server.structured_fields import FieldError
 from llmserve.server.tool_calls import template_tools
 
 
@@ -17,9 +18,9 @@ class TokenizerServer:
         req: TokenizeRequest = decode_json(body, TokenizeRequest)
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise FieldError("prompt", "give exactly one of prompt or messages")
         if req.tools and req.messages is None:
-            raise ValueError("tools are rendered with messages: give messages too")
+            raise FieldError("tools", "tools are rendered with messages: give messages too")
         if req.prompt is not None:
             tokens = ctx.engine.encode(req.prompt, req.add_special_tokens)
         else:

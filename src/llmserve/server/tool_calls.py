@@ -19,6 +19,7 @@ from llmserve.server.protocol import ChatCompletionRequest, DeltaMessage, Respon
 from llmserve.server.harmony_tool_choice import harmony_call_constraint
 from llmserve.server.protocol_tools import (ChatTool, DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                             NamedToolChoice, ToolCall)
+from llmserve.server.structured_fields import FieldError
 from llmserve.server.tool_parsers import (PARSER_NAMES, HarmonyParser, JsonArrayParser, ParsedCall, ToolCallStream,
                                           ToolParser, escape_controls, parse_output, resolve_parser)
 
@@ -64,8 +65,8 @@ class ToolPlan:
         constraint = self.structured_outputs()
         if constraint is not None:
             if overrides.get("structured_outputs") is not None:
-                raise ValueError(f"tool_choice {self._choice_text()} cannot be combined with another output "
-                                 "constraint (response_format, structured_outputs)")
+                raise FieldError("tool_choice", f"tool_choice {self._choice_text()} cannot be combined with another "
+                                                "output constraint (response_format, structured_outputs)")
             from llmserve.structured.grammar import validate
 
             validate(constraint)
@@ -127,17 +128,18 @@ def plan_tools(req: ChatCompletionRequest, configured_parser: str | None, chat_t
     is_parallel = req.parallel_tool_calls is not False
     if not tools:
         if choice is not None and choice != "none":
-            raise ValueError("tool_choice is only allowed when tools are given")
+            raise FieldError("tool_choice", "tool_choice is only allowed when tools are given")
         return ToolPlan("none")
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if named is not None and named not in {tool.function.name for tool in tools}:
-        raise ValueError(f"tool_choice names the function {named!r}, which is not among tools")
+        raise FieldError("tool_choice", f"tool_choice names the function {named!r}, which is not among tools")
     mode = "named" if named is not None else choice or "auto"
     parser_cls = resolve_parser(configured_parser, chat_template)
     if mode == "auto" and parser_cls is None:
-        raise ValueError("tool_choice 'auto' needs a tool-call parser and none matches this model's chat template: "
-                         f"start the server with --tool-call-parser ({', '.join(PARSER_NAMES)}), or send "
-                         "tool_choice 'required' or a named function")
+        raise FieldError("tool_choice", "tool_choice 'auto' needs a tool-call parser and none matches this model's "
+                                        "chat template: start the server with --tool-call-parser "
+                                        f"({', '.join(PARSER_NAMES)}), or send tool_choice 'required' or a named "
+                                        "function")
     return ToolPlan(mode, tools, named, is_parallel, parser_cls)
 
 
@@ -145,15 +147,16 @@ def _check_tools(tools: tuple[ChatTool, ...]) -> None:
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.type != "function":
-            raise ValueError(f"tools[{i}].type must be 'function', got {tool.type!r}")
+            raise FieldError(f"tools[{i}].type", f"tools[{i}].type must be 'function', got {tool.type!r}")
         name = tool.function.name
         if name in names:
-            raise ValueError(f"tools[{i}].function.name {name!r} is given twice: tool names must be unique")
+            raise FieldError(f"tools[{i}].function.name",
+                             f"tools[{i}].function.name {name!r} is given twice: tool names must be unique")
         names.add(name)
         parameters = tool.function.parameters
         if parameters is not None and parameters.get("type", "object") != "object":
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema of an object "
-                             f"(type 'object'), got type {parameters.get('type')!r}")
+            raise FieldError(f"tools[{i}].function.parameters", f"tools[{i}].function.parameters must be a JSON schema "
+                             f"of an object (type 'object'), got type {parameters.get('type')!r}")
 
 
 def required_schema(tools: tuple[ChatTool, ...], is_parallel: bool) -> dict:
@@ -166,11 +169,11 @@ def required_schema(tools: tuple[ChatTool, ...], is_parallel: bool) -> dict:
         for key in _DEFS_KEYS:
             definitions = parameters.pop(key, {})
             if not isinstance(definitions, dict):
-                raise ValueError(f"tools: {tool.function.name}'s parameters.{key} must be an object")
+                raise FieldError("tools", f"tools: {tool.function.name}'s parameters.{key} must be an object")
             for name, schema in definitions.items():
                 if defs.setdefault(key, {}).setdefault(name, schema) != schema:
-                    raise ValueError(f"tools: two functions define {key} {name!r} differently; with tool_choice "
-                                     "'required' their definitions share one namespace")
+                    raise FieldError("tools", f"tools: two functions define {key} {name!r} differently; with "
+                                              "tool_choice 'required' their definitions share one namespace")
         variants.append({"type": "object", "properties": {"name": {"const": tool.function.name},
                                                           "parameters": parameters},
                          "required": ["name", "parameters"], "additionalProperties": False})
