@@ -133,6 +133,7 @@ def test_a_streamed_function_call(client):
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      400, "tool_choice"),
     ({"input": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"input": "x", "max_output_tokens": 10**7}, 400, "max_output_tokens"),  # past the context
 ])
 def test_what_is_not_built_is_refused_naming_the_field(http, body, status, param):
     response = http.post("/v1/responses", json=body)

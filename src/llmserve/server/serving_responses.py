@@ -84,7 +84,7 @@ class ResponsesServer:
         instructions = [] if req.instructions is None else [ChatMessage("system", req.instructions)]
         try:
             plan, params, prompt = prepare_chat(ctx, chat_request(req, instructions + conversation))
-        except FieldError as e:
+        except ValueError as e:
             raise _as_responses_field(e) from None
         ctx.admit(request.scope, 1)
         draft = self._draft(req, new_request_id("resp"))
@@ -137,9 +137,9 @@ class ResponsesServer:
             self.store.put(response.id, StoredResponse(conversation + [turn], response))
 
 
-def _as_responses_field(error: FieldError) -> FieldError:
+def _as_responses_field(error: ValueError) -> ValueError:
     """A chat field's error named by the Responses field that set it."""
-    param = _RESPONSES_FIELDS.get(error.param)
+    param = _RESPONSES_FIELDS.get(getattr(error, "param", None) or "")
     return error if param is None else FieldError(param, str(error).replace(error.param, param, 1))
 
 

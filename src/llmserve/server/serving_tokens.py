@@ -39,7 +39,10 @@ class TokenizerServer:
         self.ctx.check_model(req.model)
         if not req.tokens:
             return DetokenizeResponse("")
-        return DetokenizeResponse(self.ctx.engine.decode(req.tokens))  # 400 for an id outside the vocabulary
+        try:
+            return DetokenizeResponse(self.ctx.engine.decode(req.tokens))
+        except ValueError as e:  # an id outside the vocabulary
+            raise FieldError("tokens", str(e)) from None
 
     def info(self) -> TokenizerInfo:
         """The tokenizer's class, special tokens and chat template; its length is the context the server allows."""
