@@ -15,12 +15,23 @@ MIN_SEED = -(2**63)  # torch.Generator.manual_seed accepts [-2**63, 2**64)
 MAX_SEED = 2**64 - 1
 
 
+class ParamError(ValueError):
+    """A bad request parameter, named (`param`, as OpenAI's errors name it) where it is checked; the server
+    answers 400 with that name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
-    """One output constraint (vLLM's `structured_outputs` names); exactly one of the five is set.
+    """One output constraint (vLLM's `structured_outputs` names); exactly one of the six is set.
 
     `json`: a JSON schema as compact JSON text (its key order kept: properties come out in that order);
     `regex`: a regular expression the whole output matches; `choice`: the output is one of these strings;
-    `grammar`: an EBNF grammar (GBNF dialect, root rule `root`); `json_object`: any JSON object.
+    `grammar`: an EBNF grammar (GBNF dialect, root rule `root`); `json_object`: any JSON object;
+    `structural_tag`: xgrammar's structural tag as JSON text (fixed strings, free text and JSON schemas in
+    sequence; the server builds one for a model's tool-call syntax), its JSON schemas held as `json`'s are.
     `disable_any_whitespace`: JSON without whitespace between tokens (otherwise bounded whitespace).
     `strict` (JSON schemas): objects hold only the properties the schema names unless it allows more
     (OpenAI's strict); false: what the schema allows. `best_effort`: keywords the grammar cannot enforce
@@ -34,6 +45,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
     strict: bool = True
@@ -57,26 +69,27 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        """Which constraint is set: json, regex, choice, grammar, structural_tag or json_object."""
         kinds = self.kinds()
         assert len(kinds) == 1, "validate() first"
         return kinds[0]
 
     def kinds(self) -> list[str]:
-        set_kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        set_kinds = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                     if getattr(self, name) is not None]
         return set_kinds + (["json_object"] if self.json_object else [])
 
     def validate(self) -> None:
         kinds = self.kinds()
         if len(kinds) != 1:
-            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {kinds or 'none'}")
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar, structural_tag, "
+                             f"json_object; got {kinds or 'none'}")
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice:
                 raise ValueError("choice must be a non-empty list of strings")
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("choice must hold non-empty strings")
-        for name in ("json", "regex", "grammar"):
+        for name in ("json", "regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string")
@@ -101,7 +114,7 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=
     def validate(self) -> None:
         host, _, port = self.decode_kv_address.removeprefix("tcp://").rpartition(":")
         if not self.decode_kv_address.startswith("tcp://") or not host or not port.isdigit():
-            raise ValueError(f"kv_transfer_params.decode_kv_address must be tcp://HOST:PORT, "
+            raise ParamError("kv_transfer_params", f"kv_transfer_params.decode_kv_address must be tcp://HOST:PORT, "
                              f"got {self.decode_kv_address!r}")
 
 
@@ -144,7 +157,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid parameter."""
+        """Raise ParamError (a ValueError) naming the first invalid parameter."""
         self._validate_counts()
         self._validate_sampling()
         self._validate_penalties()
@@ -153,7 +166,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
             if self.min_tokens:  # the grammar decides where the output ends
-                raise ValueError("min_tokens cannot be combined with structured outputs")
+                raise ParamError("min_tokens", "min_tokens cannot be combined with structured outputs")
         if self.kv_transfer_params is not None:
             self.kv_transfer_params.validate()
 
@@ -161,10 +174,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """Check the token ids the user gave (logit_bias keys, stop_token_ids) against the vocabulary."""
         for token_id in self.logit_bias or ():
             if token_id >= vocab_size:
-                raise ValueError(f"logit_bias: token id {token_id} is out of the vocabulary (size {vocab_size})")
+                raise ParamError("logit_bias",
+                                 f"logit_bias: token id {token_id} is out of the vocabulary (size {vocab_size})")
         for token_id in self.stop_token_ids or ():
             if token_id >= vocab_size:
-                raise ValueError(f"stop_token_ids: token id {token_id} is out of the vocabulary (size {vocab_size})")
+                raise ParamError("stop_token_ids",
+                                 f"stop_token_ids: token id {token_id} is out of the vocabulary (size {vocab_size})")
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -181,35 +196,36 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def _validate_sampling(self) -> None:
         _check_float("temperature", self.temperature)
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+            raise ParamError("temperature", f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, -1, None)
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_float(name, value)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise ParamError(name, f"{name} must be in [-2, 2], got {value}")
         _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+            raise ParamError("repetition_penalty",
+                             f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
 
     def _validate_stops(self) -> None:
         if self.stop is not None:
             if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
-                raise ValueError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+                raise ParamError("stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
             for stop_str in self.stop:
                 if not isinstance(stop_str, str) or not stop_str:
-                    raise ValueError(f"stop strings must be non-empty strings, got {stop_str!r}")
+                    raise ParamError("stop", f"stop strings must be non-empty strings, got {stop_str!r}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list):
-                raise ValueError("stop_token_ids must be a list of token ids")
+                raise ParamError("stop_token_ids", "stop_token_ids must be a list of token ids")
             for token_id in self.stop_token_ids:
                 _check_int("stop_token_ids", token_id, 0, None)
 
@@ -219,29 +235,29 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    """ValueError unless `value` is an int (not a bool) in [low, high] (high None: unbounded)."""
+    """ParamError unless `value` is an int (not a bool) in [low, high] (high None: unbounded)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ParamError(name, f"{name} must be an integer, got {value!r}")
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        raise ParamError(name, f"{name} must be {bound}, got {value}")
 
 
 def _check_float(name: str, value: object) -> None:
-    """ValueError unless `value` is a finite real number (ints allowed, bools and NaN/inf not)."""
+    """ParamError unless `value` is a finite real number (ints allowed, bools and NaN/inf not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ParamError(name, f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise ParamError(name, f"{name} must be finite, got {value}")
 
 
 def _check_logit_bias(logit_bias: dict[int, float] | None) -> None:
     if logit_bias is None:
         return
     if not isinstance(logit_bias, dict):
-        raise ValueError("logit_bias must be a mapping of token id to bias")
+        raise ParamError("logit_bias", "logit_bias must be a mapping of token id to bias")
     for token_id, bias in logit_bias.items():
-        _check_int("logit_bias key (token id)", token_id, 0, None)
-        _check_float("logit_bias value", bias)
+        _check_int("logit_bias", token_id, 0, None)
+        _check_float("logit_bias", bias)
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+            raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")

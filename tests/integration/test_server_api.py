@@ -145,6 +145,22 @@ def test_tokenizer_unknown_fields_are_400(http, path, body, param):
 def test_detokenize_out_of_vocabulary_is_400(http):
     response = http.post("/v1/detokenize", json={"tokens": [1, 10**9]})
     assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "max_tokens"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 10**6}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 1}},
+     "logit_bias"),
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 10**7}}, "parameters.max_new_tokens"),
+])
+def test_the_engines_checks_name_the_field(http, path, body, param):
+    """What the engine checks (context length, vocabulary, sampling ranges) names the request's field too."""
+    response = http.post(path, json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_models_retrieve_names_the_served_model_and_404s_any_other(client):

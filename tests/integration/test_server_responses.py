@@ -118,7 +118,8 @@ def test_a_streamed_function_call(client):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"input": "x", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),  # the template reads none
+    ({"input": "x", "reasoning": {"summary": "auto"}}, 400, "reasoning.summary"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
@@ -126,6 +127,13 @@ def test_a_streamed_function_call(client):
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"input": "x", "background": True}, 400, "background"),
     ({"input": "x", "frequency": 1}, 400, "frequency"),
+    # chat's checks, named by the Responses field that set them
+    ({"input": []}, 400, "input"),
+    ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     400, "tool_choice"),
+    ({"input": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"input": "x", "max_output_tokens": 10**7}, 400, "max_output_tokens"),  # past the context
 ])
 def test_what_is_not_built_is_refused_naming_the_field(http, body, status, param):
     response = http.post("/v1/responses", json=body)

@@ -157,16 +157,16 @@ def test_a_conversation_continues_after_a_call_cut_off_by_max_tokens(client):
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
-    ({"tools": TOOLS + TOOLS[:1]}, "twice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
-    ({"tool_choice": "required"}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+@pytest.mark.parametrize("kwargs, word, param", [
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", "tools[0].type"),
+    ({"tools": TOOLS + TOOLS[:1]}, "twice", "tools[2].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope", "tool_choice"),
+    ({"tool_choice": "required"}, "tools", "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name", "tools[0].function.name"),
+    ({"functions": [{"name": "f"}]}, "functions", "functions"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id", "messages[0].tool_call_id"),
 ])
-def test_invalid_tools_are_400(client, kwargs, word):
+def test_invalid_tools_are_400_naming_the_field(client, kwargs, word, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **kwargs})
-    assert word in e.value.body["message"] or word in str(e.value.body.get("param"))
+    assert word in e.value.body["message"] and e.value.body["param"] == param

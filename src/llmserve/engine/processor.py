@@ -6,7 +6,7 @@ import time
 
 from llmserve.lora_request import LoRARequest
 from llmserve.messages import EngineCoreRequest
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import ParamError, SamplingParams
 from llmserve.structured.grammar import validate as validate_constraint
 
 # generation_config.json keys that become SamplingParams defaults.
@@ -34,32 +34,35 @@ class Processor:
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise ParamError("prompt", "prompt must not be empty")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         token_ids = list(prompt)
         if not token_ids:
-            raise ValueError("prompt must not be empty")
+            raise ParamError("prompt", "prompt must not be empty")
         for token_id in token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+                raise ParamError("prompt", f"prompt token id {token_id!r} is outside the vocabulary "
+                                           f"[0, {self.vocab_size})")
         return token_ids
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                             f"your prompt has {num_prompt_tokens} tokens, leaving no room for the completion.")
+            raise ParamError("prompt", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                       f"However, your prompt has {num_prompt_tokens} tokens, leaving no room for the "
+                                       "completion.")
         if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                             f"requested {num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the "
-                             f"prompt, {params.max_tokens} in the completion). Reduce the prompt or max_tokens.")
+            raise ParamError("max_tokens", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                           f"However, you requested {num_prompt_tokens + params.max_tokens} tokens "
+                                           f"({num_prompt_tokens} in the prompt, {params.max_tokens} in the "
+                                           "completion). Reduce the prompt or max_tokens.")
         if params.min_tokens > self.max_model_len - num_prompt_tokens:
-            raise ValueError(f"min_tokens={params.min_tokens} does not fit the context after "
-                             f"{num_prompt_tokens} prompt tokens (max_model_len {self.max_model_len})")
+            raise ParamError("min_tokens", f"min_tokens={params.min_tokens} does not fit the context after "
+                                           f"{num_prompt_tokens} prompt tokens (max_model_len {self.max_model_len})")
 
     def check_pooling_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                             f"input has {num_prompt_tokens} tokens. Shorten the input.")
+            raise ParamError("input", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                      f"However, your input has {num_prompt_tokens} tokens. Shorten the input.")
 
     def process_pooling(self, request_id: str, prompt_token_ids: list[int], priority: int = 0) -> EngineCoreRequest:
         """A pooling request (--runner pooling): the prompt only, which may fill the whole context."""

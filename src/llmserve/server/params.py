@@ -1,14 +1,14 @@
 """OpenAI/TGI request fields -> SamplingParams (defaults from the model's generation_config).
 
 Only fields the user set are passed on, so the model's generation defaults fill the rest; every
-check that names a field raises ValueError (-> 400).
+check raises FieldError (-> 400 naming the field).
 """
 
 from __future__ import annotations
 
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from llmserve.server.structured_fields import request_structured_outputs
+from llmserve.server.structured_fields import FieldError, request_structured_outputs
 
 _SIMPLE_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                   "repetition_penalty", "stop_token_ids")
@@ -22,9 +22,9 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         try:
             token_id = int(key)
         except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
         if token_id < 0:
-            raise ValueError(f"logit_bias: token id {token_id} is negative")
+            raise FieldError("logit_bias", f"logit_bias: token id {token_id} is negative")
         bias[token_id] = value
     return bias
 
@@ -37,9 +37,9 @@ def _stop(stop: str | list[str] | None) -> list[str] | None:
 
 def check_common(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
-        raise ValueError("stream_options is only allowed when stream is true")
+        raise FieldError("stream_options", "stream_options is only allowed when stream is true")
     if req.best_of is not None and req.best_of != req.n:
-        raise ValueError(f"best_of={req.best_of} other than n is not supported")
+        raise FieldError("best_of", f"best_of={req.best_of} other than n is not supported")
 
 
 def common_overrides(req: SamplingFields) -> dict:
@@ -56,7 +56,7 @@ def common_overrides(req: SamplingFields) -> dict:
 
 def completion_overrides(req: CompletionRequest) -> dict:
     if req.suffix:
-        raise ValueError("suffix is not supported")
+        raise FieldError("suffix", "suffix is not supported")
     overrides = common_overrides(req)
     overrides["max_tokens"] = 16 if req.max_tokens is None else req.max_tokens
     overrides["logprobs"] = req.logprobs
@@ -69,11 +69,13 @@ def completion_overrides(req: CompletionRequest) -> dict:
 
 def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
     if req.functions or req.function_call is not None:  # tools: server/tool_calls.py
-        raise ValueError("functions / function_call are deprecated and not supported: send tools and tool_choice")
+        raise FieldError("functions" if req.functions else "function_call",
+                         "functions / function_call are deprecated and not supported: send tools and tool_choice")
     if req.audio is not None or (req.modalities and req.modalities != ["text"]):
-        raise ValueError("only text output is supported (audio / modalities)")
+        raise FieldError("audio" if req.audio is not None else "modalities",
+                         "only text output is supported (audio / modalities)")
     if req.prediction is not None:
-        raise ValueError("prediction (predicted outputs) is not supported")
+        raise FieldError("prediction", "prediction (predicted outputs) is not supported")
 
 
 def chat_overrides(req: ChatCompletionRequest) -> dict:
@@ -82,9 +84,9 @@ def chat_overrides(req: ChatCompletionRequest) -> dict:
     overrides["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs is not None:
         if not req.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
+            raise FieldError("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
     overrides["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     return overrides
 

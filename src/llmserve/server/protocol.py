@@ -35,6 +35,7 @@ TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
 LogitBias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
 StopString = Annotated[str, Meta(min_length=1)]
 StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 
@@ -153,7 +154,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None  # default true: several calls may be returned
     # Passed to the chat template (a key the template never reads is refused): OpenAI's reasoning_effort,
     # vLLM's chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3)
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Declared to be refused (params.py) while unsupported.
     functions: refused_unless(NULL_OR_EMPTY) = None

@@ -1,11 +1,12 @@
 """OpenAI's Responses API records (POST /v1/responses): the request, the response object and its output
 items, and the typed stream events.
 
-What is built (vLLM's `structured_outputs` too): text and message input (with function calls and their outputs), `instructions`, function
-tools and `tool_choice`, `text.format` (json_schema / json_object), `max_output_tokens`, sampling fields,
+What is built (vLLM's `structured_outputs` and `logit_bias` too): text and message input (with function calls
+and their outputs), `instructions`, function tools and `tool_choice`, `text.format` (json_schema /
+json_object), `max_output_tokens`, sampling fields, `reasoning.effort` (the chat template's reasoning_effort),
 streaming, and `store` / `previous_response_id` over a bounded in-memory store. The fields of what is not
-built (reasoning, built-in tools, background runs, `include`, reusable prompts, conversations) are declared
-so that a request using them is refused (400) naming the field.
+built (reasoning summaries, built-in tools, background runs, `include`, reusable prompts, conversations) are
+declared so that a request using them is refused (400) naming the field.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from llmserve.server.protocol import (NULL, NULL_OR_EMPTY, NULL_OR_FALSE, IgnoredFields, PositiveInt, Temperature,
-                                      TopP, refused_unless)
+from llmserve.server.protocol import (NULL, NULL_OR_EMPTY, NULL_OR_FALSE, IgnoredFields, LogitBias, PositiveInt,
+                                      ReasoningEffort, Temperature, TopP, refused_unless)
 from llmserve.server.protocol_tools import ToolName
 from llmserve.server.structured_fields import StructuredOutputsRequest
 
@@ -45,6 +46,14 @@ class TextFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     strict: bool | None = None
 
 
+class ReasoningOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`reasoning`: its effort goes to the chat template as chat's reasoning_effort does."""
+
+    effort: ReasoningEffort | None = None
+    summary: refused_unless(NULL) = None
+    generate_summary: refused_unless(NULL) = None
+
+
 class TextOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: TextFormat | None = None
     verbosity: refused_unless({"enum": [None, "medium"]}) = None
@@ -66,11 +75,12 @@ class ResponsesRequest(IgnoredFields, forbid_unknown_fields=True, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: int | None = None
+    logit_bias: dict[str, LogitBias] | None = None  # vLLM's, as on chat
+    reasoning: ReasoningOptions | None = None
     stream: bool = False
     previous_response_id: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's, as on chat (or text.format)
     # Declared to be refused while not built.
-    reasoning: refused_unless(NULL) = None
     include: refused_unless(NULL_OR_EMPTY) = None
     background: refused_unless(NULL_OR_FALSE) = None
     truncation: refused_unless({"enum": [None, "disabled"]}) = None

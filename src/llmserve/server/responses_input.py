@@ -14,7 +14,7 @@ from llmserve.server.structured_fields import FieldError, JsonObjectFormat, Json
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-ACCEPTED_VALUES = {"reasoning": (None,), "include": (None, []), "background": (None, False),
+ACCEPTED_VALUES = {"include": (None, []), "background": (None, False),
                    "truncation": (None, "disabled"), "max_tool_calls": (None,), "top_logprobs": (None, 0),
                    "prompt": (None,), "conversation": (None,), "stream_options": (None,)}
 
@@ -32,6 +32,10 @@ def check_unsupported(req: ResponsesRequest) -> None:
             raise _error(f"{name} is not supported by this server (got {value!r})", name)
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise _error("text.verbosity other than medium is not supported", "text.verbosity")
+    for name in ("summary", "generate_summary"):
+        if req.reasoning is not None and getattr(req.reasoning, name) is not None:
+            raise _error(f"reasoning.{name} is not supported by this server (reasoning comes back whole, as "
+                         "reasoning items)", f"reasoning.{name}")
 
 
 def conversation_messages(req: ResponsesRequest) -> list[ChatMessage]:
@@ -105,7 +109,8 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
         messages=messages, model=req.model, tools=tools, tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, seed=req.seed, response_format=_response_format(req.text.format if req.text else None),
-        structured_outputs=req.structured_outputs)
+        structured_outputs=req.structured_outputs, logit_bias=req.logit_bias,
+        reasoning_effort=None if req.reasoning is None else req.reasoning.effort)
 
 
 def _chat_tool(tool, index: int) -> ChatTool:

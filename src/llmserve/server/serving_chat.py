@@ -58,7 +58,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[ToolP
     params = build_params(ctx.engine.default_sampling_params, overrides)
     kwargs = template_kwargs(tokenizer, req.reasoning_effort, req.chat_template_kwargs)
     text = render_chat(tokenizer, req.messages, req.add_generation_prompt, plan.template_tools, kwargs)
-    if not ctx.config.is_grammar_in_reasoning:
+    if not ctx.config.is_grammar_in_reasoning and not plan.is_harmony_call:  # that grammar holds the thoughts
         grammar_after_thinking(params, ctx.config.reasoning_parser, tokenizer, text)
     prompt = TokensPrompt(ctx.engine.encode(text, add_special_tokens=False), text)
     ctx.engine.check_request(len(prompt.token_ids), params)

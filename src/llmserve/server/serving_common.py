@@ -109,14 +109,15 @@ def _message_text(index: int, message: ChatMessage) -> str:
     texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
-            raise ValueError(f"messages[{index}].content: only text parts are supported, got type {part.type!r}")
+            raise FieldError(f"messages[{index}].content",
+                             f"messages[{index}].content: only text parts are supported, got type {part.type!r}")
         texts.append(part.text)
     return "".join(texts)
 
 
 def chat_conversation(messages: list[ChatMessage] | None) -> list[dict]:
     if not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise FieldError("messages", "messages must be a non-empty list")
     return [_chat_entry(i, message) for i, message in enumerate(messages)]
 
 
@@ -126,12 +127,13 @@ def _chat_entry(index: int, message: ChatMessage) -> dict:
     if message.name is not None:
         entry["name"] = message.name
     if message.tool_calls is not None and role != "assistant":
-        raise ValueError(f"messages[{index}]: only assistant messages carry tool_calls, not {role} ones")
+        raise FieldError(f"messages[{index}].tool_calls",
+                         f"messages[{index}]: only assistant messages carry tool_calls, not {role} ones")
     if message.tool_calls:
         entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     if (message.tool_call_id is not None) != (role == "tool"):
-        raise ValueError(f"messages[{index}]: tool messages need tool_call_id (the id of the call they answer), "
-                         "and only they carry one")
+        raise FieldError(f"messages[{index}].tool_call_id", f"messages[{index}]: tool messages need tool_call_id "
+                         "(the id of the call they answer), and only they carry one")
     if message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     return entry
@@ -186,7 +188,7 @@ def render_chat(tokenizer, messages: list[ChatMessage] | None, add_generation_pr
         text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                                              tokenize=False, **(kwargs or {}))
     except TemplateError as e:
-        raise ValueError(f"the chat template rejected the messages: {e}") from None
+        raise FieldError("messages", f"the chat template rejected the messages: {e}") from None
     if not isinstance(text, str):
         raise ValueError("the chat template did not render to text")
     return text

@@ -20,6 +20,7 @@ from llmserve.server.serving_common import (ServingContext, TokenLabels, created
                                             new_request_id)
 from llmserve.server.streams import merge_async_iterators, sse_event, sse_response, until_disconnect, \
     with_error_event
+from llmserve.server.structured_fields import FieldError
 
 
 def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[TokensPrompt]:
@@ -31,14 +32,15 @@ def token_prompts(ctx: ServingContext, prompt: str | list, add_special_tokens: b
     if isinstance(prompt, str):
         return [_text_prompt(ctx, prompt, add_special_tokens)]
     if not prompt:
-        raise ValueError(f"{name} must not be an empty list")
+        raise FieldError(name, f"{name} must not be an empty list")
     if all(isinstance(p, int) for p in prompt):
         return [TokensPrompt(list(prompt))]
     if all(isinstance(p, str) for p in prompt):
         return [_text_prompt(ctx, p, add_special_tokens) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [TokensPrompt(p) for p in prompt]
-    raise ValueError(f"{name} must be a string, a list of strings, a list of token ids, or a list of such lists")
+    raise FieldError(name, f"{name} must be a string, a list of strings, a list of token ids, or a list of such "
+                           "lists")
 
 
 def _text_prompt(ctx: ServingContext, text: str, add_special_tokens: bool) -> TokensPrompt:

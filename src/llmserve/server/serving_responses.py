@@ -32,9 +32,12 @@ from llmserve.server.responses_stream import EventCounter, OutputEvents, new_ite
 from llmserve.server.serving_chat import answer_message, prepare_chat
 from llmserve.server.serving_common import ServingContext, collect_final, created_now, new_request_id
 from llmserve.server.streams import sse_response, until_disconnect, with_error_event
+from llmserve.server.structured_fields import FieldError
 from llmserve.server.tool_calls import ToolPlan
 
 MAX_STORED_RESPONSES = 1000
+# chat's field -> the Responses field it came from
+_RESPONSES_FIELDS = {"reasoning_effort": "reasoning.effort", "messages": "input", "max_tokens": "max_output_tokens"}
 
 
 @dataclass
@@ -79,7 +82,10 @@ class ResponsesServer:
             self.store.get(req.previous_response_id, "previous_response_id").conversation
         conversation = history + conversation_messages(req)
         instructions = [] if req.instructions is None else [ChatMessage("system", req.instructions)]
-        plan, params, prompt = prepare_chat(ctx, chat_request(req, instructions + conversation))
+        try:
+            plan, params, prompt = prepare_chat(ctx, chat_request(req, instructions + conversation))
+        except ValueError as e:
+            raise _as_responses_field(e) from None
         ctx.admit(request.scope, 1)
         draft = self._draft(req, new_request_id("resp"))
         gen = ctx.engine.generate(prompt, params, draft.id, 0, lora=ctx.lora_for(req.model))
@@ -129,6 +135,12 @@ class ResponsesServer:
         if response.store:
             turn = _assistant_turn(response.output)
             self.store.put(response.id, StoredResponse(conversation + [turn], response))
+
+
+def _as_responses_field(error: ValueError) -> ValueError:
+    """A chat field's error named by the Responses field that set it."""
+    param = _RESPONSES_FIELDS.get(getattr(error, "param", None) or "")
+    return error if param is None else FieldError(param, str(error).replace(error.param, param, 1))
 
 
 def _output_items(message: ResponseMessage) -> list[OutputItem]:

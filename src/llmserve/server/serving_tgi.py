@@ -17,12 +17,12 @@ from fastapi.responses import Response
 from llmserve import __version__
 from llmserve.engine.async_llm import TokensPrompt
 from llmserve.outputs import CompletionOutput, TokenLogprob
-from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, ParamError, SamplingParams
 from llmserve.server.errors import to_api_error
 from llmserve.server.protocol import (NULL, NULL_OR_FALSE, NumLogprobs, Penalty, PositiveInt, RepetitionPenalty,
                                       StopStrings, Temperature, TopK, TopP, decode_json, encode_json, refused_unless)
 from llmserve.server.serving_common import ServingContext, collect_final, new_request_id
-from llmserve.server.structured_fields import TGIGrammar, tgi_structured_outputs
+from llmserve.server.structured_fields import FieldError, TGIGrammar, tgi_structured_outputs
 from llmserve.server.streams import log_error_event, sse_response, until_disconnect
 
 DEFAULT_MAX_NEW_TOKENS = 100
@@ -147,6 +147,9 @@ def _check_unsupported(p: TGIParameters) -> None:
         raise ValueError(f"top_n_tokens must be in [0, {MAX_LOGPROBS}], got {p.top_n_tokens}")
 
 
+_TGI_FIELDS = {"prompt": "inputs", "max_tokens": "parameters.max_new_tokens", "logprobs": "parameters.top_n_tokens"}
+
+
 def tgi_overrides(p: TGIParameters) -> dict:
     """TGI parameters in SamplingParams' names; greedy unless sampling was asked for."""
     _check_unsupported(p)
@@ -193,7 +196,11 @@ class TGIServer:
                 raise ValueError(f"truncate must be positive, got {truncate}")
             token_ids = token_ids[-truncate:]
         prompt = TokensPrompt(token_ids, req.inputs)
-        ctx.engine.check_request(len(token_ids), params)
+        try:
+            ctx.engine.check_request(len(token_ids), params)
+        except ParamError as e:  # named as SamplingParams names it: say TGI's field
+            param = _TGI_FIELDS.get(e.param, f"parameters.{e.param}")
+            raise FieldError(param, str(e)) from None
         ctx.admit(request.scope, 1)
         request_id = new_request_id("tgi")
         gen = ctx.engine.generate(prompt, params, request_id, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from llmserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                       TokenizerInfo, decode_json)
 from llmserve.server.serving_common import ServingContext, render_chat
+from llmserve.server.structured_fields import FieldError
 from llmserve.server.tool_calls import template_tools
 
 
@@ -17,9 +18,9 @@ class TokenizerServer:
         req: TokenizeRequest = decode_json(body, TokenizeRequest)
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise FieldError("prompt", "give exactly one of prompt or messages")
         if req.tools and req.messages is None:
-            raise ValueError("tools are rendered with messages: give messages too")
+            raise FieldError("tools", "tools are rendered with messages: give messages too")
         if req.prompt is not None:
             tokens = ctx.engine.encode(req.prompt, req.add_special_tokens)
         else:
@@ -38,7 +39,10 @@ class TokenizerServer:
         self.ctx.check_model(req.model)
         if not req.tokens:
             return DetokenizeResponse("")
-        return DetokenizeResponse(self.ctx.engine.decode(req.tokens))  # 400 for an id outside the vocabulary
+        try:
+            return DetokenizeResponse(self.ctx.engine.decode(req.tokens))
+        except ValueError as e:  # an id outside the vocabulary
+            raise FieldError("tokens", str(e)) from None
 
     def info(self) -> TokenizerInfo:
         """The tokenizer's class, special tokens and chat template; its length is the context the server allows."""

@@ -5,7 +5,8 @@ the grammar that enforces tool_choice "required" and named, and the model's text
 tool_choice "none": tools are rendered, the text is content. "auto": the model's text is read by the
 --tool-call-parser (or the one the chat template's markers select). "required": the output is constrained to
 a JSON array of {"name", "parameters"} (one element when parallel_tool_calls is false). Named: the output is
-constrained to the function's arguments object.
+constrained to the function's arguments object. Under the `openai` parser (gpt-oss) both are instead held to
+a call in harmony's commentary channel (harmony_tool_choice.py), which that parser reads.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from dataclasses import dataclass
 
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.server.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
+from llmserve.server.harmony_tool_choice import harmony_call_constraint
 from llmserve.server.protocol_tools import (ChatTool, DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                             NamedToolChoice, ToolCall)
-from llmserve.server.tool_parsers import (PARSER_NAMES, JsonArrayParser, ParsedCall, ToolCallStream, ToolParser,
-                                          escape_controls, parse_output, resolve_parser)
+from llmserve.server.structured_fields import FieldError
+from llmserve.server.tool_parsers import (PARSER_NAMES, HarmonyParser, JsonArrayParser, ParsedCall, ToolCallStream,
+                                          ToolParser, escape_controls, parse_output, resolve_parser)
 
 ANY_OBJECT: dict = {"type": "object"}
 _DEFS_KEYS = ("$defs", "definitions")
@@ -36,11 +39,21 @@ class ToolPlan:
     tools: tuple[ChatTool, ...] = ()
     named: str | None = None  # the function tool_choice names
     is_parallel: bool = True
-    parser_cls: type[ToolParser] | None = None
+    parser_cls: type[ToolParser] | None = None  # the --tool-call-parser (or the template's)
 
     @property
     def template_tools(self) -> list[dict] | None:
         return template_tools(self.tools)
+
+    @property
+    def is_harmony_call(self) -> bool:
+        """required / named held to a harmony call, thoughts included (not the JSON forms)."""
+        return self.mode in ("required", "named") and self.parser_cls is HarmonyParser
+
+    @property
+    def is_parsed(self) -> bool:
+        """The output is read by a parser (else: all content, or a named call's arguments)."""
+        return self.mode in ("auto", "required") or self.is_harmony_call
 
     @property
     def max_calls(self) -> int | None:
@@ -52,16 +65,19 @@ class ToolPlan:
         constraint = self.structured_outputs()
         if constraint is not None:
             if overrides.get("structured_outputs") is not None:
-                raise ValueError(f"tool_choice {self._choice_text()} cannot be combined with another output "
-                                 "constraint (response_format, structured_outputs)")
+                raise FieldError("tool_choice", f"tool_choice {self._choice_text()} cannot be combined with another "
+                                                "output constraint (response_format, structured_outputs)")
             from llmserve.structured.grammar import validate
 
             validate(constraint)
             overrides["structured_outputs"] = constraint
-        if self.mode == "auto" and self.parser_cls is not None and self.parser_cls.needs_special_tokens:
+        is_parser_read = self.mode == "auto" or self.is_harmony_call
+        if is_parser_read and self.parser_cls is not None and self.parser_cls.needs_special_tokens:
             overrides["skip_special_tokens"] = False
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.is_harmony_call:
+            return harmony_call_constraint(self.tools, self.named)
         if self.mode == "named":
             return StructuredOutputsParams.from_json_schema(self._parameters(self.named),
                                                             disable_any_whitespace=True)
@@ -72,9 +88,9 @@ class ToolPlan:
 
     def new_parser(self) -> ToolParser:
         names = frozenset(tool.function.name for tool in self.tools)
-        if self.mode == "required":
+        if self.mode == "required" and not self.is_harmony_call:
             return JsonArrayParser(names)
-        assert self.mode == "auto" and self.parser_cls is not None
+        assert self.is_parsed and self.parser_cls is not None
         return self.parser_cls(names)
 
     def _parameters(self, name: str | None) -> dict:
@@ -112,34 +128,35 @@ def plan_tools(req: ChatCompletionRequest, configured_parser: str | None, chat_t
     is_parallel = req.parallel_tool_calls is not False
     if not tools:
         if choice is not None and choice != "none":
-            raise ValueError("tool_choice is only allowed when tools are given")
+            raise FieldError("tool_choice", "tool_choice is only allowed when tools are given")
         return ToolPlan("none")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in {tool.function.name for tool in tools}:
-            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among tools")
-        return ToolPlan("named", tools, choice.function.name, is_parallel)
-    mode = choice or "auto"
-    parser_cls = resolve_parser(configured_parser, chat_template) if mode == "auto" else None
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if named is not None and named not in {tool.function.name for tool in tools}:
+        raise FieldError("tool_choice", f"tool_choice names the function {named!r}, which is not among tools")
+    mode = "named" if named is not None else choice or "auto"
+    parser_cls = resolve_parser(configured_parser, chat_template)
     if mode == "auto" and parser_cls is None:
-        raise ValueError("tool_choice 'auto' needs a tool-call parser and none matches this model's chat template: "
-                         f"start the server with --tool-call-parser ({', '.join(PARSER_NAMES)}), or send "
-                         "tool_choice 'required' or a named function")
-    return ToolPlan(mode, tools, None, is_parallel, parser_cls)
+        raise FieldError("tool_choice", "tool_choice 'auto' needs a tool-call parser and none matches this model's "
+                                        "chat template: start the server with --tool-call-parser "
+                                        f"({', '.join(PARSER_NAMES)}), or send tool_choice 'required' or a named "
+                                        "function")
+    return ToolPlan(mode, tools, named, is_parallel, parser_cls)
 
 
 def _check_tools(tools: tuple[ChatTool, ...]) -> None:
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.type != "function":
-            raise ValueError(f"tools[{i}].type must be 'function', got {tool.type!r}")
+            raise FieldError(f"tools[{i}].type", f"tools[{i}].type must be 'function', got {tool.type!r}")
         name = tool.function.name
         if name in names:
-            raise ValueError(f"tools[{i}].function.name {name!r} is given twice: tool names must be unique")
+            raise FieldError(f"tools[{i}].function.name",
+                             f"tools[{i}].function.name {name!r} is given twice: tool names must be unique")
         names.add(name)
         parameters = tool.function.parameters
         if parameters is not None and parameters.get("type", "object") != "object":
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema of an object "
-                             f"(type 'object'), got type {parameters.get('type')!r}")
+            raise FieldError(f"tools[{i}].function.parameters", f"tools[{i}].function.parameters must be a JSON schema "
+                             f"of an object (type 'object'), got type {parameters.get('type')!r}")
 
 
 def required_schema(tools: tuple[ChatTool, ...], is_parallel: bool) -> dict:
@@ -152,11 +169,11 @@ def required_schema(tools: tuple[ChatTool, ...], is_parallel: bool) -> dict:
         for key in _DEFS_KEYS:
             definitions = parameters.pop(key, {})
             if not isinstance(definitions, dict):
-                raise ValueError(f"tools: {tool.function.name}'s parameters.{key} must be an object")
+                raise FieldError("tools", f"tools: {tool.function.name}'s parameters.{key} must be an object")
             for name, schema in definitions.items():
                 if defs.setdefault(key, {}).setdefault(name, schema) != schema:
-                    raise ValueError(f"tools: two functions define {key} {name!r} differently; with tool_choice "
-                                     "'required' their definitions share one namespace")
+                    raise FieldError("tools", f"tools: two functions define {key} {name!r} differently; with "
+                                              "tool_choice 'required' their definitions share one namespace")
         variants.append({"type": "object", "properties": {"name": {"const": tool.function.name},
                                                           "parameters": parameters},
                          "required": ["name", "parameters"], "additionalProperties": False})
@@ -184,7 +201,7 @@ def response_message(plan: ToolPlan, text: str, finish_reason: str | None) -> tu
     """The assistant message of a whole output and its finish reason."""
     if plan.mode == "none":
         return ResponseMessage("assistant", text), finish_reason
-    if plan.mode == "named":
+    if not plan.is_parsed:  # named: the output is the arguments
         call = ToolCall(new_call_id(), FunctionCall(plan.named or "", escape_controls(text)))
         return ResponseMessage("assistant", None, [call]), finish_reason
     parsed = parse_output(plan.new_parser(), text, plan.max_calls)
@@ -197,17 +214,17 @@ def response_message(plan: ToolPlan, text: str, finish_reason: str | None) -> tu
 class ChoiceStream:
     """One choice's text deltas -> OpenAI deltas: content, and per call a first delta (index, id, type,
     name, arguments "") then its arguments. Named calls stream their arguments as they come; parsed calls
-    (auto, required) come whole once the parser has read their end."""
+    (auto, required, and gpt-oss's named) come whole once the parser has read their end."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.stream = ToolCallStream(plan.new_parser(), plan.max_calls) if plan.mode in ("auto", "required") else None
+        self.stream = ToolCallStream(plan.new_parser(), plan.max_calls) if plan.is_parsed else None
         self.num_calls = 0
 
     def feed(self, text: str, final: bool) -> list[DeltaMessage]:
         if self.plan.mode == "none":
             return [DeltaMessage(content=text)] if text else []
-        if self.plan.mode == "named":
+        if self.stream is None:
             return self._named(text)
         messages = []
         for delta in self.stream.feed(text, final):

@@ -30,6 +30,9 @@ def build_grammar(params: StructuredOutputsParams):
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+        if kind == "structural_tag":
+            tag = _with_json_grammars(xgr, json.loads(params.structural_tag), params)
+            return xgr.Grammar.from_structural_tag(json.dumps(tag))
         return xgr.Grammar.from_ebnf(params.grammar)
     except SchemaKeywordError as e:
         raise ValueError(f"JSON schema: {e}") from None
@@ -38,16 +41,35 @@ def build_grammar(params: StructuredOutputsParams):
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
-          "choice": "choice", "grammar": "grammar (EBNF)"}
+          "choice": "choice", "grammar": "grammar (EBNF)", "structural_tag": "structural tag"}
 
 
 def json_schema_for_grammar(params: StructuredOutputsParams) -> dict | bool:
     """The request's schema normalised (schema_normalize); SchemaKeywordError for the first keyword the
     grammar cannot enforce, unless the request asked for best effort."""
-    normalized = normalize(json.loads(params.json), params.bound_numbers)
+    return _enforceable(json.loads(params.json), params)
+
+
+def _enforceable(schema: dict | bool, params: StructuredOutputsParams) -> dict | bool:
+    normalized = normalize(schema, params.bound_numbers)
     if normalized.unenforced and not params.best_effort:
         raise normalized.unenforced[0]
     return normalized.schema
+
+
+def _with_json_grammars(xgr, node, params: StructuredOutputsParams):
+    """A structural tag whose JSON-schema parts are our JSON grammars (normalised schema, whitespace, strict
+    mode and string bounds as for `json`), embedded as EBNF: xgrammar's own would differ from ours."""
+    if isinstance(node, list):
+        return [_with_json_grammars(xgr, item, params) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        if set(node) - {"type", "json_schema", "style"}:
+            raise ValueError(f"a json_schema part takes only the schema, got {sorted(node)}")
+        grammar = _json_grammar(xgr, _enforceable(node["json_schema"], params), params)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: _with_json_grammars(xgr, value, params) for key, value in node.items()}
 
 
 def unenforced_keywords(params: StructuredOutputsParams) -> list[str]:
