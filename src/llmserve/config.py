@@ -81,8 +81,9 @@ class CacheConfig:
                                 "a bfloat16 cache's bytes; Triton backend reads it, the CPU torch path is a reference) "
                                 "| fp16 (float32 models on CPU: half the bytes, twice the blocks; the CPU kernel reads "
                                 "it with F16C and computes in float32) | int8 (float32 models on CPU with the AVX2 kernels: a "
-                                "quarter of the bytes plus a scale per token and kv head, the kernel widens it and "
-                                "computes in float32)", "choices": list(KV_CACHE_DTYPES)})
+                                "quarter of the bytes plus a scale per token and kv head (an MLA model's latent: "
+                                "per token), the kernel widens it and computes in float32)",
+                                "choices": list(KV_CACHE_DTYPES)})
     disable_hybrid_kv_cache_manager: bool = field(default=False, metadata={"help": "one block table for every "
                                                   "layer of a model that mixes full and sliding-window layers, "
                                                   "which then keeps every block of its sliding layers too (vLLM's "

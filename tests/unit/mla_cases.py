@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_int8_rows import dequantize_int8_rows
+
 from llmserve.model import mla
+from llmserve.model.attention import quantize_int8_rows
 from llmserve.model.attention import AttentionInputs
 from llmserve.model.layers import RotaryEmbedding, apply_rotary, rope_params_from_config
 from llmserve.testing.paged_batch import PagedBatchBuilder
@@ -51,12 +54,24 @@ def reference(attention: mla.MlaAttention, x: torch.Tensor, cos_sin, num_new: in
     q = attention._queries(x).view(num_tokens, num_heads, NOPE + ROPE)
     q_rope = apply_rotary(q[..., NOPE:].contiguous(), *cos_sin)
     q = torch.cat([q[..., :NOPE], q_rope], dim=-1)[-num_new:]  # [n, H, Dn + R]
-    entries = attention._latent_entries(x, cos_sin).to(cache_dtype).double()  # [S, L + R]
+    entries = rounded(attention._latent_entries(x, cos_sin), cache_dtype)  # [S, L + R]
     k, v = attention._expand_keys_values(entries)  # [S, H, Dn + R], [S, H, Dv]
     scores = torch.einsum("qhd,shd->hqs", q, k) * attention.scale
     is_visible = torch.arange(num_tokens)[None, :] <= torch.arange(num_tokens - num_new, num_tokens)[:, None]
     probs = scores.masked_fill(~is_visible, float("-inf")).softmax(-1)
     return attention.o_proj(torch.einsum("hqs,shd->qhd", probs, v).reshape(num_new, num_heads * V_DIM))
+
+
+def rounded(entries: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """entries [S, L + R] as a cache of cache_dtype holds them, in float64 (int8: quantized per entry in float32)."""
+    if cache_dtype == torch.int8:
+        return dequantize_int8_rows(quantize_int8_rows(entries.float())).double()
+    return entries.to(cache_dtype).double()
+
+
+def stored(cache: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The step's float64 cache [1, N, bs, 1, L + R] stored in cache_dtype (int8: [.., L + R + 4] with the scales)."""
+    return quantize_int8_rows(cache.float()) if cache_dtype == torch.int8 else cache.to(cache_dtype)
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """DeepSeek-V3 and V2 checkpoints written by transformers itself: greedy tokens from the engine equal
 transformers' `generate` through a batch of mixed lengths, chunked prefill, a prefix-cache hit and preemption;
 the routing equals transformers' router; the latent cache holds kv_lora_rank + qk_rope_head_dim values a token a
-layer and the block count follows it; what the engine cannot run is refused, naming the field."""
+layer and the block count follows it (float16, fp8 and int8 caches too); what the engine cannot run is refused,
+naming the field."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import pytest
 import torch
 
 import hf_parity
+from kv_int8_rows import dequantize_int8_rows
 
 from llmserve import LLM
-from llmserve.model import attn_latent
+from llmserve.model import attn_latent, cpu_kernels
+from llmserve.model.attention import quantize_int8_rows
+from llmserve.model.mla import MlaAttention
 from llmserve.testing import toy_tokenizer
 from llmserve.model.llama import CausalLM
 from llmserve.model.loader import load_model
@@ -226,26 +230,50 @@ def test_a_config_field_the_decoder_does_not_run_is_refused_by_name(tmp_path, ar
         load_model(path, torch.float32, "cpu")
 
 
-def test_flags_a_latent_cache_does_not_take_are_refused_before_loading(tmp_path):
-    path = write_checkpoint("v3", str(tmp_path / "v3"))
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8: the latent cache"):
-        LLM(path, dtype="float32", kv_cache_dtype="int8")
-
-
-@pytest.mark.parametrize(("kv_cache_dtype", "num_bytes"), [("fp16", 2), ("fp8", 1)])
-def test_a_float16_or_fp8_latent_cache_holds_its_bytes_a_token_and_serves(checkpoint, kv_cache_dtype, num_bytes):
-    """The latent cache in float16 (the C++ kernel widens it) or fp8 (the torch groups do): its bytes a token, and
-    greedy tokens through chunked prompts and decode (the attention's error: tests/unit/test_mla_attention.py),
-    mostly transformers' own."""
+@pytest.mark.parametrize(("kv_cache_dtype", "bytes_a_layer"), [
+    ("fp16", (KV_LORA + ROPE) * 2), ("fp8", KV_LORA + ROPE), ("int8", KV_LORA + ROPE + 4)])  # int8: its scale
+def test_a_float16_fp8_or_int8_latent_cache_holds_its_bytes_a_token_and_serves(checkpoint, kv_cache_dtype,
+                                                                             bytes_a_layer):
+    """The latent cache in float16 (the C++ kernel widens it), fp8 (the torch groups do) or int8 (the kernel's
+    AVX2 path): its bytes a token, and greedy tokens through chunked prompts and decode (the attention's error:
+    tests/unit/test_mla_attention.py), mostly transformers' own."""
+    if kv_cache_dtype == "int8" and not cpu_kernels.has_avx2_kernels():
+        pytest.skip("--kv-cache-dtype int8 runs with the C++ kernels' AVX2 build")
     path, hf = checkpoint
     llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
               kv_cache_dtype=kv_cache_dtype)
-    assert kv_bytes_per_token(llm.engine.runner.kv_caches) == (KV_LORA + ROPE) * LAYERS * num_bytes
+    assert kv_bytes_per_token(llm.engine.runner.kv_caches) == bytes_a_layer * LAYERS
     prompts = [prompt(n, 70 + i) for i, n in enumerate((3, 13, 1))]
     got = [list(o.outputs[0].token_ids) for o in greedy(llm, prompts)]
     want = [hf_greedy(hf, p) for p in prompts]
     assert sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) >= 0.8 * NUM_OUT * len(prompts)
     llm.engine.check_integrity()
+
+
+@pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="--kv-cache-dtype int8 runs with the AVX2 build")
+def test_an_int8_latent_cache_serves_as_a_float32_cache_of_its_dequantized_entries(checkpoint, monkeypatch):
+    """Against the float cache: within the other quantized caches' tolerance (8 tokens in 10 alike), and bit for bit
+    the tokens of a float32 cache whose entries are rounded through int8 as they are made (chunked prompts, a
+    prefix-cache hit, decode: every read sees the rounded entries)."""
+    path, _ = checkpoint
+    engine = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    prompts = [prompt(n, 80 + i) for i, n in enumerate((3, 13, 1, 21))]
+    prompts.append(prompts[3] + prompt(6, 90))  # hits the 21-token prompt's cached blocks
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        outs = [greedy(llm, prompts[:4]), greedy(llm, prompts[4:])]
+        assert outs[1][0].num_cached_tokens >= 20
+        llm.engine.check_integrity()
+        return [list(o.outputs[0].token_ids) for batch in outs for o in batch]
+
+    int8_llm = LLM(path, kv_cache_dtype="int8", **engine)
+    assert int8_llm.engine.runner.kv_caches[0].dtype == torch.int8
+    got, plain = tokens(int8_llm), tokens(LLM(path, **engine))
+    assert sum(a == b for g, p in zip(got, plain) for a, b in zip(g, p)) >= 0.8 * NUM_OUT * len(prompts)
+    latent_entries = MlaAttention._latent_entries
+    monkeypatch.setattr(MlaAttention, "_latent_entries", lambda self, x, cos_sin: dequantize_int8_rows(
+        quantize_int8_rows(latent_entries(self, x, cos_sin).float())))
+    assert tokens(LLM(path, **engine)) == got
 
 
 def test_make_model_writes_deepseek_shapes_transformers_runs(tmp_path):

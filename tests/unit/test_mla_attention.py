@@ -1,17 +1,18 @@
 """Multi-head Latent Attention over the latent cache against a float64 reference that expands K and V per head
 over each request's whole sequence: fresh prompt rows (the expanded form), rows continuing a cached prefix and
 decode rows (the absorbed form over cached latents), in one step, with and without the C++ kernel's rows; a
-float16 and an fp8 latent cache."""
+float16, an fp8 and an int8 latent cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mla_cases import KV_LORA, ROPE, make_step
+from kv_int8_rows import dequantize_int8_rows
+from mla_cases import KV_LORA, ROPE, make_step, stored
 
-from llmserve.model import cpu_kernels, mla
-from llmserve.model.attention import FP8_KV_DTYPE
+from llmserve.model import cpu_kernels
+from llmserve.model.attention import FP8_KV_DTYPE, quantize_int8_rows
 from llmserve.model.attn_torch import TorchAttentionBackend
 
 
@@ -53,7 +54,43 @@ def test_a_float16_or_fp8_latent_cache_equals_attention_over_the_rounded_entries
     torch.testing.assert_close(out.double(), step.expected, rtol=tolerance, atol=tolerance)
 
 
-def test_int8_is_refused_for_a_latent_cache():
-    mla.check_settings("fp8")
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8: the latent cache"):
-        mla.check_settings("int8")
+@pytest.mark.parametrize(("use_cpu_kernel", "dtype", "tolerance"), [
+    (False, torch.float64, 1e-10),  # torch groups: the reference's own arithmetic over the same entries
+    (None, torch.float32, 1e-5),  # the C++ kernel's every row (AVX2 builds)
+])
+def test_an_int8_latent_cache_equals_attention_over_its_dequantized_entries(use_cpu_kernel, dtype, tolerance):
+    """--kv-cache-dtype int8: each entry [L + R] quantized with its own float32 scale (4 more bytes); the fresh
+    prompt rows read their own entries so rounded too, the float64 reference expands K and V from the dequantized
+    entries."""
+    if use_cpu_kernel is None and not cpu_kernels.has_avx2_kernels():
+        pytest.skip("the C++ kernels' AVX2 build reads an int8 cache")
+    step = make_step(12, cache_dtype=torch.int8)
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel, kernel_takes_prompts=True)
+    attention, cache = step.attention.to(dtype), stored(step.cache, torch.int8)
+    assert cache.shape[-1] == KV_LORA + ROPE + 4
+    with torch.no_grad():
+        metadata = backend.build_metadata(step.inputs)
+        out = attention(step.new_x.to(dtype), tuple(t.to(dtype) for t in step.cos_sin), cache, metadata, backend)
+        entries = attention._latent_entries(step.new_x.to(dtype), tuple(t.to(dtype) for t in step.cos_sin))
+    if use_cpu_kernel is None:
+        assert metadata.kernel is not None and not metadata.groups_for(0)  # the kernel took every row
+    torch.testing.assert_close(out.double(), step.expected, rtol=tolerance, atol=tolerance)
+    new_entries = cache.view(-1, KV_LORA + ROPE + 4)[step.inputs.slot_mapping]
+    assert torch.equal(new_entries, quantize_int8_rows(entries.float()))
+
+
+@pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="the C++ kernels' AVX2 build reads an int8 cache")
+def test_the_kernel_reads_an_int8_latent_cache_as_a_float32_cache_of_its_dequantized_entries():
+    """Bit for bit: the same float32 arithmetic over the same values, the step's own entries included."""
+    step = make_step(12, cache_dtype=torch.int8)
+    backend = TorchAttentionBackend(kernel_takes_prompts=True)
+    attention, cos_sin, x = step.attention.float(), tuple(t.float() for t in step.cos_sin), step.new_x.float()
+    int8_cache = stored(step.cache, torch.int8)
+    float_cache = dequantize_int8_rows(int8_cache)
+    latent_entries = attention._latent_entries
+    with torch.no_grad():
+        out = attention(x, cos_sin, int8_cache, backend.build_metadata(step.inputs), backend)
+        attention._latent_entries = lambda *a: dequantize_int8_rows(quantize_int8_rows(latent_entries(*a)))
+        same = attention(x, cos_sin, float_cache, backend.build_metadata(step.inputs), backend)
+    assert torch.equal(out, same)
+    assert torch.equal(dequantize_int8_rows(int8_cache), float_cache)

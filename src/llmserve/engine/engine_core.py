@@ -28,7 +28,7 @@ from llmserve.engine.kv_transfer import KVReceiver, KVSender, build_kv_connector
 from llmserve.engine.startup_summary import startup_line
 from llmserve.heap import freeze_startup_heap
 from llmserve.messages import EngineCoreOutputs, EngineCoreRequest, KVTierStats
-from llmserve.model import deepseek, mla, quant
+from llmserve.model import deepseek, quant
 from llmserve.model.loader import (ModelInfo, load_hf_config, load_model_info, load_tokenizer, resolve_dtype,
                                    resolve_model_path)
 from llmserve.model.parallel import check_tensor_parallel
@@ -116,10 +116,9 @@ class EngineCore:
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
                                                      config.model.quantization, config.model.disable_sliding_window,
                                                      config.model.is_pooling, config.model.pooler_config)
+        is_latent = self.model_info.architecture in deepseek.ARCHITECTURES  # its int8 cache: any width (torch reads it)
         quant.check_supported(self.model_info.quantization, config.cache.kv_cache_dtype, self.device, self.dtype,
-                              self.model_info.head_dim)
-        if self.model_info.architecture in deepseek.ARCHITECTURES:  # a latent cache: before the weights load
-            mla.check_settings(config.cache.kv_cache_dtype)
+                              None if is_latent else self.model_info.head_dim)
         config.validate(self.model_info.max_model_len)  # the relations that need the model's context length
         kv_layout = checked_kv_cache_layout(config, self.model_info.layer_windows)
         if self.model_info.pooler is None and is_sentence_transformers(path):

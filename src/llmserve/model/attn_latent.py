@@ -10,7 +10,9 @@ group:
   into the query axis (q [Bg, 1, H, L + R] against k [Bg, 1, K, L + R]);
 - fresh prompt rows take the expanded form over their own tokens (K and V per head up-projected from the
   step's latents, never cached): causal attention of width Dn + R (192 for V3) rather than L + R (576).
-A float16 or fp8 cache (--kv-cache-dtype) is widened to the queries' dtype as it is read.
+A float16 or fp8 cache (--kv-cache-dtype) is widened to the queries' dtype as it is read; an int8 one holds each
+entry quantized symmetrically with its own float32 scale in 4 more bytes ([1, N, bs, 1, L + R + 4], the dense int8
+cache's row layout: model/attention.py `quantize_int8_rows`), read back as q * scale.
 On CPU the C++ kernel attends the rows it takes (decode-like ones; every row for float32 with AVX2) in the
 absorbed form straight from the cache, which it reads as both its K and its V half (`attend_kernel_rows`);
 where it cannot (another dtype, no build) they come back as groups (`KernelRows.fallback_groups`).
@@ -22,15 +24,18 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.model import cpu_kernels
-from llmserve.model.attention import FP8_KV_DTYPE, K_SCALE, to_fp8
+from llmserve.model.attention import FP8_KV_DTYPE, K_SCALE, quantize_int8_rows, to_fp8
 from llmserve.model.attn_torch import GroupMetadata, TorchAttentionMetadata
 
 
 def write_entries(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
     """Store entries [T, L + R] at slot_mapping [T] int64 of kv_cache [1, N, bs, 1, L + R]: in the cache's dtype
-    (--kv-cache-dtype: float16 rounds, fp8 divides by the per-tensor scale and saturates to e4m3's range)."""
+    (--kv-cache-dtype: float16 rounds, fp8 divides by the per-tensor scale and saturates to e4m3's range, int8
+    quantizes each entry with its own scale, stored in the row's last 4 bytes)."""
     rows = kv_cache.view(-1, kv_cache.shape[-1])
-    if kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
+    if kv_cache.dtype == torch.int8:
+        rows.index_copy_(0, slot_mapping, quantize_int8_rows(entries.float()))
+    elif kv_cache.dtype == FP8_KV_DTYPE:  # CPU's index_copy_ has no float8 kernel: copy the bytes
         rows.view(torch.uint8).index_copy_(0, slot_mapping, to_fp8(entries, K_SCALE).view(torch.uint8))
     else:
         rows.index_copy_(0, slot_mapping, entries.to(kv_cache.dtype))
@@ -43,15 +48,26 @@ def as_cached(entries: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         return entries
     if cache_dtype == FP8_KV_DTYPE:
         return to_fp8(entries, K_SCALE).to(entries.dtype) * K_SCALE
+    if cache_dtype == torch.int8:
+        return _dequantized(quantize_int8_rows(entries.float()), entries.dtype)
     return entries.to(cache_dtype).to(entries.dtype)
 
 
 def gather_entries(kv_cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The blocks of block_table [n] int64 of kv_cache [1, N, bs, 1, L + R] -> [n, bs, 1, L + R] in dtype."""
+    if kv_cache.dtype == torch.int8:
+        return _dequantized(kv_cache[0].index_select(0, block_table), dtype)
     if kv_cache.dtype == FP8_KV_DTYPE:  # no float8 index_select on CPU: gather the bytes
         stored = kv_cache[0].view(torch.uint8).index_select(0, block_table).view(FP8_KV_DTYPE)
         return stored.to(dtype) * K_SCALE
     return kv_cache[0].index_select(0, block_table).to(dtype)
+
+
+def _dequantized(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 entries with their scales [..., L + R + 4] -> [..., L + R] in dtype: q * scale, in float32 as the C++
+    kernel widens them."""
+    scale = rows[..., -4:].contiguous().view(torch.float32)  # [..., 1]
+    return (rows[..., :-4].float() * scale).to(dtype)
 
 
 def check_metadata(metadata: object) -> None:
@@ -62,8 +78,10 @@ def check_metadata(metadata: object) -> None:
 
 
 def kernel_takes(metadata: TorchAttentionMetadata, queries: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the C++ kernel attends the step's kernel rows (built, and their dtype one it reads)."""
-    return metadata.kernel is not None and cpu_kernels.supports(queries, kv_cache)
+    """Whether the C++ kernel attends the step's kernel rows (built, and their dtype one it reads; an int8 cache
+    only by its AVX2 path, for an entry width a multiple of 8)."""
+    is_readable = kv_cache.dtype != torch.int8 or ((kv_cache.shape[-1] - 4) % 8 == 0 and cpu_kernels.has_avx2_kernels())
+    return metadata.kernel is not None and cpu_kernels.supports(queries, kv_cache) and is_readable
 
 
 def groups(metadata: TorchAttentionMetadata, is_kernel_used: bool) -> list[GroupMetadata]:

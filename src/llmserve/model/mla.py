@@ -186,11 +186,3 @@ def cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: i
     """One layer's latent cache: [1, num_blocks, block_size, 1, L + R], the backends' five axes with one
     "kv" entry (not K and V) of one head (shared by all), so that sizing and allocation read it as any cache."""
     return (1, num_blocks, block_size, 1, kv_lora_rank + rope_dim)
-
-
-def check_settings(kv_cache_dtype: str) -> None:
-    """ValueError naming the flag a latent cache does not run with: it holds the model's dtype, float16 or fp8
-    (--kv-cache-dtype auto, fp16, fp8; int8's per-row scales are not laid out for latents)."""
-    if kv_cache_dtype not in ("auto", "fp16", "fp8"):
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: the latent cache of Multi-head Latent Attention holds "
-                         "the model's dtype, float16 or fp8 (auto, fp16, fp8)")

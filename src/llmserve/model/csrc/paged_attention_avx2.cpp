@@ -246,7 +246,8 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     next_end = std::min(it.seq_len, c0 + kPrefetchAhead + kChunk);
     if constexpr (kIsInt8<KV>) {  // widened once, then read by every query vector as a float32 cache
       widen_int8_rows(kp, cn, p.heads_per_item, d, w.kbuf.data(), kf);
-      widen_int8_rows(vp, cn, p.heads_per_item, d, w.vbuf.data(), vf);
+      if (p.kv_half == 0) std::copy(kf, kf + cn, vf);  // K and V one memory (MLA's latents): widened once
+      else widen_int8_rows(vp, cn, p.heads_per_item, d, w.vbuf.data(), vf);
     }
     for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: first[m] .. first[m] + valid[m] - 1
       llmserve_cpu::visible_in_chunk(p, it, m, c0, cn, w);
