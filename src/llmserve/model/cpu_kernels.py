@@ -48,7 +48,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
-                                                      "fused_ops_bf16.cpp")]
+                                                      "fused_ops_bf16.cpp", "paged_attention_split.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
                                                                      "fused_ops_bf16.h")]
 _NAME = "llmserve_cpu_kernels"

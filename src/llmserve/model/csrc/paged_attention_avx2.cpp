@@ -188,6 +188,7 @@ void load_queries(const Params& p, const Item& it, Scratch& w, int d) {
 }
 
 void store_outputs(const Params& p, const Item& it, const Scratch& w, int d) {
+  if (llmserve_cpu::stash_split(it, w, d)) return;
   float* out = static_cast<float*>(p.out);
   const int num_heads = p.num_kv_heads * p.group;
   for (int m = 0; m < it.q_len * it.hg; ++m) {
@@ -235,15 +236,15 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     }
   };
   const int tokens_per_slice = (kPrefetchAhead + 2 * m_count - 1) / (2 * m_count);  // 2 * m_count slices a chunk
-  for (int c0 = it.first_key; c0 < it.seq_len; c0 += kChunk) {  // keys before first_key: out of every window
-    const int cn = std::min(kChunk, it.seq_len - c0);
+  for (int c0 = it.first_key; c0 < it.key_end; c0 += kChunk) {  // keys outside: out of every window, or a split's
+    const int cn = std::min(kChunk, it.key_end - c0);
     for (int c = 0; c < cn; ++c) {
       const int64_t off = token_offset(c0 + c);
       kp[c] = kcache + off;
       vp[c] = vcache + off;
     }
     next_t = c0 + kPrefetchAhead;
-    next_end = std::min(it.seq_len, c0 + kPrefetchAhead + kChunk);
+    next_end = std::min(it.key_end, c0 + kPrefetchAhead + kChunk);
     if constexpr (kIsInt8<KV>) {  // widened once, then read by every query vector as a float32 cache
       widen_int8_rows(kp, cn, p.heads_per_item, d, w.kbuf.data(), kf);
       widen_int8_rows(vp, cn, p.heads_per_item, d, w.vbuf.data(), vf);
