@@ -55,11 +55,12 @@ def test_splits_under_a_sliding_window_with_sinks(case, window):
     check_against_reference(out, q, starts, full, atol=1e-5, window=window, sinks=sinks)
 
 
-@pytest.mark.parametrize("dtype,head_dim,atol", [(torch.bfloat16, 64, 2e-2), (torch.float16, 64, 2e-2),
-                                                 (torch.float32, 36, 1e-5)])
+@pytest.mark.parametrize("dtype,head_dim,atol", [(torch.bfloat16, 64, 2e-2), (torch.bfloat16, 36, 2e-2),
+                                                 (torch.float16, 64, 2e-2), (torch.float32, 36, 1e-5)])
 @pytest.mark.parametrize("case", ["one decode row", "multi-query row"])
-def test_splits_on_the_portable_path(dtype, head_dim, atol, case):
-    """bfloat16/float16 caches and a head_dim the AVX2 path does not take: the portable kernel splits alike."""
+def test_splits_in_half_dtypes_and_on_the_portable_path(dtype, head_dim, atol, case):
+    """bfloat16 (AVX2 path, widened exactly), and the portable kernel (float16, a head_dim the AVX2 path does not
+    take) split alike."""
     out, q, starts, full = _attend(FEW_ROWS[case], 2, dtype=dtype, head_dim=head_dim)
     assert out.dtype == dtype
     check_against_reference(out, q, starts, full, atol=atol)

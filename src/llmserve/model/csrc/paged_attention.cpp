@@ -267,7 +267,9 @@ void attend(const Params& p, int max_m, at::ScalarType q_type, bool kv_is_f16_of
     case at::kFloat:
       if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kF32)) return;
       return dispatch_dim<float>(p, max_m);
-    case at::kBFloat16: return dispatch_dim<c10::BFloat16>(p, max_m);
+    case at::kBFloat16:
+      if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kBF16)) return;
+      return dispatch_dim<c10::BFloat16>(p, max_m);
     case at::kHalf: return dispatch_dim<c10::Half>(p, max_m);
     default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16");
   }

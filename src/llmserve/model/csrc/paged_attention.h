@@ -142,7 +142,7 @@ void merge_splits(const Params& p, const std::vector<SplitGroup>& groups, at::Sc
 
 // The cache element type under float32 q: float32, float16 (--kv-cache-dtype fp16), or int8 with a float32
 // scale per token and kv head (--kv-cache-dtype int8: x = q * scale).
-enum class KvType { kF32, kF16, kI8 };
+enum class KvType { kF32, kF16, kI8, kBF16 };  // kBF16: q, out and cache all bfloat16
 // float32 rows with AVX2 + FMA (paged_attention_avx2.cpp) over such a cache (float16 read with F16C):
 // false when not built with them or when head_dim is not a multiple of 8; the caller then runs the
 // portable path (which reads no int8 cache).
