@@ -345,14 +345,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     num_tiles += (q_len + kMaxQueryLen - 1) / kMaxQueryLen;
     max_tile = std::max(max_tile, std::min(q_len, kMaxQueryLen));
   }
-  // All kv heads of a tile in one item (each token's K/V read as one contiguous span) when tiles are
-  // plenty for the threads; one kv head per item otherwise.
-  const int64_t num_threads = std::max(1, at::get_num_threads());
-  p.heads_per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
+  // All kv heads of a tile in one item (each token's K/V read as one contiguous span); when tiles are too few
+  // for the threads, long ones split over their keys, else one kv head per item.
+  const int num_threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  p.heads_per_item = num_kv_heads;
   std::vector<WorkItem> items = work_items(p, rows.numel(), num_tiles, max_tile > 1);
+  const std::vector<llmserve_cpu::SplitGroup> splits = llmserve_cpu::split_items(p, items, num_threads);
+  if (splits.empty() && num_tiles < 4 * num_threads) {
+    p.heads_per_item = 1;
+    items = work_items(p, rows.numel(), num_tiles, max_tile > 1);
+  }
   const int max_m = max_tile * p.group * p.heads_per_item;
-  const std::vector<llmserve_cpu::SplitGroup> splits =
-      llmserve_cpu::split_items(p, items, at::in_parallel_region() ? 1 : static_cast<int>(num_threads));
   std::vector<float> partials(splits.empty() ? 0 : static_cast<size_t>(items.size()) * max_m * (head_dim + 2));
   p.partials = partials.data();
   p.partial_stride = max_m * (head_dim + 2);

@@ -1,8 +1,8 @@
 // Few rows over long contexts, in the paged-attention kernel (contract: paged_attention.cpp): a decode step of
-// one row has as many work items as kv heads (3 for SmolLM2-135M), so on 2 threads one thread attends two heads
-// while the other waits. Each such item is cut into splits over its keys (flash-decoding): every split keeps
-// its queries' unnormalised accumulators, max and sum (stash_split), and merge_splits combines them with
-// their maxima (log-sum-exp) into the output.
+// one row attended per kv head is 3 work items for SmolLM2-135M, so on 2 threads one thread attends two heads
+// while the other waits. Instead each (tile, all kv heads) item is cut into splits over its keys (flash-decoding;
+// each token's K/V still read as one contiguous span): every split keeps its queries' unnormalised
+// accumulators, max and sum (stash_split), and merge_splits combines them by their maxima (log-sum-exp).
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -21,20 +21,23 @@ namespace {
 
 constexpr int kMinSplitKeys = 64;  // keys a split reads at least: its start and merge cost far less than that
 
-// Splits per item: none when the items keep every thread busy; else enough for about four items a thread, their
-// count a multiple of the threads (equal items then end together).
-int splits_wanted(int num_items, int num_threads) {
-  if (num_threads <= 1 || num_items >= 4 * num_threads) return 1;
-  int splits = (4 * num_threads + num_items - 1) / num_items;
-  while ((num_items * splits) % num_threads != 0) ++splits;
-  return splits;
-}
-
 // The keys a work item reads: from its first query's first visible key to its last query's position.
 std::pair<int, int> key_range(const Params& p, const WorkItem& w) {
   const int row_q_len = p.query_start[w.row + 1] - p.query_start[w.row];
   const int seq_len = p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len;
   return {first_visible(p, seq_len - w.q_len), seq_len};
+}
+
+// Keys a split reads: the items' keys over twice the threads (two splits a thread let the dynamic schedule even
+// out a late thread), in whole groups of 8 (the scoring width), at least kMinSplitKeys.
+int split_length(const Params& p, const std::vector<WorkItem>& items, int num_threads) {
+  int64_t total = 0;
+  for (const WorkItem& w : items) {
+    const auto [first, end] = key_range(p, w);
+    total += end - first;
+  }
+  const int64_t length = (total + 2 * num_threads - 1) / (2 * num_threads);
+  return static_cast<int>(std::max<int64_t>(kMinSplitKeys, (length + 7) / 8 * 8));
 }
 
 template <typename T>
@@ -68,19 +71,19 @@ void merge_into(const Params& p, const SplitGroup& s, int d) {
 }  // namespace
 
 std::vector<SplitGroup> split_items(const Params& p, std::vector<WorkItem>& items, int num_threads) {
-  const int wanted = splits_wanted(static_cast<int>(items.size()), num_threads);
   std::vector<SplitGroup> groups;
-  if (wanted == 1) return groups;
+  if (num_threads <= 1 || static_cast<int>(items.size()) >= 4 * num_threads) return groups;
+  const int length = split_length(p, items, num_threads);
   std::vector<WorkItem> result;
   int num_partials = 0;
   for (const WorkItem& w : items) {
     const auto [first, end] = key_range(p, w);
-    const int n = std::min(wanted, (end - first) / kMinSplitKeys);
+    const int n = (end - first + length - 1) / length;
     if (n <= 1) {
       result.push_back(w);
       continue;
     }
-    const int piece = ((end - first + n - 1) / n + 7) / 8 * 8;  // whole groups of 8 keys (the scoring width)
+    const int piece = ((end - first + n - 1) / n + 7) / 8 * 8;  // n about equal splits
     const int count = (end - first + piece - 1) / piece;
     groups.push_back(SplitGroup{w, num_partials, count});
     for (int i = 0; i < count; ++i) {
@@ -91,7 +94,7 @@ std::vector<SplitGroup> split_items(const Params& p, std::vector<WorkItem>& item
       result.push_back(split);
     }
   }
-  items.swap(result);
+  if (!groups.empty()) items.swap(result);
   return groups;
 }
 
