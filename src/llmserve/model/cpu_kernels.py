@@ -264,7 +264,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
 def attends_prompts(dtype: torch.dtype) -> bool:
     """Whether `paged_attention` should take a model's prompt rows too: float32 through the AVX2 path, which
     attends a prompt faster than torch's SDPA (docs/benchmarks.md, "Figures behind choices in the code"); the portable
-    path (bfloat16, float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows."""
+    path (float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows, and so does bfloat16 (the
+    AVX2 path takes its decode rows; its prompts were measured only through the portable path)."""
     return dtype == torch.float32 and has_avx2_kernels()
 
 
