@@ -77,3 +77,21 @@ def test_splits_over_a_float16_cache_of_a_float32_model():
         torch.set_num_threads(previous)
     rounded = [(fk.half().float(), fv.half().float()) for fk, fv in full]
     check_against_reference(out, q, inputs.query_start_loc.tolist(), rounded, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="an int8 cache needs the AVX2 kernels")
+def test_splits_over_an_int8_cache():
+    from kv_int8_rows import dequantize_int8_rows
+    from llmserve.model.attention import quantize_int8_rows
+
+    rows = FEW_ROWS["a short and a long row"]
+    q, k, v, kv_cache, inputs, full = make_case(rows, 16, 3, seed=5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, _ = run_backend(TorchAttentionBackend(kernel_takes_prompts=True), q, k, v, quantize_int8_rows(kv_cache),
+                             inputs)
+    finally:
+        torch.set_num_threads(previous)
+    stored = [tuple(dequantize_int8_rows(quantize_int8_rows(x)) for x in kv) for kv in full]
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), stored, atol=1e-5)
