@@ -92,6 +92,24 @@ def test_bf16_decode_rows_take_the_gemv_and_larger_batches_onednn(monkeypatch):
         cpu_kernels.bf16_gemv(torch.randn(5, 64).to(BF16), w)
 
 
+@needs_gemv
+@pytest.mark.parametrize("path", ["auto", "onednn"])
+def test_a_loaded_bf16_linear_chooses_the_gemv_once(monkeypatch, path):
+    """`pack_linears` marks a bf16 Linear for the GEMV under the path read at load: decode rows then take it
+    (the GEMV's bits), batches past 4 rows and every row under LLMSERVE_CPU_LINEAR=onednn take F.linear."""
+    monkeypatch.setenv("LLMSERVE_CPU_LINEAR", path)
+    layer = linear_mod.Linear(64, 40, bias=True).to(BF16).requires_grad_(False)
+    assert linear_mod.pack_linears(layer) == 0 and layer.is_gemv_weight == (path == "auto")
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, 4, 5):
+            x = torch.randn(rows, 64, generator=gen).to(BF16)
+            takes_gemv = path == "auto" and rows <= cpu_kernels.BF16_GEMV_MAX_ROWS
+            expected = cpu_kernels.bf16_gemv(x, layer.weight, layer.bias) if takes_gemv else \
+                F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(layer(x), expected)
+
+
 @needs_avx512
 def test_avx512_panels_give_the_avx2_kernels_bits():
     gen = torch.Generator().manual_seed(3)

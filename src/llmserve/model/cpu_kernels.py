@@ -2,9 +2,10 @@
 
 `paged_attention` attends rows of any query length straight from the paged KV cache through the block
 table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP over work items
-(a row's tile of up to 16 query tokens, per kv head or all); float32 with head_dim % 8 == 0 runs an
-AVX2 + FMA path when the build has them (csrc/paged_attention_avx2.cpp). That path also beats torch's
-SDPA on whole prompts (`attends_prompts`); the portable one is kept to decode-like rows. A float32
+(a row's tile of up to 16 query tokens, per kv head or all; few rows' items split over their keys); float32,
+and bfloat16 over a bfloat16 cache, with head_dim % 8 == 0 run an AVX2 + FMA path when the build has them
+(csrc/paged_attention_avx2.cpp). That path also beats torch's SDPA on whole float32 prompts (`attends_prompts`);
+the portable one is kept to decode-like rows. A float32
 model's cache may be float16 (--kv-cache-dtype fp16): the AVX2 path widens it with F16C. The build
 goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3 and -fopenmp, plus -mavx2 -mfma
 (and -mf16c) when the CPU has them. It needs a C++ compiler and ninja; when the build or load fails (or
@@ -48,7 +49,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
-                                                      "fused_ops_bf16.cpp")]
+                                                      "fused_ops_bf16.cpp", "paged_attention_split.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
                                                                      "fused_ops_bf16.h")]
 _NAME = "llmserve_cpu_kernels"
@@ -263,7 +264,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
 def attends_prompts(dtype: torch.dtype) -> bool:
     """Whether `paged_attention` should take a model's prompt rows too: float32 through the AVX2 path, which
     attends a prompt faster than torch's SDPA (docs/benchmarks.md, "Figures behind choices in the code"); the portable
-    path (bfloat16, float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows."""
+    path (float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows, and so does bfloat16 (the
+    AVX2 path takes its decode rows; its prompts were measured only through the portable path)."""
     return dtype == torch.float32 and has_avx2_kernels()
 
 

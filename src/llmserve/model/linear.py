@@ -91,11 +91,20 @@ def uses_bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` goes through our AVX512-BF16 GEMV: bfloat16 decode rows (at most 4) on a CPU
     with bf16 dot products, the weight as loaded (no packing: larger batches keep oneDNN on the same tensor);
     LLMSERVE_CPU_LINEAR=onednn keeps oneDNN for every row count."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.dim() == 2 and x.shape[0] <= cpu_kernels.BF16_GEMV_MAX_ROWS and x.is_contiguous()
-            and weight.device.type == "cpu" and weight.is_contiguous()
-            and not (torch.is_grad_enabled() and weight.requires_grad)
+    return x.dtype == torch.bfloat16 and _is_gemv_rows(x, weight) and gemv_takes(weight)
+
+
+def gemv_takes(weight: torch.Tensor) -> bool:
+    """The weight's half of `uses_bf16_gemv` (what a `Linear` decides once at load: the CPU, the build and
+    LLMSERVE_CPU_LINEAR, whose reads cost a decode step of one row ~0.5 ms when made per call)."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous()
             and cpu_kernels.has_bf16_gemv() and cpu_isa.has_fast_bf16() and cpu_isa.linear_path() != "onednn")
+
+
+def _is_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [M <= 4, in] contiguous on CPU, outside autograd (the rows' half of `uses_bf16_gemv`, but x's dtype)."""
+    return (x.dim() == 2 and x.shape[0] <= cpu_kernels.BF16_GEMV_MAX_ROWS and x.device.type == "cpu"
+            and x.is_contiguous() and not (torch.is_grad_enabled() and weight.requires_grad))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,24 +130,29 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class Linear(nn.Linear):
     """nn.Linear through `linear` (quantization still finds it as an nn.Linear and swaps it); on CPU in
-    float32 its weight may be packed once loaded (`pack`)."""
+    float32 its weight may be packed once loaded, and a bfloat16 one be marked for the GEMV (`pack`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("packed_weight", None, persistent=False)  # weight laid out by `packed`
+        self.is_gemv_weight = False  # bfloat16 decode rows go straight to the GEMV (`gemv_takes`, set by `pack`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out] with the given bias (a row-parallel rank adds it on one rank only)."""
-        if self.packed_weight is None:
-            return linear(x, self.weight, bias)
-        return packed_linear(x, self.packed_weight, self.out_features, bias)
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.out_features, bias)
+        if self.is_gemv_weight and x.dtype == torch.bfloat16 and _is_gemv_rows(x, self.weight):
+            return cpu_kernels.bf16_gemv(x, self.weight, bias)
+        return linear(x, self.weight, bias)
 
     def pack(self) -> bool:
-        """Lay the loaded weight out once for our kernel or oneDNN and drop the plain copy (`can_pack`)."""
+        """Lay the loaded weight out once for our kernel or oneDNN and drop the plain copy (`can_pack`); or, for
+        a weight the bfloat16 GEMV takes, choose it for decode rows from now on (returns False: nothing packed)."""
         if not can_pack(self.weight):
+            self.is_gemv_weight = self.weight is not None and gemv_takes(self.weight)
             return False
         self.packed_weight = packed(self.weight)
         del self.weight  # only the packed copy is kept: the layer's memory does not double
@@ -148,8 +162,8 @@ class Linear(nn.Linear):
 
 def pack_linears(model: nn.Module, pack_head: bool = True) -> int:
     """Pack every float32 CPU `Linear` of a loaded model (`packed`), and a tied lm_head (the model's
-    `pack_tied_lm_head`); pack_head=False leaves the lm_head (tied or not) plain. Returns how many
-    weights were packed."""
+    `pack_tied_lm_head`), and mark the bfloat16 ones the GEMV takes; pack_head=False leaves the lm_head (tied or
+    not) plain. Returns how many weights were packed."""
     head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, Linear) and (pack_head or m is not head)]
     num_packed = sum(module.pack() for module in layers)

@@ -125,7 +125,8 @@ class Attention(nn.Module):
         """qk [T, H + Hkv, D] -> rotated q [T, H, D], k [T, Hkv, D] (views of one tensor without q/k norm:
         one rotary over both halves)."""
         if self.q_norm is None:
-            return apply_rotary(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = apply_rotary(qk, *cos_sin)
+            return qk[:, :self.num_heads], qk[:, self.num_heads:]  # slices: cheaper than Tensor.split's Python
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return apply_rotary(self.q_norm(q), *cos_sin), apply_rotary(self.k_norm(k), *cos_sin)
 

@@ -125,7 +125,7 @@ template <typename T, typename KV, int kD>
 void attend_item(const Params& p, int item, Scratch& w) {
   const int d = kD > 0 ? kD : p.head_dim;
   const Item it = item_of(p, item);
-  const int kvh0 = it.kvh0, first_token = it.first_token, q_len = it.q_len, seq_len = it.seq_len;
+  const int kvh0 = it.kvh0, first_token = it.first_token, q_len = it.q_len;
   const int g = p.group;
   const int hg = it.hg;  // query heads of the item: kvh0 * g .. kvh0 * g + hg - 1
   const int m_count = q_len * hg;  // query vector m: token m / hg, head kvh0 * g + m % hg, kv head .. / g
@@ -151,14 +151,14 @@ void attend_item(const Params& p, int item, Scratch& w) {
   };
   const float* kp[kChunk];  // the chunk's keys (values): span floats each, kv head kvh0 first
   const float* vp[kChunk];
-  for (int c0 = it.first_key; c0 < seq_len; c0 += kChunk) {
-    const int cn = std::min(kChunk, seq_len - c0);
+  for (int c0 = it.first_key; c0 < it.key_end; c0 += kChunk) {
+    const int cn = std::min(kChunk, it.key_end - c0);
     for (int c = 0; c < cn; ++c) {
       const int64_t off = token_offset(c0 + c);
       kp[c] = as_f32<KV>(kcache + off, w.kbuf.data() + c * span, span);
       vp[c] = as_f32<KV>(vcache + off, w.vbuf.data() + c * span, span);
     }
-    for (int t = c0 + kChunk; t < std::min(seq_len, c0 + 2 * kChunk); ++t) {  // the next chunk, while computing
+    for (int t = c0 + kChunk; t < std::min(it.key_end, c0 + 2 * kChunk); ++t) {  // the next chunk, while computing
       const int64_t off = token_offset(t);
       prefetch_token(kcache + off, vcache + off, static_cast<int64_t>(span) * sizeof(KV));
     }
@@ -205,6 +205,7 @@ void attend_item(const Params& p, int item, Scratch& w) {
       for (; c < nv; ++c) axpy<kD>(am, sc[c], vpm[c] + head_off, d);
     }
   }
+  if (llmserve_cpu::stash_split(it, w, d)) return;
   T* out = static_cast<T*>(p.out);
   const int num_heads = p.num_kv_heads * g;
   for (int m = 0; m < m_count; ++m) {
@@ -249,6 +250,29 @@ std::vector<WorkItem> work_items(const Params& p, int64_t num_rows, int num_tile
                      [&](const WorkItem& a, const WorkItem& b) { return work(a) > work(b); });
   }
   return items;
+}
+
+// Every work item through the kernel for q's dtype and the cache's.
+void attend(const Params& p, int max_m, at::ScalarType q_type, bool kv_is_f16_of_f32, bool kv_is_i8) {
+  if (kv_is_i8) {
+    TORCH_CHECK(llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kI8),
+                "paged_attention: an int8 cache needs the AVX2 build and head_dim % 8 == 0");
+    return;
+  }
+  if (kv_is_f16_of_f32) {
+    if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kF16)) return;
+    return dispatch_dim<float, c10::Half>(p, max_m);
+  }
+  switch (q_type) {
+    case at::kFloat:
+      if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kF32)) return;
+      return dispatch_dim<float>(p, max_m);
+    case at::kBFloat16:
+      if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kBF16)) return;
+      return dispatch_dim<c10::BFloat16>(p, max_m);
+    case at::kHalf: return dispatch_dim<c10::Half>(p, max_m);
+    default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16");
+  }
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -321,31 +345,24 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     num_tiles += (q_len + kMaxQueryLen - 1) / kMaxQueryLen;
     max_tile = std::max(max_tile, std::min(q_len, kMaxQueryLen));
   }
-  // All kv heads of a tile in one item (each token's K/V read as one contiguous span) when tiles are
-  // plenty for the threads; one kv head per item otherwise.
-  const int64_t num_threads = std::max(1, at::get_num_threads());
-  p.heads_per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
-  const std::vector<WorkItem> items = work_items(p, rows.numel(), num_tiles, max_tile > 1);
+  // All kv heads of a tile in one item (each token's K/V read as one contiguous span); when tiles are too few
+  // for the threads, long ones split over their keys, else one kv head per item.
+  const int num_threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  p.heads_per_item = num_kv_heads;
+  std::vector<WorkItem> items = work_items(p, rows.numel(), num_tiles, max_tile > 1);
+  const std::vector<llmserve_cpu::SplitGroup> splits = llmserve_cpu::split_items(p, items, num_threads);
+  if (splits.empty() && num_tiles < 4 * num_threads) {
+    p.heads_per_item = 1;
+    items = work_items(p, rows.numel(), num_tiles, max_tile > 1);
+  }
+  const int max_m = max_tile * p.group * p.heads_per_item;
+  std::vector<float> partials(splits.empty() ? 0 : static_cast<size_t>(items.size()) * max_m * (head_dim + 2));
+  p.partials = partials.data();
+  p.partial_stride = max_m * (head_dim + 2);
   p.items = items.data();
   p.num_items = static_cast<int>(items.size());
-  const int max_m = max_tile * p.group * p.heads_per_item;
-  if (kv_is_i8) {
-    TORCH_CHECK(llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kI8),
-                "paged_attention: an int8 cache needs the AVX2 build and head_dim % 8 == 0");
-    return;
-  }
-  if (kv_is_f16_of_f32) {
-    if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kF16)) return;
-    return dispatch_dim<float, c10::Half>(p, max_m);
-  }
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      if (llmserve_cpu::attend_f32_avx2(p, max_m, llmserve_cpu::KvType::kF32)) return;
-      return dispatch_dim<float>(p, max_m);
-    case at::kBFloat16: return dispatch_dim<c10::BFloat16>(p, max_m);
-    case at::kHalf: return dispatch_dim<c10::Half>(p, max_m);
-    default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16");
-  }
+  attend(p, max_m, q.scalar_type(), kv_is_f16_of_f32, kv_is_i8);
+  llmserve_cpu::merge_splits(p, splits, q.scalar_type());
 }
 
 }  // namespace

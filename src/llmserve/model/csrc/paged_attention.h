@@ -2,10 +2,12 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -18,9 +20,13 @@ constexpr int kMaxQueryLen = 16;  // query tokens one work item attends (a longe
 constexpr int kChunk = 32;  // keys scored, then softmaxed, then accumulated at a time
 
 // One work item: query tokens q_begin .. q_begin + q_len - 1 of a row (a tile of at most kMaxQueryLen),
-// for the kv heads kvh0 .. kvh0 + heads_per_item - 1.
+// for the kv heads kvh0 .. kvh0 + heads_per_item - 1, over the keys key_begin .. key_end - 1 only (of those
+// its queries see). partial >= 0: the item is one split of a (tile, kv heads) whose keys several items share
+// (few rows, long contexts: every thread gets work); it leaves its unnormalised output, max and sum in
+// partial slot `partial` for merge_splits, instead of writing out.
 struct WorkItem {
   int32_t row, kvh0, q_begin, q_len;
+  int32_t key_begin = 0, key_end = std::numeric_limits<int32_t>::max(), partial = -1;
 };
 
 struct Params {
@@ -41,6 +47,8 @@ struct Params {
   int heads_per_item;  // kv heads one work item attends together (all of them when rows are plenty)
   int window;  // > 0: a query at position p sees keys p - window + 1 .. p only (sliding window); 0: all
   const float* sinks;  // [H] float32: one logit per query head added to the softmax denominator; or nullptr
+  float* partials;  // split items' slots: each max_m query vectors of (head_dim accumulators, max, sum)
+  int partial_stride;  // floats a slot: max_m * (head_dim + 2)
   float scale;
 };
 
@@ -56,20 +64,24 @@ struct Scratch {
 inline int first_visible(const Params& p, int pos) { return p.window > 0 ? std::max(0, pos - p.window + 1) : 0; }
 
 // What a work item attends: its first token in q, its query tokens, the keys its last query sees
-// (.. seq_len - 1; query j sees .. seq_len - q_len + j), the first key its first query sees (first_key; keys
-// before it, out of every query's window, are never read), its first kv head, its query heads
-// (hg = heads_per_item * group) and its row's block table.
+// (.. seq_len - 1; query j sees .. seq_len - q_len + j), the keys it reads, first_key .. key_end - 1 (keys
+// before first_key are out of every query's window or another split's; from key_end on, another split's),
+// its first kv head, its query heads (hg = heads_per_item * group), its row's block table and its partial
+// slot (nullptr: it writes out).
 struct Item {
-  int first_token, q_len, seq_len, first_key, kvh0, hg;
+  int first_token, q_len, seq_len, first_key, key_end, kvh0, hg;
   const int32_t* table;
+  float* partial;
 };
 
 inline Item item_of(const Params& p, int index) {
   const WorkItem& w = p.items[index];
   const int start = p.query_start[w.row], row_q_len = p.query_start[w.row + 1] - start;
   const int seq_len = p.seq_lens[w.row] - row_q_len + w.q_begin + w.q_len;
-  return Item{start + w.q_begin, w.q_len, seq_len, first_visible(p, seq_len - w.q_len), w.kvh0,
-              p.heads_per_item * p.group, p.block_table + static_cast<int64_t>(w.row) * p.bt_stride};
+  float* partial = w.partial < 0 ? nullptr : p.partials + static_cast<int64_t>(w.partial) * p.partial_stride;
+  return Item{start + w.q_begin, w.q_len, seq_len, std::max<int>(first_visible(p, seq_len - w.q_len), w.key_begin),
+              std::min<int>(seq_len, w.key_end), w.kvh0, p.heads_per_item * p.group,
+              p.block_table + static_cast<int64_t>(w.row) * p.bt_stride, partial};
 }
 
 // The keys query vector m of an item sees in the chunk c0 .. c0 + cn - 1, counted from c0: w.first[m] and
@@ -83,6 +95,19 @@ inline void visible_in_chunk(const Params& p, const Item& it, int m, int c0, int
 // The softmax denominator of query vector m (query head `head`): its sum, plus exp(sink) when heads have sinks.
 inline float denominator(const Params& p, const Scratch& w, int m, int head) {
   return p.sinks == nullptr ? w.sum[m] : w.sum[m] + std::exp(p.sinks[head] - w.max[m]);
+}
+
+// A split item's result: each query vector's accumulators (not yet divided by the sum), max and sum, into its
+// partial slot -> true; false for an item that writes out itself.
+inline bool stash_split(const Item& it, const Scratch& w, int d) {
+  if (it.partial == nullptr) return false;
+  for (int m = 0; m < it.q_len * it.hg; ++m) {
+    float* slot = it.partial + static_cast<int64_t>(m) * (d + 2);
+    std::copy(w.acc.data() + m * d, w.acc.data() + (m + 1) * d, slot);
+    slot[d] = w.max[m];
+    slot[d + 1] = w.sum[m];
+  }
+  return true;
 }
 
 // Runs attend(p, item, scratch) for every work item on OpenMP threads (as many as ATen's pool, one
@@ -103,9 +128,21 @@ void for_each_item(const Params& p, int max_m, Attend attend) {
   }
 }
 
+// A work item cut into num_splits items over its keys, whose partial slots are first_partial ..
+// first_partial + num_splits - 1 (paged_attention_split.cpp).
+struct SplitGroup {
+  WorkItem item;
+  int first_partial, num_splits;
+};
+// Cuts the items into splits over their keys when they are too few for num_threads (a decode step of one or two
+// rows), in place -> the groups to merge (none: nothing was cut). Needs p's rows' metadata and heads_per_item.
+std::vector<SplitGroup> split_items(const Params& p, std::vector<WorkItem>& items, int num_threads);
+// Each group's splits -> its queries' outputs in p.out (of dtype out_type), sinks included.
+void merge_splits(const Params& p, const std::vector<SplitGroup>& groups, at::ScalarType out_type);
+
 // The cache element type under float32 q: float32, float16 (--kv-cache-dtype fp16), or int8 with a float32
 // scale per token and kv head (--kv-cache-dtype int8: x = q * scale).
-enum class KvType { kF32, kF16, kI8 };
+enum class KvType { kF32, kF16, kI8, kBF16 };  // kBF16: q, out and cache all bfloat16
 // float32 rows with AVX2 + FMA (paged_attention_avx2.cpp) over such a cache (float16 read with F16C):
 // false when not built with them or when head_dim is not a multiple of 8; the caller then runs the
 // portable path (which reads no int8 cache).

@@ -1,4 +1,5 @@
-// float32 paged attention with AVX2 + FMA intrinsics: CPU decode's hot path (contract: paged_attention.cpp).
+// float32 paged attention with AVX2 + FMA intrinsics: CPU decode's hot path (contract: paged_attention.cpp), also
+// for bfloat16 q, out and cache (a bfloat16 model's decode rows: widened exactly, computed in float32).
 //
 // Same work items, chunks, windows, sinks and online softmax as the portable path; three differences. Keys are scored
 // eight at a time (eight independent FMA chains, then one horizontal-add tree for the eight sums) instead
@@ -14,6 +15,7 @@
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -62,6 +64,11 @@ inline void widen_int8_rows(const int8_t* const* src, int n, int heads, int d, f
       }
     }
   }
+}
+// bfloat16 (a bfloat16 model's cache) widens exactly: its bits are a float32's upper half.
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 #ifdef __F16C__
 inline __m256 load8(const uint16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
@@ -176,29 +183,33 @@ inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const KV
 }
 
 // Query vector m of an item: token m / hg, head kvh0 * g + m % hg; its kv head is kvh0 + (m % hg) / g.
+// Q: q's and out's dtype, float32 or bfloat16.
+template <typename Q>
 void load_queries(const Params& p, const Item& it, Scratch& w, int d) {
-  const float* q = static_cast<const float*>(p.q);
+  const Q* q = static_cast<const Q*>(p.q);
   for (int m = 0; m < it.q_len * it.hg; ++m) {
-    const float* src = q + (it.first_token + m / it.hg) * p.q_stride_t + (it.kvh0 * p.group + m % it.hg) * p.q_stride_h;
-    for (int i = 0; i < d; ++i) w.q[m * d + i] = src[i] * p.scale;
+    const Q* src = q + (it.first_token + m / it.hg) * p.q_stride_t + (it.kvh0 * p.group + m % it.hg) * p.q_stride_h;
+    for (int i = 0; i < d; ++i) w.q[m * d + i] = static_cast<float>(src[i]) * p.scale;
     std::fill(w.acc.data() + m * d, w.acc.data() + (m + 1) * d, 0.f);
     w.max[m] = -std::numeric_limits<float>::infinity();
     w.sum[m] = 0.f;
   }
 }
 
+template <typename Q>
 void store_outputs(const Params& p, const Item& it, const Scratch& w, int d) {
-  float* out = static_cast<float*>(p.out);
+  if (llmserve_cpu::stash_split(it, w, d)) return;
+  Q* out = static_cast<Q*>(p.out);
   const int num_heads = p.num_kv_heads * p.group;
   for (int m = 0; m < it.q_len * it.hg; ++m) {
     const int head = it.kvh0 * p.group + m % it.hg;
-    float* dst = out + (static_cast<int64_t>(it.first_token + m / it.hg) * num_heads + head) * d;
+    Q* dst = out + (static_cast<int64_t>(it.first_token + m / it.hg) * num_heads + head) * d;
     const float inv = 1.f / llmserve_cpu::denominator(p, w, m, head);
-    for (int i = 0; i < d; ++i) dst[i] = w.acc[m * d + i] * inv;
+    for (int i = 0; i < d; ++i) dst[i] = static_cast<Q>(w.acc[m * d + i] * inv);
   }
 }
 
-template <int kD, typename KV>
+template <int kD, typename KV, typename Q>
 void attend_item(const Params& p, int item_index, Scratch& w) {
   const int d = kD > 0 ? kD : p.head_dim;
   const Item it = item_of(p, item_index);
@@ -216,7 +227,7 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     const int block = is_pow2 ? t >> shift : t / p.block_size, slot = t - block * p.block_size;
     return static_cast<int64_t>(it.table[block]) * block_stride + slot * token_stride + static_cast<int64_t>(it.kvh0) * hs;
   };
-  load_queries(p, it, w, d);
+  load_queries<Q>(p, it, w, d);
   const int m_count = it.q_len * it.hg;
   const KV* kp[kChunk];
   const KV* vp[kChunk];
@@ -235,15 +246,15 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     }
   };
   const int tokens_per_slice = (kPrefetchAhead + 2 * m_count - 1) / (2 * m_count);  // 2 * m_count slices a chunk
-  for (int c0 = it.first_key; c0 < it.seq_len; c0 += kChunk) {  // keys before first_key: out of every window
-    const int cn = std::min(kChunk, it.seq_len - c0);
+  for (int c0 = it.first_key; c0 < it.key_end; c0 += kChunk) {  // keys outside: out of every window, or a split's
+    const int cn = std::min(kChunk, it.key_end - c0);
     for (int c = 0; c < cn; ++c) {
       const int64_t off = token_offset(c0 + c);
       kp[c] = kcache + off;
       vp[c] = vcache + off;
     }
     next_t = c0 + kPrefetchAhead;
-    next_end = std::min(it.seq_len, c0 + kPrefetchAhead + kChunk);
+    next_end = std::min(it.key_end, c0 + kPrefetchAhead + kChunk);
     if constexpr (kIsInt8<KV>) {  // widened once, then read by every query vector as a float32 cache
       widen_int8_rows(kp, cn, p.heads_per_item, d, w.kbuf.data(), kf);
       if (p.kv_half == 0) std::copy(kf, kf + cn, vf);  // K and V one memory (MLA's latents): widened once
@@ -268,15 +279,15 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
       prefetch_tokens(tokens_per_slice);
     }
   }
-  store_outputs(p, it, w, d);
+  store_outputs<Q>(p, it, w, d);
 }
 
-template <typename KV>
+template <typename KV, typename Q = float>
 void dispatch_dim(const Params& p, int max_m) {
   switch (p.head_dim) {
-    case 64: return llmserve_cpu::for_each_item(p, max_m, attend_item<64, KV>);
-    case 128: return llmserve_cpu::for_each_item(p, max_m, attend_item<128, KV>);
-    default: return llmserve_cpu::for_each_item(p, max_m, attend_item<0, KV>);
+    case 64: return llmserve_cpu::for_each_item(p, max_m, attend_item<64, KV, Q>);
+    case 128: return llmserve_cpu::for_each_item(p, max_m, attend_item<128, KV, Q>);
+    default: return llmserve_cpu::for_each_item(p, max_m, attend_item<0, KV, Q>);
   }
 }
 
@@ -292,6 +303,10 @@ bool attend_f32_avx2(const Params& p, int max_m, KvType kv) {
   }
   if (kv == KvType::kI8) {
     dispatch_dim<int8_t>(p, max_m);
+    return true;
+  }
+  if (kv == KvType::kBF16) {
+    dispatch_dim<c10::BFloat16, c10::BFloat16>(p, max_m);
     return true;
   }
 #ifdef __F16C__
