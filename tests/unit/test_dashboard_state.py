@@ -209,8 +209,9 @@ def test_server_state_shows_adapters_and_their_traffic_only_with_lora():
         metrics.on_request_added(SimpleNamespace(request_id=request_id, arrival_time=0.0, prompt_token_ids=[1, 2],
                                                  lora=lora))
     assert server_state(ring.advance(1.0), "tiny")["lora"] == {"served": 2, "adapters": []}
-    metrics.on_engine_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("1", [5, 6, 7], finish_reason=FinishReason.LENGTH),
-                                                         EngineCoreOutput("2", [5], finish_reason=FinishReason.LENGTH)]))
+    done = FinishReason.LENGTH
+    metrics.on_engine_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("1", [5, 6, 7], finish_reason=done),
+                                                         EngineCoreOutput("2", [5], finish_reason=done)]))
     lora = server_state(ring.advance(3.0), "tiny")["lora"]
     assert lora["served"] == 2 and [a["name"] for a in lora["adapters"]] == ["sql"]
     sql = lora["adapters"][0]

@@ -90,7 +90,7 @@ def _lora(w: Window) -> dict | None:
     """The LoRA adapters served and each adapter's traffic (finished requests and output tokens: since start,
     and per second), the adapters that ran first; None while none is served and none ran (LoRA off: no tile)."""
     tokens, finished = P + "lora_generation_tokens_total", P + "lora_request_success_total"
-    names = sorted(set(w.current.label_values(tokens, "lora_name")) | set(w.current.label_values(finished, "lora_name")))
+    names = sorted({*w.current.label_values(tokens, "lora_name"), *w.current.label_values(finished, "lora_name")})
     num_served = w.gauge(P + "lora_adapters")
     if not names and not num_served:
         return None
