@@ -41,9 +41,12 @@ def _gate_reads(llm: LLM) -> tuple[threading.Event, threading.Event]:
     return started, release
 
 
-def _step(llm: LLM, tokens: dict[str, list[int]]) -> None:
-    for out in llm.engine.step().outputs:
+def _step(llm: LLM, tokens: dict[str, list[int]]) -> list[str] | None:
+    """One engine step; the adapters resident in slots that its stats report."""
+    outputs = llm.engine.step()
+    for out in outputs.outputs:
         tokens[out.request_id] += out.new_token_ids
+    return None if outputs.stats is None else outputs.stats.resident_loras
 
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(async_scheduling=True, num_scheduler_steps=1)],
@@ -58,13 +61,15 @@ def test_a_request_waits_for_its_adapters_read_while_others_step(setup, engine_a
     _step(llm, tokens)  # schedules the base request and starts the adapter's read
     assert started.wait(timeout=60)
     while len(tokens[base_id]) < NUM_OUT:  # the base request runs to its end while the read is held
-        _step(llm, tokens)
+        assert _step(llm, tokens) in ([], None)
     scheduler = llm.engine.scheduler
     assert tokens[lora_id] == [] and scheduler.requests[lora_id].status == RequestStatus.WAITING
     assert llm.engine.runner.lora.num_loads == 0 and llm.engine.runner.lora.reader.num_reading == 1
     release.set()
+    resident = set()
     while llm.engine.has_unfinished_requests():
-        _step(llm, tokens)
+        resident.update(_step(llm, tokens) or ())
+    assert resident == {"held"}  # what the front's metrics and the routers learn
     assert tokens[base_id] == peft_greedy(base, None, prompts[0], NUM_OUT)
     assert tokens[lora_id] == peft_greedy(base, lora.lora_path, prompts[1], NUM_OUT)
     assert llm.engine.runner.lora.reader.reads == {}  # taken into a slot

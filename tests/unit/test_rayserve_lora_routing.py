@@ -1,6 +1,6 @@
 """Ray Serve's request router sends a LoRA adapter's requests only to the replicas that serve it (as their
-routing stats say), choosing among those by prefix and load; the base model's requests go anywhere. No Ray
-cluster: the router is driven with stand-in replicas."""
+routing stats say), those holding it in a slot first, choosing among those by prefix and load; the base
+model's requests go anywhere. No Ray cluster: the router is driven with stand-in replicas."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from llmserve.rayserve.messages import ForwardedRequest  # noqa: E402
 from llmserve.rayserve.request_router import PrefixAwareRequestRouter  # noqa: E402
 
 
-def _replica(name: str, adapters: list[str] | None):
-    stats = {} if adapters is None else {"adapters": adapters}
+def _replica(name: str, adapters: list[str] | None, resident: tuple[str, ...] = ()):
+    stats = {} if adapters is None else {"adapters": adapters, "resident": list(resident)}
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name), routing_stats=stats)
 
 
@@ -53,3 +53,11 @@ def test_the_base_model_or_an_adapter_no_replica_reports_goes_anywhere():
     router = _router({"a": 3, "b": 1, "c": 2, "d": 0})
     assert _ranks(router, REPLICAS, "tiny") == [["d", "b", "c", "a"]]
     assert _ranks(router, REPLICAS, "") == [["d", "b", "c", "a"]]
+
+
+def test_replicas_holding_the_adapter_in_a_slot_come_first():
+    replicas = [_replica("a", ["sql"]), _replica("b", ["sql"], resident=("sql",)), _replica("c", [])]
+    router = _router({"a": 0, "b": 4, "c": 0})
+    assert _ranks(router, replicas, "sql") == [["b"], ["a"]]
+    for i in range(10):  # with a prefix too: the holder is picked, the other serving replica next
+        assert _ranks(router, replicas, "sql", prefix=f"p{i}".encode()) == [["b"], ["a"]]

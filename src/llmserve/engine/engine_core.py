@@ -240,6 +240,8 @@ class EngineCore:
             outputs.stats.grammar = self.grammars.take_stats()
             outputs.stats.expert_balance = self._take_expert_balance()
             outputs.stats.kv_tiers = self._take_kv_stats()
+            if self.runner.lora is not None:
+                outputs.stats.resident_loras = self.runner.lora.resident_names()
         return outputs
 
     def _schedule(self) -> SchedulerOutput:

@@ -50,8 +50,8 @@ class LLMReplica:
 
     def record_routing_stats(self) -> dict:
         """What Ray hands the request router about this replica (every ROUTING_STATS_PERIOD_S): the adapters it
-        serves (--lora-modules and those loaded here at run time)."""
-        return {"adapters": sorted(self.ctx.loras.adapters)}
+        serves (--lora-modules and those loaded here at run time) and those resident in its engine's slots."""
+        return {"adapters": sorted(self.ctx.loras.adapters), "resident": sorted(self.ctx.metrics.resident_loras)}
 
     def check_health(self) -> None:
         """Raising marks the replica unhealthy: Ray replaces it."""

@@ -34,6 +34,7 @@ class LoRAManager:
         self.layout = getattr(model, "layout", None)  # tensor parallelism: this rank's share (None: one rank)
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recent first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
+        self.slot_names: list[str | None] = [None] * max_loras  # and its name (what routers prefer replicas by)
         self.slot_users = [0] * max_loras  # running requests on each slot
         self.free_order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # unheld slots
         self.slot_of_row = np.full(max_num_rows, -1, np.int64)  # [rows] each batch row's slot (-1: base)
@@ -59,11 +60,15 @@ class LoRAManager:
         if slot is None:
             slot = self._evict()
             load_slot(self.wrapped, slot, self._weights(lora))
-            self.slot_ids[slot] = lora.lora_int_id
+            self.slot_ids[slot], self.slot_names[slot] = lora.lora_int_id, lora.lora_name
             self.num_loads += 1
         self.free_order.pop(slot, None)
         self.slot_users[slot] += 1
         self.slot_of_row[row] = slot
+
+    def resident_names(self) -> list[str]:
+        """The names of the adapters in the slots (held or not)."""
+        return sorted({name for name in self.slot_names if name is not None})
 
     def release(self, row: int) -> None:
         slot = int(self.slot_of_row[row])
