@@ -117,6 +117,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar: GrammarStats | None = None  # None when no grammar was asked for or compiled
     expert_balance: float | None = None  # MoE: tokens per expert, max / mean, over this step's layers; else None
     kv_tiers: KVTierStats | None = None  # None without a KV connector or when it did nothing
+    resident_loras: list[str] | None = None  # LoRA: the adapters in the runner's slots, by name; None: LoRA off
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

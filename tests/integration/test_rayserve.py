@@ -13,8 +13,10 @@ import contextlib
 import json
 import shutil
 import socket
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -29,6 +31,9 @@ from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.testing.router_servers import sample_value, shared_tiny_model  # noqa: E402
 from llmserve.testing.servers import StepGateClient, wait_until  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # the unit tests' peft helpers
+from lora_helpers import make_adapter  # noqa: E402
+
 APP = "llmserve"
 MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4
 # Autoscaling between 2 and 3 replicas, 4 requests per replica targeted, short delays: the tests before the
@@ -37,7 +42,7 @@ FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "200
          "--log-level", "warning", "--replica-num-cpus", "0.5", "--ingress-num-cpus", "0.5",
          "--min-replicas", str(MIN_REPLICAS), "--max-replicas", str(MAX_REPLICAS),
          "--target-ongoing-requests", str(TARGET_ONGOING), "--upscale-delay-s", "1", "--downscale-delay-s", "3",
-         "--look-back-period-s", "11", "--prefix-chars", "200")
+         "--look-back-period-s", "11", "--prefix-chars", "200", "--enable-lora", "--max-lora-rank", "8")
 
 # Replicas and handles report their ongoing requests to Ray's autoscaler every second instead of every 10.
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
@@ -138,6 +143,27 @@ def test_openai_client_and_tgi_through_ray_serve(url):
                       json={"inputs": "hi", "parameters": {"max_new_tokens": 4}}) as r:
         events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
     assert len(events) == 4 and events[-1]["details"]["generated_tokens"] == 4
+
+
+def test_an_adapter_loaded_on_one_replica_gets_its_requests(url, tmp_path_factory):
+    """Loaded at run time on one replica (pinned), a LoRA adapter's requests all go there once Ray's routing
+    stats tell the request router (every ROUTING_STATS_PERIOD_S); the other replica would answer 404."""
+    wait_until(settled(MIN_REPLICAS), 60, "two running replicas")
+    holder = sorted(replica_ids())[0]
+    model = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
+    adapter = make_adapter(model, str(tmp_path_factory.mktemp("ray-lora") / "sql"), seed=3, rank=4)
+    body = {"lora_name": "sql", "lora_path": adapter}
+    assert pinned(url, holder, "POST", "/v1/load_lora_adapter", json=body).status_code == 200
+    request = {"model": "sql", "prompt": "hello", "max_tokens": 2}
+
+    def answered_by_holder_in_a_row() -> bool:  # 8 in a row: by chance 1 in 256 with two replicas
+        answers = [httpx.post(f"{url}/v1/completions", json=request, timeout=60) for _ in range(8)]
+        return all(r.status_code == 200 and r.headers[REPLICA_HEADER] == holder for r in answers)
+
+    wait_until(answered_by_holder_in_a_row, 30, "the adapter's requests on the replica holding it")
+    answer = httpx.post(f"{url}/v1/completions", json=request, timeout=60).json()
+    assert answer["model"] == "sql" and answer["usage"]["completion_tokens"] == 2
+    assert pinned(url, holder, "POST", "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
 
 
 def test_a_client_leaving_a_stream_aborts_it_in_the_replica(url):

@@ -193,3 +193,26 @@ def test_server_state_shows_the_kv_tiers_only_once_they_moved():
     tiers = server_state(ring.advance(2.0), "tiny")["kv_tiers"]
     assert tiers == {"host_hit_tokens": 32, "disk_hit_tokens": 16, "offloaded_blocks": 5, "corrupt_blocks": 0,
                      "sent_blocks": 0, "received_blocks": 3, "hit_tokens_per_s": 24.0}
+
+
+def test_server_state_shows_adapters_and_their_traffic_only_with_lora():
+    from types import SimpleNamespace
+
+    from llmserve.lora_request import LoRARequest
+    from llmserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    metrics = ServerMetrics("tiny")
+    ring = SnapshotRing(metrics.registry)
+    assert server_state(ring.advance(0.0), "tiny")["lora"] is None
+    metrics.num_lora_adapters.set(2)
+    for request_id, lora in (("1", LoRARequest("sql", 1, "/a")), ("2", None)):
+        metrics.on_request_added(SimpleNamespace(request_id=request_id, arrival_time=0.0, prompt_token_ids=[1, 2],
+                                                 lora=lora))
+    assert server_state(ring.advance(1.0), "tiny")["lora"] == {"served": 2, "adapters": []}
+    done = FinishReason.LENGTH
+    metrics.on_engine_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("1", [5, 6, 7], finish_reason=done),
+                                                         EngineCoreOutput("2", [5], finish_reason=done)]))
+    lora = server_state(ring.advance(3.0), "tiny")["lora"]
+    assert lora["served"] == 2 and [a["name"] for a in lora["adapters"]] == ["sql"]
+    sql = lora["adapters"][0]
+    assert sql["finished"] == 1 and sql["output_tokens"] == 3

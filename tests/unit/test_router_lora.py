@@ -1,6 +1,6 @@
 """The router and LoRA adapters: it learns which backend serves which adapter (GET /v1/models cards with a
 parent, read again when a backend's adapter count changes) and sends an adapter's requests there, the
-adapter's name unchanged."""
+adapter's name unchanged, preferring backends whose /metrics say the adapter is in a slot."""
 
 import asyncio
 import json
@@ -11,6 +11,7 @@ from test_router_proxy import A, B, backend, call, json_response, make_gateway, 
 from llmserve.router.monitor import learn_model, scrape
 
 ADAPTERS = {"a": [], "b": ["sql"]}
+RESIDENT = {"a": [], "b": []}
 
 
 def handler(request: httpx.Request) -> httpx.Response:
@@ -20,6 +21,8 @@ def handler(request: httpx.Request) -> httpx.Response:
         return json_response(200, {"object": "list", "data": cards})
     if request.url.path == "/metrics":
         text = f"llmserve:lora_adapters{{model_name=\"m\"}} {len(ADAPTERS.get(host, []))}\n"
+        text += "".join(f'llmserve:lora_adapter_resident{{lora_name="{name}",model_name="m"}} '
+                        f'{float(name in RESIDENT.get(host, []))}\n' for name in ADAPTERS.get(host, []))
         return httpx.Response(200, text=text)
     return ok(request)
 
@@ -54,5 +57,25 @@ def test_a_scrape_learns_adapters_loaded_at_run_time():
             assert json.loads(r.content)["served_by"] == "a"
         finally:
             ADAPTERS["a"] = []
+
+    asyncio.run(run())
+
+
+def test_an_adapters_requests_prefer_the_backend_holding_it_in_a_slot():
+    async def run():
+        gw = make_gateway(handler)
+        ADAPTERS["a"], RESIDENT["a"] = ["sql", "chat"], ["chat"]
+        try:
+            for url in (A, B):
+                assert await learn_model(gw, backend(gw, url))
+                await scrape(gw, backend(gw, url))
+            assert backend(gw, A).scraped.resident_adapters == {"chat"}
+            assert backend(gw, B).scraped.resident_adapters == frozenset()
+            served = {(await call(gw, {"model": "chat", "prompt": "hi"})).json()["served_by"] for _ in range(4)}
+            assert served == {"a"}
+            served = {(await call(gw, {"model": "sql", "prompt": "hi"})).json()["served_by"] for _ in range(4)}
+            assert served == {"a", "b"}  # held by neither: both serve it
+        finally:
+            ADAPTERS["a"], RESIDENT["a"] = [], []
 
     asyncio.run(run())

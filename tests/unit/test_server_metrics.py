@@ -46,3 +46,15 @@ def test_expert_load_histogram_observes_moe_steps_only():
     assert metric_value(text, "llmserve:moe_expert_load_max_over_mean_count") == 2
     assert metric_value(text, "llmserve:moe_expert_load_max_over_mean_sum") == 4.7
     assert 'llmserve:moe_expert_load_max_over_mean_bucket{le="1.25",model_name="m"} 1.0' in text
+
+
+def test_resident_adapters_are_a_gauge_per_adapter_name():
+    metrics = ServerMetrics("tiny")
+    metrics.on_scheduler_stats(SchedulerStats(resident_loras=["sql", "chat"]))
+    metrics.on_scheduler_stats(SchedulerStats(resident_loras=["chat", "math"]))  # sql swapped out for math
+    text = metrics.render().decode()
+    for name, value in (("sql", 0.0), ("chat", 1.0), ("math", 1.0)):
+        assert f'llmserve:lora_adapter_resident{{lora_name="{name}",model_name="tiny"}} {value}' in text
+    assert metrics.resident_loras == {"chat", "math"}
+    metrics.on_scheduler_stats(SchedulerStats())  # LoRA off: nothing said, nothing changed
+    assert metrics.resident_loras == {"chat", "math"}

@@ -30,7 +30,8 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_connector import KVConnector
 from llmserve.core.kv_loading import KVLoadWaitList
 from llmserve.core.kv_saving import KVSaves
-from llmserve.core.lora_slots import is_held_behind, running_adapters, take_lora_slot
+from llmserve.core.lora_slots import (AdapterMemory, has_adapter_in_memory, is_held_behind, running_adapters,
+                                      take_lora_slot)
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_output import aborted_output
 from llmserve.core.request_queue import make_queue
@@ -48,10 +49,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, spec_config: SpeculativeConfig = SpeculativeConfig(),
                  group_windows: tuple[int, ...] = (0,), kv_connector: KVConnector | None = None,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, lora_memory: AdapterMemory | None = None) -> None:
         """group_windows: each KV cache group's window (core/kv_cache_groups.py; 0: full attention).
         kv_connector: where blocks live below the device (core/kv_connector.py).
-        max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off)."""
+        max_loras: different LoRA adapters running at once (the runner's slots; 0: LoRA off).
+        lora_memory: the runner's adapters in memory; a request starts once its adapter is there."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
         self.config = config
@@ -62,6 +64,7 @@ class Scheduler:
                                           or (config.num_scheduler_steps or 1) > 1)
         self.max_model_len = max_model_len
         self.max_loras = max_loras
+        self.lora_memory = lora_memory
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  group_windows)
         assert kv_connector is None or cache_config.enable_prefix_caching, "a KV connector needs prefix caching"
@@ -333,7 +336,8 @@ class Scheduler:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
-            if is_held_behind(request, set_aside) or not take_lora_slot(request, adapters, self.max_loras):
+            if is_held_behind(request, set_aside) or not take_lora_slot(request, adapters, self.max_loras) \
+                    or not has_adapter_in_memory(request, self.lora_memory):  # its slot kept while it is read
                 set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)

@@ -41,6 +41,7 @@ from llmserve.worker.worker import Worker, device_memory, resolve_device
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an engine whose only requests wait for their grammar checks its inputs this often
+LORA_READ_POLL_S = 0.005  # likewise one waiting for its adapter's read from disk (worker/lora_reader.py)
 KV_LOAD_POLL_S = 0.005  # likewise one waiting for its KV tiers' loads or saves (core/kv_loading.py, kv_saving.py)
 
 
@@ -137,7 +138,8 @@ class EngineCore:
         self.kv_connector = build_kv_connector(config.kv_transfer, self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.model_info.max_model_len,
                                    config.speculative, log_kv_cache_layout(kv_layout, self.model_info.layer_windows),
-                                   self.kv_connector, config.lora.max_loras if config.lora.enable_lora else 0)
+                                   self.kv_connector, config.lora.max_loras if config.lora.enable_lora else 0,
+                                   self.runner.lora)
         self.kv_sender, self.kv_receiver = self._kv_transports(config)
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
@@ -237,12 +239,16 @@ class EngineCore:
             outputs.stats.grammar = self.grammars.take_stats()
             outputs.stats.expert_balance = self._take_expert_balance()
             outputs.stats.kv_tiers = self._take_kv_stats()
+            if self.runner.lora is not None:
+                outputs.stats.resident_loras = self.runner.lora.resident_names()
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step; then the KV tiers' loads and saves it started run in the background
         (core/kv_loading.py, core/kv_saving.py)."""
         sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.in_flight is None and self.runner.lora is not None:
+            self.runner.lora.reader.wait(LORA_READ_POLL_S)  # nothing to run until an adapter's read ends
         if self.kv_connector is not None:  # also lets go of blocks matched but not loaded
             self.kv_connector.apply()
             if sched_out.is_empty and self.in_flight is None:  # nothing to run until a load or a save ends

@@ -22,6 +22,7 @@ REPLICA_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMReplica", "Ingress"
 PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT = "LLMPrefill", "LLMDecode"  # --pd-disaggregation's engine deployments
 INGRESS_MAX_ONGOING = 16384  # the ingress only forwards: its limit must not be the bottleneck (Ray's default is 5)
 ROUTER_CLASS = "llmserve.rayserve.request_router:PrefixAwareRequestRouter"
+ROUTING_STATS_PERIOD_S = 2.0  # how often the router hears each replica's adapters (an adapter loaded at run time)
 # Ray Serve runs user code on a second event loop in its own thread, and a handle's router on a third, by
 # default: every streamed item then hops between threads. Both on Ray's main loops (in every Ray process) is
 # faster through Ray (docs/benchmarks.md, "Ray Serve").
@@ -71,7 +72,8 @@ def replica_options(deployment: Deployment, name: str = REPLICA_DEPLOYMENT, num_
         from ray.serve.config import RequestRouterConfig
 
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=ROUTER_CLASS, request_router_kwargs={"load_factor": config.load_factor})
+            request_router_class=ROUTER_CLASS, request_router_kwargs={"load_factor": config.load_factor},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     return options
 
 

@@ -77,15 +77,16 @@ class Ingress:
 
     async def forwarded(self, request: Request) -> ForwardedRequest:
         body = await request.body()
-        prefix = b""
+        prefix, model = b"", ""
         if request.method == "POST" and body:
             try:
-                prefix = route_request(decode_body(body), self.config.prefix).prefix
+                routed = route_request(decode_body(body), self.config.prefix)
+                prefix, model = routed.prefix, routed.model
             except ValueError:
                 pass  # the replica answers the 400
         return ForwardedRequest(request.method, _app_path(request.scope), request.scope.get("query_string", b""),
                                 tuple(request.scope["headers"]), body, prefix,
-                                request.headers.get(REPLICA_HEADER))
+                                request.headers.get(REPLICA_HEADER), model)
 
 
 def _app_path(scope: dict) -> str:

@@ -19,6 +19,7 @@ class ForwardedRequest:
     body: bytes
     prefix: bytes = b""  # the prompt's leading blocks (router/requests.prefix_key); b"": none
     pinned_replica: str | None = None  # a replica's unique id: route there when it is a candidate
+    model: str = ""  # the body's `model` (an adapter's name: replicas serving it are preferred); "": none
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ logger = logging.getLogger("llmserve.rayserve")
 
 
 class LLMReplica:
-    """Ray Serve calls `forward` (streaming) for each request and `check_health` periodically."""
+    """Ray Serve calls `forward` (streaming) for each request, `check_health` and `record_routing_stats`
+    periodically."""
 
     async def __init__(self, deployment: Deployment) -> None:  # Ray Serve awaits an async constructor
         from ray import serve
@@ -30,7 +31,7 @@ class LLMReplica:
         self.engine = await AsyncLLM.from_config(deployment.engine, startup_timeout=server.engine_startup_timeout,
                                                  stream_interval=server.stream_interval,
                                                  request_timeout=server.request_timeout)
-        self.ctx = serving_context(self.engine, server)
+        self.ctx = serving_context(self.engine, server, deployment.engine.lora)  # --lora-modules served here too
         self.app = build_app(self.ctx)
         self.headers = ((REPLICA_HEADER.encode(), self.replica_id.encode()),)
         logger.info("replica %s serving %s", self.replica_id, self.ctx.model_name)
@@ -46,6 +47,11 @@ class LLMReplica:
         if kv.disaggregation_mode != "decode":
             raise RuntimeError(f"replica {self.replica_id} is no decode replica ({kv.disaggregation_mode})")
         return self.replica_id, f"tcp://{self.node_ip}:{kv.disaggregation_kv_port}"
+
+    def record_routing_stats(self) -> dict:
+        """What Ray hands the request router about this replica (every ROUTING_STATS_PERIOD_S): the adapters it
+        serves (--lora-modules and those loaded here at run time) and those resident in its engine's slots."""
+        return {"adapters": sorted(self.ctx.loras.adapters), "resident": sorted(self.ctx.metrics.resident_loras)}
 
     def check_health(self) -> None:
         """Raising marks the replica unhealthy: Ray replaces it."""

@@ -18,6 +18,7 @@ class ScrapedLoad:
     num_running: float = 0.0
     kv_usage: float = 0.0
     num_adapters: float = 0.0  # LoRA adapters it serves by name
+    resident_adapters: frozenset[str] = frozenset()  # those in its engine's slots (a request there swaps none)
 
 
 @dataclass(eq=False)
@@ -73,12 +74,13 @@ class Pool:
 
     def pick(self, request: RouteRequest, now: float, exclude: frozenset[str] = frozenset()) -> Backend | None:
         """The policy's choice among routable backends (those not yet tried first; for a LoRA adapter's
-        request, those that serve it first), marked dispatched."""
+        request, those that serve it first, and among them those holding it in a slot), marked dispatched."""
         routable = [b for b in self.backends if b.is_routable(now, self.max_in_flight_per_backend)]
         fresh = [b for b in routable if b.url not in exclude]
         candidates = fresh or routable
         holders = [b for b in candidates if request.model in b.adapters]
-        candidates = holders or candidates
+        resident = [b for b in holders if request.model in b.scraped.resident_adapters]
+        candidates = resident or holders or candidates
         if not candidates:
             return None
         name = self.policy.choose(request, [b.load() for b in candidates])

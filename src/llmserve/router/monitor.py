@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from llmserve.router.backends import Backend, ScrapedLoad
@@ -20,6 +21,7 @@ _RUNNING = ("llmserve:num_requests_running", "llmserve_num_requests_running", "v
 _KV_USAGE = ("llmserve:kv_cache_usage_perc", "llmserve_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
              "vllm:gpu_cache_usage_perc")
 _ADAPTERS = ("llmserve:lora_adapters",)
+_RESIDENT = "llmserve:lora_adapter_resident"
 
 
 def parse_metrics(text: str, names: set[str]) -> dict[str, float]:
@@ -43,7 +45,21 @@ def scraped_load(text: str) -> ScrapedLoad:
     def first(names: tuple[str, ...]) -> float:
         return next((values[n] for n in names if n in values), 0.0)
 
-    return ScrapedLoad(first(_WAITING), first(_RUNNING), first(_KV_USAGE), first(_ADAPTERS))
+    return ScrapedLoad(first(_WAITING), first(_RUNNING), first(_KV_USAGE), first(_ADAPTERS),
+                       resident_adapters(text))
+
+
+_LORA_NAME = re.compile(r'lora_name="((?:[^"\\]|\\.)*)"')
+
+
+def resident_adapters(text: str) -> frozenset[str]:
+    """The adapters whose `llmserve:lora_adapter_resident{lora_name=...}` sample is 1 (in an engine slot)."""
+    names = set()
+    for line in text.splitlines():
+        match = _LORA_NAME.search(line) if line.startswith(_RESIDENT + "{") else None
+        if match and line.rsplit(" ", 1)[-1] not in ("0", "0.0"):
+            names.add(match.group(1).replace('\\"', '"').replace("\\\\", "\\"))
+    return frozenset(names)
 
 
 async def probe(gw: Gateway, backend: Backend) -> None:

@@ -30,7 +30,7 @@ def server_state(w: Window, model_name: str) -> dict:
             "preemptions": {"total": w.gauge(P + "num_preemptions_total"),
                             "per_s": w.rate(P + "num_preemptions_total")},
             "speculative": _speculative(w), "grammar_cache": _grammar_cache(w), "moe": _moe(w),
-            "kv_tiers": _kv_tiers(w)}
+            "kv_tiers": _kv_tiers(w), "lora": _lora(w)}
 
 
 def _requests(w: Window) -> dict:
@@ -84,6 +84,21 @@ def _kv_tiers(w: Window) -> dict | None:
     if not any(counts.values()):
         return None
     return {**counts, "hit_tokens_per_s": w.rate(P + "kv_offload_hit_tokens_total")}
+
+
+def _lora(w: Window) -> dict | None:
+    """The LoRA adapters served and each adapter's traffic (finished requests and output tokens: since start,
+    and per second), the adapters that ran first; None while none is served and none ran (LoRA off: no tile)."""
+    tokens, finished = P + "lora_generation_tokens_total", P + "lora_request_success_total"
+    names = sorted({*w.current.label_values(tokens, "lora_name"), *w.current.label_values(finished, "lora_name")})
+    num_served = w.gauge(P + "lora_adapters")
+    if not names and not num_served:
+        return None
+    adapters = [{"name": name, "finished": w.gauge(finished, lora_name=name),
+                 "finished_per_s": w.rate(finished, lora_name=name),
+                 "output_tokens": w.gauge(tokens, lora_name=name),
+                 "output_tokens_per_s": w.rate(tokens, lora_name=name)} for name in names]
+    return {"served": num_served, "adapters": adapters}
 
 
 def add_dashboard_routes(app, metrics) -> None:

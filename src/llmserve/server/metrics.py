@@ -71,6 +71,10 @@ class ServerMetrics:
         self.loop_lag_max = self._gauge("event_loop_lag_max_seconds", "Longest event-loop lag seen since start.")
         self.num_lora_adapters = self._gauge("lora_adapters", "LoRA adapters served by name (a router reads "
                                              "GET /v1/models again when this changes).")
+        self.lora_resident = Gauge("llmserve:lora_adapter_resident", "1 for each LoRA adapter in a slot of the "
+                                   "engine (as of the last engine step), 0 once swapped out.",
+                                   ["model_name", "lora_name"], registry=self.registry)
+        self.resident_loras: frozenset[str] = frozenset()  # the adapters in the engine's slots, by name
 
     def _make_counters(self) -> None:
         self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -153,6 +157,11 @@ class ServerMetrics:
             if times is not None:
                 times.finish_reason = "stop"
 
+    def _set_resident(self, names: frozenset[str]) -> None:
+        for name in names ^ self.resident_loras:
+            self.lora_resident.labels(self.model_name, name).set(float(name in names))
+        self.resident_loras = names
+
     def _on_output(self, out: EngineCoreOutput, times: _RequestTimes, now: float) -> None:
         num_new = len(out.new_token_ids)
         if num_new:
@@ -179,6 +188,8 @@ class ServerMetrics:
             self.output_len.observe(times.num_generation_tokens)
 
     def on_scheduler_stats(self, stats: SchedulerStats) -> None:
+        if stats.resident_loras is not None:
+            self._set_resident(frozenset(stats.resident_loras))
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

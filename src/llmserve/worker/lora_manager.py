@@ -4,7 +4,9 @@ each forward's token -> slot map.
 A request's adapter takes a slot when the runner first sees it (read from disk, or from the host LRU of
 --max-cpu-loras adapters) and holds it until the request finishes or is preempted; a slot no request
 holds is reused, least recently released first. The scheduler admits at most --max-loras adapters among
-running requests, so a slot is always free when one is asked for.
+running requests, so a slot is always free when one is asked for, and starts a request only once its
+adapter is in memory (`is_in_memory`: read from disk on a background thread, worker/lora_reader.py); the
+copy into a slot runs on the step loop.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from llmserve.lora_request import LoRARequest
 from llmserve.model.lora_adapter import LoRAWeights, base_shapes, read_adapter
 from llmserve.model.lora_layers import attach_lora, load_slot, lora_step, shard_adapter
+from llmserve.worker.lora_reader import LoRAReader
 
 
 class LoRAManager:
@@ -31,10 +34,18 @@ class LoRAManager:
         self.layout = getattr(model, "layout", None)  # tensor parallelism: this rank's share (None: one rank)
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recent first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
+        self.slot_names: list[str | None] = [None] * max_loras  # and its name (what routers prefer replicas by)
         self.slot_users = [0] * max_loras  # running requests on each slot
         self.free_order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # unheld slots
         self.slot_of_row = np.full(max_num_rows, -1, np.int64)  # [rows] each batch row's slot (-1: base)
         self.num_loads = 0  # adapters written into a slot (swaps included)
+        self.reader = LoRAReader(self._read, max_cpu_loras)
+
+    def is_in_memory(self, lora: LoRARequest) -> bool:
+        """Whether the adapter is in a slot, in host memory or read; if not, its read from disk starts in the
+        background (the scheduler holds its requests until it ends)."""
+        lora_id = lora.lora_int_id
+        return lora_id in self.slot_ids or lora_id in self.host or self.reader.has_read(lora)
 
     def acquire(self, row: int, lora: LoRARequest | None) -> None:
         """Batch row `row`'s request runs with `lora` (None: the base model) from now on."""
@@ -49,11 +60,15 @@ class LoRAManager:
         if slot is None:
             slot = self._evict()
             load_slot(self.wrapped, slot, self._weights(lora))
-            self.slot_ids[slot] = lora.lora_int_id
+            self.slot_ids[slot], self.slot_names[slot] = lora.lora_int_id, lora.lora_name
             self.num_loads += 1
         self.free_order.pop(slot, None)
         self.slot_users[slot] += 1
         self.slot_of_row[row] = slot
+
+    def resident_names(self) -> list[str]:
+        """The names of the adapters in the slots (held or not)."""
+        return sorted({name for name in self.slot_names if name is not None})
 
     def release(self, row: int) -> None:
         slot = int(self.slot_of_row[row])
@@ -90,13 +105,16 @@ class LoRAManager:
     def _weights(self, lora: LoRARequest) -> LoRAWeights:
         weights = self.host.pop(lora.lora_int_id, None)
         if weights is None:
-            weights = read_adapter(lora.lora_path, self.shapes, self.max_lora_rank, self.dtype)
-            if self.layout is not None:
-                weights = shard_adapter(weights, self.layout)
+            weights = self.reader.take(lora)
         self.host[lora.lora_int_id] = weights
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
         return weights
+
+    def _read(self, lora: LoRARequest) -> LoRAWeights:
+        """From disk, checked; this rank's share with tensor parallelism (runs on the reader thread)."""
+        weights = read_adapter(lora.lora_path, self.shapes, self.max_lora_rank, self.dtype)
+        return weights if self.layout is None else shard_adapter(weights, self.layout)
 
     def check_integrity(self, rows: list[int]) -> None:
         """`rows`: the batch rows in use. Each slot's user count is the rows on it; unheld slots are free."""

@@ -186,6 +186,7 @@ function renderServer(s) {
           `${num(s.grammar_cache.queries)} lookups`);
   if (s.moe) renderMoe(s.moe);
   if (s.kv_tiers) renderKvTiers(s.kv_tiers);
+  if (s.lora) renderLora(s.lora);
   serverCharts(s);
 }
 
@@ -204,6 +205,16 @@ function renderKvTiers(t) {
     const role = t.sent_blocks ? "prefill server" : "decode server";
     setTile("kvtransfer", "KV transfer", role, `${num(t.sent_blocks)} blocks sent, ${num(t.received_blocks)} received`);
   }
+}
+
+// Servers with --enable-lora only (the state's `lora` is null otherwise): adapters served, each one's traffic.
+function renderLora(lora) {
+  const busiest = [...lora.adapters].sort((a, b) => (b.output_tokens_per_s || 0) - (a.output_tokens_per_s || 0));
+  const top = busiest.slice(0, 3).map(a => `${a.name} ${num(a.output_tokens_per_s)}/s`).join(", ");
+  setTile("lora", "LoRA adapters", `${num(lora.served)} served`, top || "no adapter traffic yet");
+  const points = {};
+  for (const a of busiest.slice(0, 8)) points[a.name] = a.output_tokens_per_s;
+  if (busiest.length) pushChart("lora", "Output tokens/s by adapter", num, points);
 }
 
 function serverCharts(s) {
