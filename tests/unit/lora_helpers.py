@@ -50,3 +50,17 @@ def peft_greedy(base_path: str, adapter_dir: str | None, prompt: list[int], num_
         if is_merged:
             model = model.merge_and_unload()
     return hf_greedy(model, prompt, num_out)
+
+
+def float64_lora_delta(x: torch.Tensor, linear, token_slots) -> torch.Tensor:
+    """Each token alone in float64: x_t @ A_s^T @ B_s^T per sub-projection of a LoRALinear (zero for base
+    tokens, slot < 0)."""
+    rank, rows = linear.max_rank, []
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            rows.append(torch.zeros(sum(linear.out_sizes), dtype=torch.float64))
+            continue
+        a = linear.lora_a[slot].double()
+        rows.append(torch.cat([(x[t].double() @ a[j * rank:(j + 1) * rank].T) @ b[slot].double()
+                               for j, b in enumerate(linear.lora_bs)]))
+    return torch.stack(rows)

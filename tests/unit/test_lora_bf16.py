@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hf_parity import random_prompt
-from lora_helpers import make_adapter, peft_greedy
+from lora_helpers import float64_lora_delta, make_adapter, peft_greedy
 
 from llmserve import LLM, LoRARequest, SamplingParams
 from llmserve.model import cpu_isa, lora_cpu
@@ -35,18 +35,6 @@ def _linear(gen: torch.Generator, in_features: int, out_sizes: list[int]) -> LoR
     return linear
 
 
-def _float64_delta(x: torch.Tensor, linear: LoRALinear, token_slots: np.ndarray) -> torch.Tensor:
-    """Each token alone in float64: x_t @ A_s^T @ B_s^T per sub-projection (zero for base tokens)."""
-    rank, rows = linear.max_rank, []
-    for t, slot in enumerate(token_slots.tolist()):
-        if slot < 0:
-            rows.append(torch.zeros(sum(linear.out_sizes), dtype=torch.float64))
-            continue
-        a = linear.lora_a[slot].double()
-        rows.append(torch.cat([(x[t].double() @ a[j * rank:(j + 1) * rank].T) @ b[slot].double()
-                               for j, b in enumerate(linear.lora_bs)]))
-    return torch.stack(rows)
-
 
 @pytest.mark.parametrize("form", [pytest.param("kernel", marks=needs_kernel), "segmented"])
 @pytest.mark.parametrize("token_slots", [[1, -1, 0, 2, 1, 1, -1, 2, 0, 1, 1, 1, 1, 3, 3], [2, 0, 1, 3], [-1, 3]],
@@ -62,7 +50,7 @@ def test_bf16_lora_equals_the_float64_reference_within_one_rounding(form, token_
     linear.context.step = lora_step(token_slots, torch.device("cpu"))
     with torch.no_grad():
         out = linear(x)
-        expected = linear.base(x).double() + _float64_delta(x, linear, token_slots)
+        expected = linear.base(x).double() + float64_lora_delta(x, linear, token_slots)
     assert out.dtype == BF16
     torch.testing.assert_close(out.double(), expected, rtol=HALF_ULP, atol=1e-4)
 

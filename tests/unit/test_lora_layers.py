@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from lora_helpers import make_adapter
+from lora_helpers import float64_lora_delta, make_adapter
 
 from llmserve.model import lora_cpu
 from llmserve.model.lora_adapter import AdapterError, BaseShapes, adapter_scale, read_adapter, read_adapter_config
@@ -54,23 +54,11 @@ def test_segmented_products_equal_the_per_row_reference(token_slots):
     torch.testing.assert_close(out, 1 + _per_row_reference(x, a, bs, token_slots), atol=1e-5, rtol=1e-5)
 
 
-def _float64_reference(x: torch.Tensor, linear: LoRALinear, token_slots: np.ndarray) -> torch.Tensor:
-    """Each token alone in float64: x_t @ A_s^T @ B_s^T per sub-projection (zero for base tokens)."""
-    rank, rows = linear.max_rank, []
-    for t, slot in enumerate(token_slots.tolist()):
-        if slot < 0:
-            rows.append(torch.zeros(sum(linear.out_sizes), dtype=torch.float64))
-            continue
-        a = linear.lora_a[slot].double()
-        rows.append(torch.cat([(x[t].double() @ a[j * rank:(j + 1) * rank].T) @ b[slot].double()
-                               for j, b in enumerate(linear.lora_bs)]))
-    return torch.stack(rows)
-
 
 @pytest.mark.skipif(not lora_cpu.available(), reason="the CPU LoRA kernel does not build here")
 @pytest.mark.parametrize("token_slots", [[1, -1, 0, 2, 1, 1, -1, 2, 0, 1, 1, 1, 1, 3, 3], [2, 0, 1, 3], [-1, 3]],
                          ids=["mixed", "one-token-each", "one-adapter-token"])
-def test_the_one_call_kernel_equals_the_float64_reference(token_slots):
+def test_the_one_call_kernel_equals_thefloat64_lora_delta(token_slots):
     """Slots of ranks 2, 8 and 5 (one with no k_proj and no LoRA in v_proj), base tokens between, tiles of
     several tokens of one slot; sizes that leave tails past the kernel's vector widths."""
     gen = torch.Generator().manual_seed(5)
@@ -85,7 +73,7 @@ def test_the_one_call_kernel_equals_the_float64_reference(token_slots):
     linear.context.step = lora_step(token_slots, torch.device("cpu"))
     with torch.no_grad():
         out = linear(x)  # the kernel's path (float32 on CPU)
-        expected = linear.base(x).double() + _float64_reference(x, linear, token_slots)
+        expected = linear.base(x).double() + float64_lora_delta(x, linear, token_slots)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
     assert linear.lora_ranks.tolist() == [[2, 2, 2], [8, 0, 8], [5, 5, 5], [8, 8, 0]]
 
