@@ -304,9 +304,9 @@ class SparseMoeBlock(nn.Module):
         experts = self.experts
         if self.runs_grouped_gemm(x):  # no host sync: CUDA graphs capture it
             out = grouped_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,
-                              self.spec.activation or _silu_mul, self._biases())
+                              self.spec.activation or _silu_mul, self.rank_biases())
         else:
-            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self._biases(),
+            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.rank_biases(),
                             self.spec.activation)
         if self.shared_experts is not None:
             out += self.shared_experts(x)
@@ -317,7 +317,7 @@ class SparseMoeBlock(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         return isinstance(gate_up, torch.Tensor) and can_group(x, gate_up, down)
 
-    def _biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def rank_biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The experts' biases; on a tensor-parallel rank other than 0 without the down bias, which the
         all-reduce would otherwise add once per rank (as a row-parallel layer's). With expert parallelism
         each expert's down bias is on its one rank only."""
