@@ -19,7 +19,7 @@
 # (scripts/llamacpp/side_by_side.sh --build). The measurement holds /tmp/llmserve-bench.lock.
 #
 # env: LLAMACPP_CACHE (default ~/.cache/llmserve-llamacpp), LLAMA_CPP_PYTHON_VERSION (0.3.36),
-#      PYTHON (a python that imports llmserve; default python3), PORT_A (8341), PORT_B (8342)
+#      PYTHON (a python that imports llmserve; default python3), PORT_A (8351), PORT_B (8352)
 set -euo pipefail
 source "$(dirname "$0")/../lib/servers.sh"
 source "$(dirname "$0")/../lib/llamacpp.sh"
@@ -29,8 +29,8 @@ SRC=$CACHE/llama_cpp_python-${LLAMA_CPP_PYTHON_VERSION:-0.3.36}/vendor/llama.cpp
 SERVER_BIN=$CACHE/build/bin/llama-server
 CONVERT_PY=$CACHE/venv/bin/python
 PYTHON=${PYTHON:-python3}
-PORT_A=${PORT_A:-8341}
-PORT_B=${PORT_B:-8342}
+PORT_A=${PORT_A:-8351}
+PORT_B=${PORT_B:-8352}
 CONCURRENCY=16,64 OUT= NUM_REQUESTS=
 while [[ $# -gt 0 ]]; do
   case $1 in
