@@ -3,9 +3,12 @@
 # model with the same active parameters, and against llama.cpp's llama-server on the same MoE weights.
 # NEVER RUN IN CI: tens of minutes per level on 2 cores.
 #
-# usage: scripts/moe/side_by_side.sh [--concurrency 16,64] [--num-requests N] [--out DIR]
+# usage: scripts/moe/side_by_side.sh [--concurrency 16,64] [--num-requests N] [--num-threads T] [--out DIR]
 #   --num-requests  requests a comparison and level (default 2 x C: each of the two interleaved rounds at full
 #                   concurrency)
+#   --num-threads   threads of each engine (default 2: ours --num-threads T, llama-server -t T); 1 where other
+#                   jobs load the cores (two OpenMP threads then wait on each other: docs/benchmarks.md,
+#                   "The CPU engine under a noisy neighbour")
 #
 # Checkpoints (random weights, made by transformers through `make-model` when absent, in $LLAMACPP_CACHE):
 #   qwen3moe-135m-a  --arch qwen3_moe --shape smollm2-135m-moe: smollm2-135m's layers, 8 experts, top-2, each
@@ -14,8 +17,8 @@
 # The MoE one is converted to an f32 GGUF by llama.cpp's own converter (scripts/lib/llamacpp.sh).
 # Per level two `bench serve --compare` runs of the anchor workload (scripts/lib/servers.sh: prompts 64-512,
 # outputs 32-256, ignore_eos, streamed, seed 20), each with its two servers up and its requests interleaved
-# A B, B A: ours MoE vs ours dense, then ours MoE vs llama.cpp. Both engines in float32 on 2 threads:
-# `--num-threads 2` and `llama-server -t 2 -np C -c C*768`. llama-server must be built already
+# A B, B A: ours MoE vs ours dense, then ours MoE vs llama.cpp. Both engines in float32 on T threads:
+# `--num-threads T` and `llama-server -t T -np C -c C*768`. llama-server must be built already
 # (scripts/llamacpp/side_by_side.sh --build). The measurement holds /tmp/llmserve-bench.lock.
 #
 # env: LLAMACPP_CACHE (default ~/.cache/llmserve-llamacpp), LLAMA_CPP_PYTHON_VERSION (0.3.36),
@@ -31,13 +34,14 @@ CONVERT_PY=$CACHE/venv/bin/python
 PYTHON=${PYTHON:-python3}
 PORT_A=${PORT_A:-8351}
 PORT_B=${PORT_B:-8352}
-CONCURRENCY=16,64 OUT= NUM_REQUESTS=
+CONCURRENCY=16,64 OUT= NUM_REQUESTS= THREADS=2
 while [[ $# -gt 0 ]]; do
   case $1 in
     --concurrency) CONCURRENCY=$2; shift 2 ;;
     --num-requests) NUM_REQUESTS=$2; shift 2 ;;
+    --num-threads) THREADS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    *) sed -n '2,22p' "$0"; exit 2 ;;
+    *) sed -n '2,25p' "$0"; exit 2 ;;
   esac
 done
 OUT=${OUT:-/tmp/side-by-side-moe}
@@ -53,9 +57,9 @@ converter_venv
 convert "$MOE" f32 "$GGUF"
 "$SERVER_BIN" --version > "$OUT/llama-server-version.txt" 2>&1 || true
 
-ours() {  # ours NAME PORT CHECKPOINT: our f32 server on 2 threads, in the background
+ours() {  # ours NAME PORT CHECKPOINT: our f32 server on $THREADS threads, in the background
   start "$1" "$PYTHON" -m llmserve.cli serve "$3" --port "$2" --max-model-len 1024 --kv-cache-memory-bytes 3GiB \
-    --num-threads 2 --dtype float32
+    --num-threads "$THREADS" --dtype float32
 }
 
 compare() {  # compare C N LABELS: the two servers started last, once healthy, then stopped
@@ -77,7 +81,7 @@ for C in ${CONCURRENCY//,/ }; do
   ours "dense-c$C" "$PORT_B" "$DENSE"
   compare "$C" "$N" llmserve-moe,llmserve-dense
   ours "moe-vs-lcpp-c$C" "$PORT_A" "$MOE"
-  start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_B" -t 2 -np "$C" -c $((C * 768))
+  start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_B" -t "$THREADS" -np "$C" -c $((C * 768))
   compare "$C" "$N" llmserve-moe,llama.cpp-moe
 done
 echo "load average after: $(cat /proc/loadavg) at $(date -u +%H:%M:%S)" | tee -a "$OUT/loadavg.txt"
