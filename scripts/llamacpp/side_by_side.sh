@@ -24,6 +24,7 @@
 #      PYTHON (a python that imports llmserve; default: python3), PORT_OURS (8321), PORT_LCPP (8322)
 set -euo pipefail
 source "$(dirname "$0")/../lib/servers.sh"
+source "$(dirname "$0")/../lib/llamacpp.sh"
 
 CACHE=${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -76,37 +77,13 @@ build_llama_cpp() {
   cmake --build "$CACHE/build" -j"$(nproc)" --target llama-server
 }
 
-converter_venv() {
-  # The converter imports torch, transformers and numpy (taken read-only from llmserve's environment
-  # through a .pth, so only sentencepiece is downloaded) and sentencepiece (installed here).
-  [[ -x $CONVERT_PY ]] && return
-  "$PYTHON" -m venv "$CACHE/venv"
-  local site; site=$("$CONVERT_PY" -c 'import site; print(site.getsitepackages()[0])')
-  "$PYTHON" -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))' > "$site/llmserve-env.pth"
-  "$CONVERT_PY" -m pip install -q sentencepiece
-}
-
-convert() {  # convert OUTTYPE FILE
-  [[ -f $2 ]] && return
-  # The converter names a BPE pre-tokenizer by hashing known models' tokenizations; our checkpoint's
-  # toy tokenizer is not one of them, but its pre-tokenizer is GPT-2's ByteLevel regex: say so.
-  PYTHONPATH=$SRC/gguf-py:$SRC "$CONVERT_PY" - "$SRC/convert_hf_to_gguf.py" "$MODEL" "$1" "$2" <<'EOF'
-import runpy, sys
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-script, model, outtype, outfile = sys.argv[1:]
-sys.argv = [script, model, "--outtype", outtype, "--outfile", outfile]
-runpy.run_path(script, run_name="__main__")
-EOF
-}
-
 
 [[ $BUILD == 1 ]] && build_llama_cpp
 [[ -x $SERVER_BIN ]] || { echo "no $SERVER_BIN: run with --build" >&2; exit 1; }
 converter_venv
 [[ -d $MODEL ]] || "$PYTHON" -m llmserve.cli make-model --arch llama --shape smollm2-135m --out "$MODEL"
 GGUF=$CACHE/smollm2-135m-$GGUF_TYPE.gguf
-convert "$GGUF_TYPE" "$GGUF"
+convert "$MODEL" "$GGUF_TYPE" "$GGUF"
 
 "$SERVER_BIN" --version > "$OUT/llama-server-version.txt" 2>&1 || true
 

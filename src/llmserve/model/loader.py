@@ -17,6 +17,7 @@ import torch
 from llmserve.config import is_local_model
 from llmserve.model import cpu_isa
 from llmserve.model.linear import pack_linears
+from llmserve.model.moe_cpu import pack_model_experts
 from llmserve.model.parallel import TensorParallel, is_read, shard_of
 from llmserve.model.pooler_config import resolve_pooler_config
 from llmserve.model.registry import BARE_DECODERS, architecture_of, get_model_class
@@ -142,6 +143,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
         quant.quantize_model(model, quantization)
     model = model.eval().requires_grad_(False)
     pack_linears(model, pack_head)  # float32 on CPU: weights laid out once (model/linear.py)
+    pack_model_experts(model)  # float32 experts on CPU: each laid out as a dense layer (model/moe_cpu.py)
     return model
 
 

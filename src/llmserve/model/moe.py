@@ -209,8 +209,7 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, weig
     computes (expert parallelism: model/moe_parallel.py): skipped.
 
     The T*k token-expert pairs are sorted by expert once (stable: within an expert, token order); each expert
-    with tokens runs its GEMM pair over its contiguous rows; index_add_ sums each token's k outputs in
-    expert order."""
+    with tokens runs its GEMM pair over its contiguous rows; each token's k outputs are summed in k order."""
     top_k, num_experts = ids.shape[1], len(gate_up)
     counts = expert_counts(ids, num_experts)[:num_experts]  # pairs of other ranks' experts sort last
     order = torch.sort(ids.reshape(-1), stable=True).indices[:sum(counts)]  # [P] pairs grouped by expert
@@ -225,8 +224,21 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, weig
             gated = _expert_linear(gate_up, expert, rows[start:start + count], gate_up_bias)  # [n, 2I]
             outs[start:start + count] = _expert_linear(down, expert, activation(gated), down_bias)  # [n, H]
             start += count
-    outs *= weights.reshape(-1)[order].to(outs.dtype)[:, None]
-    return torch.zeros_like(x).index_add_(0, token_of, outs)
+    return _combine(outs, order, weights)
+
+
+def _combine(outs: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """outs [P, H] of the pairs in `order` (indices into the T*k (token, k) pairs; P < T*k where other ranks hold
+    the rest) -> each token's k outputs weighted by weights [T, k] and summed in k order -> [T, H].
+
+    Put back in (token, k) order by index_copy_ (unique indices): on CPU index_add_ adds one row at a time and
+    an indexed assignment is as slow (docs/benchmarks.md, "MoE on CPU")."""
+    num_tokens, top_k = weights.shape
+    is_whole = len(order) == weights.numel()
+    by_pair = (outs.new_empty if is_whole else outs.new_zeros)(num_tokens * top_k, outs.shape[1])  # [T*k, H]
+    by_pair.index_copy_(0, order, outs)
+    weighted = by_pair.view(num_tokens, top_k, -1) * weights.unsqueeze(2).to(outs.dtype)  # [T, k, H]
+    return weighted.sum(dim=1)
 
 
 def _expert_linear(weight: ExpertWeights, expert: int, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -304,9 +316,9 @@ class SparseMoeBlock(nn.Module):
         experts = self.experts
         if self.runs_grouped_gemm(x):  # no host sync: CUDA graphs capture it
             out = grouped_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,
-                              self.spec.activation or _silu_mul, self._biases())
+                              self.spec.activation or _silu_mul, self.rank_biases())
         else:
-            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self._biases(),
+            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.rank_biases(),
                             self.spec.activation)
         if self.shared_experts is not None:
             out += self.shared_experts(x)
@@ -317,7 +329,7 @@ class SparseMoeBlock(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         return isinstance(gate_up, torch.Tensor) and can_group(x, gate_up, down)
 
-    def _biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def rank_biases(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The experts' biases; on a tensor-parallel rank other than 0 without the down bias, which the
         all-reduce would otherwise add once per rank (as a row-parallel layer's). With expert parallelism
         each expert's down bias is on its one rank only."""

@@ -79,6 +79,10 @@ SHAPES: dict[str, Shape] = {
     # Mixture-of-Experts shapes (--arch qwen3_moe | mixtral); the large ones as their published config.json
     "tiny-moe": Shape(64, 4, 4, 2, 128, 512, 2048, init_std=0.1, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32),
+    # smollm2-135m's layers with 8 experts, top-2, each half the dense MLP's width: the same ~135M active
+    # parameters a token (the CPU MoE-vs-dense and MoE-vs-llama.cpp benchmarks: scripts/moe/side_by_side.sh)
+    "smollm2-135m-moe": Shape(576, 30, 9, 3, 1536, 49152, 8192, is_tied=True, rope_theta=100000.0, init_std=0.04,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768),
     "qwen3-30b-a3b": Shape(2048, 48, 32, 4, 6144, 151936, 40960, rope_theta=1000000.0, head_dim=128,
                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rms_norm_eps=1e-6),
     "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1000000.0, num_experts=8,
