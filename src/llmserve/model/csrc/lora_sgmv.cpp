@@ -34,12 +34,7 @@ namespace {
 using llmserve_lora::Problem;
 
 #ifdef LORA_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using llmserve_lora::hsum;
 #endif
 
 // h[t] = dot(xs[t], arow) for the tile's n tokens

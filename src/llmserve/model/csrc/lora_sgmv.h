@@ -11,7 +11,20 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace llmserve_lora {
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {  // the sum of a register's 8 floats
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 constexpr int64_t kTile = 4;
 

@@ -52,12 +52,7 @@ inline void store8(uint16_t* p, __m256 v) {  // 8 float32 -> 8 bfloat16, to near
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using llmserve_lora::hsum;
 #endif
 
 // h[t] = dot(xs[t], arow) in float32 for the tile's N tokens
