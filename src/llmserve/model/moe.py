@@ -245,11 +245,12 @@ def _expert_linear(weight: ExpertWeights, expert: int, rows: torch.Tensor, bias:
     """rows [n, in] through one expert's matrix -> [n, out]: a slice of a stacked float tensor, or the
     expert's quantized layer (which holds its own bias)."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(rows, weight[expert], _row(bias, expert))
+        return F.linear(rows, weight[expert], expert_row(bias, expert))
     return weight[expert](rows)
 
 
-def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+def expert_row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    """One expert's row of stacked biases [E, out] (None without biases)."""
     return None if bias is None else bias[expert]
 
 
@@ -279,6 +280,21 @@ class Experts(nn.Module):
 
     def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.down_proj_bias is None else (self.gate_up_proj_bias, self.down_proj_bias)
+
+
+class ExpertLayers(nn.Module):
+    """E experts, each its own gate_up [2I, H] and down [H, I] layer holding its bias, in place of the stacked
+    `Experts` (packed float32 layers on CPU: model/moe_cpu.py; quantized ones: model/quant/experts.py);
+    fused_moe calls expert e's layers."""
+
+    def __init__(self, gate_up_proj: nn.ModuleList, down_proj: nn.ModuleList):
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+
+    def biases(self) -> None:
+        """None: each expert's layers add their own bias."""
+        return None
 
 
 class SparseMoeBlock(nn.Module):

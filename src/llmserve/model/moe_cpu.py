@@ -14,20 +14,11 @@ import torch
 from torch import nn
 
 from llmserve.model.linear import Linear, can_pack
-from llmserve.model.moe import Experts, SparseMoeBlock
+from llmserve.model.moe import ExpertLayers, Experts, SparseMoeBlock, expert_row
 
 
-class PackedExperts(nn.Module):
+class PackedExperts(ExpertLayers):
     """E experts, each a packed float32 gate_up [2I, H] and down [H, I] `Linear` (with its bias, if any)."""
-
-    def __init__(self, gate_up_proj: nn.ModuleList, down_proj: nn.ModuleList):
-        super().__init__()
-        self.gate_up_proj = gate_up_proj
-        self.down_proj = down_proj
-
-    def biases(self) -> None:
-        """None: each expert's layers add their own bias."""
-        return None
 
 
 def can_pack_experts(block: SparseMoeBlock) -> bool:
@@ -41,8 +32,9 @@ def pack_experts(block: SparseMoeBlock) -> PackedExperts:
     once the block drops them: each layer keeps only its packed copy)."""
     gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()  # [E, 2I, H], [E, H, I]
     gate_up_bias, down_bias = block.rank_biases() or (None, None)
-    return PackedExperts(nn.ModuleList(_packed_layer(gate_up[e], _row(gate_up_bias, e)) for e in range(len(gate_up))),
-                         nn.ModuleList(_packed_layer(down[e], _row(down_bias, e)) for e in range(len(down))))
+    experts = range(len(gate_up))
+    return PackedExperts(nn.ModuleList(_packed_layer(gate_up[e], expert_row(gate_up_bias, e)) for e in experts),
+                         nn.ModuleList(_packed_layer(down[e], expert_row(down_bias, e)) for e in experts))
 
 
 def _packed_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -54,10 +46,6 @@ def _packed_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
     layer.pack()
     return layer
-
-
-def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
-    return None if bias is None else bias[expert]
 
 
 def pack_model_experts(model: nn.Module) -> int:

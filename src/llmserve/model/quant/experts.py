@@ -13,20 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.model.moe import Experts
+from llmserve.model.moe import ExpertLayers, Experts, expert_row
 
 
-class QuantizedExperts(nn.Module):
+class QuantizedExperts(ExpertLayers):
     """E experts, each a quantized gate_up [2I, H] and down [H, I] layer (with its bias, if any)."""
-
-    def __init__(self, gate_up_proj: nn.ModuleList, down_proj: nn.ModuleList):
-        super().__init__()
-        self.gate_up_proj = gate_up_proj
-        self.down_proj = down_proj
-
-    def biases(self) -> None:
-        """None: each expert's layers add their own bias."""
-        return None
 
 
 def quantize_experts(experts: Experts, layer_type: type[nn.Module]) -> QuantizedExperts:
@@ -35,12 +26,8 @@ def quantize_experts(experts: Experts, layer_type: type[nn.Module]) -> Quantized
     biases = experts.biases()
     gate_up_bias, down_bias = (None, None) if biases is None else (biases[0].detach(), biases[1].detach())
     return QuantizedExperts(
-        nn.ModuleList(layer_type.from_float(gate_up[e], _row(gate_up_bias, e)) for e in range(gate_up.shape[0])),
-        nn.ModuleList(layer_type.from_float(down[e], _row(down_bias, e)) for e in range(down.shape[0])))
-
-
-def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
-    return None if bias is None else bias[expert]
+        nn.ModuleList(layer_type.from_float(gate_up[e], expert_row(gate_up_bias, e)) for e in range(gate_up.shape[0])),
+        nn.ModuleList(layer_type.from_float(down[e], expert_row(down_bias, e)) for e in range(down.shape[0])))
 
 
 def quantize_model_experts(model: nn.Module, layer_type: type[nn.Module]) -> int:
