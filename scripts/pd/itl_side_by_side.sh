@@ -11,7 +11,8 @@
 # usage: scripts/pd/itl_side_by_side.sh [--out DIR]
 # env: PYTHON (a python that imports llmserve; default python3), MODEL (default: the side-by-side checkpoint in
 #      ~/.cache/llmserve-llamacpp/smollm2-135m, made when absent), LONG_LEN (7900), LONG_RATE (0.02),
-#      NUM_LONG (3), NUM_CHATS (48), CHAT_CONCURRENCY (8), DTYPE (float32), MAX_MODEL_LEN (8192)
+#      NUM_LONG (3), NUM_CHATS (48), CHAT_CONCURRENCY (8), DTYPE (float32), MAX_MODEL_LEN (8192),
+#      MAX_LOCAL_PREFILL (0: every prompt through the prefill server; the router's --max-local-prefill-length)
 # The measurement holds /tmp/llmserve-bench.lock.
 set -euo pipefail
 source "$(dirname "$0")/../lib/servers.sh"
@@ -20,7 +21,7 @@ PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}/smollm2-135m}
 LONG_LEN=${LONG_LEN:-7900} LONG_RATE=${LONG_RATE:-0.02} NUM_LONG=${NUM_LONG:-3}
 NUM_CHATS=${NUM_CHATS:-48} CHAT_CONCURRENCY=${CHAT_CONCURRENCY:-8} DTYPE=${DTYPE:-float32}
-MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192} MAX_LOCAL_PREFILL=${MAX_LOCAL_PREFILL:-0}
 OUT=/tmp/pd-itl-side-by-side
 [[ ${1:-} == --out ]] && OUT=$2
 mkdir -p "$OUT"
@@ -60,7 +61,7 @@ serve decode 1 1 8343 --disaggregation-mode decode --disaggregation-kv-port 1459
 wait_healthy 8342 "${PIDS[0]}"
 wait_healthy 8343 "${PIDS[1]}"
 start router taskset -c 0,1 "$PYTHON" -m llmserve.cli route --pd-disaggregation --port 8344 \
-  --prefill http://127.0.0.1:8342 --decode http://127.0.0.1:8343
+  --prefill http://127.0.0.1:8342 --decode http://127.0.0.1:8343 --max-local-prefill-length "$MAX_LOCAL_PREFILL"
 wait_healthy 8344 "${PIDS[2]}"
 workloads disaggregated http://127.0.0.1:8344
 stop_all

@@ -29,6 +29,9 @@ class Upstreams:
         self.seen.append((url, body))
         if url == f"{DECODE}/kv_transfer":
             return httpx.Response(200, json={"disaggregation_mode": "decode", "kv_port": 14579})
+        if url == f"{DECODE}/tokenize":  # a token a character (a message's content, for chat)
+            text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
+            return httpx.Response(200, json={"count": len(text), "max_model_len": 64, "tokens": [0] * len(text)})
         if url.startswith(PREFILL):
             if self.prefill_status == 599:
                 raise httpx.ConnectError("refused")
@@ -37,14 +40,16 @@ class Upstreams:
                               headers={"content-type": "text/event-stream"})
 
 
-def _post(upstreams: Upstreams, body: dict) -> tuple[httpx.Response, PDRouter]:
+def _post(upstreams: Upstreams, body: dict, path: str = "/v1/completions",
+          max_local_prefill_length: int = 0) -> tuple[httpx.Response, PDRouter]:
     client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
-    router = PDRouter(PDConfig((PREFILL,), (DECODE,)), MockUpstream(client))
+    router = PDRouter(PDConfig((PREFILL,), (DECODE,), max_local_prefill_length=max_local_prefill_length),
+                      MockUpstream(client))
 
     async def call() -> httpx.Response:
         transport = httpx.ASGITransport(app=build_pd_app(router))
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            response = await client.post("/v1/completions", json=body)
+            response = await client.post(path, json=body)
             await response.aread()
             return response
 
@@ -79,6 +84,25 @@ def test_a_client_error_on_the_prefill_server_goes_back_to_the_client():
     assert all(not url.endswith("/v1/completions") or url.startswith(PREFILL) for url, _ in upstreams.seen)
 
 
+@pytest.mark.parametrize("path, body, is_local", [
+    ("/v1/completions", {"prompt": "short"}, True),  # 5 tokens
+    ("/v1/completions", {"prompt": "a longer prompt"}, False),
+    ("/v1/completions", {"prompt": [1, 2, 3, 4, 5, 6, 7, 8]}, True),  # ids: counted without /tokenize
+    ("/v1/completions", {"prompt": list(range(9))}, False),
+    ("/v1/completions", {"prompt": ["a", "b"]}, False),  # a batch: through the prefill server
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a longer message"}]}, False),
+])
+def test_prompts_up_to_the_local_prefill_length_skip_the_prefill_server(path, body, is_local):
+    upstreams = Upstreams()
+    response, router = _post(upstreams, body, path, max_local_prefill_length=8)
+    prefills = [url for url, _ in upstreams.seen if url.startswith(PREFILL)]
+    assert response.status_code == 200 and upstreams.seen[-1] == (f"{DECODE}{path}", body)
+    assert (prefills == [], router.stats.num_local_prefills) == ((True, 1) if is_local else (False, 0))
+    tokenized = [b for url, b in upstreams.seen if url == f"{DECODE}/tokenize"]
+    assert len(tokenized) == (1 if isinstance(body.get("prompt", ""), str) else 0)
+
+
 def test_prefill_body_drops_what_is_about_the_output():
     body = prefill_body({"messages": [], "max_completion_tokens": 9, "best_of": 2, "n": 2, "min_tokens": 3},
                         "tcp://d:1")
@@ -94,6 +118,9 @@ def test_prefill_body_drops_what_is_about_the_output():
      "--policy: not supported with --pd-disaggregation"),
     (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--backend", f"m={DECODE}"],
      "not --backend"),
+    (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--max-local-prefill-length", "-1"],
+     "--max-local-prefill-length must be >= 0"),
+    (["route", "--backend", f"m={DECODE}", "--max-local-prefill-length", "64"], "only with --pd-disaggregation"),
 ])
 def test_the_flags_are_validated(argv, message, capsys):
     assert route_main(argv) == 2

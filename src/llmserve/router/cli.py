@@ -35,6 +35,10 @@ def add_route_parser(subparsers) -> argparse.ArgumentParser:
                         help="--pd-disaggregation: a server started with --disaggregation-mode prefill (repeatable)")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="--pd-disaggregation: a server started with --disaggregation-mode decode (repeatable)")
+    parser.add_argument("--max-local-prefill-length", type=int, default=0, metavar="N",
+                        help="--pd-disaggregation: prompts of at most N tokens skip the prefill servers and are "
+                             "computed by the decode server (Dynamo's name); 0 (default): every prompt is "
+                             "prefilled on a prefill server")
     add_dataclass_args(parser, RouterConfig)
     add_dataclass_args(parser, AutoscaleConfig)
     parser.set_defaults(func=route_command)
@@ -46,7 +50,7 @@ def route_command(args: argparse.Namespace) -> int:
     from llmserve.router.loading import setup_from_args
     from llmserve.router.server import run
 
-    if args.pd_disaggregation or args.prefill or args.decode:
+    if args.pd_disaggregation or args.prefill or args.decode or args.max_local_prefill_length:
         return _pd_command(args)
     try:
         setup = setup_from_args(args)

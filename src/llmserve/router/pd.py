@@ -9,6 +9,11 @@ partial block and streams the rest; its bytes pass through untouched. A prefill 
 connection, 5xx, timeout) costs nothing but time: the decode server computes the whole prompt. A 4xx from
 the prefill server is the client's error and is returned as is. Every call goes through the router's one
 upstream client (router/upstream.py).
+
+With `max_local_prefill_length` N > 0 (Dynamo's conditional disaggregation), a prompt of at most N tokens skips
+the prefill server: the decode server computes it, as a colocated server would (a short prompt costs a decode
+server little, and waiting behind long prompts at a prefill server would cost it its TTFT). The length is the
+prompt's token ids when it is given as ids, else the decode server's `POST /tokenize` of it.
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ class PDConfig:
     decode_urls: tuple[str, ...]
     prefill_timeout_s: float = 600.0
     upstream_timeout_s: float = 600.0
+    max_local_prefill_length: int = 0  # prompts up to this many tokens are prefilled on the decode server
 
     def __post_init__(self) -> None:
+        if self.max_local_prefill_length < 0:
+            raise ValueError(f"--max-local-prefill-length must be >= 0, got {self.max_local_prefill_length}")
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
         for url in (*self.prefill_urls, *self.decode_urls):
@@ -57,6 +65,7 @@ class PDConfig:
 class PDStats:
     num_requests: int = 0
     num_prefill_failures: int = 0  # requests the decode server computed whole
+    num_local_prefills: int = 0  # prompts short enough for the decode server (max_local_prefill_length)
     prefill_by_url: dict[str, int] = field(default_factory=dict)
     decode_by_url: dict[str, int] = field(default_factory=dict)
 
@@ -104,6 +113,26 @@ class PDRouter:
             return self._prefill_failed(url, f"HTTP {response.status}")
         return None
 
+    async def is_short(self, decode_url: str, obj: dict, headers: list[Header]) -> bool:
+        """Whether the request's prompt has at most `max_local_prefill_length` tokens (False when unknown: a
+        batch of prompts, or a tokenizer call that failed)."""
+        limit, prompt = self.config.max_local_prefill_length, obj.get("prompt")
+        if limit == 0:
+            return False
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt) <= limit
+        if isinstance(prompt, str):
+            query = {"prompt": prompt}
+        elif isinstance(obj.get("messages"), list):
+            query = {"messages": obj["messages"]}
+        else:
+            return False
+        try:
+            response = await fetch_json(self.upstream, decode_url, "/tokenize", PROBE_TIMEOUT_S, query, headers)
+            return response.status == 200 and response.json()["count"] <= limit
+        except (UpstreamError, ValueError, KeyError, TypeError):
+            return False
+
     def _prefill_failed(self, url: str, reason: str) -> None:
         self.stats.num_prefill_failures += 1
         logger.warning("prefill server %s failed (%s): the decode server computes the prompt", url, reason)
@@ -121,6 +150,9 @@ class PDRouter:
         self.stats.num_requests += 1
         decode_url = next(self.decodes)
         self.stats.decode_by_url[decode_url] = self.stats.decode_by_url.get(decode_url, 0) + 1
+        if await self.is_short(decode_url, obj, headers):
+            self.stats.num_local_prefills += 1
+            return await self._forward(decode_url, request.url.path, raw, headers)
         error = await self.prefill(request.url.path, obj, headers, decode_url)
         if error is not None:
             return error
@@ -171,6 +203,7 @@ class PDRouter:
     async def pd_stats(self, request: Request) -> Response:
         stats = self.stats
         return JSONResponse({"num_requests": stats.num_requests, "num_prefill_failures": stats.num_prefill_failures,
+                             "num_local_prefills": stats.num_local_prefills,
                              "prefill": stats.prefill_by_url, "decode": stats.decode_by_url})
 
 
