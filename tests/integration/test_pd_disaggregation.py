@@ -174,3 +174,23 @@ def test_both_servers_stay_healthy_with_their_blocks_accounted(servers, router):
         wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 200, timeout=30,
                    what="a healthy server")
     assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200
+
+
+def test_short_prompts_skip_the_prefill_server_with_a_local_prefill_length(servers):
+    """--max-local-prefill-length 64: a chat of over a block but under 64 tokens (counted by the decode server's
+    /tokenize) is computed by the decode server alone; a 150-token prompt still goes through the prefill server."""
+    plain, prefill, decode = servers
+    with RouterProcess(["--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+                        "--max-local-prefill-length", "64", "--port", "0"]) as proc:
+        sent_before = sample_value(_metrics(prefill), "llmserve:kv_transfer_sent_blocks_total")
+        chat = {"messages": [{"role": "user", "content": "hi " * 8}], "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        expected = httpx.post(f"{plain.url}/v1/chat/completions", json=chat, timeout=120).json()
+        answer = httpx.post(f"{proc.url}/v1/chat/completions", json=chat, timeout=120).json()
+        assert answer["choices"][0]["message"] == expected["choices"][0]["message"]
+        assert sample_value(_metrics(prefill), "llmserve:kv_transfer_sent_blocks_total") == sent_before
+        prompt = _prompt(31)
+        assert _complete(proc.url, prompt)["choices"][0]["text"] == _complete(plain.url, prompt)["choices"][0]["text"]
+        assert sample_value(_metrics(prefill), "llmserve:kv_transfer_sent_blocks_total") >= sent_before + 9
+        stats = httpx.get(f"{proc.url}/pd_stats", timeout=10).json()
+        assert (stats["num_requests"], stats["num_local_prefills"], stats["num_prefill_failures"]) == (2, 1, 0)
