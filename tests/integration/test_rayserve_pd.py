@@ -20,6 +20,7 @@ serve = pytest.importorskip("ray.serve")
 from llmserve.engine.llm import LLM  # noqa: E402
 from llmserve.rayserve.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, build_application  # noqa: E402
 from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args  # noqa: E402
+from llmserve.router.replicas import free_port  # noqa: E402
 from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from llmserve.testing.router_servers import sample_value, shared_tiny_model  # noqa: E402
@@ -33,14 +34,6 @@ FLAGS = (*ENGINE_FLAGS, "--served-model-name", "tiny", "--log-level", "warning",
 NUM_TOKENS = 10
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return shared_tiny_model(str(tmp_path_factory.getbasetemp()))
@@ -49,7 +42,7 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def url(model):
     ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    port = _free_port()
+    port = free_port()
     parser = argparse.ArgumentParser()
     add_serve_ray_args(parser)
     deployment = deployment_from_args(parser.parse_args(["--model", model, *FLAGS, "--port", str(port)]))
