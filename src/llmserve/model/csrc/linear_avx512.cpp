@@ -18,6 +18,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "panel_gemm.h"
 
 #include <algorithm>
@@ -152,7 +153,7 @@ void run_gemv(const Gemv&) {}
 }  // namespace
 #endif
 
-namespace {
+namespace llmserve_cpu {
 
 void packed_linear_avx512(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kHasAvx512, "packed_linear_avx512: built without AVX-512");
@@ -186,11 +187,11 @@ bool has_avx512_linear() { return kHasAvx512; }
 
 bool has_bf16_gemv() { return kHasBf16Dot; }
 
-}  // namespace
+}  // namespace llmserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("packed_linear_avx512(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &packed_linear_avx512);
-  m.def("bf16_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()", &bf16_gemv);
-  m.def("has_avx512_linear() -> bool", &has_avx512_linear);
-  m.def("has_bf16_gemv() -> bool", &has_bf16_gemv);
+  m.def("packed_linear_avx512(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &llmserve_cpu::packed_linear_avx512);
+  m.def("bf16_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()", &llmserve_cpu::bf16_gemv);
+  m.def("has_avx512_linear() -> bool", &llmserve_cpu::has_avx512_linear);
+  m.def("has_bf16_gemv() -> bool", &llmserve_cpu::has_bf16_gemv);
 }

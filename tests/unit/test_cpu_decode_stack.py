@@ -1,0 +1,138 @@
+"""The C++ decoder stack (model/cpu_decode_stack.py): a decode step's logits equal the Python layers' bit for bit
+(bfloat16 GEMV and float32 panels; q/k/v biases; a sliding window), it declines the steps and models it does not
+take, and a served model through it still gives transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_parity
+
+from llmserve import LLM
+from llmserve.model import cpu_decode_stack, cpu_kernels
+from llmserve.model import linear as linear_mod
+from llmserve.model.attention import select_attention_backend
+from llmserve.model.lora_layers import attach_lora
+from llmserve.model.loader import load_model
+from llmserve.testing import toy_tokenizer
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
+
+BF16 = torch.bfloat16
+VOCAB = 512
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built")
+needs_gemv = pytest.mark.skipif(not cpu_kernels.has_bf16_gemv(), reason="no AVX512-BF16 build")
+needs_avx2 = pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="no AVX2 build")
+
+
+def _write_checkpoint(path: str, arch: str, **extra) -> str:
+    import transformers
+
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
+    config = config_class(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          initializer_range=0.1, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0,
+                          bos_token_id=None, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    toy_tokenizer.save_tokenizer(path, VOCAB, 256)
+    return path
+
+
+@pytest.fixture
+def packs_small_weights(monkeypatch):
+    """float32 linears of every size packed for the panel kernels (the test models are smaller than the
+    threshold under which F.linear keeps them)."""
+    monkeypatch.setattr(linear_mod, "MIN_ONEDNN_WEIGHT", 1)
+
+
+def _decode_steps(model, dtype: torch.dtype, num_rows: int):
+    """Prompts of mixed lengths prefilled through the Python layers, then (logits with the stack, logits
+    without) for three decode steps of num_rows rows."""
+    backend = select_attention_backend(torch.device("cpu"), "auto", dtype)
+    caches = allocate_kv_caches(model, 64, 4, dtype=dtype)
+    builder = PagedBatchBuilder(64, 4, seed=2)
+    stack = model.decode_stack
+    gen = torch.Generator().manual_seed(num_rows)
+    prompts = [torch.randint(3, VOCAB, (5 + 7 * row,), generator=gen).tolist() for row in range(num_rows)]
+    model.decode_stack = None
+    with torch.inference_mode():
+        ids, positions, inputs = builder.step(list(enumerate(prompts)))
+        model(ids, positions, caches, backend.build_metadata(inputs), backend)
+        for step in range(3):
+            ids, positions, inputs = builder.step([(row, [7 + row + step]) for row in range(num_rows)])
+            pair = []
+            for use_stack in (True, False):
+                model.decode_stack = stack if use_stack else None
+                metadata = backend.build_metadata(inputs)
+                assert stack.takes(len(ids), metadata, caches[0])
+                pair.append(model.compute_logits(model(ids, positions, caches, metadata, backend)))
+            yield pair
+    model.decode_stack = stack
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 9})])
+@pytest.mark.parametrize("dtype,num_rows", [pytest.param(BF16, 1, marks=needs_gemv),
+                                            pytest.param(BF16, 4, marks=needs_gemv),
+                                            pytest.param(torch.float32, 1, marks=needs_avx2),
+                                            pytest.param(torch.float32, 6, marks=needs_avx2)])
+def test_the_stack_gives_the_python_layers_logits_bit_for_bit(tmp_path, packs_small_weights, arch, extra, dtype,
+                                                              num_rows):
+    model = load_model(_write_checkpoint(str(tmp_path), arch, **extra), dtype, "cpu", 128)
+    model.decode_stack = cpu_decode_stack.build(model)
+    assert model.decode_stack is not None
+    if extra:
+        assert model.model.layers[0].self_attn.window == 9  # contexts reach past it: the window is exercised
+    for with_stack, without in _decode_steps(model, dtype, num_rows):
+        assert torch.equal(with_stack, without)
+
+
+@needs_gemv
+def test_the_stack_declines_steps_it_does_not_take(tmp_path):
+    model = load_model(_write_checkpoint(str(tmp_path), "llama"), BF16, "cpu", 128)
+    stack = cpu_decode_stack.build(model)
+    backend = select_attention_backend(torch.device("cpu"), "auto", BF16)
+    caches = allocate_kv_caches(model, 64, 4, dtype=BF16)
+    builder = PagedBatchBuilder(64, 4)
+    _, _, prompt_inputs = builder.step([(0, [5, 6, 7])])
+    prompt = backend.build_metadata(prompt_inputs)
+    assert not stack.takes(3, prompt, caches[0])  # prompt rows go through torch's attention groups
+    _, _, inputs = builder.step([(0, [8])])
+    decode = backend.build_metadata(inputs)
+    assert stack.takes(1, decode, caches[0])
+    assert not stack.takes(cpu_kernels.BF16_GEMV_MAX_ROWS + 1, decode, caches[0])  # past the GEMV's rows
+    assert not stack.takes(1, [decode] * model.num_layers, caches[0])  # one metadata a KV cache group
+    assert not stack.takes(1, decode, caches[0].float())  # a cache the bf16 kernels do not read
+
+
+@needs_gemv
+def test_the_stack_is_not_built_where_it_would_change_the_model(tmp_path, monkeypatch):
+    llama = _write_checkpoint(str(tmp_path / "llama"), "llama")
+    lora_model = load_model(llama, BF16, "cpu", 128)
+    attach_lora(lora_model, num_slots=2, max_rank=8)  # adapters' products live in the Python layers
+    assert cpu_decode_stack.build(lora_model) is None
+    qwen3 = load_model(_write_checkpoint(str(tmp_path / "qwen3"), "qwen3"), BF16, "cpu", 128)
+    assert cpu_decode_stack.build(qwen3) is None  # per-head q/k norms
+    monkeypatch.setenv(cpu_decode_stack.ENV, "0")
+    assert cpu_decode_stack.build(load_model(llama, BF16, "cpu", 128)) is None
+
+
+@needs_gemv
+def test_a_served_bf16_model_decodes_through_the_stack_with_transformers_tokens(tmp_path):
+    import transformers
+
+    path = _write_checkpoint(str(tmp_path), "llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=BF16).eval()
+    prompts = [hf_parity.random_prompt(n, i, VOCAB) for i, n in enumerate((5, 23, 1))]
+    llm = LLM(path, dtype="bfloat16", max_model_len=128, num_kv_blocks=64, block_size=4)
+    stack = llm.engine.runner.model.decode_stack
+    calls = []
+    run_stack = stack.forward
+    stack.forward = lambda *args: calls.append(args[0].shape[0]) or run_stack(*args)
+    outs = hf_parity.engine_greedy(llm, prompts, num_out=8)
+    assert calls and max(calls) == len(prompts)  # the decode steps ran through it
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
+    llm.engine.check_integrity()
