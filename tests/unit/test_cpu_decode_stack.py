@@ -16,6 +16,7 @@ from llmserve.model.attention import select_attention_backend
 from llmserve.model.lora_layers import attach_lora
 from llmserve.model.loader import load_model
 from llmserve.testing import toy_tokenizer
+from llmserve.testing.maker import make_model
 from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 
 BF16 = torch.bfloat16
@@ -74,7 +75,7 @@ def _decode_steps(model, dtype: torch.dtype, num_rows: int):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 9})])
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 9})])
 @pytest.mark.parametrize("dtype,num_rows", [pytest.param(BF16, 1, marks=needs_gemv),
                                             pytest.param(BF16, 4, marks=needs_gemv),
                                             pytest.param(torch.float32, 1, marks=needs_avx2),
@@ -114,8 +115,10 @@ def test_the_stack_is_not_built_where_it_would_change_the_model(tmp_path, monkey
     lora_model = load_model(llama, BF16, "cpu", 128)
     attach_lora(lora_model, num_slots=2, max_rank=8)  # adapters' products live in the Python layers
     assert cpu_decode_stack.build(lora_model) is None
-    qwen3 = load_model(_write_checkpoint(str(tmp_path / "qwen3"), "qwen3"), BF16, "cpu", 128)
-    assert cpu_decode_stack.build(qwen3) is None  # per-head q/k norms
+    gemma = load_model(make_model("gemma3", "tiny-gemma3", str(tmp_path / "gemma3")), BF16, "cpu", 128)
+    assert cpu_decode_stack.build(gemma) is None  # its own norms, GeLU MLP, embedding scale, sandwich norms
+    moe = load_model(make_model("qwen3_moe", "tiny-moe", str(tmp_path / "moe")), BF16, "cpu", 128)
+    assert cpu_decode_stack.build(moe) is None
     monkeypatch.setenv(cpu_decode_stack.ENV, "0")
     assert cpu_decode_stack.build(load_model(llama, BF16, "cpu", 128)) is None
 

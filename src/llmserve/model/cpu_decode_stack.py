@@ -3,7 +3,7 @@
 At a few decode rows a layer's ten ops cost more in Python (module calls, wrappers, the dispatcher) than some of
 them compute; the stack runs the same kernels in the same order from C++, so a step's outputs do not change, only
 its time (docs/benchmarks.md, "One C++ call for the decoder layers"). It takes dense Llama-family layers (RMSNorm,
-fused qkv with optional bias, rotary over the whole head, paged attention without sinks, a SiLU gated MLP) whose
+fused qkv with optional bias, Qwen3's per-head q/k norms, rotary over the whole head, paged attention without sinks, a SiLU gated MLP) whose
 linears are float32 panels or bfloat16 GEMV weights (model/linear.py), one tensor-parallel rank, and steps whose
 rows are all the attention kernel's; anything else keeps the Python layers. LLMSERVE_CPU_DECODE_STACK=0 turns it
 off.
@@ -75,7 +75,9 @@ def build(model: nn.Module) -> DecodeStack | None:
     stack = torch.classes.llmserve_cpu.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                                    layers[0].input_layernorm.eps, attn.scale, kind)
     for layer in layers:
-        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.window)
+        attn = layer.self_attn
+        q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.window, q_norm, k_norm)
         for linear in _linears(layer):
             weight = linear.weight if kind == BF16_GEMV else linear.packed_weight
             stack.add_linear(weight, linear.bias, linear.out_features)
@@ -83,12 +85,12 @@ def build(model: nn.Module) -> DecodeStack | None:
 
 
 def _is_plain_decoder(model: nn.Module) -> bool:
-    """One rank, dense Llama-family parts: RMSNorm, a gated SiLU MLP, no q/k norm, sinks, MLA, MoE, sandwich norms,
-    embedding scale or partial rotary."""
+    """One rank, dense Llama-family parts: RMSNorm (and Qwen3's q/k norms), a gated SiLU MLP; no sinks, MLA, MoE,
+    sandwich norms, embedding scale or partial rotary."""
     parts = model.parts
     rotary = model.rotary.get("default")
     return (model.tp is None and parts.moe is None and not parts.is_mla and not parts.has_sinks
-            and not parts.has_qk_norm and not parts.has_sandwich_norms and parts.embed_scale is None
+            and not parts.has_sandwich_norms and parts.embed_scale is None
             and parts.norm is RMSNorm and parts.dense_mlp is GatedMLP and len(model.rotary) == 1
             and rotary is not None and rotary.params.partial_rotary_factor == 1.0)
 

@@ -5,7 +5,8 @@
 // load: model/cpu_decode_stack.py) and runs all layers of a step through the same kernels, in the same order, on
 // the same inputs, so its outputs are the Python path's bit for bit:
 //   layer 0: residual = x; h = rms_norm(x)            later layers: residual += h; h = rms_norm(residual)
-//   qkv = linear(h); rotary(q and k); write_kv(k, v); o = paged_attention(q); h = linear(o)
+//   qkv = linear(h); [q, k = per-head rms_norm(q, k)]; rotary(q, k); write_kv(k, v); o = paged_attention(q);
+//   h = linear(o)
 //   residual += h; h = rms_norm(residual); h = linear(silu_mul(linear(h)))
 // and returns (h, residual): the caller applies the final norm. Linears are float32 panels (csrc/linear_avx2.cpp,
 // through AVX-512 registers where chosen) or the AVX512-BF16 GEMV on weights as loaded (at most 4 rows).
@@ -34,6 +35,7 @@ struct StackLinear {
 struct StackLayer {
   at::Tensor input_norm, post_norm;  // [hidden]
   int64_t window = 0;                // attends the last `window` keys (0: all)
+  std::optional<at::Tensor> q_norm, k_norm;  // [head_dim]: Qwen3's per-head norms before rotary
   std::vector<StackLinear> linears;  // qkv, o, gate_up, down
 };
 
@@ -53,10 +55,19 @@ struct DecodeStack : torch::CustomClassHolder {
                 "DecodeStack: bad head counts");
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm) {
     TORCH_CHECK(layers.empty() || layers.back().linears.size() == kNumLinears, "DecodeStack: previous layer incomplete");
     TORCH_CHECK(input_norm.dim() == 1 && input_norm.sizes() == post_norm.sizes(), "DecodeStack: norm weights [hidden]");
-    layers.push_back(StackLayer{input_norm, post_norm, window, {}});
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: q and k norms come together");
+    layers.push_back(StackLayer{input_norm, post_norm, window, q_norm, k_norm, {}});
+  }
+
+  // transformers' RMSNorm as the Python layers run it on [T, heads, D] (torch ops in its order: the same bits)
+  at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    const at::Tensor x32 = x.to(at::kFloat);
+    const at::Tensor variance = x32.pow(2).mean(-1, /*keepdim=*/true);
+    return weight * (x32 * at::rsqrt(variance + eps)).to(x.scalar_type());
   }
 
   // The next of the last layer's linears, in the order qkv, o, gate_up, down.
@@ -106,11 +117,18 @@ struct DecodeStack : torch::CustomClassHolder {
       if (i > 0) llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
       run_linear(layer.linears[kQkv], qkv, h);
       const at::Tensor heads = qkv.view({num_tokens, num_qk_heads + num_kv_heads, head_dim});  // [T, H + 2Hkv, D]
-      llmserve_cpu::rotary(heads.narrow(1, 0, num_qk_heads), cos, sin);
-      llmserve_cpu::write_kv(kv_caches[i], slot_mapping, heads.narrow(1, num_heads, num_kv_heads),
-                             heads.narrow(1, num_qk_heads, num_kv_heads));
-      llmserve_cpu::paged_attention(attn, heads.narrow(1, 0, num_heads), kv_caches[i], block_table, seq_lens,
-                                    query_start, rows, scale, layer.window, std::nullopt);
+      at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
+      if (layer.q_norm.has_value()) {  // new tensors, each rotated on its own
+        q = head_norm(q, *layer.q_norm);
+        k = head_norm(k, *layer.k_norm);
+        llmserve_cpu::rotary(q, cos, sin);
+        llmserve_cpu::rotary(k, cos, sin);
+      } else {  // one rotary over the q and k heads of qkv
+        llmserve_cpu::rotary(heads.narrow(1, 0, num_qk_heads), cos, sin);
+      }
+      llmserve_cpu::write_kv(kv_caches[i], slot_mapping, k, heads.narrow(1, num_qk_heads, num_kv_heads));
+      llmserve_cpu::paged_attention(attn, q, kv_caches[i], block_table, seq_lens, query_start, rows, scale,
+                                    layer.window, std::nullopt);
       run_linear(layer.linears[kO], attn_in, attn.view({num_tokens, q_size}));
       llmserve_cpu::add_rms_norm(attn_in, residual, layer.post_norm, eps);
       run_linear(layer.linears[kGateUp], gate_up, attn_in);
