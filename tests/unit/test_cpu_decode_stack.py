@@ -50,28 +50,35 @@ def packs_small_weights(monkeypatch):
 
 
 def _decode_steps(model, dtype: torch.dtype, num_rows: int):
-    """Prompts of mixed lengths prefilled through the Python layers, then (logits with the stack, logits
-    without) for three decode steps of num_rows rows."""
+    """(logits with the stack, logits without) of three decode steps of num_rows rows after prompts of mixed
+    lengths (and of the prompts' step too where the stack takes it)."""
     backend = select_attention_backend(torch.device("cpu"), "auto", dtype)
     caches = allocate_kv_caches(model, 64, 4, dtype=dtype)
     builder = PagedBatchBuilder(64, 4, seed=2)
     stack = model.decode_stack
     gen = torch.Generator().manual_seed(num_rows)
     prompts = [torch.randint(3, VOCAB, (5 + 7 * row,), generator=gen).tolist() for row in range(num_rows)]
-    model.decode_stack = None
     with torch.inference_mode():
         ids, positions, inputs = builder.step(list(enumerate(prompts)))
-        model(ids, positions, caches, backend.build_metadata(inputs), backend)
+        if stack.takes(len(ids), backend.build_metadata(inputs), caches[0]):  # float32 prompts: the kernel's rows
+            yield _logits_both_ways(model, stack, backend, caches, ids, positions, inputs)
+        else:
+            model.decode_stack = None
+            model(ids, positions, caches, backend.build_metadata(inputs), backend)
         for step in range(3):
             ids, positions, inputs = builder.step([(row, [7 + row + step]) for row in range(num_rows)])
-            pair = []
-            for use_stack in (True, False):
-                model.decode_stack = stack if use_stack else None
-                metadata = backend.build_metadata(inputs)
-                assert stack.takes(len(ids), metadata, caches[0])
-                pair.append(model.compute_logits(model(ids, positions, caches, metadata, backend)))
-            yield pair
+            assert stack.takes(len(ids), backend.build_metadata(inputs), caches[0])
+            yield _logits_both_ways(model, stack, backend, caches, ids, positions, inputs)
     model.decode_stack = stack
+
+
+def _logits_both_ways(model, stack, backend, caches, ids, positions, inputs) -> list[torch.Tensor]:
+    """The step's logits with the stack, then through the Python layers (both write the same K/V)."""
+    logits = []
+    for use_stack in (True, False):
+        model.decode_stack = stack if use_stack else None
+        logits.append(model.compute_logits(model(ids, positions, caches, backend.build_metadata(inputs), backend)))
+    return logits
 
 
 @needs_kernels
