@@ -4,7 +4,8 @@ At a few decode rows a layer's ten ops cost more in Python (module calls, wrappe
 them compute; the stack runs the same kernels in the same order from C++, so a step's outputs do not change, only
 its time (docs/benchmarks.md, "One C++ call for the decoder layers"). It takes dense Llama-family layers (RMSNorm,
 fused qkv with optional bias, Qwen3's per-head q/k norms, rotary over the whole head, paged attention without sinks, a SiLU gated MLP) whose
-linears are float32 panels or bfloat16 GEMV weights (model/linear.py), one tensor-parallel rank, and steps whose
+linears are float32 panels or bfloat16 GEMV weights (model/linear.py; past the GEMV's 4 rows, F.linear's ATen
+call as in the Python layers), one tensor-parallel rank, and steps whose
 rows are all the attention kernel's; anything else keeps the Python layers. LLMSERVE_CPU_DECODE_STACK=0 turns it
 off.
 """
@@ -33,18 +34,15 @@ def is_enabled() -> bool:
 class DecodeStack:
     """The C++ stack of a model's layers and the rule for which steps it takes."""
 
-    def __init__(self, stack, dtype: torch.dtype, max_rows: int | None):
+    def __init__(self, stack, dtype: torch.dtype):
         self.stack = stack  # torch.classes.llmserve_cpu.DecodeStack
         self.dtype = dtype
-        self.max_rows = max_rows  # the bfloat16 GEMV's row limit; None: any number of decode rows
 
-    def takes(self, num_tokens: int, attn_metadata: object, kv_cache: torch.Tensor) -> bool:
-        """Whether a step of num_tokens tokens runs here: every row is the attention kernel's (no torch groups),
-        one metadata for all layers, a cache the kernels read, and few enough rows for the GEMV."""
+    def takes(self, attn_metadata: object, kv_cache: torch.Tensor) -> bool:
+        """Whether a step runs here: every row is the attention kernel's (no torch groups),
+        one metadata for all layers, and a cache the kernels read."""
         return (isinstance(attn_metadata, TorchAttentionMetadata) and attn_metadata.kernel is not None
-                and not attn_metadata.groups
-                and (self.max_rows is None or num_tokens <= self.max_rows)
-                and _cache_fits(self.dtype, kv_cache))
+                and not attn_metadata.groups and _cache_fits(self.dtype, kv_cache))
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor],
                 attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +79,7 @@ def build(model: nn.Module) -> DecodeStack | None:
         for linear in _linears(layer):
             weight = linear.weight if kind == BF16_GEMV else linear.packed_weight
             stack.add_linear(weight, linear.bias, linear.out_features)
-    return DecodeStack(stack, dtype, cpu_kernels.BF16_GEMV_MAX_ROWS if kind == BF16_GEMV else None)
+    return DecodeStack(stack, dtype)
 
 
 def _is_plain_decoder(model: nn.Module) -> bool:

@@ -275,7 +275,7 @@ class CausalLM(nn.Module):
             x = gemma3.scale_embeddings(x, self.parts.embed_scale)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}  # 2 x [T, 1, D/2]
         stack = self.decode_stack
-        if stack is not None and stack.takes(x.shape[0], attn_metadata, kv_caches[0]):
+        if stack is not None and stack.takes(attn_metadata, kv_caches[0]):
             x, residual = stack.forward(x, cos_sin["default"], kv_caches, attn_metadata)
         else:
             x, residual = self._run_layers(x, cos_sin, kv_caches, attn_metadata, attn_backend)

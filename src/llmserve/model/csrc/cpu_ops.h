@@ -8,6 +8,8 @@
 
 namespace llmserve_cpu {
 
+constexpr int64_t kBf16GemvMaxRows = 4;  // rows of x bf16_gemv takes (decode batches of one user or a few)
+
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void silu_mul(at::Tensor out, const at::Tensor& gate_up);

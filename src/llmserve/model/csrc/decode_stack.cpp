@@ -9,7 +9,8 @@
 //   h = linear(o)
 //   residual += h; h = rms_norm(residual); h = linear(silu_mul(linear(h)))
 // and returns (h, residual): the caller applies the final norm. Linears are float32 panels (csrc/linear_avx2.cpp,
-// through AVX-512 registers where chosen) or the AVX512-BF16 GEMV on weights as loaded (at most 4 rows).
+// through AVX-512 registers where chosen) or, in bfloat16, the AVX512-BF16 GEMV on weights as loaded (up to 4 rows;
+// at::linear past them, as the Python layers).
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -81,12 +82,18 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
-  void run_linear(const StackLinear& linear, at::Tensor out, const at::Tensor& x) const {
+  // x @ w^T (+ bias) into `out` through the stack's kernel; bfloat16 rows past the GEMV's take at::linear (what
+  // F.linear runs in the Python layers), a new tensor.
+  at::Tensor run_linear(const StackLinear& linear, const at::Tensor& x, at::Tensor out) const {
     switch (kind) {
-      case LinearKind::kBf16Gemv: return llmserve_cpu::bf16_gemv(out, x, linear.weight, linear.bias);
-      case LinearKind::kPanelsAvx2: return llmserve_cpu::packed_linear(out, x, linear.weight, linear.bias);
-      case LinearKind::kPanelsAvx512: return llmserve_cpu::packed_linear_avx512(out, x, linear.weight, linear.bias);
+      case LinearKind::kBf16Gemv:
+        if (x.size(0) > llmserve_cpu::kBf16GemvMaxRows) return at::linear(x, linear.weight, linear.bias);
+        llmserve_cpu::bf16_gemv(out, x, linear.weight, linear.bias);
+        break;
+      case LinearKind::kPanelsAvx2: llmserve_cpu::packed_linear(out, x, linear.weight, linear.bias); break;
+      case LinearKind::kPanelsAvx512: llmserve_cpu::packed_linear_avx512(out, x, linear.weight, linear.bias); break;
     }
+    return out;
   }
 
   // x [T, hidden] (the embeddings; becomes the residual, updated in place), cos/sin [T, 1, D/2], one cache a layer,
@@ -105,17 +112,18 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t qkv_size = first.linears[kQkv].out_features, gate_up_size = first.linears[kGateUp].out_features;
     TORCH_CHECK(qkv_size == (num_qk_heads + num_kv_heads) * head_dim, "DecodeStack: qkv width mismatch");
     const auto options = x.options();
-    at::Tensor h = at::empty({num_tokens, hidden}, options), attn_in = at::empty({num_tokens, hidden}, options);
-    at::Tensor qkv = at::empty({num_tokens, qkv_size}, options);
-    at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);
-    at::Tensor gate_up = at::empty({num_tokens, gate_up_size}, options);
-    at::Tensor act = at::empty({num_tokens, gate_up_size / 2}, options);
-    at::Tensor residual = x;
+    // the linears' outputs (run_linear may return new tensors instead), attention's and silu_mul's
+    const at::Tensor h_out = at::empty({num_tokens, hidden}, options), o_out = at::empty({num_tokens, hidden}, options);
+    const at::Tensor qkv_out = at::empty({num_tokens, qkv_size}, options);
+    const at::Tensor gate_up_out = at::empty({num_tokens, gate_up_size}, options);
+    at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);  // paged_attention's out
+    const at::Tensor act = at::empty({num_tokens, gate_up_size / 2}, options);
+    at::Tensor residual = x, h = h_out;
     llmserve_cpu::rms_norm(h, x, first.input_norm, eps);
     for (size_t i = 0; i < layers.size(); ++i) {
       const StackLayer& layer = layers[i];
       if (i > 0) llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
-      run_linear(layer.linears[kQkv], qkv, h);
+      const at::Tensor qkv = run_linear(layer.linears[kQkv], h, qkv_out);
       const at::Tensor heads = qkv.view({num_tokens, num_qk_heads + num_kv_heads, head_dim});  // [T, H + 2Hkv, D]
       at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
       if (layer.q_norm.has_value()) {  // new tensors, each rotated on its own
@@ -129,11 +137,10 @@ struct DecodeStack : torch::CustomClassHolder {
       llmserve_cpu::write_kv(kv_caches[i], slot_mapping, k, heads.narrow(1, num_qk_heads, num_kv_heads));
       llmserve_cpu::paged_attention(attn, q, kv_caches[i], block_table, seq_lens, query_start, rows, scale,
                                     layer.window, std::nullopt);
-      run_linear(layer.linears[kO], attn_in, attn.view({num_tokens, q_size}));
-      llmserve_cpu::add_rms_norm(attn_in, residual, layer.post_norm, eps);
-      run_linear(layer.linears[kGateUp], gate_up, attn_in);
-      llmserve_cpu::silu_mul(act, gate_up);
-      run_linear(layer.linears[kDown], h, act);
+      const at::Tensor o = run_linear(layer.linears[kO], attn.view({num_tokens, q_size}), o_out);
+      llmserve_cpu::add_rms_norm(o, residual, layer.post_norm, eps);
+      llmserve_cpu::silu_mul(act, run_linear(layer.linears[kGateUp], o, gate_up_out));
+      h = run_linear(layer.linears[kDown], act, h_out);
     }
     return {h, residual};
   }

@@ -33,7 +33,7 @@ constexpr int kMaxRows = 6;             // rows of x a register block holds (for
 constexpr int64_t kGemvGrain = 64;      // output rows (of w) a thread takes at least
 constexpr int64_t kGemvPrefetch = 4096;  // elements of w ahead of the loads prefetched into L1 (8 KB; 2-16 KB
                                          // measured alike, none 20% slower: docs/benchmarks.md)
-constexpr int64_t kMaxGemvM = 4;        // rows of x bf16_gemv takes
+constexpr int64_t kMaxGemvM = llmserve_cpu::kBf16GemvMaxRows;
 
 using Gemm = llmserve_cpu::F32PanelGemm;
 
