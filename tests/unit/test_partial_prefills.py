@@ -140,3 +140,19 @@ def test_the_serve_flags_carry_vllms_names():
     sched = engine_config_from_args(args).scheduler
     assert (sched.max_num_partial_prefills, sched.max_long_partial_prefills, sched.long_prefill_token_threshold) \
         == (4, 2, 1024)
+
+
+def test_an_engine_with_partial_prefills_gives_the_same_greedy_tokens(tmp_path):
+    from llmserve import LLM, SamplingParams
+    from llmserve.testing.maker import make_model
+
+    path = make_model("qwen3", "tiny", str(tmp_path), seed=3)
+    prompts = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate([150, 9, 120, 14, 5, 60])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    for flags in ({}, {"max_num_partial_prefills": 3, "max_long_partial_prefills": 1,
+                       "long_prefill_token_threshold": 32}):
+        llm = LLM(path, dtype="float32", max_model_len=512, num_kv_blocks=80, max_num_batched_tokens=64, **flags)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        llm.engine.check_integrity()
+    assert outputs[0] == outputs[1] and all(len(ids) == 6 for ids in outputs[0])
