@@ -12,7 +12,9 @@
 # env: PYTHON (a python that imports llmserve; default python3), MODEL (default: the side-by-side checkpoint in
 #      ~/.cache/llmserve-llamacpp/smollm2-135m, made when absent), LONG_LEN (7900), LONG_RATE (0.02),
 #      NUM_LONG (3), NUM_CHATS (48), CHAT_CONCURRENCY (8), DTYPE (float32), MAX_MODEL_LEN (8192),
-#      MAX_LOCAL_PREFILL (0: every prompt through the prefill server; the router's --max-local-prefill-length)
+#      MAX_LOCAL_PREFILL (0: every prompt through the prefill server; the router's --max-local-prefill-length),
+#      PREFILL_FLAGS, DECODE_FLAGS, ROUTER_FLAGS (more flags for the prefill server, the decode server, the router;
+#      e.g. PREFILL_FLAGS="--max-num-partial-prefills 2 --long-prefill-token-threshold 1024")
 # The measurement holds /tmp/llmserve-bench.lock.
 set -euo pipefail
 source "$(dirname "$0")/../lib/servers.sh"
@@ -22,6 +24,9 @@ MODEL=${MODEL:-${LLAMACPP_CACHE:-$HOME/.cache/llmserve-llamacpp}/smollm2-135m}
 LONG_LEN=${LONG_LEN:-7900} LONG_RATE=${LONG_RATE:-0.02} NUM_LONG=${NUM_LONG:-3}
 NUM_CHATS=${NUM_CHATS:-48} CHAT_CONCURRENCY=${CHAT_CONCURRENCY:-8} DTYPE=${DTYPE:-float32}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192} MAX_LOCAL_PREFILL=${MAX_LOCAL_PREFILL:-0}
+read -r -a PREFILL_EXTRA <<< "${PREFILL_FLAGS:-}"
+read -r -a DECODE_EXTRA <<< "${DECODE_FLAGS:-}"
+read -r -a ROUTER_EXTRA <<< "${ROUTER_FLAGS:-}"
 OUT=/tmp/pd-itl-side-by-side
 [[ ${1:-} == --out ]] && OUT=$2
 mkdir -p "$OUT"
@@ -56,12 +61,12 @@ wait_healthy 8341 "${PIDS[0]}"
 workloads colocated http://127.0.0.1:8341
 stop_all
 
-serve prefill 0 1 8342 --disaggregation-mode prefill
-serve decode 1 1 8343 --disaggregation-mode decode --disaggregation-kv-port 14591
+serve prefill 0 1 8342 --disaggregation-mode prefill "${PREFILL_EXTRA[@]}"
+serve decode 1 1 8343 --disaggregation-mode decode --disaggregation-kv-port 14591 "${DECODE_EXTRA[@]}"
 wait_healthy 8342 "${PIDS[0]}"
 wait_healthy 8343 "${PIDS[1]}"
 start router taskset -c 0,1 "$PYTHON" -m llmserve.cli route --pd-disaggregation --port 8344 \
-  --prefill http://127.0.0.1:8342 --decode http://127.0.0.1:8343 --max-local-prefill-length "$MAX_LOCAL_PREFILL"
+  --prefill http://127.0.0.1:8342 --decode http://127.0.0.1:8343 --max-local-prefill-length "$MAX_LOCAL_PREFILL" "${ROUTER_EXTRA[@]}"
 wait_healthy 8344 "${PIDS[2]}"
 workloads disaggregated http://127.0.0.1:8344
 stop_all

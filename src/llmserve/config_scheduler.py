@@ -21,6 +21,16 @@ class SchedulerConfig:
                                                "give earlier first tokens, shorter stalls)"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_prefill_tokens_while_decoding: int | None = field(default=None, metadata={"help": "while requests decode, at most this many prompt tokens per step: bounds inter-token latency (default: the whole token budget)"})
+    max_num_partial_prefills: int = field(default=1, metadata={"help": "with chunked prefill, the most prompts "
+                                          "prefilled in one step, sharing its token budget (1: a running long prompt "
+                                          "takes the whole budget and shorter ones wait for its last chunk)"})
+    max_long_partial_prefills: int = field(default=1, metadata={"help": "with chunked prefill, the most prompts "
+                                           "longer than --long-prefill-token-threshold prefilled at once; below "
+                                           "--max-num-partial-prefills, shorter prompts go ahead of waiting long ones"})
+    long_prefill_token_threshold: int = field(default=0, metadata={"help": "with chunked prefill, a prompt with more "
+                                              "tokens than this left is long, and its chunks are at most this many "
+                                              "tokens (0: none is long, or with --max-num-partial-prefills > 1, 4%% of "
+                                              "--max-model-len)"})
     policy: str = field(default="fcfs", metadata={"help": "fcfs | priority", "choices": ["fcfs", "priority"],
                                                   "flag": "scheduling-policy", "aliases": ["policy"]})
     async_scheduling: bool | None = field(default=None, metadata={"help": "schedule and prepare step N+1 while the "
@@ -43,6 +53,17 @@ class SchedulerConfig:
               f"{self.num_scheduler_steps} runs without async scheduling: add --no-async-scheduling")
         check_min("max-num-batched-tokens", self.max_num_batched_tokens, 1)
         check_min("max-prefill-tokens-while-decoding", self.max_prefill_tokens_while_decoding, 1)
+        self._validate_partial_prefills()
+
+    def _validate_partial_prefills(self) -> None:
+        check_min("max-num-partial-prefills", self.max_num_partial_prefills, 1)
+        check(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills, "max-long-partial-prefills",
+              f"must be between 1 and --max-num-partial-prefills ({self.max_num_partial_prefills}), "
+              f"got {self.max_long_partial_prefills}")
+        check_min("long-prefill-token-threshold", self.long_prefill_token_threshold, 0)
+        for flag, is_set in (("max-num-partial-prefills", self.max_num_partial_prefills > 1),
+                             ("long-prefill-token-threshold", self.long_prefill_token_threshold > 0)):
+            check(self.enable_chunked_prefill or not is_set, flag, "needs chunked prefill (--enable-chunked-prefill)")
 
     def for_device(self, device_type: str, device_memory: int = 0) -> SchedulerConfig:
         """This config with the device's defaults filled in (`device_memory`: bytes of a CUDA device)."""

@@ -40,11 +40,14 @@ class Upstreams:
                               headers={"content-type": "text/event-stream"})
 
 
-def _post(upstreams: Upstreams, body: dict, path: str = "/v1/completions",
-          max_local_prefill_length: int = 0) -> tuple[httpx.Response, PDRouter]:
+def _post(upstreams: Upstreams, body: dict, path: str = "/v1/completions", max_local_prefill_length: int = 0,
+          prefill_on_idle_decode: bool = False, in_flight: dict[str, int] | None = None
+          ) -> tuple[httpx.Response, PDRouter]:
+    """One request through a router; `in_flight`: the requests it holds at each server already."""
     client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
-    router = PDRouter(PDConfig((PREFILL,), (DECODE,), max_local_prefill_length=max_local_prefill_length),
-                      MockUpstream(client))
+    router = PDRouter(PDConfig((PREFILL,), (DECODE,), max_local_prefill_length=max_local_prefill_length,
+                               prefill_on_idle_decode=prefill_on_idle_decode), MockUpstream(client))
+    router.num_in_flight.update(in_flight or {})
 
     async def call() -> httpx.Response:
         transport = httpx.ASGITransport(app=build_pd_app(router))
@@ -103,6 +106,28 @@ def test_prompts_up_to_the_local_prefill_length_skip_the_prefill_server(path, bo
     assert len(tokenized) == (1 if isinstance(body.get("prompt", ""), str) else 0)
 
 
+@pytest.mark.parametrize("in_flight, is_local", [
+    ({PREFILL: 1}, True),  # the prefill server is busy and the decode server idle: the decode server prefills
+    ({}, False),  # both idle: through the prefill server
+    ({PREFILL: 1, DECODE: 1}, False),  # a stream decodes on the decode server: never stalled by a local prefill
+])
+def test_an_idle_decode_server_takes_the_prompt_while_the_prefill_servers_are_busy(in_flight, is_local):
+    upstreams = Upstreams()
+    body = {"prompt": "a long prompt", "stream": True}
+    response, router = _post(upstreams, body, prefill_on_idle_decode=True, in_flight=in_flight)
+    prefills = [url for url, _ in upstreams.seen if url.startswith(PREFILL)]
+    assert response.status_code == 200 and upstreams.seen[-1] == (f"{DECODE}/v1/completions", body)
+    assert (prefills == [], router.stats.num_idle_decode_prefills) == ((True, 1) if is_local else (False, 0))
+    assert router.num_in_flight == {PREFILL: 0, DECODE: 0, **in_flight}  # each request counted out once ended
+
+
+def test_without_the_flag_a_busy_prefill_server_still_gets_the_prompt():
+    upstreams = Upstreams()
+    _, router = _post(upstreams, {"prompt": "hi"}, in_flight={PREFILL: 3})
+    assert [url for url, _ in upstreams.seen if url.startswith(PREFILL)] == [f"{PREFILL}/v1/completions"]
+    assert router.stats.num_idle_decode_prefills == 0
+
+
 def test_prefill_body_drops_what_is_about_the_output():
     body = prefill_body({"messages": [], "max_completion_tokens": 9, "best_of": 2, "n": 2, "min_tokens": 3},
                         "tcp://d:1")
@@ -121,6 +146,7 @@ def test_prefill_body_drops_what_is_about_the_output():
     (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--max-local-prefill-length", "-1"],
      "--max-local-prefill-length must be >= 0"),
     (["route", "--backend", f"m={DECODE}", "--max-local-prefill-length", "64"], "only with --pd-disaggregation"),
+    (["route", "--backend", f"m={DECODE}", "--prefill-on-idle-decode"], "only with --pd-disaggregation"),
 ])
 def test_the_flags_are_validated(argv, message, capsys):
     assert route_main(argv) == 2

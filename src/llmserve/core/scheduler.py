@@ -32,6 +32,7 @@ from llmserve.core.kv_loading import KVLoadWaitList
 from llmserve.core.kv_saving import KVSaves
 from llmserve.core.lora_slots import (AdapterMemory, has_adapter_in_memory, is_held_behind, running_adapters,
                                       take_lora_slot)
+from llmserve.core.partial_prefills import PartialPrefillLimits, StepPrefills, num_prompt_left
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_output import aborted_output
 from llmserve.core.request_queue import make_queue
@@ -85,6 +86,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_step_prompt_tokens = 0
         self.prefill_budget = 0  # prompt tokens left in the step being scheduled
+        self.partial_limits = PartialPrefillLimits.resolve(
+            config.max_num_partial_prefills, config.max_long_partial_prefills, config.long_prefill_token_threshold,
+            max_model_len)
+        self.step_prefills: StepPrefills | None = None  # this step's share of the budget (core/partial_prefills.py)
         # The step being scheduled: rows that `_advance_scheduled` moves on once all are scheduled (plain
         # decode rows move on as they are scheduled: core/decode_rows.py), and how many rows that made.
         self.rows_to_advance: list[Request] = []
@@ -209,6 +214,8 @@ class Scheduler:
         self.rows_to_advance, self.num_step_rows, self.num_step_prompt_tokens = [], 0, 0
         budget = self.config.max_num_batched_tokens
         self.prefill_budget = self._prefill_budget(budget)
+        self.step_prefills = StepPrefills(self.partial_limits, budget, self.running, self.waiting) \
+            if self.partial_limits.is_enabled else None
         if not self._schedule_window(out, budget):
             budget, has_preempted = self._schedule_running(out, budget, self.can_speculate())
             if not has_preempted:
@@ -263,6 +270,10 @@ class Scheduler:
             return budget
         return cap
 
+    def _max_chunk(self, num_left: int) -> int:
+        """The most tokens a prompt with `num_left` tokens left may compute in this step's share."""
+        return num_left if self.step_prefills is None else self.step_prefills.max_chunk(num_left)
+
     def can_speculate(self) -> bool:
         """Whether the next step may schedule drafts: speculation pays off only while the batch is small
         (the rule: docs/speculative.md), and not while a run of steps that found no drafts backs off
@@ -298,7 +309,7 @@ class Scheduler:
                 drafts = drafts[:request.grammar.num_valid_drafts(drafts)]
             num_new = min(num_real + len(drafts), budget)
             if num_real > 1:  # a prompt chunk (or a preempted request's recompute)
-                num_new = min(num_new, self.prefill_budget)
+                num_new = min(num_new, self.prefill_budget, self._max_chunk(num_real))
                 if num_new == 0:
                     i += 1
                     continue
@@ -332,13 +343,18 @@ class Scheduler:
             return
         adapters = running_adapters(self.running, self.max_loras)
         set_aside: list[Request] = []  # their adapter waits for a slot; they keep their place in the queue
+        passed: list[Request] = []  # those and long prompts passed over (core/partial_prefills.py), in order
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_placeholders:
                 break  # preempted while a step sampled for it: resume once that token is known
+            if self.step_prefills is not None and not self.step_prefills.can_start(request):
+                passed.append(self.waiting.pop())  # a long prompt beyond the long ones prefilling: shorter go first
+                continue
             if is_held_behind(request, set_aside) or not take_lora_slot(request, adapters, self.max_loras) \
                     or not has_adapter_in_memory(request, self.lora_memory):  # its slot kept while it is read
                 set_aside.append(self.waiting.pop())  # the ones behind it (running adapters, base) go first
+                passed.append(set_aside[-1])
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if request.sampling_params.prompt_logprobs is not None:
@@ -350,20 +366,22 @@ class Scheduler:
             limit = min(budget, self.prefill_budget)
             if limit == 0 or (not self.config.enable_chunked_prefill and num_new > limit):
                 break
-            num_new = min(num_new, limit)
+            num_new = min(num_new, limit, self._max_chunk(num_prompt_left(request)))
             if self.kv.allocate_slots(request, num_new, hits, self.num_lookahead) is None:
                 break
             self.waiting.pop()
             if set_aside and request.lora is not None:
                 set_aside[0].num_lora_passes += 1
             self.prefill_budget -= num_new
+            if self.step_prefills is not None:
+                self.step_prefills.on_started(num_prompt_left(request))
             self._start_running(request, num_hit_tokens)
             out.new_reqs.append(self._new_request_data(request))
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
             budget -= num_new
-        for request in reversed(set_aside):
+        for request in reversed(passed):
             self.waiting.add_front(request)
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:

@@ -39,6 +39,10 @@ def add_route_parser(subparsers) -> argparse.ArgumentParser:
                         help="--pd-disaggregation: prompts of at most N tokens skip the prefill servers and are "
                              "computed by the decode server (Dynamo's name); 0 (default): every prompt is "
                              "prefilled on a prefill server")
+    parser.add_argument("--prefill-on-idle-decode", action="store_true",
+                        help="--pd-disaggregation: a decode server with no request in flight computes a prompt "
+                             "itself when every prefill server has one in flight (work conserving: no stream "
+                             "decodes there, and the prompt would queue at a prefill server)")
     add_dataclass_args(parser, RouterConfig)
     add_dataclass_args(parser, AutoscaleConfig)
     parser.set_defaults(func=route_command)
@@ -50,7 +54,8 @@ def route_command(args: argparse.Namespace) -> int:
     from llmserve.router.loading import setup_from_args
     from llmserve.router.server import run
 
-    if args.pd_disaggregation or args.prefill or args.decode or args.max_local_prefill_length:
+    if args.pd_disaggregation or args.prefill or args.decode or args.max_local_prefill_length \
+            or args.prefill_on_idle_decode:
         return _pd_command(args)
     try:
         setup = setup_from_args(args)

@@ -14,6 +14,11 @@ With `max_local_prefill_length` N > 0 (Dynamo's conditional disaggregation), a p
 the prefill server: the decode server computes it, as a colocated server would (a short prompt costs a decode
 server little, and waiting behind long prompts at a prefill server would cost it its TTFT). The length is the
 prompt's token ids when it is given as ids, else the decode server's `POST /tokenize` of it.
+
+With `prefill_on_idle_decode`, a decode server with nothing in flight computes a prompt itself when every
+prefill server already has one in flight: no stream decodes there to be stalled, and the prompt would only
+queue behind another at a prefill server while that core idles (work conserving; the router counts what it
+has in flight at each server).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class PDConfig:
     prefill_timeout_s: float = 600.0
     upstream_timeout_s: float = 600.0
     max_local_prefill_length: int = 0  # prompts up to this many tokens are prefilled on the decode server
+    prefill_on_idle_decode: bool = False  # an idle decode server takes a prompt while the prefill servers are busy
 
     def __post_init__(self) -> None:
         if self.max_local_prefill_length < 0:
@@ -66,6 +72,7 @@ class PDStats:
     num_requests: int = 0
     num_prefill_failures: int = 0  # requests the decode server computed whole
     num_local_prefills: int = 0  # prompts short enough for the decode server (max_local_prefill_length)
+    num_idle_decode_prefills: int = 0  # prompts an idle decode server took from busy prefill servers
     prefill_by_url: dict[str, int] = field(default_factory=dict)
     decode_by_url: dict[str, int] = field(default_factory=dict)
 
@@ -88,6 +95,7 @@ class PDRouter:
         self.decodes = itertools.cycle(config.decode_urls)
         self.kv_addresses: dict[str, str] = {}  # decode URL -> tcp://host:port of its KV receiver
         self.stats = PDStats()
+        self.num_in_flight: dict[str, int] = {}  # server URL -> requests the router has sent it, not yet answered
 
     async def kv_address(self, decode_url: str) -> str:
         if decode_url not in self.kv_addresses:
@@ -102,11 +110,14 @@ class PDRouter:
         (done, or failed: the decode server then computes the prompt itself)."""
         url = next(self.prefills)
         self.stats.prefill_by_url[url] = self.stats.prefill_by_url.get(url, 0) + 1
+        self._count_in(url, 1)
         try:
             body = prefill_body(obj, await self.kv_address(decode_url))
             response = await fetch_json(self.upstream, url, path, self.config.prefill_timeout_s, body, headers)
         except (UpstreamError, ValueError, KeyError, AttributeError) as e:
             return self._prefill_failed(url, repr(e))
+        finally:
+            self._count_in(url, -1)
         if 400 <= response.status < 500:
             return Response(response.body, response.status, media_type="application/json")
         if response.status != 200:
@@ -133,6 +144,14 @@ class PDRouter:
         except (UpstreamError, ValueError, KeyError, TypeError):
             return False
 
+    def is_idle_decode_beside_busy_prefills(self, decode_url: str) -> bool:
+        """`prefill_on_idle_decode`: the decode server has nothing in flight and every prefill server has."""
+        return (self.config.prefill_on_idle_decode and not self.num_in_flight.get(decode_url)
+                and all(self.num_in_flight.get(url) for url in self.config.prefill_urls))
+
+    def _count_in(self, url: str, num: int) -> None:
+        self.num_in_flight[url] = self.num_in_flight.get(url, 0) + num
+
     def _prefill_failed(self, url: str, reason: str) -> None:
         self.stats.num_prefill_failures += 1
         logger.warning("prefill server %s failed (%s): the decode server computes the prompt", url, reason)
@@ -153,6 +172,9 @@ class PDRouter:
         if await self.is_short(decode_url, obj, headers):
             self.stats.num_local_prefills += 1
             return await self._forward(decode_url, request.url.path, raw, headers)
+        if self.is_idle_decode_beside_busy_prefills(decode_url):
+            self.stats.num_idle_decode_prefills += 1
+            return await self._forward(decode_url, request.url.path, raw, headers)
         error = await self.prefill(request.url.path, obj, headers, decode_url)
         if error is not None:
             return error
@@ -161,9 +183,19 @@ class PDRouter:
     async def _forward(self, url: str, path: str, body: bytes, headers: list[Header]) -> Response:
         """The decode server's response, its bytes passed through as they come (SSE included); a client that
         goes away closes the upstream connection, which aborts the request there."""
+        self._count_in(url, 1)
+        is_counted = True
+
+        def count_out() -> None:  # once, whichever of the body's end and the background task comes first
+            nonlocal is_counted
+            if is_counted:
+                is_counted = False
+                self._count_in(url, -1)
+
         try:
             response = await self.upstream.send(url, path, body, headers)
         except UpstreamError as e:
+            count_out()
             return _error(502, f"the decode server failed: {e!r}", "bad_gateway")
 
         async def body_parts():
@@ -171,11 +203,15 @@ class PDRouter:
                 while part := await response.read():
                     yield part
             finally:
+                count_out()
                 await response.aclose()  # read to its end: back to the pool; cut short: closed
 
+        async def close() -> None:
+            count_out()
+            await response.aclose()
+
         kept = {k.decode(): v.decode("latin-1") for k, v in response.headers if k in _KEPT_HEADERS}
-        return StreamingResponse(body_parts(), response.status, headers=kept,
-                                 background=BackgroundTask(response.aclose))
+        return StreamingResponse(body_parts(), response.status, headers=kept, background=BackgroundTask(close))
 
     async def get(self, request: Request) -> Response:
         """Read-only routes from a decode server (models, version)."""
@@ -204,6 +240,7 @@ class PDRouter:
         stats = self.stats
         return JSONResponse({"num_requests": stats.num_requests, "num_prefill_failures": stats.num_prefill_failures,
                              "num_local_prefills": stats.num_local_prefills,
+                             "num_idle_decode_prefills": stats.num_idle_decode_prefills,
                              "prefill": stats.prefill_by_url, "decode": stats.decode_by_url})
 
 

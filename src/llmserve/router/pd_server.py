@@ -18,7 +18,8 @@ PD_ROUTER_FLAGS = ("host", "port", "upstream_timeout_s", "log_level")
 
 def pd_config_from_args(args: argparse.Namespace) -> PDConfig:
     if not args.pd_disaggregation:
-        raise ValueError("--prefill / --decode / --max-local-prefill-length: only with --pd-disaggregation")
+        raise ValueError("--prefill / --decode / --max-local-prefill-length / --prefill-on-idle-decode: only with "
+                         "--pd-disaggregation")
     if args.backend or args.config:
         raise ValueError("--pd-disaggregation takes --prefill and --decode servers, not --backend or --config")
     defaults = RouterConfig()
@@ -29,7 +30,8 @@ def pd_config_from_args(args: argparse.Namespace) -> PDConfig:
         raise ValueError(f"{names}: not supported with --pd-disaggregation yet")
     return PDConfig(tuple(u.rstrip("/") for u in args.prefill), tuple(u.rstrip("/") for u in args.decode),
                     upstream_timeout_s=args.upstream_timeout_s,
-                    max_local_prefill_length=args.max_local_prefill_length)
+                    max_local_prefill_length=args.max_local_prefill_length,
+                    prefill_on_idle_decode=args.prefill_on_idle_decode)
 
 
 async def serve_pd(config: PDConfig, host: str, port: int, log_level: str) -> int:
