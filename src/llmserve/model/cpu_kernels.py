@@ -21,6 +21,8 @@ once into 16-column panels, multiplied by a kernel that streams it with prefetch
 where the CPU has them (csrc/linear_avx512.cpp, built with -mavx512f... there); model/linear.py uses it instead of
 oneDNN (`packs_linears`; LLMSERVE_CPU_LINEAR forces either: model/cpu_isa.py). With AVX512-BF16, bfloat16
 decode rows go through a GEMV on the weight as loaded (`bf16_gemv`).
+The float32 experts of an MoE layer, packed as those linears' panels, run in one op a layer (csrc/moe_experts.cpp:
+`moe_experts`, called by model/moe_cpu.py).
 Likewise int8 linear layers (csrc/int8_linear_avx2.cpp): on CPUs where oneDNN has no VNNI its s8 GEMM is inexact, and
 model/quant/linear.py's Int8Linear runs this exact one instead (`packs_int8`).
 """
@@ -49,9 +51,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
-                                                      "fused_ops_bf16.cpp", "paged_attention_split.cpp")]
+                                                      "fused_ops_bf16.cpp", "paged_attention_split.cpp",
+                                                      "moe_experts.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
-                                                                     "fused_ops_bf16.h")]
+                                                                     "panel_blocks.h", "fused_ops_bf16.h")]
 _NAME = "llmserve_cpu_kernels"
 FIRST_BUILD_TIME = "2-3 minutes on 2 cores"  # measured: about 2.5 minutes on an AMD EPYC Zen 3 (2 cores)
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
@@ -351,6 +354,18 @@ def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     out = x.new_empty(x.shape[0], out_features)
     _panel_op(cpu_isa.onednn_isa_cap())(out, x, panels, bias)
     return out
+
+
+def moe_experts(out: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, pairs: torch.Tensor,
+                weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                biases: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+    """Every expert of an MoE layer on pairs sorted by expert: out [T*k, H] row q = weights [T*k][q] times pair
+    q's expert (silu(gate) * up, then down) of its row in rows [P, H]; counts [E] int64 pairs an expert (in
+    turn), pairs [>= P] int64 the pair of each sorted row; gate_up [E, 2I/16, H, 16] and down [E, ceil(H/16),
+    I, 16] stacked panels (`pack_linear_weight`'s), biases [E, 2I] and [E, H] or None. Rows of out of other
+    pairs are left as they are. The sums of `packed_linear` and `silu_mul`, in the same order."""
+    _ops().moe_experts(out, rows, counts, pairs, weights, gate_up, down, biases[0], biases[1],
+                       _panel_op(cpu_isa.onednn_isa_cap()) == _ops().packed_linear_avx512)
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:

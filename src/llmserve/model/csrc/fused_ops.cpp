@@ -93,22 +93,6 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
   });
 }
 
-// out[i] = g[i] / (1 + exp(-g[i])) * u[i]
-inline void silu_mul_row(float* __restrict out, const float* __restrict g, const float* __restrict u, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = llmserve_cpu::exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|), never overflows
-    const __m256 is_neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, is_neg), _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid), _mm256_loadu_ps(u + i)));
-  }
-#endif
-  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
 void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), n = out.size(1);
   const at::ScalarType dtype = gate_up.scalar_type();
@@ -119,7 +103,7 @@ void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
   float* o = out.data_ptr<float>();
   const float* gu = gate_up.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) silu_mul_row(o + t * n, gu + t * 2 * n, gu + t * 2 * n + n, n);
+    for (int64_t t = begin; t < end; ++t) llmserve_cpu::silu_mul_row(o + t * n, gu + t * 2 * n, gu + t * 2 * n + n, n);
   });
 }
 
