@@ -66,13 +66,15 @@ std::vector<Unit> units_of(const std::vector<int64_t>& starts, int64_t num_panel
 }
 
 // tile [num_rows, 16] = x [num_rows, k] @ panel [k, 16] (+ bias [16]), K in chunks of kChunk as
-// panel_gemm.h's run_f32_panel_unit; with `prefetch` the first row block prefetches the stream ahead.
+// panel_gemm.h's run_f32_panel_unit; with `prefetch` the first row block prefetches the stream kPrefetchRows
+// k-rows ahead, past the panel's end into `next` (the panel read after this one), up to `end`.
 template <class Block>
-void panel_tile(Block block, const float* x, int64_t k, const float* panel, const float* end, const float* bias,
-                int64_t num_rows, bool prefetch, float* tile) {
+void panel_tile(Block block, const float* x, int64_t k, const float* panel, const float* next, const float* end,
+                const float* bias, int64_t num_rows, bool prefetch, float* tile) {
   for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
     const int kc = static_cast<int>(std::min(kChunk, k - k0));
-    const float* pf = panel + (k0 + kPrefetchRows) * kPanel;
+    const int64_t ahead = k0 + kPrefetchRows;
+    const float* pf = ahead < k ? panel + ahead * kPanel : next + (ahead - k) * kPanel;
     if (!prefetch || pf + kc * kPanel > end) pf = nullptr;
     llmserve_cpu::for_each_row_block<kMaxRows>(num_rows, [&](auto rows, int64_t r) {
       block(rows, x + r * k + k0, k, panel + k0 * kPanel, kc, tile + r * kPanel, kPanel, bias, k0 == 0,
@@ -89,9 +91,11 @@ void gate_up_unit(const Problem& p, const Unit& u, bool prefetch, Block block) {
   const float* panels = p.gate_up + u.expert * num_panels * h * kPanel;
   const float* bias = p.gate_up_bias ? p.gate_up_bias + u.expert * 2 * i + u.panel * kPanel : nullptr;
   const float* x = p.rows + u.row0 * h;
-  panel_tile(block, x, h, panels + u.panel * h * kPanel, p.gate_up_end, bias, u.num_rows, prefetch, gate);
-  panel_tile(block, x, h, panels + (u.panel + i / kPanel) * h * kPanel, p.gate_up_end, bias ? bias + i : nullptr,
-             u.num_rows, prefetch, up);
+  const float* gate_panel = panels + u.panel * h * kPanel;
+  const float* up_panel = gate_panel + i / kPanel * h * kPanel;  // the gate panel's features' up panel
+  panel_tile(block, x, h, gate_panel, up_panel, p.gate_up_end, bias, u.num_rows, prefetch, gate);
+  panel_tile(block, x, h, up_panel, gate_panel + h * kPanel, p.gate_up_end, bias ? bias + i : nullptr, u.num_rows,
+             prefetch, up);
   for (int64_t r = 0; r < u.num_rows; ++r)
     llmserve_cpu::silu_mul_row(p.act + (u.row0 + r) * i + u.panel * kPanel, gate + r * kPanel, up + r * kPanel, kPanel);
 }
@@ -109,7 +113,7 @@ void down_unit(const Problem& p, const Unit& u, bool prefetch, Block block) {
     bias = bias_tile;
   }
   const float* panel = p.down + (u.expert * p.num_down_panels + u.panel) * i * kPanel;
-  panel_tile(block, p.act + u.row0 * i, i, panel, p.down_end, bias, u.num_rows, prefetch, tile);
+  panel_tile(block, p.act + u.row0 * i, i, panel, panel + i * kPanel, p.down_end, bias, u.num_rows, prefetch, tile);
   for (int64_t r = 0; r < u.num_rows; ++r) {
     const int64_t pair = p.pairs[u.row0 + r];
     const float weight = p.weights[pair];
