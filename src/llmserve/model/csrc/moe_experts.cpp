@@ -128,7 +128,8 @@ template <class Run>
 void for_each_unit(const std::vector<Unit>& units, Run run) {
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const bool is_first_block = u == 0 || units[u - 1].panel != units[u].panel || units[u - 1].expert != units[u].expert;
+      const bool is_first_block =
+          u == 0 || units[u - 1].panel != units[u].panel || units[u - 1].expert != units[u].expert;
       run(units[u], u == begin || is_first_block);
     }
   });
@@ -150,7 +151,8 @@ const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t num_expert
 void check_inputs(const at::Tensor& out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& pairs,
                   const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down) {
   for (const at::Tensor* t : {&out, &rows, &weights, &gate_up, &down})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "moe_experts: float32 contiguous tensors expected");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "moe_experts: float32 contiguous tensors expected");
   TORCH_CHECK(gate_up.dim() == 4 && down.dim() == 4 && gate_up.size(3) == kPanel && down.size(3) == kPanel &&
                   gate_up.size(0) == down.size(0),
               "moe_experts: panels must be [E, P, K, 16] (pack_linear_weight's, stacked)");
@@ -196,7 +198,8 @@ void moe_experts(at::Tensor out, const at::Tensor& rows, const at::Tensor& count
                   gate_up.data_ptr<float>(), down.data_ptr<float>(),
                   bias_data(gate_up_bias, num_experts, 2 * i, "gate_up_bias"),
                   bias_data(down_bias, num_experts, h, "down_bias"), act.data_ptr<float>(), out.data_ptr<float>(),
-                  h, i, down.size(1), gate_up.data_ptr<float>() + gate_up.numel(), down.data_ptr<float>() + down.numel()};
+                  h, i, down.size(1), gate_up.data_ptr<float>() + gate_up.numel(),
+                  down.data_ptr<float>() + down.numel()};
 #if defined(__AVX512F__)
   if (use_avx512)
     return run(p, starts, [](auto r, const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc,

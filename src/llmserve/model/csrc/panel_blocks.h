@@ -20,7 +20,9 @@ inline void f32_block_avx2(const float* a, int64_t lda, const float* b, int kc, 
   __m256 acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < 2; ++j)
-      acc[r][j] = !first ? _mm256_loadu_ps(c + r * ldc + 8 * j) : bias ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+      acc[r][j] = !first ? _mm256_loadu_ps(c + r * ldc + 8 * j)
+                  : bias ? _mm256_loadu_ps(bias + 8 * j)
+                         : _mm256_setzero_ps();
   for (int i = 0; i < kc; ++i) {
     if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kF32Panel), _MM_HINT_T1);
     __m256 bv[2];
