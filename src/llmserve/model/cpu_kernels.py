@@ -147,6 +147,7 @@ def _self_test(ops) -> None:
         if not torch.allclose(out, F.linear(x, w, bias), atol=1e-5, rtol=1e-5):
             raise RuntimeError("self-test mismatch (packed linear)")
         _self_test_int8(ops, gen)
+        _self_test_moe(ops, gen)
 
 
 def _self_test_int8(ops, gen: torch.Generator) -> None:
@@ -159,6 +160,23 @@ def _self_test_int8(ops, gen: torch.Generator) -> None:
     expected = (torch.round(x / x_scale).double() @ q.double().t()) * x_scale.double() * w_scale.double()
     if not torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5):
         raise RuntimeError("self-test mismatch (int8 linear)")
+
+
+def _self_test_moe(ops, gen: torch.Generator) -> None:
+    """moe_experts on 2 experts (H = 20: a partial last panel, I = 16) against F.linear per pair."""
+    gate_up = torch.randn(2, 32, 20, generator=gen)  # [E, 2I, H]
+    down = torch.randn(2, 20, 16, generator=gen)  # [E, H, I]
+    rows, weights = torch.randn(3, 20, generator=gen), torch.rand(6, generator=gen)  # 3 sorted pairs of 6
+    pairs, experts = torch.tensor([4, 1, 2]), [0, 1, 1]
+    out = torch.zeros(6, 20)
+    panels = [torch.stack([ops.pack_linear_weight(w) for w in weight]) for weight in (gate_up, down)]
+    ops.moe_experts(out, rows, torch.tensor([1, 2]), pairs, weights, *panels, None, None, False)
+    expected = torch.zeros(6, 20)
+    for row, (pair, e) in enumerate(zip(pairs.tolist(), experts)):
+        gate, up = F.linear(rows[row], gate_up[e]).chunk(2)
+        expected[pair] = F.linear(F.silu(gate) * up, down[e]) * weights[pair]
+    if not torch.allclose(out, expected, atol=1e-4, rtol=1e-4):
+        raise RuntimeError("self-test mismatch (MoE experts)")
 
 
 def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor, window: int = 0, sinks: torch.Tensor | None = None) -> None:

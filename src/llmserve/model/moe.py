@@ -8,7 +8,8 @@ writes: `experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.w
 
 The forward (`fused_moe`) sorts the token-expert pairs by expert once, runs one gate/up and one down GEMM per
 expert that received tokens, and sums each token's k outputs weighted by its routing weights: no Python loop
-over tokens, at most E GEMM pairs per layer.
+over tokens, at most E GEMM pairs per layer. Experts that can run a layer in one op take it instead
+(`ExpertLayers.runs_in_one_op`: float32 experts packed on CPU, model/moe_cpu.py), with the same sums.
 
 Routing is batch-invariant: a token's experts and weights depend only on its own hidden state (`route`).
 
