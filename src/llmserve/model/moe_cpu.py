@@ -10,7 +10,7 @@ Why: docs/benchmarks.md, "MoE on CPU".
 Where the layers are our kernels' panels (not oneDNN's layout) the experts' panels are stacked once, each layer
 keeping a view, and a layer's experts run in one C++ op (csrc/moe_experts.cpp, `run_in_one_op`): the same sums
 in the same order as the per-expert calls, without a Python loop over experts; gpt-oss's clamped activation
-keeps the loop. Why: docs/benchmarks.md, "MoE experts in one op".
+keeps the loop. Why: docs/benchmarks.md, "MoE experts in one op a layer".
 """
 
 from __future__ import annotations
