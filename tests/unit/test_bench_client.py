@@ -301,3 +301,54 @@ def test_several_models_are_spread_over_the_requests():
     assert set(models) == {"a0", "a1", "a2"}
     assert models == [build_payload(target, r)["model"] for r in requests]
     assert build_payload(Target("t", "http://x", "base"), requests[0])["model"] == "base"
+
+
+_SSE_BODY = b'data: {"choices":[{"index":0,"text":"hi"}]}\n\ndata: [DONE]\n\n'
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bool:
+    """One HTTP request off the connection (headers and body); False when the client closed it."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return False
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    await reader.readexactly(length)
+    return True
+
+
+@pytest.mark.parametrize("is_answer_started", [False, True])
+def test_a_kept_alive_connection_closed_unanswered_is_sent_again_once(is_answer_started):
+    """A raw HTTP/1.1 server: its first connection answers one request, then closes on the second without a
+    byte (what llama-server does to a connection idle past its keep-alive) or after the status line; later
+    connections answer. Only the unanswered one is sent again, on a new connection."""
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        num_answered = 0
+        while await _read_request(reader):
+            if len(connections) == 1 and num_answered == 1:
+                if is_answer_started:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 999\r\n\r\n")
+                    await writer.drain()
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
+                         + str(len(_SSE_BODY)).encode() + b"\r\n\r\n" + _SSE_BODY)
+            await writer.drain()
+            num_answered += 1
+
+    async def go():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server, make_http_client() as client:
+            target = Target("A", url, "m", is_usage_requested=False)
+            return [await send_request(client, target, REQ, i) for i in range(2)]
+
+    first, second = asyncio.run(go())
+    assert first.is_success and first.num_retries == 0
+    if is_answer_started:  # the server had begun answering: the failure is the request's, never resent
+        assert not second.is_success and second.num_retries == 0 and len(connections) == 1
+    else:
+        assert second.is_success and second.num_retries == 1 and second.num_chunks == 1 and len(connections) == 2

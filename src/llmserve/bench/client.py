@@ -21,6 +21,7 @@ from llmserve.bench.sse import Chunk, ProtocolError, SSEDecoder, parse_chunk
 ERROR_KINDS = ("http_<status>", "timeout", "connection", "protocol", "stream_error")
 _MAX_ERROR_CHARS = 500
 SCHEMA_NAME = "bench_schema"  # response_format.json_schema.name (required by OpenAI)
+MAX_STALE_RETRIES = 1  # sends again after a kept-alive connection closed unanswered (`_send`)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class RequestRecord:
     num_output_tokens: int = 0
     output_tokens_source: str = ""  # usage | chunks | requested (non-streamed answer without usage)
     num_chunks: int = 0  # chunks that carried text
+    has_response: bool = False  # the server's status line arrived
+    num_retries: int = 0  # sent again after the server closed a kept-alive connection without answering
     error_kind: str | None = None  # one of ERROR_KINDS (http_<status> with the status filled in)
     error: str | None = None
 
@@ -118,7 +121,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
     rec.start_s = time.perf_counter()
     try:
         async with asyncio.timeout(target.timeout_s):
-            await _exchange(client, target, build_payload(target, req), rec)
+            await _send(client, target, build_payload(target, req), rec)
         rec.is_success = True
     except TimeoutError:
         _fail(rec, "timeout", f"no complete answer within {target.timeout_s:g} s")
@@ -139,8 +142,23 @@ def _fail(rec: RequestRecord, kind: str, message: str) -> None:
     rec.error = message[:_MAX_ERROR_CHARS]
 
 
+async def _send(client: httpx.AsyncClient, target: Target, body: dict, rec: RequestRecord) -> None:
+    """The exchange, sent once more on a new connection when the server closed the kept-alive one it went out
+    on without answering (HTTP keep-alive's race: llama-server closes connections idle for 5 s, which a
+    --compare run leaves idle while the other server answers); the clock restarts with the second send."""
+    try:
+        await _exchange(client, target, body, rec)
+    except httpx.RemoteProtocolError:
+        if rec.has_response or rec.num_retries >= MAX_STALE_RETRIES:
+            raise
+        rec.num_retries += 1
+        rec.start_s = time.perf_counter()
+        await _exchange(client, target, body, rec)
+
+
 async def _exchange(client: httpx.AsyncClient, target: Target, body: dict, rec: RequestRecord) -> None:
     async with client.stream("POST", target.api_url, json=body) as response:
+        rec.has_response = True
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
             raise HTTPStatusError(response.status_code, text[:_MAX_ERROR_CHARS])

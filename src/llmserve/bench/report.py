@@ -87,6 +87,10 @@ def _ratio(a: float | None, b: float | None) -> str:
 def _first_errors(runs: list[LevelRun]) -> list[str]:
     lines = []
     for run in runs:
+        num_retried = sum(r.num_retries > 0 for r in run.records)
+        if num_retried:
+            lines.append(f"Sent again ({run.server}): {num_retried} request(s) whose kept-alive connection the "
+                         "server closed unanswered")
         failed = next((r for r in run.records if not r.is_success), None)
         if failed is not None:
             lines.append(f"First error ({run.server}, request {failed.index}): {failed.error_kind}: {failed.error}")

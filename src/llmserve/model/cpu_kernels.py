@@ -52,9 +52,9 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
                                                       "fused_ops_bf16.cpp", "paged_attention_split.cpp",
-                                                      "moe_experts.cpp")]
+                                                      "decode_stack.cpp", "moe_experts.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
-                                                                     "panel_blocks.h", "fused_ops_bf16.h")]
+                                                                     "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h")]
 _NAME = "llmserve_cpu_kernels"
 FIRST_BUILD_TIME = "2-3 minutes on 2 cores"  # measured: about 2.5 minutes on an AMD EPYC Zen 3 (2 cores)
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build

@@ -37,11 +37,12 @@ from llmserve.model.layers import (GatedMLP, RMSNorm, RopeParams, RotaryEmbeddin
 from llmserve.model.linear import Linear, can_pack, linear, packed, packed_linear
 from llmserve.model.moe import MoeSpec, SparseMoeBlock, moe_spec_from_config
 from llmserve.model.moe_load import ExpertLoadReader
-from llmserve.model.moe_names import expert_shard_view, expert_shards, map_expert_name
+from llmserve.model.moe_names import expert_shard_view, expert_shards
 from llmserve.model.moe_parallel import is_stacked_expert, shard_stacked, to_local_experts
 from llmserve.model.parallel import (ShardLayout, TensorParallel, VocabParallelEmbedding, column_linear, row_linear,
                                      shard_layout)
 from llmserve.model.sliding_window import layer_windows
+from llmserve.model.weight_names import SHARDS_OF, map_hf_name
 
 
 def _head_dim(config) -> int:
@@ -221,6 +222,7 @@ class CausalLM(nn.Module):
         # A tied head's table packed for the CPU GEMM (pack_tied_lm_head); a plain attribute, not a buffer:
         # weight counts (cpu_threads, roofline) count the table once
         self.tied_head_packed: torch.Tensor | None = None
+        self.decode_stack = None  # CPU decode steps' layers in one C++ call, set once the model is final (worker)
         self.expert_load_reader = ExpertLoadReader()
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
@@ -272,13 +274,23 @@ class CausalLM(nn.Module):
         if self.parts.embed_scale is not None:
             x = gemma3.scale_embeddings(x, self.parts.embed_scale)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}  # 2 x [T, 1, D/2]
+        stack = self.decode_stack
+        if stack is not None and stack.takes(attn_metadata, kv_caches[0]):
+            x, residual = stack.forward(x, cos_sin["default"], kv_caches, attn_metadata)
+        else:
+            x, residual = self._run_layers(x, cos_sin, kv_caches, attn_metadata, attn_backend)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def _run_layers(self, x: torch.Tensor, cos_sin: dict, kv_caches: list[torch.Tensor], attn_metadata: object,
+                    attn_backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] through every layer -> (hidden, residual) before the final norm."""
         residual = None
         layer_metadata = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(kv_caches)
         for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, layer_metadata,
                                                    strict=True):
             x, residual = layer(x, residual, cos_sin[kind], kv_cache, metadata, attn_backend)
-        x, _ = self.model.norm(x, residual)
-        return x
+        return x, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped where the config says)."""
@@ -314,7 +326,7 @@ class CausalLM(nn.Module):
         if self.architecture == phi3.ARCHITECTURE:
             weights = phi3.to_decoder_layout(weights, self.config, self.layout)
         for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.is_tied or not self.has_lm_head, fuses_qkv=not self.parts.is_mla)
+            target = map_hf_name(hf_name, self.is_tied or not self.has_lm_head, fuses_qkv=not self.parts.is_mla)
             if target is None:
                 continue
             name, shard = target
@@ -354,7 +366,7 @@ class CausalLM(nn.Module):
         num_experts = 0 if self.parts.moe is None else self.parts.moe.num_experts
         if self.layout is not None and self.layout.experts is not None:
             num_experts = self.layout.experts[1]  # the experts this rank holds
-        shards = expert_shards(name, num_experts) or _SHARDS_OF.get(name.rsplit(".", 2)[-2])
+        shards = expert_shards(name, num_experts) or SHARDS_OF.get(name.rsplit(".", 2)[-2])
         return [name] if shards is None else [f"{name}#{s}" for s in shards]
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
@@ -376,23 +388,3 @@ def _rope_params_by_kind(config, architecture: str, max_model_len: int) -> dict[
     if architecture == gemma3.ARCHITECTURE:
         return gemma3.rope_params_by_kind(config)
     return {"default": rope_params_from_config(config, max_model_len)}
-
-
-_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
-_SHARDS_OF = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-
-
-def _map_hf_name(hf_name: str, skips_head: bool, fuses_qkv: bool = True) -> tuple[str, str | None] | None:
-    """HF name -> (our parameter name, shard or None); None for tensors we skip. fuses_qkv=False keeps q_proj
-    (MLA's, without LoRA) whole."""
-    if "rotary_emb.inv_freq" in hf_name or (skips_head and hf_name == "lm_head.weight"):
-        return None
-    expert = map_expert_name(hf_name)
-    if expert is not None:
-        return expert
-    parts = hf_name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED and (fuses_qkv or _FUSED[parts[-2]][0] != "qkv_proj"):
-        fused, shard = _FUSED[parts[-2]]
-        return ".".join(parts[:-2] + [fused, parts[-1]]), shard
-    return hf_name, None

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_groups import kv_cache_layout
-from llmserve.model import quant
+from llmserve.model import cpu_decode_stack, quant
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
 from llmserve.model.parallel import TensorParallel
@@ -62,6 +62,9 @@ class Worker:
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
         self.draft_info, draft_model = self._load_draft()
         lora = self._lora_manager(model)  # its slots allocated before the KV cache takes what memory is left
+        for each in (model, draft_model):  # once the model is final (LoRA wraps its layers: no stack then)
+            if each is not None:
+                each.decode_stack = cpu_decode_stack.build(each)
         attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
         self.num_blocks = self._num_blocks(model, draft_model, attn_backend)
         kv_caches = layer_kv_caches(allocate_kv_caches(model.kv_cache_shape(self.num_blocks, config.cache.block_size),

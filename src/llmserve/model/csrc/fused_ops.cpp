@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "avx2_math.h"
 #include "fused_ops_bf16.h"
 
@@ -56,6 +57,50 @@ inline void norm_row(float* __restrict out, const float* __restrict x, const flo
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
+
+// k or v rows (float32; bfloat16 for a bfloat16 cache, copied as they are) into the cache's slots
+template <typename C>
+void store_rows(C* cache, const int64_t* slots, const at::Tensor& src, int64_t rows, int64_t heads, int64_t d) {
+  using Src = std::conditional_t<std::is_same_v<C, c10::BFloat16>, c10::BFloat16, float>;
+  const Src* x = ptr<Src>(src);
+  const int64_t st = src.stride(0), sh = src.stride(1);
+  for (int64_t t = 0; t < rows; ++t) {
+    C* dst = cache + slots[t] * heads * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const Src* row = x + t * st + h * sh;
+      if constexpr (std::is_same_v<C, Src>) {
+        std::memcpy(dst + h * d, row, d * sizeof(C));
+      } else {
+        for (int64_t i = 0; i < d; ++i) dst[h * d + i] = static_cast<C>(row[i]);  // round to nearest even
+      }
+    }
+  }
+}
+
+// int8 rows of width d + 4: round(x / scale) with scale = max|x| / 127 (1 for an all-zero row), then the scale
+void store_rows_int8(int8_t* cache, const int64_t* slots, const at::Tensor& src, int64_t rows, int64_t heads,
+                     int64_t d) {
+  const float* x = src.data_ptr<float>();
+  const int64_t st = src.stride(0), sh = src.stride(1), width = d + 4;
+  for (int64_t t = 0; t < rows; ++t) {
+    int8_t* dst = cache + slots[t] * heads * width;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* row = x + t * st + h * sh;
+      float absmax = 0.f;
+      for (int64_t i = 0; i < d; ++i) absmax = std::max(absmax, std::fabs(row[i]));
+      const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
+      int8_t* out = dst + h * width;
+      for (int64_t i = 0; i < d; ++i) {
+        out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(row[i] / scale), -127.f, 127.f));
+      }
+      std::memcpy(out + d, &scale, sizeof(scale));
+    }
+  }
+}
+
+}  // namespace
+
+namespace llmserve_cpu {
 
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
@@ -103,7 +148,7 @@ void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
   float* o = out.data_ptr<float>();
   const float* gu = gate_up.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) llmserve_cpu::silu_mul_row(o + t * n, gu + t * 2 * n, gu + t * 2 * n + n, n);
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(o + t * n, gu + t * 2 * n, gu + t * 2 * n + n, n);
   });
 }
 
@@ -134,46 +179,6 @@ void rotary(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
       }
     }
   });
-}
-
-// k or v rows (float32; bfloat16 for a bfloat16 cache, copied as they are) into the cache's slots
-template <typename C>
-void store_rows(C* cache, const int64_t* slots, const at::Tensor& src, int64_t rows, int64_t heads, int64_t d) {
-  using Src = std::conditional_t<std::is_same_v<C, c10::BFloat16>, c10::BFloat16, float>;
-  const Src* x = ptr<Src>(src);
-  const int64_t st = src.stride(0), sh = src.stride(1);
-  for (int64_t t = 0; t < rows; ++t) {
-    C* dst = cache + slots[t] * heads * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      const Src* row = x + t * st + h * sh;
-      if constexpr (std::is_same_v<C, Src>) {
-        std::memcpy(dst + h * d, row, d * sizeof(C));
-      } else {
-        for (int64_t i = 0; i < d; ++i) dst[h * d + i] = static_cast<C>(row[i]);  // round to nearest even
-      }
-    }
-  }
-}
-
-// int8 rows of width d + 4: round(x / scale) with scale = max|x| / 127 (1 for an all-zero row), then the scale
-void store_rows_int8(int8_t* cache, const int64_t* slots, const at::Tensor& src, int64_t rows, int64_t heads,
-                     int64_t d) {
-  const float* x = src.data_ptr<float>();
-  const int64_t st = src.stride(0), sh = src.stride(1), width = d + 4;
-  for (int64_t t = 0; t < rows; ++t) {
-    int8_t* dst = cache + slots[t] * heads * width;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* row = x + t * st + h * sh;
-      float absmax = 0.f;
-      for (int64_t i = 0; i < d; ++i) absmax = std::max(absmax, std::fabs(row[i]));
-      const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
-      int8_t* out = dst + h * width;
-      for (int64_t i = 0; i < d; ++i) {
-        out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(row[i] / scale), -127.f, 127.f));
-      }
-      std::memcpy(out + d, &scale, sizeof(scale));
-    }
-  }
 }
 
 void write_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k, const at::Tensor& v) {
@@ -217,12 +222,12 @@ void write_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Ten
   }
 }
 
-}  // namespace
+}  // namespace llmserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &rms_norm);
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm);
-  m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()", &silu_mul);
-  m.def("rotary(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()", &rotary);
-  m.def("write_kv(Tensor(a!) kv_cache, Tensor slot_mapping, Tensor k, Tensor v) -> ()", &write_kv);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &llmserve_cpu::rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &llmserve_cpu::add_rms_norm);
+  m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()", &llmserve_cpu::silu_mul);
+  m.def("rotary(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()", &llmserve_cpu::rotary);
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor slot_mapping, Tensor k, Tensor v) -> ()", &llmserve_cpu::write_kv);
 }

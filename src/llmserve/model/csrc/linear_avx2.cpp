@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "panel_blocks.h"
 #include "panel_gemm.h"
 
@@ -65,7 +66,7 @@ void run(const Gemm&) {}
 }  // namespace
 #endif
 
-namespace {
+namespace llmserve_cpu {
 
 void packed_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kHasAvx2, "packed_linear: built without AVX2 + FMA");
@@ -73,9 +74,9 @@ void packed_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels
   if (g.m > 0) run(g);
 }
 
-}  // namespace
+}  // namespace llmserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
-  m.def("packed_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &packed_linear);
+  m.def("packed_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &llmserve_cpu::packed_linear);
 }

@@ -18,6 +18,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "panel_blocks.h"
 #include "panel_gemm.h"
 
@@ -33,7 +34,7 @@ constexpr int kMaxRows = 6;             // rows of x a register block holds (for
 constexpr int64_t kGemvGrain = 64;      // output rows (of w) a thread takes at least
 constexpr int64_t kGemvPrefetch = 4096;  // elements of w ahead of the loads prefetched into L1 (8 KB; 2-16 KB
                                          // measured alike, none 20% slower: docs/benchmarks.md)
-constexpr int64_t kMaxGemvM = 4;        // rows of x bf16_gemv takes
+constexpr int64_t kMaxGemvM = llmserve_cpu::kBf16GemvMaxRows;
 
 using Gemm = llmserve_cpu::F32PanelGemm;
 
@@ -140,7 +141,7 @@ void run_gemv(const Gemv&) {}
 }  // namespace
 #endif
 
-namespace {
+namespace llmserve_cpu {
 
 void packed_linear_avx512(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kHasAvx512, "packed_linear_avx512: built without AVX-512");
@@ -174,11 +175,11 @@ bool has_avx512_linear() { return kHasAvx512; }
 
 bool has_bf16_gemv() { return kHasBf16Dot; }
 
-}  // namespace
+}  // namespace llmserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("packed_linear_avx512(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &packed_linear_avx512);
-  m.def("bf16_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()", &bf16_gemv);
-  m.def("has_avx512_linear() -> bool", &has_avx512_linear);
-  m.def("has_bf16_gemv() -> bool", &has_bf16_gemv);
+  m.def("packed_linear_avx512(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &llmserve_cpu::packed_linear_avx512);
+  m.def("bf16_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()", &llmserve_cpu::bf16_gemv);
+  m.def("has_avx512_linear() -> bool", &llmserve_cpu::has_avx512_linear);
+  m.def("has_bf16_gemv() -> bool", &llmserve_cpu::has_bf16_gemv);
 }

@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "paged_attention.h"
 
 #include <algorithm>
@@ -275,6 +276,10 @@ void attend(const Params& p, int max_m, at::ScalarType q_type, bool kv_is_f16_of
   }
 }
 
+}  // namespace
+
+namespace llmserve_cpu {
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& rows,
                      double scale, int64_t window, const std::optional<at::Tensor>& sinks) {
@@ -365,10 +370,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   llmserve_cpu::merge_splits(p, splits, q.scalar_type());
 }
 
-}  // namespace
+}  // namespace llmserve_cpu
 
 TORCH_LIBRARY(llmserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor query_start, Tensor rows, float scale, int window=0, Tensor? sinks=None) -> ()",
-        &paged_attention);
+        &llmserve_cpu::paged_attention);
 }

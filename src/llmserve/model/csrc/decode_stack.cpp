@@ -1,0 +1,158 @@
+// Every decoder layer of a CPU decode step in one call (JIT-built by llmserve/model/cpu_kernels.py).
+//
+// From Python, a dense Llama-family layer on decode rows is ten ops, each behind a module call, a wrapper and the
+// dispatcher: at one row that is a third of a bfloat16 step. DecodeStack holds the layers' weights (given once, at
+// load: model/cpu_decode_stack.py) and runs all layers of a step through the same kernels, in the same order, on
+// the same inputs, so its outputs are the Python path's bit for bit:
+//   layer 0: residual = x; h = rms_norm(x)            later layers: residual += h; h = rms_norm(residual)
+//   qkv = linear(h); [q, k = per-head rms_norm(q, k)]; rotary(q, k); write_kv(k, v); o = paged_attention(q);
+//   h = linear(o)
+//   residual += h; h = rms_norm(residual); h = linear(silu_mul(linear(h)))
+// and returns (h, residual): the caller applies the final norm. Linears are float32 panels (csrc/linear_avx2.cpp,
+// through AVX-512 registers where chosen) or, in bfloat16, the AVX512-BF16 GEMV on weights as loaded (up to 4 rows;
+// at::linear past them, as the Python layers).
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+enum class LinearKind : int64_t { kBf16Gemv = 0, kPanelsAvx2 = 1, kPanelsAvx512 = 2 };
+
+struct StackLinear {
+  at::Tensor weight;  // panels [P, K, 16] (float32) or the weight [N, K] (bfloat16)
+  std::optional<at::Tensor> bias;  // [N]
+  int64_t out_features = 0;
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;  // [hidden]
+  int64_t window = 0;                // attends the last `window` keys (0: all)
+  std::optional<at::Tensor> q_norm, k_norm;  // [head_dim]: Qwen3's per-head norms before rotary
+  std::vector<StackLinear> linears;  // qkv, o, gate_up, down
+};
+
+constexpr size_t kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumLinears = 4;
+
+struct DecodeStack : torch::CustomClassHolder {
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+  LinearKind kind;
+  std::vector<StackLayer> layers;
+
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kind)
+      : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), eps(eps), scale(scale),
+        kind(static_cast<LinearKind>(kind)) {
+    TORCH_CHECK(kind >= 0 && kind <= 2, "DecodeStack: linear kind must be 0 (bf16 GEMV), 1 or 2 (panels)");
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+                "DecodeStack: bad head counts");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm) {
+    TORCH_CHECK(layers.empty() || layers.back().linears.size() == kNumLinears, "DecodeStack: previous layer incomplete");
+    TORCH_CHECK(input_norm.dim() == 1 && input_norm.sizes() == post_norm.sizes(), "DecodeStack: norm weights [hidden]");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: q and k norms come together");
+    layers.push_back(StackLayer{input_norm, post_norm, window, q_norm, k_norm, {}});
+  }
+
+  // transformers' RMSNorm as the Python layers run it on [T, heads, D] (torch ops in its order: the same bits)
+  at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    const at::Tensor x32 = x.to(at::kFloat);
+    const at::Tensor variance = x32.pow(2).mean(-1, /*keepdim=*/true);
+    return weight * (x32 * at::rsqrt(variance + eps)).to(x.scalar_type());
+  }
+
+  // The next of the last layer's linears, in the order qkv, o, gate_up, down.
+  void add_linear(at::Tensor weight, std::optional<at::Tensor> bias, int64_t out_features) {
+    TORCH_CHECK(!layers.empty() && layers.back().linears.size() < kNumLinears, "DecodeStack: add_layer first");
+    const bool is_bf16 = kind == LinearKind::kBf16Gemv;
+    TORCH_CHECK(weight.scalar_type() == (is_bf16 ? at::kBFloat16 : at::kFloat) && weight.dim() == (is_bf16 ? 2 : 3),
+                "DecodeStack: bfloat16 [N, K] weights for the GEMV, float32 [P, K, 16] panels otherwise");
+    layers.back().linears.push_back(StackLinear{weight, bias, out_features});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // x @ w^T (+ bias) into `out` through the stack's kernel; bfloat16 rows past the GEMV's take at::linear (what
+  // F.linear runs in the Python layers), a new tensor.
+  at::Tensor run_linear(const StackLinear& linear, const at::Tensor& x, at::Tensor out) const {
+    switch (kind) {
+      case LinearKind::kBf16Gemv:
+        if (x.size(0) > llmserve_cpu::kBf16GemvMaxRows) return at::linear(x, linear.weight, linear.bias);
+        llmserve_cpu::bf16_gemv(out, x, linear.weight, linear.bias);
+        break;
+      case LinearKind::kPanelsAvx2: llmserve_cpu::packed_linear(out, x, linear.weight, linear.bias); break;
+      case LinearKind::kPanelsAvx512: llmserve_cpu::packed_linear_avx512(out, x, linear.weight, linear.bias); break;
+    }
+    return out;
+  }
+
+  // x [T, hidden] (the embeddings; becomes the residual, updated in place), cos/sin [T, 1, D/2], one cache a layer,
+  // the step's slot mapping [T] int64 and the attention kernel's int32 rows (every token a decode-like row's)
+  // -> (h, residual) [T, hidden] before the final norm.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                             std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
+                                             at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start,
+                                             at::Tensor rows) const {
+    TORCH_CHECK(!layers.empty() && layers.back().linears.size() == kNumLinears, "DecodeStack: no complete layers");
+    TORCH_CHECK(kv_caches.size() == layers.size(), "DecodeStack: one KV cache a layer");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [T, hidden] tensor");
+    const int64_t num_tokens = x.size(0), hidden = x.size(1);
+    const int64_t num_qk_heads = num_heads + num_kv_heads, q_size = num_heads * head_dim;
+    const StackLayer& first = layers.front();
+    const int64_t qkv_size = first.linears[kQkv].out_features, gate_up_size = first.linears[kGateUp].out_features;
+    TORCH_CHECK(qkv_size == (num_qk_heads + num_kv_heads) * head_dim, "DecodeStack: qkv width mismatch");
+    const auto options = x.options();
+    // the linears' outputs (run_linear may return new tensors instead), attention's and silu_mul's
+    const at::Tensor h_out = at::empty({num_tokens, hidden}, options), o_out = at::empty({num_tokens, hidden}, options);
+    const at::Tensor qkv_out = at::empty({num_tokens, qkv_size}, options);
+    const at::Tensor gate_up_out = at::empty({num_tokens, gate_up_size}, options);
+    at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);  // paged_attention's out
+    const at::Tensor act = at::empty({num_tokens, gate_up_size / 2}, options);
+    at::Tensor residual = x, h = h_out;
+    llmserve_cpu::rms_norm(h, x, first.input_norm, eps);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const StackLayer& layer = layers[i];
+      if (i > 0) llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
+      const at::Tensor qkv = run_linear(layer.linears[kQkv], h, qkv_out);
+      const at::Tensor heads = qkv.view({num_tokens, num_qk_heads + num_kv_heads, head_dim});  // [T, H + 2Hkv, D]
+      at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
+      if (layer.q_norm.has_value()) {  // new tensors, each rotated on its own
+        q = head_norm(q, *layer.q_norm);
+        k = head_norm(k, *layer.k_norm);
+        llmserve_cpu::rotary(q, cos, sin);
+        llmserve_cpu::rotary(k, cos, sin);
+      } else {  // one rotary over the q and k heads of qkv
+        llmserve_cpu::rotary(heads.narrow(1, 0, num_qk_heads), cos, sin);
+      }
+      llmserve_cpu::write_kv(kv_caches[i], slot_mapping, k, heads.narrow(1, num_qk_heads, num_kv_heads));
+      llmserve_cpu::paged_attention(attn, q, kv_caches[i], block_table, seq_lens, query_start, rows, scale,
+                                    layer.window, std::nullopt);
+      const at::Tensor o = run_linear(layer.linears[kO], attn.view({num_tokens, q_size}), o_out);
+      llmserve_cpu::add_rms_norm(o, residual, layer.post_norm, eps);
+      llmserve_cpu::silu_mul(act, run_linear(layer.linears[kGateUp], o, gate_up_out));
+      h = run_linear(layer.linears[kDown], act, h_out);
+    }
+    return {h, residual};
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_linear", &DecodeStack::add_linear)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}

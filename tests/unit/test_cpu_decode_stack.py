@@ -1,0 +1,148 @@
+"""The C++ decoder stack (model/cpu_decode_stack.py): a decode step's logits equal the Python layers' bit for bit
+(bfloat16 GEMV and float32 panels; q/k/v biases; a sliding window), it declines the steps and models it does not
+take, and a served model through it still gives transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_parity
+
+from llmserve import LLM
+from llmserve.model import cpu_decode_stack, cpu_kernels
+from llmserve.model import linear as linear_mod
+from llmserve.model.attention import select_attention_backend
+from llmserve.model.lora_layers import attach_lora
+from llmserve.model.loader import load_model
+from llmserve.testing import toy_tokenizer
+from llmserve.testing.maker import make_model
+from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
+
+BF16 = torch.bfloat16
+VOCAB = 512
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built")
+needs_gemv = pytest.mark.skipif(not cpu_kernels.has_bf16_gemv(), reason="no AVX512-BF16 build")
+needs_avx2 = pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="no AVX2 build")
+
+
+def _write_checkpoint(path: str, arch: str, **extra) -> str:
+    import transformers
+
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
+    config = config_class(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          initializer_range=0.1, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0,
+                          bos_token_id=None, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    toy_tokenizer.save_tokenizer(path, VOCAB, 256)
+    return path
+
+
+@pytest.fixture
+def packs_small_weights(monkeypatch):
+    """float32 linears of every size packed for the panel kernels (the test models are smaller than the
+    threshold under which F.linear keeps them)."""
+    monkeypatch.setattr(linear_mod, "MIN_ONEDNN_WEIGHT", 1)
+
+
+def _decode_steps(model, dtype: torch.dtype, num_rows: int):
+    """(logits with the stack, logits without) of three decode steps of num_rows rows after prompts of mixed
+    lengths (and of the prompts' step too where the stack takes it)."""
+    backend = select_attention_backend(torch.device("cpu"), "auto", dtype)
+    caches = allocate_kv_caches(model, 64, 4, dtype=dtype)
+    builder = PagedBatchBuilder(64, 4, seed=2)
+    stack = model.decode_stack
+    gen = torch.Generator().manual_seed(num_rows)
+    prompts = [torch.randint(3, VOCAB, (5 + 7 * row,), generator=gen).tolist() for row in range(num_rows)]
+    with torch.inference_mode():
+        ids, positions, inputs = builder.step(list(enumerate(prompts)))
+        if stack.takes(backend.build_metadata(inputs), caches[0]):  # float32 prompts: the kernel's rows
+            yield _logits_both_ways(model, stack, backend, caches, ids, positions, inputs)
+        else:
+            model.decode_stack = None
+            model(ids, positions, caches, backend.build_metadata(inputs), backend)
+        for step in range(3):
+            ids, positions, inputs = builder.step([(row, [7 + row + step]) for row in range(num_rows)])
+            assert stack.takes(backend.build_metadata(inputs), caches[0])
+            yield _logits_both_ways(model, stack, backend, caches, ids, positions, inputs)
+    model.decode_stack = stack
+
+
+def _logits_both_ways(model, stack, backend, caches, ids, positions, inputs) -> list[torch.Tensor]:
+    """The step's logits with the stack, then through the Python layers (both write the same K/V)."""
+    logits = []
+    for use_stack in (True, False):
+        model.decode_stack = stack if use_stack else None
+        logits.append(model.compute_logits(model(ids, positions, caches, backend.build_metadata(inputs), backend)))
+    return logits
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 9})])
+@pytest.mark.parametrize("dtype,num_rows", [pytest.param(BF16, 1, marks=needs_gemv),
+                                            pytest.param(BF16, 4, marks=needs_gemv),
+                                            pytest.param(BF16, 6, marks=needs_gemv),  # past the GEMV: at::linear
+                                            pytest.param(torch.float32, 1, marks=needs_avx2),
+                                            pytest.param(torch.float32, 6, marks=needs_avx2)])
+def test_the_stack_gives_the_python_layers_logits_bit_for_bit(tmp_path, packs_small_weights, arch, extra, dtype,
+                                                              num_rows):
+    model = load_model(_write_checkpoint(str(tmp_path), arch, **extra), dtype, "cpu", 128)
+    model.decode_stack = cpu_decode_stack.build(model)
+    assert model.decode_stack is not None
+    if extra:
+        assert model.model.layers[0].self_attn.window == 9  # contexts reach past it: the window is exercised
+    for with_stack, without in _decode_steps(model, dtype, num_rows):
+        assert torch.equal(with_stack, without)
+
+
+@needs_gemv
+def test_the_stack_declines_steps_it_does_not_take(tmp_path):
+    model = load_model(_write_checkpoint(str(tmp_path), "llama"), BF16, "cpu", 128)
+    stack = cpu_decode_stack.build(model)
+    backend = select_attention_backend(torch.device("cpu"), "auto", BF16)
+    caches = allocate_kv_caches(model, 64, 4, dtype=BF16)
+    builder = PagedBatchBuilder(64, 4)
+    _, _, prompt_inputs = builder.step([(0, [5, 6, 7])])
+    prompt = backend.build_metadata(prompt_inputs)
+    assert not stack.takes(prompt, caches[0])  # bf16 prompt rows go through torch's attention groups
+    _, _, inputs = builder.step([(0, [8])])
+    decode = backend.build_metadata(inputs)
+    assert stack.takes(decode, caches[0])
+    assert not stack.takes([decode] * model.num_layers, caches[0])  # one metadata a KV cache group
+    assert not stack.takes(decode, caches[0].float())  # a cache the bf16 kernels do not read
+
+
+@needs_gemv
+def test_the_stack_is_not_built_where_it_would_change_the_model(tmp_path, monkeypatch):
+    llama = _write_checkpoint(str(tmp_path / "llama"), "llama")
+    lora_model = load_model(llama, BF16, "cpu", 128)
+    attach_lora(lora_model, num_slots=2, max_rank=8)  # adapters' products live in the Python layers
+    assert cpu_decode_stack.build(lora_model) is None
+    gemma = load_model(make_model("gemma3", "tiny-gemma3", str(tmp_path / "gemma3")), BF16, "cpu", 128)
+    assert cpu_decode_stack.build(gemma) is None  # its own norms, GeLU MLP, embedding scale, sandwich norms
+    moe = load_model(make_model("qwen3_moe", "tiny-moe", str(tmp_path / "moe")), BF16, "cpu", 128)
+    assert cpu_decode_stack.build(moe) is None
+    monkeypatch.setenv(cpu_decode_stack.ENV, "0")
+    assert cpu_decode_stack.build(load_model(llama, BF16, "cpu", 128)) is None
+
+
+@needs_gemv
+def test_a_served_bf16_model_decodes_through_the_stack_with_transformers_tokens(tmp_path):
+    import transformers
+
+    path = _write_checkpoint(str(tmp_path), "llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=BF16).eval()
+    prompts = [hf_parity.random_prompt(n, i, VOCAB) for i, n in enumerate((5, 23, 1))]
+    llm = LLM(path, dtype="bfloat16", max_model_len=128, num_kv_blocks=64, block_size=4)
+    stack = llm.engine.runner.model.decode_stack
+    calls = []
+    run_stack = stack.forward
+    stack.forward = lambda *args: calls.append(args[0].shape[0]) or run_stack(*args)
+    outs = hf_parity.engine_greedy(llm, prompts, num_out=8)
+    assert calls and max(calls) == len(prompts)  # the decode steps ran through it
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
+    llm.engine.check_integrity()
