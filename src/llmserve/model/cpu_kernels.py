@@ -21,6 +21,8 @@ once into 16-column panels, multiplied by a kernel that streams it with prefetch
 where the CPU has them (csrc/linear_avx512.cpp, built with -mavx512f... there); model/linear.py uses it instead of
 oneDNN (`packs_linears`; LLMSERVE_CPU_LINEAR forces either: model/cpu_isa.py). With AVX512-BF16, bfloat16
 decode rows go through a GEMV on the weight as loaded (`bf16_gemv`).
+The float32 experts of an MoE layer, packed as those linears' panels, run in one op a layer (csrc/moe_experts.cpp:
+`moe_experts`, called by model/moe_cpu.py).
 Likewise int8 linear layers (csrc/int8_linear_avx2.cpp): on CPUs where oneDNN has no VNNI its s8 GEMM is inexact, and
 model/quant/linear.py's Int8Linear runs this exact one instead (`packs_int8`).
 """
@@ -50,9 +52,9 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
                                                       "fused_ops_bf16.cpp", "paged_attention_split.cpp",
-                                                      "decode_stack.cpp")]
+                                                      "decode_stack.cpp", "moe_experts.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
-                                                                     "fused_ops_bf16.h", "cpu_ops.h")]
+                                                                     "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h")]
 _NAME = "llmserve_cpu_kernels"
 FIRST_BUILD_TIME = "2-3 minutes on 2 cores"  # measured: about 2.5 minutes on an AMD EPYC Zen 3 (2 cores)
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
@@ -145,6 +147,7 @@ def _self_test(ops) -> None:
         if not torch.allclose(out, F.linear(x, w, bias), atol=1e-5, rtol=1e-5):
             raise RuntimeError("self-test mismatch (packed linear)")
         _self_test_int8(ops, gen)
+        _self_test_moe(ops, gen)
 
 
 def _self_test_int8(ops, gen: torch.Generator) -> None:
@@ -157,6 +160,23 @@ def _self_test_int8(ops, gen: torch.Generator) -> None:
     expected = (torch.round(x / x_scale).double() @ q.double().t()) * x_scale.double() * w_scale.double()
     if not torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5):
         raise RuntimeError("self-test mismatch (int8 linear)")
+
+
+def _self_test_moe(ops, gen: torch.Generator) -> None:
+    """moe_experts on 2 experts (H = 20: a partial last panel, I = 16) against F.linear per pair."""
+    gate_up = torch.randn(2, 32, 20, generator=gen)  # [E, 2I, H]
+    down = torch.randn(2, 20, 16, generator=gen)  # [E, H, I]
+    rows, weights = torch.randn(3, 20, generator=gen), torch.rand(6, generator=gen)  # 3 sorted pairs of 6
+    pairs, experts = torch.tensor([4, 1, 2]), [0, 1, 1]
+    out = torch.zeros(6, 20)
+    panels = [torch.stack([ops.pack_linear_weight(w) for w in weight]) for weight in (gate_up, down)]
+    ops.moe_experts(out, rows, torch.tensor([1, 2]), pairs, weights, *panels, None, None, False)
+    expected = torch.zeros(6, 20)
+    for row, (pair, e) in enumerate(zip(pairs.tolist(), experts)):
+        gate, up = F.linear(rows[row], gate_up[e]).chunk(2)
+        expected[pair] = F.linear(F.silu(gate) * up, down[e]) * weights[pair]
+    if not torch.allclose(out, expected, atol=1e-4, rtol=1e-4):
+        raise RuntimeError("self-test mismatch (MoE experts)")
 
 
 def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor, window: int = 0, sinks: torch.Tensor | None = None) -> None:
@@ -352,6 +372,18 @@ def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     out = x.new_empty(x.shape[0], out_features)
     _panel_op(cpu_isa.onednn_isa_cap())(out, x, panels, bias)
     return out
+
+
+def moe_experts(out: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, pairs: torch.Tensor,
+                weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                biases: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+    """Every expert of an MoE layer on pairs sorted by expert: out [T*k, H] row q = weights [T*k][q] times pair
+    q's expert (silu(gate) * up, then down) of its row in rows [P, H]; counts [E] int64 pairs an expert (in
+    turn), pairs [>= P] int64 the pair of each sorted row; gate_up [E, 2I/16, H, 16] and down [E, ceil(H/16),
+    I, 16] stacked panels (`pack_linear_weight`'s), biases [E, 2I] and [E, H] or None. Rows of out of other
+    pairs are left as they are. The sums of `packed_linear` and `silu_mul`, in the same order."""
+    _ops().moe_experts(out, rows, counts, pairs, weights, gate_up, down, biases[0], biases[1],
+                       _panel_op(cpu_isa.onednn_isa_cap()) == _ops().packed_linear_avx512)
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ writes: `experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.w
 
 The forward (`fused_moe`) sorts the token-expert pairs by expert once, runs one gate/up and one down GEMM per
 expert that received tokens, and sums each token's k outputs weighted by its routing weights: no Python loop
-over tokens, at most E GEMM pairs per layer.
+over tokens, at most E GEMM pairs per layer. Experts that can run a layer in one op take it instead
+(`ExpertLayers.runs_in_one_op`: float32 experts packed on CPU, model/moe_cpu.py), with the same sums.
 
 Routing is batch-invariant: a token's experts and weights depend only on its own hidden state (`route`).
 
@@ -200,6 +201,14 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
     return torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
 
 
+def sort_pairs(ids: torch.Tensor, num_experts: int) -> tuple[list[int], torch.Tensor]:
+    """ids [T, k] -> (pairs each of this rank's experts got, order [P]: the (token, k) pairs grouped by expert,
+    stable, so token order within an expert). Pairs of other ranks' experts (ids >= num_experts) sort last and
+    are left out."""
+    counts = expert_counts(ids, num_experts)[:num_experts]
+    return counts, torch.sort(ids.reshape(-1), stable=True).indices[:sum(counts)]
+
+
 def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, weights: torch.Tensor,
               ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor | None] | None = None,
               activation: ClampedSwiglu | None = None) -> torch.Tensor:
@@ -210,11 +219,8 @@ def fused_moe(x: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights, weig
 
     The T*k token-expert pairs are sorted by expert once (stable: within an expert, token order); each expert
     with tokens runs its GEMM pair over its contiguous rows; each token's k outputs are summed in k order."""
-    top_k, num_experts = ids.shape[1], len(gate_up)
-    counts = expert_counts(ids, num_experts)[:num_experts]  # pairs of other ranks' experts sort last
-    order = torch.sort(ids.reshape(-1), stable=True).indices[:sum(counts)]  # [P] pairs grouped by expert
-    token_of = order // top_k  # [P] the token of each sorted pair
-    rows = x.index_select(0, token_of)  # [P, H]
+    counts, order = sort_pairs(ids, len(gate_up))
+    rows = x.index_select(0, order // ids.shape[1])  # [P, H] the token of each sorted pair
     outs = torch.empty_like(rows)  # [P, H]
     gate_up_bias, down_bias = (None, None) if biases is None else biases
     activation = activation or _silu_mul
@@ -296,6 +302,15 @@ class ExpertLayers(nn.Module):
         """None: each expert's layers add their own bias."""
         return None
 
+    def runs_in_one_op(self, x: torch.Tensor, activation: ClampedSwiglu | None) -> bool:
+        """Whether `run_in_one_op` takes x with this activation (packed float32 experts on CPU do:
+        model/moe_cpu.py); otherwise fused_moe calls each expert's layers."""
+        return False
+
+    def run_in_one_op(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routing weights/ids [T, k] -> [T, H], as fused_moe computes it, in one op a layer."""
+        raise NotImplementedError
+
 
 class SparseMoeBlock(nn.Module):
     """Router -> top-k -> experts -> weighted sum (+ the shared experts' MLP where the spec has one);
@@ -329,16 +344,21 @@ class SparseMoeBlock(nn.Module):
         self.load.record(ids)
         if self.held_experts is not None:
             ids = local_expert_ids(ids, self.held_experts)
-        experts = self.experts
-        if self.runs_grouped_gemm(x):  # no host sync: CUDA graphs capture it
-            out = grouped_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,
-                              self.spec.activation or _silu_mul, self.rank_biases())
-        else:
-            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.rank_biases(),
-                            self.spec.activation)
+        out = self._experts_out(x, weights, ids)
         if self.shared_experts is not None:
             out += self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _experts_out(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routing weights/ids [T, k] (ids local to this rank) -> the experts' weighted sum [T, H]."""
+        experts = self.experts
+        if self.runs_grouped_gemm(x):  # no host sync: CUDA graphs capture it
+            return grouped_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids,
+                               self.spec.activation or _silu_mul, self.rank_biases())
+        if isinstance(experts, ExpertLayers) and experts.runs_in_one_op(x, self.spec.activation):
+            return experts.run_in_one_op(x, weights, ids)
+        return fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.rank_biases(),
+                         self.spec.activation)
 
     def runs_grouped_gemm(self, x: torch.Tensor) -> bool:
         """The experts run as grouped GEMMs without a host sync (model/moe_grouped.py) for inputs like x."""

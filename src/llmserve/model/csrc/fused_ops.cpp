@@ -58,22 +58,6 @@ inline void norm_row(float* __restrict out, const float* __restrict x, const flo
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
 
-// out[i] = g[i] / (1 + exp(-g[i])) * u[i]
-inline void silu_mul_row(float* __restrict out, const float* __restrict g, const float* __restrict u, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = llmserve_cpu::exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|), never overflows
-    const __m256 is_neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, is_neg), _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid), _mm256_loadu_ps(u + i)));
-  }
-#endif
-  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
 // k or v rows (float32; bfloat16 for a bfloat16 cache, copied as they are) into the cache's slots
 template <typename C>
 void store_rows(C* cache, const int64_t* slots, const at::Tensor& src, int64_t rows, int64_t heads, int64_t d) {

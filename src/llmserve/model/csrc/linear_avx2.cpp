@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "panel_blocks.h"
 #include "panel_gemm.h"
 
 #include <algorithm>
@@ -48,32 +49,12 @@ namespace {
 
 constexpr bool kHasAvx2 = true;
 
-// c[r, 0:16] (+)= a[r, 0:kc] @ b[0:kc, 0:16] for r < ROWS; `first` starts from the bias (or zero),
-// otherwise from what c holds. pf, when set, is prefetched one line per k.
-template <int ROWS>
-inline void block(const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc, const float* bias,
-                  bool first, const float* pf) {
-  __m256 acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 2; ++j)
-      acc[r][j] = !first ? _mm256_loadu_ps(c + r * ldc + 8 * j) : bias ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
-  for (int i = 0; i < kc; ++i) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kPanel), _MM_HINT_T1);
-    __m256 bv[2];
-    for (int j = 0; j < 2; ++j) bv[j] = _mm256_load_ps(b + i * kPanel + 8 * j);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + r * lda + i);
-      for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_fmadd_ps(av, bv[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);
-}
-
 void run(const Gemm& g) {
   llmserve_cpu::run_f32_panel_gemm<kMaxRows, kChunk, kPrefetchRows>(
       g, [](auto rows, const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc, const float* bias,
-            bool first, const float* pf) { block<decltype(rows)::value>(a, lda, b, kc, c, ldc, bias, first, pf); });
+            bool first, const float* pf) {
+        llmserve_cpu::f32_block_avx2<decltype(rows)::value>(a, lda, b, kc, c, ldc, bias, first, pf);
+      });
 }
 
 }  // namespace

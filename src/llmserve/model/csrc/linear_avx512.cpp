@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "panel_blocks.h"
 #include "panel_gemm.h"
 
 #include <algorithm>
@@ -46,25 +47,12 @@ namespace {
 
 constexpr bool kHasAvx512 = true;
 
-// c[r, 0:16] (+)= a[r, 0:kc] @ b[0:kc, 0:16] for r < ROWS, as linear_avx2.cpp's block with one zmm a row.
-template <int ROWS>
-inline void block(const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc, const float* bias,
-                  bool first, const float* pf) {
-  __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r)
-    acc[r] = !first ? _mm512_loadu_ps(c + r * ldc) : bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int i = 0; i < kc; ++i) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kPanel), _MM_HINT_T1);
-    const __m512 bv = _mm512_load_ps(b + i * kPanel);
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + i]), bv, acc[r]);
-  }
-  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(c + r * ldc, acc[r]);
-}
-
 void run(const Gemm& g) {
   llmserve_cpu::run_f32_panel_gemm<kMaxRows, kChunk, kPrefetchRows>(
       g, [](auto rows, const float* a, int64_t lda, const float* b, int kc, float* c, int64_t ldc, const float* bias,
-            bool first, const float* pf) { block<decltype(rows)::value>(a, lda, b, kc, c, ldc, bias, first, pf); });
+            bool first, const float* pf) {
+        llmserve_cpu::f32_block_avx512<decltype(rows)::value>(a, lda, b, kc, c, ldc, bias, first, pf);
+      });
 }
 
 }  // namespace

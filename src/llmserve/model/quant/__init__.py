@@ -3,8 +3,9 @@
 `quantize_model(model, method)` swaps every nn.Linear of the decoder layers (fused qkv, o, fused
 gate/up, down) and the lm_head for a quantized layer (model/quant/linear.py), and each MoE layer's experts
 for one such layer per expert and matrix (model/quant/experts.py; the router stays in float); a tied
-lm_head gets a quantized copy of the embedding table, the lookup keeps the float one. `checkpoint.py` reads (and
-writes) checkpoints already quantized to FP8.
+lm_head gets a quantized copy of the embedding table, the lookup keeps the float one. On a tensor-parallel rank
+each slice is quantized, a row-parallel one keeping its all-reduce, and the lm_head stays float
+(model/quant/parallel.py). `checkpoint.py` reads (and writes) checkpoints already quantized to FP8.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from llmserve.model import cpu_kernels
 from llmserve.model.quant.checkpoint import checkpoint_method, dequantize_weights
 from llmserve.model.quant.experts import quantize_model_experts
 from llmserve.model.quant.linear import FP8_DTYPE, Fp8Linear, Int8Linear
+from llmserve.model.quant.parallel import rank_bias, wrapped
 from llmserve.model.quant.token_kinds import StepKinds
 
 __all__ = ["METHODS", "checkpoint_method", "check_supported", "dequantize_weights", "kv_cache_torch_dtype",
@@ -42,12 +44,14 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     logits by a few percent: top-1 flips where the top two are close); int8 quantizes it too: on CPU
     a small model's lm_head is its largest GEMM (smollm2-135m: 28M of 135M weights). An fp8 model gets
     `step_kinds`, which its layers read to route decode and prompt tokens (token_kinds.py)."""
+    is_split = getattr(model, "tp", None) is not None  # a tensor-parallel rank: its lm_head stays float
+    has_quantized_head = method in _QUANTIZED_LM_HEAD and not is_split
     targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and (name != "lm_head" or method in _QUANTIZED_LM_HEAD)]
+               if isinstance(mod, nn.Linear) and (name != "lm_head" or has_quantized_head)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, quantized_linear(linear.weight, linear.bias, method))
+        setattr(parent, attr, wrapped(linear, quantized_linear(linear.weight, rank_bias(linear), method)))
     if method == "fp8":  # its layers route decode and prompt tokens by what the runner says of a step
         model.step_kinds = StepKinds()
         for layer in model.modules():
@@ -57,7 +61,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     # layers take every row as a prompt row
     quantize_model_experts(model, _LAYERS[method])
     is_tied = getattr(model, "lm_head", "absent") is None and getattr(model, "has_lm_head", True)
-    if method in _QUANTIZED_LM_HEAD and is_tied:  # logits through a quantized copy of the table
+    if has_quantized_head and is_tied:  # logits through a quantized copy of the table
         model.lm_head = quantized_linear(model.model.embed_tokens.weight, None, method)
     if any(getattr(m, "panels", None) is not None for m in model.modules() if isinstance(m, Int8Linear)):
         logger.info("int8: oneDNN has no VNNI on this CPU, and its int8 GEMM is inexact without it: the int8 "

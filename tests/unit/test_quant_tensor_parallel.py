@@ -1,0 +1,107 @@
+"""--quantization int8 with --tensor-parallel-size 2 (model/quant/parallel.py): each rank's slices quantized, a
+row-parallel one keeping its all-reduce and its bias on rank 0 only, the experts split or whole a rank; the
+logits of 2 gloo ranks within the int8 bar of the float model, the same on both ranks; the engine's tokens the
+same alone and in a batch (fp8 with tensor parallelism is still refused: test_tensor_parallel_engine.py)."""
+
+import multiprocessing
+import types
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.model.moe import MoeSpec, SparseMoeBlock
+from llmserve.model.quant.experts import QuantizedExperts, quantize_model_experts
+from llmserve.model.quant.linear import Int8Linear
+from llmserve.model.quant.parallel import RowParallelQuantized
+from llmserve.testing.maker import make_model
+from test_quant import _agreement, _prefill_logits, _prompts
+from test_quant_moe import MOE_THRESHOLDS
+from test_tensor_parallel_model import _free_port
+
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=200)
+
+
+def _rank_main(rank: int, port: int, path: str, is_expert_parallel: bool, results) -> None:
+    import torch.distributed as dist
+
+    from llmserve.model.loader import load_model
+    from llmserve.model.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tp = TensorParallel(rank, 2, is_expert_parallel=is_expert_parallel)
+        model = load_model(path, torch.float32, "cpu", tp=tp, quantization="int8")
+        layer = model.model.layers[1]
+        kinds = (type(layer.self_attn.o_proj).__name__, type(layer.mlp.experts).__name__,
+                 type(model.lm_head).__name__ if model.lm_head is not None else None)
+        results.put((rank, kinds, _prefill_logits(model, _prompts(8, seed=2)).tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(path: str, is_expert_parallel: bool) -> dict[int, tuple]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, path, is_expert_parallel, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = {rank: (kinds, logits) for rank, kinds, logits in (results.get(timeout=180) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return got
+
+
+@pytest.mark.parametrize("is_expert_parallel", [False, True], ids=["experts-split", "experts-whole"])
+def test_two_int8_ranks_are_within_the_int8_bar_of_the_float_model(tmp_path, is_expert_parallel):
+    from llmserve.model.loader import load_model
+
+    path = make_model("qwen3_moe", "tiny-moe", str(tmp_path), seed=3, is_peaked=True)
+    got = _run_ranks(path, is_expert_parallel)
+    for rank in range(2):
+        assert got[rank][0] == ("RowParallelQuantized", "QuantizedExperts", "Linear")  # the head: float
+    assert got[0][1] == got[1][1]  # the all-reduces leave every rank the same logits
+    ref = _prefill_logits(load_model(path, torch.float32, "cpu"), _prompts(8, seed=2))
+    cos, top1 = _agreement(ref, torch.tensor(got[0][1]))
+    min_cos, min_top1 = MOE_THRESHOLDS["int8"]
+    assert cos >= min_cos and top1 >= min_top1, (cos, top1)
+
+
+def test_a_rank_after_the_first_leaves_the_biases_of_row_parallel_slices_to_rank_0():
+    rank1 = types.SimpleNamespace(rank=1, size=2, all_reduce=lambda out: out)
+    block = SparseMoeBlock(32, MoeSpec(4, 2, 16, is_renormalized=True, has_bias=True), tp=rank1)
+    for param in block.parameters():
+        param.data = torch.randn(param.shape) * 0.1
+    assert quantize_model_experts(block, Int8Linear) == 1 and isinstance(block.experts, QuantizedExperts)
+    assert all(layer.bias is not None for layer in block.experts.gate_up_proj)
+    assert all(layer.bias is None for layer in block.experts.down_proj)
+
+
+def test_a_row_parallel_quantized_slice_sums_its_partial_through_the_all_reduce():
+    calls = []
+    tp = types.SimpleNamespace(rank=0, all_reduce=lambda out: calls.append(out.shape) or out * 2)
+    layer = Int8Linear.from_float(torch.randn(8, 16), torch.randn(8))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(RowParallelQuantized(layer, tp)(x), layer(x) * 2)
+    assert calls == [torch.Size([3, 8])]
+
+
+def test_an_int8_engine_on_two_ranks_gives_each_request_its_tokens_alone_and_in_a_batch(tmp_path):
+    path = make_model("qwen3_moe", "tiny-moe", str(tmp_path), seed=1)
+    prompts = _prompts(5, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(path, tensor_parallel_size=2, quantization="int8", **ENGINE) as llm:
+        batched = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        alone = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
+        assert batched == alone and all(len(tokens) == 8 for tokens in batched)
+        llm.engine.check_integrity()
+
+
+def test_lora_with_quantized_ranks_is_refused_before_any_rank_starts(tmp_path):
+    path = make_model("llama", "tiny", str(tmp_path), seed=1)
+    with pytest.raises(ValueError, match=r"--enable-lora with --tensor-parallel-size 2 and quantization \(int8\)"):
+        LLM(path, tensor_parallel_size=2, quantization="int8", enable_lora=True, **ENGINE)
