@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured.bitmask import StepGrammar
+
+if TYPE_CHECKING:
+    from llmserve.core.request import Request
 
 
 @dataclass
@@ -21,6 +25,15 @@ class NewRequestData:
     num_computed_tokens: int
     stop_token_ids_for_min_tokens: list[int]
     lora: LoRARequest | None = None  # its adapter (None: the base model)
+
+
+def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+    """What the runner gets of a request it has not seen (its blocks so far counted as the runner's)."""
+    request.num_runner_blocks = len(block_ids)
+    return NewRequestData(req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                          output_token_ids=request.output_token_ids, sampling_params=request.sampling_params,
+                          block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
+                          stop_token_ids_for_min_tokens=sorted(request.any_stop_token_ids), lora=request.lora)
 
 
 @dataclass

@@ -36,9 +36,10 @@ from llmserve.core.partial_prefills import PartialPrefillLimits, StepPrefills, n
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_output import aborted_output
 from llmserve.core.request_queue import make_queue
-from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmserve.core.sched_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput, new_request_data
 from llmserve.core.scheduler_preempt import allocate_or_preempt
 from llmserve.core.scheduler_update import update_from_output
+from llmserve.core.sibling_holds import SiblingHolds
 from llmserve.core.spec_stats import DraftBackoff, SpecDecodeCounter
 from llmserve.messages import EngineCoreOutput, EngineCoreOutputs
 from llmserve.structured.bitmask import StepGrammar
@@ -76,7 +77,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
-        self.held_siblings: dict[str, list[Request]] = {}  # first sibling id -> siblings waiting for it
+        self.held_siblings = SiblingHolds()  # n > 1: later siblings wait for the first one's prompt blocks
         self.compiling = GrammarWaitList()  # structured requests whose grammar is not compiled yet
         self.num_structured = 0  # unfinished requests with a grammar
         self.num_streamed = 0  # unfinished requests whose tokens are read as they come (not is_final_only)
@@ -109,23 +110,11 @@ class Scheduler:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        first = self._first_sibling_in_prefill(request)
-        if first is not None:
-            self.held_siblings.setdefault(first.request_id, []).append(request)
-        else:
+        if not (self.kv.enable_caching and self.held_siblings.hold(request, self.requests, self.compiling)):
             self.waiting.add(request)
 
-    def _first_sibling_in_prefill(self, request: Request) -> Request | None:
-        """n > 1: later siblings wait for the first one's prompt blocks, then hit the prefix cache."""
-        if request.parent_id is None or not self.kv.enable_caching:
-            return None
-        for other in self.requests.values():
-            if other.parent_id == request.parent_id and other is not request and other not in self.compiling:
-                return other if other.num_computed_tokens < other.num_prompt_tokens else None
-        return None
-
     def _release_siblings(self, request: Request) -> None:
-        for sibling in reversed(self.held_siblings.pop(request.request_id, [])):
+        for sibling in reversed(self.held_siblings.release(request)):
             self.waiting.add_front(sibling)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -139,17 +128,10 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif not self._unhold(request) and not self.compiling.remove(request):
+            elif not self.held_siblings.remove(request) and not self.compiling.remove(request):
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self.aborted_outputs.append(aborted_output(request))
-
-    def _unhold(self, request: Request) -> bool:
-        for siblings in self.held_siblings.values():
-            if request in siblings:
-                siblings.remove(request)
-                return True
-        return False
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -376,7 +358,7 @@ class Scheduler:
             if self.step_prefills is not None:
                 self.step_prefills.on_started(num_prompt_left(request))
             self._start_running(request, num_hit_tokens)
-            out.new_reqs.append(self._new_request_data(request))
+            out.new_reqs.append(new_request_data(request, self.kv.get_block_ids(request.request_id)))
             out.num_scheduled_tokens[request.request_id] = num_new
             self.rows_to_advance.append(request)
             self.num_step_rows += 1
@@ -394,20 +376,6 @@ class Scheduler:
         self.seen_by_runner.add(request.request_id)
         if request.sampling_params.speculative:
             self.draft_backoff.reset()  # a new row to look for drafts in
-
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        block_ids = self.kv.get_block_ids(request.request_id)
-        request.num_runner_blocks = len(block_ids)
-        return NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            sampling_params=request.sampling_params,
-            block_ids=block_ids,
-            num_computed_tokens=request.num_computed_tokens,
-            stop_token_ids_for_min_tokens=sorted(request.any_stop_token_ids),
-            lora=request.lora,
-        )
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -146,7 +146,7 @@ def _stats(scheduler: Scheduler, sched_out: SchedulerOutput, num_generated: int)
     kv = scheduler.kv
     queries, hits = kv.take_prefix_stats()
     num_preemptions, scheduler.num_preemptions = scheduler.num_preemptions, 0
-    num_held = sum(len(s) for s in scheduler.held_siblings.values())
+    num_held = scheduler.held_siblings.num_held()
     return SchedulerStats(num_running=len(scheduler.running),
                           num_waiting=len(scheduler.waiting) + num_held + len(scheduler.compiling)
                           + len(scheduler.kv_loading or ()),
