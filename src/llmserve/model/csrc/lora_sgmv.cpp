@@ -12,8 +12,8 @@
 //
 // Tokens of one slot go in tiles of up to kTile (lora_sgmv.h): each row of A is read once for the tile
 // (shrink), and each row of B^T once for the tile against a register block of each token's output row
-// (expand). Rows past a slot's rank are skipped. One thread: a decode step's products are a few microseconds
-// each, less than waking others. This file: float32 and the op; csrc/lora_sgmv_bf16.cpp: bfloat16.
+// (expand). Rows past a slot's rank are skipped. The tiles are split over torch's intra-op threads, as the base
+// projection beside them is. This file: float32 and the op; csrc/lora_sgmv_bf16.cpp: bfloat16.
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -110,6 +110,7 @@ void expand_any(float* const* orows, const float* const* hs, int64_t n, const fl
 
 struct F32Ops {
   using T = float;
+  using W = float;
   static void dots(const float* const* xs, int64_t n, const float* arow, int64_t len, float* h) {
     dots_any(xs, n, arow, len, h);
   }
