@@ -5,7 +5,7 @@ threads (the served engine's; thread-CPU would miss the other threads' share), m
 then torch.profiler's op table for the kernel's step. Random adapter weights of full rank. NEVER RUN IN CI.
 
 usage: python scripts/cpu/lora_step_bench.py MODEL_DIR DECODE_ROWS NUM_ADAPTERS [DTYPE (float32, bfloat16)]
-       [NUM_THREADS (1)] [ROUNDS (7)]
+       [NUM_THREADS (1)] [ROUNDS (7)] [SLOT_DTYPE (the model's; --lora-dtype)]
 """
 import random
 import statistics
@@ -30,9 +30,10 @@ def main() -> None:
     num_rounds = int(sys.argv[6]) if len(sys.argv) > 6 else 7
     torch.set_num_threads(num_threads)
     clock = time.thread_time if num_threads == 1 else time.perf_counter
+    slot_dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else None
     dtype = getattr(torch, sys.argv[4] if len(sys.argv) > 4 else "float32")
     model = load_model(path, dtype, "cpu", 1024)
-    context, wrapped = attach_lora(model, num_adapters, RANK)
+    context, wrapped = attach_lora(model, num_adapters, RANK, slot_dtype)
     for modules in wrapped.values():
         for linear in modules:
             linear.lora_a.normal_(std=0.02)
@@ -50,7 +51,7 @@ def main() -> None:
 
     def run(step, use_kernel: bool = True) -> None:
         context.step = step
-        lora_cpu.can_run = kernel_can_run if use_kernel else (lambda x, out: False)
+        lora_cpu.can_run = kernel_can_run if use_kernel else (lambda *args: False)
         model.compute_logits(model(ids, pos, caches, backend.build_metadata(inp), backend))
 
     cases = {"base": lambda: run(None), "kernel": lambda: run(adapter_step),
