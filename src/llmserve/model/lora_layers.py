@@ -8,8 +8,9 @@ slot's rank per sub-projection. A step's `LoRAStep` lists the tokens that run wi
 slot; base-model tokens are not touched.
 
 On CPU, float32 and bfloat16 projections take one C++ call each for every adapter token of the step
-(model/lora_cpu.py: each token's slot read in the kernel, rows past a slot's rank skipped; float32 sums, one
-rounding into a bfloat16 output). Other dtypes, or when the kernel does not build, use segmented products
+(model/lora_cpu.py: each token's slot read in the kernel, rows past a slot's rank skipped, the work split over
+torch's threads; float32 sums, one rounding into a bfloat16 output; bfloat16 slots on float32 rows with
+--lora-dtype bfloat16). Other dtypes, or when the kernel does not build, use segmented products
 (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T, a loop over the step's adapters
 (at most --max-loras), never over rows, on one thread (small ops on several threads each wait for all of
 them). The segmented form costs ~6 small ops per adapter, projection and
