@@ -32,7 +32,7 @@ def main() -> None:
     slot_dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else None
     dtype = getattr(torch, sys.argv[4] if len(sys.argv) > 4 else "float32")
     model = load_model(path, dtype, "cpu", 1024)
-    context, wrapped = attach_lora(model, num_adapters, RANK, slot_dtype)
+    context, wrapped = attach_lora(model, num_adapters, RANK, *([slot_dtype] if slot_dtype else []))
     for modules in wrapped.values():
         for linear in modules:
             linear.lora_a.normal_(std=0.02)
