@@ -175,6 +175,9 @@ class KVTransferConfig:
               "disaggregation-kv-port", "only with --disaggregation-mode decode (the decode server binds it)")
 
 
+LORA_DTYPES = ("auto", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (PEFT's format) of the model: "
@@ -187,6 +190,10 @@ class LoRAConfig:
     max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank r served (slots are sized for it)"})
     max_cpu_loras: int | None = field(default=None, metadata={"help": "adapters kept in host memory, least recently "
                                       "used dropped first (default: --max-loras; at least --max-loras)"})
+    lora_dtype: str = field(default="auto", metadata={
+        "help": "the adapters' dtype in their slots: auto (the model's) | bfloat16 | float16; products sum in "
+                "float32 either way (bfloat16 slots on a float32 model halve the bytes a step reads)",
+        "choices": list(LORA_DTYPES)})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))  # the CLI gives a list
@@ -203,6 +210,7 @@ class LoRAConfig:
         check_min("max-loras", self.max_loras, 1)
         check_min("max-lora-rank", self.max_lora_rank, 1)
         check_min("max-cpu-loras", self.max_cpu_loras, self.max_loras)
+        check_choice("lora-dtype", self.lora_dtype, LORA_DTYPES)
         names = [module.split("=", 1)[0] for module in self.lora_modules]
         for module in self.lora_modules:
             name, is_pair, path = module.partition("=")

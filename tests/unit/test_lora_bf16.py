@@ -42,7 +42,7 @@ def _linear(gen: torch.Generator, in_features: int, out_sizes: list[int]) -> LoR
 def test_bf16_lora_equals_the_float64_reference_within_one_rounding(form, token_slots, monkeypatch):
     """Sizes that leave tails past the vector widths (in 45: under one 32-pair dot, out 70, 33, 8)."""
     if form == "segmented":
-        monkeypatch.setattr(lora_cpu, "can_run", lambda x, out: False)
+        monkeypatch.setattr(lora_cpu, "can_run", lambda *args: False)
     gen = torch.Generator().manual_seed(7)
     linear = _linear(gen, 45, [70, 33, 8])
     token_slots = np.array(token_slots)
@@ -78,7 +78,7 @@ def test_a_bf16_batch_of_two_adapters_and_the_base_model_matches_peft_in_bf16(fo
     """Adapters saved in bfloat16 (held in bfloat16 in the slots, upcast to float32 by peft: the same values);
     scales of powers of two, so folding them into B rounds nothing."""
     if form == "segmented":
-        monkeypatch.setattr(lora_cpu, "can_run", lambda x, out: False)
+        monkeypatch.setattr(lora_cpu, "can_run", lambda *args: False)
     base = make_model("llama", "tiny", str(tmp_path / "base"), seed=1)
     loras = [LoRARequest("all", 1, make_adapter(base, str(tmp_path / "a0"), seed=50, rank=8, alpha=16, dtype=BF16)),
              LoRARequest("some", 2, make_adapter(base, str(tmp_path / "a1"), seed=51, rank=16, alpha=16, dtype=BF16,

@@ -26,16 +26,18 @@ from llmserve.model import cpu_kernels
 
 _NAME = "llmserve_lora_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, name) for name in ("lora_sgmv.cpp", "lora_sgmv_bf16.cpp")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("lora_sgmv.cpp", "lora_sgmv_bf16.cpp", "lora_sgmv_mixed.cpp")]
 _HEADER = os.path.join(_CSRC, "lora_sgmv.h")
-DTYPES = (torch.float32, torch.bfloat16)
+SLOT_DTYPES = {torch.float32: (torch.float32, torch.bfloat16), torch.bfloat16: (torch.bfloat16,)}  # rows -> slots
 
 
-def can_run(x: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether this kernel takes a projection's input x [T, in] and output out [T, out] (float32 or bfloat16
-    rows on CPU, of the slots' dtype, once built)."""
-    return x.dtype in DTYPES and all(t.dtype == x.dtype and t.device.type == "cpu" and t.dim() == 2 and
-                                     t.stride(1) == 1 for t in (x, out)) and available()
+def can_run(x: torch.Tensor, out: torch.Tensor, slot_dtype: torch.dtype) -> bool:
+    """Whether this kernel takes a projection's input x [T, in] and output out [T, out] with slots of
+    `slot_dtype` (float32 or bfloat16 rows on CPU with slots alike, or float32 rows with bfloat16 slots;
+    once built)."""
+    return slot_dtype in SLOT_DTYPES.get(x.dtype, ()) and all(
+        t.dtype == x.dtype and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+        for t in (x, out)) and available()
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], ranks: torch.Tensor,
@@ -45,19 +47,22 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch
 
 
 def _self_test(ops) -> None:
-    """Mixed slots and ranks, a base-model token, against float64 matmuls in float32 and bfloat16: a
-    miscompiled kernel must not serve."""
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
-        out, expected = _self_test_case(ops, dtype)
+    """Mixed slots and ranks, a base-model token, against float64 matmuls in float32, bfloat16 and float32
+    rows on bfloat16 slots: a miscompiled kernel must not serve."""
+    for dtype, slot_dtype, tolerance in ((torch.float32, torch.float32, 1e-4), (torch.bfloat16, torch.bfloat16, 1e-2),
+                                         (torch.float32, torch.bfloat16, 1e-4)):
+        out, expected = _self_test_case(ops, dtype, slot_dtype)
         if not torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance):
-            raise RuntimeError(f"self-test mismatch (LoRA kernel, {dtype})")
+            raise RuntimeError(f"self-test mismatch (LoRA kernel, {dtype} rows, {slot_dtype} slots)")
 
 
-def _self_test_case(ops, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _self_test_case(ops, dtype: torch.dtype,
+                    slot_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    slot_dtype = slot_dtype or dtype
     gen = torch.Generator().manual_seed(0)
     num_slots, rank, in_features, out_sizes = 2, 4, 37, [21, 9]
-    a = torch.randn(num_slots, 2 * rank, in_features, generator=gen).to(dtype)
-    bs = [torch.randn(num_slots, rank, size, generator=gen).to(dtype) for size in out_sizes]
+    a = torch.randn(num_slots, 2 * rank, in_features, generator=gen).to(slot_dtype)
+    bs = [torch.randn(num_slots, rank, size, generator=gen).to(slot_dtype) for size in out_sizes]
     ranks = torch.tensor([[4, 0], [3, 4]], dtype=torch.int32)
     a[1, 3:4].zero_()  # slot 1's q rank 3: rows past it are zero, as set_slot writes them
     bs[0][1, 3:].zero_()

@@ -8,8 +8,9 @@ slot's rank per sub-projection. A step's `LoRAStep` lists the tokens that run wi
 slot; base-model tokens are not touched.
 
 On CPU, float32 and bfloat16 projections take one C++ call each for every adapter token of the step
-(model/lora_cpu.py: each token's slot read in the kernel, rows past a slot's rank skipped; float32 sums, one
-rounding into a bfloat16 output). Other dtypes, or when the kernel does not build, use segmented products
+(model/lora_cpu.py: each token's slot read in the kernel, rows past a slot's rank skipped, the work split over
+torch's threads; float32 sums, one rounding into a bfloat16 output; bfloat16 slots on float32 rows with
+--lora-dtype bfloat16). Other dtypes, or when the kernel does not build, use segmented products
 (Punica's SGMV in torch): per slot in the step, its tokens' x @ A^T @ B^T, a loop over the step's adapters
 (at most --max-loras), never over rows, on one thread (small ops on several threads each wait for all of
 them). The segmented form costs ~6 small ops per adapter, projection and
@@ -106,7 +107,7 @@ class LoRALinear(nn.Module):
         """out [T, out] += each adapter token's x @ A[slot]^T @ B[slot]^T, in place; returns out."""
         if x.is_cuda:
             _triton_add()(out, x, self.lora_a, self.lora_bs, step)
-        elif lora_cpu.can_run(x, out):
+        elif lora_cpu.can_run(x, out, self.lora_a.dtype):
             lora_cpu.add_lora(out, x, self.lora_a, self.lora_bs, self.lora_ranks, step.token_indices, step.token_slots)
         else:
             with _one_thread():
@@ -164,12 +165,15 @@ def add_lora_segmented(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: 
             out.index_copy_(0, idx, (delta + out.index_select(0, idx)).to(out.dtype))
 
 
-def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRAContext, dict[str, list]]:
-    """Wrap every dense decoder layer's projections of a loaded CausalLM (MoE MLPs keep none) in place.
+def attach_lora(model: nn.Module, num_slots: int, max_rank: int,
+                slot_dtype: torch.dtype | None = None) -> tuple[LoRAContext, dict[str, list]]:
+    """Wrap every dense decoder layer's projections of a loaded CausalLM (MoE MLPs keep none) in place, with
+    slots in `slot_dtype` (None: the model's).
 
     Returns the shared context and {fused name: [LoRALinear or None per layer]}."""
     context = LoRAContext()
     param = model.model.embed_tokens.weight  # the model's dtype (a quantized model's projections hold int8/FP8)
+    slot_dtype = slot_dtype or param.dtype
     wrapped: dict[str, list] = {name: [] for name in FUSED_MODULES}
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -185,7 +189,7 @@ def attach_lora(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoRACo
                 continue
             owner, in_features, out_sizes = sizes[name]
             module = LoRALinear(getattr(owner, name), in_features, out_sizes, num_slots, max_rank, context,
-                                param.dtype, param.device)
+                                slot_dtype, param.device)
             setattr(owner, name, module)
             wrapped[name].append(module)
     return context, wrapped

@@ -24,13 +24,14 @@ from llmserve.worker.lora_reader import LoRAReader
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 max_num_rows: int, device: torch.device) -> None:
-        self.context, self.wrapped = attach_lora(model, max_loras, max_lora_rank)
+                 max_num_rows: int, device: torch.device, slot_dtype: torch.dtype | None = None) -> None:
+        """slot_dtype: the adapters' dtype in slots and host memory (None: the model's, --lora-dtype auto)."""
+        self.dtype = slot_dtype or model.model.embed_tokens.weight.dtype
+        self.context, self.wrapped = attach_lora(model, max_loras, max_lora_rank, self.dtype)
         self.shapes = base_shapes(model.config)
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
-        self.dtype = model.model.embed_tokens.weight.dtype
         self.layout = getattr(model, "layout", None)  # tensor parallelism: this rank's share (None: one rank)
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recent first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds

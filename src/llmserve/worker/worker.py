@@ -89,8 +89,9 @@ class Worker:
         lora = self.config.lora
         if not lora.enable_lora:
             return None
+        slot_dtype = None if lora.lora_dtype == "auto" else getattr(torch, lora.lora_dtype)
         return LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras,
-                           self.config.scheduler.max_num_seqs, self.device)
+                           self.config.scheduler.max_num_seqs, self.device, slot_dtype)
 
     def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
         """The draft model of --speculative draft: same vocabulary as the target, same dtype."""

@@ -1,10 +1,11 @@
 // The LoRA products of one projection for every adapter token of a step, in one call (JIT-built by
 // llmserve/model/lora_cpu.py): out[t] += (x[t] @ A[s]^T) @ B[s]^T for each token t with slot s.
 //
-//   out            [T, O]  float32 or bfloat16 (all tensors below alike), rows may be strided; columns:
-//                          sub-projection j at its offset
+//   out            [T, O]  float32 or bfloat16 (x alike), rows may be strided; columns: sub-projection j at
+//                          its offset
 //   x              [T, I]  rows may be strided
-//   a              [S, n_sub * R, I]   A per slot, stacked over sub-projections (R rows each)
+//   a              [S, n_sub * R, I]   A per slot, stacked over sub-projections (R rows each); out's dtype
+//                          (bs alike), or bfloat16 slots for float32 rows (csrc/lora_sgmv_mixed.cpp)
 //   bs[j]          [S, R, O_j]         B^T per slot and sub-projection (scale folded in)
 //   token_indices  [N] int64  the adapter tokens, grouped by slot (model/lora_layers.py's LoRAStep)
 //   token_slots    [N] int64  their slots
@@ -12,8 +13,8 @@
 //
 // Tokens of one slot go in tiles of up to kTile (lora_sgmv.h): each row of A is read once for the tile
 // (shrink), and each row of B^T once for the tile against a register block of each token's output row
-// (expand). Rows past a slot's rank are skipped. One thread: a decode step's products are a few microseconds
-// each, less than waking others. This file: float32 and the op; csrc/lora_sgmv_bf16.cpp: bfloat16.
+// (expand). Rows past a slot's rank are skipped. The tiles are split over torch's intra-op threads, as the base
+// projection beside them is. This file: float32 and the op; csrc/lora_sgmv_bf16.cpp: bfloat16.
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -110,6 +111,7 @@ void expand_any(float* const* orows, const float* const* hs, int64_t n, const fl
 
 struct F32Ops {
   using T = float;
+  using W = float;
   static void dots(const float* const* xs, int64_t n, const float* arow, int64_t len, float* h) {
     dots_any(xs, n, arow, len, h);
   }
@@ -119,8 +121,9 @@ struct F32Ops {
   }
 };
 
-bool is_supported(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+// the rows' dtype and the slots': float32 or bfloat16 alike, or float32 rows with bfloat16 slots
+bool is_supported(at::ScalarType rows, at::ScalarType slots) {
+  return (rows == at::kFloat || rows == at::kBFloat16) && (slots == rows || slots == at::kBFloat16);
 }
 
 void check_rows(const at::Tensor& t, at::ScalarType dtype, const char* what) {
@@ -128,16 +131,16 @@ void check_rows(const at::Tensor& t, at::ScalarType dtype, const char* what) {
               ": expected a [rows, cols] tensor of out's dtype with contiguous rows");
 }
 
-// The checked shapes and pointers of one call (every tensor of out's dtype, float32 or bfloat16).
+// The checked shapes and pointers of one call (x of out's dtype, bs of a's; see is_supported).
 Problem problem_of(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, at::TensorList bs,
                    const at::Tensor& token_indices, const at::Tensor& token_slots, const at::Tensor& ranks) {
-  const at::ScalarType dtype = out.scalar_type();
-  TORCH_CHECK(is_supported(out), "out: float32 or bfloat16");
+  const at::ScalarType dtype = out.scalar_type(), slot_dtype = a.scalar_type();
+  TORCH_CHECK(is_supported(dtype, slot_dtype), "out, a: float32 or bfloat16 alike, or float32 out with bfloat16 a");
   check_rows(out, dtype, "out");
   check_rows(x, dtype, "x");
   Problem p;
   p.num_sub = static_cast<int64_t>(bs.size());
-  TORCH_CHECK(p.num_sub > 0 && a.scalar_type() == dtype && a.dim() == 3 && a.is_contiguous(), "a: [S, K, I]");
+  TORCH_CHECK(p.num_sub > 0 && a.dim() == 3 && a.is_contiguous(), "a: [S, K, I]");
   p.num_slots = a.size(0), p.k_rows = a.size(1), p.in = a.size(2), p.max_rank = p.k_rows / p.num_sub;
   TORCH_CHECK(x.size(1) == p.in && x.size(0) == out.size(0) && p.k_rows == p.num_sub * p.max_rank,
               "x, a: shapes differ");
@@ -145,7 +148,7 @@ Problem problem_of(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
                   ranks.size(1) == p.num_sub, "ranks: int32 [S, n_sub]");
   p.offsets.assign(p.num_sub + 1, 0);
   for (int64_t j = 0; j < p.num_sub; ++j) {
-    TORCH_CHECK(bs[j].scalar_type() == dtype && bs[j].is_contiguous() && bs[j].dim() == 3 &&
+    TORCH_CHECK(bs[j].scalar_type() == slot_dtype && bs[j].is_contiguous() && bs[j].dim() == 3 &&
                     bs[j].size(0) == p.num_slots && bs[j].size(1) == p.max_rank, "bs: [S, R, O_j] each");
     p.offsets[j + 1] = p.offsets[j] + bs[j].size(2);
   }
@@ -173,6 +176,11 @@ std::vector<const T*> b_pointers(at::TensorList bs) {
 void lora_sgmv(at::Tensor out, const at::Tensor& x, const at::Tensor& a, at::TensorList bs,
                const at::Tensor& token_indices, const at::Tensor& token_slots, const at::Tensor& ranks) {
   const Problem p = problem_of(out, x, a, bs, token_indices, token_slots, ranks);
+  if (out.scalar_type() == at::kFloat && a.scalar_type() == at::kBFloat16) {
+    llmserve_lora::run_tiles_f32_bf16(p, out.data_ptr<float>(), x.data_ptr<float>(),
+                                      static_cast<const uint16_t*>(a.data_ptr()), b_pointers<uint16_t>(bs));
+    return;
+  }
   if (out.scalar_type() == at::kFloat) {
     llmserve_lora::run_tiles<F32Ops>(p, out.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(),
                                      b_pointers<float>(bs));

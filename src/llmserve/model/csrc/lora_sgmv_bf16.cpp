@@ -122,6 +122,7 @@ void expand_rows(uint16_t* const* orows, const float* const* hs, const uint16_t*
 
 struct Bf16Ops {
   using T = uint16_t;
+  using W = uint16_t;
   static void dots(const uint16_t* const* xs, int64_t n, const uint16_t* arow, int64_t len, float* h) {
     switch (n) {
       case 1: ::dots<1>(xs, arow, len, h); break;
