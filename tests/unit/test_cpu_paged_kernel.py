@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_build, cpu_kernels
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.attn_torch import TorchAttentionBackend
 from attention_cases import SCALE, check_against_reference, make_case, random_rows, reference, run_backend
@@ -28,7 +28,7 @@ def test_the_kernels_build_wherever_a_compiler_and_ninja_are():
 
     from torch.utils import cpp_extension
 
-    if cpu_kernels.kernels_disabled() or shutil.which("c++") is None or not cpp_extension.is_ninja_available():
+    if cpu_build.kernels_disabled() or shutil.which("c++") is None or not cpp_extension.is_ninja_available():
         pytest.skip("no C++ compiler or ninja here (or LLMSERVE_CPU_KERNELS=0): the torch path serves")
     assert cpu_kernels.available(), "the C++ CPU kernels failed to build or load: see the log's warning"
 
@@ -53,20 +53,24 @@ def test_a_first_build_is_announced_with_its_time(monkeypatch, caplog, tmp_path)
         raise RuntimeError("stopped before compiling")
 
     monkeypatch.delenv("LLMSERVE_CPU_KERNELS", raising=False)
-    monkeypatch.setattr(cpu_kernels, "_build_dir", lambda flags: str(tmp_path))
+    monkeypatch.setattr(cpu_build, "build_dir", lambda flags: str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", stop)
     with caplog.at_level(logging.INFO, logger="llmserve.model.cpu_kernels"):
         cpu_kernels._load()
     assert f"compiling the C++ CPU kernels (model/csrc) into {tmp_path}: this takes about 2-3 minutes" in caplog.text
 
 
+def cpu_kernels_needs_build(build_dir: str) -> bool:
+    return cpu_build.needs_build(build_dir, cpu_kernels._NAME, cpu_kernels._SOURCES + cpu_kernels._HEADERS)
+
+
 def test_a_build_newer_than_every_source_needs_no_build(tmp_path):
-    assert cpu_kernels._needs_build(str(tmp_path))  # nothing built yet
+    assert cpu_kernels_needs_build(str(tmp_path))  # nothing built yet
     library = tmp_path / "llmserve_cpu_kernels.so"
     library.touch()
     later = time.time() + 60
     os.utime(library, (later, later))
-    assert not cpu_kernels._needs_build(str(tmp_path))
+    assert not cpu_kernels_needs_build(str(tmp_path))
 
 
 def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
@@ -74,10 +78,10 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     for folder in (stale, fresh):
         folder.mkdir()
         (folder / "lock").touch()
-    old = time.time() - cpu_kernels.STALE_LOCK_S - 1
+    old = time.time() - cpu_build.STALE_LOCK_S - 1
     os.utime(stale / "lock", (old, old))
-    cpu_kernels._clear_stale_lock(str(stale))
-    cpu_kernels._clear_stale_lock(str(fresh))  # a build in progress elsewhere: wait for it, as torch does
+    cpu_build.clear_stale_lock(str(stale))
+    cpu_build.clear_stale_lock(str(fresh))  # a build in progress elsewhere: wait for it, as torch does
     assert not (stale / "lock").exists() and (fresh / "lock").exists()
 
 

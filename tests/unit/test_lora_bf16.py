@@ -61,9 +61,9 @@ def test_the_avx2_build_of_the_bf16_kernel_equals_the_float64_reference():
     own (its library registers the same ops)."""
     script = textwrap.dedent("""
         import torch
-        from llmserve.model import cpu_kernels, lora_cpu
-        cpu_kernels._avx512_flags = lambda: []
-        assert "-mavx2" in cpu_kernels._compile_flags() and "-mavx512bf16" not in cpu_kernels._compile_flags()
+        from llmserve.model import cpu_build, lora_cpu
+        cpu_build.avx512_flags = lambda: []
+        assert "-mavx2" in cpu_build.compile_flags() and "-mavx512bf16" not in cpu_build.compile_flags()
         assert lora_cpu.available()
         out, expected = lora_cpu._self_test_case(lora_cpu._ops(), torch.bfloat16)
         torch.testing.assert_close(out.double(), expected, rtol=2.0 ** -8, atol=1e-4)

@@ -6,9 +6,9 @@ table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, 
 and bfloat16 over a bfloat16 cache, with head_dim % 8 == 0 run an AVX2 + FMA path when the build has them
 (csrc/paged_attention_avx2.cpp). That path also beats torch's SDPA on whole float32 prompts (`attends_prompts`);
 the portable one is kept to decode-like rows. A float32
-model's cache may be float16 (--kv-cache-dtype fp16): the AVX2 path widens it with F16C. The build
+model's cache may be float16 (--kv-cache-dtype fp16): the AVX2 path widens it with F16C. The build (model/cpu_build.py)
 goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3 and -fopenmp, plus -mavx2 -mfma
-(and -mf16c) when the CPU has them. It needs a C++ compiler and ninja; when the build or load fails (or
+(and -mf16c, AVX-512) when the CPU has them. It needs a C++ compiler and ninja; when the build or load fails (or
 LLMSERVE_CPU_KERNELS=0), `available()` is False, a line is logged once, and callers keep their plain
 torch path.
 
@@ -29,26 +29,20 @@ model/quant/linear.py's Int8Linear runs this exact one instead (`packs_int8`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
 import logging
 import os
-import platform
-import re
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_isa
+from llmserve.model import cpu_build, cpu_isa
 
 logger = logging.getLogger(__name__)
 
 MAX_QUERY_LEN = 16  # decode-like rows: up to this many query tokens over a cached prefix
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_CSRC = cpu_build.CSRC
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
                                                       "fused_ops_bf16.cpp", "paged_attention_split.cpp",
@@ -56,72 +50,6 @@ _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
                                                                      "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h")]
 _NAME = "llmserve_cpu_kernels"
-FIRST_BUILD_TIME = "2-3 minutes on 2 cores"  # measured: about 2.5 minutes on an AMD EPYC Zen 3 (2 cores)
-STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed build
-
-
-def _compile_flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]
-    if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_isa.cpu_flags():
-        flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in cpu_isa.cpu_flags() else [])
-        flags += _avx512_flags()
-    return flags
-
-
-AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq"}
-
-
-def _avx512_flags() -> list[str]:
-    """-mavx512f/bw/vl/dq where the CPU has all four (csrc/linear_avx512.cpp), plus -mavx512bf16 with AVX512-BF16."""
-    cpu = cpu_isa.cpu_flags()
-    if not set(AVX512_FLAGS) <= cpu:
-        return []
-    return list(AVX512_FLAGS.values()) + (["-mavx512bf16"] if "avx512_bf16" in cpu else [])
-
-
-def _build_dir(flags: list[str]) -> str:
-    from llmserve.config import cache_dir
-
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
-    tag += "-avx2" if "-mavx2" in flags else ""
-    tag += "-avx512" if "-mavx512f" in flags else ""
-    # one directory per source location: two checkouts never rebuild (or lock) each other's build
-    tag += "-" + hashlib.sha256(_CSRC.encode()).hexdigest()[:8]
-    path = os.path.join(cache_dir(), "torch_extensions", re.sub(r"[^A-Za-z0-9._-]", "_", tag))
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _header_digest() -> str:
-    """A define naming the headers' content: torch rebuilds when sources or flags change, not headers."""
-    digest = hashlib.sha256()
-    for header in _HEADERS:
-        with open(header, "rb") as f:
-            digest.update(f.read())
-    return f"-DLLMSERVE_HEADERS_{digest.hexdigest()[:12]}"
-
-
-def _clear_stale_lock(build_dir: str) -> None:
-    """torch's JIT build waits for as long as its lock file exists; a build killed midway leaves one behind."""
-    lock = os.path.join(build_dir, "lock")
-    try:
-        age = time.time() - os.path.getmtime(lock)
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale CPU kernel build lock (%.0f s old): %s", age, lock)
-        with contextlib.suppress(OSError):
-            os.remove(lock)
-
-
-def _needs_build(build_dir: str) -> bool:
-    """No built library yet, or a source or header newer than it: torch's load() will compile (it may
-    also rebuild for a changed flag, which this does not predict; the message is for the first start)."""
-    try:
-        built_at = os.path.getmtime(os.path.join(build_dir, f"{_NAME}.so"))
-    except OSError:
-        return True
-    return any(os.path.getmtime(path) > built_at for path in _SOURCES + _HEADERS)
 
 
 def _self_test(ops) -> None:
@@ -140,7 +68,7 @@ def _self_test(ops) -> None:
     expected = (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), F.silu(x[:, :10]) * x[:, 10:])
     if not all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip((normed, silu), expected)):
         raise RuntimeError("self-test mismatch (fused ops)")
-    if "-mavx2" in _compile_flags():  # the packed linear
+    if "-mavx2" in cpu_build.compile_flags():  # the packed linear
         w, bias, x = torch.randn(21, 9, generator=gen), torch.randn(21, generator=gen), torch.randn(7, 9, generator=gen)
         out = torch.empty(7, 21)
         ops.packed_linear(out, x, ops.pack_linear_weight(w), bias)
@@ -200,47 +128,16 @@ def _self_test_case(op, q: torch.Tensor, kv: torch.Tensor, window: int = 0, sink
             raise RuntimeError("self-test mismatch")
 
 
-def kernels_disabled() -> bool:
-    """LLMSERVE_CPU_KERNELS=0 (or false, no, off): no C++ kernel is built or loaded."""
-    return os.environ.get("LLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def build_and_load(name: str, sources: list[str], namespace: str, self_test, what: str, fallback: str,
-                   subdir: str = "", extra_cflags: tuple[str, ...] = ()):
-    """JIT-build (or load the build of) C++ `sources` with this machine's flags into torch.ops.<namespace>, then
-    run self_test(ops): the ops, or None with one warning line ("<what> unavailable, <fallback>") on any failure,
-    so that callers keep their torch path. Builds go to the CPU kernels' build directory (`subdir` below it)."""
-    try:
-        from torch.utils import cpp_extension
-
-        flags = _compile_flags()
-        build_dir = os.path.join(_build_dir(flags), subdir) if subdir else _build_dir(flags)
-        os.makedirs(build_dir, exist_ok=True)
-        _clear_stale_lock(build_dir)
-        cpp_extension.load(name=name, sources=sources, extra_cflags=flags + list(extra_cflags),
-                           extra_ldflags=["-fopenmp"], build_directory=build_dir, is_python_module=False,
-                           verbose=False)
-        ops = getattr(torch.ops, namespace)
-        self_test(ops)
-    except Exception as e:  # no compiler, no ninja, build or load error: the caller keeps its torch path
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        logger.warning("%s unavailable, %s (%s: %s)", what, fallback, type(e).__name__, first_line)
-        logger.debug("%s build failure", what, exc_info=True)
-        return None
-    logger.info("%s loaded (%s)", what, " ".join(flags))
-    return ops
-
-
 def _load():
-    if kernels_disabled():
+    if cpu_build.kernels_disabled():
         logger.info("CPU kernels disabled (LLMSERVE_CPU_KERNELS=0): torch attention path")
         return None
-    build_dir = _build_dir(_compile_flags())
-    if _needs_build(build_dir):
+    build_dir = cpu_build.build_dir(cpu_build.compile_flags())
+    if cpu_build.needs_build(build_dir, _NAME, _SOURCES + _HEADERS):
         logger.info("compiling the C++ CPU kernels (model/csrc) into %s: this takes about %s the first "
-                    "time, later starts load the build", build_dir, FIRST_BUILD_TIME)
-    return build_and_load(_NAME, _SOURCES, "llmserve_cpu", _self_test, "CPU kernels", "using the torch path",
-                          extra_cflags=(_header_digest(),))
+                    "time, later starts load the build", build_dir, cpu_build.FIRST_BUILD_TIME)
+    return cpu_build.build_and_load(_NAME, _SOURCES, "llmserve_cpu", _self_test, "CPU kernels", "using the torch path",
+                                    extra_cflags=(cpu_build.header_digest(_HEADERS),))
 
 
 @functools.cache
@@ -333,7 +230,7 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
 def has_avx2_kernels() -> bool:
     """Whether the build is an AVX2 + FMA one and loaded: attention's fast path (`attends_prompts`) and
     `pack_linear_weight` / `packed_linear` run here."""
-    return "-mavx2" in _compile_flags() and available()
+    return "-mavx2" in cpu_build.compile_flags() and available()
 
 
 def packs_linears() -> bool:

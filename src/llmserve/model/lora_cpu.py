@@ -15,13 +15,12 @@ When the build or its self-test fails, `available()` is False and the layers kee
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 
 import numpy as np
 import torch
 
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_build
 
 
 _NAME = "llmserve_lora_cpu"
@@ -86,17 +85,11 @@ def _grouped(token_slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _load():
-    if cpu_kernels.kernels_disabled():
+    if cpu_build.kernels_disabled():
         return None
-    return cpu_kernels.build_and_load(_NAME, _SOURCES, "llmserve_lora", _self_test, "CPU LoRA kernel",
-                                      "using torch's segmented products", subdir="lora",
-                                      extra_cflags=(_header_digest(),))
-
-
-def _header_digest() -> str:
-    """A define naming the header's content: torch rebuilds when sources or flags change, not headers."""
-    with open(_HEADER, "rb") as f:
-        return f"-DLLMSERVE_LORA_HEADER_{hashlib.sha256(f.read()).hexdigest()[:12]}"
+    return cpu_build.build_and_load(_NAME, _SOURCES, "llmserve_lora", _self_test, "CPU LoRA kernel",
+                                    "using torch's segmented products", subdir="lora",
+                                    extra_cflags=(cpu_build.header_digest([_HEADER]),))
 
 
 @functools.cache
