@@ -8,6 +8,7 @@ import json
 import httpx
 from test_router_proxy import A, B, backend, call, json_response, make_gateway, ok
 
+from llmserve.router.app import build_app
 from llmserve.router.monitor import learn_model, scrape
 
 ADAPTERS = {"a": [], "b": ["sql"]}
@@ -77,5 +78,23 @@ def test_an_adapters_requests_prefer_the_backend_holding_it_in_a_slot():
             assert served == {"a", "b"}  # held by neither: both serve it
         finally:
             ADAPTERS["a"], RESIDENT["a"] = [], []
+
+    asyncio.run(run())
+
+
+def test_the_routers_models_list_the_adapters_its_backends_serve():
+    async def run():
+        gw = make_gateway(handler)
+        for url in (A, B):
+            assert await learn_model(gw, backend(gw, url))
+        transport = httpx.ASGITransport(app=build_app(gw))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            cards = {c["id"]: c for c in (await client.get("/v1/models")).json()["data"]}
+            assert cards["sql"]["parent"] == "m" and "parent" not in cards["m"]
+            one = await client.get("/v1/models/sql")
+            assert one.status_code == 200 and one.json()["parent"] == "m"
+            backend(gw, B).is_draining = True  # the only backend serving it leaves: no longer listed
+            assert "sql" not in {c["id"] for c in (await client.get("/v1/models")).json()["data"]}
+            assert (await client.get("/v1/models/sql")).status_code == 404
 
     asyncio.run(run())

@@ -1,6 +1,6 @@
 """The router's HTTP app: every route of an llmserve replica forwarded to a pool (the POSTs to the pool of
 the body's `model`, else the default pool; the GETs to any healthy replica), and the router's own:
-/v1/models (the union of the pools), /health, /metrics, /dashboard, /reset_prefix_cache (to every
+/v1/models (the union of the pools, and the LoRA adapters their backends serve), /health, /metrics, /dashboard, /reset_prefix_cache (to every
 replica). All state is the Gateway on `app.state.gateway`."""
 
 from __future__ import annotations
@@ -182,10 +182,22 @@ def _model_card(gw: Gateway, name: str, created: int) -> dict:
     return {**base, **(cards[0] if cards else {}), "id": name}
 
 
+def _adapter_cards(gw: Gateway, created: int) -> dict[str, dict]:
+    """{adapter: card} of the LoRA adapters some up backend serves, each with its pool's name as parent (the
+    backends' own /v1/models cards, as vLLM lists an adapter)."""
+    cards = {}
+    for pool in gw.pools.values():
+        for name in sorted({a for b in pool.backends if b.is_up for a in b.adapters}):
+            cards.setdefault(name, {"id": name, "object": "model", "created": created, "owned_by": "llmserve-router",
+                                    "parent": pool.name})
+    return cards
+
+
 def _models(gw: Gateway):
     async def endpoint(request: Request) -> Response:
         created = int(time.time())
         data = [_model_card(gw, name, created) for name in gw.model_names()]
+        data += [card for name, card in _adapter_cards(gw, created).items() if name not in gw.model_names()]
         return Response(msgspec.json.encode({"object": "list", "data": data}), media_type="application/json")
 
     return endpoint
@@ -193,10 +205,13 @@ def _models(gw: Gateway):
 
 def _model(gw: Gateway):
     async def endpoint(request: Request) -> Response:
-        name = request.path_params["model"]
-        if name not in gw.model_names():
+        name, created = request.path_params["model"], int(time.time())
+        if name in gw.model_names():
+            return Response(msgspec.json.encode(_model_card(gw, name, created)), media_type="application/json")
+        adapter = _adapter_cards(gw, created).get(name)
+        if adapter is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        return Response(msgspec.json.encode(_model_card(gw, name, int(time.time()))), media_type="application/json")
+        return Response(msgspec.json.encode(adapter), media_type="application/json")
 
     return endpoint
 
