@@ -58,12 +58,7 @@ void dots(const float* const* xs, const float* arow, int64_t len, float* h) {
 }
 
 void dots_any(const float* const* xs, int64_t n, const float* arow, int64_t len, float* h) {
-  switch (n) {
-    case 1: dots<1>(xs, arow, len, h); break;
-    case 2: dots<2>(xs, arow, len, h); break;
-    case 3: dots<3>(xs, arow, len, h); break;
-    default: dots<4>(xs, arow, len, h); break;
-  }
+  llmserve_lora::with_tile_rows(n, [&](auto m) { dots<decltype(m)::value>(xs, arow, len, h); });
 }
 
 // for each of the tile's N tokens t: orows[t][0:len] += sum_r hs[t][r] * bt[r * len : r * len + len]
@@ -101,12 +96,7 @@ void expand_rows(float* const* orows, const float* const* hs, const float* bt, i
 }
 
 void expand_any(float* const* orows, const float* const* hs, int64_t n, const float* bt, int64_t rank, int64_t len) {
-  switch (n) {
-    case 1: expand_rows<1>(orows, hs, bt, rank, len); break;
-    case 2: expand_rows<2>(orows, hs, bt, rank, len); break;
-    case 3: expand_rows<3>(orows, hs, bt, rank, len); break;
-    default: expand_rows<4>(orows, hs, bt, rank, len); break;
-  }
+  llmserve_lora::with_tile_rows(n, [&](auto m) { expand_rows<decltype(m)::value>(orows, hs, bt, rank, len); });
 }
 
 struct F32Ops {

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -29,6 +30,18 @@ inline float hsum(__m256 v) {  // the sum of a register's 8 floats
 #endif
 
 constexpr int64_t kTile = 4;
+
+// f(std::integral_constant<int, m>) with m = n for n of 1 to 3, else 4 (kTile): a tile's row count as a
+// compile-time constant for each dtype's dots and expand templates.
+template <class F>
+inline void with_tile_rows(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
 
 struct Problem {
   int64_t num_slots, k_rows, in, max_rank, num_sub;  // a: [S, K = n_sub * R, I]

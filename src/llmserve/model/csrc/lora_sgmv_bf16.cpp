@@ -124,21 +124,11 @@ struct Bf16Ops {
   using T = uint16_t;
   using W = uint16_t;
   static void dots(const uint16_t* const* xs, int64_t n, const uint16_t* arow, int64_t len, float* h) {
-    switch (n) {
-      case 1: ::dots<1>(xs, arow, len, h); break;
-      case 2: ::dots<2>(xs, arow, len, h); break;
-      case 3: ::dots<3>(xs, arow, len, h); break;
-      default: ::dots<4>(xs, arow, len, h); break;
-    }
+    llmserve_lora::with_tile_rows(n, [&](auto m) { ::dots<decltype(m)::value>(xs, arow, len, h); });
   }
   static void expand(uint16_t* const* orows, const float* const* hs, int64_t n, const uint16_t* bt, int64_t rank,
                      int64_t len) {
-    switch (n) {
-      case 1: expand_rows<1>(orows, hs, bt, rank, len); break;
-      case 2: expand_rows<2>(orows, hs, bt, rank, len); break;
-      case 3: expand_rows<3>(orows, hs, bt, rank, len); break;
-      default: expand_rows<4>(orows, hs, bt, rank, len); break;
-    }
+    llmserve_lora::with_tile_rows(n, [&](auto m) { expand_rows<decltype(m)::value>(orows, hs, bt, rank, len); });
   }
 };
 
