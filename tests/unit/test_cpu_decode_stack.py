@@ -124,8 +124,8 @@ def test_the_stack_is_not_built_where_it_would_change_the_model(tmp_path, monkey
     assert cpu_decode_stack.build(lora_model) is None
     gemma = load_model(make_model("gemma3", "tiny-gemma3", str(tmp_path / "gemma3")), BF16, "cpu", 128)
     assert cpu_decode_stack.build(gemma) is None  # its own norms, GeLU MLP, embedding scale, sandwich norms
-    moe = load_model(make_model("qwen3_moe", "tiny-moe", str(tmp_path / "moe")), BF16, "cpu", 128)
-    assert cpu_decode_stack.build(moe) is None
+    gpt_oss = load_model(make_model("gpt_oss", "tiny-gpt-oss", str(tmp_path / "gpt-oss")), BF16, "cpu", 128)
+    assert cpu_decode_stack.build(gpt_oss) is None  # attention sinks
     monkeypatch.setenv(cpu_decode_stack.ENV, "0")
     assert cpu_decode_stack.build(load_model(llama, BF16, "cpu", 128)) is None
 
@@ -146,3 +146,19 @@ def test_a_served_bf16_model_decodes_through_the_stack_with_transformers_tokens(
     assert calls and max(calls) == len(prompts)  # the decode steps ran through it
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
     llm.engine.check_integrity()
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("dtype,num_rows", [pytest.param(BF16, 3, marks=needs_gemv),
+                                            pytest.param(torch.float32, 5, marks=needs_avx2)])
+def test_an_moe_models_attention_halves_give_the_python_layers_logits(tmp_path, packs_small_weights, arch, dtype,
+                                                                      num_rows):
+    """The stack holds an MoE model's attention halves; each layer's MLP (experts, routing, the expert-load count)
+    runs in Python between them: the same logits bit for bit, and the same expert load recorded."""
+    model = load_model(make_model(arch, "tiny-moe", str(tmp_path)), dtype, "cpu", 128)
+    model.decode_stack = cpu_decode_stack.build(model)
+    assert model.decode_stack is not None and model.decode_stack.mlps is not None
+    for with_stack, without in _decode_steps(model, dtype, num_rows):
+        assert torch.equal(with_stack, without)
+    assert model.take_expert_balance() is not None

@@ -2,12 +2,12 @@
 
 At a few decode rows a layer's ten ops cost more in Python (module calls, wrappers, the dispatcher) than some of
 them compute; the stack runs the same kernels in the same order from C++, so a step's outputs do not change, only
-its time (docs/benchmarks.md, "One C++ call for the decoder layers"). It takes dense Llama-family layers (RMSNorm,
-fused qkv with optional bias, Qwen3's per-head q/k norms, rotary over the whole head, paged attention without sinks, a SiLU gated MLP) whose
-linears are float32 panels or bfloat16 GEMV weights (model/linear.py; past the GEMV's 4 rows, F.linear's ATen
-call as in the Python layers), one tensor-parallel rank, and steps whose
-rows are all the attention kernel's; anything else keeps the Python layers. LLMSERVE_CPU_DECODE_STACK=0 turns it
-off.
+its time (docs/benchmarks.md, "One C++ call for the decoder layers"). It takes Llama-family layers (RMSNorm, fused
+qkv with optional bias, Qwen3's per-head q/k norms, rotary over the whole head, paged attention without sinks, a
+SiLU gated MLP; of a Mixture-of-Experts model the attention halves, one call a layer, its MLPs run in Python between
+them) whose linears are float32 panels or bfloat16 GEMV weights (model/linear.py; past the GEMV's 4 rows, F.linear's
+ATen call as in the Python layers), one tensor-parallel rank, and steps whose rows are all the attention kernel's;
+anything else keeps the Python layers. LLMSERVE_CPU_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ def is_enabled() -> bool:
 
 
 class DecodeStack:
-    """The C++ stack of a model's layers and the rule for which steps it takes."""
+    """The C++ stack of a model's layers and the rule for which steps it takes. With `mlps` (a Mixture-of-Experts
+    model) it holds the layers' attention halves only, and each layer's MLP runs in Python between two calls."""
 
-    def __init__(self, stack, dtype: torch.dtype):
+    def __init__(self, stack, dtype: torch.dtype, mlps: list[nn.Module] | None = None):
         self.stack = stack  # torch.classes.llmserve_cpu.DecodeStack
         self.dtype = dtype
+        self.mlps = mlps
 
     def takes(self, attn_metadata: object, kv_cache: torch.Tensor) -> bool:
         """Whether a step runs here: every row is the attention kernel's (no torch groups),
@@ -48,8 +50,14 @@ class DecodeStack:
                 attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (the embeddings) -> (hidden, residual) [T, hidden] before the final norm."""
         kernel = attn_metadata.kernel
-        return self.stack.forward(x, cos_sin[0], cos_sin[1], kv_caches, attn_metadata.slot_mapping,
-                                  kernel.block_table, kernel.seq_lens, kernel.query_start_loc, kernel.rows)
+        step = (attn_metadata.slot_mapping, kernel.block_table, kernel.seq_lens, kernel.query_start_loc, kernel.rows)
+        if self.mlps is None:
+            return self.stack.forward(x, cos_sin[0], cos_sin[1], kv_caches, *step)
+        residual = None
+        for index, (mlp, kv_cache) in enumerate(zip(self.mlps, kv_caches, strict=True)):
+            x, residual = self.stack.attention(index, x, residual, cos_sin[0], cos_sin[1], kv_cache, *step)
+            x = mlp(x)
+        return x, residual
 
 
 def _cache_fits(dtype: torch.dtype, kv_cache: torch.Tensor) -> bool:
@@ -67,27 +75,28 @@ def build(model: nn.Module) -> DecodeStack | None:
         return None
     kind = _linear_kind(dtype)
     layers = model.model.layers
-    if kind is None or not all(_takes_layer(layer, kind) for layer in layers):
+    has_mlps = model.parts.moe is None  # an MoE model's MLPs (experts and dense) stay Python modules
+    if kind is None or not all(_takes_layer(layer, kind, has_mlps) for layer in layers):
         return None
     attn = layers[0].self_attn
     stack = torch.classes.llmserve_cpu.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                                   layers[0].input_layernorm.eps, attn.scale, kind)
+                                                   layers[0].input_layernorm.eps, attn.scale, kind, has_mlps)
     for layer in layers:
         attn = layer.self_attn
         q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.window, q_norm, k_norm)
-        for linear in _linears(layer):
+        for linear in _linears(layer, has_mlps):
             weight = linear.weight if kind == BF16_GEMV else linear.packed_weight
             stack.add_linear(weight, linear.bias, linear.out_features)
-    return DecodeStack(stack, dtype)
+    return DecodeStack(stack, dtype, None if has_mlps else [layer.mlp for layer in layers])
 
 
 def _is_plain_decoder(model: nn.Module) -> bool:
-    """One rank, dense Llama-family parts: RMSNorm (and Qwen3's q/k norms), a gated SiLU MLP; no sinks, MLA, MoE,
+    """One rank, Llama-family parts: RMSNorm (and Qwen3's q/k norms), a gated SiLU MLP or MoE; no sinks, MLA,
     sandwich norms, embedding scale or partial rotary."""
     parts = model.parts
     rotary = model.rotary.get("default")
-    return (model.tp is None and parts.moe is None and not parts.is_mla and not parts.has_sinks
+    return (model.tp is None and not parts.is_mla and not parts.has_sinks
             and not parts.has_sandwich_norms and parts.embed_scale is None
             and parts.norm is RMSNorm and parts.dense_mlp is GatedMLP and len(model.rotary) == 1
             and rotary is not None and rotary.params.partial_rotary_factor == 1.0)
@@ -103,14 +112,17 @@ def _linear_kind(dtype: torch.dtype) -> int | None:
     return PANELS_AVX512 if cpu_kernels.panel_isa() == "AVX-512" else PANELS_AVX2
 
 
-def _linears(layer: nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+def _linears(layer: nn.Module, has_mlp: bool = True) -> tuple[Linear, ...]:
+    attn = layer.self_attn
+    return (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj) if has_mlp else \
+        (attn.qkv_proj, attn.o_proj)
 
 
-def _takes_layer(layer: nn.Module, kind: int) -> bool:
+def _takes_layer(layer: nn.Module, kind: int, has_mlp: bool) -> bool:
     """Plain modules (not LoRA-wrapped or quantized) whose weights the stack's linear kind reads."""
-    if type(layer.mlp) is not GatedMLP or not all(type(linear) is Linear for linear in _linears(layer)):
+    linears = _linears(layer, has_mlp) if not has_mlp or type(layer.mlp) is GatedMLP else None
+    if linears is None or not all(type(linear) is Linear for linear in linears):
         return False
     if kind == BF16_GEMV:
-        return all(linear.is_gemv_weight for linear in _linears(layer))
-    return all(linear.packed_weight is not None and linear.packed_weight.dim() == 3 for linear in _linears(layer))
+        return all(linear.is_gemv_weight for linear in linears)
+    return all(linear.packed_weight is not None and linear.packed_weight.dim() == 3 for linear in linears)

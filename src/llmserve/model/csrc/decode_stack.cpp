@@ -8,7 +8,8 @@
 //   qkv = linear(h); [q, k = per-head rms_norm(q, k)]; rotary(q, k); write_kv(k, v); o = paged_attention(q);
 //   h = linear(o)
 //   residual += h; h = rms_norm(residual); h = linear(silu_mul(linear(h)))
-// and returns (h, residual): the caller applies the final norm. Linears are float32 panels (csrc/linear_avx2.cpp,
+// and returns (h, residual): the caller applies the final norm. For MoE models the stack holds the attention halves
+// only (`attention`, one call a layer): the caller runs each layer's MLP between them. Linears are float32 panels (csrc/linear_avx2.cpp,
 // through AVX-512 registers where chosen) or, in bfloat16, the AVX512-BF16 GEMV on weights as loaded (up to 4 rows;
 // at::linear past them, as the Python layers).
 
@@ -42,15 +43,22 @@ struct StackLayer {
 
 constexpr size_t kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumLinears = 4;
 
+// The tensors of one step every layer reads.
+struct Step {
+  const at::Tensor &cos, &sin, &slot_mapping, &block_table, &seq_lens, &query_start, &rows;
+};
+
 struct DecodeStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
   LinearKind kind;
+  size_t num_linears;  // 4: whole layers (forward); 2: their attention halves only (attention), the MLPs in Python
   std::vector<StackLayer> layers;
 
-  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kind)
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kind,
+              bool has_mlps)
       : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), eps(eps), scale(scale),
-        kind(static_cast<LinearKind>(kind)) {
+        kind(static_cast<LinearKind>(kind)), num_linears(has_mlps ? kNumLinears : kGateUp) {
     TORCH_CHECK(kind >= 0 && kind <= 2, "DecodeStack: linear kind must be 0 (bf16 GEMV), 1 or 2 (panels)");
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
                 "DecodeStack: bad head counts");
@@ -58,7 +66,7 @@ struct DecodeStack : torch::CustomClassHolder {
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm) {
-    TORCH_CHECK(layers.empty() || layers.back().linears.size() == kNumLinears, "DecodeStack: previous layer incomplete");
+    TORCH_CHECK(layers.empty() || layers.back().linears.size() == num_linears, "DecodeStack: previous layer incomplete");
     TORCH_CHECK(input_norm.dim() == 1 && input_norm.sizes() == post_norm.sizes(), "DecodeStack: norm weights [hidden]");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeStack: q and k norms come together");
     layers.push_back(StackLayer{input_norm, post_norm, window, q_norm, k_norm, {}});
@@ -71,9 +79,9 @@ struct DecodeStack : torch::CustomClassHolder {
     return weight * (x32 * at::rsqrt(variance + eps)).to(x.scalar_type());
   }
 
-  // The next of the last layer's linears, in the order qkv, o, gate_up, down.
+  // The next of the last layer's linears, in the order qkv, o, gate_up, down (the first two without MLPs).
   void add_linear(at::Tensor weight, std::optional<at::Tensor> bias, int64_t out_features) {
-    TORCH_CHECK(!layers.empty() && layers.back().linears.size() < kNumLinears, "DecodeStack: add_layer first");
+    TORCH_CHECK(!layers.empty() && layers.back().linears.size() < num_linears, "DecodeStack: add_layer first");
     const bool is_bf16 = kind == LinearKind::kBf16Gemv;
     TORCH_CHECK(weight.scalar_type() == (is_bf16 ? at::kBFloat16 : at::kFloat) && weight.dim() == (is_bf16 ? 2 : 3),
                 "DecodeStack: bfloat16 [N, K] weights for the GEMV, float32 [P, K, 16] panels otherwise");
@@ -96,6 +104,35 @@ struct DecodeStack : torch::CustomClassHolder {
     return out;
   }
 
+  // The attention half of layer `layer` on its normed rows x [T, hidden]: qkv, Qwen3's q/k norms, rotary, the KV
+  // write and paged attention -> o_proj's output [T, hidden] (into o_out where the linear's kernel writes one).
+  at::Tensor attend(const StackLayer& layer, const at::Tensor& x, const at::Tensor& kv_cache, const Step& step,
+                    const at::Tensor& qkv_out, const at::Tensor& o_out, at::Tensor& attn) const {
+    const int64_t num_tokens = x.size(0), num_qk_heads = num_heads + num_kv_heads;
+    const at::Tensor qkv = run_linear(layer.linears[kQkv], x, qkv_out);
+    const at::Tensor heads = qkv.view({num_tokens, num_qk_heads + num_kv_heads, head_dim});  // [T, H + 2Hkv, D]
+    at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
+    if (layer.q_norm.has_value()) {  // new tensors, each rotated on its own
+      q = head_norm(q, *layer.q_norm);
+      k = head_norm(k, *layer.k_norm);
+      llmserve_cpu::rotary(q, step.cos, step.sin);
+      llmserve_cpu::rotary(k, step.cos, step.sin);
+    } else {  // one rotary over the q and k heads of qkv
+      llmserve_cpu::rotary(heads.narrow(1, 0, num_qk_heads), step.cos, step.sin);
+    }
+    llmserve_cpu::write_kv(kv_cache, step.slot_mapping, k, heads.narrow(1, num_qk_heads, num_kv_heads));
+    llmserve_cpu::paged_attention(attn, q, kv_cache, step.block_table, step.seq_lens, step.query_start, step.rows,
+                                  scale, layer.window, std::nullopt);
+    return run_linear(layer.linears[kO], attn.view({num_tokens, num_heads * head_dim}), o_out);
+  }
+
+  void check_step(const at::Tensor& x) const {
+    TORCH_CHECK(!layers.empty() && layers.back().linears.size() == num_linears, "DecodeStack: no complete layers");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [T, hidden] tensor");
+    TORCH_CHECK(layers.front().linears[kQkv].out_features == (num_heads + 2 * num_kv_heads) * head_dim,
+                "DecodeStack: qkv width mismatch");
+  }
+
   // x [T, hidden] (the embeddings; becomes the residual, updated in place), cos/sin [T, 1, D/2], one cache a layer,
   // the step's slot mapping [T] int64 and the attention kernel's int32 rows (every token a decode-like row's)
   // -> (h, residual) [T, hidden] before the final norm.
@@ -103,18 +140,17 @@ struct DecodeStack : torch::CustomClassHolder {
                                              std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
                                              at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start,
                                              at::Tensor rows) const {
-    TORCH_CHECK(!layers.empty() && layers.back().linears.size() == kNumLinears, "DecodeStack: no complete layers");
+    check_step(x);
+    TORCH_CHECK(num_linears == kNumLinears, "DecodeStack: built without the MLPs (attention only)");
     TORCH_CHECK(kv_caches.size() == layers.size(), "DecodeStack: one KV cache a layer");
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x must be a contiguous [T, hidden] tensor");
+    const Step step{cos, sin, slot_mapping, block_table, seq_lens, query_start, rows};
     const int64_t num_tokens = x.size(0), hidden = x.size(1);
-    const int64_t num_qk_heads = num_heads + num_kv_heads, q_size = num_heads * head_dim;
     const StackLayer& first = layers.front();
-    const int64_t qkv_size = first.linears[kQkv].out_features, gate_up_size = first.linears[kGateUp].out_features;
-    TORCH_CHECK(qkv_size == (num_qk_heads + num_kv_heads) * head_dim, "DecodeStack: qkv width mismatch");
+    const int64_t gate_up_size = first.linears[kGateUp].out_features;
     const auto options = x.options();
     // the linears' outputs (run_linear may return new tensors instead), attention's and silu_mul's
     const at::Tensor h_out = at::empty({num_tokens, hidden}, options), o_out = at::empty({num_tokens, hidden}, options);
-    const at::Tensor qkv_out = at::empty({num_tokens, qkv_size}, options);
+    const at::Tensor qkv_out = at::empty({num_tokens, first.linears[kQkv].out_features}, options);
     const at::Tensor gate_up_out = at::empty({num_tokens, gate_up_size}, options);
     at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);  // paged_attention's out
     const at::Tensor act = at::empty({num_tokens, gate_up_size / 2}, options);
@@ -123,26 +159,40 @@ struct DecodeStack : torch::CustomClassHolder {
     for (size_t i = 0; i < layers.size(); ++i) {
       const StackLayer& layer = layers[i];
       if (i > 0) llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
-      const at::Tensor qkv = run_linear(layer.linears[kQkv], h, qkv_out);
-      const at::Tensor heads = qkv.view({num_tokens, num_qk_heads + num_kv_heads, head_dim});  // [T, H + 2Hkv, D]
-      at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
-      if (layer.q_norm.has_value()) {  // new tensors, each rotated on its own
-        q = head_norm(q, *layer.q_norm);
-        k = head_norm(k, *layer.k_norm);
-        llmserve_cpu::rotary(q, cos, sin);
-        llmserve_cpu::rotary(k, cos, sin);
-      } else {  // one rotary over the q and k heads of qkv
-        llmserve_cpu::rotary(heads.narrow(1, 0, num_qk_heads), cos, sin);
-      }
-      llmserve_cpu::write_kv(kv_caches[i], slot_mapping, k, heads.narrow(1, num_qk_heads, num_kv_heads));
-      llmserve_cpu::paged_attention(attn, q, kv_caches[i], block_table, seq_lens, query_start, rows, scale,
-                                    layer.window, std::nullopt);
-      const at::Tensor o = run_linear(layer.linears[kO], attn.view({num_tokens, q_size}), o_out);
+      const at::Tensor o = attend(layer, h, kv_caches[i], step, qkv_out, o_out, attn);
       llmserve_cpu::add_rms_norm(o, residual, layer.post_norm, eps);
       llmserve_cpu::silu_mul(act, run_linear(layer.linears[kGateUp], o, gate_up_out));
       h = run_linear(layer.linears[kDown], act, h_out);
     }
     return {h, residual};
+  }
+
+  // Layer i up to its MLP, as the Python layer runs it: h [T, hidden] (the embeddings when residual is None: layer
+  // 0; else the previous MLP's output, normed in place with residual += h) -> (the post-attention normed rows for the
+  // MLP, residual).
+  std::tuple<at::Tensor, at::Tensor> attention(int64_t i, at::Tensor h, std::optional<at::Tensor> residual,
+                                               at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                                               at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens,
+                                               at::Tensor query_start, at::Tensor rows) const {
+    check_step(h);
+    TORCH_CHECK(i >= 0 && i < num_layers(), "DecodeStack: layer index out of range");
+    const StackLayer& layer = layers[i];
+    const Step step{cos, sin, slot_mapping, block_table, seq_lens, query_start, rows};
+    at::Tensor x = h, res = residual.has_value() ? *residual : h;
+    if (residual.has_value()) {
+      llmserve_cpu::add_rms_norm(x, res, layer.input_norm, eps);
+    } else {
+      x = at::empty_like(h);
+      llmserve_cpu::rms_norm(x, h, layer.input_norm, eps);
+    }
+    const int64_t num_tokens = h.size(0);
+    const auto options = h.options();
+    const at::Tensor qkv_out = at::empty({num_tokens, layer.linears[kQkv].out_features}, options);
+    const at::Tensor o_out = at::empty({num_tokens, h.size(1)}, options);
+    at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);
+    const at::Tensor o = attend(layer, x, kv_cache, step, qkv_out, o_out, attn);
+    llmserve_cpu::add_rms_norm(o, res, layer.post_norm, eps);
+    return {o, res};
   }
 };
 
@@ -150,9 +200,10 @@ struct DecodeStack : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, bool>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_linear", &DecodeStack::add_linear)
       .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward)
+      .def("attention", &DecodeStack::attention);
 }
