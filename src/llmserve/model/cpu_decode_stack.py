@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_decode_head, cpu_kernels
 from llmserve.model.attn_torch import TorchAttentionMetadata
 from llmserve.model.layers import GatedMLP, RMSNorm
 from llmserve.model.linear import Linear
@@ -35,10 +35,11 @@ class DecodeStack:
     """The C++ stack of a model's layers and the rule for which steps it takes. With `mlps` (a Mixture-of-Experts
     model) it holds the layers' attention halves only, and each layer's MLP runs in Python between two calls."""
 
-    def __init__(self, stack, dtype: torch.dtype, mlps: list[nn.Module] | None = None):
+    def __init__(self, stack, dtype: torch.dtype, mlps: list[nn.Module] | None = None, has_head: bool = False):
         self.stack = stack  # torch.classes.llmserve_cpu.DecodeStack
         self.dtype = dtype
         self.mlps = mlps
+        self.has_head = has_head  # the embedding, rotary, final norm and logits too (`step`)
 
     def takes(self, attn_metadata: object, kv_cache: torch.Tensor) -> bool:
         """Whether a step runs here: every row is the attention kernel's (no torch groups),
@@ -58,6 +59,15 @@ class DecodeStack:
             x, residual = self.stack.attention(index, x, residual, cos_sin[0], cos_sin[1], kv_cache, *step)
             x = mlp(x)
         return x, residual
+
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_metadata,
+             logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole forward in one call (`has_head`): input_ids, positions [T] int64, logits_indices [N] int64 ->
+        (hidden [T, hidden] after the final norm, the rows' logits [N, vocab] float32)."""
+        kernel = attn_metadata.kernel
+        return self.stack.step(input_ids, positions, kv_caches, attn_metadata.slot_mapping, kernel.block_table,
+                               kernel.seq_lens, kernel.query_start_loc, kernel.rows, logits_indices)
 
 
 def _cache_fits(dtype: torch.dtype, kv_cache: torch.Tensor) -> bool:
@@ -88,7 +98,9 @@ def build(model: nn.Module) -> DecodeStack | None:
         for linear in _linears(layer, has_mlps):
             weight = linear.weight if kind == BF16_GEMV else linear.packed_weight
             stack.add_linear(weight, linear.bias, linear.out_features)
-    return DecodeStack(stack, dtype, None if has_mlps else [layer.mlp for layer in layers])
+    if not has_mlps:
+        return DecodeStack(stack, dtype, [layer.mlp for layer in layers])
+    return DecodeStack(stack, dtype, has_head=cpu_decode_head.set_head(stack, model, kind == BF16_GEMV))
 
 
 def _is_plain_decoder(model: nn.Module) -> bool:
