@@ -49,7 +49,7 @@ while [[ $# -gt 0 ]]; do
     --ours-flags) EXTRA_FLAGS=$2; shift 2 ;;
     --num-requests) NUM_REQUESTS=$2; shift 2 ;;
     --isa) ISA=$2; shift 2 ;;
-    *) sed -n '2,27p' "$0"; exit 2 ;;
+    *) sed -n '2,28p' "$0"; exit 2 ;;
   esac
 done
 case $MODE in
