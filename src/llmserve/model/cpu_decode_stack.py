@@ -7,7 +7,8 @@ qkv with optional bias, Qwen3's per-head q/k norms, rotary over the whole head, 
 SiLU gated MLP; of a Mixture-of-Experts model the attention halves, one call a layer, its MLPs run in Python between
 them) whose linears are float32 panels or bfloat16 GEMV weights (model/linear.py; past the GEMV's 4 rows, F.linear's
 ATen call as in the Python layers), one tensor-parallel rank, and steps whose rows are all the attention kernel's;
-anything else keeps the Python layers. LLMSERVE_CPU_DECODE_STACK=0 turns it off.
+anything else keeps the Python layers. Of a dense model it also runs the step's embedding, rotary, final norm and
+logits where it can (model/cpu_decode_head.py): the whole forward one call. LLMSERVE_CPU_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations

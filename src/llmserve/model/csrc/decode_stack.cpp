@@ -173,12 +173,14 @@ struct DecodeStack : torch::CustomClassHolder {
   void set_head(at::Tensor embedding, at::Tensor inv_freq, double rotary_scaling, at::Tensor final_norm,
                 double final_eps, at::Tensor head_weight, int64_t vocab_size) {
     TORCH_CHECK(num_linears == kNumLinears, "DecodeStack: a head needs whole layers");
-    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.size(0) * 2 == head_dim, "DecodeStack: inv_freq [D/2]");
+    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.size(0) * 2 == head_dim,
+                "DecodeStack: inv_freq [D/2] float32");
     const bool is_bf16 = kind == LinearKind::kBf16Gemv;
     TORCH_CHECK(head_weight.scalar_type() == (is_bf16 ? at::kBFloat16 : at::kFloat) &&
                     head_weight.dim() == (is_bf16 ? 2 : 3) && embedding.scalar_type() == head_weight.scalar_type(),
                 "DecodeStack: the head's weight in the linears' kind, the embedding in the model's dtype");
-    head = llmserve_cpu::DecodeHead{embedding, inv_freq, rotary_scaling, final_norm, final_eps, head_weight, vocab_size};
+    head = llmserve_cpu::DecodeHead{embedding, inv_freq, rotary_scaling, final_norm, final_eps, head_weight,
+                                    vocab_size};
   }
 
   // The whole forward of a step in one call: ids, positions [T] int64 (and forward's step tensors), logits_indices
@@ -235,8 +237,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_linear", &DecodeStack::add_linear)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_head", &DecodeStack::set_head)  // the step's prologue and epilogue: csrc/decode_head.h
+      .def("step", &DecodeStack::step)
       .def("forward", &DecodeStack::forward)
-      .def("attention", &DecodeStack::attention)
-      .def("set_head", &DecodeStack::set_head)
-      .def("step", &DecodeStack::step);
+      .def("attention", &DecodeStack::attention);
 }
