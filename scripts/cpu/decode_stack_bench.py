@@ -3,7 +3,7 @@ one process: the whole forward in one C++ call (the stack with its head: model/c
 call with the embedding, rotary, final norm and logits in Python around it, and the Python layers. Checks that all
 give the same logits bit for bit, then prints each one's wall and thread-CPU time (p25/p50). NEVER RUN IN CI.
 
-usage: [DTYPE=bfloat16] [WAYS=one-call,layers,python] \
+usage: [DTYPE=bfloat16] [WAYS=one-call,layers,python]
        python scripts/cpu/decode_stack_bench.py THREADS STEPS [ROWS] [MODEL]
 """
 import os
