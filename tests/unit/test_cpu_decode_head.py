@@ -68,10 +68,10 @@ def _both_ways(model, dtype: torch.dtype, num_rows: int):
 
 
 @pytest.mark.parametrize("arch,is_tied", [("llama", True), ("llama", False), ("qwen3", True)])
-@pytest.mark.parametrize("dtype,num_rows", [pytest.param(BF16, 1, marks=needs_gemv),
-                                            pytest.param(BF16, 6, marks=needs_gemv),  # past the GEMV: at::linear
-                                            pytest.param(torch.float32, 1, marks=needs_avx2),
-                                            pytest.param(torch.float32, 5, marks=needs_avx2)])
+@pytest.mark.parametrize("dtype,num_rows", [pytest.param(BF16, 1, marks=needs_gemv, id="bf16-1"),
+                                            pytest.param(BF16, 6, marks=needs_gemv, id="bf16-6"),  # at::linear
+                                            pytest.param(torch.float32, 1, marks=needs_avx2, id="f32-1"),
+                                            pytest.param(torch.float32, 5, marks=needs_avx2, id="f32-5")])
 def test_one_call_gives_forward_and_compute_logits_bit_for_bit(tmp_path, packs_small_weights, arch, is_tied, dtype,
                                                                num_rows):
     model = load_model(_write_checkpoint(str(tmp_path), arch, is_tied), dtype, "cpu", 128)
