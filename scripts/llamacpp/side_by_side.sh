@@ -106,13 +106,16 @@ build_llama_cpp_avx2() {
   nice -n 19 cmake --build "$CACHE/build-avx2" -j2 --target llama-server
 }
 
-say_isa() {  # what each server runs on: our kernels' choices, llama-server's system_info line (from its log)
-  local ours lcpp
+say_isa() {  # what each server runs on: our kernels' choices; llama-server's CPU backend (its build's ISA options and
+  # the AVX-512 (zmm) instructions in it: 0 when held to AVX2)
+  local ours lcpp lib
   ours=$(env "${OURS_ENV[@]}" "$PYTHON" -c 'import torch
 from llmserve.model import cpu_isa, cpu_kernels
 print(f"torch {torch.backends.cpu.get_cpu_capability()}, oneDNN cap {cpu_isa.onednn_isa_cap()}, "
       f"float32 panels {cpu_kernels.panel_isa()}, bf16 dot products {cpu_isa.has_fast_bf16()}")')
-  lcpp=$(grep -m1 -o "CPU : .*" "$OUT/$1.log" || echo "(no system_info line in $OUT/$1.log)")
+  lib=$(dirname "$SERVER_BIN")/libggml-cpu.so
+  lcpp="$(grep -o '^GGML_\(NATIVE\|AVX[A-Z0-9_]*\|AMX[A-Z0-9_]*\):BOOL=ON' "$(dirname "$SERVER_BIN")/../CMakeCache.txt" \
+    | sed 's/:BOOL=ON//' | tr '\n' ' '); zmm instructions in libggml-cpu.so: $(objdump -d "$lib" | grep -c zmm || true)"
   echo "isa $ISA: llmserve: $ours; llama-server: $lcpp" | tee -a "$OUT/isa.txt"
 }
 
@@ -126,6 +129,7 @@ convert "$MODEL" "$GGUF_TYPE" "$GGUF"
 
 "$SERVER_BIN" --version > "$OUT/llama-server-version.txt" 2>&1 || true
 
+say_isa
 take_bench_lock
 PIDS=()
 trap stop_all EXIT
@@ -137,7 +141,6 @@ for C in ${CONCURRENCY//,/ }; do
   start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_LCPP" -t 2 -np "$C" -c $((C * 768))
   wait_healthy "$PORT_OURS" "${PIDS[0]}"
   wait_healthy "$PORT_LCPP" "${PIDS[1]}"
-  say_isa "llama-server-c$C"
   compare_anchor "$PORT_OURS" "$PORT_LCPP" "$LABELS" "$C" "${NUM_REQUESTS:-$([[ $C == 1 ]] && echo 24 || echo 128)}"
   stop_all
 done
