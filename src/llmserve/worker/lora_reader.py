@@ -6,6 +6,8 @@ host LRU or read already is; one that is not has its read started here (safetens
 the base model's shapes, split for this tensor-parallel rank) and the request waits, keeping its place at
 the head of the queue. The read weights stay here until the runner takes them (`take`) to copy into a
 slot, on the step loop. A read that failed hands its error to `take`, as a read on the loop would raise.
+With tensor parallelism rank 0 tells the other ranks when it starts a read (`on_start`, the step broadcast),
+so each reads its share beside rank 0 instead of on its step loop when the request first runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class LoRAReader:
         self.max_kept = max_kept
         self.reads: dict[int, Future[LoRAWeights]] = {}  # adapter id -> its read (done or under way)
         self._pool: ThreadPoolExecutor | None = None  # started on the first read
+        self.on_start: Callable[[LoRARequest], None] | None = None  # told of each read started here
 
     @property
     def num_reading(self) -> int:
@@ -39,6 +42,8 @@ class LoRAReader:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
             read = self.reads[lora.lora_int_id] = self._pool.submit(self.read, lora)
             self._drop_untaken()
+            if self.on_start is not None:
+                self.on_start(lora)
         return read.done()
 
     def take(self, lora: LoRARequest) -> LoRAWeights:

@@ -94,5 +94,7 @@ def serve_steps(runner: ModelRunner, subscriber: StepSubscriber) -> None:
             runner.execute(scheduler_output(payload))
         elif kind == StepKind.DROP:
             runner.drop_finished(set(payload))
+        elif kind == StepKind.READ_ADAPTER:
+            runner.lora.is_in_memory(payload)  # starts this rank's read unless it holds the adapter already
         else:
             return
