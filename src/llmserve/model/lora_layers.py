@@ -48,6 +48,9 @@ class LoRAStep:
     token_indices: torch.Tensor  # [N] int64 token positions in the step, slot by slot
     token_slots: torch.Tensor  # [N] int64 the slot of each
     segments: list[tuple[int, int, int]]  # (slot, start, end) over token_indices, one per slot in the step
+    # A decode graph's step (worker/cuda_graphs.py): every token of the forward in order, slot -1 for the base
+    # model's, at fixed shapes and addresses; no segments. Only the Triton kernels take it (they skip slot -1).
+    is_padded: bool = False
 
 
 def lora_step(token_slots: np.ndarray, device: torch.device) -> LoRAStep | None:
@@ -105,7 +108,7 @@ class LoRALinear(nn.Module):
 
     def _add(self, out: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         """out [T, out] += each adapter token's x @ A[slot]^T @ B[slot]^T, in place; returns out."""
-        if x.is_cuda:
+        if x.is_cuda or step.is_padded:
             _triton_add()(out, x, self.lora_a, self.lora_bs, step)
         elif lora_cpu.can_run(x, out, self.lora_a.dtype):
             lora_cpu.add_lora(out, x, self.lora_a, self.lora_bs, self.lora_ranks, step.token_indices, step.token_slots)
