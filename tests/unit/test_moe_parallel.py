@@ -82,6 +82,7 @@ def test_the_flag_is_checked_before_anything_loads(tmp_path):
     check_tensor_parallel(moe, 2, is_expert_parallel=True)
     layout = shard_layout(moe, 2, 1, is_expert_parallel=True)
     assert layout.experts == (4, 4) and layout.expert_intermediate == (0, moe.moe_intermediate_size)
-    with pytest.raises(ValueError, match="--enable-expert-parallel is not supported for DeepseekV3ForCausalLM"):
-        check_tensor_parallel(load_hf_config(make_model("deepseek_v3", "tiny-deepseek-v3", str(tmp_path / "ds"))), 2,
-                              is_expert_parallel=True)
+    deepseek = load_hf_config(make_model("deepseek_v3", "tiny-deepseek-v3", str(tmp_path / "ds")))
+    check_tensor_parallel(deepseek, 2, is_expert_parallel=True)
+    layout = shard_layout(deepseek, 2, 1, is_expert_parallel=True)  # routed experts whole, shared ones split
+    assert layout.experts == (4, 4) and layout.expert_intermediate == (0, 32) and layout.shared_intermediate == (16, 16)

@@ -47,10 +47,13 @@ def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
         _check_idle(llm)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3:tiny-deepseek-v3"])
 def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, tmp_path):
-    """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load."""
-    path = make_model(arch, "tiny-moe", str(tmp_path), seed=1)
+    """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load.
+    DeepSeek-V3: grouped sigmoid routing with the correction bias, shared experts split by features, a dense
+    first layer, latent attention's heads split."""
+    arch, _, shape = arch.partition(":")
+    path = make_model(arch, shape or "tiny-moe", str(tmp_path), seed=1)
     prompts = _prompts(6, seed=1)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)

@@ -117,8 +117,12 @@ def test_two_ranks_reproduce_the_whole_model(checkpoints):
 
 def test_two_ranks_holding_whole_experts_reproduce_the_whole_model(checkpoints):
     """Expert parallelism: each rank reads and runs 4 of the 8 experts (per-expert checkpoint tensors for
-    Qwen3-MoE and Mixtral, stacked ones with biases for gpt-oss)."""
-    moe = [path for path in checkpoints if path.endswith(("qwen3_moe", "mixtral", "gpt_oss"))]
+    Qwen3-MoE, Mixtral and DeepSeek, stacked ones with biases for gpt-oss). DeepSeek's routing (grouped top-k,
+    V3's sigmoid scores with the correction bias, routed_scaling_factor) runs whole on every rank, its shared
+    experts split by features, its first_k_dense_replace layers dense and split, its latent attention's heads
+    split as under tensor parallelism."""
+    moe = [path for path in checkpoints if path.endswith(("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3",
+                                                          "deepseek_v2"))]
     _check_ranks(moe, _run_ranks(moe, is_expert_parallel=True))
 
 
