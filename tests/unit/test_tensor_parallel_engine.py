@@ -47,18 +47,25 @@ def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
         _check_idle(llm)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3:tiny-deepseek-v3"])
-def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, tmp_path):
+@pytest.mark.parametrize("arch, all2all_backend", [("qwen3_moe", "allgather_reducescatter"),
+                                                     ("mixtral", "allgather_reducescatter"),
+                                                     ("deepseek_v3:tiny-deepseek-v3", "allgather_reducescatter"),
+                                                     ("qwen3_moe", "all2allv"),
+                                                     ("deepseek_v3:tiny-deepseek-v3", "all2allv")])
+def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, all2all_backend, tmp_path):
     """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load.
     DeepSeek-V3: grouped sigmoid routing with the correction bias, shared experts split by features, a dense
-    first layer, latent attention's heads split."""
+    first layer, latent attention's heads split. all2allv: rows dispatched to the experts' ranks and back."""
     arch, _, shape = arch.partition(":")
     path = make_model(arch, shape or "tiny-moe", str(tmp_path), seed=1)
     prompts = _prompts(6, seed=1)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)
-    with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE) as llm:
-        assert {block.experts.gate_up_proj.shape[0] for block in llm.engine.runner.model.moe_blocks()} == {4}
+    with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, enable_expert_parallel=True,
+             all2all_backend=all2all_backend, **ENGINE) as llm:
+        blocks = llm.engine.runner.model.moe_blocks()
+        assert {block.experts.gate_up_proj.shape[0] for block in blocks} == {4}
+        assert {block.is_all_to_all for block in blocks} == {all2all_backend == "all2allv"}
         assert _tokens(llm, prompts, params) == expected
         _check_idle(llm)
 

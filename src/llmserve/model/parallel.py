@@ -49,6 +49,7 @@ class TensorParallel:
     size: int
     group: Any = None  # the torch.distributed process group (None: the default one)
     is_expert_parallel: bool = False  # MoE layers: whole experts a rank (--enable-expert-parallel)
+    all2all_backend: str = "allgather_reducescatter"  # expert parallelism's dispatch (model/moe_dispatch.py)
     comm_seconds: float = field(default=0.0, compare=False)  # host time in collectives (benchmarks)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
