@@ -131,8 +131,6 @@ def test_unsupported_combinations_are_refused_before_any_rank_starts(tmp_path):
         LLM(path, tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ValueError, match="speculative decoding .* not supported with tensor parallelism"):
         LLM(path, tensor_parallel_size=2, speculative="ngram", **ENGINE)
-    with pytest.raises(ValueError, match=r"tensor-parallel-size 2 with quantization \(fp8\) is not supported"):
-        LLM(path, tensor_parallel_size=2, quantization="fp8", **ENGINE)  # int8: test_quant_tensor_parallel.py
 
 
 @pytest.mark.parametrize("main_file, is_hidden", [("<stdin>", True), (__file__, False)])
