@@ -7,10 +7,14 @@ each rank dequantizes whole tensors and keeps its slices, giving one rank's logi
 import multiprocessing
 import types
 
+import numpy as np
 import pytest
 import torch
 
-from llmserve import LLM, SamplingParams
+from lora_helpers import make_adapter
+
+from llmserve import LLM, LoRARequest, SamplingParams
+from llmserve.model.lora_layers import LoRAContext, LoRALinear, lora_step
 from llmserve.model.moe import MoeSpec, SparseMoeBlock
 from llmserve.model.quant.checkpoint import write_fp8_checkpoint
 from llmserve.model.quant.experts import QuantizedExperts, quantize_model_experts
@@ -120,7 +124,36 @@ def test_a_quantized_engine_on_two_ranks_gives_each_request_its_tokens_alone_and
         llm.engine.check_integrity()
 
 
-def test_lora_with_quantized_ranks_is_refused_before_any_rank_starts(tmp_path):
-    path = make_model("llama", "tiny", str(tmp_path), seed=1)
-    with pytest.raises(ValueError, match=r"--enable-lora with --tensor-parallel-size 2 and quantization \(int8\)"):
-        LLM(path, tensor_parallel_size=2, quantization="int8", enable_lora=True, **ENGINE)
+def test_a_lora_adds_its_share_to_a_quantized_row_parallel_slice_before_the_one_all_reduce():
+    """The rank's quantized partial plus its share of x @ A^T @ B^T, then one all-reduce (not the LoRA added
+    after it, which the other ranks' all-reduce would count again)."""
+    calls = []
+    tp = types.SimpleNamespace(rank=1, all_reduce=lambda out: calls.append(out.shape) or out * 2)
+    layer = Int8Linear.from_float(torch.randn(8, 16), None)
+    lora = LoRALinear(RowParallelQuantized(layer, tp), 16, [8], num_slots=1, max_rank=4, context=LoRAContext(),
+                      dtype=torch.float32, device=torch.device("cpu"))
+    a, b = torch.randn(4, 16), torch.randn(8, 4)
+    lora.set_slot(0, [(a, b)])
+    lora.context.step = lora_step(np.zeros(3, dtype=np.int64), torch.device("cpu"))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(lora(x), (layer(x) + x @ a.T @ b.T) * 2, atol=1e-4, rtol=1e-4)
+    assert calls == [torch.Size([3, 8])]
+
+
+def test_adapters_on_two_int8_ranks_change_the_tokens_and_give_each_request_its_tokens_alone(tmp_path):
+    """Not one int8 rank's tokens (the row-parallel slices' own scales move a random model's near-ties, with or
+    without an adapter); the placement of the LoRA's share is checked exactly above."""
+    path = make_model("llama", "tiny", str(tmp_path / "base"), seed=1)
+    lora = LoRARequest("a", 1, make_adapter(path, str(tmp_path / "a"), seed=30, rank=8, alpha=16))
+    prompts = _prompts(4, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    requests = [lora, None, lora, None]
+    with LLM(path, tensor_parallel_size=2, quantization="int8", enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
+        batched = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, lora_request=requests)]
+        alone = [list(llm.generate([p], params, lora_request=r)[0].outputs[0].token_ids)
+                 for p, r in zip(prompts, requests)]
+        base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:1], params)]
+        assert batched == alone and all(len(tokens) == 8 for tokens in batched)
+        assert batched[0] != base[0]  # the adapter counts
+        llm.engine.check_integrity()

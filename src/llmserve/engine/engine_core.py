@@ -173,9 +173,6 @@ class EngineCore:
         if self.model_info.quantization == "fp8" and self.device.type == "cuda":
             raise ValueError(f"--tensor-parallel-size {size} with quantization (fp8) on CUDA is not supported yet: "
                              "serve it with --quantization int8, unquantized (--quantization none) or on one rank")
-        if self.model_info.quantization is not None and config.lora.enable_lora:  # adds to a float slice's partial
-            raise ValueError(f"--enable-lora with --tensor-parallel-size {size} and quantization "
-                             f"({self.model_info.quantization}) is not supported yet: one of the three must go")
         if self.device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         from llmserve.worker.tp_executor import TPExecutor

@@ -33,7 +33,12 @@ class RowParallelQuantized(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.layer(x))
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in / N] -> [T, out]: this rank's share of the sum, before the all-reduce (a LoRA adds its own
+        share to it first, as to a float RowParallelLinear's: model/lora_layers.py)."""
+        return self.layer(x)
 
 
 def rank_bias(linear: nn.Linear) -> torch.Tensor | None:
