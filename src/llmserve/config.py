@@ -112,7 +112,8 @@ class ParallelConfig:
         "help": "how expert parallelism gets tokens to their experts (vLLM's flag): allgather_reducescatter (every "
                 "rank computes its experts' pairs of every token, one all-reduce sums them) or all2allv (each rank "
                 "sends its 1/N of the tokens' routed rows to their experts' ranks and gets the outputs back: "
-                "torch.distributed.all_to_all_single; docs/moe.md)", "choices": ["allgather_reducescatter", "all2allv"]})
+                "torch.distributed.all_to_all_single; docs/moe.md)",
+        "choices": ["allgather_reducescatter", "all2allv"]})
 
     def validate(self) -> None:
         check_field_choices(self)

@@ -18,8 +18,9 @@ contiguous 1/N of the step's tokens (`split_evenly`) and:
 Every (token, expert) pair is computed once, on its expert's rank, over the rows that rank received in
 source-rank order, which is token order; so an expert sees the rows one rank would give it, in that order.
 Costs four all-to-alls more than the default per MoE layer and step (counts, rows, their ids, outputs) and a
-host sync for the counts (no CUDA graphs). Where attention is tensor-parallel the all-reduce stays, so this moves more bytes, not fewer;
-it is the dispatch that data-parallel attention (each rank its own tokens; not built) would need.
+host sync for the counts (no CUDA graphs). Where attention is tensor-parallel the all-reduce stays, so this
+moves more bytes, not fewer; it is the dispatch that data-parallel attention (each rank its own tokens; not
+built) would need.
 """
 
 from __future__ import annotations
