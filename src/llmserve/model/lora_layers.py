@@ -35,6 +35,7 @@ from torch import nn
 from llmserve.model import lora_cpu
 from llmserve.model.lora_adapter import LoRAWeights
 from llmserve.model.parallel import RowParallelLinear, ShardLayout, shard_of
+from llmserve.model.quant.parallel import RowParallelQuantized
 
 # fused projection of our decoder -> the HF module names it holds, in output order
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -97,12 +98,13 @@ class LoRALinear(nn.Module):
         return [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]. A row-parallel base (tensor parallelism) adds its rank's share of the LoRA
-        (A's columns of its inputs, B whole) to its partial sum, and its one all-reduce sums both."""
+        """x [T, in] -> [T, out]. A row-parallel base (tensor parallelism; float or quantized) adds its rank's
+        share of the LoRA (A's columns of its inputs, B whole) to its partial sum, and its one all-reduce sums
+        both."""
         step = self.context.step
         if step is None:
             return self.base(x)
-        if isinstance(self.base, RowParallelLinear):
+        if isinstance(self.base, (RowParallelLinear, RowParallelQuantized)):
             return self.base.tp.all_reduce(self._add(self.base.partial(x), x, step))
         return self._add(self.base(x), x, step)
 
