@@ -140,8 +140,9 @@ def test_a_served_bf16_model_decodes_through_the_stack_with_transformers_tokens(
     llm = LLM(path, dtype="bfloat16", max_model_len=128, num_kv_blocks=64, block_size=4)
     stack = llm.engine.runner.model.decode_stack
     calls = []
-    run_stack = stack.forward
-    stack.forward = lambda *args: calls.append(args[0].shape[0]) or run_stack(*args)
+    for name in ("forward", "step"):  # the layers' call, or the whole forward's (model/cpu_decode_head.py)
+        run = getattr(stack, name)
+        setattr(stack, name, lambda *args, run=run: calls.append(args[0].shape[0]) or run(*args))
     outs = hf_parity.engine_greedy(llm, prompts, num_out=8)
     assert calls and max(calls) == len(prompts)  # the decode steps ran through it
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]

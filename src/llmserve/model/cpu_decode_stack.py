@@ -7,7 +7,8 @@ qkv with optional bias, Qwen3's per-head q/k norms, rotary over the whole head, 
 SiLU gated MLP; of a Mixture-of-Experts model the attention halves, one call a layer, its MLPs run in Python between
 them) whose linears are float32 panels or bfloat16 GEMV weights (model/linear.py; past the GEMV's 4 rows, F.linear's
 ATen call as in the Python layers), one tensor-parallel rank, and steps whose rows are all the attention kernel's;
-anything else keeps the Python layers. LLMSERVE_CPU_DECODE_STACK=0 turns it off.
+anything else keeps the Python layers. Of a dense model it also runs the step's embedding, rotary, final norm and
+logits where it can (model/cpu_decode_head.py): the whole forward one call. LLMSERVE_CPU_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.model import cpu_build, cpu_kernels
+from llmserve.model import cpu_build, cpu_decode_head, cpu_kernels
 from llmserve.model.attn_torch import TorchAttentionMetadata
 from llmserve.model.layers import GatedMLP, RMSNorm
 from llmserve.model.linear import Linear
@@ -33,10 +34,11 @@ class DecodeStack:
     """The C++ stack of a model's layers and the rule for which steps it takes. With `mlps` (a Mixture-of-Experts
     model) it holds the layers' attention halves only, and each layer's MLP runs in Python between two calls."""
 
-    def __init__(self, stack, dtype: torch.dtype, mlps: list[nn.Module] | None = None):
+    def __init__(self, stack, dtype: torch.dtype, mlps: list[nn.Module] | None = None, has_head: bool = False):
         self.stack = stack  # torch.classes.llmserve_cpu.DecodeStack
         self.dtype = dtype
         self.mlps = mlps
+        self.has_head = has_head  # the embedding, rotary, final norm and logits too (`step`)
 
     def takes(self, attn_metadata: object, kv_cache: torch.Tensor) -> bool:
         """Whether a step runs here: every row is the attention kernel's (no torch groups),
@@ -56,6 +58,15 @@ class DecodeStack:
             x, residual = self.stack.attention(index, x, residual, cos_sin[0], cos_sin[1], kv_cache, *step)
             x = mlp(x)
         return x, residual
+
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_metadata,
+             logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole forward in one call (`has_head`): input_ids, positions [T] int64, logits_indices [N] int64 ->
+        (hidden [T, hidden] after the final norm, the rows' logits [N, vocab] float32)."""
+        kernel = attn_metadata.kernel
+        return self.stack.step(input_ids, positions, kv_caches, attn_metadata.slot_mapping, kernel.block_table,
+                               kernel.seq_lens, kernel.query_start_loc, kernel.rows, logits_indices)
 
 
 def _cache_fits(dtype: torch.dtype, kv_cache: torch.Tensor) -> bool:
@@ -86,7 +97,9 @@ def build(model: nn.Module) -> DecodeStack | None:
         for linear in _linears(layer, has_mlps):
             weight = linear.weight if kind == BF16_GEMV else linear.packed_weight
             stack.add_linear(weight, linear.bias, linear.out_features)
-    return DecodeStack(stack, dtype, None if has_mlps else [layer.mlp for layer in layers])
+    if not has_mlps:
+        return DecodeStack(stack, dtype, [layer.mlp for layer in layers])
+    return DecodeStack(stack, dtype, has_head=cpu_decode_head.set_head(stack, model, kind == BF16_GEMV))
 
 
 def _is_plain_decoder(model: nn.Module) -> bool:

@@ -48,7 +48,8 @@ _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged
                                                       "fused_ops_bf16.cpp", "paged_attention_split.cpp",
                                                       "decode_stack.cpp", "moe_experts.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
-                                                                     "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h")]
+                                                                     "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h",
+                                                                     "decode_head.h")]
 _NAME = "llmserve_cpu_kernels"
 
 

@@ -283,6 +283,17 @@ class CausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                       attn_metadata: object, attn_backend: AttentionBackend,
+                       logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, then `compute_logits` of the rows logits_indices [N] picks -> (hidden [T, hidden], logits
+        [N, vocab]); a CPU decode step the stack takes with its head is one C++ call (model/cpu_decode_head.py)."""
+        stack = self.decode_stack
+        if stack is not None and stack.has_head and stack.takes(attn_metadata, kv_caches[0]):
+            return stack.step(input_ids, positions, kv_caches, attn_metadata, logits_indices)
+        hidden = self(input_ids, positions, kv_caches, attn_metadata, attn_backend)
+        return hidden, self.compute_logits(hidden[logits_indices])
+
     def _run_layers(self, x: torch.Tensor, cos_sin: dict, kv_caches: list[torch.Tensor], attn_metadata: object,
                     attn_backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] through every layer -> (hidden, residual) before the final norm."""

@@ -281,6 +281,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, inputs: StepInputs, has_drafts: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] and the sampling rows' logits [N, V]."""
+        graphs = self.verify_graphs if has_drafts else self.graphs
+        if graphs is None and self.step_kinds is None and inputs.attn_groups is None:  # CPU: maybe one C++ call
+            self.times.num_tokens += len(inputs.input_ids)
+            return self.model.forward_logits(inputs.input_ids, inputs.positions, self.kv_caches,
+                                              self.attn_metadata(inputs), self.attn_backend, inputs.logits_indices)
         hidden = self._hidden(inputs, has_drafts)
         return hidden, self.model.compute_logits(hidden[inputs.logits_indices])
 

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "decode_head.h"
 
 #include <cstdint>
 #include <optional>
@@ -54,6 +55,7 @@ struct DecodeStack : torch::CustomClassHolder {
   LinearKind kind;
   size_t num_linears;  // 4: whole layers (forward); 2: their attention halves only (attention), the MLPs in Python
   std::vector<StackLayer> layers;
+  std::optional<llmserve_cpu::DecodeHead> head;  // the step's embedding, rotary, final norm and logits (`step`)
 
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kind,
               bool has_mlps)
@@ -167,6 +169,37 @@ struct DecodeStack : torch::CustomClassHolder {
     return {h, residual};
   }
 
+  // The step's prologue and epilogue (csrc/decode_head.h); head_weight in the linears' kind, vocab_size its rows.
+  void set_head(at::Tensor embedding, at::Tensor inv_freq, double rotary_scaling, at::Tensor final_norm,
+                double final_eps, at::Tensor head_weight, int64_t vocab_size) {
+    TORCH_CHECK(num_linears == kNumLinears, "DecodeStack: a head needs whole layers");
+    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.size(0) * 2 == head_dim,
+                "DecodeStack: inv_freq [D/2] float32");
+    const bool is_bf16 = kind == LinearKind::kBf16Gemv;
+    TORCH_CHECK(head_weight.scalar_type() == (is_bf16 ? at::kBFloat16 : at::kFloat) &&
+                    head_weight.dim() == (is_bf16 ? 2 : 3) && embedding.scalar_type() == head_weight.scalar_type(),
+                "DecodeStack: the head's weight in the linears' kind, the embedding in the model's dtype");
+    head = llmserve_cpu::DecodeHead{embedding, inv_freq, rotary_scaling, final_norm, final_eps, head_weight,
+                                    vocab_size};
+  }
+
+  // The whole forward of a step in one call: ids, positions [T] int64 (and forward's step tensors), logits_indices
+  // [N] int64 -> (hidden [T, hidden] after the final norm, the rows' logits [N, vocab] float32).
+  std::tuple<at::Tensor, at::Tensor> step(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> kv_caches,
+                                          at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens,
+                                          at::Tensor query_start, at::Tensor rows, at::Tensor logits_indices) const {
+    TORCH_CHECK(head.has_value(), "DecodeStack: no head (set_head)");
+    const at::Tensor x = llmserve_cpu::embed_rows(*head, ids);
+    const auto [cos, sin] = llmserve_cpu::rotary_cos_sin(*head, positions, x.scalar_type());
+    auto [h, residual] = forward(x, cos, sin, std::move(kv_caches), slot_mapping, block_table, seq_lens, query_start,
+                                 rows);
+    llmserve_cpu::add_rms_norm(h, residual, head->final_norm, head->final_eps);
+    const at::Tensor sampled = h.index_select(0, logits_indices);  // [N, hidden]
+    const at::Tensor out = at::empty({sampled.size(0), head->vocab_size}, sampled.options());
+    const at::Tensor logits = run_linear(StackLinear{head->head_weight, std::nullopt, head->vocab_size}, sampled, out);
+    return {h, logits.to(at::kFloat)};
+  }
+
   // Layer i up to its MLP, as the Python layer runs it: h [T, hidden] (the embeddings when residual is None: layer
   // 0; else the previous MLP's output, normed in place with residual += h) -> (the post-attention normed rows for the
   // MLP, residual).
@@ -204,6 +237,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_linear", &DecodeStack::add_linear)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_head", &DecodeStack::set_head)  // the step's prologue and epilogue: csrc/decode_head.h
+      .def("step", &DecodeStack::step)
       .def("forward", &DecodeStack::forward)
       .def("attention", &DecodeStack::attention);
 }
