@@ -36,9 +36,11 @@ AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-
 
 
 def avx512_flags() -> list[str]:
-    """-mavx512f/bw/vl/dq where the CPU has all four (csrc/linear_avx512.cpp), plus -mavx512bf16 with AVX512-BF16."""
+    """-mavx512f/bw/vl/dq where the CPU has all four (csrc/linear_avx512.cpp), plus -mavx512bf16 with AVX512-BF16;
+    none where ONEDNN_MAX_CPU_ISA holds the machine below AVX-512 (AVX2: the AVX2 kind's build, in its own
+    directory, so that every kernel runs as on an AVX2-only machine)."""
     cpu = cpu_isa.cpu_flags()
-    if not set(AVX512_FLAGS) <= cpu:
+    if not set(AVX512_FLAGS) <= cpu or not cpu_isa.onednn_has_avx512():
         return []
     return list(AVX512_FLAGS.values()) + (["-mavx512bf16"] if "avx512_bf16" in cpu else [])
 
