@@ -63,11 +63,23 @@ def timed(*args) -> tuple[float, float]:
     return time.thread_time() - c0, time.perf_counter() - t0
 
 
+def report(num_rows: int, times: dict, logits: dict) -> None:
+    med = {name: [statistics.median(t[i] for t in ts) * 1e3 for i in (0, 1)] for name, ts in times.items()}
+    line = " | ".join(f"{name} cpu {cpu:.1f} ms wall {wall:.1f} ms" for name, (cpu, wall) in med.items())
+    halves, one = med["moe halves"], med["moe one call"]
+    same = torch.equal(logits["moe halves"], logits["moe one call"])
+    print(f"rows {num_rows}: {line} | halves / one call (cpu) {halves[0] / one[0]:.3f}x "
+          f"(wall {halves[1] / one[1]:.3f}x) | same logits: {same}")
+    if "dense" in med:
+        dense = med["dense"]
+        print(f"rows {num_rows}: dense / moe step time (cpu): halves {dense[0] / halves[0]:.3f}x, one call "
+              f"{dense[0] / one[0]:.3f}x (wall: {dense[1] / halves[1]:.3f}x, {dense[1] / one[1]:.3f}x)")
+
+
 def main() -> None:
-    runs = {}  # name -> (model, stack, caches)
     model, stacks = load_with_stacks(MODEL)
     caches = allocate_kv_caches(model, 4000, BLOCK_SIZE)
-    runs = {f"moe {name}": (model, stack, caches) for name, stack in stacks.items()}
+    runs = {f"moe {name}": (model, stack, caches) for name, stack in stacks.items()}  # name -> (model, stack, caches)
     if DENSE:
         dense, dense_stacks = load_with_stacks(DENSE)
         runs["dense"] = (dense, dense_stacks["one call"], allocate_kv_caches(dense, 4000, BLOCK_SIZE))
@@ -84,15 +96,7 @@ def main() -> None:
             for r in range(ROUNDS):
                 for name in (names if r % 2 == 0 else names[::-1]):
                     times[name].append(timed(*runs[name], ids, pos, inputs))
-            med = {name: [statistics.median(t[i] for t in times[name]) * 1e3 for i in (0, 1)] for name in names}
-            line = " | ".join(f"{name} cpu {med[name][0]:.1f} ms wall {med[name][1]:.1f} ms" for name in names)
-            halves, one = med["moe halves"], med["moe one call"]
-            print(f"rows {num_rows}: {line} | halves / one call (cpu) {halves[0] / one[0]:.3f}x "
-                  f"(wall {halves[1] / one[1]:.3f}x) | same logits: {torch.equal(logits['moe halves'], logits['moe one call'])}")
-            if DENSE:
-                print(f"rows {num_rows}: dense / moe step time (cpu): halves {med['dense'][0] / halves[0]:.3f}x, one call "
-                      f"{med['dense'][0] / one[0]:.3f}x (wall: {med['dense'][1] / halves[1]:.3f}x, "
-                      f"{med['dense'][1] / one[1]:.3f}x)")
+            report(num_rows, times, logits)
 
 
 if __name__ == "__main__":
