@@ -1,4 +1,5 @@
-# Two entry points: `make serve` (demo model server) and `make test` (the whole suite).
+# Two entry points: `make serve` (demo model server) and `make test` (the whole suite; its 20 slowest tests are listed
+# at the end, so that CI shows where its 15 minutes go).
 # ARGS passes flags through: make serve ARGS="--port 8001 --max-num-seqs 32".
 PY ?= python3
 ARGS ?=
@@ -20,7 +21,7 @@ serve: $(STAMP)
 	$(BIN)/llmserve serve $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests
 
 bench: $(STAMP)
 	$(BIN)/llmserve bench offline $(ARGS)

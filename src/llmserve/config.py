@@ -108,12 +108,20 @@ class ParallelConfig:
     enable_expert_parallel: bool = field(default=False, metadata={"help": "Mixture-of-Experts models with "
                                          "--tensor-parallel-size N: each rank holds E/N whole experts instead of "
                                          "a 1/N slice of every expert (attention stays tensor-parallel; docs/moe.md)"})
+    all2all_backend: str = field(default="allgather_reducescatter", metadata={
+        "help": "how expert parallelism gets tokens to their experts (vLLM's flag): allgather_reducescatter (every "
+                "rank computes its experts' pairs of every token, one all-reduce sums them) or all2allv (each rank "
+                "sends its 1/N of the tokens' routed rows to their experts' ranks and gets the outputs back: "
+                "torch.distributed.all_to_all_single; docs/moe.md)",
+        "choices": ["allgather_reducescatter", "all2allv"]})
 
     def validate(self) -> None:
         check_field_choices(self)
         check_min("tensor-parallel-size", self.tensor_parallel_size, 1)
         check(not self.enable_expert_parallel or self.tensor_parallel_size > 1, "enable-expert-parallel",
               "needs --tensor-parallel-size 2 or more (the ranks the experts are placed on)")
+        check(self.all2all_backend == "allgather_reducescatter" or self.enable_expert_parallel, "all2all-backend",
+              f"{self.all2all_backend} dispatches tokens to experts' ranks: needs --enable-expert-parallel")
 
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

@@ -64,6 +64,7 @@ def test_router_dashboard_has_a_row_per_replica(router, replicas, dead_url, page
     page.goto(f"{router.url}/dashboard")
     wait_for(page, "document.querySelectorAll('#backends tbody tr').length === 3")
     wait_for(page, f"{cell(dead_url, 'Health')} === 'ejected'")
+    assert wait_for(page, f"{cell(dead_url, 'LoRA adapters (in slots)')}") == "–"  # these replicas serve none
     with StreamingLoad(router.url, "tiny", num_streams=4) as load:
         for server in replicas:
             wait_for(page, f"{cell(server.url, 'Health')} === 'healthy'")

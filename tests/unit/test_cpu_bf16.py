@@ -70,7 +70,7 @@ def test_fused_bf16_silu_mul_rotary_and_kv_write_equal_torch_bit_for_bit():
 def test_bf16_gemv_matches_a_float64_reference(num_out, num_in):
     gen = torch.Generator().manual_seed(num_in)
     w, b = torch.randn(num_out, num_in, generator=gen).to(BF16), torch.randn(num_out, generator=gen).to(BF16)
-    for rows in range(1, cpu_kernels.BF16_GEMV_MAX_ROWS + 1):
+    for rows in range(1, cpu_kernels.bf16_gemv_max_rows() + 1):
         x = torch.randn(rows, num_in, generator=gen).to(BF16)
         exact = x.double() @ w.double().t() + b.double()  # [M, N]
         got = cpu_kernels.bf16_gemv(x, w, b)
@@ -104,7 +104,7 @@ def test_a_loaded_bf16_linear_chooses_the_gemv_once(monkeypatch, path):
     with torch.inference_mode():
         for rows in (1, 4, 5):
             x = torch.randn(rows, 64, generator=gen).to(BF16)
-            takes_gemv = path == "auto" and rows <= cpu_kernels.BF16_GEMV_MAX_ROWS
+            takes_gemv = path == "auto" and rows <= cpu_kernels.bf16_gemv_max_rows()
             expected = cpu_kernels.bf16_gemv(x, layer.weight, layer.bias) if takes_gemv else \
                 F.linear(x, layer.weight, layer.bias)
             assert torch.equal(layer(x), expected)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from llmserve.model import cpu_build, cpu_kernels
+from llmserve.model import cpu_build, cpu_kernels, lora_cpu
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.attn_torch import TorchAttentionBackend
 from attention_cases import SCALE, check_against_reference, make_case, random_rows, reference, run_backend
@@ -22,15 +22,17 @@ def test_disabled_by_env(monkeypatch):
     assert cpu_kernels._load() is None
 
 
-def test_the_kernels_build_wherever_a_compiler_and_ninja_are():
-    """A compile error must fail the suite, not skip every test that needs the kernels."""
+@pytest.mark.parametrize("module", [cpu_kernels, lora_cpu], ids=["cpu_kernels", "lora_cpu"])
+def test_every_kernel_build_loads_wherever_a_compiler_and_ninja_are(module):
+    """A compile error must fail the suite, not skip every test that needs the kernels (each build falls back to
+    torch with one warning, which the suite would not see)."""
     import shutil
 
     from torch.utils import cpp_extension
 
     if cpu_build.kernels_disabled() or shutil.which("c++") is None or not cpp_extension.is_ninja_available():
         pytest.skip("no C++ compiler or ninja here (or LLMSERVE_CPU_KERNELS=0): the torch path serves")
-    assert cpu_kernels.available(), "the C++ CPU kernels failed to build or load: see the log's warning"
+    assert module.available(), f"{module.__name__}'s C++ build failed to build or load: see the log's warning"
 
 
 def test_build_failure_falls_back(monkeypatch, caplog):

@@ -1,6 +1,7 @@
 """The dashboards' state from prometheus registries: windowed percentiles from bucket differences, counters
 as rates, the snapshot ring, the server's and the router's JSON (clock passed in, no sleeping)."""
 
+import dataclasses
 import math
 
 import httpx
@@ -172,6 +173,17 @@ def test_router_state_has_a_row_per_pool_and_backend():
     assert rows[a.url]["health"] == "healthy" and rows[a.url]["routed"] == 7 and rows[a.url]["errors_in_window"] == 1
     assert rows[b.url]["health"] == "ejected" and not rows[b.url]["up"] and rows[b.url]["routed"] == 0
     assert state["totals"]["backends_up"] == 1 and state["totals"]["duration"]["count"] == 1
+    assert rows[a.url]["adapters"] == [] and rows[a.url]["resident_adapters"] == []
+
+
+def test_router_state_lists_each_backends_adapters_and_those_in_its_slots():
+    gw = make_gateway()
+    a, b = gw.pools["m"].backends
+    a.adapters = frozenset({"sql", "chat", "legal"})
+    a.scraped = dataclasses.replace(a.scraped, resident_adapters=frozenset({"sql"}))
+    rows = {row["url"]: row for row in router_state(SnapshotRing(gw.metrics.registry).advance(0.0), gw)["backends"]}
+    assert rows[a.url]["adapters"] == ["chat", "legal", "sql"] and rows[a.url]["resident_adapters"] == ["sql"]
+    assert rows[b.url]["adapters"] == [] and rows[b.url]["resident_adapters"] == []
 
 
 def test_router_state_shows_the_autoscaler_of_its_pool():

@@ -152,3 +152,22 @@ def test_an_adapter_of_another_base_shape_is_refused(base_path, tmp_path):
 def test_a_directory_without_an_adapter_is_refused(tmp_path):
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         read_adapter_config(str(tmp_path), max_rank=16)
+
+
+def test_an_adapter_on_an_moe_layers_mlp_is_refused_before_any_slot_is_written(tmp_path):
+    """Its image (built on the reader thread) raises, naming the layer; the slot is never touched."""
+    from llmserve.model.loader import load_model
+    from llmserve.model.lora_adapter import LoRAWeights
+    from llmserve.model.lora_layers import adapter_image, attach_lora
+    from llmserve.testing.maker import make_model
+
+    model = load_model(make_model("qwen3_moe", "tiny-moe", str(tmp_path / "moe"), seed=1), torch.float32, "cpu", 64)
+    _, wrapped = attach_lora(model, 2, 4)
+    assert wrapped["gate_up_proj"][0] is None and wrapped["qkv_proj"][0] is not None
+    hidden, inter = model.config.hidden_size, model.config.moe_intermediate_size
+    attention_only = LoRAWeights(4, {(0, "q_proj"): (torch.randn(4, hidden), torch.randn(hidden, 4))})
+    assert set(adapter_image(wrapped, attention_only)) == {(fused, layer) for fused, linears in wrapped.items()
+                                                           for layer, linear in enumerate(linears) if linear is not None}
+    on_experts = LoRAWeights(4, {(0, "gate_proj"): (torch.randn(4, hidden), torch.randn(inter, 4))})
+    with pytest.raises(ValueError, match="layer 0's gate_up_proj takes no LoRA"):
+        adapter_image(wrapped, on_experts)

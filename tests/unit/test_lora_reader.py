@@ -84,3 +84,21 @@ def test_a_failed_read_raises_where_the_slot_is_filled(setup, tmp_path):
     gone = LoRARequest("gone", 2, str(tmp_path / "missing"))
     with pytest.raises(Exception, match="adapter_config.json"):
         llm.generate([prompts[0]], PARAMS, lora_request=gone)
+
+
+def test_the_reader_tells_of_each_read_it_starts_once():
+    """What rank 0's reader tells the other tensor-parallel ranks (worker/tp_executor.py): one word per read
+    started, none for an adapter already read or under way."""
+    from llmserve.worker.lora_reader import LoRAReader
+
+    release = threading.Event()
+    reader = LoRAReader(lambda lora: release.wait(timeout=60) and lora.lora_name, max_kept=4)
+    told: list[str] = []
+    reader.on_start = lambda lora: told.append(lora.lora_name)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    assert not reader.has_read(a) and not reader.has_read(a) and told == ["a"]
+    release.set()
+    assert reader.take(a) == "a"
+    reader.has_read(b)  # starts b's read
+    reader.wait(timeout=60)
+    assert reader.has_read(b) and told == ["a", "b"] and reader.take(b) == "b"

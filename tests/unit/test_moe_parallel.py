@@ -75,6 +75,11 @@ def test_the_ranks_partial_outputs_sum_to_the_whole_block(num_ranks, has_bias):
 def test_the_flag_is_checked_before_anything_loads(tmp_path):
     with pytest.raises(ValueError, match="--enable-expert-parallel: needs --tensor-parallel-size 2 or more"):
         EngineConfig(parallel=ParallelConfig(enable_expert_parallel=True)).validate()
+    with pytest.raises(ValueError, match="--all2all-backend: all2allv dispatches .* needs --enable-expert-parallel"):
+        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, all2all_backend="all2allv")).validate()
+    with pytest.raises(ValueError, match="all2all-backend"):
+        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True,
+                                             all2all_backend="deepep_low_latency")).validate()
     dense = load_hf_config(make_model("llama", "tiny", str(tmp_path / "dense")))
     with pytest.raises(ValueError, match="--enable-expert-parallel: LlamaForCausalLM is not a Mixture-of-Experts"):
         check_tensor_parallel(dense, 2, is_expert_parallel=True)
@@ -82,6 +87,7 @@ def test_the_flag_is_checked_before_anything_loads(tmp_path):
     check_tensor_parallel(moe, 2, is_expert_parallel=True)
     layout = shard_layout(moe, 2, 1, is_expert_parallel=True)
     assert layout.experts == (4, 4) and layout.expert_intermediate == (0, moe.moe_intermediate_size)
-    with pytest.raises(ValueError, match="--enable-expert-parallel is not supported for DeepseekV3ForCausalLM"):
-        check_tensor_parallel(load_hf_config(make_model("deepseek_v3", "tiny-deepseek-v3", str(tmp_path / "ds"))), 2,
-                              is_expert_parallel=True)
+    deepseek = load_hf_config(make_model("deepseek_v3", "tiny-deepseek-v3", str(tmp_path / "ds")))
+    check_tensor_parallel(deepseek, 2, is_expert_parallel=True)
+    layout = shard_layout(deepseek, 2, 1, is_expert_parallel=True)  # routed experts whole, shared ones split
+    assert layout.experts == (4, 4) and layout.expert_intermediate == (0, 32) and layout.shared_intermediate == (16, 16)

@@ -1,16 +1,22 @@
-"""--quantization int8 with --tensor-parallel-size 2 (model/quant/parallel.py): each rank's slices quantized, a
-row-parallel one keeping its all-reduce and its bias on rank 0 only, the experts split or whole a rank; the
-logits of 2 gloo ranks within the int8 bar of the float model, the same on both ranks; the engine's tokens the
-same alone and in a batch (fp8 with tensor parallelism is still refused: test_tensor_parallel_engine.py)."""
+"""--quantization int8 / fp8 with --tensor-parallel-size 2 (model/quant/parallel.py): each rank's slices
+quantized with their own scales, a row-parallel one keeping its all-reduce and its bias on rank 0 only, the
+experts split or whole a rank; the logits of 2 gloo ranks within the method's bar of the float model, the same
+on both ranks; the engine's tokens the same alone and in a batch. An FP8 checkpoint (block scales) on 2 ranks:
+each rank dequantizes whole tensors and keeps its slices, giving one rank's logits."""
 
 import multiprocessing
 import types
 
+import numpy as np
 import pytest
 import torch
 
-from llmserve import LLM, SamplingParams
+from lora_helpers import make_adapter
+
+from llmserve import LLM, LoRARequest, SamplingParams
+from llmserve.model.lora_layers import LoRAContext, LoRALinear, lora_step
 from llmserve.model.moe import MoeSpec, SparseMoeBlock
+from llmserve.model.quant.checkpoint import write_fp8_checkpoint
 from llmserve.model.quant.experts import QuantizedExperts, quantize_model_experts
 from llmserve.model.quant.linear import Int8Linear
 from llmserve.model.quant.parallel import RowParallelQuantized
@@ -22,7 +28,7 @@ from test_tensor_parallel_model import _free_port
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=200)
 
 
-def _rank_main(rank: int, port: int, path: str, is_expert_parallel: bool, results) -> None:
+def _rank_main(rank: int, port: int, path: str, is_expert_parallel: bool, method: str | None, results) -> None:
     import torch.distributed as dist
 
     from llmserve.model.loader import load_model
@@ -32,20 +38,21 @@ def _rank_main(rank: int, port: int, path: str, is_expert_parallel: bool, result
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         tp = TensorParallel(rank, 2, is_expert_parallel=is_expert_parallel)
-        model = load_model(path, torch.float32, "cpu", tp=tp, quantization="int8")
+        model = load_model(path, torch.float32, "cpu", tp=tp, quantization=method)
         layer = model.model.layers[1]
-        kinds = (type(layer.self_attn.o_proj).__name__, type(layer.mlp.experts).__name__,
+        kinds = (type(layer.self_attn.o_proj).__name__, type(getattr(layer.mlp, "experts", layer.mlp)).__name__,
                  type(model.lm_head).__name__ if model.lm_head is not None else None)
         results.put((rank, kinds, _prefill_logits(model, _prompts(8, seed=2)).tolist()))
     finally:
         dist.destroy_process_group()
 
 
-def _run_ranks(path: str, is_expert_parallel: bool) -> dict[int, tuple]:
+def _run_ranks(path: str, is_expert_parallel: bool, method: str | None) -> dict[int, tuple]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, path, is_expert_parallel, results)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, path, is_expert_parallel, method, results))
+             for rank in range(2)]
     for p in procs:
         p.start()
     got = {rank: (kinds, logits) for rank, kinds, logits in (results.get(timeout=180) for _ in procs)}
@@ -55,19 +62,34 @@ def _run_ranks(path: str, is_expert_parallel: bool) -> dict[int, tuple]:
     return got
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("is_expert_parallel", [False, True], ids=["experts-split", "experts-whole"])
-def test_two_int8_ranks_are_within_the_int8_bar_of_the_float_model(tmp_path, is_expert_parallel):
+def test_two_quantized_ranks_are_within_the_methods_bar_of_the_float_model(tmp_path, is_expert_parallel, method):
     from llmserve.model.loader import load_model
 
     path = make_model("qwen3_moe", "tiny-moe", str(tmp_path), seed=3, is_peaked=True)
-    got = _run_ranks(path, is_expert_parallel)
+    got = _run_ranks(path, is_expert_parallel, method)
     for rank in range(2):
         assert got[rank][0] == ("RowParallelQuantized", "QuantizedExperts", "Linear")  # the head: float
     assert got[0][1] == got[1][1]  # the all-reduces leave every rank the same logits
     ref = _prefill_logits(load_model(path, torch.float32, "cpu"), _prompts(8, seed=2))
     cos, top1 = _agreement(ref, torch.tensor(got[0][1]))
-    min_cos, min_top1 = MOE_THRESHOLDS["int8"]
+    min_cos, min_top1 = MOE_THRESHOLDS[method]
     assert cos >= min_cos and top1 >= min_top1, (cos, top1)
+
+
+@pytest.mark.parametrize("arch, shape", [("llama", "tiny"), ("qwen3_moe", "tiny-moe")])
+def test_two_ranks_cut_an_fp8_checkpoints_dequantized_weights_as_one_rank_reads_them(tmp_path, arch, shape):
+    """Block scales (one 128 x 128 block covers a tiny weight whole) do not cut like the weight: each rank
+    dequantizes whole tensors, then keeps its slice; unquantized afterwards, 2 ranks give one rank's logits."""
+    from llmserve.model.loader import load_model
+
+    path = make_model(arch, shape, str(tmp_path), seed=3)
+    write_fp8_checkpoint(path, "fp8")
+    got = _run_ranks(path, is_expert_parallel=False, method=None)
+    ref = _prefill_logits(load_model(path, torch.float32, "cpu"), _prompts(8, seed=2))
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(got[rank][1]), ref, atol=2e-5, rtol=1e-4)
 
 
 def test_a_rank_after_the_first_leaves_the_biases_of_row_parallel_slices_to_rank_0():
@@ -90,18 +112,48 @@ def test_a_row_parallel_quantized_slice_sums_its_partial_through_the_all_reduce(
     assert calls == [torch.Size([3, 8])]
 
 
-def test_an_int8_engine_on_two_ranks_gives_each_request_its_tokens_alone_and_in_a_batch(tmp_path):
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_quantized_engine_on_two_ranks_gives_each_request_its_tokens_alone_and_in_a_batch(tmp_path, method):
     path = make_model("qwen3_moe", "tiny-moe", str(tmp_path), seed=1)
     prompts = _prompts(5, seed=6)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(path, tensor_parallel_size=2, quantization="int8", **ENGINE) as llm:
+    with LLM(path, tensor_parallel_size=2, quantization=method, **ENGINE) as llm:
         batched = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
         alone = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
         assert batched == alone and all(len(tokens) == 8 for tokens in batched)
         llm.engine.check_integrity()
 
 
-def test_lora_with_quantized_ranks_is_refused_before_any_rank_starts(tmp_path):
-    path = make_model("llama", "tiny", str(tmp_path), seed=1)
-    with pytest.raises(ValueError, match=r"--enable-lora with --tensor-parallel-size 2 and quantization \(int8\)"):
-        LLM(path, tensor_parallel_size=2, quantization="int8", enable_lora=True, **ENGINE)
+def test_a_lora_adds_its_share_to_a_quantized_row_parallel_slice_before_the_one_all_reduce():
+    """The rank's quantized partial plus its share of x @ A^T @ B^T, then one all-reduce (not the LoRA added
+    after it, which the other ranks' all-reduce would count again)."""
+    calls = []
+    tp = types.SimpleNamespace(rank=1, all_reduce=lambda out: calls.append(out.shape) or out * 2)
+    layer = Int8Linear.from_float(torch.randn(8, 16), None)
+    lora = LoRALinear(RowParallelQuantized(layer, tp), 16, [8], num_slots=1, max_rank=4, context=LoRAContext(),
+                      dtype=torch.float32, device=torch.device("cpu"))
+    a, b = torch.randn(4, 16), torch.randn(8, 4)
+    lora.set_slot(0, [(a, b)])
+    lora.context.step = lora_step(np.zeros(3, dtype=np.int64), torch.device("cpu"))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(lora(x), (layer(x) + x @ a.T @ b.T) * 2, atol=1e-4, rtol=1e-4)
+    assert calls == [torch.Size([3, 8])]
+
+
+def test_adapters_on_two_int8_ranks_change_the_tokens_and_give_each_request_its_tokens_alone(tmp_path):
+    """Not one int8 rank's tokens (the row-parallel slices' own scales move a random model's near-ties, with or
+    without an adapter); the placement of the LoRA's share is checked exactly above."""
+    path = make_model("llama", "tiny", str(tmp_path / "base"), seed=1)
+    lora = LoRARequest("a", 1, make_adapter(path, str(tmp_path / "a"), seed=30, rank=8, alpha=16))
+    prompts = _prompts(4, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    requests = [lora, None, lora, None]
+    with LLM(path, tensor_parallel_size=2, quantization="int8", enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
+        batched = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, lora_request=requests)]
+        alone = [list(llm.generate([p], params, lora_request=r)[0].outputs[0].token_ids)
+                 for p, r in zip(prompts, requests)]
+        base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:1], params)]
+        assert batched == alone and all(len(tokens) == 8 for tokens in batched)
+        assert batched[0] != base[0]  # the adapter counts
+        llm.engine.check_integrity()

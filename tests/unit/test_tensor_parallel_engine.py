@@ -47,15 +47,25 @@ def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
         _check_idle(llm)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, tmp_path):
-    """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load."""
-    path = make_model(arch, "tiny-moe", str(tmp_path), seed=1)
+@pytest.mark.parametrize("arch, all2all_backend", [("qwen3_moe", "allgather_reducescatter"),
+                                                     ("mixtral", "allgather_reducescatter"),
+                                                     ("deepseek_v3:tiny-deepseek-v3", "allgather_reducescatter"),
+                                                     ("qwen3_moe", "all2allv"),
+                                                     ("deepseek_v3:tiny-deepseek-v3", "all2allv")])
+def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, all2all_backend, tmp_path):
+    """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load.
+    DeepSeek-V3: grouped sigmoid routing with the correction bias, shared experts split by features, a dense
+    first layer, latent attention's heads split. all2allv: rows dispatched to the experts' ranks and back."""
+    arch, _, shape = arch.partition(":")
+    path = make_model(arch, shape or "tiny-moe", str(tmp_path), seed=1)
     prompts = _prompts(6, seed=1)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)
-    with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE) as llm:
-        assert {block.experts.gate_up_proj.shape[0] for block in llm.engine.runner.model.moe_blocks()} == {4}
+    with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, enable_expert_parallel=True,
+             all2all_backend=all2all_backend, **ENGINE) as llm:
+        blocks = llm.engine.runner.model.moe_blocks()
+        assert {block.experts.gate_up_proj.shape[0] for block in blocks} == {4}
+        assert {block.is_all_to_all for block in blocks} == {all2all_backend == "all2allv"}
         assert _tokens(llm, prompts, params) == expected
         _check_idle(llm)
 
@@ -121,8 +131,6 @@ def test_unsupported_combinations_are_refused_before_any_rank_starts(tmp_path):
         LLM(path, tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ValueError, match="speculative decoding .* not supported with tensor parallelism"):
         LLM(path, tensor_parallel_size=2, speculative="ngram", **ENGINE)
-    with pytest.raises(ValueError, match=r"tensor-parallel-size 2 with quantization \(fp8\) is not supported"):
-        LLM(path, tensor_parallel_size=2, quantization="fp8", **ENGINE)  # int8: test_quant_tensor_parallel.py
 
 
 @pytest.mark.parametrize("main_file, is_hidden", [("<stdin>", True), (__file__, False)])

@@ -46,6 +46,7 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     model = load_model(path, torch.float32, "cpu", tp=tp)
     if tp is not None and tp.is_expert_parallel:  # the rank holds its 4 of the 8 experts, and only them
         assert {block.experts.gate_up_proj.shape[0] for block in model.moe_blocks()} == {4}
+        assert {block.is_all_to_all for block in model.moe_blocks()} == {tp.all2all_backend == "all2allv"}
     backend = TorchAttentionBackend()
     kv = allocate_kv_caches(model, 32, 4)
     out = []
@@ -56,7 +57,7 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], results, is_expert_parallel: bool = False) -> None:
+def _rank_main(rank: int, size: int, port: int, paths: list[str], results, parallel: dict) -> None:
     import torch.distributed as dist
 
     from llmserve.model.parallel import TensorParallel
@@ -64,7 +65,7 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], results, is_ex
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        logits = [_logits(p, TensorParallel(rank, size, is_expert_parallel=is_expert_parallel)) for p in paths]
+        logits = [_logits(p, TensorParallel(rank, size, **parallel)) for p in paths]
         results.put((rank, [[t.tolist() for t in steps] for steps in logits]))
     finally:
         dist.destroy_process_group()
@@ -86,12 +87,13 @@ def checkpoints(tmp_path_factory) -> list[str]:
     return paths
 
 
-def _run_ranks(paths: list[str], is_expert_parallel: bool = False) -> dict[int, list]:
-    """Each of 2 gloo ranks' logits of every checkpoint (rank -> [checkpoint][step])."""
+def _run_ranks(paths: list[str], **parallel) -> dict[int, list]:
+    """Each of 2 gloo ranks' logits of every checkpoint (rank -> [checkpoint][step]); `parallel`: the
+    TensorParallel's settings (is_expert_parallel, all2all_backend)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, paths, results, is_expert_parallel))
+    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, paths, results, parallel))
              for rank in range(2)]
     for p in procs:
         p.start()
@@ -115,11 +117,17 @@ def test_two_ranks_reproduce_the_whole_model(checkpoints):
     _check_ranks(checkpoints, _run_ranks(checkpoints))
 
 
-def test_two_ranks_holding_whole_experts_reproduce_the_whole_model(checkpoints):
+@pytest.mark.parametrize("all2all_backend", ["allgather_reducescatter", "all2allv"])
+def test_two_ranks_holding_whole_experts_reproduce_the_whole_model(checkpoints, all2all_backend):
     """Expert parallelism: each rank reads and runs 4 of the 8 experts (per-expert checkpoint tensors for
-    Qwen3-MoE and Mixtral, stacked ones with biases for gpt-oss)."""
-    moe = [path for path in checkpoints if path.endswith(("qwen3_moe", "mixtral", "gpt_oss"))]
-    _check_ranks(moe, _run_ranks(moe, is_expert_parallel=True))
+    Qwen3-MoE, Mixtral and DeepSeek, stacked ones with biases for gpt-oss). DeepSeek's routing (grouped top-k,
+    V3's sigmoid scores with the correction bias, routed_scaling_factor) runs whole on every rank, its shared
+    experts split by features, its first_k_dense_replace layers dense and split, its latent attention's heads
+    split as under tensor parallelism. all2allv: each rank sends its half of the tokens' routed rows to the
+    experts' ranks and combines their outputs (model/moe_dispatch.py)."""
+    moe = [path for path in checkpoints if path.endswith(("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3",
+                                                          "deepseek_v2"))]
+    _check_ranks(moe, _run_ranks(moe, is_expert_parallel=True, all2all_backend=all2all_backend))
 
 
 def test_heads_split_by_kv_group():

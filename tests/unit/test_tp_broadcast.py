@@ -7,6 +7,7 @@ import time
 import zmq
 
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.tp_broadcast import StepKind, StepPublisher, StepSubscriber
 
@@ -22,6 +23,7 @@ def test_a_step_crosses_to_every_subscriber_unchanged():
                                grammar=object())
         publisher.execute(step)
         publisher.drop({"x"})
+        publisher.read_adapter(LoRARequest("sql", 3, "/adapters/sql"))
         publisher.shutdown()
         for sub in subscribers:
             kind, msg = sub.receive()
@@ -30,6 +32,7 @@ def test_a_step_crosses_to_every_subscriber_unchanged():
             assert list(msg.num_scheduled_tokens.items()) == [("b", 3), ("a", 1)]
             assert (msg.total_num_scheduled_tokens, msg.finished_req_ids) == (4, ["gone"])
             assert sub.receive() == (StepKind.DROP, ["x"])
+            assert sub.receive() == (StepKind.READ_ADAPTER, LoRARequest("sql", 3, "/adapters/sql"))
             assert sub.receive()[0] == StepKind.SHUTDOWN
     finally:
         for sub in subscribers:

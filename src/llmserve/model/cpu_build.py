@@ -90,9 +90,14 @@ def needs_build(build_dir: str, name: str, paths: list[str]) -> bool:
 
 
 
+def is_switched_off(env: str) -> bool:
+    """The switch `env` is set to 0 (or false, no, off); unset or anything else leaves it on."""
+    return os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def kernels_disabled() -> bool:
     """LLMSERVE_CPU_KERNELS=0 (or false, no, off): no C++ kernel is built or loaded."""
-    return os.environ.get("LLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+    return is_switched_off("LLMSERVE_CPU_KERNELS")
 
 
 def build_and_load(name: str, sources: list[str], namespace: str, self_test, what: str, fallback: str,

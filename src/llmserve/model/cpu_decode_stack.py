@@ -14,12 +14,11 @@ LLMSERVE_CPU_DECODE_STACK=0 turns it off.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
-from llmserve.model import cpu_kernels, cpu_stack_moe
+from llmserve.model import cpu_build, cpu_kernels, cpu_stack_moe
 from llmserve.model.attn_torch import TorchAttentionMetadata
 from llmserve.model.layers import GatedMLP, RMSNorm
 from llmserve.model.linear import Linear
@@ -32,7 +31,7 @@ BF16_GEMV, PANELS_AVX2, PANELS_AVX512 = 0, 1, 2  # the stack's linear kinds (csr
 
 def is_enabled() -> bool:
     """LLMSERVE_CPU_DECODE_STACK unset or truthy; 0 (false, no, off) keeps the Python layers."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return not cpu_build.is_switched_off(ENV)
 
 
 class DecodeStack:

@@ -320,11 +320,6 @@ def _has_avx512_build() -> bool:
     return available() and bool(_ops().has_avx512_linear())
 
 
-@functools.cache
-def _has_bf16_dot_build() -> bool:
-    return available() and bool(_ops().has_bf16_gemv())
-
-
 def has_avx512_linear() -> bool:
     """Whether the build has csrc/linear_avx512.cpp's float32 panel kernel (an AVX-512 build, loaded);
     `packed_linear` runs it where oneDNN may use AVX-512 too (ONEDNN_MAX_CPU_ISA holds both to AVX2)."""
@@ -339,12 +334,16 @@ def packed_linear_avx512(x: torch.Tensor, panels: torch.Tensor, out_features: in
     return out
 
 
-BF16_GEMV_MAX_ROWS = 4  # rows of x `bf16_gemv` takes (decode batches of one user or a few)
+@functools.cache
+def bf16_gemv_max_rows() -> int:
+    """Rows of x `bf16_gemv` takes (decode batches of one user or a few: csrc/cpu_ops.h); 0 where the build has
+    no AVX512-BF16 GEMV."""
+    return int(_ops().bf16_gemv_max_rows()) if available() else 0
 
 
 def has_bf16_gemv() -> bool:
     """Whether the build has the AVX512-BF16 GEMV (`bf16_gemv`)."""
-    return _has_bf16_dot_build()
+    return bf16_gemv_max_rows() > 0
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -235,9 +235,10 @@ class CausalLM(nn.Module):
 
     def has_host_syncs(self) -> bool:
         """Whether a forward waits for the device on the host (no CUDA graphs then): MoE layers do, unless their
-        experts run as grouped GEMMs on this device and dtype (model/moe_grouped.py)."""
+        experts run as grouped GEMMs on this device and dtype (model/moe_grouped.py) without all-to-all dispatch
+        (whose split sizes the host reads: model/moe_dispatch.py)."""
         probe = self.model.embed_tokens.weight[:1]  # [1, hidden] in the model's device and dtype
-        return not all(block.runs_grouped_gemm(probe) for block in self.moe_blocks())
+        return not all(block.runs_grouped_gemm(probe) and not block.is_all_to_all for block in self.moe_blocks())
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         """The MoE layers' blocks, in layer order (none for a dense model)."""

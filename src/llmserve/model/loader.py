@@ -120,6 +120,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     spec/draft_head); has_lm_head=False: an embedding model's decoder only (--runner pooling)."""
     from llmserve.model import quant
     from llmserve.model.quant import mxfp4
+    from llmserve.model.quant.parallel import rank_slices
     from llmserve.model.quant.checkpoint import weight_block_size
 
     config = load_hf_config(path)
@@ -131,11 +132,17 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
         if getattr(module, "is_float32", False):
             module.float()
     layout = model.layout
-    weights = iter_safetensors(path, None if layout is None else lambda name: shard_of(name, layout),
+    rank_slice = None if layout is None else lambda name: shard_of(name, layout)
+    is_fp8_checkpoint = quant.checkpoint_method(config) is not None
+    # an FP8 checkpoint's block scales do not cut like its weights: a rank reads both whole and cuts the
+    # dequantized weight (model/quant/parallel.py)
+    weights = iter_safetensors(path, None if is_fp8_checkpoint else rank_slice,
                                None if layout is None else lambda name: is_read(name, layout))
     weights = _with_model_prefix(weights)
-    if quant.checkpoint_method(config) is not None:
+    if is_fp8_checkpoint:
         weights = quant.dequantize_weights(weights, weight_block_size(config))
+        if rank_slice is not None:
+            weights = rank_slices(weights, rank_slice)
     if mxfp4.is_mxfp4(config):
         weights = mxfp4.dequantize_experts(weights)
     model.load_weights(weights)

@@ -35,6 +35,7 @@ from torch import nn
 from llmserve.model import lora_cpu
 from llmserve.model.lora_adapter import LoRAWeights
 from llmserve.model.parallel import RowParallelLinear, ShardLayout, shard_of
+from llmserve.model.quant.parallel import RowParallelQuantized
 
 # fused projection of our decoder -> the HF module names it holds, in output order
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -48,6 +49,9 @@ class LoRAStep:
     token_indices: torch.Tensor  # [N] int64 token positions in the step, slot by slot
     token_slots: torch.Tensor  # [N] int64 the slot of each
     segments: list[tuple[int, int, int]]  # (slot, start, end) over token_indices, one per slot in the step
+    # A decode graph's step (worker/cuda_graphs.py): every token of the forward in order, slot -1 for the base
+    # model's, at fixed shapes and addresses; no segments. Only the Triton kernels take it (they skip slot -1).
+    is_padded: bool = False
 
 
 def lora_step(token_slots: np.ndarray, device: torch.device) -> LoRAStep | None:
@@ -62,6 +66,19 @@ def lora_step(token_slots: np.ndarray, device: torch.device) -> LoRAStep | None:
     segments = [(int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends)]
     return LoRAStep(torch.from_numpy(indices).to(device), torch.from_numpy(slots.astype(np.int64)).to(device),
                     segments)
+
+
+@dataclass
+class SlotImage:
+    """One projection's share of an adapter laid out as its slot holds it, built off the step loop, so that
+    filling a slot on the loop is a few contiguous copies."""
+
+    a: torch.Tensor  # [n_sub * R, in] A's rows, zero past each sub-projection's rank
+    bs: list[torch.Tensor]  # [R, out_j] B^T of each sub-projection, zero past its rank
+    ranks: torch.Tensor  # [n_sub] int32 (0: the adapter leaves that sub-projection)
+
+
+AdapterImage = dict[tuple[str, int], SlotImage]  # (fused name, layer) -> its slot image
 
 
 class LoRAContext:
@@ -94,18 +111,19 @@ class LoRALinear(nn.Module):
         return [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]. A row-parallel base (tensor parallelism) adds its rank's share of the LoRA
-        (A's columns of its inputs, B whole) to its partial sum, and its one all-reduce sums both."""
+        """x [T, in] -> [T, out]. A row-parallel base (tensor parallelism; float or quantized) adds its rank's
+        share of the LoRA (A's columns of its inputs, B whole) to its partial sum, and its one all-reduce sums
+        both."""
         step = self.context.step
         if step is None:
             return self.base(x)
-        if isinstance(self.base, RowParallelLinear):
+        if isinstance(self.base, (RowParallelLinear, RowParallelQuantized)):
             return self.base.tp.all_reduce(self._add(self.base.partial(x), x, step))
         return self._add(self.base(x), x, step)
 
     def _add(self, out: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         """out [T, out] += each adapter token's x @ A[slot]^T @ B[slot]^T, in place; returns out."""
-        if x.is_cuda:
+        if x.is_cuda or step.is_padded:
             _triton_add()(out, x, self.lora_a, self.lora_bs, step)
         elif lora_cpu.can_run(x, out, self.lora_a.dtype):
             lora_cpu.add_lora(out, x, self.lora_a, self.lora_bs, self.lora_ranks, step.token_indices, step.token_slots)
@@ -114,18 +132,30 @@ class LoRALinear(nn.Module):
                 add_lora_segmented(out, x, self.lora_a, self.lora_bs, step)
         return out
 
-    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Slot `slot` holds these (A [r, in], B [out_j, r]) per sub-projection (None: the adapter leaves it)."""
-        rank = self.max_rank
-        self.lora_a[slot].zero_()
-        self.lora_ranks[slot] = torch.tensor([0 if pair is None else pair[0].shape[0] for pair in pairs])
+    def slot_image(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> SlotImage:
+        """What a slot holds for these (A [r, in], B [out_j, r]) per sub-projection (None: the adapter leaves
+        it): A's rows and B^T zero-padded to the slots' rank, in their dtype, on the host."""
+        rank, dtype = self.max_rank, self.lora_a.dtype
+        a = torch.zeros(self.lora_a.shape[1:], dtype=dtype)  # [n_sub * R, in]
+        bs = [torch.zeros(rank, size, dtype=dtype) for size in self.out_sizes]  # [R, out_j] each
         for j, pair in enumerate(pairs):
-            b = getattr(self, f"lora_b{j}")[slot]
-            b.zero_()
             if pair is not None:
                 a_j, b_j = pair
-                self.lora_a[slot, j * rank:j * rank + a_j.shape[0]].copy_(a_j)
-                b[:b_j.shape[1]].copy_(b_j.T)
+                a[j * rank:j * rank + a_j.shape[0]].copy_(a_j)
+                bs[j][:b_j.shape[1]].copy_(b_j.T)
+        ranks = torch.tensor([0 if pair is None else pair[0].shape[0] for pair in pairs], dtype=torch.int32)
+        return SlotImage(a, bs, ranks)
+
+    def write_slot(self, slot: int, image: SlotImage) -> None:
+        """Slot `slot` takes `image`: one contiguous copy per buffer."""
+        self.lora_a[slot].copy_(image.a)
+        self.lora_ranks[slot].copy_(image.ranks)
+        for b, image_b in zip(self.lora_bs, image.bs, strict=True):
+            b[slot].copy_(image_b)
+
+    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot `slot` holds these (A [r, in], B [out_j, r]) per sub-projection (None: the adapter leaves it)."""
+        self.write_slot(slot, self.slot_image(pairs))
 
 
 @contextmanager
@@ -195,10 +225,10 @@ def attach_lora(model: nn.Module, num_slots: int, max_rank: int,
     return context, wrapped
 
 
-def load_slot(wrapped: dict[str, list], slot: int, weights: LoRAWeights) -> None:
-    """Write an adapter into slot `slot` of every wrapped projection (zeros where it has no module);
-    ValueError when it targets a layer whose projection has no LoRA (an MoE layer's MLP)."""
-    placed = set()
+def adapter_image(wrapped: dict[str, list], weights: LoRAWeights) -> AdapterImage:
+    """An adapter as every wrapped projection's slot holds it (zeros where it has no module); ValueError when
+    it targets a layer whose projection has no LoRA (an MoE layer's MLP)."""
+    placed, image = set(), {}
     for fused, modules in FUSED_MODULES.items():
         for layer, linear in enumerate(wrapped[fused]):
             pairs = [weights.modules.get((layer, module)) for module in modules]
@@ -206,9 +236,17 @@ def load_slot(wrapped: dict[str, list], slot: int, weights: LoRAWeights) -> None
                 if any(pairs):
                     raise ValueError(f"layer {layer}'s {fused} takes no LoRA (a Mixture-of-Experts layer)")
                 continue
-            linear.set_slot(slot, pairs)
+            image[fused, layer] = linear.slot_image(pairs)
             placed.update((layer, m) for m, p in zip(modules, pairs) if p is not None)
     assert placed == set(weights.modules), "an adapter module found no projection"
+    return image
+
+
+def load_slot(wrapped: dict[str, list], slot: int, image: AdapterImage) -> None:
+    """Write an adapter's image into slot `slot` of every wrapped projection."""
+    with _one_thread():  # small copies: a fork/join each on several threads
+        for (fused, layer), slot_image in image.items():
+            wrapped[fused][layer].write_slot(slot, slot_image)
 
 
 def shard_adapter(weights: LoRAWeights, layout: ShardLayout) -> LoRAWeights:

@@ -4,6 +4,8 @@ Per adapter token t with slot s (`LoRAStep`): shrink h[t] = x[t] @ A[s]^T over e
 then expand out[t, off_j:off_j + out_j] += h[t, jR:(j+1)R] @ B^T_j[s] (B^T stored [S, R, out_j]). One program a token (and a tile of
 the shrunk or output features), its slot read from memory: BGMV's form, for decode and prompt tokens alike
 (a token's row of `out` is written by its own programs only, so no atomics). Accumulates in float32.
+A token of slot -1 (the base model's, in a decode graph's padded step: `LoRAStep.is_padded`) is skipped: its
+programs' loads and stores are masked off, so they touch no memory.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ def _shrink_kernel(x_ptr, a_ptr, token_ptr, slot_ptr, h_ptr, K, R_ALL, stride_x,
     t = tl.program_id(0)
     token = tl.load(token_ptr + t)
     slot = tl.load(slot_ptr + t)
+    # the base model's token (slot -1): bounds of 0, so every load and store is masked off
+    k_end, r_end = tl.where(slot >= 0, K, 0), tl.where(slot >= 0, R_ALL, 0)
+    slot = tl.maximum(slot, 0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] rows of A
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):  # no iteration for the base model's token
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + token * stride_x + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+        x = tl.load(x_ptr + token * stride_x + k, mask=k < k_end, other=0.0).to(tl.float32)  # [BLOCK_K]
         a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
-                    mask=(r[:, None] < R_ALL) & (k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
+                    mask=(r[:, None] < r_end) & (k[None, :] < k_end), other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
         acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(h_ptr + t * stride_h + r, acc, mask=r < R_ALL)
+    tl.store(h_ptr + t * stride_h + r, acc, mask=r < r_end)
 
 
 @triton.jit
@@ -38,15 +43,18 @@ def _expand_kernel(h_ptr, b_ptr, token_ptr, slot_ptr, out_ptr, N, R, h_offset, o
     t = tl.program_id(0)
     token = tl.load(token_ptr + t)
     slot = tl.load(slot_ptr + t)
+    # the base model's token (slot -1): bounds of 0, so every load and store is masked off
+    n_end, r_end = tl.where(slot >= 0, N, 0), tl.where(slot >= 0, R, 0)
+    slot = tl.maximum(slot, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features of this sub-projection
     r = tl.arange(0, BLOCK_R)
-    h = tl.load(h_ptr + t * stride_h + h_offset + r, mask=r < R, other=0.0)  # [BLOCK_R] float32
+    h = tl.load(h_ptr + t * stride_h + h_offset + r, mask=r < r_end, other=0.0)  # [BLOCK_R] float32
     b = tl.load(b_ptr + slot * stride_bs + n[:, None] + r[None, :] * stride_br,
-                mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+                mask=(n[:, None] < n_end) & (r[None, :] < r_end), other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
     delta = tl.sum(b * h[None, :], axis=1)  # [BLOCK_N]
     dest = out_ptr + token * stride_o + out_offset + n
-    old = tl.load(dest, mask=n < N, other=0.0)
-    tl.store(dest, (old.to(tl.float32) + delta).to(old.dtype), mask=n < N)
+    old = tl.load(dest, mask=n < n_end, other=0.0)
+    tl.store(dest, (old.to(tl.float32) + delta).to(old.dtype), mask=n < n_end)
 
 
 def add_lora_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], step: LoRAStep,

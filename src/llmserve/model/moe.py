@@ -29,6 +29,7 @@ from torch import nn
 from llmserve.model import cpu_kernels
 from llmserve.model.fused_cuda import cuda_fused
 from llmserve.model.moe_grouped import can_group, grouped_moe
+from llmserve.model.moe_dispatch import dispatch_combine
 from llmserve.model.moe_load import ExpertLoad
 from llmserve.model.moe_parallel import local_expert_ids
 
@@ -342,12 +343,25 @@ class SparseMoeBlock(nn.Module):
         else:
             weights, ids = route(logits, self.spec.top_k, self.spec.is_renormalized)
         self.load.record(ids)
-        if self.held_experts is not None:
-            ids = local_expert_ids(ids, self.held_experts)
-        out = self._experts_out(x, weights, ids)
+        if self.is_all_to_all:
+            out = dispatch_combine(x, weights, ids, self.held_experts, self.spec.num_experts, self.tp.rank,
+                                   self.tp.size, self._each_row_out, _combine, self.tp.group)
+        else:
+            ids = ids if self.held_experts is None else local_expert_ids(ids, self.held_experts)
+            out = self._experts_out(x, weights, ids)
         if self.shared_experts is not None:
             out += self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    @property
+    def is_all_to_all(self) -> bool:
+        """Expert parallelism with all-to-all dispatch (--all2all-backend all2allv: model/moe_dispatch.py)."""
+        return self.held_experts is not None and self.tp is not None and self.tp.all2all_backend == "all2allv"
+
+    def _each_row_out(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """rows [R, H], local expert ids [R] -> each row through its one expert [R, H], unweighted."""
+        ones = torch.ones(len(rows), 1, dtype=torch.float32, device=rows.device)
+        return self._experts_out(rows, ones, local_ids[:, None])
 
     def _experts_out(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights/ids [T, k] (ids local to this rank) -> the experts' weighted sum [T, H]."""

@@ -9,8 +9,9 @@
   all-reduce sums the ranks' partial outputs (each token's k weighted expert outputs live on up to k ranks).
   Every rank holds the router and routes every token alike, so the pairs a rank skips are exactly those
   another rank computes. This is all-gather + reduce-scatter done as one all-reduce of [T, hidden]: the
-  tokens are already on every rank (attention stays tensor-parallel), so nothing is sent to the experts;
-  an all-to-all dispatch would send only routed rows, and is left for later.
+  tokens are already on every rank (attention stays tensor-parallel), so nothing is sent to the experts
+  (`--all2all-backend allgather_reducescatter`); `all2allv` sends each rank's share of the routed rows to
+  their experts' ranks and back instead (model/moe_dispatch.py).
 
 The helpers here name the slice of each checkpoint tensor a rank reads and turn global expert ids into the
 rank's own (`local_expert_ids`).

@@ -10,8 +10,9 @@ Megatron's split, as vLLM and nano-vllm do it:
   - Mixture-of-Experts layers: the router whole on every rank, every expert's gate/up split as a column-
     parallel layer and its down as a row-parallel one (model/moe.py; gpt-oss's down bias added on rank 0);
     one all-reduce of the block's output. With expert parallelism each rank holds whole experts instead
-    (model/moe_parallel.py), and the same all-reduce sums their outputs. gpt-oss's attention sinks go with
-    their query heads.
+    (model/moe_parallel.py), and the same all-reduce sums their outputs; DeepSeek's shared experts stay split
+    by features (a column/row pair inside the block) under both. gpt-oss's attention sinks go with their query
+    heads.
 So a decoder layer costs two all-reduces of [T, hidden], and a step one all-gather of the logits.
 
 Heads are split by KV group, so that a rank's query heads read only its own KV heads: with G query heads
@@ -48,6 +49,7 @@ class TensorParallel:
     size: int
     group: Any = None  # the torch.distributed process group (None: the default one)
     is_expert_parallel: bool = False  # MoE layers: whole experts a rank (--enable-expert-parallel)
+    all2all_backend: str = "allgather_reducescatter"  # expert parallelism's dispatch (model/moe_dispatch.py)
     comm_seconds: float = field(default=0.0, compare=False)  # host time in collectives (benchmarks)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +141,6 @@ def check_tensor_parallel(config, size: int, is_expert_parallel: bool = False) -
     architecture = (getattr(config, "architectures", None) or [""])[0]
     if architecture in deepseek.ARCHITECTURES:
         deepseek.check_config(config, architecture)
-        if is_expert_parallel:
-            raise ValueError(f"--enable-expert-parallel is not supported for {architecture} yet (its shared experts "
-                             "and latent attention are split by tensor parallelism only)")
     if is_expert_parallel and not num_experts_of(config):
         raise ValueError(f"--enable-expert-parallel: {architecture or 'this model'} is not a Mixture-of-Experts "
                          "model (it has no experts to place on ranks)")

@@ -59,6 +59,7 @@ def _backend_row(w: Window, b: Backend) -> dict:
     return {"pool": b.pool, "url": b.url, "health": b.health.state.value, "draining": b.is_draining,
             "up": b.is_up, "in_flight": b.num_in_flight, "waiting": b.scraped.num_waiting,
             "running": b.scraped.num_running, "kv_usage": b.scraped.kv_usage,
+            "adapters": sorted(b.adapters), "resident_adapters": sorted(b.scraped.resident_adapters),
             "routed": w.gauge(P + "requests_total", **labels),
             "requests_per_s": w.rate(P + "requests_total", **labels),
             "errors_in_window": _errors(w, labels), "ejections": w.gauge(P + "ejections_total", **labels),

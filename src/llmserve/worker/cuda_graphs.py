@@ -11,6 +11,10 @@ the graph from the first B rows' hidden states.
 With KV cache groups (core/kv_cache_groups.py) each group has its block table and slot buffers, and each
 layer reads its group's metadata (`layer_groups`).
 
+With LoRA adapters (`lora`, the wrapped projections' context) the graph holds a padded step too: every
+token's slot in a buffer (-1: the base model's, padding included) that the Triton LoRA kernels read, filled
+from the runner's step before each replay.
+
 `use_graphs=False` keeps the same buffers and padding but calls the model eagerly: that path runs
 on CPU (with the Triton backend under TRITON_INTERPRET) so the tests check the padding logic
 without a GPU.
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmserve.model.lora_layers import LoRAContext, LoRAStep
 from llmserve.model.quant.token_kinds import ALL_DECODE, step_kinds_of
 from llmserve.worker.step_inputs import StepInputs
 
@@ -43,9 +48,12 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
                  max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True,
-                 queries_per_row: int = 1, layer_groups: tuple[int, ...] | None = None) -> None:
-        """layer_groups: each layer's KV cache group (None: one group, one block table for every layer)."""
+                 queries_per_row: int = 1, layer_groups: tuple[int, ...] | None = None,
+                 lora: LoRAContext | None = None) -> None:
+        """layer_groups: each layer's KV cache group (None: one group, one block table for every layer).
+        lora: the context of the model's LoRA projections (None: no adapters)."""
         self.model = model
+        self.lora = lora
         self.layer_groups = layer_groups
         num_groups = 1 if layer_groups is None else max(layer_groups) + 1
         self.step_kinds = step_kinds_of(model)
@@ -66,6 +74,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, **int32) * self.q  # [n + 1]: Q queries a row
         self.tile_rows = torch.arange(n, **int32)  # [n]: one tile per row
         self.tile_starts = torch.zeros(n, **int32)  # [n]
+        self.lora_tokens = torch.arange(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
+        self.lora_slots = torch.full((n * self.q,), -1, dtype=torch.int64, device=device)  # [n * Q] -1: base model
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [size * Q, hidden]
 
@@ -80,8 +90,18 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         """Every token a decode token (FP8 layers: their decode kernel; model/quant/token_kinds.py)."""
         with nullcontext() if self.step_kinds is None else self.step_kinds.using(ALL_DECODE):
-            return self.model(self.input_ids[:size * self.q], self.positions[:size * self.q], self.kv_caches,
-                              self._metadata(size), self.backend)
+            if self.lora is None:
+                return self._model_forward(size)
+            runner_step, self.lora.step = self.lora.step, LoRAStep(
+                self.lora_tokens[:size * self.q], self.lora_slots[:size * self.q], [], is_padded=True)
+            try:
+                return self._model_forward(size)
+            finally:
+                self.lora.step = runner_step
+
+    def _model_forward(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size * self.q], self.positions[:size * self.q], self.kv_caches,
+                          self._metadata(size), self.backend)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -145,10 +165,19 @@ class DecodeGraphs:
             self.block_tables[group, :num_rows, :width].copy_(table, non_blocking=True)
         self.block_tables[:, :num_rows, width:].zero_()
         self._reset_padding(num_rows, size)
+        if self.lora is not None:
+            self._copy_lora_slots()
         if not self.use_graphs:
             return self._forward(size)[:num_tokens]
         self.graphs[size].replay()
         return self.hidden[size][:num_tokens]
+
+    def _copy_lora_slots(self) -> None:
+        """The runner's step (adapter tokens only, or None: all base) as every token's slot, -1 elsewhere."""
+        self.lora_slots.fill_(-1)
+        step = self.lora.step
+        if step is not None:
+            self.lora_slots.index_copy_(0, step.token_indices, step.token_slots)
 
     def _reset_padding(self, num_rows: int, size: int) -> None:
         """Rows num_rows..size-1 back to the null row (a previous, larger batch may have used them)."""

@@ -5,8 +5,9 @@ A request's adapter takes a slot when the runner first sees it (read from disk, 
 --max-cpu-loras adapters) and holds it until the request finishes or is preempted; a slot no request
 holds is reused, least recently released first. The scheduler admits at most --max-loras adapters among
 running requests, so a slot is always free when one is asked for, and starts a request only once its
-adapter is in memory (`is_in_memory`: read from disk on a background thread, worker/lora_reader.py); the
-copy into a slot runs on the step loop.
+adapter is in memory (`is_in_memory`: read from disk on a background thread, worker/lora_reader.py, and laid
+out there as the slots hold it); the copy into a slot, a few contiguous copies per projection, runs on the
+step loop.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 
 from llmserve.lora_request import LoRARequest
-from llmserve.model.lora_adapter import LoRAWeights, base_shapes, read_adapter
-from llmserve.model.lora_layers import attach_lora, load_slot, lora_step, shard_adapter
+from llmserve.model.lora_adapter import base_shapes, read_adapter
+from llmserve.model.lora_layers import AdapterImage, adapter_image, attach_lora, load_slot, lora_step, shard_adapter
 from llmserve.worker.lora_reader import LoRAReader
 
 
@@ -33,7 +34,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.device = device
         self.layout = getattr(model, "layout", None)  # tensor parallelism: this rank's share (None: one rank)
-        self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recent first
+        self.host: OrderedDict[int, AdapterImage] = OrderedDict()  # adapter id -> its slot image, least recent first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter each slot holds
         self.slot_names: list[str | None] = [None] * max_loras  # and its name (what routers prefer replicas by)
         self.slot_users = [0] * max_loras  # running requests on each slot
@@ -60,7 +61,7 @@ class LoRAManager:
         slot = self._slot_of(lora.lora_int_id)
         if slot is None:
             slot = self._evict()
-            load_slot(self.wrapped, slot, self._weights(lora))
+            load_slot(self.wrapped, slot, self._image(lora))
             self.slot_ids[slot], self.slot_names[slot] = lora.lora_int_id, lora.lora_name
             self.num_loads += 1
         self.free_order.pop(slot, None)
@@ -103,19 +104,20 @@ class LoRAManager:
         self.free_order.pop(slot)
         return slot
 
-    def _weights(self, lora: LoRARequest) -> LoRAWeights:
-        weights = self.host.pop(lora.lora_int_id, None)
-        if weights is None:
-            weights = self.reader.take(lora)
-        self.host[lora.lora_int_id] = weights
+    def _image(self, lora: LoRARequest) -> AdapterImage:
+        image = self.host.pop(lora.lora_int_id, None)
+        if image is None:
+            image = self.reader.take(lora)
+        self.host[lora.lora_int_id] = image
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
-        return weights
+        return image
 
-    def _read(self, lora: LoRARequest) -> LoRAWeights:
-        """From disk, checked; this rank's share with tensor parallelism (runs on the reader thread)."""
+    def _read(self, lora: LoRARequest) -> AdapterImage:
+        """From disk, checked; this rank's share with tensor parallelism, laid out as the slots hold it (runs on
+        the reader thread)."""
         weights = read_adapter(lora.lora_path, self.shapes, self.max_lora_rank, self.dtype)
-        return weights if self.layout is None else shard_adapter(weights, self.layout)
+        return adapter_image(self.wrapped, weights if self.layout is None else shard_adapter(weights, self.layout))
 
     def check_integrity(self, rows: list[int]) -> None:
         """`rows`: the batch rows in use. Each slot's user count is the rows on it; unheld slots are free."""

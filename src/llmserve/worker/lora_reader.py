@@ -3,9 +3,11 @@ aside while the other requests keep stepping (as a request waiting for its KV do
 
 The scheduler asks `is_in_memory` before it starts a request of an adapter: an adapter in a slot, in the
 host LRU or read already is; one that is not has its read started here (safetensors read, checked against
-the base model's shapes, split for this tensor-parallel rank) and the request waits, keeping its place at
-the head of the queue. The read weights stay here until the runner takes them (`take`) to copy into a
-slot, on the step loop. A read that failed hands its error to `take`, as a read on the loop would raise.
+the base model's shapes, split for this tensor-parallel rank, laid out as the slots hold it) and the request
+waits, keeping its place at the head of the queue. The read image stays here until the runner takes it
+(`take`) to copy into a slot, on the step loop. A read that failed hands its error to `take`, as a read on the loop would raise.
+With tensor parallelism rank 0 tells the other ranks when it starts a read (`on_start`, the step broadcast),
+so each reads its share beside rank 0 instead of on its step loop when the request first runs.
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from llmserve.lora_request import LoRARequest
-from llmserve.model.lora_adapter import LoRAWeights
+from llmserve.model.lora_layers import AdapterImage
 
 
 class LoRAReader:
-    def __init__(self, read: Callable[[LoRARequest], LoRAWeights], max_kept: int) -> None:
+    def __init__(self, read: Callable[[LoRARequest], AdapterImage], max_kept: int) -> None:
         """read: an adapter's weights from disk, checked and ready for a slot (runs on the reader thread).
         max_kept: reads kept untaken (those of aborted requests), the oldest ended dropped past it."""
         self.read = read
         self.max_kept = max_kept
-        self.reads: dict[int, Future[LoRAWeights]] = {}  # adapter id -> its read (done or under way)
+        self.reads: dict[int, Future[AdapterImage]] = {}  # adapter id -> its read (done or under way)
         self._pool: ThreadPoolExecutor | None = None  # started on the first read
+        self.on_start: Callable[[LoRARequest], None] | None = None  # told of each read started here
 
     @property
     def num_reading(self) -> int:
@@ -39,9 +42,11 @@ class LoRAReader:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
             read = self.reads[lora.lora_int_id] = self._pool.submit(self.read, lora)
             self._drop_untaken()
+            if self.on_start is not None:
+                self.on_start(lora)
         return read.done()
 
-    def take(self, lora: LoRARequest) -> LoRAWeights:
+    def take(self, lora: LoRARequest) -> AdapterImage:
         """The adapter's weights: its read's (waited for if under way; raised if it failed), else read now."""
         read = self.reads.pop(lora.lora_int_id, None)
         return self.read(lora) if read is None else read.result()

@@ -3,6 +3,7 @@ other ranks over one ZMQ XPUB socket (loopback TCP), msgpack-encoded with msgspe
 
 Each message is two frames `[kind byte, payload]`:
   EXECUTE StepMessage (run the step) | DROP list[str] (forget finished requests) | SHUTDOWN
+  | READ_ADAPTER LoRARequest (rank 0 started reading an adapter: read this rank's share now, off the loop)
 
 The structured-output grammar of a step stays on rank 0, the only rank that samples. XPUB tells rank
 0 when a rank has subscribed, so no step is published before every rank listens (ZMQ's slow joiner).
@@ -20,6 +21,7 @@ import msgspec
 import zmq
 
 from llmserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from llmserve.lora_request import LoRARequest
 
 POLL_MS = 500  # how often a waiting rank checks that the engine (its parent) is alive
 
@@ -28,6 +30,7 @@ class StepKind(enum.IntEnum):
     EXECUTE = 0
     DROP = 1
     SHUTDOWN = 2
+    READ_ADAPTER = 3
 
 
 class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -43,7 +46,7 @@ class StepMessage(msgspec.Struct, array_like=True, omit_defaults=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {StepKind.EXECUTE: msgspec.msgpack.Decoder(StepMessage), StepKind.DROP: msgspec.msgpack.Decoder(list[str]),
-             StepKind.SHUTDOWN: msgspec.msgpack.Decoder()}
+             StepKind.SHUTDOWN: msgspec.msgpack.Decoder(), StepKind.READ_ADAPTER: msgspec.msgpack.Decoder(LoRARequest)}
 
 
 def step_message(sched_out: SchedulerOutput) -> StepMessage:
@@ -84,6 +87,9 @@ class StepPublisher:
 
     def shutdown(self) -> None:
         self.sock.send_multipart([bytes((StepKind.SHUTDOWN,)), _ENCODER.encode(None)])
+
+    def read_adapter(self, lora: LoRARequest) -> None:
+        self.sock.send_multipart([bytes((StepKind.READ_ADAPTER,)), _ENCODER.encode(lora)])
 
     def close(self) -> None:
         self.sock.close(linger=0)

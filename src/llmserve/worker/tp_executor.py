@@ -105,6 +105,8 @@ class TPExecutor:
                 raise WorkerDied(reason) from e
             raise
         self.runner = self.worker.runner
+        if self.runner.lora is not None:  # the other ranks read an adapter when rank 0 starts to
+            self.runner.lora.reader.on_start = self.publisher.read_adapter
         self._monitor_wake, self._monitor_stop = multiprocessing.Pipe(duplex=False)
         threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
 

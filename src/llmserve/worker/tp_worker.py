@@ -45,7 +45,8 @@ def init_rank(store: dist.Store, rank: int, config: EngineConfig, device: torch.
     backend = "nccl" if device.type == "cuda" else "gloo"
     size = config.parallel.tensor_parallel_size
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=store_timeout())
-    return TensorParallel(rank, size, is_expert_parallel=config.parallel.enable_expert_parallel)
+    return TensorParallel(rank, size, is_expert_parallel=config.parallel.enable_expert_parallel,
+                          all2all_backend=config.parallel.all2all_backend)
 
 
 def run_tp_worker(config_bytes: bytes, info_bytes: bytes, dtype: str, rank: int, store_port: int,
@@ -94,5 +95,7 @@ def serve_steps(runner: ModelRunner, subscriber: StepSubscriber) -> None:
             runner.execute(scheduler_output(payload))
         elif kind == StepKind.DROP:
             runner.drop_finished(set(payload))
+        elif kind == StepKind.READ_ADAPTER:
+            runner.lora.is_in_memory(payload)  # starts this rank's read unless it holds the adapter already
         else:
             return

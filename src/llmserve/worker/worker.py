@@ -12,6 +12,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import cpu_decode_stack, quant
 from llmserve.model.attention import select_attention_backend
+from llmserve.model.lora_layers import LoRAContext
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
 from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
@@ -72,7 +73,9 @@ class Worker:
         speculator = self._speculator(attn_backend, draft_model)
         max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
         layer_groups = self.kv_layout.layer_groups if self.kv_layout.is_hybrid else None
-        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups)
+        lora_context = None if lora is None else lora.context
+        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups,
+                                     lora_context=lora_context)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp,
@@ -82,10 +85,10 @@ class Worker:
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
-                queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups)
+                queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups, lora_context=lora_context)
 
     def _lora_manager(self, model: torch.nn.Module) -> LoRAManager | None:
-        """--enable-lora: the adapters' slots on the model's projections (LoRA steps run eager: no graphs)."""
+        """--enable-lora: the adapters' slots on the model's projections."""
         lora = self.config.lora
         if not lora.enable_lora:
             return None
@@ -167,15 +170,15 @@ class Worker:
 
     def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
                        max_batch: int, queries_per_row: int = 1,
-                       layer_groups: tuple[int, ...] | None = None) -> DecodeGraphs | None:
+                       layer_groups: tuple[int, ...] | None = None,
+                       lora_context: LoRAContext | None = None) -> DecodeGraphs | None:
         """CUDA graphs of `model`'s batches of up to max_batch rows of `queries_per_row` queries, captured now
         (CUDA with the Triton backend, unless --enforce-eager): the target's decode and verification
-        steps (with KV cache groups, `layer_groups`: each layer's), and a draft model's later forwards."""
+        steps (with KV cache groups, `layer_groups`: each layer's; with LoRA, `lora_context`: the adapters'
+        Triton kernels inside), and a draft model's later forwards."""
         cfg = self.config.model
         if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
             return None
-        if self.config.lora.enable_lora:
-            return None  # a step's adapter grouping is built on the host per step: not captured yet
         if self.model_info.pooler is not None:
             return None  # a pooling engine runs prompts only: no decode step to capture
         if self.tp is not None:
@@ -184,6 +187,6 @@ class Worker:
             return None  # MoE layers that read their expert counts on the host, which a graph cannot
         max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
         graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
-                              queries_per_row=queries_per_row, layer_groups=layer_groups)
+                              queries_per_row=queries_per_row, layer_groups=layer_groups, lora=lora_context)
         graphs.capture()
         return graphs

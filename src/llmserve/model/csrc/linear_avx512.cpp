@@ -173,7 +173,7 @@ void bf16_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, co
 
 bool has_avx512_linear() { return kHasAvx512; }
 
-bool has_bf16_gemv() { return kHasBf16Dot; }
+int64_t bf16_gemv_max_rows() { return kHasBf16Dot ? kMaxGemvM : 0; }
 
 }  // namespace llmserve_cpu
 
@@ -181,5 +181,5 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("packed_linear_avx512(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()", &llmserve_cpu::packed_linear_avx512);
   m.def("bf16_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()", &llmserve_cpu::bf16_gemv);
   m.def("has_avx512_linear() -> bool", &llmserve_cpu::has_avx512_linear);
-  m.def("has_bf16_gemv() -> bool", &llmserve_cpu::has_bf16_gemv);
+  m.def("bf16_gemv_max_rows() -> int", &llmserve_cpu::bf16_gemv_max_rows);
 }

@@ -7,9 +7,16 @@ activations with its own scale, and the partial outputs are summed by the all-re
 rank 0 only, as `RowParallelLinear` does. The lm_head of a rank stays in float: its logits are gathered from the
 ranks' vocabulary rows (`CausalLM._head_logits`), and the int8 head of a single rank (quant/__init__.py) is
 not split yet.
+
+An FP8 checkpoint's weight comes with block scales (128 x 128 blocks, or one a tensor) that a rank's slice of
+heads or features does not cut along: a rank reads the weight and its scales whole, dequantizes them, and
+keeps its slice of the float weight (`rank_slices`); with --quantization fp8 it is then requantized per
+channel of the slice, as one rank requantizes the whole weight.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -26,7 +33,12 @@ class RowParallelQuantized(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.layer(x))
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in / N] -> [T, out]: this rank's share of the sum, before the all-reduce (a LoRA adds its own
+        share to it first, as to a float RowParallelLinear's: model/lora_layers.py)."""
+        return self.layer(x)
 
 
 def rank_bias(linear: nn.Linear) -> torch.Tensor | None:
@@ -40,3 +52,12 @@ def rank_bias(linear: nn.Linear) -> torch.Tensor | None:
 def wrapped(linear: nn.Linear, quantized: nn.Module) -> nn.Module:
     """The quantized layer in `linear`'s place: with the all-reduce where `linear` is row-parallel."""
     return RowParallelQuantized(quantized, linear.tp) if isinstance(linear, RowParallelLinear) else quantized
+
+
+def rank_slices(weights: Iterable[tuple[str, torch.Tensor]],
+                slice_of: Callable[[str], tuple[int, int, int] | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole (dequantized) checkpoint tensors -> the rank's slices: slice_of(name) -> (dim, start, length), None
+    for a tensor the rank holds whole (model/parallel.py's shard_of)."""
+    for name, tensor in weights:
+        spec = slice_of(name)
+        yield name, tensor if spec is None else tensor.narrow(spec[0], spec[1], spec[2])

@@ -269,12 +269,16 @@ const POOL_COLUMNS = [
   ["p50", p => secs(p.duration.p50)], ["p99", p => secs(p.duration.p99)], ["Autoscaler replicas (↑ ↓)", scaler],
 ];
 
+function adapters(b) {
+  return b.adapters.length ? `${b.adapters.length} (${b.resident_adapters.length})` : "–";
+}
+
 const BACKEND_COLUMNS = [
   ["Replica", b => shortUrl(b.url)], ["Pool", b => b.pool], ["Health", health], ["In flight", b => num(b.in_flight)],
   ["Running", b => num(b.running)], ["Waiting", b => num(b.waiting)], ["KV used", b => pct(b.kv_usage)],
   ["Routed", b => num(b.routed)], ["Requests/s", b => num(b.requests_per_s)],
   ["Errors (1 min)", b => num(b.errors_in_window)], ["Ejections", b => num(b.ejections)],
-  ["Upstream p50", b => secs(b.latency.p50)],
+  ["Upstream p50", b => secs(b.latency.p50)], ["LoRA adapters (in slots)", adapters],
 ];
 
 function renderTable(id, title, columns, rows, keyOf) {

@@ -1,0 +1,82 @@
+"""All-to-all dispatch for expert parallelism (model/moe_dispatch.py): which rank owns which tokens and
+experts, and 3 gloo ranks' MoE blocks (uneven experts 3/3/2) giving the whole block's output for step sizes
+with fewer tokens than ranks, uneven token shares, and expert biases."""
+
+import multiprocessing
+import socket
+
+import pytest
+import torch
+
+from llmserve.model.moe import MoeSpec, SparseMoeBlock
+from llmserve.model.moe_dispatch import owner_ranks, token_slice
+from llmserve.model.moe_parallel import expert_range
+
+HIDDEN, INTER, EXPERTS, RANKS = 32, 16, 8, 3
+TOKEN_COUNTS = (1, 2, 11)
+
+
+def test_tokens_and_experts_go_to_ranks_in_contiguous_runs():
+    assert [token_slice(7, 3, r) for r in range(3)] == [(0, 3), (3, 2), (5, 2)]
+    assert [token_slice(1, 3, r) for r in range(3)] == [(0, 1), (1, 0), (1, 0)]  # ranks without tokens
+    ids = torch.arange(8)
+    assert owner_ranks(ids, 8, 3).tolist() == [0, 0, 0, 1, 1, 1, 2, 2]  # expert_range's 3, 3, 2
+
+
+def _whole_block(has_bias: bool) -> SparseMoeBlock:
+    spec = MoeSpec(EXPERTS, 2, INTER, is_renormalized=True, has_bias=has_bias)
+    block = SparseMoeBlock(HIDDEN, spec)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return block
+
+
+def _inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(n, HIDDEN, generator=gen) for n in TOKEN_COUNTS]
+
+
+def _rank_main(rank: int, port: int, has_bias: bool, results) -> None:
+    import torch.distributed as dist
+
+    from llmserve.model.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    try:
+        whole = _whole_block(has_bias)
+        tp = TensorParallel(rank, RANKS, is_expert_parallel=True, all2all_backend="all2allv")
+        first, count = held = expert_range(EXPERTS, RANKS, rank)
+        part = SparseMoeBlock(HIDDEN, whole.spec, tp, held_experts=held)
+        assert part.is_all_to_all
+        with torch.no_grad():
+            part.gate.load_state_dict(whole.gate.state_dict())
+            for name, param in part.experts.named_parameters():
+                param.copy_(getattr(whole.experts, name)[first:first + count])
+            results.put((rank, [part(x).tolist() for x in _inputs()]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_three_ranks_dispatching_rows_give_the_whole_blocks_output(has_bias):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, has_bias, results)) for rank in range(RANKS)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    whole = _whole_block(has_bias)
+    with torch.no_grad():
+        expected = [whole(x) for x in _inputs()]
+    for rank in range(RANKS):
+        for out, want in zip(got[rank], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(out), want, atol=1e-5, rtol=1e-5)
