@@ -155,11 +155,12 @@ def test_a_served_bf16_model_decodes_through_the_stack_with_transformers_tokens(
                                             pytest.param(torch.float32, 5, marks=needs_avx2)])
 def test_an_moe_models_attention_halves_give_the_python_layers_logits(tmp_path, packs_small_weights, arch, dtype,
                                                                       num_rows):
-    """The stack holds an MoE model's attention halves; each layer's MLP (experts, routing, the expert-load count)
-    runs in Python between them: the same logits bit for bit, and the same expert load recorded."""
+    """The stack holds an MoE model's attention halves (and in float32 its MoE layers: test_cpu_decode_stack_moe.py);
+    in bfloat16 each layer's MLP (experts, routing, the expert-load count) runs in Python between them: the same
+    logits bit for bit, and the same expert load recorded."""
     model = load_model(make_model(arch, "tiny-moe", str(tmp_path)), dtype, "cpu", 128)
     model.decode_stack = cpu_decode_stack.build(model)
-    assert model.decode_stack is not None and model.decode_stack.mlps is not None
+    assert model.decode_stack is not None and (model.decode_stack.mlps is None) == (dtype == torch.float32)
     for with_stack, without in _decode_steps(model, dtype, num_rows):
         assert torch.equal(with_stack, without)
     assert model.take_expert_balance() is not None

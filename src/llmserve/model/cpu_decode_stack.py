@@ -4,22 +4,27 @@ At a few decode rows a layer's ten ops cost more in Python (module calls, wrappe
 them compute; the stack runs the same kernels in the same order from C++, so a step's outputs do not change, only
 its time (docs/benchmarks.md, "One C++ call for the decoder layers"). It takes Llama-family layers (RMSNorm, fused
 qkv with optional bias, Qwen3's per-head q/k norms, rotary over the whole head, paged attention without sinks, a
-SiLU gated MLP; of a Mixture-of-Experts model the attention halves, one call a layer, its MLPs run in Python between
-them) whose linears are float32 panels or bfloat16 GEMV weights (model/linear.py; past the GEMV's 4 rows, F.linear's
-ATen call as in the Python layers), one tensor-parallel rank, and steps whose rows are all the attention kernel's;
-anything else keeps the Python layers. Of a dense model it also runs the step's embedding, rotary, final norm and
-logits where it can (model/cpu_decode_head.py): the whole forward one call. LLMSERVE_CPU_DECODE_STACK=0 turns it off.
+SiLU gated MLP; of a Mixture-of-Experts model its MoE layers too where model/cpu_stack_moe.py takes them all, else
+the attention halves, one call a layer, its MLPs run in Python between them) whose linears are float32 panels or
+bfloat16 GEMV weights (model/linear.py; past the GEMV's 4 rows, F.linear's ATen call as in the Python layers), one
+tensor-parallel rank, and steps whose rows are all the attention kernel's; anything else keeps the Python layers.
+Where every MLP is in the stack it also runs the step's embedding, rotary, final norm and logits if it can
+(model/cpu_decode_head.py): the whole forward one call. LLMSERVE_CPU_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
-from llmserve.model import cpu_build, cpu_decode_head, cpu_kernels
+from llmserve.model import cpu_build, cpu_decode_head, cpu_kernels, cpu_stack_moe
 from llmserve.model.attn_torch import TorchAttentionMetadata
 from llmserve.model.layers import GatedMLP, RMSNorm
 from llmserve.model.linear import Linear
+
+logger = logging.getLogger(__name__)
 
 ENV = "LLMSERVE_CPU_DECODE_STACK"
 BF16_GEMV, PANELS_AVX2, PANELS_AVX512 = 0, 1, 2  # the stack's linear kinds (csrc/decode_stack.cpp)
@@ -32,7 +37,8 @@ def is_enabled() -> bool:
 
 class DecodeStack:
     """The C++ stack of a model's layers and the rule for which steps it takes. With `mlps` (a Mixture-of-Experts
-    model) it holds the layers' attention halves only, and each layer's MLP runs in Python between two calls."""
+    model whose MoE layers the stack does not take) it holds the layers' attention halves only, and each layer's
+    MLP runs in Python between two calls."""
 
     def __init__(self, stack, dtype: torch.dtype, mlps: list[nn.Module] | None = None, has_head: bool = False):
         self.stack = stack  # torch.classes.llmserve_cpu.DecodeStack
@@ -97,9 +103,20 @@ def build(model: nn.Module) -> DecodeStack | None:
         for linear in _linears(layer, has_mlps):
             weight = linear.weight if kind == BF16_GEMV else linear.packed_weight
             stack.add_linear(weight, linear.bias, linear.out_features)
-    if not has_mlps:
+    if not has_mlps and not _adds_moe_layers(stack, layers, kind):
         return DecodeStack(stack, dtype, [layer.mlp for layer in layers])
     return DecodeStack(stack, dtype, has_head=cpu_decode_head.set_head(stack, model, kind == BF16_GEMV))
+
+
+def _adds_moe_layers(stack, layers: nn.ModuleList, kind: int) -> bool:
+    """Put an MoE model's MLPs into the stack where model/cpu_stack_moe.py takes every layer's; False (and why,
+    logged) where they stay Python modules between the attention halves."""
+    reason = cpu_stack_moe.decline_reason(layers, kind != BF16_GEMV)
+    if reason is not None:
+        logger.info("decoder stack: the MoE layers run in Python between the stack's calls (%s)", reason)
+        return False
+    cpu_stack_moe.add_moe_layers(stack, layers)
+    return True
 
 
 def _is_plain_decoder(model: nn.Module) -> bool:

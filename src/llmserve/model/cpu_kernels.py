@@ -46,10 +46,10 @@ _CSRC = cpu_build.CSRC
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
                                                       "fused_ops_bf16.cpp", "paged_attention_split.cpp",
-                                                      "decode_stack.cpp", "moe_experts.cpp")]
+                                                      "decode_stack.cpp", "moe_experts.cpp", "moe_layer.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
                                                                      "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h",
-                                                                     "decode_head.h")]
+                                                                     "decode_head.h", "moe_layer.h")]
 _NAME = "llmserve_cpu_kernels"
 
 

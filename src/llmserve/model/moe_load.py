@@ -23,9 +23,14 @@ class ExpertLoad:
     def record(self, ids: torch.Tensor) -> None:
         """ids [T, k]: the experts (global ids) each token was routed to."""
         flat = ids.reshape(-1)  # [T*k]
-        if self.counts is None or self.counts.device != flat.device:
-            self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
-        self.counts.scatter_add_(0, flat, torch.ones_like(flat))
+        self.counts_on(flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+    def counts_on(self, device: torch.device) -> torch.Tensor:
+        """The counts [E] on `device` (zeros made there if they are elsewhere or not yet made): also for a caller
+        that adds to them in place (the C++ decoder stack's MoE layers: model/cpu_stack_moe.py)."""
+        if self.counts is None or self.counts.device != torch.device(device):
+            self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return self.counts
 
 
 def max_over_mean(counts: torch.Tensor) -> float | None:

@@ -9,7 +9,9 @@
 //   h = linear(o)
 //   residual += h; h = rms_norm(residual); h = linear(silu_mul(linear(h)))
 // and returns (h, residual): the caller applies the final norm. For MoE models the stack holds the attention halves
-// only (`attention`, one call a layer): the caller runs each layer's MLP between them. Linears are float32 panels (csrc/linear_avx2.cpp,
+// and, where each layer's MLP is a float32 MoE layer it takes (`add_moe`: csrc/moe_layer.cpp), those too, so that
+// `forward` runs whole steps; otherwise `attention`, one call a layer, and the caller runs each layer's MLP between
+// them. Linears are float32 panels (csrc/linear_avx2.cpp,
 // through AVX-512 registers where chosen) or, in bfloat16, the AVX512-BF16 GEMV on weights as loaded (up to 4 rows;
 // at::linear past them, as the Python layers).
 
@@ -19,8 +21,11 @@
 
 #include "cpu_ops.h"
 #include "decode_head.h"
+#include "moe_layer.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -40,6 +45,7 @@ struct StackLayer {
   int64_t window = 0;                // attends the last `window` keys (0: all)
   std::optional<at::Tensor> q_norm, k_norm;  // [head_dim]: Qwen3's per-head norms before rotary
   std::vector<StackLinear> linears;  // qkv, o, gate_up, down
+  std::shared_ptr<const llmserve_cpu::MoeLayer> moe;  // the MLP as an MoE layer in place of gate_up and down
 };
 
 constexpr size_t kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumLinears = 4;
@@ -88,6 +94,23 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(weight.scalar_type() == (is_bf16 ? at::kBFloat16 : at::kFloat) && weight.dim() == (is_bf16 ? 2 : 3),
                 "DecodeStack: bfloat16 [N, K] weights for the GEMV, float32 [P, K, 16] panels otherwise");
     layers.back().linears.push_back(StackLinear{weight, bias, out_features});
+  }
+
+  // Layer i's MLP as a float32 Mixture-of-Experts layer (csrc/moe_layer.cpp), in a stack of attention halves: once
+  // every layer has one, `forward` runs whole steps. load [E] int64: the layer's tokens per expert, added to.
+  void add_moe(int64_t i, at::Tensor router, at::Tensor gate_up, at::Tensor down, int64_t top_k, bool is_renormalized,
+               at::Tensor load) {
+    TORCH_CHECK(i >= 0 && i < num_layers() && num_linears == kGateUp && layers[i].linears.size() == kGateUp &&
+                    !layers[i].moe && kind != LinearKind::kBf16Gemv,
+                "DecodeStack: add_moe once a layer, after its attention linears, in a float32 stack without MLPs");
+    layers[i].moe = llmserve_cpu::make_moe_layer(router, gate_up, down, top_k, is_renormalized,
+                                                 kind == LinearKind::kPanelsAvx512, load);
+  }
+
+  // Whether every layer's MLP is here (its linears, or an MoE layer): `forward` runs whole steps.
+  bool has_mlps() const {
+    return num_linears == kNumLinears ||
+           std::all_of(layers.begin(), layers.end(), [](const StackLayer& layer) { return layer.moe != nullptr; });
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
@@ -143,12 +166,12 @@ struct DecodeStack : torch::CustomClassHolder {
                                              at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start,
                                              at::Tensor rows) const {
     check_step(x);
-    TORCH_CHECK(num_linears == kNumLinears, "DecodeStack: built without the MLPs (attention only)");
+    TORCH_CHECK(has_mlps(), "DecodeStack: built without the MLPs (attention only)");
     TORCH_CHECK(kv_caches.size() == layers.size(), "DecodeStack: one KV cache a layer");
     const Step step{cos, sin, slot_mapping, block_table, seq_lens, query_start, rows};
     const int64_t num_tokens = x.size(0), hidden = x.size(1);
     const StackLayer& first = layers.front();
-    const int64_t gate_up_size = first.linears[kGateUp].out_features;
+    const int64_t gate_up_size = num_linears == kNumLinears ? first.linears[kGateUp].out_features : 0;
     const auto options = x.options();
     // the linears' outputs (run_linear may return new tensors instead), attention's and silu_mul's
     const at::Tensor h_out = at::empty({num_tokens, hidden}, options), o_out = at::empty({num_tokens, hidden}, options);
@@ -163,6 +186,11 @@ struct DecodeStack : torch::CustomClassHolder {
       if (i > 0) llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
       const at::Tensor o = attend(layer, h, kv_caches[i], step, qkv_out, o_out, attn);
       llmserve_cpu::add_rms_norm(o, residual, layer.post_norm, eps);
+      if (layer.moe) {
+        llmserve_cpu::run_moe_layer(*layer.moe, o, h_out);
+        h = h_out;
+        continue;
+      }
       llmserve_cpu::silu_mul(act, run_linear(layer.linears[kGateUp], o, gate_up_out));
       h = run_linear(layer.linears[kDown], act, h_out);
     }
@@ -172,7 +200,7 @@ struct DecodeStack : torch::CustomClassHolder {
   // The step's prologue and epilogue (csrc/decode_head.h); head_weight in the linears' kind, vocab_size its rows.
   void set_head(at::Tensor embedding, at::Tensor inv_freq, double rotary_scaling, at::Tensor final_norm,
                 double final_eps, at::Tensor head_weight, int64_t vocab_size) {
-    TORCH_CHECK(num_linears == kNumLinears, "DecodeStack: a head needs whole layers");
+    TORCH_CHECK(has_mlps(), "DecodeStack: a head needs whole layers");
     TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.size(0) * 2 == head_dim,
                 "DecodeStack: inv_freq [D/2] float32");
     const bool is_bf16 = kind == LinearKind::kBf16Gemv;
@@ -236,6 +264,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, bool>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_linear", &DecodeStack::add_linear)
+      .def("add_moe", &DecodeStack::add_moe)
+      .def("has_mlps", &DecodeStack::has_mlps)
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_head", &DecodeStack::set_head)  // the step's prologue and epilogue: csrc/decode_head.h
       .def("step", &DecodeStack::step)

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "avx2_math.h"
+#include "moe_layer.h"
 #include "panel_blocks.h"
 #include "panel_gemm.h"
 
@@ -185,9 +186,13 @@ std::vector<int64_t> expert_starts(const at::Tensor& counts, const at::Tensor& r
   return starts;
 }
 
+}  // namespace
+
+namespace llmserve_cpu {
+
 void moe_experts(at::Tensor out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& pairs,
                  const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
-                 const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                 const std::optional<at::Tensor>& gate_up_bias, const std::optional<at::Tensor>& down_bias,
                  bool use_avx512) {
   check_inputs(out, rows, counts, pairs, weights, gate_up, down);
   const std::vector<int64_t> starts = expert_starts(counts, rows, pairs, out.size(0));
@@ -217,10 +222,10 @@ void moe_experts(at::Tensor out, const at::Tensor& rows, const at::Tensor& count
 #endif
 }
 
-}  // namespace
+}  // namespace llmserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("moe_experts(Tensor(a!) out, Tensor rows, Tensor counts, Tensor pairs, Tensor weights, Tensor gate_up, "
         "Tensor down, Tensor? gate_up_bias, Tensor? down_bias, bool use_avx512) -> ()",
-        &moe_experts);
+        &llmserve_cpu::moe_experts);
 }
