@@ -9,6 +9,7 @@ import json
 import random
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -31,13 +32,14 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(model):
-    """(plain, prefill, decode) servers; the P/D router's prefill list also names a port nobody listens on."""
+def servers(model, gate):
+    """(plain, prefill, decode) servers; the P/D router's prefill list also names a port nobody listens on.
+    The prefill server's engine has the module's step gate (free-running until a test holds it)."""
     started = []
     try:
-        for extra in ((), ("--disaggregation-mode", "prefill"),
-                      ("--disaggregation-mode", "decode", "--disaggregation-kv-port", str(_free_port()))):
-            started.append(ServerProcess(["--model", model, *ENGINE_ARGS, *extra]).start())
+        for extra, env in (((), None), (("--disaggregation-mode", "prefill"), gate.env),
+                           (("--disaggregation-mode", "decode", "--disaggregation-kv-port", str(_free_port())), None)):
+            started.append(ServerProcess(["--model", model, *ENGINE_ARGS, *extra], env=env).start())
         yield tuple(started)
     finally:
         for server in started:
@@ -194,3 +196,30 @@ def test_short_prompts_skip_the_prefill_server_with_a_local_prefill_length(serve
         assert sample_value(_metrics(prefill), "llmserve:kv_transfer_sent_blocks_total") >= sent_before + 9
         stats = httpx.get(f"{proc.url}/pd_stats", timeout=10).json()
         assert (stats["num_requests"], stats["num_local_prefills"], stats["num_prefill_failures"]) == (2, 1, 0)
+
+
+def test_a_short_prompt_beside_a_long_one_is_computed_on_the_decode_server(servers, gate):
+    """--max-local-prefill-length-if-busy 64: while the prefill server holds a 150-token prompt (its engine held
+    at a step boundary), a chat under 64 tokens is answered by the decode server alone; the long prompt
+    completes once the prefill server steps again, its tokens a plain server's."""
+    plain, prefill, decode = servers
+    chat = {"messages": [{"role": "user", "content": "hi " * 8}], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    expected = httpx.post(f"{plain.url}/v1/chat/completions", json=chat, timeout=120).json()
+    with RouterProcess(["--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+                        "--max-local-prefill-length-if-busy", "64", "--port", "0"]) as proc:
+        def pd_stats() -> dict:
+            return httpx.get(f"{proc.url}/pd_stats", timeout=10).json()
+
+        with ThreadPoolExecutor(1) as pool:
+            with gate.held():
+                long = pool.submit(_complete, proc.url, _prompt(41))
+                wait_until(lambda: pd_stats()["prefill"].get(prefill.url) == 1, 60, "the long prompt sent")
+                answer = httpx.post(f"{proc.url}/v1/chat/completions", json=chat, timeout=120).json()
+                assert answer["choices"][0]["message"] == expected["choices"][0]["message"]
+                assert not long.done()  # still at the held prefill server
+            text = long.result(timeout=120)["choices"][0]["text"]
+            assert text == _complete(plain.url, _prompt(41))["choices"][0]["text"]
+        stats = pd_stats()
+        assert (stats["num_local_beside_long_prefills"], stats["prefill"], stats["num_prefill_failures"]) == \
+            (1, {prefill.url: 1}, 0)

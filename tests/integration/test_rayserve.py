@@ -8,13 +8,9 @@ serve.status() included) with a deadline."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import shutil
-import socket
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,14 +21,14 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from llmserve.rayserve.app import REPLICA_DEPLOYMENT, build_application  # noqa: E402
-from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args  # noqa: E402
+from llmserve.rayserve.app import REPLICA_DEPLOYMENT  # noqa: E402
 from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.testing.router_servers import sample_value, shared_tiny_model  # noqa: E402
 from llmserve.testing.servers import StepGateClient, wait_until  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # the unit tests' peft helpers
 from lora_helpers import make_adapter  # noqa: E402
+from rayserve_app import ray_serve_app  # noqa: E402
 
 APP = "llmserve"
 MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4
@@ -49,38 +45,13 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ray_dir():
-    path = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def url(ray_dir, engine_gates, tmp_path_factory):
+def url(engine_gates, tmp_path_factory):
+    # Every replica's engine gets a step gate (free-running until a test holds it), and Ray's autoscaling
+    # metrics come every second.
     model = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
-    port = free_port()
-    parser = argparse.ArgumentParser()
-    add_serve_ray_args(parser)
-    deployment = deployment_from_args(parser.parse_args(["--model", model, *FLAGS, "--port", str(port)]))
-    # The replicas' temporary files (engine sockets) go to Ray's folder, removed at the end even when a
-    # test killed the replica that made them. Every replica's engine gets a step gate (free-running until a
-    # test holds it), and Ray's autoscaling metrics come every second.
-    ray.init(num_cpus=4, _temp_dir=ray_dir, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TMPDIR": ray_dir, **engine_gates.env, **FAST_METRICS}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(deployment), name=APP)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_serve_app(model, FLAGS, APP, num_cpus=4, env_vars={**engine_gates.env, **FAST_METRICS}) as url:
+        yield url
 
 
 def replica_ids() -> set[str]:

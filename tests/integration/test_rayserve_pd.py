@@ -1,15 +1,13 @@
 """`llmserve serve-ray --pd-disaggregation` on a real Ray Serve (a local Ray in this process, torn down at the
-end): one prefill replica and one decode replica behind the P/D ingress. A request's prompt runs on the
-prefill replica, its KV blocks reach the decode replica (which loads them rather than computing them: its
-metrics count them), and the greedy tokens, streamed or not, are a colocated engine's."""
+end): one prefill replica and one decode replica behind the P/D ingress, each role autoscaled by its own
+config. A request's prompt runs on the prefill replica, its KV blocks reach the decode replica (which loads them
+rather than computing them: its metrics count them), and the greedy tokens, streamed or not, are a colocated
+engine's; a prompt under --max-local-prefill-length skips the prefill replica."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import shutil
-import tempfile
 
 import httpx
 import pytest
@@ -18,19 +16,20 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from llmserve.engine.llm import LLM  # noqa: E402
-from llmserve.rayserve.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, build_application  # noqa: E402
-from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args  # noqa: E402
-from llmserve.router.replicas import free_port  # noqa: E402
+from llmserve.rayserve.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT  # noqa: E402
 from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from llmserve.testing.router_servers import sample_value, shared_tiny_model  # noqa: E402
 from llmserve.testing.servers import wait_until  # noqa: E402
+from rayserve_app import ray_serve_app  # noqa: E402
 
 APP = "llmserve-pd"
+LOCAL_PREFILL_LENGTH = 64  # the tests' id prompts are longer
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "128")
 FLAGS = (*ENGINE_FLAGS, "--served-model-name", "tiny", "--log-level", "warning", "--replica-num-cpus", "0.5",
          "--ingress-num-cpus", "0.5", "--pd-disaggregation", "--num-prefill-replicas", "1",
-         "--num-decode-replicas", "1")
+         "--decode-min-replicas", "1", "--decode-max-replicas", "2", "--decode-target-ongoing-requests", "32",
+         "--max-local-prefill-length", str(LOCAL_PREFILL_LENGTH))
 NUM_TOKENS = 10
 
 
@@ -41,21 +40,8 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def url(model):
-    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    port = free_port()
-    parser = argparse.ArgumentParser()
-    add_serve_ray_args(parser)
-    deployment = deployment_from_args(parser.parse_args(["--model", model, *FLAGS, "--port", str(port)]))
-    ray.init(num_cpus=2, _temp_dir=ray_dir, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TMPDIR": ray_dir}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(deployment), name=APP)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(ray_dir, ignore_errors=True)
+    with ray_serve_app(model, FLAGS, APP, num_cpus=2) as url:
+        yield url
 
 
 def _prompt(seed: int, length: int = 150) -> list[int]:
@@ -108,3 +94,28 @@ def test_a_client_error_is_the_clients(url):
 def test_other_routes_reach_the_decode_replicas(url):
     wait_until(lambda: httpx.get(f"{url}/v1/models", timeout=10).status_code == 200, 60, "the models route")
     assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]] == ["tiny"]
+
+
+def test_each_role_has_its_own_autoscaling(url):
+    from ray.serve.context import _get_global_client
+
+    deployments = _get_global_client().get_serve_details()["applications"][APP]["deployments"]
+    prefill, decode = (deployments[name]["deployment_config"] for name in (PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT))
+    assert prefill["num_replicas"] == 1 and prefill.get("autoscaling_config") is None
+    scaling = decode["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 2, 32)
+
+
+def test_a_prompt_under_the_local_prefill_length_skips_the_prefill_replica(url):
+    prompt = " ".join("abcdefghijklmnopqrst")  # counted by the decode replica's /tokenize, as the ingress does
+    count = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=60).json()["count"]
+    assert 16 < count <= LOCAL_PREFILL_LENGTH  # a full KV block at least: a prefill replica would send it
+    states = serve.status().applications[APP].deployments[DECODE_DEPLOYMENT].replica_states
+    assert dict(states) == {"RUNNING": 1}  # at the minimum: no load made it scale
+    decode = httpx.get(f"{url}/v1/models", timeout=10).headers[REPLICA_HEADER]
+    before = _decode_metrics(url, decode)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200 and response.headers[REPLICA_HEADER] == decode
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert _decode_metrics(url, decode) == before  # no block came from a prefill replica

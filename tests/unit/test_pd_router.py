@@ -41,13 +41,18 @@ class Upstreams:
 
 
 def _post(upstreams: Upstreams, body: dict, path: str = "/v1/completions", max_local_prefill_length: int = 0,
-          prefill_on_idle_decode: bool = False, in_flight: dict[str, int] | None = None
+          prefill_on_idle_decode: bool = False, in_flight: dict[str, int] | None = None,
+          max_local_prefill_length_if_busy: int = 0, long_in_flight: dict[str, int] | None = None
           ) -> tuple[httpx.Response, PDRouter]:
-    """One request through a router; `in_flight`: the requests it holds at each server already."""
+    """One request through a router; `in_flight`: the requests it holds at each server already
+    (`long_in_flight`: of them, the long prompts at prefill servers)."""
     client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
     router = PDRouter(PDConfig((PREFILL,), (DECODE,), max_local_prefill_length=max_local_prefill_length,
-                               prefill_on_idle_decode=prefill_on_idle_decode), MockUpstream(client))
+                               prefill_on_idle_decode=prefill_on_idle_decode,
+                               max_local_prefill_length_if_busy=max_local_prefill_length_if_busy),
+                      MockUpstream(client))
     router.num_in_flight.update(in_flight or {})
+    router.num_long_in_flight.update(long_in_flight or {})
 
     async def call() -> httpx.Response:
         transport = httpx.ASGITransport(app=build_pd_app(router))
@@ -128,6 +133,40 @@ def test_without_the_flag_a_busy_prefill_server_still_gets_the_prompt():
     assert router.stats.num_idle_decode_prefills == 0
 
 
+@pytest.mark.parametrize("body, long_in_flight, is_local", [
+    ({"prompt": "a chat"}, {PREFILL: 1}, True),  # 6 tokens; the prefill server computes a long prompt
+    ({"prompt": "a chat"}, {PREFILL: 0}, False),  # it computes short ones only: a short wait there
+    ({"prompt": "a long prompt, longer than 8"}, {PREFILL: 1}, False),  # never on the decode server
+    ({"prompt": ["a", "b"]}, {PREFILL: 1}, False),  # a batch: its length unknown
+])
+def test_a_short_prompt_is_computed_on_the_decode_server_beside_long_prefills(body, long_in_flight, is_local):
+    upstreams = Upstreams()
+    in_flight = {PREFILL: 1, DECODE: 2}
+    response, router = _post(upstreams, body, in_flight=in_flight, max_local_prefill_length_if_busy=8,
+                             long_in_flight=long_in_flight)
+    prefills = [b for url, b in upstreams.seen if url.startswith(PREFILL)]
+    assert response.status_code == 200 and upstreams.seen[-1] == (f"{DECODE}/v1/completions", body)
+    assert (prefills == [], router.stats.num_local_beside_long_prefills) == ((True, 1) if is_local else (False, 0))
+    assert router.num_in_flight == in_flight and router.num_long_in_flight == long_in_flight  # counted out
+
+
+def test_a_prompt_at_the_prefill_server_counts_as_long_while_in_flight():
+    class Watching(Upstreams):
+        def __call__(self, request):
+            if str(request.url).startswith(PREFILL):
+                self.long_seen = dict(router.num_long_in_flight)
+            return super().__call__(request)
+
+    router = None
+    for prompt, num_long in (("a long prompt, longer than 8", 1), ("a chat", 0)):
+        upstreams = Watching()
+        client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
+        router = PDRouter(PDConfig((PREFILL,), (DECODE,), max_local_prefill_length_if_busy=8), MockUpstream(client))
+        asyncio.run(router.prefill("/v1/completions", {"prompt": prompt}, [], DECODE,
+                                   router.config.policy.is_long(len(prompt))))
+        assert upstreams.long_seen == {PREFILL: num_long} and router.num_long_in_flight == {PREFILL: 0}
+
+
 def test_prefill_body_drops_what_is_about_the_output():
     body = prefill_body({"messages": [], "max_completion_tokens": 9, "best_of": 2, "n": 2, "min_tokens": 3},
                         "tcp://d:1")
@@ -144,9 +183,12 @@ def test_prefill_body_drops_what_is_about_the_output():
     (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--backend", f"m={DECODE}"],
      "not --backend"),
     (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--max-local-prefill-length", "-1"],
-     "--max-local-prefill-length must be >= 0"),
+     "--max-local-prefill-length: must be >= 0"),
     (["route", "--backend", f"m={DECODE}", "--max-local-prefill-length", "64"], "only with --pd-disaggregation"),
     (["route", "--backend", f"m={DECODE}", "--prefill-on-idle-decode"], "only with --pd-disaggregation"),
+    (["route", "--backend", f"m={DECODE}", "--max-local-prefill-length-if-busy", "64"], "only with --pd-disagg"),
+    (["route", "--pd-disaggregation", "--prefill", PREFILL, "--decode", DECODE, "--max-local-prefill-length-if-busy",
+      "-1"], "--max-local-prefill-length-if-busy: must be >= 0"),
 ])
 def test_the_flags_are_validated(argv, message, capsys):
     assert route_main(argv) == 2

@@ -13,12 +13,13 @@ import sys
 import pytest
 
 from llmserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SpeculativeConfig
-from llmserve.rayserve.app import SAME_LOOP_ENV, _argv, ray_env
+from llmserve.rayserve.app import SAME_LOOP_ENV, _argv, ray_env, replica_options
 from llmserve.rayserve.asgi import call_asgi
 from llmserve.rayserve.config import Deployment, RayServeConfig
 from llmserve.rayserve.ingress import _app_path
 from llmserve.rayserve.messages import ForwardedRequest, ResponseHead
 from llmserve.rayserve.pd_ingress import generation_body, prefill_request
+from llmserve.router.pd_policy import PDPolicy
 from llmserve.server.config import ServerConfig
 
 
@@ -182,6 +183,13 @@ def test_config_is_frozen():
     ({"pd_disaggregation": True, "request_router": "pow-2"}, "request-router"),
     ({"pd_disaggregation": True, "num_replicas": 2}, "num-replicas"),
     ({"pd_disaggregation": True, "max_replicas": 8}, "max-replicas"),
+    ({"pd_disaggregation": True, "prefill_min_replicas": 0}, "prefill-min-replicas"),
+    ({"pd_disaggregation": True, "decode_min_replicas": 3, "decode_max_replicas": 2}, "decode-max-replicas"),
+    ({"pd_disaggregation": True, "prefill_target_ongoing_requests": 0}, "prefill-target-ongoing-requests"),
+    ({"pd_disaggregation": True, "max_local_prefill_length_if_busy": -1}, "max-local-prefill-length-if-busy"),
+    ({"decode_max_replicas": 8}, "decode-max-replicas"),  # without --pd-disaggregation
+    ({"prefill_on_idle_decode": True}, "prefill-on-idle-decode"),
+    ({"max_local_prefill_length": 64}, "max-local-prefill-length"),
 ])
 def test_pd_replica_counts_are_checked_naming_the_flag(changes, flag):
     with pytest.raises(ValueError, match=f"^--{flag}: "):
@@ -208,8 +216,33 @@ def test_pd_roles_run_the_engine_as_prefill_and_decode_servers():
     assert (prefill.disaggregation_mode, decode.disaggregation_mode) == ("prefill", "decode")
     assert decode.disaggregation_kv_port == 0  # each decode replica binds a free port and reports it
     assert deployment.ray.autoscaling_config() is None and deployment.ray.num_starting_replicas == 3
-    with pytest.raises(ValueError, match="^--num-prefill-replicas / --num-decode-replicas: 3 engine replica"):
+    with pytest.raises(ValueError, match="^--prefill-min-replicas / --num-decode-replicas: 3 engine replica"):
         deployment.ray.check_fits({"CPU": 3.0})
+
+
+def test_pd_roles_autoscale_each_by_its_own_flags():
+    config = RayServeConfig(pd_disaggregation=True, prefill_min_replicas=2, prefill_max_replicas=3,
+                            prefill_target_ongoing_requests=1, decode_max_replicas=6, upscale_delay_s=2)
+    shared = {"initial_replicas": None, "upscale_delay_s": 2, "downscale_delay_s": 60.0, "look_back_period_s": 15.0}
+    assert config.autoscaling_config("prefill") == {"min_replicas": 2, "max_replicas": 3,
+                                                    "target_ongoing_requests": 1, **shared}
+    assert config.autoscaling_config("decode") == {"min_replicas": 1, "max_replicas": 6,
+                                                   "target_ongoing_requests": 64.0, **shared}
+    assert config.num_starting_replicas == 3 and config.autoscaling_config() is None
+    fixed = dataclasses.replace(config, num_prefill_replicas=1)
+    assert fixed.autoscaling_config("prefill") is None and fixed.role_num_replicas("prefill") == 1
+    assert RayServeConfig().autoscaling_config("decode") is None  # roles only with --pd-disaggregation
+    assert dataclasses.replace(config, max_local_prefill_length=8, prefill_on_idle_decode=True).pd_policy == \
+        PDPolicy(max_local_prefill_length=8, prefill_on_idle_decode=True)
+
+
+def test_pd_replica_options_carry_each_roles_autoscaling():
+    deployment = Deployment(EngineConfig(), ServerConfig(), RayServeConfig(pd_disaggregation=True,
+                                                                           num_prefill_replicas=2))
+    prefill = replica_options(deployment.for_role("prefill"), "P", "prefill")
+    decode = replica_options(deployment.for_role("decode"), "D", "decode")
+    assert prefill["num_replicas"] == 2 and "autoscaling_config" not in prefill
+    assert "num_replicas" not in decode and decode["autoscaling_config"]["max_replicas"] == 4
 
 
 def test_pd_ingress_sends_the_prefill_replica_a_one_token_copy():

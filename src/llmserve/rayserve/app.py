@@ -54,10 +54,10 @@ def logging_config(deployment: Deployment) -> dict:
     return {"enable_access_log": server.access_log, "log_level": server.log_level.upper()}
 
 
-def replica_options(deployment: Deployment, name: str = REPLICA_DEPLOYMENT, num_replicas: int | None = None) -> dict:
-    """An engine deployment's options: `num_replicas` fixed (default: --num-replicas, else autoscaling)."""
+def replica_options(deployment: Deployment, name: str = REPLICA_DEPLOYMENT, role: str | None = None) -> dict:
+    """An engine deployment's options: --num-replicas fixed, else autoscaling (--pd-disaggregation: `role`'s)."""
     config = deployment.ray
-    num_replicas = config.num_replicas if num_replicas is None else num_replicas
+    num_replicas = config.num_replicas if role is None else config.role_num_replicas(role)
     options = {"name": name, "logging_config": logging_config(deployment),
                "max_ongoing_requests": config.max_ongoing_requests,
                "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus,
@@ -67,7 +67,7 @@ def replica_options(deployment: Deployment, name: str = REPLICA_DEPLOYMENT, num_
     if num_replicas is not None:
         options["num_replicas"] = num_replicas
     else:
-        options["autoscaling_config"] = config.autoscaling_config()
+        options["autoscaling_config"] = config.autoscaling_config(role)
     if config.request_router == PREFIX_AWARE:
         from ray.serve.config import RequestRouterConfig
 
@@ -88,15 +88,13 @@ def build_application(deployment: Deployment):
 
 
 def _pd_application(serve, deployment: Deployment):
-    """--pd-disaggregation: a prefill and a decode deployment (engines of that --disaggregation-mode) behind
-    the P/D ingress (pd_ingress.py)."""
-    config = deployment.ray
+    """--pd-disaggregation: a prefill and a decode deployment (engines of that --disaggregation-mode, each
+    autoscaled by its own flags or a fixed count) behind the P/D ingress (pd_ingress.py)."""
     roles = {}
-    for role, name, num in (("prefill", PREFILL_DEPLOYMENT, config.num_prefill_replicas),
-                            ("decode", DECODE_DEPLOYMENT, config.num_decode_replicas)):
+    for role, name in (("prefill", PREFILL_DEPLOYMENT), ("decode", DECODE_DEPLOYMENT)):
         role_deployment = deployment.for_role(role)
         roles[role] = serve.deployment(LLMReplica).options(
-            **replica_options(role_deployment, name, num)).bind(role_deployment)
+            **replica_options(role_deployment, name, role)).bind(role_deployment)
     return _ingress(serve, PDIngress, deployment).bind(roles["decode"], roles["prefill"], deployment)
 
 

@@ -7,14 +7,18 @@ from dataclasses import dataclass, field, fields, replace
 
 from llmserve.config import DEFAULT_KV_PORT, EngineConfig
 from llmserve.config_checks import check, check_choice, check_min
+from llmserve.router.pd_policy import PDPolicy
 from llmserve.router.requests import PrefixConfig
 from llmserve.server.config import ServerConfig
 
 PREFIX_AWARE, POW_2 = "prefix-aware", "pow-2"
 ROUTER_NAMES = (PREFIX_AWARE, POW_2)
 PD_ROLES = ("prefill", "decode")
-AUTOSCALING_FIELDS = ("num_replicas", "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
-                      "upscale_delay_s", "downscale_delay_s", "look_back_period_s")
+# The one engine deployment's replica flags; with --pd-disaggregation each role has its own (PD_ROLE_FIELDS)
+# and shares the delays and the look-back period.
+REPLICA_FIELDS = ("num_replicas", "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests")
+PD_ROLE_FIELDS = ("num_{}_replicas", "{}_min_replicas", "{}_max_replicas", "{}_target_ongoing_requests")
+PD_POLICY_FIELDS = ("max_local_prefill_length", "max_local_prefill_length_if_busy", "prefill_on_idle_decode")
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,32 @@ class RayServeConfig:
         "help": "ingress: tries of a request whose replica died before answering anything"})
     pd_disaggregation: bool = field(default=False, metadata={
         "help": "prefill/decode disaggregation: prefill replicas compute each prompt and send its KV blocks to a "
-                "decode replica, which streams the answer (docs/disaggregation.md); fixed replica counts"})
-    num_prefill_replicas: int = field(default=1, metadata={"help": "--pd-disaggregation: prefill replicas"})
-    num_decode_replicas: int = field(default=1, metadata={"help": "--pd-disaggregation: decode replicas"})
+                "decode replica, which streams the answer (docs/disaggregation.md); each role autoscales by its "
+                "own flags (--prefill-*, --decode-*) or runs a fixed count"})
+    num_prefill_replicas: int | None = field(default=None, metadata={
+        "help": "--pd-disaggregation: a fixed number of prefill replicas; default: autoscale between "
+                "--prefill-min-replicas and --prefill-max-replicas"})
+    prefill_min_replicas: int = field(default=1, metadata={"help": "--pd-disaggregation: fewest prefill replicas"})
+    prefill_max_replicas: int = field(default=4, metadata={"help": "--pd-disaggregation: most prefill replicas"})
+    prefill_target_ongoing_requests: float = field(default=2.0, metadata={
+        "help": "--pd-disaggregation: prompts in flight per prefill replica that Ray aims at (one prompt keeps a "
+                "replica's compute busy; more queue)"})
+    num_decode_replicas: int | None = field(default=None, metadata={
+        "help": "--pd-disaggregation: a fixed number of decode replicas; default: autoscale between "
+                "--decode-min-replicas and --decode-max-replicas"})
+    decode_min_replicas: int = field(default=1, metadata={"help": "--pd-disaggregation: fewest decode replicas"})
+    decode_max_replicas: int = field(default=4, metadata={"help": "--pd-disaggregation: most decode replicas"})
+    decode_target_ongoing_requests: float = field(default=64.0, metadata={
+        "help": "--pd-disaggregation: requests decoding or queued per decode replica that Ray aims at"})
+    max_local_prefill_length: int = field(default=0, metadata={
+        "help": "--pd-disaggregation: prompts of at most N tokens skip the prefill replicas (computed by the "
+                "decode replica; Dynamo's name, as `llmserve route`'s); 0: off"})
+    max_local_prefill_length_if_busy: int = field(default=0, metadata={
+        "help": "--pd-disaggregation: a prompt of at most N tokens is computed by the decode replica when every "
+                "prefill replica is computing a longer prompt (as `llmserve route`'s); 0: off"})
+    prefill_on_idle_decode: bool = field(default=False, metadata={
+        "help": "--pd-disaggregation: a decode replica with nothing in flight computes a prompt itself when every "
+                "prefill replica has one in flight (as `llmserve route`'s)"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,31 +122,50 @@ class RayServeConfig:
         for name in ("max_ongoing_requests", "ingress_replicas", "prefix_chars", "prefix_tokens", "max_attempts"):
             check_min(name.replace("_", "-"), getattr(self, name), 1)
         check_choice("request-router", self.request_router, ROUTER_NAMES)
-        check_min("num-prefill-replicas", self.num_prefill_replicas, 1)
-        check_min("num-decode-replicas", self.num_decode_replicas, 1)
         if self.pd_disaggregation:
             self._check_pd()
-        for name in ("num_prefill_replicas", "num_decode_replicas"):
-            check(self.pd_disaggregation or getattr(self, name) == 1, name.replace("_", "-"),
-                  "only with --pd-disaggregation")
+            return
+        defaults = {f.name: f.default for f in fields(self)}
+        pd_fields = (*(name.format(role) for role in PD_ROLES for name in PD_ROLE_FIELDS), *PD_POLICY_FIELDS)
+        for name in pd_fields:
+            check(getattr(self, name) == defaults[name], name.replace("_", "-"), "only with --pd-disaggregation")
 
     def _check_pd(self) -> None:
-        """P/D runs fixed counts of each role, and pins each request's decode call to the replica its blocks
+        """P/D sizes each role by its own flags, and pins each request's decode call to the replica its blocks
         went to, which only our request router honours."""
         check(self.request_router == PREFIX_AWARE, "request-router",
               f"--pd-disaggregation needs {PREFIX_AWARE} (it pins each request to the decode replica holding its "
               f"KV blocks; {POW_2} cannot), got {self.request_router}")
         defaults = {f.name: f.default for f in fields(self)}
-        for name in AUTOSCALING_FIELDS:
+        for name in REPLICA_FIELDS:
             check(getattr(self, name) == defaults[name], name.replace("_", "-"),
-                  "not with --pd-disaggregation: its replicas are fixed counts (--num-prefill-replicas, "
-                  "--num-decode-replicas)")
+                  "not with --pd-disaggregation: each role has its own (--num-prefill-replicas or "
+                  "--prefill-min-replicas / --prefill-max-replicas / --prefill-target-ongoing-requests, and "
+                  "--decode-* the same)")
+        for role in PD_ROLES:
+            num, low, high, target = (getattr(self, name.format(role)) for name in PD_ROLE_FIELDS)
+            check_min(f"num-{role}-replicas", num, 1)
+            check_min(f"{role}-min-replicas", low, 1)  # the ingress needs a replica of each role to route to
+            check(high >= low, f"{role}-max-replicas", f"must be >= --{role}-min-replicas ({low}), got {high}")
+            check(target > 0, f"{role}-target-ongoing-requests", f"must be > 0, got {target}")
+        self.pd_policy  # noqa: B018 (checks the lengths)
+
+    @property
+    def pd_policy(self) -> PDPolicy:
+        """--pd-disaggregation's placement rules, the P/D router's (router/pd_policy.py)."""
+        return PDPolicy(self.max_local_prefill_length, self.max_local_prefill_length_if_busy,
+                        self.prefill_on_idle_decode)
+
+    def role_num_replicas(self, role: str) -> int | None:
+        """A role's fixed replica count; None: it autoscales."""
+        return getattr(self, f"num_{role}_replicas")
 
     @property
     def replicas_flag(self) -> str:
         """The flag(s) that set how many engine replicas start (named when they do not fit)."""
         if self.pd_disaggregation:
-            return "num-prefill-replicas / --num-decode-replicas"
+            return " / --".join(f"num-{role}-replicas" if self.role_num_replicas(role) is not None
+                                else f"{role}-min-replicas" for role in PD_ROLES)
         return "num-replicas" if self.num_replicas is not None else \
             "initial-replicas" if self.initial_replicas is not None else "min-replicas"
 
@@ -128,7 +174,7 @@ class RayServeConfig:
         """Engine replicas Ray creates at start: --num-replicas, else --initial-replicas or --min-replicas
         (--pd-disaggregation: the prefill and the decode replicas)."""
         if self.pd_disaggregation:
-            return self.num_prefill_replicas + self.num_decode_replicas
+            return sum(self.role_num_replicas(role) or getattr(self, f"{role}_min_replicas") for role in PD_ROLES)
         for num in (self.num_replicas, self.initial_replicas):
             if num is not None:
                 return num
@@ -154,14 +200,25 @@ class RayServeConfig:
     def prefix(self) -> PrefixConfig:
         return PrefixConfig(self.prefix_chars, self.prefix_tokens)
 
-    def autoscaling_config(self) -> dict | None:
-        """Ray Serve's autoscaling_config (None with a fixed --num-replicas, and with --pd-disaggregation)."""
-        if self.num_replicas is not None or self.pd_disaggregation:
+    def autoscaling_config(self, role: str | None = None) -> dict | None:
+        """Ray Serve's autoscaling_config of the engine deployment, or with --pd-disaggregation of `role`'s
+        (None when that one runs a fixed count): on requests ongoing per replica, the delays shared."""
+        if self.pd_disaggregation != (role is not None):
             return None
-        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                "initial_replicas": self.initial_replicas, "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
-                "look_back_period_s": self.look_back_period_s}
+        if role is None:
+            if self.num_replicas is not None:
+                return None
+            low, high, initial, target = (self.min_replicas, self.max_replicas, self.initial_replicas,
+                                          self.target_ongoing_requests)
+        else:
+            if self.role_num_replicas(role) is not None:
+                return None
+            low, high, target = (getattr(self, f"{role}_{name}") for name in
+                                 ("min_replicas", "max_replicas", "target_ongoing_requests"))
+            initial = None
+        return {"min_replicas": low, "max_replicas": high, "initial_replicas": initial,
+                "target_ongoing_requests": target, "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s, "look_back_period_s": self.look_back_period_s}
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,11 @@ def add_route_parser(subparsers) -> argparse.ArgumentParser:
                         help="--pd-disaggregation: a decode server with no request in flight computes a prompt "
                              "itself when every prefill server has one in flight (work conserving: no stream "
                              "decodes there, and the prompt would queue at a prefill server)")
+    parser.add_argument("--max-local-prefill-length-if-busy", type=int, default=0, metavar="N",
+                        help="--pd-disaggregation: a prompt of at most N tokens is computed by the decode server "
+                             "when every prefill server is computing a longer prompt (a chat's TTFT does not wait "
+                             "for a long prompt's chunks; longer prompts never go to a decode server by this "
+                             "rule); 0 (default): off")
     add_dataclass_args(parser, RouterConfig)
     add_dataclass_args(parser, AutoscaleConfig)
     parser.set_defaults(func=route_command)
@@ -55,7 +60,7 @@ def route_command(args: argparse.Namespace) -> int:
     from llmserve.router.server import run
 
     if args.pd_disaggregation or args.prefill or args.decode or args.max_local_prefill_length \
-            or args.prefill_on_idle_decode:
+            or args.prefill_on_idle_decode or args.max_local_prefill_length_if_busy:
         return _pd_command(args)
     try:
         setup = setup_from_args(args)

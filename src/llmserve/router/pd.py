@@ -19,6 +19,10 @@ With `prefill_on_idle_decode`, a decode server with nothing in flight computes a
 prefill server already has one in flight: no stream decodes there to be stalled, and the prompt would only
 queue behind another at a prefill server while that core idles (work conserving; the router counts what it
 has in flight at each server).
+
+With `max_local_prefill_length_if_busy` N, a prompt of at most N tokens is computed on the decode server when
+every prefill server is computing a longer one: a chat's prompt does not wait behind a long prompt's chunks.
+The three rules are router/pd_policy.py's, which the Ray Serve P/D ingress follows too.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmserve.router.fetch import fetch, fetch_json
+from llmserve.router.pd_policy import PDLoad, PDPolicy, PrefillPlace, place_prefill, prompt_length_query
 from llmserve.router.upstream import Header, Upstream, UpstreamError, UpstreamPool
 
 logger = logging.getLogger("llmserve.router.pd")
@@ -55,16 +60,21 @@ class PDConfig:
     upstream_timeout_s: float = 600.0
     max_local_prefill_length: int = 0  # prompts up to this many tokens are prefilled on the decode server
     prefill_on_idle_decode: bool = False  # an idle decode server takes a prompt while the prefill servers are busy
+    max_local_prefill_length_if_busy: int = 0  # prompts up to this long: on the decode server beside long prefills
 
     def __post_init__(self) -> None:
-        if self.max_local_prefill_length < 0:
-            raise ValueError(f"--max-local-prefill-length must be >= 0, got {self.max_local_prefill_length}")
+        self.policy  # noqa: B018 (checks the policy's values)
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
         for url in (*self.prefill_urls, *self.decode_urls):
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"--prefill / --decode: {url!r} is not an http(s) URL")
+
+    @property
+    def policy(self) -> PDPolicy:
+        return PDPolicy(self.max_local_prefill_length, self.max_local_prefill_length_if_busy,
+                        self.prefill_on_idle_decode)
 
 
 @dataclass
@@ -73,6 +83,7 @@ class PDStats:
     num_prefill_failures: int = 0  # requests the decode server computed whole
     num_local_prefills: int = 0  # prompts short enough for the decode server (max_local_prefill_length)
     num_idle_decode_prefills: int = 0  # prompts an idle decode server took from busy prefill servers
+    num_local_beside_long_prefills: int = 0  # short prompts a decode server took beside long prefills
     prefill_by_url: dict[str, int] = field(default_factory=dict)
     decode_by_url: dict[str, int] = field(default_factory=dict)
 
@@ -96,6 +107,7 @@ class PDRouter:
         self.kv_addresses: dict[str, str] = {}  # decode URL -> tcp://host:port of its KV receiver
         self.stats = PDStats()
         self.num_in_flight: dict[str, int] = {}  # server URL -> requests the router has sent it, not yet answered
+        self.num_long_in_flight: dict[str, int] = {}  # prefill URL -> its long prompts in flight (PDPolicy.is_long)
 
     async def kv_address(self, decode_url: str) -> str:
         if decode_url not in self.kv_addresses:
@@ -105,12 +117,15 @@ class PDRouter:
             self.kv_addresses[decode_url] = f"tcp://{urlsplit(decode_url).hostname}:{info['kv_port']}"
         return self.kv_addresses[decode_url]
 
-    async def prefill(self, path: str, obj: dict, headers: list[Header], decode_url: str) -> Response | None:
+    async def prefill(self, path: str, obj: dict, headers: list[Header], decode_url: str,
+                      is_long: bool = True) -> Response | None:
         """Run the prompt on a prefill server; its error response when it is the client's (4xx), else None
         (done, or failed: the decode server then computes the prompt itself)."""
         url = next(self.prefills)
         self.stats.prefill_by_url[url] = self.stats.prefill_by_url.get(url, 0) + 1
         self._count_in(url, 1)
+        num_long = int(is_long)
+        self.num_long_in_flight[url] = self.num_long_in_flight.get(url, 0) + num_long
         try:
             body = prefill_body(obj, await self.kv_address(decode_url))
             response = await fetch_json(self.upstream, url, path, self.config.prefill_timeout_s, body, headers)
@@ -118,39 +133,45 @@ class PDRouter:
             return self._prefill_failed(url, repr(e))
         finally:
             self._count_in(url, -1)
+            self.num_long_in_flight[url] -= num_long
         if 400 <= response.status < 500:
             return Response(response.body, response.status, media_type="application/json")
         if response.status != 200:
             return self._prefill_failed(url, f"HTTP {response.status}")
         return None
 
-    async def is_short(self, decode_url: str, obj: dict, headers: list[Header]) -> bool:
-        """Whether the request's prompt has at most `max_local_prefill_length` tokens (False when unknown: a
-        batch of prompts, or a tokenizer call that failed)."""
-        limit, prompt = self.config.max_local_prefill_length, obj.get("prompt")
-        if limit == 0:
-            return False
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return len(prompt) <= limit
-        if isinstance(prompt, str):
-            query = {"prompt": prompt}
-        elif isinstance(obj.get("messages"), list):
-            query = {"messages": obj["messages"]}
-        else:
-            return False
+    async def prompt_length(self, decode_url: str, obj: dict, headers: list[Header]) -> int | None:
+        """The request's prompt length in tokens, when a rule needs it: counted when given as ids, else the
+        decode server's `POST /tokenize` of it; None when unknown (a batch of prompts, a failed tokenizer call)."""
+        if not self.config.policy.needs_prompt_length:
+            return None
+        query = prompt_length_query(obj)
+        if query is None or isinstance(query, int):
+            return query
         try:
             response = await fetch_json(self.upstream, decode_url, "/tokenize", PROBE_TIMEOUT_S, query, headers)
-            return response.status == 200 and response.json()["count"] <= limit
+            return response.json()["count"] if response.status == 200 else None
         except (UpstreamError, ValueError, KeyError, TypeError):
-            return False
+            return None
 
-    def is_idle_decode_beside_busy_prefills(self, decode_url: str) -> bool:
-        """`prefill_on_idle_decode`: the decode server has nothing in flight and every prefill server has."""
-        return (self.config.prefill_on_idle_decode and not self.num_in_flight.get(decode_url)
-                and all(self.num_in_flight.get(url) for url in self.config.prefill_urls))
+    def load(self, decode_url: str) -> PDLoad:
+        """What the router has in flight, for the policy (router/pd_policy.py)."""
+        prefill_urls = self.config.prefill_urls
+        return PDLoad(self.num_in_flight.get(decode_url, 0), len(prefill_urls),
+                      sum(1 for url in prefill_urls if self.num_in_flight.get(url)),
+                      sum(1 for url in prefill_urls if self.num_long_in_flight.get(url)))
 
     def _count_in(self, url: str, num: int) -> None:
         self.num_in_flight[url] = self.num_in_flight.get(url, 0) + num
+
+    def _count_local(self, place: PrefillPlace) -> None:
+        stats = self.stats
+        if place is PrefillPlace.LOCAL_SHORT:
+            stats.num_local_prefills += 1
+        elif place is PrefillPlace.LOCAL_BESIDE_LONG:
+            stats.num_local_beside_long_prefills += 1
+        else:
+            stats.num_idle_decode_prefills += 1
 
     def _prefill_failed(self, url: str, reason: str) -> None:
         self.stats.num_prefill_failures += 1
@@ -169,13 +190,13 @@ class PDRouter:
         self.stats.num_requests += 1
         decode_url = next(self.decodes)
         self.stats.decode_by_url[decode_url] = self.stats.decode_by_url.get(decode_url, 0) + 1
-        if await self.is_short(decode_url, obj, headers):
-            self.stats.num_local_prefills += 1
+        policy = self.config.policy
+        prompt_length = await self.prompt_length(decode_url, obj, headers)
+        place = place_prefill(policy, prompt_length, self.load(decode_url))
+        if place.is_local:
+            self._count_local(place)
             return await self._forward(decode_url, request.url.path, raw, headers)
-        if self.is_idle_decode_beside_busy_prefills(decode_url):
-            self.stats.num_idle_decode_prefills += 1
-            return await self._forward(decode_url, request.url.path, raw, headers)
-        error = await self.prefill(request.url.path, obj, headers, decode_url)
+        error = await self.prefill(request.url.path, obj, headers, decode_url, policy.is_long(prompt_length))
         if error is not None:
             return error
         return await self._forward(decode_url, request.url.path, raw, headers)
@@ -241,6 +262,7 @@ class PDRouter:
         return JSONResponse({"num_requests": stats.num_requests, "num_prefill_failures": stats.num_prefill_failures,
                              "num_local_prefills": stats.num_local_prefills,
                              "num_idle_decode_prefills": stats.num_idle_decode_prefills,
+                             "num_local_beside_long_prefills": stats.num_local_beside_long_prefills,
                              "prefill": stats.prefill_by_url, "decode": stats.decode_by_url})
 
 

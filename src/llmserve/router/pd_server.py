@@ -18,8 +18,8 @@ PD_ROUTER_FLAGS = ("host", "port", "upstream_timeout_s", "log_level")
 
 def pd_config_from_args(args: argparse.Namespace) -> PDConfig:
     if not args.pd_disaggregation:
-        raise ValueError("--prefill / --decode / --max-local-prefill-length / --prefill-on-idle-decode: only with "
-                         "--pd-disaggregation")
+        raise ValueError("--prefill / --decode / --max-local-prefill-length(-if-busy) / --prefill-on-idle-decode: only "
+                         "with --pd-disaggregation")
     if args.backend or args.config:
         raise ValueError("--pd-disaggregation takes --prefill and --decode servers, not --backend or --config")
     defaults = RouterConfig()
@@ -31,7 +31,8 @@ def pd_config_from_args(args: argparse.Namespace) -> PDConfig:
     return PDConfig(tuple(u.rstrip("/") for u in args.prefill), tuple(u.rstrip("/") for u in args.decode),
                     upstream_timeout_s=args.upstream_timeout_s,
                     max_local_prefill_length=args.max_local_prefill_length,
-                    prefill_on_idle_decode=args.prefill_on_idle_decode)
+                    prefill_on_idle_decode=args.prefill_on_idle_decode,
+                    max_local_prefill_length_if_busy=args.max_local_prefill_length_if_busy)
 
 
 async def serve_pd(config: PDConfig, host: str, port: int, log_level: str) -> int:
