@@ -3,12 +3,13 @@
 # model with the same active parameters, and against llama.cpp's llama-server on the same MoE weights.
 # NEVER RUN IN CI: tens of minutes per level on 2 cores.
 #
-# usage: scripts/moe/side_by_side.sh [--concurrency 16,64] [--num-requests N] [--num-threads T] [--out DIR]
+# usage: scripts/moe/side_by_side.sh [--concurrency 16,64] [--num-requests N] [--num-threads T] [--vs WHAT] [--out DIR]
 #   --num-requests  requests a comparison and level (default 2 x C: each of the two interleaved rounds at full
 #                   concurrency)
 #   --num-threads   threads of each engine (default 2: ours --num-threads T, llama-server -t T); 1 where other
 #                   jobs load the cores (two OpenMP threads then wait on each other: docs/benchmarks.md,
 #                   "The CPU engine under a noisy neighbour")
+#   --vs            dense, llama.cpp or both (default): the comparisons run at each level
 #
 # Checkpoints (random weights, made by transformers through `make-model` when absent, in $LLAMACPP_CACHE):
 #   qwen3moe-135m-a  --arch qwen3_moe --shape smollm2-135m-moe: smollm2-135m's layers, 8 experts, top-2, each
@@ -34,16 +35,18 @@ CONVERT_PY=$CACHE/venv/bin/python
 PYTHON=${PYTHON:-python3}
 PORT_A=${PORT_A:-8351}
 PORT_B=${PORT_B:-8352}
-CONCURRENCY=16,64 OUT= NUM_REQUESTS= THREADS=2
+CONCURRENCY=16,64 OUT= NUM_REQUESTS= THREADS=2 VS=both
 while [[ $# -gt 0 ]]; do
   case $1 in
     --concurrency) CONCURRENCY=$2; shift 2 ;;
     --num-requests) NUM_REQUESTS=$2; shift 2 ;;
     --num-threads) THREADS=$2; shift 2 ;;
+    --vs) VS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     *) sed -n '2,25p' "$0"; exit 2 ;;
   esac
 done
+[[ $VS == dense || $VS == llama.cpp || $VS == both ]] || { echo "--vs: dense, llama.cpp or both" >&2; exit 2; }
 OUT=${OUT:-/tmp/side-by-side-moe}
 MOE=$CACHE/qwen3moe-135m-a
 DENSE=$CACHE/qwen3-135m
@@ -77,11 +80,15 @@ PIDS=()
 trap stop_all EXIT
 for C in ${CONCURRENCY//,/ }; do
   N=${NUM_REQUESTS:-$((2 * C))}
-  ours "moe-c$C" "$PORT_A" "$MOE"
-  ours "dense-c$C" "$PORT_B" "$DENSE"
-  compare "$C" "$N" llmserve-moe,llmserve-dense
-  ours "moe-vs-lcpp-c$C" "$PORT_A" "$MOE"
-  start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_B" -t "$THREADS" -np "$C" -c $((C * 768))
-  compare "$C" "$N" llmserve-moe,llama.cpp-moe
+  if [[ $VS != llama.cpp ]]; then
+    ours "moe-c$C" "$PORT_A" "$MOE"
+    ours "dense-c$C" "$PORT_B" "$DENSE"
+    compare "$C" "$N" llmserve-moe,llmserve-dense
+  fi
+  if [[ $VS != dense ]]; then
+    ours "moe-vs-lcpp-c$C" "$PORT_A" "$MOE"
+    start "llama-server-c$C" "$SERVER_BIN" -m "$GGUF" --port "$PORT_B" -t "$THREADS" -np "$C" -c $((C * 768))
+    compare "$C" "$N" llmserve-moe,llama.cpp-moe
+  fi
 done
 echo "load average after: $(cat /proc/loadavg) at $(date -u +%H:%M:%S)" | tee -a "$OUT/loadavg.txt"
