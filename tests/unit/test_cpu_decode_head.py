@@ -11,7 +11,7 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import cpu_decode_stack, cpu_kernels
+from llmserve.model import cpu_decode_stack, cpu_isa, cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import load_model
@@ -20,6 +20,8 @@ from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 
 BF16 = torch.bfloat16
 VOCAB = 512
+# LLMSERVE_CPU_LINEAR=onednn: no model takes the stack (tests/unit/test_cpu_decode_stack.py checks that)
+pytestmark = pytest.mark.skipif(cpu_isa.linear_path() == "onednn", reason="oneDNN's linears: the stack takes no model")
 needs_gemv = pytest.mark.skipif(not cpu_kernels.has_bf16_gemv(), reason="no AVX512-BF16 build")
 needs_avx2 = pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="no AVX2 build")
 

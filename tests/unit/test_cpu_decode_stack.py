@@ -10,7 +10,7 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import cpu_decode_stack, cpu_kernels
+from llmserve.model import cpu_decode_stack, cpu_isa, cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.lora_layers import attach_lora
@@ -21,6 +21,8 @@ from llmserve.testing.paged_batch import PagedBatchBuilder, allocate_kv_caches
 
 BF16 = torch.bfloat16
 VOCAB = 512
+# LLMSERVE_CPU_LINEAR=onednn: no model takes the stack (the test below checks that), so its other tests skip
+pytestmark = pytest.mark.skipif(cpu_isa.linear_path() == "onednn", reason="oneDNN's linears: the stack takes no model")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built")
 needs_gemv = pytest.mark.skipif(not cpu_kernels.has_bf16_gemv(), reason="no AVX512-BF16 build")
 needs_avx2 = pytest.mark.skipif(not cpu_kernels.has_avx2_kernels(), reason="no AVX2 build")
@@ -126,6 +128,10 @@ def test_the_stack_is_not_built_where_it_would_change_the_model(tmp_path, monkey
     assert cpu_decode_stack.build(gemma) is None  # its own norms, GeLU MLP, embedding scale, sandwich norms
     gpt_oss = load_model(make_model("gpt_oss", "tiny-gpt-oss", str(tmp_path / "gpt-oss")), BF16, "cpu", 128)
     assert cpu_decode_stack.build(gpt_oss) is None  # attention sinks
+    monkeypatch.setenv(cpu_isa.LINEAR_ENV, "onednn")  # every linear oneDNN's, which the stack does not run
+    assert cpu_decode_stack.build(load_model(llama, BF16, "cpu", 128)) is None
+    assert cpu_decode_stack.build(load_model(llama, torch.float32, "cpu", 128)) is None
+    monkeypatch.delenv(cpu_isa.LINEAR_ENV)
     monkeypatch.setenv(cpu_decode_stack.ENV, "0")
     assert cpu_decode_stack.build(load_model(llama, BF16, "cpu", 128)) is None
 
