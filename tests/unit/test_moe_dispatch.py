@@ -2,11 +2,10 @@
 experts, and 3 gloo ranks' MoE blocks (uneven experts 3/3/2) giving the whole block's output for step sizes
 with fewer tokens than ranks, uneven token shares, and expert biases."""
 
-import multiprocessing
-import socket
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 from llmserve.model.moe import MoeSpec, SparseMoeBlock
 from llmserve.model.moe_dispatch import owner_ranks, token_slice
@@ -62,18 +61,7 @@ def _rank_main(rank: int, port: int, has_bias: bool, results) -> None:
 
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_three_ranks_dispatching_rows_give_the_whole_blocks_output(has_bias):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, has_bias, results)) for rank in range(RANKS)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    got = dict(run_ranks(_rank_main, RANKS, lambda rank, port, results: (rank, port, has_bias, results), timeout=120))
     whole = _whole_block(has_bias)
     with torch.no_grad():
         expected = [whole(x) for x in _inputs()]

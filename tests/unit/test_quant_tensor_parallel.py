@@ -4,13 +4,13 @@ experts split or whole a rank; the logits of 2 gloo ranks within the method's ba
 on both ranks; the engine's tokens the same alone and in a batch. An FP8 checkpoint (block scales) on 2 ranks:
 each rank dequantizes whole tensors and keeps its slices, giving one rank's logits."""
 
-import multiprocessing
 import types
 
 import numpy as np
 import pytest
 import torch
 
+from gloo_ranks import run_ranks
 from lora_helpers import make_adapter
 
 from llmserve import LLM, LoRARequest, SamplingParams
@@ -23,7 +23,6 @@ from llmserve.model.quant.parallel import RowParallelQuantized
 from llmserve.testing.maker import make_model
 from test_quant import _agreement, _prefill_logits, _prompts
 from test_quant_moe import MOE_THRESHOLDS
-from test_tensor_parallel_model import _free_port
 
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=200)
 
@@ -48,18 +47,8 @@ def _rank_main(rank: int, port: int, path: str, is_expert_parallel: bool, method
 
 
 def _run_ranks(path: str, is_expert_parallel: bool, method: str | None) -> dict[int, tuple]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, path, is_expert_parallel, method, results))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    got = {rank: (kinds, logits) for rank, kinds, logits in (results.get(timeout=180) for _ in procs)}
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return got
+    got = run_ranks(_rank_main, 2, lambda rank, port, results: (rank, port, path, is_expert_parallel, method, results))
+    return {rank: (kinds, logits) for rank, kinds, logits in got}
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])

@@ -7,23 +7,16 @@ over 2 ranks, an odd intermediate size, a vocabulary that does not divide by 2),
 2 ranks), biases on every projection, and tied embeddings.
 """
 
-import multiprocessing
-import socket
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 from llmserve.testing.maker import SHAPES, Shape, make_model, write_checkpoint
 from llmserve.model.parallel import check_tensor_parallel, head_shard, shard_layout, split_evenly
 
 UNEVEN = Shape(48, 2, 6, 3, 99, 511, 512, init_std=0.1)  # 3 KV groups of 2 heads, head_dim 8
 MQA_TIED = Shape(64, 2, 4, 1, 128, 512, 512, is_tied=True, init_std=0.1)  # 1 KV head: replicated
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab: int):
@@ -90,18 +83,8 @@ def checkpoints(tmp_path_factory) -> list[str]:
 def _run_ranks(paths: list[str], **parallel) -> dict[int, list]:
     """Each of 2 gloo ranks' logits of every checkpoint (rank -> [checkpoint][step]); `parallel`: the
     TensorParallel's settings (is_expert_parallel, all2all_backend)."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, 2, port, paths, results, parallel))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return got
+    return dict(run_ranks(_rank_main, 2, lambda rank, port, results: (rank, 2, port, paths, results, parallel),
+                          timeout=120))
 
 
 def _check_ranks(paths: list[str], got: dict[int, list]) -> None:
