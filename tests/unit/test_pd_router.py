@@ -10,6 +10,7 @@ import pytest
 
 from llmserve.router.cli import main as route_main
 from llmserve.router.pd import PDConfig, PDRouter, build_pd_app, prefill_body
+from llmserve.router.pd_policy import PDPolicy
 from llmserve.testing.router_servers import Chunks
 from router_mock_upstream import MockUpstream
 
@@ -47,10 +48,8 @@ def _post(upstreams: Upstreams, body: dict, path: str = "/v1/completions", max_l
     """One request through a router; `in_flight`: the requests it holds at each server already
     (`long_in_flight`: of them, the long prompts at prefill servers)."""
     client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
-    router = PDRouter(PDConfig((PREFILL,), (DECODE,), max_local_prefill_length=max_local_prefill_length,
-                               prefill_on_idle_decode=prefill_on_idle_decode,
-                               max_local_prefill_length_if_busy=max_local_prefill_length_if_busy),
-                      MockUpstream(client))
+    policy = PDPolicy(max_local_prefill_length, max_local_prefill_length_if_busy, prefill_on_idle_decode)
+    router = PDRouter(PDConfig((PREFILL,), (DECODE,), policy=policy), MockUpstream(client))
     router.num_in_flight.update(in_flight or {})
     router.num_long_in_flight.update(long_in_flight or {})
 
@@ -161,7 +160,7 @@ def test_a_prompt_at_the_prefill_server_counts_as_long_while_in_flight():
     for prompt, num_long in (("a long prompt, longer than 8", 1), ("a chat", 0)):
         upstreams = Watching()
         client = httpx.AsyncClient(transport=httpx.MockTransport(upstreams))
-        router = PDRouter(PDConfig((PREFILL,), (DECODE,), max_local_prefill_length_if_busy=8), MockUpstream(client))
+        router = PDRouter(PDConfig((PREFILL,), (DECODE,), policy=PDPolicy(max_local_prefill_length_if_busy=8)), MockUpstream(client))
         asyncio.run(router.prefill("/v1/completions", {"prompt": prompt}, [], DECODE,
                                    router.config.policy.is_long(len(prompt))))
         assert upstreams.long_seen == {PREFILL: num_long} and router.num_long_in_flight == {PREFILL: 0}

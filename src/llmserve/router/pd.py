@@ -58,23 +58,15 @@ class PDConfig:
     decode_urls: tuple[str, ...]
     prefill_timeout_s: float = 600.0
     upstream_timeout_s: float = 600.0
-    max_local_prefill_length: int = 0  # prompts up to this many tokens are prefilled on the decode server
-    prefill_on_idle_decode: bool = False  # an idle decode server takes a prompt while the prefill servers are busy
-    max_local_prefill_length_if_busy: int = 0  # prompts up to this long: on the decode server beside long prefills
+    policy: PDPolicy = PDPolicy()  # where a prompt is computed (router/pd_policy.py)
 
     def __post_init__(self) -> None:
-        self.policy  # noqa: B018 (checks the policy's values)
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
         for url in (*self.prefill_urls, *self.decode_urls):
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"--prefill / --decode: {url!r} is not an http(s) URL")
-
-    @property
-    def policy(self) -> PDPolicy:
-        return PDPolicy(self.max_local_prefill_length, self.max_local_prefill_length_if_busy,
-                        self.prefill_on_idle_decode)
 
 
 @dataclass

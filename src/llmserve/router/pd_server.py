@@ -10,6 +10,7 @@ import uvicorn
 from llmserve.http.launch import bind_socket, run_service
 from llmserve.router.config import RouterConfig
 from llmserve.router.pd import PDConfig, PDRouter, build_pd_app
+from llmserve.router.pd_policy import PDPolicy
 
 logger = logging.getLogger("llmserve.router.pd")
 # The gateway's flags a P/D router takes; any other one set is refused rather than ignored.
@@ -30,9 +31,8 @@ def pd_config_from_args(args: argparse.Namespace) -> PDConfig:
         raise ValueError(f"{names}: not supported with --pd-disaggregation yet")
     return PDConfig(tuple(u.rstrip("/") for u in args.prefill), tuple(u.rstrip("/") for u in args.decode),
                     upstream_timeout_s=args.upstream_timeout_s,
-                    max_local_prefill_length=args.max_local_prefill_length,
-                    prefill_on_idle_decode=args.prefill_on_idle_decode,
-                    max_local_prefill_length_if_busy=args.max_local_prefill_length_if_busy)
+                    policy=PDPolicy(args.max_local_prefill_length, args.max_local_prefill_length_if_busy,
+                                    args.prefill_on_idle_decode))
 
 
 async def serve_pd(config: PDConfig, host: str, port: int, log_level: str) -> int:
