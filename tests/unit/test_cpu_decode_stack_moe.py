@@ -152,3 +152,28 @@ def test_a_served_moe_model_decodes_in_one_call_with_transformers_tokens(tmp_pat
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
     llm.engine.check_integrity()
     assert balances and all(1.0 <= b <= 8 / 2 for b in balances)  # the metric, from the C++ layers' counts
+
+
+@pytest.mark.parametrize("arch,shape", [("qwen3_moe", "tiny-moe"), ("qwen3", "tiny")])
+def test_one_call_steps_through_chunked_prefill_a_prefix_hit_and_preemption_give_transformers_tokens(
+        tmp_path, packs_small_weights, arch, shape):
+    """The whole step in one call (an MoE model's layers, or a dense one's, with the head) across the scheduler's
+    paths: prompts in chunks of at most 8 tokens, a prefix-cache hit, and preemption under a small cache."""
+    import transformers
+
+    path = make_model(arch, shape, str(tmp_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=33, block_size=4, max_num_batched_tokens=8)
+    stack = llm.engine.runner.model.decode_stack
+    assert stack is not None and stack.mlps is None and stack.has_head
+    calls = []
+    run = stack.step
+    stack.step = lambda *args: calls.append(args[0].shape[0]) or run(*args)
+    shared = hf_parity.random_prompt(21, 7, VOCAB)
+    prompts = [shared, shared + hf_parity.random_prompt(6, 8, VOCAB),
+               *(hf_parity.random_prompt(n, 20 + i, VOCAB) for i, n in enumerate((20, 17, 22)))]
+    first = hf_parity.engine_greedy(llm, prompts[:1], num_out=16)  # then the others hit its prefix
+    outs = first + hf_parity.engine_greedy(llm, prompts[1:], num_out=16)
+    assert outs[1].num_cached_tokens >= 20 and llm.num_preemptions > 0 and calls
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 16) for p in prompts]
+    llm.engine.check_integrity()

@@ -18,6 +18,7 @@ from torch import nn
 from llmserve.model.moe import SparseMoeBlock
 from llmserve.model.moe_cpu import PackedExperts
 
+
 def decline_reason(layers: nn.ModuleList, has_panels: bool) -> str | None:
     """Why the stack (of float32 panels where has_panels) cannot take these layers' MLPs as its MoE layers (the first
     layer it cannot take), or None when it takes them all."""
@@ -51,9 +52,8 @@ def block_decline_reason(block: nn.Module) -> str | None:
 def add_moe_layers(stack, layers: nn.ModuleList) -> None:
     """Each layer's MoE block into `stack` (torch.classes.llmserve_cpu.DecodeStack built without the MLPs, its
     layers' attention halves added), once `decline_reason` said it takes them all."""
-    for index in range(len(layers)):
-        block = layers[index].mlp
-        experts = block.experts
+    for index, layer in enumerate(layers):
+        block = layer.mlp
         load = block.load.counts_on(torch.device("cpu"))
-        stack.add_moe(index, block.gate.weight.detach(), experts.gate_up_panels, experts.down_panels,
-                         block.spec.top_k, block.spec.is_renormalized, load)
+        stack.add_moe(index, block.gate.weight.detach(), block.experts.gate_up_panels, block.experts.down_panels,
+                      block.spec.top_k, block.spec.is_renormalized, load)
