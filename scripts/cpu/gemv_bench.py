@@ -4,7 +4,9 @@ bandwidth measured in the same run. NEVER RUN IN CI.
 
 usage: python scripts/cpu/gemv_bench.py [THREADS] [ROWS,...]     (defaults: all cores, 1,4,16,64)
 
-Read bandwidth: torch.sum over 1 GiB of float32. The machine's bandwidth moves from minute to minute (a shared
+Weights and the bandwidth's buffer live on 2 MiB transparent huge pages where the machine has them, as a served
+model's weights do (model/huge_pages.py; HUGE_PAGES=0: on torch's 4 KiB pages). Read bandwidth: torch.sum over 1 GiB
+of float32. The machine's bandwidth moves from minute to minute (a shared
 host), so each row count runs 5 rounds of (bandwidth, every path once: the median of 3 sweeps) and reports a
 path's median GB/s and its median share of its round's bandwidth. Paths: oneDNN on weights packed for 16 rows
 (what model/linear.py runs on AVX-512 machines by default), our panel kernel through AVX2 and through AVX-512,
@@ -18,12 +20,26 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llmserve.model import cpu_kernels
+from llmserve.model import cpu_kernels, huge_pages
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else os.cpu_count())
 ROWS = [int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16,64").split(",")]
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (in, out)
-BIG = torch.ones(1 << 28)  # 1 GiB of float32 for the read bandwidth
+IS_HUGE = os.environ.get("HUGE_PAGES", "1") != "0" and huge_pages.is_enabled()
+
+
+def placed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors copied into one huge-page arena (IS_HUGE), else as they are."""
+    if not IS_HUGE:
+        return tensors
+    holder = torch.nn.Module()
+    for i, tensor in enumerate(tensors):
+        holder.register_buffer(f"t{i}", tensor)
+    huge_pages.move_to_huge_pages(holder, min_bytes=1)
+    return [getattr(holder, f"t{i}") for i in range(len(tensors))]
+
+
+BIG = placed([torch.ones(1 << 28)])[0]  # 1 GiB of float32 for the read bandwidth
 
 
 def median_s(fn, reps=9):
@@ -43,11 +59,11 @@ def read_bandwidth() -> float:
 
 
 def f32_paths():
-    weights = [torch.randn(n, k) * 0.02 for k, n in SHAPES]
+    weights = placed([torch.randn(n, k) * 0.02 for k, n in SHAPES])
     paths = {"onednn-packed": ([torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights],
                                lambda x, w, n: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}
     if cpu_kernels.has_avx2_kernels():
-        panels = [cpu_kernels.pack_linear_weight(w) for w in weights]
+        panels = placed([cpu_kernels.pack_linear_weight(w) for w in weights])
         ops = torch.ops.llmserve_cpu
 
         def avx2(x, w, n):
@@ -61,7 +77,7 @@ def f32_paths():
 
 
 def bf16_paths():
-    weights = [(torch.randn(n, k) * 0.02).bfloat16() for k, n in SHAPES]
+    weights = placed([(torch.randn(n, k) * 0.02).bfloat16() for k, n in SHAPES])
     paths = {"bf16-F.linear": (weights, lambda x, w, n: F.linear(x, w))}
     if cpu_kernels.has_bf16_gemv():
         paths["bf16-gemv"] = (weights, lambda x, w, n: cpu_kernels.bf16_gemv(x, w))
@@ -91,7 +107,7 @@ def sweep(paths, dtype, num_rounds=5):
 
 if __name__ == "__main__":
     with torch.inference_mode():
-        print(f"threads {torch.get_num_threads()}, read bandwidth {read_bandwidth():.1f} GB/s, "
+        print(f"threads {torch.get_num_threads()}, {'huge' if IS_HUGE else '4 KiB'} pages, read bandwidth {read_bandwidth():.1f} GB/s, "
               f"load {os.getloadavg()[0]:.1f}")
         print("| path | rows | ms | GB/s | of the round's read bw |\n|---|---|---|---|---|")
         sweep(f32_paths(), torch.float32)

@@ -16,6 +16,7 @@ import torch
 
 from llmserve.config import is_local_model
 from llmserve.model import cpu_isa
+from llmserve.model.huge_pages import move_to_huge_pages
 from llmserve.model.linear import pack_linears
 from llmserve.model.moe_cpu import pack_model_experts
 from llmserve.model.parallel import TensorParallel, is_read, shard_of
@@ -151,6 +152,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     model = model.eval().requires_grad_(False)
     pack_linears(model, pack_head)  # float32 on CPU: weights laid out once (model/linear.py)
     pack_model_experts(model)  # float32 experts on CPU: each laid out as a dense layer (model/moe_cpu.py)
+    if torch.device(device).type == "cpu":
+        move_to_huge_pages(model)  # what a decode step streams, on 2 MiB pages (model/huge_pages.py)
     return model
 
 

@@ -8,6 +8,7 @@ import torch
 
 from llmserve.config import CacheConfig, parse_bytes
 from llmserve.core.kv_cache_groups import KVCacheLayout
+from llmserve.model import huge_pages
 
 DEFAULT_CPU_FRACTION = 0.25  # of available RAM, when no budget is given
 DEFAULT_CPU_CAP = 8 * 2**30
@@ -85,9 +86,11 @@ def cpu_cap_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> in
 
 def allocate_kv_caches(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer (D + 4 for int8: `row_width`)."""
+    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer (D + 4 for int8: `row_width`); on CPU one
+    huge-page arena holds them all where the machine has transparent huge pages (model/huge_pages.py)."""
     shape = (*shape[:-1], row_width(shape[-1], dtype))
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    caches = huge_pages.zeros(num_layers, shape, dtype) if torch.device(device).type == "cpu" else None
+    return caches or [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
 def layer_kv_caches(slots: list[torch.Tensor], layout: KVCacheLayout) -> list[torch.Tensor]:
