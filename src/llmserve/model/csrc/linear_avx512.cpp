@@ -8,7 +8,8 @@
 //   bf16_gemv             out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), bfloat16 in and out, M <= 4 (decode
 //                         rows), float32 sums through AVX512-BF16's dot products (vdpbf16ps), on the plain
 //                         row-major weight: threads take contiguous runs of output rows and stream those rows
-//                         of w once, one after the other; a row's partial sums are added at the end.
+//                         of w once, one after the other; a row's partial sums are added at the end (from 3 rows
+//                         with a software prefetch ahead of the loads, as the panels').
 //
 // Without AVX-512 (or AVX512-BF16) in the build the ops exist and refuse (`has_avx512_kernels` in Python says
 // which are there).
@@ -84,14 +85,16 @@ inline uint16_t float_to_bf16(float value) { return c10::BFloat16(value).x; }  /
 // 32-k halves, masked at the tail), one zmm of 16 pair sums each, added at the end. One row at a time keeps the
 // weights one sequential stream (rows interleaved four at a time read ~35% slower from DRAM).
 template <int M>
-inline void gemv_row(const Gemv& g, int64_t n) {
+inline void gemv_row(const Gemv& g, int64_t n, bool can_prefetch) {
   __m512 acc[M][2];
   for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const uint16_t* w = g.w + n * g.k;
   int64_t k0 = 0;
   for (; k0 + 64 <= g.k; k0 += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k0 + kGemvPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + k0 + kGemvPrefetch + 32), _MM_HINT_T0);
+    if (can_prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k0 + kGemvPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k0 + kGemvPrefetch + 32), _MM_HINT_T0);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k0), w1 = (__m512bh)_mm512_loadu_si512(w + k0 + 32);
     for (int r = 0; r < M; ++r) {
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(g.x + r * g.k + k0), w0);
@@ -112,8 +115,9 @@ inline void gemv_row(const Gemv& g, int64_t n) {
 
 template <int M>
 void run_gemv_rows(const Gemv& g) {
+  const bool can_prefetch = M >= llmserve_cpu::kPrefetchMinRows;  // as the panels' (panel_gemm.h)
   at::parallel_for(0, g.n, kGemvGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) gemv_row<M>(g, n);
+    for (int64_t n = begin; n < end; ++n) gemv_row<M>(g, n, can_prefetch);
   });
 }
 
