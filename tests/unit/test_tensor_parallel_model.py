@@ -94,7 +94,8 @@ def ranked(checkpoints) -> dict[str | None, dict[int, list]]:
     rank -> [checkpoint][step] logits."""
     moe = [path for path in checkpoints if path.endswith(MOE_ARCHS)]
     runs = {None: (checkpoints, {}),
-            **{backend: (moe, {"is_expert_parallel": True, "all2all_backend": backend}) for backend in ALL2ALL_BACKENDS}}
+            **{backend: (moe, {"is_expert_parallel": True, "all2all_backend": backend})
+               for backend in ALL2ALL_BACKENDS}}
     got = dict(run_ranks(_rank_main, 2, lambda rank, port, results: (rank, 2, port, list(runs.values()), results),
                          timeout=240))
     return {key: {rank: got[rank][i] for rank in range(2)} for i, key in enumerate(runs)}
