@@ -36,7 +36,7 @@ MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4
 FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "200", "--served-model-name", "tiny",
          "--log-level", "warning", "--replica-num-cpus", "0.5", "--ingress-num-cpus", "0.5",
          "--min-replicas", str(MIN_REPLICAS), "--max-replicas", str(MAX_REPLICAS),
-         "--target-ongoing-requests", str(TARGET_ONGOING), "--upscale-delay-s", "1", "--downscale-delay-s", "1",
+         "--target-ongoing-requests", str(TARGET_ONGOING), "--upscale-delay-s", "1", "--downscale-delay-s", "3",
          "--look-back-period-s", "11", "--prefix-chars", "200", "--enable-lora", "--max-lora-rank", "8")
 
 
