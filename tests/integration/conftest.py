@@ -1,7 +1,8 @@
 """The integration tests' shared server: one real `llmserve serve` on a tiny model for the modules that need
 nothing but these settings (each server costs seconds to start on 2 cores). A module that needs other flags,
 a step gate or a server of its own defines its own `server` fixture, which takes precedence. Started on
-first use, stopped at the end of the run, when it must drain and exit 0."""
+first use, stopped at the end of the run, when it must drain and exit 0. Also the Ray Serve modules' one local
+Ray (`shared_ray`, rayserve_app.py)."""
 
 from __future__ import annotations
 
