@@ -1,7 +1,10 @@
-"""The Ray Serve integration tests' one start/stop of an application: a local Ray in the test process (its
-temporary files in a short folder: Ray's socket paths must fit 107 bytes), Ray Serve's proxy on a free port,
-the application `llmserve serve-ray` would deploy for the given flags; on exit everything stopped and the
-folder removed (also when a test killed a replica that left files there)."""
+"""The Ray Serve integration tests' one local Ray, shared by their modules (starting Ray and Serve's controller
+and proxy costs about 10 s on 2 cores): Ray in the test process (its temporary files in a short folder: Ray's
+socket paths must fit 107 bytes), 4 logical CPUs, Serve's proxy on a free port, and step gates for every
+engine replica (free-running until a test holds one). Each module deploys the application `llmserve serve-ray`
+would deploy for its flags and deletes it on exit. The integration conftest runs the modules that use it
+(fixture `shared_ray`) one after another and stops Ray (everything, folder removed, also when a test killed a
+replica that left files there) once the next test does not use it."""
 
 from __future__ import annotations
 
@@ -17,26 +20,60 @@ from ray import serve
 from llmserve.rayserve.app import build_application
 from llmserve.rayserve.cli import add_serve_ray_args, deployment_from_args
 from llmserve.router.replicas import free_port
+from llmserve.testing.servers import EngineGates
+
+NUM_CPUS = 4  # two engine replicas and a third under autoscaling (0.5 each), the ingress, P/D's two roles
+# Replicas and handles report their ongoing requests to Ray's autoscaler every second instead of every 10.
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
 
 
-@contextlib.contextmanager
-def ray_serve_app(model: str, flags: tuple[str, ...], app: str, num_cpus: int,
-                  env_vars: dict[str, str] | None = None) -> Iterator[str]:
-    """The application's URL while it runs; `env_vars` go to every Ray process (the replicas' engines)."""
-    port = free_port()
-    parser = argparse.ArgumentParser()
-    add_serve_ray_args(parser)
-    deployment = deployment_from_args(parser.parse_args(["--model", model, *flags, "--port", str(port)]))
-    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    try:
-        ray.init(num_cpus=num_cpus, _temp_dir=ray_dir, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"TMPDIR": ray_dir, **(env_vars or {})}})
+class SharedRay:
+    """The local Ray and Serve, started on the first `app`, stopped by `stop` (a no-op when not running)."""
+
+    def __init__(self) -> None:
+        self.ray_dir: str | None = None
+        self.port = 0
+        self.gates: EngineGates | None = None
+
+    def _start(self) -> None:
+        self.gates = EngineGates()
+        self.ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        self.port = free_port()
+        ray.init(num_cpus=NUM_CPUS, _temp_dir=self.ray_dir, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"TMPDIR": self.ray_dir, **self.gates.env, **FAST_METRICS}})
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+
+    @contextlib.contextmanager
+    def app(self, model: str, flags: tuple[str, ...], name: str) -> Iterator[str]:
+        """The application's URL while it runs (deleted on exit)."""
+        if self.ray_dir is None:
+            try:
+                self._start()
+            except BaseException:
+                self.stop()
+                raise
+        parser = argparse.ArgumentParser()
+        add_serve_ray_args(parser)
+        deployment = deployment_from_args(parser.parse_args(["--model", model, *flags, "--port", str(self.port)]))
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_application(deployment), name=app)
-            yield f"http://127.0.0.1:{port}"
+            serve.run(build_application(deployment), name=name)
+            yield f"http://127.0.0.1:{self.port}"
         finally:
-            serve.shutdown()
+            serve.delete(name)
+
+    def stop(self) -> None:
+        if self.ray_dir is None:
+            return
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
             ray.shutdown()
-    finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
+            shutil.rmtree(self.ray_dir, ignore_errors=True)
+            if self.gates is not None:
+                self.gates.close()
+            self.ray_dir, self.gates = None, None
+
+
+SHARED_RAY = SharedRay()

@@ -1,4 +1,4 @@
-"""llmserve on a real Ray Serve (a local Ray in this process, 4 logical CPUs, torn down at the end): two tiny
+"""llmserve on a real Ray Serve (the Ray Serve modules' local Ray in this process, rayserve_app.py): two tiny
 CPU replicas behind the ingress answer the OpenAI client and TGI; the prefix-aware request router keeps a
 prefix on one replica (prefix-cache hit rate against a round-robin baseline, read from each replica's
 metrics); a replica killed under load is replaced by Ray without losing a request that had not started
@@ -28,7 +28,6 @@ from llmserve.testing.servers import StepGateClient, wait_until  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # the unit tests' peft helpers
 from lora_helpers import make_adapter  # noqa: E402
-from rayserve_app import ray_serve_app  # noqa: E402
 
 APP = "llmserve"
 MIN_REPLICAS, MAX_REPLICAS, TARGET_ONGOING = 2, 3, 4
@@ -40,17 +39,13 @@ FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "200
          "--target-ongoing-requests", str(TARGET_ONGOING), "--upscale-delay-s", "1", "--downscale-delay-s", "3",
          "--look-back-period-s", "11", "--prefix-chars", "200", "--enable-lora", "--max-lora-rank", "8")
 
-# Replicas and handles report their ongoing requests to Ray's autoscaler every second instead of every 10.
-FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
-
 
 @pytest.fixture(scope="module")
-def url(engine_gates, tmp_path_factory):
-    # Every replica's engine gets a step gate (free-running until a test holds it), and Ray's autoscaling
-    # metrics come every second.
+def url(shared_ray, tmp_path_factory):
+    # Every replica's engine has a step gate (free-running until a test holds it), and Ray's autoscaling
+    # metrics come every second (rayserve_app.py).
     model = shared_tiny_model(str(tmp_path_factory.getbasetemp()))
-    with ray_serve_app(model, FLAGS, APP, num_cpus=4, env_vars={**engine_gates.env, **FAST_METRICS}) as url:
+    with shared_ray.app(model, FLAGS, APP) as url:
         yield url
 
 
@@ -222,10 +217,10 @@ def test_killed_replica_is_replaced_and_unstarted_requests_survive(url):
     assert victim not in new_ids and len(new_ids & ids) == 1
 
 
-def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(url, engine_gates):
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(url, shared_ray):
     wait_until(settled(MIN_REPLICAS), 120, "two running replicas")
     # The engines that were there when the test began (a killed replica's engine is gone with it).
-    addrs = wait_until(lambda: len(live := engine_gates.live()) == MIN_REPLICAS and live, 60,
+    addrs = wait_until(lambda: len(live := shared_ray.gates.live()) == MIN_REPLICAS and live, 60,
                        "one live engine gate per replica")
     with ThreadPoolExecutor(16) as pool, contextlib.ExitStack() as stack:  # the gates released first
         engines = [stack.enter_context(StepGateClient(60, addr)) for addr in addrs]

@@ -1,5 +1,5 @@
-"""`llmserve serve-ray --pd-disaggregation` on a real Ray Serve (a local Ray in this process, torn down at the
-end): one prefill replica and one decode replica behind the P/D ingress, each role autoscaled by its own
+"""`llmserve serve-ray --pd-disaggregation` on a real Ray Serve (the Ray Serve modules' local Ray in this process,
+rayserve_app.py): one prefill replica and one decode replica behind the P/D ingress, each role autoscaled by its own
 config. A request's prompt runs on the prefill replica, its KV blocks reach the decode replica (which loads them
 rather than computing them: its metrics count them), and the greedy tokens, streamed or not, are a colocated
 engine's; a prompt under --max-local-prefill-length skips the prefill replica."""
@@ -21,7 +21,6 @@ from llmserve.rayserve.messages import REPLICA_HEADER  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from llmserve.testing.router_servers import sample_value, shared_tiny_model  # noqa: E402
 from llmserve.testing.servers import wait_until  # noqa: E402
-from rayserve_app import ray_serve_app  # noqa: E402
 
 APP = "llmserve-pd"
 LOCAL_PREFILL_LENGTH = 64  # the tests' id prompts are longer
@@ -39,8 +38,8 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def url(model):
-    with ray_serve_app(model, FLAGS, APP, num_cpus=2) as url:
+def url(model, shared_ray):
+    with shared_ray.app(model, FLAGS, APP) as url:
         yield url
 
 

@@ -37,7 +37,8 @@ def _inputs() -> list[torch.Tensor]:
     return [torch.randn(n, HIDDEN, generator=gen) for n in TOKEN_COUNTS]
 
 
-def _rank_main(rank: int, port: int, has_bias: bool, results) -> None:
+def _rank_main(rank: int, port: int, bias_cases: tuple[bool, ...], results) -> None:
+    """This rank's outputs for each has_bias case, one after another in one process group."""
     import torch.distributed as dist
 
     from llmserve.model.parallel import TensorParallel
@@ -45,23 +46,38 @@ def _rank_main(rank: int, port: int, has_bias: bool, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
     try:
-        whole = _whole_block(has_bias)
-        tp = TensorParallel(rank, RANKS, is_expert_parallel=True, all2all_backend="all2allv")
-        first, count = held = expert_range(EXPERTS, RANKS, rank)
-        part = SparseMoeBlock(HIDDEN, whole.spec, tp, held_experts=held)
-        assert part.is_all_to_all
-        with torch.no_grad():
-            part.gate.load_state_dict(whole.gate.state_dict())
-            for name, param in part.experts.named_parameters():
-                param.copy_(getattr(whole.experts, name)[first:first + count])
-            results.put((rank, [part(x).tolist() for x in _inputs()]))
+        got = []
+        for has_bias in bias_cases:
+            whole = _whole_block(has_bias)
+            tp = TensorParallel(rank, RANKS, is_expert_parallel=True, all2all_backend="all2allv")
+            first, count = held = expert_range(EXPERTS, RANKS, rank)
+            part = SparseMoeBlock(HIDDEN, whole.spec, tp, held_experts=held)
+            assert part.is_all_to_all
+            with torch.no_grad():
+                part.gate.load_state_dict(whole.gate.state_dict())
+                for name, param in part.experts.named_parameters():
+                    param.copy_(getattr(whole.experts, name)[first:first + count])
+                got.append([part(x).tolist() for x in _inputs()])
+        results.put((rank, got))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("has_bias", [False, True])
-def test_three_ranks_dispatching_rows_give_the_whole_blocks_output(has_bias):
-    got = dict(run_ranks(_rank_main, RANKS, lambda rank, port, results: (rank, port, has_bias, results), timeout=120))
+BIAS_CASES = (False, True)
+
+
+@pytest.fixture(scope="module")
+def ranked() -> dict[bool, dict[int, list]]:
+    """Both cases on one set of spawned gloo ranks (a spawn costs each rank a torch import):
+    has_bias -> rank -> outputs."""
+    got = dict(run_ranks(_rank_main, RANKS, lambda rank, port, results: (rank, port, BIAS_CASES, results),
+                         timeout=120))
+    return {has_bias: {rank: got[rank][i] for rank in range(RANKS)} for i, has_bias in enumerate(BIAS_CASES)}
+
+
+@pytest.mark.parametrize("has_bias", BIAS_CASES)
+def test_three_ranks_dispatching_rows_give_the_whole_blocks_output(ranked, has_bias):
+    got = ranked[has_bias]
     whole = _whole_block(has_bias)
     with torch.no_grad():
         expected = [whole(x) for x in _inputs()]

@@ -27,7 +27,9 @@ from test_quant_moe import MOE_THRESHOLDS
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=200)
 
 
-def _rank_main(rank: int, port: int, path: str, is_expert_parallel: bool, method: str | None, results) -> None:
+def _rank_main(rank: int, port: int, cases: list[tuple[str, bool, str | None]], results) -> None:
+    """Every case (checkpoint, experts whole a rank, quantization) on this rank, one after another in one process
+    group: (rank, [(layer kinds, prefill logits)] in the cases' order)."""
     import torch.distributed as dist
 
     from llmserve.model.loader import load_model
@@ -36,47 +38,64 @@ def _rank_main(rank: int, port: int, path: str, is_expert_parallel: bool, method
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        tp = TensorParallel(rank, 2, is_expert_parallel=is_expert_parallel)
-        model = load_model(path, torch.float32, "cpu", tp=tp, quantization=method)
-        layer = model.model.layers[1]
-        kinds = (type(layer.self_attn.o_proj).__name__, type(getattr(layer.mlp, "experts", layer.mlp)).__name__,
-                 type(model.lm_head).__name__ if model.lm_head is not None else None)
-        results.put((rank, kinds, _prefill_logits(model, _prompts(8, seed=2)).tolist()))
+        got = []
+        for path, is_expert_parallel, method in cases:
+            tp = TensorParallel(rank, 2, is_expert_parallel=is_expert_parallel)
+            model = load_model(path, torch.float32, "cpu", tp=tp, quantization=method)
+            layer = model.model.layers[1]
+            kinds = (type(layer.self_attn.o_proj).__name__, type(getattr(layer.mlp, "experts", layer.mlp)).__name__,
+                     type(model.lm_head).__name__ if model.lm_head is not None else None)
+            got.append((kinds, _prefill_logits(model, _prompts(8, seed=2)).tolist()))
+        results.put((rank, got))
     finally:
         dist.destroy_process_group()
 
 
-def _run_ranks(path: str, is_expert_parallel: bool, method: str | None) -> dict[int, tuple]:
-    got = run_ranks(_rank_main, 2, lambda rank, port, results: (rank, port, path, is_expert_parallel, method, results))
-    return {rank: (kinds, logits) for rank, kinds, logits in got}
+QUANTIZED = [(is_expert_parallel, method) for is_expert_parallel in (False, True) for method in ("int8", "fp8")]
+FP8_CHECKPOINTS = [("llama", "tiny"), ("qwen3_moe", "tiny-moe")]
+
+
+@pytest.fixture(scope="module")
+def ranked(tmp_path_factory) -> tuple[dict, dict[tuple, dict[int, tuple]]]:
+    """Both tests' cases on one pair of spawned ranks (a spawn costs each rank a torch import): the paths, and
+    case -> rank -> (layer kinds, logits); cases: (is_expert_parallel, method) of the peaked MoE model, and
+    (arch, shape) of the FP8 checkpoints read unquantized."""
+    root = tmp_path_factory.mktemp("quant-tp")
+    paths = {"peaked": make_model("qwen3_moe", "tiny-moe", str(root / "peaked"), seed=3, is_peaked=True)}
+    for arch, shape in FP8_CHECKPOINTS:
+        paths[arch, shape] = make_model(arch, shape, str(root / arch), seed=3)
+        write_fp8_checkpoint(paths[arch, shape], "fp8")
+    cases = {**{case: (paths["peaked"], *case) for case in QUANTIZED},
+             **{case: (paths[case], False, None) for case in FP8_CHECKPOINTS}}
+    got = dict(run_ranks(_rank_main, 2, lambda rank, port, results: (rank, port, list(cases.values()), results)))
+    return paths, {case: {rank: got[rank][i] for rank in range(2)} for i, case in enumerate(cases)}
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("is_expert_parallel", [False, True], ids=["experts-split", "experts-whole"])
-def test_two_quantized_ranks_are_within_the_methods_bar_of_the_float_model(tmp_path, is_expert_parallel, method):
+def test_two_quantized_ranks_are_within_the_methods_bar_of_the_float_model(ranked, is_expert_parallel, method):
     from llmserve.model.loader import load_model
 
-    path = make_model("qwen3_moe", "tiny-moe", str(tmp_path), seed=3, is_peaked=True)
-    got = _run_ranks(path, is_expert_parallel, method)
+    paths, results = ranked
+    got = results[is_expert_parallel, method]
     for rank in range(2):
         assert got[rank][0] == ("RowParallelQuantized", "QuantizedExperts", "Linear")  # the head: float
     assert got[0][1] == got[1][1]  # the all-reduces leave every rank the same logits
-    ref = _prefill_logits(load_model(path, torch.float32, "cpu"), _prompts(8, seed=2))
+    ref = _prefill_logits(load_model(paths["peaked"], torch.float32, "cpu"), _prompts(8, seed=2))
     cos, top1 = _agreement(ref, torch.tensor(got[0][1]))
     min_cos, min_top1 = MOE_THRESHOLDS[method]
     assert cos >= min_cos and top1 >= min_top1, (cos, top1)
 
 
-@pytest.mark.parametrize("arch, shape", [("llama", "tiny"), ("qwen3_moe", "tiny-moe")])
-def test_two_ranks_cut_an_fp8_checkpoints_dequantized_weights_as_one_rank_reads_them(tmp_path, arch, shape):
+@pytest.mark.parametrize("arch, shape", FP8_CHECKPOINTS)
+def test_two_ranks_cut_an_fp8_checkpoints_dequantized_weights_as_one_rank_reads_them(ranked, arch, shape):
     """Block scales (one 128 x 128 block covers a tiny weight whole) do not cut like the weight: each rank
     dequantizes whole tensors, then keeps its slice; unquantized afterwards, 2 ranks give one rank's logits."""
     from llmserve.model.loader import load_model
 
-    path = make_model(arch, shape, str(tmp_path), seed=3)
-    write_fp8_checkpoint(path, "fp8")
-    got = _run_ranks(path, is_expert_parallel=False, method=None)
-    ref = _prefill_logits(load_model(path, torch.float32, "cpu"), _prompts(8, seed=2))
+    paths, results = ranked
+    got = results[arch, shape]
+    ref = _prefill_logits(load_model(paths[arch, shape], torch.float32, "cpu"), _prompts(8, seed=2))
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(got[rank][1]), ref, atol=2e-5, rtol=1e-4)
 

@@ -47,20 +47,34 @@ def test_two_ranks_give_one_rank_greedy_tokens(arch, tmp_path):
         _check_idle(llm)
 
 
+@pytest.fixture(scope="module")
+def one_rank_moe(tmp_path_factory):
+    """arch -> (checkpoint, prompts, params, one rank's greedy tokens), made once an arch for both all2all
+    backends."""
+    made = {}
+
+    def case(arch: str):
+        if arch not in made:
+            name, _, shape = arch.partition(":")
+            path = make_model(name, shape or "tiny-moe", str(tmp_path_factory.mktemp("tp-moe")), seed=1)
+            prompts = _prompts(6, seed=1)
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            made[arch] = (path, prompts, params, _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params))
+        return made[arch]
+
+    return case
+
+
 @pytest.mark.parametrize("arch, all2all_backend", [("qwen3_moe", "allgather_reducescatter"),
                                                      ("mixtral", "allgather_reducescatter"),
                                                      ("deepseek_v3:tiny-deepseek-v3", "allgather_reducescatter"),
                                                      ("qwen3_moe", "all2allv"),
                                                      ("deepseek_v3:tiny-deepseek-v3", "all2allv")])
-def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, all2all_backend, tmp_path):
+def test_two_ranks_holding_whole_experts_give_one_rank_greedy_tokens(arch, all2all_backend, one_rank_moe):
     """--enable-expert-parallel: each rank runs 4 of the 8 experts; the engine reports rank 0's expert load.
     DeepSeek-V3: grouped sigmoid routing with the correction bias, shared experts split by features, a dense
     first layer, latent attention's heads split. all2allv: rows dispatched to the experts' ranks and back."""
-    arch, _, shape = arch.partition(":")
-    path = make_model(arch, shape or "tiny-moe", str(tmp_path), seed=1)
-    prompts = _prompts(6, seed=1)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = _tokens(LLM(path, num_kv_blocks=200, **ENGINE), prompts, params)
+    path, prompts, params, expected = one_rank_moe(arch)
     with LLM(path, num_kv_blocks=200, tensor_parallel_size=2, enable_expert_parallel=True,
              all2all_backend=all2all_backend, **ENGINE) as llm:
         blocks = llm.engine.runner.model.moe_blocks()
@@ -93,9 +107,18 @@ def test_batching_invariance_with_and_without_preemption(invariance_case, num_kv
         _check_idle(llm)
 
 
-def test_grammar_and_penalties_stay_on_rank_0(tmp_path):
+@pytest.fixture(scope="module")
+def llama_on_two_ranks(tmp_path_factory):
+    """(checkpoint, its engine on 2 ranks) shared by the grammar test and the dead-rank test, which is the last
+    to use it (it kills rank 1): an engine on 2 ranks costs a spawned rank's torch import to start."""
+    path = make_model("llama", "tiny", str(tmp_path_factory.mktemp("tp-llama")), seed=1)
+    with LLM(path, num_kv_blocks=100, tensor_parallel_size=2, **ENGINE) as llm:
+        yield path, llm
+
+
+def test_grammar_and_penalties_stay_on_rank_0(llama_on_two_ranks):
     """The grammar's bitmask and the penalties act on rank 0's logits; the other rank follows its ids."""
-    path = make_model("llama", "tiny", str(tmp_path), seed=1)
+    path, llm = llama_on_two_ranks
     prompts = _prompts(3, seed=5)
     choice = StructuredOutputsParams(choice=["yes", "no"])
     params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
@@ -103,26 +126,24 @@ def test_grammar_and_penalties_stay_on_rank_0(tmp_path):
                              presence_penalty=0.5),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
     expected = [o.outputs[0] for o in LLM(path, num_kv_blocks=100, **ENGINE).generate(prompts, params)]
-    with LLM(path, num_kv_blocks=100, tensor_parallel_size=2, **ENGINE) as llm:
-        got = [o.outputs[0] for o in llm.generate(prompts, params)]
-        assert got[0].text in ("yes", "no")
-        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-        _check_idle(llm)
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert got[0].text in ("yes", "no")
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    _check_idle(llm)
 
 
-def test_a_dead_rank_fails_the_next_step_at_once(tmp_path):
-    path = make_model("llama", "tiny", str(tmp_path), seed=1)
+def test_a_dead_rank_fails_the_next_step_at_once(llama_on_two_ranks):
+    _, llm = llama_on_two_ranks
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    with LLM(path, num_kv_blocks=100, tensor_parallel_size=2, **ENGINE) as llm:
+    llm.generate([[5, 6, 7]], params)
+    rank1 = llm.engine.tp_executor.procs[0]
+    rank1.kill()
+    # The executor's monitor thread reaps the rank; joining it here too would race that waitpid.
+    assert multiprocessing.connection.wait([rank1.sentinel], 10) == [rank1.sentinel]
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
         llm.generate([[5, 6, 7]], params)
-        rank1 = llm.engine.tp_executor.procs[0]
-        rank1.kill()
-        # The executor's monitor thread reaps the rank; joining it here too would race that waitpid.
-        assert multiprocessing.connection.wait([rank1.sentinel], 10) == [rank1.sentinel]
-        start = time.monotonic()
-        with pytest.raises(WorkerDied, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
-            llm.generate([[5, 6, 7]], params)
-        assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 5
 
 
 def test_unsupported_combinations_are_refused_before_any_rank_starts(tmp_path):

@@ -50,7 +50,9 @@ def _logits(path: str, tp=None) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], results, parallel: dict) -> None:
+def _rank_main(rank: int, size: int, port: int, runs: list[tuple[list[str], dict]], results) -> None:
+    """Each run (checkpoints, TensorParallel settings) on this rank, one after another in one process group:
+    (rank, [run][checkpoint][step] logits)."""
     import torch.distributed as dist
 
     from llmserve.model.parallel import TensorParallel
@@ -58,8 +60,9 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], results, paral
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        logits = [_logits(p, TensorParallel(rank, size, **parallel)) for p in paths]
-        results.put((rank, [[t.tolist() for t in steps] for steps in logits]))
+        got = [[[t.tolist() for t in _logits(p, TensorParallel(rank, size, **parallel))] for p in paths]
+               for paths, parallel in runs]
+        results.put((rank, got))
     finally:
         dist.destroy_process_group()
 
@@ -80,11 +83,22 @@ def checkpoints(tmp_path_factory) -> list[str]:
     return paths
 
 
-def _run_ranks(paths: list[str], **parallel) -> dict[int, list]:
-    """Each of 2 gloo ranks' logits of every checkpoint (rank -> [checkpoint][step]); `parallel`: the
-    TensorParallel's settings (is_expert_parallel, all2all_backend)."""
-    return dict(run_ranks(_rank_main, 2, lambda rank, port, results: (rank, 2, port, paths, results, parallel),
-                          timeout=120))
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2")
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2allv")
+
+
+@pytest.fixture(scope="module")
+def ranked(checkpoints) -> dict[str | None, dict[int, list]]:
+    """The tests' runs on one pair of spawned gloo ranks (a spawn costs each rank a torch import): every
+    checkpoint split (key None), and the MoE ones under expert parallelism (key: the all2all backend) ->
+    rank -> [checkpoint][step] logits."""
+    moe = [path for path in checkpoints if path.endswith(MOE_ARCHS)]
+    runs = {None: (checkpoints, {}),
+            **{backend: (moe, {"is_expert_parallel": True, "all2all_backend": backend})
+               for backend in ALL2ALL_BACKENDS}}
+    got = dict(run_ranks(_rank_main, 2, lambda rank, port, results: (rank, 2, port, list(runs.values()), results),
+                         timeout=240))
+    return {key: {rank: got[rank][i] for rank in range(2)} for i, key in enumerate(runs)}
 
 
 def _check_ranks(paths: list[str], got: dict[int, list]) -> None:
@@ -96,21 +110,20 @@ def _check_ranks(paths: list[str], got: dict[int, list]) -> None:
                                            msg=lambda m: f"{path} rank {rank}: {m}")
 
 
-def test_two_ranks_reproduce_the_whole_model(checkpoints):
-    _check_ranks(checkpoints, _run_ranks(checkpoints))
+def test_two_ranks_reproduce_the_whole_model(checkpoints, ranked):
+    _check_ranks(checkpoints, ranked[None])
 
 
-@pytest.mark.parametrize("all2all_backend", ["allgather_reducescatter", "all2allv"])
-def test_two_ranks_holding_whole_experts_reproduce_the_whole_model(checkpoints, all2all_backend):
+@pytest.mark.parametrize("all2all_backend", ALL2ALL_BACKENDS)
+def test_two_ranks_holding_whole_experts_reproduce_the_whole_model(checkpoints, ranked, all2all_backend):
     """Expert parallelism: each rank reads and runs 4 of the 8 experts (per-expert checkpoint tensors for
     Qwen3-MoE, Mixtral and DeepSeek, stacked ones with biases for gpt-oss). DeepSeek's routing (grouped top-k,
     V3's sigmoid scores with the correction bias, routed_scaling_factor) runs whole on every rank, its shared
     experts split by features, its first_k_dense_replace layers dense and split, its latent attention's heads
     split as under tensor parallelism. all2allv: each rank sends its half of the tokens' routed rows to the
     experts' ranks and combines their outputs (model/moe_dispatch.py)."""
-    moe = [path for path in checkpoints if path.endswith(("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3",
-                                                          "deepseek_v2"))]
-    _check_ranks(moe, _run_ranks(moe, is_expert_parallel=True, all2all_backend=all2all_backend))
+    moe = [path for path in checkpoints if path.endswith(MOE_ARCHS)]
+    _check_ranks(moe, ranked[all2all_backend])
 
 
 def test_heads_split_by_kv_group():
