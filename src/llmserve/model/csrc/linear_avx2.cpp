@@ -7,9 +7,9 @@
 // Threads take contiguous runs of (panel, 64-row block) units (panel_gemm.h), so each streams its own stretch
 // of the packed weight. A unit walks K in chunks of 128: the panel's 8 KB chunk stays in L1 while every block of up to 6
 // rows of x passes over it, 6 rows x 16 columns held in 12 ymm accumulators. At decode sizes (a few rows)
-// the weights come from DRAM: from 3 rows the first row block of a panel prefetches the stream 256 k-rows
-// (16 KB) ahead into L2, which overlaps the weights' stream with the FMAs instead of waiting for it; at one or
-// two rows the hardware prefetchers keep up alone (panel_gemm.h's kPrefetchMinRows).
+// the weights come from DRAM: past 6 rows the first row block of a panel prefetches the stream 256 k-rows
+// (16 KB) ahead into L2, which overlaps the weights' stream with the FMAs instead of waiting for it; within one
+// register block the hardware prefetchers keep up alone (panel_gemm.h).
 //
 // Every output element is one FMA chain over k in order (chunks accumulate through `out`): results do not
 // depend on the number of rows, a row's position or the thread count.

@@ -9,7 +9,7 @@
 //                         rows), float32 sums through AVX512-BF16's dot products (vdpbf16ps), on the plain
 //                         row-major weight: threads take contiguous runs of output rows and stream those rows
 //                         of w once, one after the other; a row's partial sums are added at the end (from 3 rows
-//                         with a software prefetch ahead of the loads, as the panels').
+//                         with a software prefetch ahead of the loads).
 //
 // Without AVX-512 (or AVX512-BF16) in the build the ops exist and refuse (`has_avx512_kernels` in Python says
 // which are there).
@@ -36,6 +36,7 @@ constexpr int64_t kGemvGrain = 64;      // output rows (of w) a thread takes at 
 constexpr int64_t kGemvPrefetch = 4096;  // elements of w ahead of the loads prefetched into L1 (8 KB; 2-16 KB
                                          // measured alike, none 20% slower: docs/benchmarks.md)
 constexpr int64_t kMaxGemvM = llmserve_cpu::kBf16GemvMaxRows;
+constexpr int kGemvPrefetchMinRows = 3;  // at 1-2 rows the hardware prefetchers stream w faster alone
 
 using Gemm = llmserve_cpu::F32PanelGemm;
 
@@ -115,7 +116,7 @@ inline void gemv_row(const Gemv& g, int64_t n, bool can_prefetch) {
 
 template <int M>
 void run_gemv_rows(const Gemv& g) {
-  const bool can_prefetch = M >= llmserve_cpu::kPrefetchMinRows;  // as the panels' (panel_gemm.h)
+  const bool can_prefetch = M >= kGemvPrefetchMinRows;
   at::parallel_for(0, g.n, kGemvGrain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) gemv_row<M>(g, n, can_prefetch);
   });

@@ -107,15 +107,13 @@ inline F32PanelGemm f32_panel_gemm(const char* op, at::Tensor& out, const at::Te
   return F32PanelGemm{x.data_ptr<float>(), panels.data_ptr<float>(), b, out.data_ptr<float>(), m, n, k, panels.size(0)};
 }
 
-// Rows from which a weight stream is prefetched in software too: at one or two rows the hardware prefetchers
-// stream the weights faster alone (on 2 MiB pages, model/huge_pages.py; from 3 rows the FMAs slow the stream down
-// and the prefetch wins back more than it costs: docs/benchmarks.md).
-constexpr int64_t kPrefetchMinRows = 3;
-
-// Every unit of an F32PanelGemm on ATen's threads (for_each_panel_unit).
+// Every unit of an F32PanelGemm on ATen's threads (for_each_panel_unit). The weights' stream is prefetched in
+// software only past one register block of rows: then each chunk is passed over more than once and the stream
+// stalls without it; within one block the panels are read once, in order, and the hardware prefetchers keep up
+// faster alone (on 2 MiB pages, model/huge_pages.py: docs/benchmarks.md).
 template <int kMaxRows, int64_t kChunk, int64_t kPrefetchRows, class Block>
 void run_f32_panel_gemm(const F32PanelGemm& g, Block block) {
-  const bool can_prefetch = g.m >= kPrefetchMinRows;
+  const bool can_prefetch = g.m > kMaxRows;
   for_each_panel_unit(g.num_panels, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
     run_f32_panel_unit<kMaxRows, kChunk, kPrefetchRows>(g, p, row0, num_rows, prefetch && can_prefetch, block);
   });
