@@ -4,14 +4,9 @@ result on a queue; every process must exit cleanly."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from collections.abc import Callable
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from llmserve.router.replicas import free_port
 
 
 def run_ranks(target: Callable, num_ranks: int, args_of: Callable[[int, int, object], tuple],

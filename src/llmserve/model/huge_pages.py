@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,11 @@ HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 MIN_BYTES = 256 << 10  # smaller tensors (norms, biases) stay: they are a step's least and stay cached
 _ALIGN = 64  # bytes: each tensor starts on a cache line
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _aligned(num_bytes: int) -> int:
+    """num_bytes rounded up to a whole number of cache lines (where the next tensor starts)."""
+    return -(-num_bytes // _ALIGN) * _ALIGN
 
 
 def thp_mode() -> str:
@@ -75,13 +79,13 @@ def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.
     off or unavailable (`is_enabled`)."""
     if not is_enabled():
         return None
-    num_bytes = -(-math.prod(shape) * torch.empty((), dtype=dtype).element_size() // _ALIGN) * _ALIGN
-    memory = arena(count * num_bytes) if count and num_bytes else None
+    numel = math.prod(shape)
+    stride = _aligned(numel * torch.empty((), dtype=dtype).element_size())  # bytes from one tensor to the next
+    memory = arena(count * stride) if count and stride else None
     if memory is None:
         return None
     memory.zero_()
-    return [memory[i * num_bytes:(i + 1) * num_bytes].view(dtype)[:math.prod(shape)].view(shape)
-            for i in range(count)]
+    return [memory[i * stride:(i + 1) * stride].view(dtype)[:numel].view(shape) for i in range(count)]
 
 
 def _movable(tensor: object, min_bytes: int) -> bool:
@@ -89,8 +93,7 @@ def _movable(tensor: object, min_bytes: int) -> bool:
     with it; oneDNN's packed weights, opaque, stay where oneDNN put them)."""
     return (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout == torch.strided
             and not tensor.is_mkldnn and not tensor.is_quantized and tensor.is_contiguous()
-            and tensor.numel() * tensor.element_size() >= min_bytes
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+            and tensor.nbytes >= min_bytes and tensor.untyped_storage().nbytes() == tensor.nbytes)
 
 
 def _plan(model: nn.Module, min_bytes: int) -> tuple[list[_Slot], dict[int, torch.Tensor], int]:
@@ -110,7 +113,7 @@ def _plan(model: nn.Module, min_bytes: int) -> tuple[list[_Slot], dict[int, torc
                 if tensor.data_ptr() not in offset_of:
                     offset_of[tensor.data_ptr()] = size
                     by_offset[size] = tensor
-                    size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+                    size += _aligned(tensor.nbytes)
                 slots.append(_Slot(vars(module) if owner is attributes else owner, name,
                                    offset_of[tensor.data_ptr()]))
     return slots, by_offset, size
@@ -128,8 +131,7 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
         return 0
     copies = {}
     for offset, tensor in by_offset.items():
-        num_bytes = tensor.numel() * tensor.element_size()
-        copies[offset] = memory[offset:offset + num_bytes].view(tensor.dtype).view(tensor.shape)
+        copies[offset] = memory[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         copies[offset].copy_(tensor)
     for slot in slots:
         current = slot.owner[slot.name]
@@ -140,22 +142,3 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     logger.info("%.0f MB of weights on transparent huge pages (%s=0 turns it off)", size / 1e6, ENV)
     return size
 
-
-def huge_page_kib(tensor: torch.Tensor) -> int:
-    """KiB of the mapping holding tensor's data that the kernel backs with huge pages now (/proc/self/smaps), or -1
-    where it cannot tell."""
-    address = tensor.data_ptr()
-    try:
-        with open(f"/proc/{os.getpid()}/smaps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return -1
-    is_inside = False
-    for line in lines:
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            is_inside = start <= address < end
-        elif is_inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return -1
