@@ -66,7 +66,7 @@ def test_fused_bf16_silu_mul_rotary_and_kv_write_equal_torch_bit_for_bit():
 
 
 @needs_gemv
-@pytest.mark.parametrize("num_out,num_in", [(37, 576), (64, 45), (5, 1000)])  # N % 4 != 0, K % 32 != 0
+@pytest.mark.parametrize("num_out,num_in", [(37, 576), (64, 45), (5, 1000), (5000, 32)])  # N % 4 != 0, K % 32 != 0; chunks
 def test_bf16_gemv_matches_a_float64_reference(num_out, num_in):
     gen = torch.Generator().manual_seed(num_in)
     w, b = torch.randn(num_out, num_in, generator=gen).to(BF16), torch.randn(num_out, generator=gen).to(BF16)

@@ -37,20 +37,24 @@ def test_panels_match_a_float64_reference_at_every_row_count(num_out, num_in, ha
 
 @needs_panels
 @pytest.mark.parametrize("num_threads", [1, 2, 5])
-def test_a_rows_output_does_not_depend_on_the_batch_or_the_threads(num_threads):
-    """Each output is one FMA chain over k in order: the same bits whatever the rows beside it."""
+@pytest.mark.parametrize("num_out,num_in", [(200, 300), (3000, 40)])  # 3000 x 40: many chunks, for threads to take
+def test_a_rows_output_does_not_depend_on_the_batch_or_the_threads(num_threads, num_out, num_in):
+    """Each output is one FMA chain over k in order: the same bits whatever the rows beside it, and whichever
+    thread's chunk (csrc/balanced_for.h) its panel fell in."""
     gen = torch.Generator().manual_seed(1)
-    w, x = torch.randn(200, 300, generator=gen), torch.randn(70, 300, generator=gen)
+    w, x = torch.randn(num_out, num_in, generator=gen), torch.randn(70, num_in, generator=gen)
     panels = cpu_kernels.pack_linear_weight(w)
-    alone = torch.cat([cpu_kernels.packed_linear(x[i:i + 1], panels, 200) for i in range(70)])
+    alone = torch.cat([cpu_kernels.packed_linear(x[i:i + 1], panels, num_out) for i in range(70)])
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        together = cpu_kernels.packed_linear(x, panels, 200)
-        shifted = cpu_kernels.packed_linear(x[3:], panels, 200)
+        together = cpu_kernels.packed_linear(x, panels, num_out)
+        shifted = cpu_kernels.packed_linear(x[3:], panels, num_out)
+        single = [cpu_kernels.packed_linear(x[:1], panels, num_out) for _ in range(20)]
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(together, alone) and torch.equal(shifted, alone[3:])
+    assert all(torch.equal(each, alone[:1]) for each in single)
 
 
 @needs_panels

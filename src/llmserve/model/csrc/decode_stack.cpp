@@ -129,26 +129,39 @@ struct DecodeStack : torch::CustomClassHolder {
     return out;
   }
 
-  // The attention half of layer `layer` on its normed rows x [T, hidden]: qkv, Qwen3's q/k norms, rotary, the KV
-  // write and paged attention -> o_proj's output [T, hidden] (into o_out where the linear's kernel writes one).
+  // The q, k, q-and-k and v heads [T, H | Hkv | H + Hkv | Hkv, D] of a qkv output [T, (H + 2 Hkv) D]: made once a
+  // step for the step's qkv buffer (views cost a dispatch each), anew where a linear returned a new tensor.
+  struct QkvViews {
+    at::Tensor qkv, q, k, qk, v;
+  };
+  QkvViews views_of(const at::Tensor& qkv) const {
+    const at::Tensor heads = qkv.view({qkv.size(0), num_heads + 2 * num_kv_heads, head_dim});
+    return QkvViews{qkv, heads.narrow(1, 0, num_heads), heads.narrow(1, num_heads, num_kv_heads),
+                    heads.narrow(1, 0, num_heads + num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads)};
+  }
+
+  // The attention half of layer `layer` on its normed rows x [T, hidden]: qkv (into the buffer of qkv_views where
+  // its kernel writes one), Qwen3's q/k norms, rotary, the KV write and paged attention into attn [T, H, D] (whose
+  // [T, H * D] view is attn_rows) -> o_proj's output [T, hidden] (into o_out where its kernel writes one).
   at::Tensor attend(const StackLayer& layer, const at::Tensor& x, const at::Tensor& kv_cache, const Step& step,
-                    const at::Tensor& qkv_out, const at::Tensor& o_out, at::Tensor& attn) const {
-    const int64_t num_tokens = x.size(0), num_qk_heads = num_heads + num_kv_heads;
-    const at::Tensor qkv = run_linear(layer.linears[kQkv], x, qkv_out);
-    const at::Tensor heads = qkv.view({num_tokens, num_qk_heads + num_kv_heads, head_dim});  // [T, H + 2Hkv, D]
-    at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
+                    const QkvViews& qkv_views, const at::Tensor& o_out, at::Tensor& attn,
+                    const at::Tensor& attn_rows) const {
+    const at::Tensor qkv = run_linear(layer.linears[kQkv], x, qkv_views.qkv);
+    std::optional<QkvViews> fresh;
+    const QkvViews& views = qkv.is_same(qkv_views.qkv) ? qkv_views : fresh.emplace(views_of(qkv));
+    at::Tensor q = views.q, k = views.k;
     if (layer.q_norm.has_value()) {  // new tensors, each rotated on its own
       q = head_norm(q, *layer.q_norm);
       k = head_norm(k, *layer.k_norm);
       llmserve_cpu::rotary(q, step.cos, step.sin);
       llmserve_cpu::rotary(k, step.cos, step.sin);
     } else {  // one rotary over the q and k heads of qkv
-      llmserve_cpu::rotary(heads.narrow(1, 0, num_qk_heads), step.cos, step.sin);
+      llmserve_cpu::rotary(views.qk, step.cos, step.sin);
     }
-    llmserve_cpu::write_kv(kv_cache, step.slot_mapping, k, heads.narrow(1, num_qk_heads, num_kv_heads));
+    llmserve_cpu::write_kv(kv_cache, step.slot_mapping, k, views.v);
     llmserve_cpu::paged_attention(attn, q, kv_cache, step.block_table, step.seq_lens, step.query_start, step.rows,
                                   scale, layer.window, std::nullopt);
-    return run_linear(layer.linears[kO], attn.view({num_tokens, num_heads * head_dim}), o_out);
+    return run_linear(layer.linears[kO], attn_rows, o_out);
   }
 
   void check_step(const at::Tensor& x) const {
@@ -178,13 +191,15 @@ struct DecodeStack : torch::CustomClassHolder {
     const at::Tensor qkv_out = at::empty({num_tokens, first.linears[kQkv].out_features}, options);
     const at::Tensor gate_up_out = at::empty({num_tokens, gate_up_size}, options);
     at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);  // paged_attention's out
+    const at::Tensor attn_rows = attn.view({num_tokens, num_heads * head_dim});
     const at::Tensor act = at::empty({num_tokens, gate_up_size / 2}, options);
+    const QkvViews qkv_views = views_of(qkv_out);
     at::Tensor residual = x, h = h_out;
     llmserve_cpu::rms_norm(h, x, first.input_norm, eps);
     for (size_t i = 0; i < layers.size(); ++i) {
       const StackLayer& layer = layers[i];
       if (i > 0) llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
-      const at::Tensor o = attend(layer, h, kv_caches[i], step, qkv_out, o_out, attn);
+      const at::Tensor o = attend(layer, h, kv_caches[i], step, qkv_views, o_out, attn, attn_rows);
       llmserve_cpu::add_rms_norm(o, residual, layer.post_norm, eps);
       if (layer.moe) {
         llmserve_cpu::run_moe_layer(*layer.moe, o, h_out);
@@ -251,7 +266,8 @@ struct DecodeStack : torch::CustomClassHolder {
     const at::Tensor qkv_out = at::empty({num_tokens, layer.linears[kQkv].out_features}, options);
     const at::Tensor o_out = at::empty({num_tokens, h.size(1)}, options);
     at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);
-    const at::Tensor o = attend(layer, x, kv_cache, step, qkv_out, o_out, attn);
+    const at::Tensor o = attend(layer, x, kv_cache, step, views_of(qkv_out), o_out, attn,
+                                attn.view({num_tokens, num_heads * head_dim}));
     llmserve_cpu::add_rms_norm(o, res, layer.post_norm, eps);
     return {o, res};
   }

@@ -43,6 +43,13 @@ void check_rows(const at::Tensor& t, int64_t rows, int64_t cols, const char* wha
               "] tensor");
 }
 
+// A contiguous vector of n elements ([n] or any shape of n elements): the norms' weights, a row's cos/sin. Checked
+// without a view (a view of a parameter costs autograd metadata, at every layer of a decode step).
+void check_vector(const at::Tensor& t, int64_t n, const char* what, at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.numel() == n && t.is_contiguous(), what, ": expected a contiguous ",
+              dtype == at::kFloat ? "float32" : "bfloat16", " tensor of ", n, " elements");
+}
+
 bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
 template <typename T>
@@ -107,7 +114,7 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
   const at::ScalarType dtype = x.scalar_type();
   check_rows(x, rows, n, "rms_norm x", dtype);
   check_rows(out, rows, n, "rms_norm out", dtype);
-  check_rows(weight.view({1, -1}), 1, n, "rms_norm weight", dtype);
+  check_vector(weight, n, "rms_norm weight", dtype);
   if (is_bf16(x))
     return llmserve_cpu::rms_norm_bf16(ptr<c10::BFloat16>(out), ptr<c10::BFloat16>(x), ptr<c10::BFloat16>(weight),
                                        rows, n, static_cast<float>(eps));
@@ -123,7 +130,7 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
   const at::ScalarType dtype = x.scalar_type();
   check_rows(x, rows, n, "add_rms_norm x", dtype);
   check_rows(residual, rows, n, "add_rms_norm residual", dtype);
-  check_rows(weight.view({1, -1}), 1, n, "add_rms_norm weight", dtype);
+  check_vector(weight, n, "add_rms_norm weight", dtype);
   if (is_bf16(x))
     return llmserve_cpu::add_rms_norm_bf16(ptr<c10::BFloat16>(x), ptr<c10::BFloat16>(residual),
                                            ptr<c10::BFloat16>(weight), rows, n, static_cast<float>(eps));
@@ -157,8 +164,10 @@ void rotary(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
               "rotary: float32 or bfloat16 [T, heads, D]");
   const int64_t rows = qk.size(0), heads = qk.size(1), half = qk.size(2) / 2;
   TORCH_CHECK(qk.size(2) % 2 == 0, "rotary: head_dim must be even");
-  for (const at::Tensor* t : {&cos, &sin})
-    check_rows(t->view({rows, -1}), rows, half, "rotary cos/sin", qk.scalar_type());
+  for (const at::Tensor* t : {&cos, &sin}) {
+    check_vector(*t, rows * half, "rotary cos/sin", qk.scalar_type());
+    TORCH_CHECK(t->dim() >= 1 && t->size(0) == rows, "rotary: cos/sin [T, 1, D/2]");
+  }
   if (is_bf16(qk))
     return llmserve_cpu::rotary_bf16(ptr<c10::BFloat16>(qk), ptr<c10::BFloat16>(cos), ptr<c10::BFloat16>(sin), rows,
                                      heads, half, qk.stride(0), qk.stride(1));

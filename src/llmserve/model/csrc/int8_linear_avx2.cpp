@@ -151,7 +151,7 @@ void run_unit(const Int8Gemm& g, int64_t p, int64_t row0, int64_t num_rows, bool
 }
 
 void run(const Int8Gemm& g) {
-  llmserve_cpu::for_each_panel_unit(g.num_panels, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
+  llmserve_cpu::for_each_panel_unit(g.num_panels, g.num_pairs * 32, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
     run_unit(g, p, row0, num_rows, prefetch);
   });
 }

@@ -117,7 +117,8 @@ inline void gemv_row(const Gemv& g, int64_t n, bool can_prefetch) {
 template <int M>
 void run_gemv_rows(const Gemv& g) {
   const bool can_prefetch = M >= kGemvPrefetchMinRows;
-  at::parallel_for(0, g.n, kGemvGrain, [&](int64_t begin, int64_t end) {
+  const int64_t chunk = std::max<int64_t>(8, llmserve_cpu::kBalancedChunkBytes / (2 * g.k));
+  llmserve_cpu::balanced_parallel_for(g.n, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) gemv_row<M>(g, n, can_prefetch);
   });
 }

@@ -280,12 +280,23 @@ void attend(const Params& p, int max_m, at::ScalarType q_type, bool kv_is_f16_of
 
 namespace llmserve_cpu {
 
+// Whether kv_cache[0] is contiguous, from its strides (kv_cache[0] itself would be a view: autograd metadata of the
+// cache, at every layer of a decode step).
+static bool is_contiguous_half(const at::Tensor& kv_cache) {
+  int64_t expected = 1;
+  for (int64_t dim = kv_cache.dim() - 1; dim >= 1; --dim) {
+    if (kv_cache.size(dim) != 1 && kv_cache.stride(dim) != expected) return false;
+    expected *= kv_cache.size(dim);
+  }
+  return true;
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& rows,
                      double scale, int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
   // stride(0) == 0: the K and V halves are the same memory (MLA's latents: values = the keys' first features)
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache[0].is_contiguous() &&
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && is_contiguous_half(kv_cache) &&
               (kv_cache.stride(0) == 0 || kv_cache.is_contiguous()),
               "paged_attention: kv_cache must be a contiguous [2, N, bs, Hkv, D] (or one half seen twice)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");

@@ -52,12 +52,27 @@ struct Params {
   float scale;
 };
 
+// A thread's working memory for items of up to m query vectors of d features over `heads` kv heads. Kept by each
+// thread from call to call (`fit` grows it), so a decode step's layers allocate and clear none; every field is
+// written before it is read.
 struct Scratch {
   std::vector<float> q, acc, scores, kbuf, vbuf, max, sum;
   std::vector<int> first, valid;  // per query vector, in the current chunk: its first visible key, their count
-  Scratch(int m, int d, int heads)
-      : q(m * d), acc(m * d), scores(m * kChunk), kbuf(kChunk * heads * d), vbuf(kChunk * heads * d), max(m),
-        sum(m), first(m), valid(m) {}
+  void fit(int m, int d, int heads) {
+    grow(q, m * d);
+    grow(acc, m * d);
+    grow(scores, m * kChunk);
+    grow(kbuf, kChunk * heads * d);
+    grow(vbuf, kChunk * heads * d);
+    grow(max, m);
+    grow(sum, m);
+    grow(first, m);
+    grow(valid, m);
+  }
+  template <typename T>
+  static void grow(std::vector<T>& field, int size) {
+    if (static_cast<int>(field.size()) < size) field.resize(size);
+  }
 };
 
 // The first key a query at position pos sees: pos - window + 1 under a sliding window, else 0.
@@ -110,8 +125,8 @@ inline bool stash_split(const Item& it, const Scratch& w, int d) {
   return true;
 }
 
-// Runs attend(p, item, scratch) for every work item on OpenMP threads (as many as ATen's pool, one
-// Scratch each; one thread when already inside a parallel region), items handed out one at a time.
+// Runs attend(p, item, scratch) for every work item on OpenMP threads (as many as ATen's pool, each with its
+// Scratch; one thread when already inside a parallel region), items handed out one at a time.
 template <class Attend>
 void for_each_item(const Params& p, int max_m, Attend attend) {
   int num_threads = std::max(1, std::min<int>(at::get_num_threads(), p.num_items));
@@ -120,7 +135,8 @@ void for_each_item(const Params& p, int max_m, Attend attend) {
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
 #endif
   {
-    Scratch w(max_m, p.head_dim, p.heads_per_item);
+    static thread_local Scratch w;
+    w.fit(max_m, p.head_dim, p.heads_per_item);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif

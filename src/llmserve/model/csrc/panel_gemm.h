@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include "balanced_for.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -12,13 +14,15 @@ namespace llmserve_cpu {
 
 constexpr int64_t kPanelRowBlock = 64;  // rows of x a work unit covers
 
-// unit(p, row0, num_rows, prefetch) for every (panel p, 64-row block from row0) of an m-row product. Threads
-// take contiguous runs of units, so each streams its own stretch of the packed weight; `prefetch` is set on a
-// thread's first unit and on a panel's first row block (which prefetch the stream, on into the next panel).
+// unit(p, row0, num_rows, prefetch) for every (panel p, 64-row block from row0) of an m-row product of panels of
+// panel_bytes. Threads take contiguous runs of units, so each streams its own stretch of the packed weight, in
+// chunks of about kBalancedChunkBytes that even the threads out (balanced_for.h); `prefetch` is set on a chunk's
+// first unit and on a panel's first row block (which prefetch the stream, on into the next panel).
 template <class Unit>
-void for_each_panel_unit(int64_t num_panels, int64_t m, Unit unit) {
+void for_each_panel_unit(int64_t num_panels, int64_t panel_bytes, int64_t m, Unit unit) {
   const int64_t num_row_blocks = (m + kPanelRowBlock - 1) / kPanelRowBlock;
-  at::parallel_for(0, num_panels * num_row_blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunk = kBalancedChunkBytes / std::max<int64_t>(1, panel_bytes);
+  balanced_parallel_for(num_panels * num_row_blocks, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, row0 = (u % num_row_blocks) * kPanelRowBlock;
       unit(p, row0, std::min(kPanelRowBlock, m - row0), u == begin || row0 == 0);
@@ -114,7 +118,7 @@ inline F32PanelGemm f32_panel_gemm(const char* op, at::Tensor& out, const at::Te
 template <int kMaxRows, int64_t kChunk, int64_t kPrefetchRows, class Block>
 void run_f32_panel_gemm(const F32PanelGemm& g, Block block) {
   const bool can_prefetch = g.m > kMaxRows;
-  for_each_panel_unit(g.num_panels, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
+  for_each_panel_unit(g.num_panels, g.k * 64, g.m, [&](int64_t p, int64_t row0, int64_t num_rows, bool prefetch) {
     run_f32_panel_unit<kMaxRows, kChunk, kPrefetchRows>(g, p, row0, num_rows, prefetch && can_prefetch, block);
   });
 }
