@@ -180,12 +180,21 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
                            sinks)
 
 
+BF16_KERNEL_PROMPT_SEQ_LEN = 1024  # keys up to which the kernel attends a bfloat16 prompt faster than SDPA
+
+
 def attends_prompts(dtype: torch.dtype) -> bool:
-    """Whether `paged_attention` should take a model's prompt rows too: float32 through the AVX2 path, which
-    attends a prompt faster than torch's SDPA (docs/benchmarks.md, "Figures behind choices in the code"); the portable
-    path (float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows, and so does bfloat16 (the
-    AVX2 path takes its decode rows; its prompts were measured only through the portable path)."""
-    return dtype == torch.float32 and has_avx2_kernels()
+    """Whether `paged_attention` should take a model's prompt rows too: float32 and bfloat16 through the AVX2 path,
+    which attends a prompt faster than torch's SDPA (bfloat16 up to `prompt_seq_len_limit` keys; docs/benchmarks.md,
+    "Figures behind choices in the code" and "bfloat16 prompts"); the portable path (float16, or no AVX2) is slower
+    than SDPA there and keeps to decode-like rows."""
+    return dtype in (torch.float32, torch.bfloat16) and has_avx2_kernels()
+
+
+def prompt_seq_len_limit(dtype: torch.dtype) -> int | None:
+    """The longest sequence whose prompt rows the kernel takes when it `attends_prompts` (None: any): past
+    ~1,000 keys torch's SDPA attends a bfloat16 prompt faster (its bf16 GEMMs against our float32 sums)."""
+    return BF16_KERNEL_PROMPT_SEQ_LEN if dtype == torch.bfloat16 else None
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
