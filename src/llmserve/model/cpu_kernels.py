@@ -4,8 +4,8 @@
 table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP over work items
 (a row's tile of up to 16 query tokens, per kv head or all; few rows' items split over their keys); float32,
 and bfloat16 over a bfloat16 cache, with head_dim % 8 == 0 run an AVX2 + FMA path when the build has them
-(csrc/paged_attention_avx2.cpp). That path also beats torch's SDPA on whole float32 prompts (`attends_prompts`);
-the portable one is kept to decode-like rows. A float32
+(csrc/paged_attention_avx2.cpp). That path also beats torch's SDPA on whole float32 prompts, and on bfloat16 ones
+up to ~1,000 keys (`attends_prompts`); the portable one is kept to decode-like rows. A float32
 model's cache may be float16 (--kv-cache-dtype fp16): the AVX2 path widens it with F16C. The build (model/cpu_build.py)
 goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3 and -fopenmp, plus -mavx2 -mfma
 (and -mf16c, AVX-512) when the CPU has them. It needs a C++ compiler and ninja; when the build or load fails (or
