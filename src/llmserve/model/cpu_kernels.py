@@ -186,8 +186,9 @@ BF16_KERNEL_PROMPT_SEQ_LEN = 1024  # keys up to which the kernel attends a bfloa
 def attends_prompts(dtype: torch.dtype) -> bool:
     """Whether `paged_attention` should take a model's prompt rows too: float32 and bfloat16 through the AVX2 path,
     which attends a prompt faster than torch's SDPA (bfloat16 up to `prompt_seq_len_limit` keys; docs/benchmarks.md,
-    "Figures behind choices in the code" and "bfloat16 prompts"); the portable path (float16, or no AVX2) is slower
-    than SDPA there and keeps to decode-like rows."""
+    "Figures behind choices in the code", and for bfloat16 "Threads that even out, fewer ATen calls a layer,
+    bfloat16 prompts through the kernel"); the portable path (float16, or no AVX2) is slower than SDPA there and
+    keeps to decode-like rows."""
     return dtype in (torch.float32, torch.bfloat16) and has_avx2_kernels()
 
 
