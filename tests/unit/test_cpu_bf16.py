@@ -65,6 +65,26 @@ def test_fused_bf16_silu_mul_rotary_and_kv_write_equal_torch_bit_for_bit():
         assert not cpu_kernels.can_fuse(gate_up.half())
 
 
+@needs_kernels
+def test_bf16_silu_mul_gives_torchs_bits_at_every_gate_value_and_rotary_at_odd_widths():
+    """silu comes from a table of every bfloat16's value, products eight lanes at a time: F.silu's bits for each
+    of the 65,536 gate values (NaNs aside), and the lanes past the last eight (widths 99, half 10) alike."""
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(BF16)  # every bfloat16
+    gate = gate[~gate.float().isnan()]
+    up = torch.randn(gate.numel(), generator=torch.Generator().manual_seed(3)).to(BF16)
+    with torch.inference_mode():
+        got = cpu_kernels.silu_mul(torch.cat([gate, up]).reshape(1, -1))
+        assert torch.equal(got[0].view(torch.int16), (F.silu(gate) * up).view(torch.int16))
+        gate_up = (3 * torch.randn(5, 2 * 99)).to(BF16)
+        assert torch.equal(cpu_kernels.silu_mul(gate_up), F.silu(gate_up[:, :99]) * gate_up[:, 99:])
+        qk = torch.randn(5, 4, 20).to(BF16)
+        cos, sin = layers.RotaryEmbedding(20, layers.RopeParams(theta=10000.0)).cos_sin(torch.arange(5) + 9, BF16)
+        x1, x2 = qk.chunk(2, dim=-1)
+        expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        cpu_kernels.rotary_(qk, cos, sin)
+        assert torch.equal(qk, expected)
+
+
 @needs_gemv
 @pytest.mark.parametrize("num_out,num_in", [(37, 576), (64, 45), (5, 1000), (5000, 32)])  # N % 4 != 0, K % 32 != 0; chunks
 def test_bf16_gemv_matches_a_float64_reference(num_out, num_in):

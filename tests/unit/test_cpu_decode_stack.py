@@ -13,6 +13,7 @@ from llmserve import LLM
 from llmserve.model import cpu_decode_stack, cpu_isa, cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.attention import select_attention_backend
+from llmserve.model.attn_torch import TorchAttentionBackend
 from llmserve.model.lora_layers import attach_lora
 from llmserve.model.loader import load_model
 from llmserve.testing import toy_tokenizer
@@ -109,8 +110,10 @@ def test_the_stack_declines_steps_it_does_not_take(tmp_path):
     caches = allocate_kv_caches(model, 64, 4, dtype=BF16)
     builder = PagedBatchBuilder(64, 4)
     _, _, prompt_inputs = builder.step([(0, [5, 6, 7])])
-    prompt = backend.build_metadata(prompt_inputs)
-    assert not stack.takes(prompt, caches[0])  # bf16 prompt rows go through torch's attention groups
+    assert stack.takes(backend.build_metadata(prompt_inputs), caches[0]) == cpu_kernels.attends_prompts(BF16)
+    short_kernel_prompts = TorchAttentionBackend(kernel_takes_prompts=True, max_kernel_prompt_seq_len=2)
+    prompt = short_kernel_prompts.build_metadata(prompt_inputs)
+    assert prompt.groups and not stack.takes(prompt, caches[0])  # a prompt past it goes to torch's attention groups
     _, _, inputs = builder.step([(0, [8])])
     decode = backend.build_metadata(inputs)
     assert stack.takes(decode, caches[0])
@@ -150,7 +153,7 @@ def test_a_served_bf16_model_decodes_through_the_stack_with_transformers_tokens(
         run = getattr(stack, name)
         setattr(stack, name, lambda *args, run=run: calls.append(args[0].shape[0]) or run(*args))
     outs = hf_parity.engine_greedy(llm, prompts, num_out=8)
-    assert calls and max(calls) == len(prompts)  # the decode steps ran through it
+    assert len(prompts) in calls  # the decode steps ran through it (the prompts' step too, where the kernel takes them)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
     llm.engine.check_integrity()
 

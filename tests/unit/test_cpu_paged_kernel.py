@@ -153,11 +153,27 @@ def test_portable_path_tiles_prompts_too(dtype, head_dim, atol):
 
 
 @needs_kernel
-def test_backend_takes_prompts_for_float32_models_only():
-    assert select_attention_backend(torch.device("cpu"), "auto", torch.float32).kernel_takes_prompts == \
-        cpu_kernels.attends_prompts(torch.float32)
-    assert not select_attention_backend(torch.device("cpu"), "auto", torch.bfloat16).kernel_takes_prompts
+def test_backend_takes_float32_prompts_and_bfloat16_ones_up_to_a_length():
+    f32 = select_attention_backend(torch.device("cpu"), "auto", torch.float32)
+    bf16 = select_attention_backend(torch.device("cpu"), "auto", torch.bfloat16)
+    assert f32.kernel_takes_prompts == cpu_kernels.attends_prompts(torch.float32)
+    assert f32.max_kernel_prompt_seq_len is None
+    assert bf16.kernel_takes_prompts == cpu_kernels.attends_prompts(torch.bfloat16)
+    assert bf16.max_kernel_prompt_seq_len == cpu_kernels.BF16_KERNEL_PROMPT_SEQ_LEN
     assert not select_attention_backend(torch.device("cpu")).kernel_takes_prompts
+
+
+@needs_kernel
+def test_prompts_past_the_length_limit_go_to_sdpa():
+    """The kernel takes decode-like rows and prompts of sequences up to the limit; longer prompts form SDPA
+    groups in the same step, and every row's output is the reference's."""
+    q, k, v, kv_cache, inputs, full = make_case(PROMPT_ROWS, 16, 3, seed=5, dtype=torch.bfloat16, head_dim=64)
+    backend = TorchAttentionBackend(kernel_takes_prompts=True, max_kernel_prompt_seq_len=64)
+    out, metadata = run_backend(backend, q, k, v, kv_cache, inputs)
+    # (cached, new) rows: 200, 73 and 154 keys are past 64 and not decode-like
+    assert metadata.kernel.rows.tolist() == [1, 3, 4, 5, 6, 8]
+    assert sum(group.num_rows for group in metadata.groups) == 3
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=2e-2)
 
 
 @needs_kernel

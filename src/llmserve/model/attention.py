@@ -125,7 +125,8 @@ def select_attention_backend(device: torch.device, name: str = "auto",
     if is_cuda:
         return TorchAttentionBackend()
     cpu_kernels.available()
-    return TorchAttentionBackend(kernel_takes_prompts=dtype is not None and cpu_kernels.attends_prompts(dtype))
+    return TorchAttentionBackend(kernel_takes_prompts=dtype is not None and cpu_kernels.attends_prompts(dtype),
+                                 max_kernel_prompt_seq_len=cpu_kernels.prompt_seq_len_limit(dtype))
 
 
 def _has_triton() -> bool:

@@ -285,15 +285,18 @@ def _row_groups(rows: list[int], inputs: AttentionInputs, query_start: list[int]
     return [_build_group(inputs, group_rows, query_start, window) for group_rows in row_groups]
 
 
-def _kernel_rows(inputs: AttentionInputs, query_start: list[int],
-                 takes_prompts: bool) -> tuple[KernelRows | None, list[int]]:
-    """Split off the rows the kernel attends (all of them when it takes prompts, else the decode-like ones:
-    query_len 1, or <= 16 over a cached prefix) -> (them, the rest)."""
+def _kernel_rows(inputs: AttentionInputs, query_start: list[int], takes_prompts: bool,
+                 max_prompt_seq_len: int | None = None) -> tuple[KernelRows | None, list[int]]:
+    """Split off the rows the kernel attends (all of them when it takes prompts, up to max_prompt_seq_len keys
+    where that is set; else the decode-like ones: query_len 1, or <= 16 over a cached prefix) -> (them, the rest)."""
     query_lens, seq_lens = inputs.query_lens_cpu, inputs.seq_lens_cpu
-    if takes_prompts or max(query_lens, default=0) == 1:  # every row, no per-row test
+    is_every_row = takes_prompts and (max_prompt_seq_len is None or max(seq_lens, default=0) <= max_prompt_seq_len)
+    if is_every_row or max(query_lens, default=0) == 1:  # every row, no per-row test
         rows, rest, row_index = list(range(len(query_lens))), [], torch.arange(len(query_lens), dtype=torch.int32)
     else:
-        is_kernel = [n == 1 or (n <= cpu_kernels.MAX_QUERY_LEN and n < s) for n, s in zip(query_lens, seq_lens)]
+        limit = max_prompt_seq_len if takes_prompts else 0
+        is_kernel = [n == 1 or (n <= cpu_kernels.MAX_QUERY_LEN and n < s) or s <= limit
+                     for n, s in zip(query_lens, seq_lens)]
         rows = [i for i, ok in enumerate(is_kernel) if ok]
         rest = [i for i, ok in enumerate(is_kernel) if not ok]
         row_index = torch.tensor(rows, dtype=torch.int32)
@@ -312,14 +315,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     use_cpu_kernel: None = the C++ kernel for decode-like rows on CPU whenever it builds; False = never.
     kernel_takes_prompts: the kernel attends prompt rows too (`cpu_kernels.attends_prompts` of the model's
-    dtype); else SDPA does.
+    dtype), those of sequences up to max_kernel_prompt_seq_len keys where that is set; else SDPA does.
     """
 
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool | None = None, kernel_takes_prompts: bool = False):
+    def __init__(self, use_cpu_kernel: bool | None = None, kernel_takes_prompts: bool = False,
+                 max_kernel_prompt_seq_len: int | None = None):
         self.use_cpu_kernel = use_cpu_kernel
         self.kernel_takes_prompts = kernel_takes_prompts
+        self.max_kernel_prompt_seq_len = max_kernel_prompt_seq_len
 
     def _kernel_enabled(self, inputs: AttentionInputs) -> bool:
         return (self.use_cpu_kernel is not False and inputs.block_table.device.type == "cpu"
@@ -329,7 +334,8 @@ class TorchAttentionBackend(AttentionBackend):
         query_start = list(accumulate(inputs.query_lens_cpu, initial=0))[:-1]  # [B]
         kernel, rows = None, list(range(len(query_start)))
         if self._kernel_enabled(inputs):
-            kernel, rows = _kernel_rows(inputs, query_start, self.kernel_takes_prompts)
+            kernel, rows = _kernel_rows(inputs, query_start, self.kernel_takes_prompts,
+                                        self.max_kernel_prompt_seq_len)
         return TorchAttentionMetadata(slot_mapping=inputs.slot_mapping.long(),
                                       groups=_row_groups(rows, inputs, query_start), kernel=kernel,
                                       make_groups=lambda window: _row_groups(rows, inputs, query_start, window),

@@ -4,8 +4,8 @@
 table (csrc/paged_attention.cpp): no K/V gather copies, float32 online softmax, OpenMP over work items
 (a row's tile of up to 16 query tokens, per kv head or all; few rows' items split over their keys); float32,
 and bfloat16 over a bfloat16 cache, with head_dim % 8 == 0 run an AVX2 + FMA path when the build has them
-(csrc/paged_attention_avx2.cpp). That path also beats torch's SDPA on whole float32 prompts (`attends_prompts`);
-the portable one is kept to decode-like rows. A float32
+(csrc/paged_attention_avx2.cpp). That path also beats torch's SDPA on whole float32 prompts, and on bfloat16 ones
+up to ~1,000 keys (`attends_prompts`); the portable one is kept to decode-like rows. A float32
 model's cache may be float16 (--kv-cache-dtype fp16): the AVX2 path widens it with F16C. The build (model/cpu_build.py)
 goes to <llmserve cache>/torch_extensions/<torch+python tag>/ with -O3 and -fopenmp, plus -mavx2 -mfma
 (and -mf16c, AVX-512) when the CPU has them. It needs a C++ compiler and ninja; when the build or load fails (or
@@ -180,12 +180,22 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
                            sinks)
 
 
+BF16_KERNEL_PROMPT_SEQ_LEN = 1024  # keys up to which the kernel attends a bfloat16 prompt faster than SDPA
+
+
 def attends_prompts(dtype: torch.dtype) -> bool:
-    """Whether `paged_attention` should take a model's prompt rows too: float32 through the AVX2 path, which
-    attends a prompt faster than torch's SDPA (docs/benchmarks.md, "Figures behind choices in the code"); the portable
-    path (float16, or no AVX2) is slower than SDPA there and keeps to decode-like rows, and so does bfloat16 (the
-    AVX2 path takes its decode rows; its prompts were measured only through the portable path)."""
-    return dtype == torch.float32 and has_avx2_kernels()
+    """Whether `paged_attention` should take a model's prompt rows too: float32 and bfloat16 through the AVX2 path,
+    which attends a prompt faster than torch's SDPA (bfloat16 up to `prompt_seq_len_limit` keys; docs/benchmarks.md,
+    "Figures behind choices in the code", and for bfloat16 "Threads that even out, fewer ATen calls a layer,
+    bfloat16 prompts through the kernel"); the portable path (float16, or no AVX2) is slower than SDPA there and
+    keeps to decode-like rows."""
+    return dtype in (torch.float32, torch.bfloat16) and has_avx2_kernels()
+
+
+def prompt_seq_len_limit(dtype: torch.dtype) -> int | None:
+    """The longest sequence whose prompt rows the kernel takes when it `attends_prompts` (None: any): past
+    ~1,000 keys torch's SDPA attends a bfloat16 prompt faster (its bf16 GEMMs against our float32 sums)."""
+    return BF16_KERNEL_PROMPT_SEQ_LEN if dtype == torch.bfloat16 else None
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
