@@ -26,7 +26,7 @@ from llmserve.model import cpu_build
 _NAME = "llmserve_lora_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("lora_sgmv.cpp", "lora_sgmv_bf16.cpp", "lora_sgmv_mixed.cpp")]
-_HEADER = os.path.join(_CSRC, "lora_sgmv.h")
+_HEADERS = [os.path.join(_CSRC, name) for name in ("lora_sgmv.h", "bf16_avx2.h")]
 SLOT_DTYPES = {torch.float32: (torch.float32, torch.bfloat16), torch.bfloat16: (torch.bfloat16,)}  # rows -> slots
 
 
@@ -89,7 +89,7 @@ def _load():
         return None
     return cpu_build.build_and_load(_NAME, _SOURCES, "llmserve_lora", _self_test, "CPU LoRA kernel",
                                     "using torch's segmented products", subdir="lora",
-                                    extra_cflags=(cpu_build.header_digest([_HEADER]),))
+                                    extra_cflags=(cpu_build.header_digest(_HEADERS),))
 
 
 @functools.cache

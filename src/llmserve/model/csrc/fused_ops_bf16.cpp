@@ -8,6 +8,8 @@
 
 #include "fused_ops_bf16.h"
 
+#include "bf16_avx2.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -16,9 +18,6 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace llmserve_cpu {
 namespace {
@@ -54,34 +53,6 @@ const uint16_t* silu_table() {
   return table.data();
 }
 
-#if defined(__AVX2__)
-// Eight bfloat16 (the low 16 bits of 32-bit lanes; the high bits are dropped) as float32: exact.
-inline __m256 widen(__m256i lanes) { return _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16)); }
-
-inline __m256 load8(const bf16* x) {
-  return widen(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
-}
-
-// Eight float32 rounded to bfloat16 as c10::BFloat16 rounds (to nearest even; NaN to 0x7FC0), in 32-bit lanes.
-inline __m256i round_bits8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
-}
-
-// bf16(v) as float32: what f(round(v)) gives.
-inline __m256 round8(__m256 v) { return widen(round_bits8(v)); }
-
-inline void store8(bf16* out, __m256 v) {
-  const __m256i packed = _mm256_packus_epi32(round_bits8(v), _mm256_setzero_si256());  // per 128-bit lane
-  const __m256i ordered = _mm256_permute4x64_epi64(packed, 0b11011000);  // lanes' low halves side by side
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(ordered));
-}
-#endif
-
 }  // namespace
 
 void rms_norm_bf16(bf16* out, const bf16* x, const bf16* weight, int64_t rows, int64_t n, float eps) {
@@ -110,9 +81,8 @@ void silu_mul_bf16(bf16* out, const bf16* gate_up, int64_t rows, int64_t n) {
 #if defined(__AVX2__)
       for (; i + 8 <= n; i += 8) {  // table[g] gathered as 32-bit words from 16-bit steps: the low half is it
         const __m256i index = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i)));
-        const __m256 silu = widen(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 2));
-        store8(o + i, _mm256_mul_ps(silu, widen(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                                                   reinterpret_cast<const __m128i*>(u + i))))));
+        const __m256 silu = bf16x8_widen(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 2));
+        bf16x8_store(o + i, _mm256_mul_ps(silu, bf16x8_load(u + i)));
       }
 #endif
       for (; i < n; ++i) o[i] = round(f(bf16(table[g[i].x], bf16::from_bits())) * f(u[i]));
@@ -130,11 +100,12 @@ void rotary_bf16(bf16* base, const bf16* cos, const bf16* sin, int64_t rows, int
         int64_t i = 0;
 #if defined(__AVX2__)
         for (; i + 8 <= half; i += 8) {
-          const __m256 a = load8(x1 + i), b = load8(x2 + i), ci = load8(c + i), si = load8(s + i);
-          const __m256 a_c = round8(_mm256_mul_ps(a, ci)), b_s = round8(_mm256_mul_ps(b, si));
-          const __m256 b_c = round8(_mm256_mul_ps(b, ci)), a_s = round8(_mm256_mul_ps(a, si));
-          store8(x1 + i, _mm256_sub_ps(a_c, b_s));
-          store8(x2 + i, _mm256_add_ps(b_c, a_s));
+          const __m256 a = bf16x8_load(x1 + i), b = bf16x8_load(x2 + i), ci = bf16x8_load(c + i),
+                       si = bf16x8_load(s + i);
+          const __m256 a_c = bf16x8_round(_mm256_mul_ps(a, ci)), b_s = bf16x8_round(_mm256_mul_ps(b, si));
+          const __m256 b_c = bf16x8_round(_mm256_mul_ps(b, ci)), a_s = bf16x8_round(_mm256_mul_ps(a, si));
+          bf16x8_store(x1 + i, _mm256_sub_ps(a_c, b_s));
+          bf16x8_store(x2 + i, _mm256_add_ps(b_c, a_s));
         }
 #endif
         for (; i < half; ++i) {

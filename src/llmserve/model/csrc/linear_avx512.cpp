@@ -32,7 +32,7 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t kChunk = 128;         // k-rows of a panel a row block passes over at a time (8 KB)
 constexpr int64_t kPrefetchRows = 256;  // k-rows ahead the weight stream is prefetched
 constexpr int kMaxRows = 6;             // rows of x a register block holds (for_each_row_block's limit)
-constexpr int64_t kGemvGrain = 64;      // output rows (of w) a thread takes at least
+constexpr int64_t kGemvMinChunk = 8;    // output rows (of w) a chunk of a thread's work holds at least
 constexpr int64_t kGemvPrefetch = 4096;  // elements of w ahead of the loads prefetched into L1 (8 KB; 2-16 KB
                                          // measured alike, none 20% slower: docs/benchmarks.md)
 constexpr int64_t kMaxGemvM = llmserve_cpu::kBf16GemvMaxRows;
@@ -117,7 +117,7 @@ inline void gemv_row(const Gemv& g, int64_t n, bool can_prefetch) {
 template <int M>
 void run_gemv_rows(const Gemv& g) {
   const bool can_prefetch = M >= kGemvPrefetchMinRows;
-  const int64_t chunk = std::max<int64_t>(8, llmserve_cpu::kBalancedChunkBytes / (2 * g.k));
+  const int64_t chunk = std::max<int64_t>(kGemvMinChunk, llmserve_cpu::kBalancedChunkBytes / (2 * g.k));
   llmserve_cpu::balanced_parallel_for(g.n, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) gemv_row<M>(g, n, can_prefetch);
   });

@@ -11,6 +11,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "bf16_avx2.h"
 #include "lora_sgmv.h"
 
 #include <cstdint>
@@ -37,20 +38,8 @@ inline float to_float(uint16_t bits) {
 inline uint16_t to_bf16(float value) { return c10::BFloat16(value).x; }  // to nearest even; NaN stays NaN
 
 #ifdef LORA_BF16_AVX2
-inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (exact)
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-inline void store8(uint16_t* p, __m256 v) {  // 8 float32 -> 8 bfloat16, to nearest even (c10's rounding)
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
+inline __m256 load8(const uint16_t* p) { return llmserve_cpu::bf16x8_load(p); }
+inline void store8(uint16_t* p, __m256 v) { llmserve_cpu::bf16x8_store(p, v); }  // to nearest even (c10's rounding)
 
 using llmserve_lora::hsum;
 #endif

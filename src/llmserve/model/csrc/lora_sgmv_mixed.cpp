@@ -4,6 +4,7 @@
 // kernel on slots that hold the bfloat16 values. Half the slot bytes a step: the products read every resident
 // adapter's A and B once a step, so on CPU they cost about their bytes.
 
+#include "bf16_avx2.h"
 #include "lora_sgmv.h"
 
 #include <cmath>
@@ -25,10 +26,7 @@ inline float to_float(uint16_t bits) {
 }
 
 #ifdef LORA_MIXED_AVX2
-inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (exact)
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+inline __m256 load8(const uint16_t* p) { return llmserve_cpu::bf16x8_load(p); }
 
 using llmserve_lora::hsum;
 #endif

@@ -12,6 +12,7 @@
 // (f16-rounded) values, and an int8 one as an f32 cache holding its dequantized values.
 
 #include "avx2_math.h"
+#include "bf16_avx2.h"
 #include "paged_attention.h"
 
 #include <ATen/Parallel.h>
@@ -66,10 +67,7 @@ inline void widen_int8_rows(const int8_t* const* src, int n, int heads, int d, f
   }
 }
 // bfloat16 (a bfloat16 model's cache) widens exactly: its bits are a float32's upper half.
-inline __m256 load8(const c10::BFloat16* x) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+inline __m256 load8(const c10::BFloat16* x) { return llmserve_cpu::bf16x8_load(x); }
 #ifdef __F16C__
 inline __m256 load8(const uint16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 #endif
