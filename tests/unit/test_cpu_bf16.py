@@ -170,3 +170,26 @@ def test_a_bf16_checkpoint_greedy_equals_transformers_in_bf16(bf16_checkpoint):
     outs = hf_parity.engine_greedy(llm, prompts, num_out=8)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
     llm.engine.check_integrity()
+
+
+@needs_kernels
+def test_bf16_greedy_equals_transformers_through_chunks_a_prefix_hit_and_preemption(bf16_checkpoint):
+    """Prompts in chunks of at most 8 tokens (the kernel takes bf16 prompt rows), a prompt whose first blocks come
+    from the prefix cache, and a pool too small for every request at once (preempted and recomputed)."""
+    path, hf = bf16_checkpoint
+    llm = LLM(path, dtype="bfloat16", max_model_len=64, num_kv_blocks=32, block_size=4, max_num_batched_tokens=8,
+              enable_prefix_caching=True)
+    shared = hf_parity.random_prompt(21, 7, VOCAB)
+    (first,) = hf_parity.engine_greedy(llm, [shared], num_out=8)
+    assert list(first.outputs[0].token_ids) == hf_parity.hf_greedy(hf, shared, 8)
+    longer = shared + hf_parity.random_prompt(6, 8, VOCAB)
+    (second,) = hf_parity.engine_greedy(llm, [longer], num_out=8)
+    assert second.num_cached_tokens >= 20 and list(second.outputs[0].token_ids) == hf_parity.hf_greedy(hf, longer, 8)
+    llm.engine.check_integrity()
+    small_pool = LLM(path, dtype="bfloat16", max_model_len=32, num_kv_blocks=10, block_size=4,
+                     max_num_batched_tokens=8, enable_prefix_caching=True)
+    prompts = [hf_parity.random_prompt(n, i, VOCAB) for i, n in enumerate((5, 23, 1))]  # the batch test's prompts
+    outs = hf_parity.engine_greedy(small_pool, prompts, num_out=8)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
+    assert small_pool.num_preemptions > 0
+    small_pool.engine.check_integrity()
