@@ -246,3 +246,24 @@ def test_kernel_head_dims(head_dim):
     out, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache, inputs)
     assert metadata.kernel is not None and metadata.groups == []
     check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [2, 3, 4, 7])  # runs of query heads sharing their keys: 2, 3, 2 + 2, 3 + 2 + 2
+@pytest.mark.parametrize("num_threads", [1, 2])  # 2: one-row steps split over the keys
+def test_query_heads_sharing_a_kv_head_get_the_bits_of_their_own_copies(dtype, group, num_threads):
+    """A kv head's query heads read its keys together; each one's output is bit for bit what it gets from its own
+    copy of the kv head (the same cache with every kv head repeated `group` times: one query head per kv head)."""
+    rows = random_rows(group) + [(700, 1)]  # a long decode row: split over the keys on 2 threads
+    q, k, v, kv_cache, inputs, _ = make_case(rows, 16, group, seed=group, dtype=dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        shared, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache, inputs)
+        copies, _ = run_backend(TorchAttentionBackend(), q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                kv_cache.repeat_interleave(group, 3), inputs)
+    finally:
+        torch.set_num_threads(previous)
+    assert metadata.kernel is not None and metadata.groups == []
+    assert torch.equal(shared, copies)

@@ -1,9 +1,11 @@
 // float32 paged attention with AVX2 + FMA intrinsics: CPU decode's hot path (contract: paged_attention.cpp), also
 // for bfloat16 q, out and cache (a bfloat16 model's decode rows: widened exactly, computed in float32).
 //
-// Same work items, chunks, windows, sinks and online softmax as the portable path; three differences. Keys are scored
+// Same work items, chunks, windows, sinks and online softmax as the portable path; four differences. Keys are scored
 // eight at a time (eight independent FMA chains, then one horizontal-add tree for the eight sums) instead
-// of one dot product and its horizontal sum per key. The softmax's exponentials are a vectorised
+// of one dot product and its horizontal sum per key. The query heads of one kv head (GQA's group, one token)
+// read each key and value once for up to three of them (`score_run`, `accumulate_run`), adding up every sum in
+// the same order as one query alone, so grouping changes no bits. The softmax's exponentials are a vectorised
 // polynomial (Cephes' expf: < 2 ulp on the inputs here, which are <= 0). Each query's output accumulates
 // in registers over a chunk of values. K/V are read in place from the paged cache: float32 as they are,
 // float16 (--kv-cache-dtype fp16) widened eight at a time with F16C; int8 (--kv-cache-dtype int8) rows are
@@ -80,10 +82,17 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// [sum(a[0]), .., sum(a[3])], each added up in the same order as hsum8's.
+inline __m128 hsum4(const __m256* a) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// sum(v) in hsum8's order.
 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 a[4] = {v, zero, zero, zero};
+  return _mm_cvtss_f32(hsum4(a));
 }
 
 inline float hmax(__m256 v) {
@@ -122,6 +131,51 @@ inline float score_keys(const float* q, const KV* const* keys, int off, int n, i
   return max;
 }
 
+// score_keys for kQ query vectors that read the same keys (query heads of one kv head, one token): query j at
+// q + j * d, its scores at scores + j * kChunk, its max into maxes[j]. Each key's elements are loaded (and
+// widened) once for all kQ, four keys a pass (4 * kQ accumulators); every score is added up in score_keys'
+// order, so the results do not depend on how queries are grouped.
+template <int kD, int kQ, typename KV>
+inline void score_keys_shared(const float* q, const KV* const* keys, int off, int n, int d_rt, float* scores,
+                              float* maxes) {
+  const int d = kD > 0 ? kD : d_rt;
+  __m128 vmax[kQ];
+  for (int j = 0; j < kQ; ++j) vmax[j] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+  int c = 0;
+  for (; c + 4 <= n; c += 4) {
+    __m256 acc[kQ][4];
+    for (int j = 0; j < kQ; ++j)
+      for (int t = 0; t < 4; ++t) acc[j][t] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      for (int t = 0; t < 4; ++t) {
+        const __m256 kv = load8(keys[c + t] + off + i);
+        for (int j = 0; j < kQ; ++j) acc[j][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i), kv, acc[j][t]);
+      }
+    }
+    for (int j = 0; j < kQ; ++j) {
+      const __m128 sums = hsum4(acc[j]);
+      _mm_storeu_ps(scores + j * kChunk + c, sums);
+      vmax[j] = _mm_max_ps(vmax[j], sums);
+    }
+  }
+  for (int j = 0; j < kQ; ++j) {
+    __m128 m = _mm_max_ps(vmax[j], _mm_movehl_ps(vmax[j], vmax[j]));
+    maxes[j] = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  for (; c < n; ++c) {
+    __m256 acc[kQ];
+    for (int j = 0; j < kQ; ++j) acc[j] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      const __m256 kv = load8(keys[c] + off + i);
+      for (int j = 0; j < kQ; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i), kv, acc[j]);
+    }
+    for (int j = 0; j < kQ; ++j) {
+      scores[j * kChunk + c] = hsum(acc[j]);
+      maxes[j] = std::max(maxes[j], scores[j * kChunk + c]);
+    }
+  }
+}
+
 // scores[c] = exp(scores[c] - max) for c < n -> their sum.
 inline float exp_shifted(float* scores, int n, float max) {
   const __m256 mv = _mm256_set1_ps(max);
@@ -153,6 +207,33 @@ inline void accumulate_span(float* acc, const float* p, const KV* const* values,
   for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
+// accumulate_span for kQ query vectors over the same values: query j's accumulators at acc + j * d, its weights at
+// p + j * kChunk. Each value vector is loaded (and widened) once for all kQ; every lane adds up in key order, as
+// accumulate_span does.
+template <int kVecs, int kQ, typename KV>
+inline void accumulate_span_shared(float* acc, int d, const float* p, const KV* const* values, int off, int n) {
+  __m256 a[kQ][kVecs];
+  for (int j = 0; j < kQ; ++j)
+    for (int v = 0; v < kVecs; ++v) a[j][v] = _mm256_loadu_ps(acc + j * d + 8 * v);
+  for (int c = 0; c < n; ++c) {
+    const KV* x = values[c] + off;
+    for (int v = 0; v < kVecs; ++v) {
+      const __m256 xv = load8(x + 8 * v);
+      for (int j = 0; j < kQ; ++j) a[j][v] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * kChunk + c]), xv, a[j][v]);
+    }
+  }
+  for (int j = 0; j < kQ; ++j)
+    for (int v = 0; v < kVecs; ++v) _mm256_storeu_ps(acc + j * d + 8 * v, a[j][v]);
+}
+
+template <int kQ, typename KV>
+inline void accumulate_shared(float* acc, const float* p, const KV* const* values, int off, int n, int d) {
+  constexpr int kVecs = kQ == 2 ? 4 : 2;  // 8 accumulators, plus the value vectors and weights: 16 registers
+  int i = 0;
+  for (; i + 8 * kVecs <= d; i += 8 * kVecs) accumulate_span_shared<kVecs, kQ>(acc + i, d, p, values, off + i, n);
+  for (; i < d; i += 8) accumulate_span_shared<1, kQ>(acc + i, d, p, values, off + i, n);
+}
+
 template <typename KV>
 inline void accumulate(float* acc, const float* p, const KV* const* values, int off, int n, int d) {
   int i = 0;
@@ -174,10 +255,38 @@ inline void fold_chunk(Scratch& w, int m, int d, int nv, float cmax) {
   w.sum[m] += exp_shifted(w.scores.data() + m * kChunk, nv, new_max);
 }
 
-// Score and softmax-fold query vector m over one chunk's nv visible keys.
+// The run of query vectors from m that read the same keys: the rest of m's kv head's query heads (of m's token),
+// at most 3 at a time (score_keys_shared's registers; 4 go as 2 + 2).
+inline int run_length(int m, int group) {
+  const int rest = group - m % group;
+  return rest == 4 ? 2 : std::min(3, rest);
+}
+
+// Score and softmax-fold query vectors m .. m + nq - 1 (a run) over one chunk's valid[m] visible keys.
 template <int kD, typename KV>
-inline void score_chunk(Scratch& w, int m, int d, int head_off, int nv, const KV* const* kp) {
-  fold_chunk(w, m, d, nv, score_keys<kD>(w.q.data() + m * d, kp, head_off, nv, d, w.scores.data() + m * kChunk));
+inline void score_run(Scratch& w, int m, int nq, int d, int head_off, const KV* const* kp) {
+  const int nv = w.valid[m];
+  const float* q = w.q.data() + m * d;
+  float* scores = w.scores.data() + m * kChunk;
+  float maxes[3];
+  switch (nq) {
+    case 1: maxes[0] = score_keys<kD>(q, kp, head_off, nv, d, scores); break;
+    case 2: score_keys_shared<kD, 2>(q, kp, head_off, nv, d, scores, maxes); break;
+    default: score_keys_shared<kD, 3>(q, kp, head_off, nv, d, scores, maxes);
+  }
+  for (int j = 0; j < nq; ++j) fold_chunk(w, m + j, d, nv, maxes[j]);
+}
+
+// Add a run's chunk of values, weighted by its softmaxed scores, to its accumulators.
+template <typename KV>
+inline void accumulate_run(Scratch& w, int m, int nq, int d, int head_off, const KV* const* vp) {
+  float* acc = w.acc.data() + m * d;
+  const float* weights = w.scores.data() + m * kChunk;
+  switch (nq) {
+    case 1: accumulate(acc, weights, vp, head_off, w.valid[m], d); break;
+    case 2: accumulate_shared<2>(acc, weights, vp, head_off, w.valid[m], d); break;
+    default: accumulate_shared<3>(acc, weights, vp, head_off, w.valid[m], d);
+  }
 }
 
 // Query vector m of an item: token m / hg, head kvh0 * g + m % hg; its kv head is kvh0 + (m % hg) / g.
@@ -258,23 +367,26 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
       if (p.kv_half == 0) std::copy(kf, kf + cn, vf);  // K and V one memory (MLA's latents): widened once
       else widen_int8_rows(vp, cn, p.heads_per_item, d, w.vbuf.data(), vf);
     }
-    for (int m = 0; m < m_count; ++m) {  // keys query m sees in the chunk: first[m] .. first[m] + valid[m] - 1
-      llmserve_cpu::visible_in_chunk(p, it, m, c0, cn, w);
-      const int f = w.first[m];
+    // Query vectors in runs that read the same keys (score_run): keys query m sees in the chunk are
+    // first[m] .. first[m] + valid[m] - 1, the same for the whole run.
+    for (int m = 0; m < m_count;) {
+      const int nq = run_length(m, p.group);
+      for (int j = m; j < m + nq; ++j) llmserve_cpu::visible_in_chunk(p, it, j, c0, cn, w);
       if (w.valid[m] > 0) {
-        if constexpr (kIsInt8<KV>) score_chunk<kD, float>(w, m, d, (m % it.hg) / p.group * d, w.valid[m], kf + f);
-        else score_chunk<kD, KV>(w, m, d, (m % it.hg) / p.group * hs, w.valid[m], kp + f);
+        if constexpr (kIsInt8<KV>) score_run<kD, float>(w, m, nq, d, (m % it.hg) / p.group * d, kf + w.first[m]);
+        else score_run<kD, KV>(w, m, nq, d, (m % it.hg) / p.group * hs, kp + w.first[m]);
       }
-      prefetch_tokens(tokens_per_slice);
+      prefetch_tokens(tokens_per_slice * nq);
+      m += nq;
     }
-    for (int m = 0; m < m_count; ++m) {
+    for (int m = 0; m < m_count;) {
+      const int nq = run_length(m, p.group);
       if (w.valid[m] > 0) {
-        float* acc = w.acc.data() + m * d;
-        const float* scores = w.scores.data() + m * kChunk;
-        if constexpr (kIsInt8<KV>) accumulate(acc, scores, vf + w.first[m], (m % it.hg) / p.group * d, w.valid[m], d);
-        else accumulate(acc, scores, vp + w.first[m], (m % it.hg) / p.group * hs, w.valid[m], d);
+        if constexpr (kIsInt8<KV>) accumulate_run(w, m, nq, d, (m % it.hg) / p.group * d, vf + w.first[m]);
+        else accumulate_run(w, m, nq, d, (m % it.hg) / p.group * hs, vp + w.first[m]);
       }
-      prefetch_tokens(tokens_per_slice);
+      prefetch_tokens(tokens_per_slice * nq);
+      m += nq;
     }
   }
   store_outputs<Q>(p, it, w, d);
