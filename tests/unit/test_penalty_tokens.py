@@ -64,3 +64,37 @@ def test_engine_serves_penalised_requests_past_the_buffers_first_sizes(tmp_path)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40] * 12
     llm.engine.check_integrity()
 
+
+
+def test_the_same_run_of_rows_reuses_its_metadata_and_sees_every_appended_id():
+    """Rows that are one run of the batch: one metadata while they sample (its output ids a view of the buffer, so
+    each step's appended ids are in it), a new one when the buffer grows or a row is added; the penalties equal the
+    host lists' every step."""
+    rng = random.Random(1)
+    batch = PersistentBatch(4, 64, 16)
+    states = [_state(i, rng, batch) for i in (1, 3, 5)]  # each with a penalty, in rows 0, 1, 2
+    tokens = PenaltyTokens(V, torch.device("cpu"))
+    for state in states:
+        tokens.add(state)
+    assert [s.row for s in states] == [0, 1, 2]
+    metas = []
+    for step in range(20):  # past the buffer's first 16 columns
+        meta = tokens.metadata(states)
+        metas.append(meta)
+        host_meta = build_sampling_metadata(states, V, "cpu")
+        device_meta = build_sampling_metadata(states, V, "cpu", with_penalties=False)
+        device_meta.penalties = meta
+        logits = torch.randn(len(states), V)
+        on_device, on_host = logits.clone(), logits.clone()
+        process_logits(on_device, device_meta)
+        process_logits(on_host, host_meta)
+        assert torch.allclose(on_device, on_host), step
+        sampled = torch.randint(0, V, (len(states),))
+        tokens.append_sampled(np.array([s.row for s in states]), sampled)
+        for j, state in enumerate(states):
+            batch.append_tokens(state.row, [int(sampled[j])])
+    assert metas[1] is metas[0]  # reused while the rows stay
+    assert len({id(m) for m in metas}) < len(metas) // 2  # rebuilt only when the columns grew
+    new = _state(7, rng, batch)
+    tokens.add(new)
+    assert tokens.metadata(states) is not metas[-1]  # a row added: built again

@@ -28,15 +28,15 @@ class CachedRequestState:
     draft_probs: torch.Tensor | None = None  # [k, V] q of the drafts proposed last step (draft model)
     num_draft_computed: int = 0  # tokens whose KV the draft model has written (draft model)
     has_penalties: bool = False  # its sampling reads its output ids
-    is_dynamic: bool = False  # its sampling inputs change with its tokens (penalties, min_tokens)
+    is_dynamic: bool = False  # its sampling inputs change with its tokens (min_tokens' masks)
     is_plain_greedy: bool = False  # greedy with nothing else to apply: its sampling needs no per-row inputs
 
     def __post_init__(self) -> None:
         p = self.params
         self.has_penalties = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        self.is_dynamic = self.has_penalties or bool(p.min_tokens)
-        self.is_plain_greedy = (p.temperature == 0.0 and not self.is_dynamic and not p.logit_bias
-                                and p.logprobs is None)
+        self.is_dynamic = bool(p.min_tokens)
+        self.is_plain_greedy = (p.temperature == 0.0 and not self.is_dynamic and not self.has_penalties
+                                and not p.logit_bias and p.logprobs is None)
 
     @property
     def token_ids(self) -> np.ndarray:

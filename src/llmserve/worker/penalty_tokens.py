@@ -1,6 +1,11 @@
 """Penalties' seen tokens kept on the device: per persistent-batch row of a request with penalties, its
 output ids (appended on the device from each step's sampled ids, so a step never waits for the last
-token to reach the host) and, with a repetition penalty, its prompt ids. Padded with vocab_size."""
+token to reach the host) and, with a repetition penalty, its prompt ids. Padded with vocab_size.
+
+While the same rows sample, a step reuses the last PenaltyMetadata: where the rows are one run of the batch,
+its output ids are a view of their rows of the buffer, so each step's appended ids are in it already. A step's
+host work between two weight streams runs with cold caches, where every op costs tens of microseconds
+(docs/benchmarks.md, "Cold caches between steps")."""
 
 from __future__ import annotations
 
@@ -19,9 +24,11 @@ class PenaltyTokens:
         self.output_ids = self._padded(1, 16)  # [R, C] int64
         self.prompt_ids = self._padded(1, 16)  # [R, Cp] int64
         self.num_output = np.zeros(1, np.int64)  # [R] ids written (or being written) per row
+        self._cached: tuple[tuple, PenaltyMetadata] | None = None  # (its rows' key, the metadata)
 
     def add(self, state: CachedRequestState) -> None:
         """A new row: its prompt (repetition penalty) and the outputs it resumes with."""
+        self._cached = None
         self._fit_rows(state.row + 1)
         self.output_ids[state.row].fill_(self.vocab_size)
         self.num_output[state.row] = 0
@@ -51,18 +58,34 @@ class PenaltyTokens:
         indices = [i for i, s in enumerate(states) if s.has_penalties]
         if not indices:
             return None
+        rows = [states[i].row for i in indices]
+        key = (*indices, *rows)
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        meta = self._build(states, indices, rows)
+        is_run = rows == list(range(rows[0], rows[0] + len(rows)))
+        self._cached = (key, meta) if is_run else None
+        return meta
+
+    def _build(self, states: list[CachedRequestState], indices: list[int], rows: list[int]) -> PenaltyMetadata:
+        """Rows that are one run of the batch read a view of theirs (all columns: the unwritten ones are padding);
+        others a copy of the columns written so far."""
         params = [states[i].params for i in indices]
-        rows = to_device([states[i].row for i in indices], torch.int64, self.device)  # [P]
-        width = max(1, int(self.num_output[[states[i].row for i in indices]].max()))
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            output_ids = self.output_ids[rows[0]:rows[0] + len(rows)]  # [P, C] view
+        else:
+            width = max(1, int(self.num_output[rows].max()))
+            output_ids = self.output_ids[to_device(rows, torch.int64, self.device), :width]  # [P, width]
         has_repetition = any(p.repetition_penalty != 1.0 for p in params)
         prompt_width = max([len(states[i].prompt_token_ids) for i in indices] + [1])
+        row_ids = to_device(rows, torch.int64, self.device)  # [P]
         return PenaltyMetadata(
             row_indices=to_device(indices, torch.int64, self.device),
             repetition_penalties=to_device([p.repetition_penalty for p in params], torch.float32, self.device),
             frequency_penalties=to_device([p.frequency_penalty for p in params], torch.float32, self.device),
             presence_penalties=to_device([p.presence_penalty for p in params], torch.float32, self.device),
-            output_token_ids=self.output_ids[rows, :width],
-            prompt_token_ids=self._prompts(rows, params, prompt_width) if has_repetition else None,
+            output_token_ids=output_ids,
+            prompt_token_ids=self._prompts(row_ids, params, prompt_width) if has_repetition else None,
             has_output_penalties=any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params))
 
     def _prompts(self, rows: torch.Tensor, params: list, width: int) -> torch.Tensor:
@@ -77,6 +100,7 @@ class PenaltyTokens:
     def _fit_rows(self, num_rows: int) -> None:
         if num_rows <= len(self.num_output):
             return
+        self._cached = None
         grown = max(num_rows, 2 * len(self.num_output))
         for name in ("output_ids", "prompt_ids"):
             old = getattr(self, name)
@@ -88,6 +112,7 @@ class PenaltyTokens:
     def _fit_columns(self, ids: torch.Tensor, num_columns: int) -> torch.Tensor:
         if num_columns <= ids.shape[1]:
             return ids
+        self._cached = None
         wider = self._padded(ids.shape[0], max(num_columns, 2 * ids.shape[1]))
         wider[:, :ids.shape[1]] = ids
         return wider

@@ -19,11 +19,11 @@ _REQ_ID, _IS_PLAIN_GREEDY = attrgetter("req_id"), attrgetter("is_plain_greedy")
 
 class SamplingInputs:
     """Builds a step's SamplingMetadata, reusing the last one while the same rows sample in the same
-    order and none has inputs that change with its tokens (penalties, min_tokens): the common decode
-    step then costs no host-to-device copy. Rows that are all plain greedy (nothing but an argmax) share
-    one metadata whatever the rows, so a batch that loses or gains such rows builds nothing either.
-    Seeded rows' generators are set for their position; penalties read their tokens on the device
-    (`penalty_tokens`)."""
+    order and none has inputs that change with its tokens (min_tokens' masks): the common decode step
+    then costs no host-to-device copy. Penalties read their tokens on the device (`penalty_tokens`, whose
+    metadata is reused too while the rows stay). Rows that are all plain greedy (nothing but an argmax)
+    share one metadata whatever the rows, so a batch that loses or gains such rows builds nothing either.
+    Seeded rows' generators are set for their position."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -48,10 +48,11 @@ class SamplingInputs:
             self._key, self._meta, self._seeded = key, self._plain_greedy, []
         elif key != self._key or self._meta is None:
             self._meta = build_sampling_metadata(rows, self.vocab_size, self.device, with_penalties=False)
-            self._meta.penalties = self.penalty_tokens.metadata(rows)
             self._seeded = [row for row in rows if row.generator is not None]
             is_static = not any(row.is_dynamic for row in rows)
             self._key = key if is_static else ()
+        if self._meta is not self._plain_greedy:
+            self._meta.penalties = self.penalty_tokens.metadata(rows)
         for row in self._seeded:
             row.generator.manual_seed(position_seed(row.params.seed, row.num_output_tokens))
         return self._meta
