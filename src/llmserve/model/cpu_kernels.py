@@ -46,7 +46,8 @@ _CSRC = cpu_build.CSRC
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp",
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
                                                       "fused_ops_bf16.cpp", "paged_attention_split.cpp",
-                                                      "decode_stack.cpp", "moe_experts.cpp", "moe_layer.cpp")]
+                                                      "decode_stack.cpp", "moe_experts.cpp", "moe_layer.cpp",
+                                                      "sampling_ops.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
                                                                      "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h",
                                                                      "decode_head.h", "moe_layer.h", "balanced_for.h",
@@ -363,3 +364,22 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     out = x.new_empty(x.shape[0], weight.shape[0])
     _ops().bf16_gemv(out, x, weight, bias)
     return out
+
+
+def samples_on_cpu(logits: torch.Tensor) -> bool:
+    """Whether the sampler's penalties and top-k can run here (csrc/sampling_ops.cpp): float32 CPU logits, rows
+    contiguous, kernels loaded."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 and available()
+
+
+def apply_penalties_(logits: torch.Tensor, row_indices: torch.Tensor, repetition: torch.Tensor,
+                     frequency: torch.Tensor, presence: torch.Tensor, output_ids: torch.Tensor,
+                     prompt_ids: torch.Tensor | None, has_output_penalties: bool) -> None:
+    """sample/ops.py's apply_penalties in one op, the same bits (ids padded with V)."""
+    _ops().apply_penalties_(logits, row_indices, repetition, frequency, presence, output_ids, prompt_ids,
+                            has_output_penalties)
+
+
+def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (values, ids) [B, k]: each row's k largest, descending, ties by the lower id."""
+    return _ops().top_k_rows(logits, k)

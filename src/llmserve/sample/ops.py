@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from llmserve.model import cpu_kernels
 from llmserve.sample.metadata import PenaltyMetadata
 
 _NEG_INF = float("-inf")
@@ -25,17 +26,35 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest logits and their ids, descending ([B, k] each): on CPU one pass over each row in C++
+    (model/csrc/sampling_ops.cpp; ties by the lower id), elsewhere torch.topk."""
+    if cpu_kernels.samples_on_cpu(logits):
+        return cpu_kernels.top_k_rows(logits, k)
+    return logits.topk(k, dim=-1)
+
+
 def apply_sparse_bias(logits: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
     """logits[row, token] += value for each (row, token) in indices [2, N]; values [N]."""
     logits.index_put_((indices[0], indices[1]), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyMetadata) -> None:
-    """Repetition (HF: prompt + output), then frequency and presence (OpenAI: output only).
+    """Repetition (HF: prompt + output), then frequency and presence (OpenAI: output only). On CPU one C++
+    op (model/csrc/sampling_ops.cpp) with the same arithmetic: the torch version is a dozen ops."""
+    if cpu_kernels.samples_on_cpu(logits) and penalties.output_token_ids.stride(-1) == 1:
+        cpu_kernels.apply_penalties_(logits, penalties.row_indices, penalties.repetition_penalties,
+                                     penalties.frequency_penalties, penalties.presence_penalties,
+                                     penalties.output_token_ids, penalties.prompt_token_ids,
+                                     penalties.has_output_penalties)
+        return
+    apply_penalties_torch(logits, penalties)
 
-    Works on the tokens each row has seen ([P, L] gathers and one scatter), not on [P, V]: a row's
-    repeats of one id read and write the same value, so duplicates in the scatter agree.
-    """
+
+def apply_penalties_torch(logits: torch.Tensor, penalties: PenaltyMetadata) -> None:
+    """apply_penalties in torch ops (any device). Works on the tokens each row has seen ([P, L] gathers and one
+    scatter), not on [P, V]: a row's repeats of one id read and write the same value, so duplicates in the
+    scatter agree."""
     num_tokens = logits.shape[1]
     seen = penalties.output_token_ids
     if penalties.prompt_token_ids is not None:

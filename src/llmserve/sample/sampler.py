@@ -81,7 +81,7 @@ class Sampler:
         Everything after the top-k is [B, K] instead of [B, V], the race's noise too, except for seeded
         rows, which draw their full-vocabulary noise so that they give the same tokens on both paths.
         """
-        cand_logits, cand_ids = logits.topk(meta.max_top_k, dim=-1)  # [B, K] each, descending
+        cand_logits, cand_ids = ops.top_k(logits, meta.max_top_k)  # [B, K] each, descending
         cand_logits.div_(meta.temperature.unsqueeze(1))
         ops.apply_top_k_sorted(cand_logits, meta.top_k)
         if meta.top_p is not None:
