@@ -11,7 +11,7 @@ import torch
 import hf_parity
 
 from llmserve import LLM
-from llmserve.model import cpu_decode_stack, cpu_isa, cpu_kernels
+from llmserve.model import cpu_decode_head, cpu_decode_stack, cpu_isa, cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.attention import select_attention_backend
 from llmserve.model.loader import load_model
@@ -81,6 +81,18 @@ def test_one_call_gives_forward_and_compute_logits_bit_for_bit(tmp_path, packs_s
     assert model.decode_stack is not None and model.decode_stack.has_head
     for (hidden, logits), (py_hidden, py_logits) in _both_ways(model, dtype, num_rows):
         assert logits.dtype == torch.float32 and logits.shape[1] == VOCAB
+        assert torch.equal(hidden, py_hidden) and torch.equal(logits, py_logits)
+
+
+@needs_avx2
+@pytest.mark.parametrize("num_table_positions", [8, 0])  # past the table from the second row on; no table rows
+def test_positions_past_the_rotary_table_are_computed_with_the_same_bits(tmp_path, packs_small_weights, monkeypatch,
+                                                                           num_table_positions):
+    monkeypatch.setattr(cpu_decode_head, "MAX_TABLE_POSITIONS", num_table_positions)
+    model = load_model(_write_checkpoint(str(tmp_path), "llama", True), torch.float32, "cpu", 128)
+    model.decode_stack = cpu_decode_stack.build(model)
+    assert model.decode_stack.has_head
+    for (hidden, logits), (py_hidden, py_logits) in _both_ways(model, torch.float32, 3):
         assert torch.equal(hidden, py_hidden) and torch.equal(logits, py_logits)
 
 

@@ -1,8 +1,9 @@
 """A CPU decode step's prologue and epilogue in the decoder stack's call (csrc/decode_head.h): the embedding lookup
 and rotary cos/sin before the layers, the final norm and the sampled rows' logits after them, so a decode step's
-forward is one C++ call (`DecodeStack.step`). The same ops as CausalLM.forward and compute_logits (the same bits);
-a head it cannot run as they do (an untied lm_head not a plain `Linear`, a tied float32 table not packed in panels,
-soft-capped logits, a bfloat16 table the GEMV does not take) keeps them in Python around the layers' call.
+forward is one C++ call (`DecodeStack.step`). The same values as CausalLM.forward and compute_logits (the same
+bits; cos/sin read from a table of the rotary's own values at load). A head it cannot run as they do (an untied
+lm_head not a plain `Linear`, a tied float32 table not packed in panels, soft-capped logits, a bfloat16 table the
+GEMV does not take) keeps them in Python around the layers' call.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import torch
 from torch import nn
 
 from llmserve.model.linear import Linear, gemv_takes
+
+MAX_TABLE_POSITIONS = 32768  # rotary cos/sin rows kept for the stack (4 MB a table at head_dim 64 in float32);
+                             # later positions are computed each step
 
 
 def set_head(stack, model: nn.Module, is_bf16: bool) -> bool:
@@ -22,8 +26,9 @@ def set_head(stack, model: nn.Module, is_bf16: bool) -> bool:
     if head is None or type(embed) is not nn.Embedding or not embed.weight.is_contiguous():
         return False
     rotary = model.rotary["default"]
-    stack.set_head(embed.weight, rotary._inv_freq_cpu, float(rotary.params.attention_scaling), norm.weight,
-                   norm.eps, head, model.config.vocab_size)
+    cos, sin = rotary.cos_sin(torch.arange(min(model.max_model_len, MAX_TABLE_POSITIONS)), embed.weight.dtype)
+    stack.set_head(embed.weight, rotary._inv_freq_cpu, float(rotary.params.attention_scaling), cos.squeeze(1),
+                   sin.squeeze(1), norm.weight, norm.eps, head, model.config.vocab_size)
     return True
 
 

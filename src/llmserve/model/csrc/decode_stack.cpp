@@ -212,18 +212,26 @@ struct DecodeStack : torch::CustomClassHolder {
     return {h, residual};
   }
 
-  // The step's prologue and epilogue (csrc/decode_head.h); head_weight in the linears' kind, vocab_size its rows.
-  void set_head(at::Tensor embedding, at::Tensor inv_freq, double rotary_scaling, at::Tensor final_norm,
-                double final_eps, at::Tensor head_weight, int64_t vocab_size) {
+  // The step's prologue and epilogue (csrc/decode_head.h); head_weight in the linears' kind, vocab_size its rows;
+  // cos_table, sin_table [P, D/2] in the embedding's dtype: the rotary's cos/sin of positions 0..P-1.
+  void set_head(at::Tensor embedding, at::Tensor inv_freq, double rotary_scaling, at::Tensor cos_table,
+                at::Tensor sin_table, at::Tensor final_norm, double final_eps, at::Tensor head_weight,
+                int64_t vocab_size) {
     TORCH_CHECK(has_mlps(), "DecodeStack: a head needs whole layers");
     TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.size(0) * 2 == head_dim,
                 "DecodeStack: inv_freq [D/2] float32");
+    TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous(), "DecodeStack: the embedding [vocab, hidden]");
+    TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == head_dim / 2 && cos_table.is_contiguous() &&
+                    cos_table.sizes() == sin_table.sizes() && sin_table.is_contiguous() &&
+                    cos_table.scalar_type() == embedding.scalar_type() &&
+                    sin_table.scalar_type() == embedding.scalar_type(),
+                "DecodeStack: cos and sin tables [P, D/2] in the embedding's dtype");
     const bool is_bf16 = kind == LinearKind::kBf16Gemv;
     TORCH_CHECK(head_weight.scalar_type() == (is_bf16 ? at::kBFloat16 : at::kFloat) &&
                     head_weight.dim() == (is_bf16 ? 2 : 3) && embedding.scalar_type() == head_weight.scalar_type(),
                 "DecodeStack: the head's weight in the linears' kind, the embedding in the model's dtype");
-    head = llmserve_cpu::DecodeHead{embedding, inv_freq, rotary_scaling, final_norm, final_eps, head_weight,
-                                    vocab_size};
+    head = llmserve_cpu::DecodeHead{embedding, inv_freq, rotary_scaling, cos_table, sin_table, final_norm, final_eps,
+                                    head_weight, vocab_size};
   }
 
   // The whole forward of a step in one call: ids, positions [T] int64 (and forward's step tensors), logits_indices
@@ -237,10 +245,10 @@ struct DecodeStack : torch::CustomClassHolder {
     auto [h, residual] = forward(x, cos, sin, std::move(kv_caches), slot_mapping, block_table, seq_lens, query_start,
                                  rows);
     llmserve_cpu::add_rms_norm(h, residual, head->final_norm, head->final_eps);
-    const at::Tensor sampled = h.index_select(0, logits_indices);  // [N, hidden]
+    const at::Tensor sampled = llmserve_cpu::rows_at(h, logits_indices);  // [N, hidden]
     const at::Tensor out = at::empty({sampled.size(0), head->vocab_size}, sampled.options());
     const at::Tensor logits = run_linear(StackLinear{head->head_weight, std::nullopt, head->vocab_size}, sampled, out);
-    return {h, logits.to(at::kFloat)};
+    return {h, llmserve_cpu::as_float(logits)};
   }
 
   // Layer i up to its MLP, as the Python layer runs it: h [T, hidden] (the embeddings when residual is None: layer
