@@ -50,8 +50,11 @@ class PenaltyTokens:
         """rows [S'] (batch rows) take one id each from sampled [S'] (device), without a host sync."""
         ends = self.num_output[rows]  # [S'] int64
         self.output_ids = self._fit_columns(self.output_ids, int(ends.max()) + 1)
-        index = on_device(np.stack([rows, ends]), self.device)  # [2, S'] int64: rows, columns
-        self.output_ids[index[0], index[1]] = sampled
+        if self.device.type == "cpu":  # one numpy assignment: no index tensor, no dispatch
+            self.output_ids.numpy()[rows, ends] = sampled.numpy()
+        else:
+            index = on_device(np.stack([rows, ends]), self.device)  # [2, S'] int64: rows, columns
+            self.output_ids[index[0], index[1]] = sampled
         self.num_output[rows] = ends + 1
 
     def metadata(self, states: list[CachedRequestState]) -> PenaltyMetadata | None:
