@@ -90,3 +90,47 @@ def test_top_k_rows_refuse_what_they_cannot_take():
         cpu_kernels.top_k_rows(torch.randn(2, 5), 6)
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.top_k_rows(torch.randn(2, 5).double(), 2)
+
+
+def _torch_candidates_draw(cand_logits, cand_ids, noise, temperature, top_k, top_p, min_p):
+    """The sampler's torch candidates path after its top-k (sample/sampler.py)."""
+    x = cand_logits.clone().div_(temperature.unsqueeze(1))
+    if top_k is not None:
+        ops.apply_top_k_sorted(x, top_k)
+    if top_p is not None:
+        ops.apply_top_p_sorted(x, top_p)
+    if min_p is not None:
+        ops.apply_min_p(x, min_p)
+    return ops.exponential_race_on_candidates(x.softmax(dim=-1), cand_ids, noise.clone())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("filters", ["top_k", "top_k+top_p", "top_k+min_p", "all"])
+def test_candidates_op_draws_what_the_torch_ops_draw(seed, filters):
+    """Same candidates, same noise: the same tokens, row by row (rounding apart, which no case here is near)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_rows, vocab, k = 64, 3000, 40
+    logits = torch.randn(num_rows, vocab, generator=gen) * [0.5, 2.0, 6.0, 12.0][seed]
+    cand_logits, cand_ids = cpu_kernels.top_k_rows(logits, k)
+    noise = torch.empty(num_rows, k).uniform_(torch.finfo(torch.float32).tiny, 1.0, generator=gen)
+    temperature = torch.rand(num_rows, generator=gen) * 1.5 + 0.1
+    top_k = torch.randint(1, k + 1, (num_rows,), generator=gen)
+    top_p = torch.where(torch.rand(num_rows, generator=gen) < 0.2, 1.0, torch.rand(num_rows, generator=gen))
+    min_p = torch.where(torch.rand(num_rows, generator=gen) < 0.3, 0.0, torch.rand(num_rows, generator=gen) * 0.3)
+    args = (temperature, top_k, top_p if "top_p" in filters or filters == "all" else None,
+            min_p if "min_p" in filters or filters == "all" else None)
+    ours = cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, *args)
+    assert torch.equal(ours, _torch_candidates_draw(cand_logits, cand_ids, noise, *args))
+    assert len(set(ours.tolist())) > 1
+
+
+def test_candidates_op_keeps_ties_at_the_kth_value_and_the_best_token():
+    cand_logits, cand_ids, one = torch.tensor([[4.0, 3.0, 3.0, 1.0]]), torch.tensor([[10, 11, 12, 13]]), torch.ones(1)
+    top_2 = torch.tensor([2])
+    noise = torch.tensor([[0.01, 0.01, 0.9999, 0.01]])  # the tie at the 2nd value wins where it is kept
+    assert int(cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, one, top_2, None, None)) == 12
+    noise = torch.tensor([[0.01, 0.01, 0.01, 0.9999]])  # the token below it would win, were it kept
+    assert int(cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, one, top_2, None, None)) == 10
+    noise = torch.tensor([[0.01, 0.9999, 0.9999, 0.9999]])
+    assert int(cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, one, None, torch.tensor([0.0]),
+                                             None)) == 10  # top_p 0: the best token alone

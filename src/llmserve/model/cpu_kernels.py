@@ -383,3 +383,11 @@ def apply_penalties_(logits: torch.Tensor, row_indices: torch.Tensor, repetition
 def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (values, ids) [B, k]: each row's k largest, descending, ties by the lower id."""
     return _ops().top_k_rows(logits, k)
+
+
+def sample_candidates(cand_logits: torch.Tensor, cand_ids: torch.Tensor, noise: torch.Tensor,
+                      temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      min_p: torch.Tensor | None) -> torch.Tensor:
+    """Each row's draw [B] int64 from its candidates [B, K] (descending logits, their ids, their noise U [B, K]):
+    the sampler's candidates path after its top-k in one op."""
+    return _ops().sample_candidates(cand_logits, cand_ids, noise, temperature, top_k, top_p, min_p)

@@ -202,19 +202,24 @@ def exponential_race(
     return probs.div_(log_u).argmin(dim=-1)
 
 
-def exponential_race_on_candidates(probs: torch.Tensor, cand_ids: torch.Tensor, vocab_size: int,
-                                   generators: dict[int, torch.Generator],
-                                   generator: torch.Generator | None) -> torch.Tensor:
-    """exponential_race when only the candidates cand_ids [B, K] can win (probs [B, K]). Unseeded rows
-    draw noise for their K candidates alone; a seeded row draws its whole [V] row, as on the full path,
-    and reads it at its candidates, so its tokens do not depend on which path its batch took."""
-    noise = torch.empty(cand_ids.shape, dtype=torch.float32, device=probs.device)  # [B, K]
+def exponential_race_on_candidates(probs: torch.Tensor, cand_ids: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """exponential_race when only the candidates cand_ids [B, K] can win (probs [B, K]), with their noise [B, K]
+    (`candidate_noise`; overwritten)."""
+    return cand_ids.gather(1, probs.div_(noise.log_()).argmin(dim=-1, keepdim=True)).squeeze(1)
+
+
+def candidate_noise(cand_ids: torch.Tensor, vocab_size: int, generators: dict[int, torch.Generator],
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """U ~ Uniform[tiny, 1) [B, K] for the candidates cand_ids [B, K]. Unseeded rows draw noise for their K
+    candidates alone; a seeded row draws its whole [V] row, as on the full path, and reads it at its candidates,
+    so its tokens do not depend on which path its batch took."""
+    noise = torch.empty(cand_ids.shape, dtype=torch.float32, device=cand_ids.device)  # [B, K]
     if len(generators) < noise.shape[0]:
         noise.uniform_(_TINY, 1.0, generator=generator)
     for row, row_generator in generators.items():
-        row_noise = torch.empty(vocab_size, dtype=torch.float32, device=probs.device)  # [V]
+        row_noise = torch.empty(vocab_size, dtype=torch.float32, device=cand_ids.device)  # [V]
         noise[row] = row_noise.uniform_(_TINY, 1.0, generator=row_generator)[cand_ids[row]]
-    return cand_ids.gather(1, probs.div_(noise.log_()).argmin(dim=-1, keepdim=True)).squeeze(1)
+    return noise
 
 
 def _uniform_noise(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator],

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.model import cpu_kernels
 from llmserve.sample import ops
 from llmserve.sample.metadata import SamplingMetadata
 
@@ -80,8 +81,14 @@ class Sampler:
         Every random row keeps at most max_top_k tokens, so the others have probability 0 either way.
         Everything after the top-k is [B, K] instead of [B, V], the race's noise too, except for seeded
         rows, which draw their full-vocabulary noise so that they give the same tokens on both paths.
+        On CPU the filters, softmax and race are one C++ op (model/csrc/sampling_ops.cpp): a dozen ATen ops
+        cost tens of microseconds each between two decode steps' weight streams.
         """
         cand_logits, cand_ids = ops.top_k(logits, meta.max_top_k)  # [B, K] each, descending
+        noise = ops.candidate_noise(cand_ids, meta.vocab_size, meta.generators, self.generator)  # [B, K]
+        if cpu_kernels.samples_on_cpu(cand_logits):
+            return cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, meta.temperature, meta.top_k,
+                                                 meta.top_p, meta.min_p)
         cand_logits.div_(meta.temperature.unsqueeze(1))
         ops.apply_top_k_sorted(cand_logits, meta.top_k)
         if meta.top_p is not None:
@@ -89,8 +96,7 @@ class Sampler:
         if meta.min_p is not None:
             ops.apply_min_p(cand_logits, meta.min_p)
         probs = cand_logits.softmax(dim=-1)  # [B, K]
-        return ops.exponential_race_on_candidates(probs, cand_ids, meta.vocab_size, meta.generators,
-                                                  self.generator)
+        return ops.exponential_race_on_candidates(probs, cand_ids, noise)
 
     @staticmethod
     def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -12,6 +12,11 @@
 //                     lower id, NaN above everything (as torch.topk ranks it). One pass over the row: eight values
 //                     at a time are compared with the k-th best so far, and only a block holding a better one
 //                     touches the heap.
+//   sample_candidates each row's draw from its top-K candidates (sample/sampler.py's candidates path after the top-k,
+//                     its noise drawn by torch): divided by the temperature; top-k, top-p and min-p masks as
+//                     sample/ops.py applies them (ties with the k-th value kept; the best token always kept); a
+//                     float32 softmax; the exponential race argmin(p / log u), first index on ties. Exact where torch's
+//                     ops are (division, masks), within rounding of them in the softmax's exponentials.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -164,6 +169,97 @@ std::tuple<at::Tensor, at::Tensor> top_k_rows(const at::Tensor& logits, int64_t 
   return {values, ids};
 }
 
+// x [K] -> p [K]: softmax, masked (-inf) entries 0.
+void softmax(const float* x, int64_t n, float* p) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) max = std::max(max, x[j]);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = x[j] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(x[j] - max);
+    sum += p[j];
+  }
+  for (int64_t j = 0; j < n; ++j) p[j] /= sum;
+}
+
+struct CandidateParams {
+  float temperature;
+  int64_t top_k;  // <= 0: none
+  float top_p;    // >= 1: none
+  float min_p;    // <= 0: none
+};
+
+// One row: x [K] descending candidates' logits (scratch), ids [K], noise [K] in (0, 1) -> the drawn id.
+int64_t draw_candidate(float* x, const int64_t* ids, const float* noise, int64_t n, const CandidateParams& c,
+                       std::vector<float>& p) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) x[j] /= c.temperature;
+  if (c.top_k > 0) {  // ranks below the k-th value (ties kept)
+    const float kth = x[std::min(c.top_k, n) - 1];
+    for (int64_t j = 0; j < n; ++j)
+      if (x[j] < kth) x[j] = kNegInf;
+  }
+  p.resize(n);
+  if (c.top_p < 1.f) {  // outside the nucleus: the tokens ranked above hold >= top_p
+    softmax(x, n, p.data());
+    float mass = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      mass += p[j];
+      if (mass - p[j] >= c.top_p) x[j] = kNegInf;
+    }
+  }
+  if (c.min_p > 0.f) {  // below min_p times the top probability
+    softmax(x, n, p.data());
+    const float threshold = *std::max_element(p.begin(), p.end()) * c.min_p;
+    for (int64_t j = 0; j < n; ++j)
+      if (p[j] < threshold) x[j] = kNegInf;
+  }
+  softmax(x, n, p.data());
+  int64_t best = 0;
+  float best_score = std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {  // argmin p / log(u): log(u) < 0, masked tokens score -0.0
+    const float score = p[j] / std::log(noise[j]);
+    if (score < best_score) {
+      best_score = score;
+      best = j;
+    }
+  }
+  return ids[best];
+}
+
+const float* optional_row_values(const std::optional<at::Tensor>& t, int64_t num_rows, at::ScalarType type,
+                                 const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == type && t->dim() == 1 && t->size(0) == num_rows && t->is_contiguous(),
+              "sample_candidates: ", name, " must be a contiguous [B] tensor");
+  return static_cast<const float*>(t->data_ptr());
+}
+
+at::Tensor sample_candidates(const at::Tensor& cand_logits, const at::Tensor& cand_ids, const at::Tensor& noise,
+                             const at::Tensor& temperature, const std::optional<at::Tensor>& top_k,
+                             const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
+  TORCH_CHECK(cand_logits.scalar_type() == at::kFloat && cand_logits.dim() == 2 && cand_logits.is_contiguous(),
+              "sample_candidates: candidates' logits must be contiguous float32 [B, K]");
+  const int64_t num_rows = cand_logits.size(0), n = cand_logits.size(1);
+  TORCH_CHECK(cand_ids.scalar_type() == at::kLong && cand_ids.sizes() == cand_logits.sizes() && cand_ids.is_contiguous(),
+              "sample_candidates: candidates' ids must be contiguous int64 [B, K]");
+  TORCH_CHECK(noise.scalar_type() == at::kFloat && noise.sizes() == cand_logits.sizes() && noise.is_contiguous(),
+              "sample_candidates: noise must be contiguous float32 [B, K]");
+  TORCH_CHECK(n >= 1, "sample_candidates: no candidates");
+  const float* temp = optional_row_values(temperature, num_rows, at::kFloat, "temperature");
+  const auto* ks = reinterpret_cast<const int64_t*>(optional_row_values(top_k, num_rows, at::kLong, "top_k"));
+  const float* ps = optional_row_values(top_p, num_rows, at::kFloat, "top_p");
+  const float* mins = optional_row_values(min_p, num_rows, at::kFloat, "min_p");
+  at::Tensor x = cand_logits.clone();
+  at::Tensor out = at::empty({num_rows}, cand_ids.options());
+  std::vector<float> p;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const CandidateParams c{temp[r], ks ? ks[r] : 0, ps ? ps[r] : 1.f, mins ? mins[r] : 0.f};
+    out.data_ptr<int64_t>()[r] = draw_candidate(x.data_ptr<float>() + r * n, cand_ids.data_ptr<int64_t>() + r * n,
+                                                noise.data_ptr<float>() + r * n, n, c, p);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
@@ -171,4 +267,6 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
         "Tensor presence, Tensor output_ids, Tensor? prompt_ids, bool has_output_penalties) -> ()",
         &apply_penalties_);
   m.def("top_k_rows(Tensor logits, int k) -> (Tensor, Tensor)", &top_k_rows);
+  m.def("sample_candidates(Tensor cand_logits, Tensor cand_ids, Tensor noise, Tensor temperature, Tensor? top_k, "
+        "Tensor? top_p, Tensor? min_p) -> Tensor", &sample_candidates);
 }
