@@ -5,7 +5,7 @@ token to reach the host) and, with a repetition penalty, its prompt ids. Padded 
 While the same rows sample, a step reuses the last PenaltyMetadata: where the rows are one run of the batch,
 its output ids are a view of their rows of the buffer, so each step's appended ids are in it already. A step's
 host work between two weight streams runs with cold caches, where every op costs tens of microseconds
-(docs/benchmarks.md, "Cold caches between steps")."""
+(docs/benchmarks.md, "A step's host work with cold caches")."""
 
 from __future__ import annotations
 
@@ -65,16 +65,17 @@ class PenaltyTokens:
         key = (*indices, *rows)
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
-        meta = self._build(states, indices, rows)
         is_run = rows == list(range(rows[0], rows[0] + len(rows)))
+        meta = self._build(states, indices, rows, is_run)
         self._cached = (key, meta) if is_run else None
         return meta
 
-    def _build(self, states: list[CachedRequestState], indices: list[int], rows: list[int]) -> PenaltyMetadata:
+    def _build(self, states: list[CachedRequestState], indices: list[int], rows: list[int],
+               is_run: bool) -> PenaltyMetadata:
         """Rows that are one run of the batch read a view of theirs (all columns: the unwritten ones are padding);
         others a copy of the columns written so far."""
         params = [states[i].params for i in indices]
-        if rows == list(range(rows[0], rows[0] + len(rows))):
+        if is_run:
             output_ids = self.output_ids[rows[0]:rows[0] + len(rows)]  # [P, C] view
         else:
             width = max(1, int(self.num_output[rows].max()))

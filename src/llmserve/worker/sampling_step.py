@@ -32,6 +32,7 @@ class SamplingInputs:
         self._key: tuple = ()
         self._meta: SamplingMetadata | None = None
         self._seeded: list[CachedRequestState] = []  # rows of the last metadata with a generator
+        self._has_penalties = False  # a row of the last metadata has penalties (refreshed each step)
         self._generation = 0  # bumped when states are created: a new state may reuse a request id
         self._plain_greedy = SamplingMetadata(vocab_size, all_greedy=True, all_random=False)
 
@@ -49,9 +50,10 @@ class SamplingInputs:
         elif key != self._key or self._meta is None:
             self._meta = build_sampling_metadata(rows, self.vocab_size, self.device, with_penalties=False)
             self._seeded = [row for row in rows if row.generator is not None]
+            self._has_penalties = any(row.has_penalties for row in rows)
             is_static = not any(row.is_dynamic for row in rows)
             self._key = key if is_static else ()
-        if self._meta is not self._plain_greedy:
+        if self._meta is not self._plain_greedy and self._has_penalties:
             self._meta.penalties = self.penalty_tokens.metadata(rows)
         for row in self._seeded:
             row.generator.manual_seed(position_seed(row.params.seed, row.num_output_tokens))
