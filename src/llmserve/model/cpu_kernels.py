@@ -51,7 +51,7 @@ _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
                                                                      "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h",
                                                                      "decode_head.h", "moe_layer.h", "balanced_for.h",
-                                                                     "bf16_avx2.h")]
+                                                                     "bf16_avx2.h", "attention_avx2.h")]
 _NAME = "llmserve_cpu_kernels"
 
 
