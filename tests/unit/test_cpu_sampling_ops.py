@@ -132,5 +132,5 @@ def test_candidates_op_keeps_ties_at_the_kth_value_and_the_best_token():
     noise = torch.tensor([[0.01, 0.01, 0.01, 0.9999]])  # the token below it would win, were it kept
     assert int(cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, one, top_2, None, None)) == 10
     noise = torch.tensor([[0.01, 0.9999, 0.9999, 0.9999]])
-    assert int(cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, one, None, torch.tensor([0.0]),
-                                             None)) == 10  # top_p 0: the best token alone
+    assert int(cpu_kernels.sample_candidates(cand_logits, cand_ids, noise, one, None, torch.tensor([1e-6]),
+                                             None)) == 10  # a tiny top_p: the best token alone
