@@ -226,12 +226,14 @@ int64_t draw_candidate(float* x, const int64_t* ids, const float* noise, int64_t
   return ids[best];
 }
 
-const float* optional_row_values(const std::optional<at::Tensor>& t, int64_t num_rows, at::ScalarType type,
-                                 const char* name) {
+// A per-row parameter [B] (nullptr where the batch has none).
+template <typename T>
+const T* row_values(const std::optional<at::Tensor>& t, int64_t num_rows, const char* name) {
   if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->scalar_type() == type && t->dim() == 1 && t->size(0) == num_rows && t->is_contiguous(),
+  TORCH_CHECK(t->scalar_type() == c10::CppTypeToScalarType<T>::value && t->dim() == 1 && t->size(0) == num_rows &&
+                  t->is_contiguous(),
               "sample_candidates: ", name, " must be a contiguous [B] tensor");
-  return static_cast<const float*>(t->data_ptr());
+  return t->data_ptr<T>();
 }
 
 at::Tensor sample_candidates(const at::Tensor& cand_logits, const at::Tensor& cand_ids, const at::Tensor& noise,
@@ -245,10 +247,10 @@ at::Tensor sample_candidates(const at::Tensor& cand_logits, const at::Tensor& ca
   TORCH_CHECK(noise.scalar_type() == at::kFloat && noise.sizes() == cand_logits.sizes() && noise.is_contiguous(),
               "sample_candidates: noise must be contiguous float32 [B, K]");
   TORCH_CHECK(n >= 1, "sample_candidates: no candidates");
-  const float* temp = optional_row_values(temperature, num_rows, at::kFloat, "temperature");
-  const auto* ks = reinterpret_cast<const int64_t*>(optional_row_values(top_k, num_rows, at::kLong, "top_k"));
-  const float* ps = optional_row_values(top_p, num_rows, at::kFloat, "top_p");
-  const float* mins = optional_row_values(min_p, num_rows, at::kFloat, "min_p");
+  const float* temp = row_values<float>(temperature, num_rows, "temperature");
+  const int64_t* ks = row_values<int64_t>(top_k, num_rows, "top_k");
+  const float* ps = row_values<float>(top_p, num_rows, "top_p");
+  const float* mins = row_values<float>(min_p, num_rows, "min_p");
   at::Tensor x = cand_logits.clone();
   at::Tensor out = at::empty({num_rows}, cand_ids.options());
   std::vector<float> p;
