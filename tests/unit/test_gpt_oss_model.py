@@ -31,10 +31,23 @@ greedy = partial(hf_parity.engine_greedy, num_out=NUM_OUT)
 prompt = partial(hf_parity.random_prompt, vocab_size=VOCAB)
 
 
+def _hf_reads_swiglu_fields() -> bool:
+    """Older transformers (5.17, the GPU image's) runs every gpt-oss checkpoint with alpha 1.702 and limit 7.0,
+    whatever its config says; there the checkpoints below carry those values, so that it stays the reference."""
+    import inspect
+
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    return "config.swiglu_alpha" in inspect.getsource(modeling_gpt_oss)
+
+
+# a low limit where transformers reads it: the clamps act on these random weights
+_SWIGLU = dict(swiglu_limit=0.5, swiglu_alpha=1.5) if _hf_reads_swiglu_fields() else dict(swiglu_limit=7.0,
+                                                                                            swiglu_alpha=1.702)
 _FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
                max_position_embeddings=256, initializer_range=0.1, eos_token_id=2, pad_token_id=0, bos_token_id=None,
-               swiglu_limit=0.5, swiglu_alpha=1.5,  # a low limit: the clamps act on these random weights
+               **_SWIGLU,
                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
 

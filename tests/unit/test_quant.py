@@ -72,6 +72,20 @@ def test_int8_rows_are_independent_of_their_batch():
     assert all(torch.equal(layer(x[i:i + 1])[0], batched[i]) for i in range(33))
 
 
+def test_fp8_on_a_torch_without_rowwise_cpu_scaled_mm_takes_the_same_sums_in_float32(monkeypatch):
+    """Torch before 2.13 refuses per-row scales in CPU `_scaled_mm`: the layer then multiplies the same quantized
+    operands in float32 (the order of the sums may differ)."""
+    from llmserve.model.quant import linear
+
+    gen = torch.Generator().manual_seed(2)
+    layer = Fp8Linear.from_float(torch.randn(48, 64, generator=gen), None)
+    x = torch.randn(7, 64, generator=gen)
+    assert linear._cpu_has_rowwise_scaled_mm()  # the torch these tests run: the op is the reference
+    want = layer(x)
+    monkeypatch.setattr(linear, "_cpu_has_rowwise_scaled_mm", lambda: False)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_3d_input_and_bfloat16():
     layer = Int8Linear.from_float(torch.randn(32, 16), torch.randn(32))
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16)

@@ -11,12 +11,14 @@ pair sums), so there the layer keeps its weight in our kernel's panels and runs 
 (the same quantization, exact sums: csrc/int8_linear_avx2.cpp).
 
 Fp8Linear: float8_e4m3fn weights and activations through `torch._scaled_mm` with row-wise scales
-(Hopper; CPU runs the same op in torch 2.13, as the reference path the tests use). On CUDA the
-activation's quantization is one Triton launch, and decode tokens take fp8_triton's decode kernel, whose
+(Hopper; CPU runs the same op in torch 2.13, as the reference path the tests use; older torch the same sums
+in float32). On CUDA the activation's quantization is one Triton launch, and decode tokens take fp8_triton's decode kernel, whose
 row sums do not depend on the batch (model/quant/token_kinds.py; docs/benchmarks.md has torch's path at batch 1).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,17 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1e-12
 _CUDA_INT_MM_MIN_ROWS = 17
+
+
+@functools.cache
+def _cpu_has_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes per-row scales (2.13 does; older ones only per-tensor)."""
+    a = torch.ones(2, 16).to(FP8_DTYPE)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def channel_scales(weight: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -143,6 +156,8 @@ class Fp8Linear(nn.Module):
         """x [T, K] -> [T, N] through torch's ops: per-token quantization, then `_scaled_mm`."""
         xs, x_scale = _per_token(x, FP8_MAX)
         xq = xs.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        if not x.is_cuda and not _cpu_has_rowwise_scaled_mm():  # torch before 2.13: the same sums in float32
+            return (xq.float() @ self.weight.float().t()) * x_scale * self.scale
         out_dtype = x.dtype if x.is_cuda else torch.float32  # row-wise _scaled_mm on CUDA: bf16 out
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=None,
                                 out_dtype=out_dtype)
