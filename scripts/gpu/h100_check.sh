@@ -110,7 +110,11 @@ if want serve; then
        --output-len 180 --ignore-eos --no-progress)
     runs=",${SERVE_RUNS:-c64,c256,c1024,c1,c64greedy},"
     [[ $runs == *,c64,* ]] && run serve_c64 45 "${S[@]}" --concurrency 64 --num-requests 256 --out "$RES/serve_c64.json"
-    [[ $runs == *,c256,* ]] && run serve_c256 60 "${S[@]}" --concurrency 256 --num-requests 512 --out "$RES/serve_c256.json"
+    if [[ $runs == *,c256,* ]]; then  # with each process's share of a core (is the API process the bound?)
+        "$PY" scripts/gpu/proc_cpu.py "$RES/cpu_c256.txt" & CPUMON=$!
+        run serve_c256 60 "${S[@]}" --concurrency 256 --num-requests 512 --out "$RES/serve_c256.json"
+        kill -TERM $CPUMON; wait $CPUMON; head -6 "$RES/cpu_c256.txt" | cut -c1-160 | tee -a "$OUT/summary.txt"
+    fi
     [[ $runs == *,c1024,* ]] && run serve_c1024 75 "${S[@]}" --concurrency 1024 --num-requests 1024 --out "$RES/serve_c1024.json"
     [[ $runs == *,c1,* ]] && run serve_c1 25 "${S[@]}" --concurrency 1 --num-requests 4 --out "$RES/serve_c1.json"
     # the checkpoint's sampling defaults (above) vs greedy: what the sampler costs a served step

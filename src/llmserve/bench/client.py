@@ -1,4 +1,7 @@
-"""One benchmark request against an OpenAI-compatible server, timed chunk by chunk (async, httpx).
+"""One benchmark request against an OpenAI-compatible server, timed chunk by chunk (async, aiohttp).
+
+aiohttp rather than httpx: at 256 streams httpx's connection pool scans every connection on each event, and
+the client process, not the server, capped `bench serve` at one core (docs/benchmarks.md, "H200, sixth run").
 
 Timing follows vLLM's `bench serve`: the clock starts just before the request is sent; TTFT is the first
 chunk that carries text, ITL the gap between successive such chunks, E2E the last one (or the whole body
@@ -12,7 +15,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
+import msgspec
 
 from llmserve.bench.config import ENDPOINT_PATHS
 from llmserve.bench.datasets import BenchRequest
@@ -109,13 +113,15 @@ def schema_fields(endpoint: str, schema: dict) -> dict:
     return {"structured_outputs": {"json": schema}}
 
 
-def make_http_client(max_connections: int | None = None) -> httpx.AsyncClient:
-    """No client-side timeouts (send_request enforces one per request); no pool wait below the concurrency."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(timeout=None, limits=limits)
+def make_http_client() -> aiohttp.ClientSession:
+    """No client-side timeouts (send_request enforces one per request); connections kept alive, no cap on them
+    (the load shape caps the requests in flight)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequest, index: int) -> RequestRecord:
+async def send_request(client: aiohttp.ClientSession, target: Target, req: BenchRequest,
+                       index: int) -> RequestRecord:
     """Send one request and time it; failures are recorded in the result, never raised."""
     rec = RequestRecord(index, req.prompt_len, req.output_len, num_prompt_tokens=req.prompt_len)
     rec.start_s = time.perf_counter()
@@ -127,9 +133,9 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
         _fail(rec, "timeout", f"no complete answer within {target.timeout_s:g} s")
     except HTTPStatusError as e:
         _fail(rec, f"http_{e.status}", str(e))
-    except httpx.TransportError as e:
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         _fail(rec, "connection", f"{type(e).__name__}: {e}")
-    except (ProtocolError, httpx.HTTPError) as e:
+    except (ProtocolError, aiohttp.ClientError) as e:
         _fail(rec, "protocol", str(e))
     except StreamError as e:
         _fail(rec, "stream_error", str(e))
@@ -142,13 +148,13 @@ def _fail(rec: RequestRecord, kind: str, message: str) -> None:
     rec.error = message[:_MAX_ERROR_CHARS]
 
 
-async def _send(client: httpx.AsyncClient, target: Target, body: dict, rec: RequestRecord) -> None:
+async def _send(client: aiohttp.ClientSession, target: Target, body: dict, rec: RequestRecord) -> None:
     """The exchange, sent once more on a new connection when the server closed the kept-alive one it went out
     on without answering (HTTP keep-alive's race: llama-server closes connections idle for 5 s, which a
     --compare run leaves idle while the other server answers); the clock restarts with the second send."""
     try:
         await _exchange(client, target, body, rec)
-    except httpx.RemoteProtocolError:
+    except aiohttp.ServerDisconnectedError:
         if rec.has_response or rec.num_retries >= MAX_STALE_RETRIES:
             raise
         rec.num_retries += 1
@@ -156,22 +162,25 @@ async def _send(client: httpx.AsyncClient, target: Target, body: dict, rec: Requ
         await _exchange(client, target, body, rec)
 
 
-async def _exchange(client: httpx.AsyncClient, target: Target, body: dict, rec: RequestRecord) -> None:
-    async with client.stream("POST", target.api_url, json=body) as response:
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+async def _exchange(client: aiohttp.ClientSession, target: Target, body: dict, rec: RequestRecord) -> None:
+    async with client.post(target.api_url, data=msgspec.json.encode(body), headers=_JSON_HEADERS) as response:
         rec.has_response = True
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            raise HTTPStatusError(response.status_code, text[:_MAX_ERROR_CHARS])
+        if response.status != 200:
+            text = (await response.read()).decode(errors="replace")
+            raise HTTPStatusError(response.status, text[:_MAX_ERROR_CHARS])
         if target.is_streaming:
             await _read_stream(response, rec)
         else:
-            _on_body(await response.aread(), rec, time.perf_counter())
+            _on_body(await response.read(), rec, time.perf_counter())
 
 
-async def _read_stream(response: httpx.Response, rec: RequestRecord) -> None:
+async def _read_stream(response: aiohttp.ClientResponse, rec: RequestRecord) -> None:
     decoder = SSEDecoder()
     usage_tokens: int | None = None
-    async for raw in response.aiter_bytes():
+    async for raw in response.content.iter_any():
         now = time.perf_counter()
         for data in decoder.feed(raw):
             usage_tokens = _on_event(data, rec, now, usage_tokens)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import httpx
+import aiohttp
+import msgspec
 
 from llmserve.bench.client import RequestRecord, Target, send_request
 from llmserve.bench.config import ENDPOINT_PATHS
@@ -19,20 +20,21 @@ PROBE_OUTPUT_LEN = 4
 MODELS_TIMEOUT_S = 10.0
 
 
-async def list_models(client: httpx.AsyncClient, url: str) -> tuple[int, list[str]]:
+async def list_models(client: aiohttp.ClientSession, url: str) -> tuple[int, list[str]]:
     """(HTTP status, ids) of GET /v1/models; ValueError if the server cannot be reached."""
     try:
-        response = await client.get(url + "/v1/models", timeout=MODELS_TIMEOUT_S)
-    except httpx.TransportError as e:
+        async with client.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as response:
+            status, body = response.status, await response.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
         raise ValueError(f"cannot reach the server at {url} ({type(e).__name__}: {e}); is it running?") from None
     try:
-        data = response.json().get("data", []) if response.status_code == 200 else []
-        return response.status_code, [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-    except (ValueError, AttributeError, TypeError):
-        return response.status_code, []
+        data = msgspec.json.decode(body).get("data", []) if status == 200 else []
+        return status, [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
+    except (msgspec.DecodeError, AttributeError, TypeError):
+        return status, []
 
 
-async def connect(client: httpx.AsyncClient, base: Target, sample: BenchRequest) -> tuple[Target, list[str]]:
+async def connect(client: aiohttp.ClientSession, base: Target, sample: BenchRequest) -> tuple[Target, list[str]]:
     """The target with its model filled in and the optional fields it accepts; and notes for the user."""
     status, served = await list_models(client, base.url)
     if not base.model:
@@ -43,7 +45,7 @@ async def connect(client: httpx.AsyncClient, base: Target, sample: BenchRequest)
     return await negotiate(client, base, sample, served)
 
 
-async def negotiate(client: httpx.AsyncClient, base: Target, sample: BenchRequest,
+async def negotiate(client: aiohttp.ClientSession, base: Target, sample: BenchRequest,
                     served: list[str]) -> tuple[Target, list[str]]:
     probe = replace(sample, output_len=min(sample.output_len, PROBE_OUTPUT_LEN))
     first_failure: RequestRecord | None = None

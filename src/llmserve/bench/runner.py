@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
@@ -70,7 +70,7 @@ async def run_benchmark(cfg: BenchServeConfig, tokenizer: Tokenizer | None, log:
     warmup = sampler(max(cfg.load.warmup, 1), _rng(cfg.load.seed, 0))
     levels = cfg.levels
     notes: list[str] = []
-    async with make_http_client(_max_concurrency(levels)) as client:
+    async with make_http_client() as client:
         bases = base_targets(cfg)
         at_start = await scrape.scrape_all(client, bases)
         targets = [await _connect(client, t, warmup[0], notes, log) for t in bases]
@@ -106,12 +106,8 @@ def _level_work(cfg: BenchServeConfig, sampler: Sampler, level_index: int) -> Le
     return LevelWork(requests, None if rate is None else arrival_times(len(requests), rate, cfg.load.burstiness, rng))
 
 
-def _max_concurrency(levels: list[Level]) -> int | None:
-    caps = [lv.concurrency for lv in levels]
-    return None if None in caps else max(c for c in caps if c is not None)
-
-
-async def _connect(client: httpx.AsyncClient, base: Target, sample: BenchRequest, notes: list[str], log: Log) -> Target:
+async def _connect(client: aiohttp.ClientSession, base: Target, sample: BenchRequest, notes: list[str],
+                   log: Log) -> Target:
     log(f"{base.label}: probing {base.url} ...")
     target, new_notes = await probe.connect(client, base, sample)
     for note in new_notes:
@@ -122,7 +118,7 @@ async def _connect(client: httpx.AsyncClient, base: Target, sample: BenchRequest
     return target
 
 
-async def _warm_up(client: httpx.AsyncClient, target: Target, requests: list[BenchRequest], first: Level,
+async def _warm_up(client: aiohttp.ClientSession, target: Target, requests: list[BenchRequest], first: Level,
                    notes: list[str], log: Log) -> None:
     if not requests:
         return
@@ -136,7 +132,7 @@ async def _warm_up(client: httpx.AsyncClient, target: Target, requests: list[Ben
         notes.append(note)
 
 
-def _sender(client: httpx.AsyncClient, target: Target, bar: tqdm | None):
+def _sender(client: aiohttp.ClientSession, target: Target, bar: tqdm | None):
     async def send(req: BenchRequest, index: int) -> RequestRecord:
         rec = await send_request(client, target, req, index)
         if bar is not None:
@@ -146,7 +142,7 @@ def _sender(client: httpx.AsyncClient, target: Target, bar: tqdm | None):
     return send
 
 
-async def _run_level(client: httpx.AsyncClient, targets: list[Target], level: Level, work: LevelWork,
+async def _run_level(client: aiohttp.ClientSession, targets: list[Target], level: Level, work: LevelWork,
                      cfg: BenchServeConfig, bar: tqdm) -> list[LevelRun]:
     num_rounds = min(cfg.load.rounds, len(work.requests)) if len(targets) > 1 else 1
     slices = np.array_split(np.arange(len(work.requests)), num_rounds)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.bench.client import Target
@@ -89,19 +89,20 @@ def _max_bound(before: GrammarTotals, after: GrammarTotals, compiles: int) -> fl
     return math.inf
 
 
-async def scrape_grammar(client: httpx.AsyncClient, url: str) -> GrammarTotals | None:
+async def scrape_grammar(client: aiohttp.ClientSession, url: str) -> GrammarTotals | None:
     """GET {url}/metrics; None when it fails or lacks the grammar metrics (never raises for the server's sake)."""
     try:
-        response = await client.get(url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
-    except httpx.HTTPError:
+        async with client.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
+            status, text = response.status, (await response.read()).decode(errors="replace")
+    except (aiohttp.ClientError, TimeoutError):
         return None
-    return parse_grammar_totals(response.text) if response.status_code == 200 else None
+    return parse_grammar_totals(text) if status == 200 else None
 
 
 Scrapes = dict[str, GrammarTotals | None]  # server label -> its grammar totals (None: none exported)
 
 
-async def scrape_all(client: httpx.AsyncClient, targets: Sequence[Target]) -> Scrapes:
+async def scrape_all(client: aiohttp.ClientSession, targets: Sequence[Target]) -> Scrapes:
     return {t.label: await scrape_grammar(client, t.url) for t in targets}
 
 
