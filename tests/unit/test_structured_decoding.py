@@ -155,6 +155,29 @@ def test_overlapped_steps_give_the_in_order_outputs(tiny, llm):
     overlapped.engine.check_integrity()
 
 
+def test_steps_with_grammars_overlap_and_end_where_the_in_order_engine_ends(tiny):
+    """Every request structured, four seats: step N+1 is launched before step N's tokens reach the host (its
+    grammars take them before N+1's bitmask is filled), and every output, grammars completed while a step was in
+    flight included, is the in-order engine's."""
+    prompts = _prompts(10)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=60, structured_outputs=CONSTRAINTS[i % 5])
+              for i in range(10)]
+    runs = []
+    for is_async in (False, True):
+        engine = LLM(tiny, dtype="float32", max_model_len=512, num_kv_blocks=1024, max_num_seqs=4,
+                     async_scheduling=is_async)
+        runs.append(engine.generate(prompts, params))
+        assert (engine.engine.runner.times.num_device_inputs > 0) == is_async  # inputs fed from the device
+        engine.engine.check_integrity()
+    in_order, overlapped = runs
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in overlapped] == \
+        [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in in_order]
+    assert sum(o.outputs[0].finish_reason == "stop" for o in overlapped) >= 5
+    for out, p in zip(overlapped, params):
+        if out.outputs[0].finish_reason == "stop":
+            _check(out.outputs[0].text, p.structured_outputs)
+
+
 def test_compiles_are_cached_by_constraint(compiler):
     compiler.take_stats()
     first = compiler.submit(Constraint(regex="[0-9]{4}"))

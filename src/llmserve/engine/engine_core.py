@@ -224,8 +224,9 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        # Drafts and grammars need the previous step's tokens before the next is scheduled: no overlap.
-        if self.is_async and not self.scheduler.can_speculate() and not self.scheduler.num_structured:
+        # Drafts need the previous step's tokens before the next is scheduled: no overlap. Grammars need them
+        # only before the next step's bitmask, which `_step_overlapped` lets the runner wait for.
+        if self.is_async and not self.scheduler.can_speculate():
             outputs = self._step_overlapped()
         elif self.in_flight is not None:
             outputs = self._finish_in_flight()  # leaving overlap: the step in flight first
@@ -284,11 +285,21 @@ class EngineCore:
             if self.in_flight is None:
                 return self.scheduler.update_from_output(sched_out, ModelRunnerOutput([], []))
             return self._finish_in_flight()
-        handle = self.executor.launch(sched_out)
-        previous, self.in_flight = self.in_flight, (sched_out, handle)
+        previous, self.in_flight = self.in_flight, None
+        finished: list[EngineCoreOutputs] = []
+
+        def finish_previous() -> None:  # step N's update, once; inside the launch when step N+1 has grammars
+            if previous is not None and not finished:
+                finished.append(self.scheduler.update_from_output(previous[0], self.executor.finish(previous[1])))
+
+        # With grammars the runner calls back once N+1's forward is queued: N's tokens advance the matchers
+        # while the device runs that forward, and N+1's bitmask follows them.
+        handle = self.executor.launch(sched_out, catch_up=finish_previous if sched_out.grammar is not None else None)
+        self.in_flight = (sched_out, handle)
         if previous is None:  # the first step of a run: nothing finished yet
             return EngineCoreOutputs(outputs=self.scheduler.take_aborted_outputs())
-        return self.scheduler.update_from_output(previous[0], self.executor.finish(previous[1]))
+        finish_previous()
+        return finished[0]
 
     def _finish_in_flight(self) -> EngineCoreOutputs:
         (sched_out, handle), self.in_flight = self.in_flight, None

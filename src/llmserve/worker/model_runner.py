@@ -16,6 +16,7 @@ next step's diff).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from operator import attrgetter
 
@@ -99,7 +100,12 @@ class ModelRunner:
         return self.finish(self.launch(sched_out, finishes_at_once=True))
 
     @torch.inference_mode()  # every tensor the runner keeps is made and updated in inference mode
-    def launch(self, sched_out: SchedulerOutput, finishes_at_once: bool = False) -> StepHandle:
+    def launch(self, sched_out: SchedulerOutput, finishes_at_once: bool = False,
+               catch_up: Callable[[], None] | None = None) -> StepHandle:
+        """Launch the step: forward, then sampling (the ids stay on the device until `finish`). `catch_up`, where
+        the step has grammars: called once the forward is queued and before the bitmask is filled, so that the
+        engine finishes the step in flight and its grammars take that step's tokens while the device runs this
+        step's forward."""
         t0 = time.perf_counter()
         self._update_states(sched_out)
         req_ids = list(sched_out.num_scheduled_tokens)
@@ -122,6 +128,9 @@ class ModelRunner:
         t1 = mark(self.device, self.sync_timing)
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
+            if catch_up is not None:
+                self.in_flight = None  # this step's inputs have marked its rows' samples as the pending ones
+                catch_up()
             bitmask, indices = sched_out.grammar.fill([req_ids[i] for i in inputs.sample_rows], logits.shape[-1])
             apply_bitmask(logits, bitmask, indices)
         t2 = mark(self.device, self.sync_timing)

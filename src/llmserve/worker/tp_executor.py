@@ -135,10 +135,12 @@ class TPExecutor:
 
     # ---- the runner's interface -------------------------------------------------------------------
 
-    def launch(self, sched_out: SchedulerOutput, finishes_at_once: bool = False) -> StepHandle:
+    def launch(self, sched_out: SchedulerOutput, finishes_at_once: bool = False,
+               catch_up: Callable[[], None] | None = None) -> StepHandle:
         self.check_workers()
         self.publisher.execute(sched_out)
-        return self._guarded(partial(self.runner.launch, finishes_at_once=finishes_at_once), sched_out)
+        return self._guarded(partial(self.runner.launch, finishes_at_once=finishes_at_once, catch_up=catch_up),
+                             sched_out)
 
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
         return self._guarded(self.runner.finish, handle)
