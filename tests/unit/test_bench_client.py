@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from llmserve.bench import probe
 from llmserve.bench.client import Target, make_http_client, send_request
+from llmserve.bench.client_procs import num_client_processes
 from llmserve.bench.config import BenchServeConfig, DatasetConfig, LoadConfig, OutputConfig, TargetConfig
 from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.runner import run_benchmark
@@ -243,6 +244,39 @@ def test_compare_interleaves_same_requests(fake):
         assert [r.index for r in run.records] == list(range(8))
     fast, slow = result.run("fast", result.levels[1]), result.run("slow", result.levels[1])
     assert slow.metrics.tpot_ms.median > 2 * fast.metrics.tpot_ms.median
+
+
+@pytest.mark.parametrize("load", [dict(concurrency="4"), dict(request_rate="50", concurrency="3")])
+def test_two_client_processes_send_the_one_process_runs_requests_from_one_start(fake, load):
+    """Process k sends requests k, k + 2, ...: every request once, the same prompts as from one process, each
+    record timed from the common start (both processes' first requests leave at once)."""
+    url, log = fake
+
+    def run(num_processes):
+        cfg = BenchServeConfig(target=TargetConfig(url=url + "/a", model="ok"),
+                               dataset=DatasetConfig(input_len=4, output_len=5),
+                               load=LoadConfig(num_requests=10, warmup=0, client_processes=num_processes, **load),
+                               output=OutputConfig(progress=False))
+        start = len(log)
+        (level_run,) = asyncio.run(run_benchmark(cfg, None, log=lambda m: None)).runs
+        return level_run, sorted(str(c[3]["prompt"]) for c in log[start + 1:])  # the probe's request first
+
+    one, prompts_one = run(1)
+    two, prompts_two = run(2)
+    assert prompts_two == prompts_one and len(prompts_two) == 10
+    assert [r.index for r in two.records] == list(range(10)) and all(r.is_success for r in two.records)
+    assert two.metrics.total_output_tokens == one.metrics.total_output_tokens == 50
+    first_of_each = [min(r.start_s for r in two.records if r.index % 2 == k) for k in (0, 1)]
+    assert all(0 <= s < 0.1 for s in first_of_each), first_of_each
+    assert two.metrics.duration_s >= max(r.start_s + r.e2e_s for r in two.records)
+
+
+def test_client_processes_by_requests_in_flight():
+    import os
+
+    assert num_client_processes(3, 1) == 3 and num_client_processes(0, None) == 1
+    most = max(1, (os.cpu_count() or 1) // 4)
+    assert num_client_processes(0, 128) == 1 and num_client_processes(0, 1024) == min(most, 8)
 
 
 def test_open_loop_and_errors_mid_run(fake):

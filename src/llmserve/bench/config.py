@@ -56,6 +56,9 @@ class LoadConfig:
                                              "rounds, run A B, B A, ... (a closed loop's round starts with --concurrency "
                                              "requests at once; 1 = one uninterrupted run per server)"})
     seed: int = field(default=0, metadata={"help": "seed of the datasets and the arrival times"})
+    client_processes: int = field(default=0, metadata={"help": "client processes that send each level's requests "
+                                                        "(each its share of the concurrency); 0: one per 128 requests "
+                                                        "in flight, at most a quarter of the cores"})
 
 
 @dataclass(frozen=True)
@@ -261,5 +264,7 @@ def _validate_load(load: LoadConfig) -> None:
         raise ValueError(f"--warmup must be >= 0, got {load.warmup}")
     if load.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {load.rounds}")
+    if load.client_processes < 0:
+        raise ValueError(f"--client-processes must be >= 0, got {load.client_processes}")
     if not (load.burstiness > 0 and math.isfinite(load.burstiness)):
         raise ValueError(f"--burstiness must be > 0, got {load.burstiness}")

@@ -27,9 +27,18 @@ def arrival_times(num: int, request_rate: float, burstiness: float, rng: np.rand
     return np.concatenate([[0.0], np.cumsum(gaps)])[:num]
 
 
+async def _started(start_at: float | None) -> float:
+    """The loop's start: now, or (several client processes starting together) `start_at`, waited for."""
+    if start_at is None:
+        return time.perf_counter()
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    return start_at
+
+
 async def run_closed_loop(send: SendFn, requests: Sequence[BenchRequest], indices: Sequence[int],
-                          concurrency: int) -> tuple[list[RequestRecord], float]:
-    """`concurrency` requests in flight: each finished one is replaced by the next. Returns records, wall time."""
+                          concurrency: int, start_at: float | None = None) -> tuple[list[RequestRecord], float]:
+    """`concurrency` requests in flight: each finished one is replaced by the next. Returns records, wall time
+    (both from the start: now, or `start_at`, a `time.perf_counter()` instant)."""
     pending = iter(indices)
     records: list[RequestRecord] = []
 
@@ -37,16 +46,17 @@ async def run_closed_loop(send: SendFn, requests: Sequence[BenchRequest], indice
         for i in pending:  # one iterator shared by the workers
             records.append(await send(requests[i], i))
 
-    start = time.perf_counter()
+    start = await _started(start_at)
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(indices)))))
     return _rebased(records, start), time.perf_counter() - start
 
 
 async def run_open_loop(send: SendFn, requests: Sequence[BenchRequest], indices: Sequence[int],
-                        arrivals_s: Sequence[float], max_concurrency: int | None) -> tuple[list[RequestRecord], float]:
+                        arrivals_s: Sequence[float], max_concurrency: int | None,
+                        start_at: float | None = None) -> tuple[list[RequestRecord], float]:
     """Each request sent at its arrival time (s from the start), waiting for a slot under `max_concurrency`."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-    start = time.perf_counter()
+    start = await _started(start_at)
 
     async def one(i: int, at_s: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))

@@ -19,9 +19,10 @@ from tqdm import tqdm
 
 from llmserve.bench import probe, scrape
 from llmserve.bench.client import RequestRecord, Target, make_http_client, send_request
+from llmserve.bench.client_procs import BUSY_CLIENT_SHARE, ClientProcesses, SliceRun, num_client_processes, send_slice
 from llmserve.bench.config import BenchServeConfig, Level
 from llmserve.bench.datasets import BenchRequest, Sampler, make_sampler
-from llmserve.bench.load import arrival_times, run_closed_loop, run_open_loop
+from llmserve.bench.load import arrival_times, run_closed_loop
 from llmserve.bench.metrics import LevelMetrics, compute_metrics
 from llmserve.bench.scrape import GrammarMetrics
 from llmserve.bench.tokens import Tokenizer
@@ -77,10 +78,17 @@ async def run_benchmark(cfg: BenchServeConfig, tokenizer: Tokenizer | None, log:
         for target in targets:
             await _warm_up(client, target, warmup[: cfg.load.warmup], levels[0], notes, log)
         runs: list[LevelRun] = []
-        with tqdm(total=len(levels) * len(targets) * cfg.load.num_requests, disable=not cfg.output.progress,
-                  unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
-            for i, level in enumerate(levels):
-                runs += await _run_level(client, targets, level, _level_work(cfg, sampler, i), cfg, bar)
+        num_procs = max(num_client_processes(cfg.load.client_processes, lv.concurrency) for lv in levels)
+        procs = ClientProcesses(num_procs) if num_procs > 1 else None
+        try:
+            with tqdm(total=len(levels) * len(targets) * cfg.load.num_requests, disable=not cfg.output.progress,
+                      unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+                for i, level in enumerate(levels):
+                    sender = _SliceSender(client, procs, cfg.load.client_processes, bar, notes, log)
+                    runs += await _run_level(client, targets, level, _level_work(cfg, sampler, i), cfg, sender)
+        finally:
+            if procs is not None:
+                procs.close()
         grammar = scrape.deltas(at_start, await scrape.scrape_all(client, targets))
     return BenchResult(dataclasses.asdict(cfg), targets, levels, runs, notes, grammar)
 
@@ -142,8 +150,36 @@ def _sender(client: aiohttp.ClientSession, target: Target, bar: tqdm | None):
     return send
 
 
+class _SliceSender:
+    """Sends a level's slices from this process or from the client processes, and notes a client that was busy
+    enough to have capped what it measured."""
+
+    def __init__(self, client: aiohttp.ClientSession, procs: ClientProcesses | None, setting: int, bar: tqdm,
+                 notes: list[str], log: Log) -> None:
+        self.client, self.procs, self.setting, self.bar = client, procs, setting, bar
+        self.notes, self.log = notes, log
+
+    async def run(self, target: Target, work: LevelWork, indices: list[int], level: Level) -> SliceRun:
+        at_s = None if work.arrivals_s is None else (work.arrivals_s[indices] - work.arrivals_s[indices[0]]).tolist()
+        num = num_client_processes(self.setting, level.concurrency)
+        if num > 1 and self.procs is not None:
+            run = await self.procs.send_slice(target, work.requests, indices, level.concurrency, at_s, num)
+            self.bar.update(len(run.records))
+        else:
+            num = 1
+            run = await send_slice(_sender(self.client, target, self.bar), work.requests, indices, level.concurrency,
+                                   at_s)
+        if run.client_cpu_share >= BUSY_CLIENT_SHARE:
+            note = (f"{target.label} {level.name}: a client process used {100 * run.client_cpu_share:.0f}% of a core "
+                    f"({num} process{'es' if num > 1 else ''}): its figures may be the client's limit; raise "
+                    "--client-processes")
+            self.log(f"note: {note}")
+            self.notes.append(note)
+        return run
+
+
 async def _run_level(client: aiohttp.ClientSession, targets: list[Target], level: Level, work: LevelWork,
-                     cfg: BenchServeConfig, bar: tqdm) -> list[LevelRun]:
+                     cfg: BenchServeConfig, sender: _SliceSender) -> list[LevelRun]:
     num_rounds = min(cfg.load.rounds, len(work.requests)) if len(targets) > 1 else 1
     slices = np.array_split(np.arange(len(work.requests)), num_rounds)
     records: dict[str, list[RequestRecord]] = {t.label: [] for t in targets}
@@ -151,20 +187,12 @@ async def _run_level(client: aiohttp.ClientSession, targets: list[Target], level
     before = await scrape.scrape_all(client, targets)
     for round_index, indices in enumerate(slices):
         for target in targets if round_index % 2 == 0 else targets[::-1]:
-            bar.set_description(f"{target.label} {level.name}")
-            recs, seconds = await _run_slice(_sender(client, target, bar), work, indices.tolist(), level)
-            for rec in recs:
+            sender.bar.set_description(f"{target.label} {level.name}")
+            run = await sender.run(target, work, indices.tolist(), level)
+            for rec in run.records:
                 rec.start_s += durations[target.label]
-            records[target.label] += recs
-            durations[target.label] += seconds
+            records[target.label] += run.records
+            durations[target.label] += run.seconds
     grammar = scrape.deltas(before, await scrape.scrape_all(client, targets))
     metrics = {label: compute_metrics(recs, durations[label], cfg.slo_ms) for label, recs in records.items()}
     return [LevelRun(label, level, metrics[label], records[label], grammar.get(label)) for label in records]
-
-
-async def _run_slice(send, work: LevelWork, indices: list[int], level: Level) -> tuple[list[RequestRecord], float]:
-    if work.arrivals_s is None:
-        assert level.concurrency is not None
-        return await run_closed_loop(send, work.requests, indices, level.concurrency)
-    at_s = (work.arrivals_s[indices] - work.arrivals_s[indices[0]]).tolist()
-    return await run_open_loop(send, work.requests, indices, at_s, level.concurrency)
