@@ -86,13 +86,19 @@ def test_rotary_rotates_a_strided_view_in_place_as_layers_does(dtype):
         gen = torch.Generator().manual_seed(head_dim)
         angles = torch.rand(6, 1, head_dim // 2, generator=gen) * 6
         cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
-        # the torch code apply_rotary runs off the fused paths, in float32 and rounded once as the kernel does
-        # (in bfloat16 torch rounds each product: off by half a step of the larger term, not of the result)
-        want = _rotary_reference(qk.float(), cos.float(), sin.float()).to(dtype)
+        per_op = _rotary_reference(qk, cos, sin)  # the torch code apply_rotary runs off the fused paths
+        once = _rotary_reference(qk.float(), cos.float(), sin.float()).to(dtype)  # float32, rounded once
         v_before = qkv[:, 3 * head_dim:].clone()
         got = triton_elementwise.rotary_(qk, cos, sin)
         assert got.data_ptr() == qk.data_ptr() and torch.equal(qkv[:, 3 * head_dim:], v_before)
-        _close(got, want)
+        if dtype == torch.float32:
+            _close(got, once)
+            continue
+        # the kernel rounds each product as torch does; compiled for CUDA those roundings were seen to fold (an
+        # H200 gave the values rounded once): each value is one of the two, to a step of the 16-bit type
+        step = 2 ** -7 if DEVICE == "cuda" else 2 ** -5
+        err = torch.minimum((got.float() - per_op.float()).abs(), (got.float() - once.float()).abs())
+        assert (err <= step * once.float().abs() + step).all()
 
 
 def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
