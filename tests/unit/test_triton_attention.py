@@ -112,3 +112,23 @@ def test_graph_metadata_with_padded_rows():
     out = backend.forward(pad_q(q), pad_q(k), pad_q(v), kv_cache, metadata, q.shape[-1] ** -0.5)
     check_against_reference(out[:len(rows)], q, inputs.query_start_loc.tolist(), full, atol=1e-5)
     assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(2, 64), (3, 80)])
+def test_kv_write_kernel_stores_strided_rows_where_index_copy_does(dtype, num_kv_heads, head_dim):
+    """k and v as views of one qkv projection's rows (as Attention passes them), written at scattered slots of a
+    [2, N, bs, Hkv, D] cache: the same cache index_copy_ leaves, nothing else touched."""
+    gen = torch.Generator().manual_seed(head_dim)
+    num_tokens, num_q_heads = 7, 2 * num_kv_heads
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    k, v = qkv[:, num_q_heads:num_q_heads + num_kv_heads], qkv[:, num_q_heads + num_kv_heads:]
+    cache = torch.randn(2, 6, 4, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(24, generator=gen)[:num_tokens].to(DEVICE)
+    want = cache.clone()
+    want[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    want[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    assert triton_kernels.can_write_kv(cache, k, v)
+    triton_kernels.write_kv(cache, slots, k, v)
+    assert torch.equal(cache, want)
+    assert not triton_kernels.can_write_kv(cache.to(torch.int8), k, v)  # a quantized cache takes write_kv

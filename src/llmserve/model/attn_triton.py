@@ -2,7 +2,8 @@
 
 `build_metadata` cuts each row's new tokens into query tiles on the host (numpy, once per step for
 all layers) and copies the two small tile arrays to the device; `forward` writes the step's K/V into
-the paged cache at the slot mapping and launches the kernel once per layer.
+the paged cache at the slot mapping (one Triton launch for both, unless the cache is quantized) and
+launches the kernel once per layer on q as it comes (a strided view of the qkv projection: no copy).
 
 For CUDA graphs, `graph_metadata` wraps persistent buffers instead: a batch of B rows of the same few
 queries (decode: one; verification: 1 + k) has one tile per row (tile_rows = 0..B-1, tile_starts = 0),
@@ -69,9 +70,11 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata: TritonAttentionMetadata, scale: float, window: int = 0,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, N, bs, Hkv, D], sinks [H] or None -> out [T, H, D]."""
-        write_kv(kv_cache, metadata.slot_mapping, k, v)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        if triton_kernels.can_write_kv(kv_cache, k, v):
+            triton_kernels.write_kv(kv_cache, metadata.slot_mapping, k, v)
+        else:  # a quantized cache
+            write_kv(kv_cache, metadata.slot_mapping, k, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view: the kernel takes it
         triton_kernels.paged_attention(out, q, kv_cache, metadata.block_table, metadata.seq_lens,
                                        metadata.query_start_loc, metadata.tile_rows, metadata.tile_starts,
                                        metadata.block_q, scale, K_SCALE, V_SCALE, window, sinks)

@@ -121,3 +121,38 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         KV_BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit inputs
         HAS_SINKS=sinks is not None)
+
+
+@triton.jit
+def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cs, stride_ch, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr,
+                     D_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, H_PAD)[:, None]
+    dims = tl.arange(0, D_PAD)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
+    cache_offs = slot * stride_cs + heads * stride_ch + dims
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    tl.store(k_cache_ptr + cache_offs, k, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v, mask=mask)
+
+
+def can_write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """A cache of k's own dtype (no quantization on the way), contiguous, and k/v rows with contiguous head_dim."""
+    return (kv_cache.dtype == k.dtype == v.dtype and kv_cache.is_contiguous() and k.stride(2) == 1
+            and v.stride(2) == 1)
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] (strided views of the qkv projection, say) into kv_cache [2, N, bs, Hkv, D] at
+    slot_mapping [T]: one launch for both, where index_copy_ takes one each."""
+    num_tokens, num_heads, head_dim = k.shape
+    if not num_tokens:
+        return
+    k_cache, v_cache = kv_cache[0].view(-1, num_heads, head_dim), kv_cache[1].view(-1, num_heads, head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        k_cache, v_cache, k, v, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_dim), num_warps=1)
