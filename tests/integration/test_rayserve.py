@@ -132,17 +132,32 @@ def test_an_adapter_loaded_on_one_replica_gets_its_requests(url, tmp_path_factor
     assert pinned(url, holder, "POST", "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
 
 
-def test_a_client_leaving_a_stream_aborts_it_in_the_replica(url):
+def test_a_client_leaving_a_stream_aborts_it_in_the_replica(url, shared_ray):
     replica = sorted(wait_until(settled(MIN_REPLICAS), 60, "two running replicas"))[0]
+    addrs = wait_until(lambda: len(live := shared_ray.gates.live()) == MIN_REPLICAS and live, 60,
+                       "one live engine gate per replica")
 
     def num_aborted() -> float:
         return sample_value(pinned(url, replica, "GET", "/metrics").text, "llmserve:request_success_total",
                             finished_reason="abort")
 
+    def leave_after_a_chunk() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={REPLICA_HEADER: replica},
+                          timeout=60) as r:
+            assert next(r.iter_raw())  # under way; then the client goes
+
     before = num_aborted()
     body = {"model": "tiny", "prompt": "leave me", "max_tokens": 480, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={REPLICA_HEADER: replica}, timeout=60) as r:
-        assert next(r.iter_raw())  # under way; then the client goes (480 tokens take seconds)
+    with ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as stack:  # the gates released first
+        engines = [stack.enter_context(StepGateClient(60, addr)) for addr in addrs]
+        for gate in engines:  # held between steps: the request cannot finish before the client leaves
+            stack.enter_context(gate.held())
+        added = [gate.status()["added"] for gate in engines]
+        left = pool.submit(leave_after_a_chunk)
+        wait_until(lambda: sum(g.status()["added"] - a for g, a in zip(engines, added)) == 1, 60, "the request")
+        for gate in engines:
+            gate.run_steps(2)  # the prompt and a token: a chunk reaches the client
+        left.result(timeout=60)
     wait_until(lambda: num_aborted() == before + 1, 30, "the replica to abort the request", poll_s=0.2)
 
 
