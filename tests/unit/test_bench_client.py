@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 
+import aiohttp
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -349,6 +350,30 @@ async def _read_request(reader: asyncio.StreamReader) -> bool:
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
     await reader.readexactly(length)
     return True
+
+
+def test_a_write_that_fails_on_a_closed_kept_alive_connection_is_sent_again(fake, monkeypatch):
+    """aiohttp reports a close that races the request's write (llama-server ending an idle connection) as
+    ClientOSError, not ServerDisconnectedError: sent again once, like it. A refused connection is not."""
+    from llmserve.bench import client as bench_client
+
+    real, calls = bench_client._exchange, []
+
+    async def close_under_the_first_write(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise aiohttp.ClientOSError(None, "Can not write request body")
+        return await real(*args)
+
+    monkeypatch.setattr(bench_client, "_exchange", close_under_the_first_write)
+    rec = _send(fake[0] + "/a", "ok")
+    assert rec.is_success and rec.num_retries == 1 and len(calls) == 2
+    monkeypatch.setattr(bench_client, "_exchange", real)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    refused = _send(f"http://127.0.0.1:{port}", "ok")
+    assert refused.error_kind == "connection" and refused.num_retries == 0
 
 
 @pytest.mark.parametrize("is_answer_started", [False, True])

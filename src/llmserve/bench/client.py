@@ -154,8 +154,9 @@ async def _send(client: aiohttp.ClientSession, target: Target, body: dict, rec: 
     --compare run leaves idle while the other server answers); the clock restarts with the second send."""
     try:
         await _exchange(client, target, body, rec)
-    except aiohttp.ServerDisconnectedError:
-        if rec.has_response or rec.num_retries >= MAX_STALE_RETRIES:
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+        # the close seen as the request went out (a failed write) or after it; a refused new connection is no race
+        if isinstance(e, aiohttp.ClientConnectorError) or rec.has_response or rec.num_retries >= MAX_STALE_RETRIES:
             raise
         rec.num_retries += 1
         rec.start_s = time.perf_counter()
