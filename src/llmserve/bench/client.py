@@ -151,7 +151,8 @@ def _fail(rec: RequestRecord, kind: str, message: str) -> None:
 async def _send(client: aiohttp.ClientSession, target: Target, body: dict, rec: RequestRecord) -> None:
     """The exchange, sent once more on a new connection when the server closed the kept-alive one it went out
     on without answering (HTTP keep-alive's race: llama-server closes connections idle for 5 s, which a
-    --compare run leaves idle while the other server answers); the clock restarts with the second send."""
+    --compare run leaves idle while the other server answers, and closes many right after a streamed answer while
+    its headers said keep-alive); the clock restarts with the second send."""
     try:
         await _exchange(client, target, body, rec)
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
