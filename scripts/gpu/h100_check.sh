@@ -14,7 +14,8 @@
 #   same KV bytes) at once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
 #   WEIGHTS: copying (default: make-model --copying, an induction circuit in layers 0-1 that continues
 #   repeated spans with clear argmaxes, so that n-gram lookup finds drafts and the oracle keeps its nominal A
-#   in bf16; the same cost), peaked (--peaked-logits) or random
+#   in bf16; the same cost), peaked (--peaked-logits), random, or dummy (no checkpoint: --load-format dummy,
+#   ~100 s less a lease; speed stages only)
 #   STEPPROF_AB=1: stepprof also with LLMSERVE_FUSED_ELEMENTWISE=off, first
 #   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
@@ -65,7 +66,13 @@ note "install done; $(tail -1 "$RES/gpu.txt"); torch $("$PY" -c 'import torch, t
 export PYTHONUNBUFFERED=1
 
 # The 8B checkpoint is written on the CPU while the tests use the GPU.
-case "${WEIGHTS:-copying}" in copying) W_FLAG=--copying ;; peaked) W_FLAG=--peaked-logits ;; *) W_FLAG= ;; esac
+# WEIGHTS=dummy: no checkpoint written (config and tokenizer only, seconds); every stage loads random weights
+# on the device (--load-format dummy): for the speed stages (serve, stepprof, roofline, offline, fp8), never spec.
+LOAD=()
+case "${WEIGHTS:-copying}" in
+    copying) W_FLAG=--copying ;; peaked) W_FLAG=--peaked-logits ;;
+    dummy) W_FLAG=--no-weights; LOAD=(--load-format dummy); export LOAD_FORMAT=dummy ;; *) W_FLAG= ;;
+esac
 # shellcheck disable=SC2086
 ("${L[@]}" make-model --arch llama --shape "$SHAPE" --dtype "${DTYPE:-bfloat16}" $W_FLAG --out "$MODEL" >"$RES/make_model.log" 2>&1; echo "rc=$?" >>"$RES/make_model.log") &
 MAKER=$!
@@ -84,10 +91,10 @@ fi
 wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 
 if want roofline; then
-    run roofline_bf16 70 "${L[@]}" bench roofline --model "$MODEL" --prompt-len 128 --output-len 256 --repeats 2 --out "$RES/roof_bf16.json"
+    run roofline_bf16 70 "${L[@]}" bench roofline --model "$MODEL" "${LOAD[@]}" --prompt-len 128 --output-len 256 --repeats 2 --out "$RES/roof_bf16.json"
 fi
 if want offline; then
-    run offline_8b 80 "${L[@]}" bench offline --model "$MODEL" --no-split-steps --out "$RES/offline_8b.json"
+    run offline_8b 80 "${L[@]}" bench offline --model "$MODEL" "${LOAD[@]}" --no-split-steps --out "$RES/offline_8b.json"
     run offline_smollm2 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --out "$RES/offline_smollm2.json"
     run offline_smollm2_sync 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --no-async-scheduling
     run offline_smollm2_prof 60 "${L[@]}" bench offline --shape smollm2-135m --no-split-steps --profile "$RES/profile_smollm2.txt"
@@ -102,7 +109,7 @@ if want stepprof; then  # where a served decode step's time goes (c=64, c=256), 
     grep -E '^batch|decode:|synchronised|device busy|mixed|prompt phase' "$RES/step_profile.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
 fi
 if want serve; then
-    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 >"$RES/server.log" 2>&1 &
+    "${L[@]}" serve --model "$MODEL" "${LOAD[@]}" --max-model-len ${MAXLEN:-4096} --port 8000 >"$RES/server.log" 2>&1 &
     SERVER=$!
     wait_up 8000 $SERVER 150
     note "server up after $(elapsed)s: $(grep -iE 'blocks|graph' "$RES/server.log" | tail -1 | cut -c1-160)"
@@ -128,15 +135,15 @@ if want serve; then
     kill $SERVER; wait $SERVER 2>/dev/null
 fi
 if want fp8; then
-    run roofline_fp8 70 "${L[@]}" bench roofline --model "$MODEL" --prompt-len 128 --output-len 256 --repeats 2 \
+    run roofline_fp8 70 "${L[@]}" bench roofline --model "$MODEL" "${LOAD[@]}" --prompt-len 128 --output-len 256 --repeats 2 \
         --quantization fp8 --out "$RES/roof_fp8.json"
 fi
 if want fp8serve; then
     KV=${FP8_KV_MEMORY:-16GiB}
-    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8000 --kv-cache-memory-bytes "$KV" \
+    "${L[@]}" serve --model "$MODEL" "${LOAD[@]}" --max-model-len ${MAXLEN:-4096} --port 8000 --kv-cache-memory-bytes "$KV" \
         >"$RES/server_bf16.log" 2>&1 &
     BF16=$!
-    "${L[@]}" serve --model "$MODEL" --max-model-len ${MAXLEN:-4096} --port 8001 --kv-cache-memory-bytes "$KV" \
+    "${L[@]}" serve --model "$MODEL" "${LOAD[@]}" --max-model-len ${MAXLEN:-4096} --port 8001 --kv-cache-memory-bytes "$KV" \
         --quantization fp8 --kv-cache-dtype "${FP8_KV:-fp8}" >"$RES/server_fp8.log" 2>&1 &
     FP8=$!
     wait_up 8000 $BF16 200

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -183,7 +184,8 @@ def main() -> None:
     model = sys.argv[1]
     levels = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "64,256").split(",")]
     out = open(sys.argv[3], "w") if len(sys.argv) > 3 else sys.stdout
-    llm = LLM(model, max_model_len=min(4096, load_hf_config(model).max_position_embeddings))
+    llm = LLM(model, max_model_len=min(4096, load_hf_config(model).max_position_embeddings),
+              load_format=os.environ.get("LOAD_FORMAT", "auto"))  # dummy: random weights, no checkpoint
     defaults = llm.get_default_sampling_params()
     sampled = msgspec.structs.replace(defaults, max_tokens=OUTPUT_LEN, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)

@@ -37,6 +37,10 @@ class ModelConfig:
         "help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)",
         "flag": "max-cudagraph-capture-size", "aliases": ["max-graph-batch"]})
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
+    load_format: str = field(default="auto", metadata={"help": "auto (the checkpoint's safetensors) | dummy (random "
+                             "weights made on the device, for benchmarks: of the model only config.json and the "
+                             "tokenizer are read; `make-model --no-weights` writes just those; a draft model loads "
+                             "as usual)", "choices": ["auto", "dummy"]})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads of the model's ops (default: one per "
                                     "core; a server on CPU gives a model too small to split one, leaving the rest to its HTTP front)"})
     runner: str = field(default="auto", metadata={"help": "auto (pooling for an embedding checkpoint: a "

@@ -229,3 +229,22 @@ def test_peaked_logits_rescale_only_the_head_rows_and_open_the_top_gap(tmp_path)
     assert (ratio > 0).all() and torch.allclose(ratio, ratio[:, :1].expand_as(ratio))
     gaps, plain_gaps = _top_gaps(str(tmp_path / "p")), _top_gaps(str(tmp_path / "a"))
     assert gaps.median() > 3 * plain_gaps.median()  # tiny: 1.30 against 0.24 logit standard deviations
+
+
+def test_dummy_weights_need_only_the_config_and_tokenizer(tmp_path):
+    """`make-model --no-weights` writes no safetensors; `--load-format dummy` builds the model with every weight
+    uniform in [-1e-3, 1e-3] and serves it; the default load format names dummy when there are no weights."""
+    from llmserve import LLM, SamplingParams
+
+    path = make_model("qwen3", "tiny", str(tmp_path / "m"), has_weights=False)
+    assert not [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    with pytest.raises(ValueError, match="--load-format dummy"):
+        load_model(path, torch.float32, "cpu")
+    model = load_model(path, torch.float32, "cpu", load_format="dummy")
+    values = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert values.abs().max() <= 1e-3 and values.std() > 1e-4  # drawn, not left as they were
+    llm = LLM(path, dtype="float32", load_format="dummy")
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="--no-weights"):
+        make_model("llama", "tiny", str(tmp_path / "c"), has_weights=False, is_copying=True)

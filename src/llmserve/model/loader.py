@@ -80,7 +80,8 @@ def load_hf_config(path: str):
 def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ValueError(f"no *.safetensors weights in {path!r} (other weight formats are not supported)")
+        raise ValueError(f"no *.safetensors weights in {path!r} (other weight formats are not supported; "
+                         "--load-format dummy runs random weights)")
     return files
 
 
@@ -111,18 +112,17 @@ def iter_safetensors(path: str, shard_of: ShardOf | None = None,
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
                max_model_len: int | None = None, tp: TensorParallel | None = None,
-               quantization: str | None = None, pack_head: bool = True, has_lm_head: bool = True):
+               quantization: str | None = None, pack_head: bool = True, has_lm_head: bool = True,
+               load_format: str = "auto"):
     """Build the config's architecture on `device` in `dtype` and load its safetensors weights
     (with tensor parallelism, this rank's slices of them).
 
     An FP8 checkpoint (and gpt-oss's MXFP4 experts) is dequantized as it streams in; `quantization` (int8 |
     fp8 | None, see resolve_quantization) then swaps the Linear layers for quantized ones (model/quant).
     pack_head=False keeps the lm_head's weight plain (a draft whose reduced head takes some of its rows:
-    spec/draft_head); has_lm_head=False: an embedding model's decoder only (--runner pooling)."""
+    spec/draft_head); has_lm_head=False: an embedding model's decoder only (--runner pooling);
+    load_format="dummy": no weights read, random ones made on the device (`fill_dummy_weights`)."""
     from llmserve.model import quant
-    from llmserve.model.quant import mxfp4
-    from llmserve.model.quant.parallel import rank_slices
-    from llmserve.model.quant.checkpoint import weight_block_size
 
     config = load_hf_config(path)
     cls = get_model_class(architecture_of(config))
@@ -132,6 +132,37 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     for module in model.modules():  # a router transformers keeps float32 (DeepSeek's): its choice would move
         if getattr(module, "is_float32", False):
             module.float()
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        _load_checkpoint(model, path, config)
+    if quantization is not None:
+        quant.quantize_model(model, quantization)
+    model = model.eval().requires_grad_(False)
+    pack_linears(model, pack_head)  # float32 on CPU: weights laid out once (model/linear.py)
+    pack_model_experts(model)  # float32 experts on CPU: each laid out as a dense layer (model/moe_cpu.py)
+    if torch.device(device).type == "cpu":
+        move_to_huge_pages(model)  # what a decode step streams, on 2 MiB pages (model/huge_pages.py)
+    return model
+
+
+def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter uniform in [-1e-3, 1e-3] (vLLM's dummy weights), drawn on its device: what a benchmark of
+    speed needs, in the time of a few kernels (an 8B checkpoint takes minutes to write and read)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.uniform_(-1e-3, 1e-3, generator=gen)
+
+
+def _load_checkpoint(model: torch.nn.Module, path: str, config) -> None:
+    """The checkpoint's safetensors into the model (with tensor parallelism, this rank's slices)."""
+    from llmserve.model import quant
+    from llmserve.model.quant import mxfp4
+    from llmserve.model.quant.parallel import rank_slices
+    from llmserve.model.quant.checkpoint import weight_block_size
+
     layout = model.layout
     rank_slice = None if layout is None else lambda name: shard_of(name, layout)
     is_fp8_checkpoint = quant.checkpoint_method(config) is not None
@@ -147,14 +178,6 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str,
     if mxfp4.is_mxfp4(config):
         weights = mxfp4.dequantize_experts(weights)
     model.load_weights(weights)
-    if quantization is not None:
-        quant.quantize_model(model, quantization)
-    model = model.eval().requires_grad_(False)
-    pack_linears(model, pack_head)  # float32 on CPU: weights laid out once (model/linear.py)
-    pack_model_experts(model)  # float32 experts on CPU: each laid out as a dense layer (model/moe_cpu.py)
-    if torch.device(device).type == "cpu":
-        move_to_huge_pages(model)  # what a decode step streams, on 2 MiB pages (model/huge_pages.py)
-    return model
 
 
 _BARE_DECODER_PARTS = ("embed_tokens.", "layers.", "norm.")  # a decoder's own modules, saved without `model.`

@@ -204,10 +204,11 @@ def _write_generation_config(out_dir: str) -> None:
 
 
 def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype: str = "float32",
-                     is_peaked: bool = False, is_copying: bool = False) -> str:
+                     is_peaked: bool = False, is_copying: bool = False, has_weights: bool = True) -> str:
     """Write a random checkpoint of an explicit Shape into out_dir (created if needed); is_peaked: the
     lm_head's rows rescaled (`_peak`) so that greedy decoding has clear winners; is_copying: layers 0
-    and 1 an induction circuit (testing/copying.py), so the model continues spans its context repeats."""
+    and 1 an induction circuit (testing/copying.py), so the model continues spans its context repeats;
+    has_weights=False: the config, tokenizer and generation config only (for `--load-format dummy`)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
@@ -225,7 +226,8 @@ def write_checkpoint(arch: str, shape: Shape, out_dir: str, seed: int = 0, dtype
     config = build_config(arch, shape, dtype)
     config.save_pretrained(out_dir)
     weights = "copying" if is_copying else "peaked" if is_peaked else "random"
-    _write_weights(out_dir, arch, config, shape, seed, _DTYPES[dtype], weights)
+    if has_weights:
+        _write_weights(out_dir, arch, config, shape, seed, _DTYPES[dtype], weights)
     toy_tokenizer.save_tokenizer(out_dir, shape.vocab_size, shape.max_position)
     _write_generation_config(out_dir)
     return out_dir
@@ -236,14 +238,18 @@ def moe_shapes() -> list[str]:
 
 
 def make_model(arch: str, shape: str, out_dir: str, seed: int = 0, dtype: str = "float32",
-               quantization: str | None = None, is_peaked: bool = False, is_copying: bool = False) -> str:
+               quantization: str | None = None, is_peaked: bool = False, is_copying: bool = False,
+               has_weights: bool = True) -> str:
     """Write a random-weight HF checkpoint of a named shape (see SHAPES) into out_dir; returns out_dir.
 
     quantization: None, or an FP8 format of model/quant/checkpoint.py (fp8: transformers' 128x128 block
     scales; fp8-channel: compressed-tensors per-channel scales)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype, is_peaked, is_copying)
+    if not has_weights and (quantization or is_peaked or is_copying):
+        raise ValueError("--no-weights writes no weights to quantize, peak or wire: drop --quantization, "
+                         "--peaked-logits and --copying")
+    write_checkpoint(arch, SHAPES[shape], out_dir, seed, dtype, is_peaked, is_copying, has_weights)
     if quantization is not None:
         from llmserve.model.quant.checkpoint import write_fp8_checkpoint
 

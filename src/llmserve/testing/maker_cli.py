@@ -24,6 +24,9 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--copying", action="store_true",
                         help="layers 0 and 1 an induction circuit (llama, mistral): the model continues the spans "
                              "its context repeats, as prompt lookup needs, with clear argmaxes; the same cost")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config.json, the tokenizer and generation_config.json only: a model to serve or "
+                             "benchmark with --load-format dummy (random weights made on the device)")
     draft = parser.add_argument_group("a speculative-decoding draft derived from a target (then --arch/--shape are unused)")
     draft.add_argument("--draft-of", default=None, help="target checkpoint directory to derive the draft from")
     draft.add_argument("--draft-layers", type=int, default=None, help="keep the target's first N layers (default: all)")
@@ -42,9 +45,11 @@ def run_make_model(args: argparse.Namespace) -> int:
         print(f"wrote a draft of {args.draft_of} to {path}")
         return 0
     path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype,
-                      quantization=args.quantization, is_peaked=args.peaked_logits, is_copying=args.copying)
+                      quantization=args.quantization, is_peaked=args.peaked_logits, is_copying=args.copying,
+                      has_weights=not args.no_weights)
     fmt = f" ({args.quantization})" if args.quantization else ""
     fmt += ", peaked logits" if args.peaked_logits else ""
     fmt += ", copying" if args.copying else ""
+    fmt += ", no weights (--load-format dummy)" if args.no_weights else ""
     print(f"wrote {args.arch} {args.shape}{fmt} checkpoint to {path}")
     return 0

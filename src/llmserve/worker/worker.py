@@ -57,7 +57,7 @@ class Worker:
         self.kv_dtype = quant.kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
         self.kv_layout = kv_cache_layout(model_info.layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
         model = load_model(path, dtype, device, model_info.max_model_len, tp, model_info.quantization,
-                           has_lm_head=model_info.pooler is None)
+                           has_lm_head=model_info.pooler is None, load_format=config.model.load_format)
         threads = apply_num_threads(config.model.num_threads, model, device.type, is_served,
                                     tp.size if tp is not None else 1)
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
