@@ -83,8 +83,8 @@ async def run_benchmark(cfg: BenchServeConfig, tokenizer: Tokenizer | None, log:
         try:
             with tqdm(total=len(levels) * len(targets) * cfg.load.num_requests, disable=not cfg.output.progress,
                       unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+                sender = _SliceSender(client, procs, cfg.load.client_processes, bar, notes, log)
                 for i, level in enumerate(levels):
-                    sender = _SliceSender(client, procs, cfg.load.client_processes, bar, notes, log)
                     runs += await _run_level(client, targets, level, _level_work(cfg, sampler, i), cfg, sender)
         finally:
             if procs is not None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from llmserve.model.paged_indices import on_device
 from llmserve.structured.matcher import RequestGrammar
 
 
@@ -58,17 +60,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int
 
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)  # its CPU kernel is faster than ours
         return
-    rows = _to_device(torch.tensor(indices, dtype=torch.int64), logits.device)  # [P]
-    allowed = unpack_bitmask(_to_device(bitmask, logits.device)[rows], logits.shape[-1])  # [P, V]
+    # through pinned memory on CUDA: a pageable copy would wait for the forward queued before it
+    rows = on_device(np.asarray(indices, np.int64), logits.device)  # [P]
+    allowed = unpack_bitmask(on_device(bitmask.numpy(), logits.device)[rows], logits.shape[-1])  # [P, V]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """On CUDA through pinned memory: a copy from pageable memory would make the host wait for the forward queued
-    before it (with async scheduling, the next step's scheduling would then wait too)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
