@@ -287,8 +287,8 @@ def check_kv_transfer_combinations(config: EngineConfig) -> None:
         return
     check(config.cache.enable_prefix_caching, flag, "needs prefix caching (drop --no-enable-prefix-caching)")
     check(config.parallel.tensor_parallel_size == 1, flag, "is not supported with tensor parallelism yet")
-    check(config.speculative.speculative != "draft", flag,
-          "is not supported with a draft model yet (its KV blocks are not copied)")
+    check(not config.speculative.has_draft_cache, flag,
+          "is not supported with a draft model or EAGLE head yet (its KV blocks are not copied)")
 
 
 def check_model_len(config: EngineConfig, max_model_len: int | None) -> None:

@@ -12,9 +12,9 @@ from llmserve.json_flags import parse_json_object_flag
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    speculative: str | None = field(default=None, metadata={"help": "speculative decoding: ngram (prompt lookup) | draft (a smaller model); default off", "choices": ["ngram", "draft"]})
+    speculative: str | None = field(default=None, metadata={"help": "speculative decoding: ngram (prompt lookup) | draft (a smaller model) | eagle, eagle3 (an EAGLE or EAGLE-3 draft head over the target's hidden states: docs/speculative.md); default off", "choices": ["ngram", "draft", "eagle", "eagle3"]})
     num_speculative_tokens: int = field(default=4, metadata={"help": "draft tokens proposed per request and step (k)"})
-    draft_model: str | None = field(default=None, metadata={"help": "HF directory or hub id of the draft model (--speculative draft); same tokenizer as the target"})
+    draft_model: str | None = field(default=None, metadata={"help": "HF directory or hub id of the draft model (--speculative draft; same tokenizer as the target) or of the EAGLE head (eagle, eagle3)"})
     ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix matched against the prompt and output so far"})
     ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
     speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
@@ -35,9 +35,14 @@ class SpeculativeConfig:
         return self.speculative is not None
 
     @property
+    def has_draft_cache(self) -> bool:
+        """A draft model or an EAGLE head: its own KV cache in the target's blocks (spec/draft.py)."""
+        return self.speculative in ("draft", "eagle", "eagle3")
+
+    @property
     def num_lookahead_tokens(self) -> int:
         """KV slots past the scheduled tokens that the draft model writes while it proposes."""
-        return self.num_speculative_tokens if self.speculative == "draft" else 0
+        return self.num_speculative_tokens if self.has_draft_cache else 0
 
     def validate(self) -> None:
         check_field_choices(self)
@@ -50,8 +55,8 @@ class SpeculativeConfig:
               f"must be true or false, got {self.speculative_dynamic!r}")
         check(isinstance(self.speculative_queue_drafts, bool), "speculative-queue-drafts",
               f"must be true or false, got {self.speculative_queue_drafts!r}")
-        check((self.speculative == "draft") == (self.draft_model is not None), "draft-model",
-              "required with --speculative draft, and only then")
+        check(self.has_draft_cache == (self.draft_model is not None), "draft-model",
+              "required with --speculative draft, eagle or eagle3, and only then")
         check_min("draft-vocab-size", self.draft_vocab_size, 1)
         check(self.draft_vocab_size is None or self.speculative == "draft", "draft-vocab-size",
               "only with --speculative draft")
@@ -64,7 +69,7 @@ SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "model": "draft_model",
                            "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_max": "ngram_max",
                            "prompt_lookup_min": "ngram_min", "disable_by_batch_size": "speculative_max_batch",
                            "draft_vocab_size": "draft_vocab_size"}
-SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}
+SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "eagle": "eagle", "eagle3": "eagle3"}
 
 
 def take_speculative_config(args: argparse.Namespace) -> None:

@@ -72,7 +72,7 @@ def checked_kv_cache_layout(config: EngineConfig, layer_windows: tuple[int, ...]
     group's blocks (spec/draft.py), which must then be a full-attention group (it keeps every block); without one
     the draft is refused before anything loads."""
     layout = kv_cache_layout(layer_windows, not config.cache.disable_hybrid_kv_cache_manager)
-    if layout.is_hybrid and config.speculative.speculative == "draft" and layout.group_windows[0] != 0:
+    if layout.is_hybrid and config.speculative.has_draft_cache and layout.group_windows[0] != 0:
         raise ValueError("--speculative draft with a model whose layers all slide, over windows of several "
                          "sizes, is not supported with per-group block tables (the draft's cache needs a "
                          "full-attention group): add --disable-hybrid-kv-cache-manager")

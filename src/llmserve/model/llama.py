@@ -223,6 +223,8 @@ class CausalLM(nn.Module):
         # weight counts (cpu_threads, roofline) count the table once
         self.tied_head_packed: torch.Tensor | None = None
         self.decode_stack = None  # CPU decode steps' layers in one C++ call, set once the model is final (worker)
+        self.aux_layers: tuple[int, ...] = ()  # EAGLE-3 (model/eagle.py): layers whose input a forward keeps
+        self.aux_hidden: dict[int, torch.Tensor] = {}  # layer -> [T, hidden]: its input (residual stream), last forward
         self.expert_load_reader = ExpertLoadReader()
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads if self.layout is None else self.layout.kv_heads[1]
@@ -276,7 +278,7 @@ class CausalLM(nn.Module):
             x = gemma3.scale_embeddings(x, self.parts.embed_scale)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}  # 2 x [T, 1, D/2]
         stack = self.decode_stack
-        if stack is not None and stack.takes(attn_metadata, kv_caches[0]):
+        if stack is not None and not self.aux_layers and stack.takes(attn_metadata, kv_caches[0]):
             x, residual = stack.forward(x, cos_sin["default"], kv_caches, attn_metadata)
         else:
             x, residual = self._run_layers(x, cos_sin, kv_caches, attn_metadata, attn_backend)
@@ -289,7 +291,7 @@ class CausalLM(nn.Module):
         """`forward`, then `compute_logits` of the rows logits_indices [N] picks -> (hidden [T, hidden], logits
         [N, vocab]); a CPU decode step the stack takes with its head is one C++ call (model/cpu_decode_head.py)."""
         stack = self.decode_stack
-        if stack is not None and stack.has_head and stack.takes(attn_metadata, kv_caches[0]):
+        if stack is not None and stack.has_head and not self.aux_layers and stack.takes(attn_metadata, kv_caches[0]):
             return stack.step(input_ids, positions, kv_caches, attn_metadata, logits_indices)
         hidden = self(input_ids, positions, kv_caches, attn_metadata, attn_backend)
         return hidden, self.compute_logits(hidden[logits_indices])
@@ -297,10 +299,12 @@ class CausalLM(nn.Module):
     def _run_layers(self, x: torch.Tensor, cos_sin: dict, kv_caches: list[torch.Tensor], attn_metadata: object,
                     attn_backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] through every layer -> (hidden, residual) before the final norm."""
-        residual = None
+        residual, self.aux_hidden = None, {}
         layer_metadata = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(kv_caches)
-        for layer, kind, kv_cache, metadata in zip(self.model.layers, self.rope_kinds, kv_caches, layer_metadata,
-                                                   strict=True):
+        for index, (layer, kind, kv_cache, metadata) in enumerate(zip(self.model.layers, self.rope_kinds, kv_caches,
+                                                                      layer_metadata, strict=True)):
+            if index in self.aux_layers:  # a copy: the layers' norms may write in place
+                self.aux_hidden[index] = x.clone() if residual is None else x + residual
             x, residual = layer(x, residual, cos_sin[kind], kv_cache, metadata, attn_backend)
         return x, residual
 

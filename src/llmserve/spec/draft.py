@@ -16,8 +16,6 @@ rows all carried k drafts, the whole proposal can be queued on the device right 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -28,22 +26,15 @@ from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
 from llmserve.spec.draft_chain import DraftChain, VerifiedStep
 from llmserve.spec.draft_head import DraftHead
-from llmserve.spec.draft_inputs import DraftInputs, prepare_inputs
+from llmserve.spec.draft_inputs import DraftInputs, DraftRow, prepare_inputs
 from llmserve.spec.proposer import ProposerRow
 
 _DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from positions of their own
 
 
-@dataclass
-class _DraftInput:
-    """What prepare_inputs reads of a row, for one draft forward."""
-
-    token_ids: np.ndarray | list[int]  # [L]
-    num_computed_tokens: int
-    block_ids: list[int]
-
-
 class DraftModelProposer:
+    needs_target_features = False  # the draft reads tokens only
+
     def __init__(self, model: torch.nn.Module, head: DraftHead, attn_backend: AttentionBackend,
                  kv_caches: list[torch.Tensor], block_size: int, num_speculative_tokens: int, max_model_len: int,
                  device: torch.device, seed: int = 0, chain: DraftChain | None = None,
@@ -101,7 +92,7 @@ class DraftModelProposer:
             for row in rows:
                 row.num_draft_computed = len(row.token_ids)
             return early, [None] * len(rows)
-        inputs = [_DraftInput(r.token_ids, r.num_draft_computed, self._blocks(r)) for r in rows]
+        inputs = [DraftRow(r.token_ids, r.num_draft_computed, self._blocks(r)) for r in rows]
         if self._can_chain(rows):
             return self._propose_chained(rows, inputs, counts), [None] * len(rows)
         drafts: list[list[int]] = [[] for _ in rows]
@@ -113,7 +104,7 @@ class DraftModelProposer:
             active = [j for j, r in enumerate(rows) if len(r.token_ids) + i < self.max_model_len]
             if not active:
                 break
-            inputs = [_DraftInput([*rows[j].token_ids.tolist(), *drafts[j]], len(rows[j].token_ids) + i - 1,
+            inputs = [DraftRow([*rows[j].token_ids.tolist(), *drafts[j]], len(rows[j].token_ids) + i - 1,
                                   self._blocks(rows[j])) for j in active]
             self._step(rows, active, inputs, [1] * len(active), drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
@@ -130,7 +121,7 @@ class DraftModelProposer:
         """The row's block ids of the first KV cache group: the draft's."""
         return row.block_ids if self.num_kv_groups == 1 else row.block_ids[::self.num_kv_groups]
 
-    def _propose_chained(self, rows: list[ProposerRow], inputs: list[_DraftInput],
+    def _propose_chained(self, rows: list[ProposerRow], inputs: list[DraftRow],
                          counts: list[int]) -> list[list[int]]:
         """The catch-up forward on the host's inputs, then the chain on the device; one copy to the host."""
         lengths = np.asarray([len(r.token_ids) for r in rows], dtype=np.int64)  # [B]
@@ -144,7 +135,7 @@ class DraftModelProposer:
     def forget(self, req_ids) -> None:
         """Nothing kept per request: its draft KV lives in the blocks the scheduler frees."""
 
-    def _step(self, rows: list[ProposerRow], active: list[int], inputs: list[_DraftInput], counts: list[int],
+    def _step(self, rows: list[ProposerRow], active: list[int], inputs: list[DraftRow], counts: list[int],
               drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
         """One draft forward over `active` rows; appends one draft (and its q for random rows) to each."""
         logits, _ = self._forward(inputs, counts)  # [A, V]
@@ -154,7 +145,7 @@ class DraftModelProposer:
             if q is not None and rows[j].params.temperature != 0.0:
                 probs[j].append(q[a])
 
-    def _forward(self, inputs: list[_DraftInput], counts: list[int]) -> tuple[torch.Tensor, DraftInputs]:
+    def _forward(self, inputs: list[DraftRow], counts: list[int]) -> tuple[torch.Tensor, DraftInputs]:
         """One draft forward of `counts` tokens a row -> float32 logits [A, V] at each row's last token,
         and the forward's inputs."""
         step = prepare_inputs(inputs, counts, self.block_size, self.device)
@@ -164,16 +155,21 @@ class DraftModelProposer:
 
     def _sample(self, logits: torch.Tensor, rows: list[ProposerRow],
                 drafts: list[list[int]]) -> tuple[list[int], torch.Tensor | None]:
-        """logits [A, V] -> a draft per row and q [A, V], the distribution the random rows drew from.
-        q is processed like the target's p (penalties, temperature, top-k/p, min-p): the closer q is to
-        p, the more drafts are accepted."""
-        positions = [PositionRow(r.params, r.prompt_token_ids, r.output_token_ids + d, None,
-                                 r.stop_token_ids_for_min_tokens) for r, d in zip(rows, drafts)]
-        for position in positions:
-            if position.params.seed is not None and position.params.temperature != 0.0:
-                position.generator = torch.Generator(device=self.device)
-                position.generator.manual_seed(position_seed(position.params.seed,
-                                                             _DRAFT_SEED_OFFSET + len(position.output_token_ids)))
-        meta = build_sampling_metadata(positions, logits.shape[1], self.device)
-        out = self.sampler(logits, meta, keep_probs=True)
-        return out.sampled_token_ids.tolist(), out.probs
+        return sample_drafts(self.sampler, logits, rows, drafts)
+
+
+def sample_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[ProposerRow],
+                  drafts: list[list[int]]) -> tuple[list[int], torch.Tensor | None]:
+    """logits [A, V] -> a draft per row and q [A, V], the distribution the random rows drew from.
+    q is processed like the target's p (penalties, temperature, top-k/p, min-p): the closer q is to
+    p, the more drafts are accepted."""
+    positions = [PositionRow(r.params, r.prompt_token_ids, r.output_token_ids + d, None,
+                             r.stop_token_ids_for_min_tokens) for r, d in zip(rows, drafts)]
+    for position in positions:
+        if position.params.seed is not None and position.params.temperature != 0.0:
+            position.generator = torch.Generator(device=logits.device)
+            position.generator.manual_seed(position_seed(position.params.seed,
+                                                         _DRAFT_SEED_OFFSET + len(position.output_token_ids)))
+    meta = build_sampling_metadata(positions, logits.shape[1], logits.device)
+    out = sampler(logits, meta, keep_probs=True)
+    return out.sampled_token_ids.tolist(), out.probs

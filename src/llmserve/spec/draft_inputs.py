@@ -13,6 +13,15 @@ from llmserve.model.paged_indices import flat_positions, logits_indices, on_devi
 
 
 @dataclass
+class DraftRow:
+    """What prepare_inputs reads of a row, for one draft forward."""
+
+    token_ids: np.ndarray | list[int]  # [L]
+    num_computed_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
 class DraftInputs:
     """One draft forward's inputs (the runner's own: worker/step_inputs.py, which spec/ does not import)."""
 

@@ -53,6 +53,7 @@ class TokenArray:
 
 class NgramProposer:
     max_catch_up = 0  # no model to catch up
+    needs_target_features = False
 
     def __init__(self, num_speculative_tokens: int, ngram_min: int, ngram_max: int) -> None:
         self.k = num_speculative_tokens

@@ -28,6 +28,7 @@ class ProposerRow(Protocol):
 
 class Proposer(Protocol):
     max_catch_up: int  # the most real tokens a row's draft model caught up on in the last proposal (n-gram: 0)
+    needs_target_features: bool  # EAGLE heads read the target's hidden states: `take_features` after each forward
 
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per row: draft tokens (at most k, possibly none) and their distribution q [k, V] when they
@@ -41,6 +42,12 @@ class Proposer(Protocol):
 
     def propose_early(self, rows: list[ProposerRow], step) -> None:
         """Queue it (spec.draft_chain.VerifiedStep `step`); the next `propose` of the same rows returns it."""
+        ...
+
+    def take_features(self, rows: list[ProposerRow], starts: np.ndarray, counts: np.ndarray,
+                      features: torch.Tensor) -> None:
+        """A target forward's features [T, F] of its rows, row i's counts[i] tokens from position starts[i] (only
+        where needs_target_features)."""
         ...
 
     def forget(self, req_ids) -> None:

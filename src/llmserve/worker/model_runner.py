@@ -41,7 +41,7 @@ from llmserve.worker.persistent_batch import PersistentBatch
 from llmserve.worker.pooler import Pooler
 from llmserve.worker.prompt_logprobs import plan_prompt_logprobs, score_prompt
 from llmserve.worker.sampling_step import SamplingInputs
-from llmserve.worker.speculation import begin_spec_step, propose_drafts
+from llmserve.worker.speculation import begin_spec_step, hand_features, propose_drafts
 from llmserve.worker.step_handle import HostCopy, StepHandle, start_host_copy
 from llmserve.worker.step_inputs import StepInputBuilder, StepInputs
 from llmserve.worker.step_times import StepTimes, mark
@@ -76,6 +76,8 @@ class ModelRunner:
         self.sampling = SamplingInputs(vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.speculator = speculator
+        # an EAGLE head reads the target's hidden states of every forward (spec/eagle.py)
+        self.has_feature_reader = speculator is not None and speculator.proposer.needs_target_features
         self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
         self.verify_graphs: DecodeGraphs | None = None  # of verification steps (speculation; set by the Worker)
         self.states: dict[str, CachedRequestState] = {}
@@ -121,12 +123,16 @@ class ModelRunner:
         prompt_plan = None
         if self.prompt_scorers:
             prompt_plan = plan_prompt_logprobs(states, list(sched_out.num_scheduled_tokens.values()))
+        starts = self.batch.num_computed[step_rows].copy() if self.has_feature_reader else None  # [B]
         # batch_rows [S]: the sampling rows'
         inputs, batch_rows = self.inputs.build(states, step_rows, sched_out, finishes_at_once, self.in_flight)
         if self.lora is not None:
             self.lora.begin_forward(step_rows, np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64))
         t1 = mark(self.device, self.sync_timing)
         hidden, logits = self._forward(inputs, has_drafts)  # [T, hidden], [N, V]
+        if starts is not None:
+            counts = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, count=len(states))  # [B]
+            hand_features(self.speculator, self.model, states, starts, counts, hidden)
         if sched_out.grammar is not None:  # filled on the host while the device runs the forward
             if catch_up is not None:
                 self.in_flight = None  # this step's inputs have marked its rows' samples as the pending ones
@@ -156,7 +162,10 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_forward(batch_rows, None)
         t1 = mark(self.device, self.sync_timing)
-        _, logits = self._forward(inputs, False)  # [B, V]
+        hidden, logits = self._forward(inputs, False)  # [B, hidden], [B, V]
+        if self.has_feature_reader:  # the window set num_computed past this forward's tokens
+            starts = self.batch.num_computed[batch_rows] - 1  # [B]
+            hand_features(self.speculator, self.model, states, starts, np.ones_like(starts), hidden)
         t2 = mark(self.device, self.sync_timing)
         sampled = self._sample(logits, states).sampled_token_ids  # [B]
         self._note_penalized(batch_rows, sampled)

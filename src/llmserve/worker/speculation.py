@@ -3,6 +3,9 @@ step it may speculate in, timed for its rule, and the next step's drafts, one li
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.spec.speculator import Speculator
 from llmserve.worker.input_batch import CachedRequestState
@@ -15,6 +18,15 @@ def begin_spec_step(speculator: Speculator, sched_out: SchedulerOutput) -> None:
     num_drafts = sum(len(d) for d in sched_out.scheduled_spec_tokens.values())
     is_decode = sched_out.total_num_scheduled_tokens == num_rows + num_drafts
     speculator.begin_step(num_rows, len(sched_out.scheduled_spec_tokens), is_decode)
+
+
+def hand_features(speculator: Speculator, model: torch.nn.Module, states: list[CachedRequestState],
+                  starts: np.ndarray, counts: np.ndarray, hidden: torch.Tensor) -> None:
+    """The forward's features to an EAGLE head: hidden [T, H] (after the final norm), or EAGLE-3's [T, 3H], the
+    inputs of the target's feature layers (model.aux_hidden); starts, counts [B]: each row's first position and
+    its tokens."""
+    features = torch.cat([model.aux_hidden[i] for i in model.aux_layers], dim=-1) if model.aux_layers else hidden
+    speculator.proposer.take_features(states, starts, counts, features)
 
 
 def propose_drafts(speculator: Speculator, states: dict[str, CachedRequestState], handle: StepHandle) -> list[list[int]]:

@@ -12,12 +12,14 @@ from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import cpu_decode_stack, quant
 from llmserve.model.attention import select_attention_backend
+from llmserve.model.eagle import EAGLE_METHODS, load_eagle
 from llmserve.model.lora_layers import LoRAContext
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
 from llmserve.model.parallel import TensorParallel
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.draft_chain import DraftChain
 from llmserve.spec.draft_head import DraftHead, read_token_map
+from llmserve.spec.eagle import EagleProposer
 from llmserve.spec.ngram import NgramProposer
 from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
@@ -61,9 +63,9 @@ class Worker:
         threads = apply_num_threads(config.model.num_threads, model, device.type, is_served,
                                     tp.size if tp is not None else 1)
         self.num_threads, self.threads_reason = threads.num_threads, threads.reason
-        self.draft_info, draft_model = self._load_draft()
+        self.draft_info, draft_model = self._load_draft(model)
         lora = self._lora_manager(model)  # its slots allocated before the KV cache takes what memory is left
-        for each in (model, draft_model):  # once the model is final (LoRA wraps its layers: no stack then)
+        for each in (model, None if self.draft_info is None else draft_model):  # once final (LoRA: no stack then)
             if each is not None:
                 each.decode_stack = cpu_decode_stack.build(each)
         attn_backend = select_attention_backend(device, config.model.attention_backend, dtype)
@@ -74,15 +76,16 @@ class Worker:
         max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
         layer_groups = self.kv_layout.layer_groups if self.kv_layout.is_hybrid else None
         lora_context = None if lora is None else lora.context
-        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups,
-                                     lora_context=lora_context)
+        graphs = None if model.aux_layers else \
+            self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups,
+                                lora_context=lora_context)  # EAGLE-3's feature layers are not kept in graphs yet
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp,
                                   None if model_info.pooler is None else Pooler(model_info.pooler), self.kv_layout,
                                   lora)
         spec = config.speculative
-        if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
+        if graphs is not None and speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
                 queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups, lora_context=lora_context)
@@ -96,12 +99,16 @@ class Worker:
         return LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras,
                            self.config.scheduler.max_num_seqs, self.device, slot_dtype)
 
-    def _load_draft(self) -> tuple[ModelInfo | None, torch.nn.Module | None]:
-        """The draft model of --speculative draft: same vocabulary as the target, same dtype."""
+    def _load_draft(self, model: torch.nn.Module) -> tuple[ModelInfo | None, torch.nn.Module | None]:
+        """The draft model of --speculative draft (same vocabulary as the target, same dtype; with its ModelInfo),
+        or the EAGLE head of eagle / eagle3 (no ModelInfo: it shares the target's embedding and tokenizer)."""
         spec = self.config.speculative
-        if spec.speculative != "draft":
+        if not spec.has_draft_cache:
             return None, None
         path = resolve_model_path(spec.draft_model, None)
+        if spec.speculative in EAGLE_METHODS:
+            return None, load_eagle(path, spec.speculative, model, self.dtype, self.device,
+                                    self.model_info.max_model_len)
         info = load_model_info(spec.draft_model, path, self.dtype, self.model_info.max_model_len)
         if info.vocab_size != self.model_info.vocab_size:
             raise ValueError(f"draft model vocabulary ({info.vocab_size}) differs from the target's "
@@ -127,7 +134,11 @@ class Worker:
             return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
         info, block_size = self.draft_info, self.config.cache.block_size
         kv_caches = allocate_kv_caches(draft_model.kv_cache_shape(self.num_blocks, block_size),
-                                       info.num_layers, self.kv_dtype, self.device)
+                                       draft_model.num_layers, self.kv_dtype, self.device)
+        if spec.speculative in EAGLE_METHODS:
+            return EagleProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
+                                 self.model_info.max_model_len, self.device, self.config.model.seed,
+                                 self.kv_layout.num_groups)
         max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
         graphs = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch)
         token_map = None if spec.draft_token_map is None else read_token_map(spec.draft_token_map, info.vocab_size)
@@ -150,7 +161,7 @@ class Worker:
                                             self.kv_dtype)  # this rank's KV heads (or latents)
         if draft_model is not None:
             block_bytes += cache_bytes_per_block(draft_model.kv_cache_shape(1, cache.block_size),
-                                                 self.draft_info.num_layers, self.kv_dtype)
+                                                 draft_model.num_layers, self.kv_dtype)
         if needs_gpu_profile(cache, self.device):
             sched = self.config.scheduler
             profile = profile_forward(model, attn_backend, model.kv_cache_shape(1, cache.block_size),

@@ -1,0 +1,148 @@
+"""EAGLE proposer: a draft head (model/eagle.py) over the target's hidden states proposes k tokens.
+
+After every target forward the runner hands its tokens' features over (`take_features`); a row keeps those the
+head has not consumed. The head's input at position p is the token at p + 1 with the target's feature at p, so
+once a row holds L tokens, positions up to L - 2 can be consumed: a proposal catches the head up on them (the
+prompt the first time; one to k + 1 positions after a decode or verification step), its output at L - 2 giving the
+first draft, then runs k - 1 single-token forwards on its own output features. Features at L - 1 and past are
+stale by then (the rejected drafts'), and dropped. The head's KV cache lives in the target's blocks, read through
+the same block tables as a draft model's (spec/draft.py; the scheduler's lookahead slots cover the chain).
+Positions the target never computed (a prefix-cache hit) are skipped: their blocks hold the head's KV from the
+request that wrote them, if it speculated there; a stale one costs acceptance, never correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from llmserve.model.attention import AttentionBackend
+from llmserve.sample.sampler import Sampler
+from llmserve.spec.draft import sample_drafts
+from llmserve.spec.draft_inputs import DraftRow, prepare_inputs
+from llmserve.spec.proposer import ProposerRow
+
+
+@dataclass
+class _Features:
+    """A row's features not yet consumed: positions [start, end), in chunks as the forwards made them."""
+
+    start: int
+    end: int
+    chunks: list[torch.Tensor] = field(default_factory=list)  # [n_i, F] each, in position order
+
+    def append(self, start: int, chunk: torch.Tensor) -> None:
+        """chunk [n, F] of positions from `start` (<= end): any kept at or past `start` were a rejected draft's."""
+        if start < self.end:
+            kept = self.take(self.start, start) if start > self.start else None
+            self.chunks = [] if kept is None else [kept]
+            self.end = start
+        self.chunks.append(chunk)
+        self.end += len(chunk)
+
+    def take(self, begin: int, end: int) -> torch.Tensor:
+        """[end - begin, F] of positions [begin, end), within [start, end)."""
+        joined = self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+        return joined[begin - self.start:end - self.start]
+
+    def clear(self, position: int) -> None:
+        self.start = self.end = position
+        self.chunks = []
+
+
+class EagleProposer:
+    needs_target_features = True
+
+    def __init__(self, head: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
+                 block_size: int, num_speculative_tokens: int, max_model_len: int, device: torch.device,
+                 seed: int = 0, num_kv_groups: int = 1) -> None:
+        self.head = head  # model.eagle.EagleDraft
+        self.attn_backend = attn_backend
+        self.kv_caches = kv_caches  # per head layer [2, num_blocks, block_size, Hkv, D]
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.device = device
+        self.num_kv_groups = num_kv_groups  # the target's; the head's blocks are the first group's
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed + 1))
+        self.features: dict[str, _Features] = {}
+        self.max_catch_up = 0
+        self.num_skipped = 0  # rows a proposal gave no drafts for want of their features
+
+    def take_features(self, rows: list[ProposerRow], starts: np.ndarray, counts: np.ndarray,
+                      features: torch.Tensor) -> None:
+        """features [T, F]: row i's counts[i] tokens from position starts[i]; copied (a graph's output is reused)."""
+        offset = 0
+        for row, start, count in zip(rows, starts.tolist(), counts.tolist()):
+            chunk, offset = features[offset:offset + count], offset + count
+            if not row.params.speculative:
+                continue
+            kept = self.features.get(row.req_id)
+            if kept is None or not kept.start <= start <= kept.end:  # the first, a recompute, or a gap
+                kept = self.features[row.req_id] = _Features(start, start)
+            kept.append(start, chunk.clone())
+
+    def can_propose_early(self, rows: list[ProposerRow], num_block_columns: int) -> bool:
+        return False  # the head's chain runs on the host's inputs (no graphs yet)
+
+    def propose_early(self, rows: list[ProposerRow], step) -> None:
+        raise AssertionError("can_propose_early is always False")
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.features.pop(req_id, None)
+
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        live, inputs, counts, features = [], [], [], []
+        for i, row in enumerate(rows):
+            length = len(row.token_ids)
+            kept = self.features.get(row.req_id)
+            begin = None if kept is None else max(row.num_draft_computed, kept.start)
+            if begin is None or kept.end < length - 1 or begin >= length - 1 or length >= self.max_model_len:
+                self.num_skipped += 1
+                continue
+            live.append(i)
+            inputs.append(DraftRow(row.token_ids[1:], begin, self._blocks(row)))  # the token at p + 1 at p
+            counts.append(length - 1 - begin)
+            features.append(kept.take(begin, length - 1))
+            kept.clear(length - 1)
+            row.num_draft_computed = length - 1
+        self.max_catch_up = max(counts, default=0)
+        if not live:
+            return drafts, [None] * len(rows)
+        feature = self._step(rows, live, inputs, counts, torch.cat(features), True, drafts, probs)
+        for i in range(1, self.k):
+            active = [a for a, j in enumerate(live) if len(rows[j].token_ids) + i < self.max_model_len]
+            if not active:
+                break
+            live, feature = [live[a] for a in active], feature[active]
+            inputs = [DraftRow([*rows[j].token_ids[1:].tolist(), *drafts[j]], len(rows[j].token_ids) + i - 2,
+                                  self._blocks(rows[j])) for j in live]
+            feature = self._step(rows, live, inputs, [1] * len(live), feature, False, drafts, probs)
+        return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def _step(self, rows: list[ProposerRow], live: list[int], inputs: list[DraftRow], counts: list[int],
+              features: torch.Tensor, is_target: bool, drafts: list[list[int]],
+              probs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """One head forward over the `live` rows (features [T, F or H]); appends a draft (and the random rows' q)
+        to each, and returns the head's output features [A, H] at each row's last token."""
+        step = prepare_inputs(inputs, counts, self.block_size, self.device)
+        metadata = self.attn_backend.build_metadata(step.attn)
+        hidden, out = self.head(step.input_ids, step.positions, features, is_target, self.kv_caches, metadata,
+                                self.attn_backend)  # [T, H] each
+        logits = self.head.logits(hidden[step.logits_indices])  # [A, V]
+        tokens, q = sample_drafts(self.sampler, logits, [rows[j] for j in live], [drafts[j] for j in live])
+        for a, j in enumerate(live):
+            drafts[j].append(tokens[a])
+            if q is not None and rows[j].params.temperature != 0.0:
+                probs[j].append(q[a])
+        return out[step.logits_indices]
+
+    def _blocks(self, row: ProposerRow) -> list[int]:
+        """The row's block ids of the first KV cache group: the head's."""
+        return row.block_ids if self.num_kv_groups == 1 else row.block_ids[::self.num_kv_groups]
