@@ -94,6 +94,12 @@ class EagleProposer:
         for req_id in req_ids:
             self.features.pop(req_id, None)
 
+    def check_integrity(self, req_ids: set[str]) -> None:
+        """Features only of the runner's requests (`req_ids`), each row's chunks covering [start, end)."""
+        assert set(self.features) <= req_ids, "features of a request the runner dropped"
+        for kept in self.features.values():
+            assert sum(len(c) for c in kept.chunks) == kept.end - kept.start, "a row's features have a gap"
+
     @torch.inference_mode()
     def propose(self, rows: list[ProposerRow]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         drafts: list[list[int]] = [[] for _ in rows]

@@ -400,6 +400,8 @@ class ModelRunner:
     def check_integrity(self) -> None:
         self.batch.check_integrity()
         assert set(self.batch.row_of) == set(self.states), "batch rows and states differ"
+        if self.has_feature_reader:
+            self.speculator.proposer.check_integrity(set(self.states))
         if self.lora is not None:
             self.lora.check_integrity([state.row for state in self.states.values()])
         assert self.prompt_scorers == {r for r, s in self.states.items() if s.params.prompt_logprobs is not None}
