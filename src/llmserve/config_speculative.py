@@ -10,6 +10,9 @@ from llmserve.config_checks import check, check_field_choices, check_min
 from llmserve.json_flags import parse_json_object_flag
 
 
+EAGLE_METHODS = ("eagle", "eagle3")  # draft heads over the target's hidden states (model/eagle.py)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative: str | None = field(default=None, metadata={"help": "speculative decoding: ngram (prompt lookup) | draft (a smaller model) | eagle, eagle3 (an EAGLE or EAGLE-3 draft head over the target's hidden states: docs/speculative.md); default off", "choices": ["ngram", "draft", "eagle", "eagle3"]})
@@ -37,7 +40,7 @@ class SpeculativeConfig:
     @property
     def has_draft_cache(self) -> bool:
         """A draft model or an EAGLE head: its own KV cache in the target's blocks (spec/draft.py)."""
-        return self.speculative in ("draft", "eagle", "eagle3")
+        return self.speculative == "draft" or self.speculative in EAGLE_METHODS
 
     @property
     def num_lookahead_tokens(self) -> int:

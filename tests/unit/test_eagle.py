@@ -1,9 +1,6 @@
 """EAGLE and EAGLE-3 draft heads (--speculative eagle | eagle3): the engine's drafts against a reference written
 from the method's definition over transformers' hidden states, exact greedy outputs, sampled drafts' q, refusals."""
 
-import json
-import math
-
 import pytest
 import torch
 
@@ -13,6 +10,7 @@ from llmserve.model.eagle import eagle_shape
 from llmserve.testing.eagle_maker import make_eagle_head
 from llmserve.testing.maker import make_model
 
+from eagle_reference import record_rows, reference_drafts
 from spec_cases import repeating_prompts
 
 
@@ -43,121 +41,18 @@ def _llm(target: str, head: str, method: str, **kwargs) -> LLM:
                num_speculative_tokens=3, speculative_dynamic=False, **kwargs)
 
 
-def _record(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """Every row of every proposal from now on: (its tokens then, its drafts)."""
-    proposer, calls = llm.engine.runner.speculator.proposer, []
-    original = proposer.propose
-
-    def propose(rows):
-        tokens = [r.token_ids.tolist() for r in rows]
-        drafts, probs = original(rows)
-        calls.extend(zip(tokens, drafts))
-        return drafts, probs
-
-    proposer.propose = propose
-    return calls
-
-
-# ---- a reference head: the method's definition over whole sequences, no cache ------------------------------------
-
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rotate(x, positions, theta):  # x [T, heads, D], neox (rotate-half)
-    half = x.shape[-1] // 2
-    freqs = positions[:, None].float() * theta ** (-torch.arange(half).float() / half)  # [T, D/2]
-    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-
-def _theta(cfg):
-    return (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
-
-
-def _layer(w, p, x_attn, residual, cfg):
-    """One Llama layer over a whole sequence: x_attn [T, in] already normed, residual [T, H] -> output [T, H]."""
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    dim = cfg["hidden_size"] // heads
-    positions = torch.arange(len(x_attn))
-    q = _rotate((x_attn @ w[f"{p}.self_attn.q_proj.weight"].T).view(-1, heads, dim), positions, _theta(cfg))
-    k = _rotate((x_attn @ w[f"{p}.self_attn.k_proj.weight"].T).view(-1, kv_heads, dim), positions, _theta(cfg))
-    v = (x_attn @ w[f"{p}.self_attn.v_proj.weight"].T).view(-1, kv_heads, dim)
-    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(dim)
-    scores = scores.masked_fill(torch.ones(len(q), len(q), dtype=torch.bool).triu(1), float("-inf"))
-    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(len(q), -1) @ w[f"{p}.self_attn.o_proj.weight"].T
-    h = residual + attn
-    x = _rms(h, w[f"{p}.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
-    gate, up = x @ w[f"{p}.mlp.gate_proj.weight"].T, x @ w[f"{p}.mlp.up_proj.weight"].T
-    return h + (torch.nn.functional.silu(gate) * up) @ w[f"{p}.mlp.down_proj.weight"].T
-
-
-def _reference_head(method, w, cfg, embed, tokens, h):
-    """tokens [T] (the token at p + 1 for each position p), h [T, H] (EAGLE: the features; EAGLE-3: after fc, or
-    the head's own) -> (for the logits, next feature) [T, H]."""
-    e = embed[tokens]
-    if method == "eagle":
-        x = torch.cat([e, h], -1) @ w["fc.weight"].T + w["fc.bias"]
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"layers.{i}"
-            normed = x if i == 0 else _rms(x, w[f"{p}.input_layernorm.weight"], cfg["rms_norm_eps"])
-            x = _layer(w, p, normed, x, cfg)
-        return x, x
-    eps = cfg["rms_norm_eps"]
-    x_attn = torch.cat([_rms(e, w["midlayer.input_layernorm.weight"], eps),
-                        _rms(h, w["midlayer.hidden_norm.weight"], eps)], -1)
-    out = _layer(w, "midlayer", x_attn, h, cfg)
-    return _rms(out, w["norm.weight"], eps), out
-
-
-def _reference_drafts(method, head_dir, hf, tokens, k):
-    """The k greedy drafts after `tokens` (prompt and output so far): features of the target at each position but
-    the last, the head over (token at p + 1, feature at p), then k - 1 steps on its own output features."""
-    from safetensors.torch import load_file
-    w = load_file(f"{head_dir}/model.safetensors")
-    with open(f"{head_dir}/config.json") as f:
-        cfg = json.load(f)
-    embed = hf.model.embed_tokens.weight
-    with torch.no_grad():
-        states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states  # [L + 1] x [1, T, H]
-        if method == "eagle":
-            features = states[-1][0]  # after the final norm
-        else:
-            shape = eagle_shape("eagle3", type("C", (), {**cfg, "eagle_config": cfg.get("eagle_config")})(), hf.config)
-            features = torch.cat([states[i][0] for i in shape.aux_layers], -1) @ w["fc.weight"].T  # layer i's input
-        seq, drafts = list(tokens[1:]), []
-        for _ in range(k):
-            logits_in, out = _reference_head(method, w, cfg, embed, torch.tensor(seq), features)
-            logits = hf.lm_head(logits_in[-1]) if method == "eagle" else _eagle3_logits(w, logits_in[-1], len(embed))
-            drafts.append(int(logits.argmax()))
-            seq.append(drafts[-1])
-            features = torch.cat([features, out[-1:]])
-    return drafts
-
-
-def _eagle3_logits(w, hidden, vocab_size):
-    kept = w["lm_head.weight"] @ hidden  # [Vd]
-    if "d2t" not in w:
-        return kept
-    full = torch.full((vocab_size,), float("-inf"))
-    full[torch.arange(len(kept)) + w["d2t"]] = kept
-    return full
-
-
 @pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle3-ids"])
 def test_drafts_are_the_reference_heads_after_prompts_in_chunks_and_rejections(target, heads, hf_target, head):
     """Chunked prompts (features kept across steps) and mostly rejected drafts (features of rejected positions
     dropped): every proposal equals the reference's greedy drafts for the tokens the row held."""
     method = head.split("-")[0]
     llm = _llm(target, heads[head], method, max_num_batched_tokens=32, enable_prefix_caching=False)
-    calls = _record(llm)
+    calls = record_rows(llm)
     prompts = repeating_prompts(3, seed=4)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert len(calls) >= 3 * 5 and all(len(drafts) == 3 for _, drafts in calls)
     for tokens, drafts in calls:
-        assert drafts == _reference_drafts(method, heads[head], hf_target, tokens, 3), f"after {len(tokens)} tokens"
+        assert drafts == reference_drafts(method, heads[head], hf_target, tokens, 3), f"after {len(tokens)} tokens"
     assert llm.engine.runner.speculator.proposer.num_skipped == 0
     llm.engine.check_integrity()
 
@@ -166,13 +61,13 @@ def test_features_of_plain_steps_and_windows_reach_the_head(target, heads, hf_ta
     """More rows than --speculative-max-batch: plain steps (multi-step windows on CPU) until rows finish, then
     proposals, which must still equal the reference (the head caught up on every feature of the plain steps)."""
     llm = _llm(target, heads["eagle"], "eagle", speculative_max_batch=1, num_scheduler_steps=4)
-    calls = _record(llm)
+    calls = record_rows(llm)
     prompts = repeating_prompts(3, seed=6)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 30)]
     llm.generate(prompts, params)
     assert calls and max(len(tokens) for tokens, _ in calls) > len(prompts[2]) + 12  # after the others finished
     for tokens, drafts in calls:
-        assert drafts == _reference_drafts("eagle", heads["eagle"], hf_target, tokens, 3), f"after {len(tokens)}"
+        assert drafts == reference_drafts("eagle", heads["eagle"], hf_target, tokens, 3), f"after {len(tokens)}"
     llm.engine.check_integrity()
 
 

@@ -9,6 +9,9 @@ Random weights make acceptance meaningless, so it is controlled (docs/speculativ
   per-token acceptance α): the speed-up a draft of that cost and acceptance gives. The continuation
   follows the speculative engine's own output (bench/spec_oracle.py), so that A holds in bf16 too; the
   plain engine's time spent re-deriving it is left out of the timings;
+- `eagle=A`, `eagle3=A`: the oracle's tokens from a random EAGLE or EAGLE-3 head (one layer over the target's
+  hidden states; EAGLE-3's over the 32,000 most frequent ids where the vocabulary is larger, as published heads
+  for Llama 3 are), run for its cost: the speed-up such a head gives at acceptance A;
 - `ngram`: prompt lookup on prompts that repeat a span (which only a target that copies continues:
   `make-model --copying`, or `--copying` here).
 Every configuration runs the same greedy workload at each concurrency, interleaved over `--rounds`
@@ -34,6 +37,10 @@ from dataclasses import asdict, dataclass, field
 from llmserve.bench.command import add_bench_command
 from llmserve.bench.spec_oracle import OracleDraft
 from llmserve.config import EngineConfig, SpeculativeConfig, engine_kwargs
+from llmserve.config_speculative import EAGLE_METHODS
+
+ORACLE_KINDS = ("oracle", *EAGLE_METHODS)  # configurations whose tokens the oracle sets (bench/spec_oracle.py)
+EAGLE3_VOCAB = 32000  # EAGLE-3 heads published for Llama 3 keep this many ids
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class SpecBenchConfig:
     one_engine_at_a_time: bool | None = field(default=None, metadata={"help": "build, run and free each "
                                               "configuration's engine in turn (default: on CUDA)"})
     configs: str = field(default="none,self,oracle=0.6,oracle=0.9,ngram",
-                         metadata={"help": "comma list of: none, self, noise=X, oracle=A, ngram"})
+                         metadata={"help": "comma list of: none, self, noise=X, oracle=A, eagle=A, eagle3=A, ngram"})
     concurrency: str = field(default="1", metadata={"help": "comma list of batch sizes (requests at once)"})
     requests_per_slot: int = field(default=2, metadata={"help": "requests per concurrency slot"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
@@ -88,9 +95,10 @@ class SpecBenchConfig:
 
 def check_config_name(name: str) -> None:
     kind, _, value = name.partition("=")
-    if name in ("none", "self", "ngram") or (kind in ("noise", "oracle") and _is_float(value)):
+    if name in ("none", "self", "ngram") or (kind in ("noise", *ORACLE_KINDS) and _is_float(value)):
         return
-    raise ValueError(f"--configs: unknown configuration {name!r} (none, self, noise=X, oracle=A, ngram)")
+    raise ValueError(f"--configs: unknown configuration {name!r} (none, self, noise=X, oracle=A, eagle=A, eagle3=A, "
+                     "ngram)")
 
 
 def _is_float(text: str) -> bool:
@@ -113,7 +121,9 @@ def configuration_engine(cfg: SpecBenchConfig, name: str, target: str | None, dr
         spec = dataclasses.replace(e.speculative, speculative="ngram", draft_vocab_size=None, draft_token_map=None,
                                    speculative_queue_drafts=False)
     elif name != "none":
-        spec = dataclasses.replace(e.speculative, speculative="draft", draft_model=draft)
+        kind = name.partition("=")[0]
+        method = kind if kind in EAGLE_METHODS else "draft"
+        spec = dataclasses.replace(e.speculative, speculative=method, draft_model=draft)
     return dataclasses.replace(
         e, model=dataclasses.replace(e.model, model=target, max_model_len=max_model_len),
         cache=dataclasses.replace(e.cache, num_kv_blocks=num_blocks),
@@ -161,7 +171,22 @@ def _make_drafts(cfg: SpecBenchConfig, target: str, names: list[str], scratch: s
             drafts[name] = derive_draft(target, root, None, float(name.split("=")[1]), seed=1)
         elif name.startswith("oracle="):
             drafts[name] = derive_draft(target, root, cfg.draft_layers, 0.0)
+        elif name.partition("=")[0] in EAGLE_METHODS:
+            drafts[name] = _eagle_head(target, root, name.partition("=")[0])
     return drafts
+
+
+def _eagle_head(target: str, root: str, method: str) -> str:
+    """A random one-layer head of the published shape (EAGLE-3: 32,000 ids at most; on a target of fewer than 4
+    layers its features are all layer 1's input)."""
+    from llmserve.model.loader import load_hf_config
+    from llmserve.testing.eagle_maker import make_eagle_head
+
+    config = load_hf_config(target)
+    if method == "eagle":
+        return make_eagle_head(target, root, method)
+    return make_eagle_head(target, root, method, draft_vocab_size=min(EAGLE3_VOCAB, config.vocab_size),
+                           aux_layer_ids=[0, 0, 0] if config.num_hidden_layers < 4 else None)
 
 
 class SpecCounter:
@@ -188,7 +213,7 @@ def _build(cfg: SpecBenchConfig, target: str, name: str, drafts: dict[str, str],
     from llmserve import LLM
 
     llm = LLM(**_llm_kwargs(cfg, target, name, drafts))
-    if name.startswith("oracle="):
+    if name.partition("=")[0] in ORACLE_KINDS:
         if "none" not in engines and "reference" not in engines:
             engines["reference"] = (LLM(**_llm_kwargs(cfg, target, "none", drafts)), None)
         plain = engines.get("none", engines.get("reference"))[0]

@@ -42,6 +42,16 @@ class OracleDraft:
     def max_catch_up(self) -> int:
         return self.inner.max_catch_up
 
+    @property
+    def needs_target_features(self) -> bool:
+        return self.inner.needs_target_features
+
+    def take_features(self, rows, starts, counts, features) -> None:
+        self.inner.take_features(rows, starts, counts, features)  # an EAGLE head's, for its cost
+
+    def check_integrity(self, req_ids: set[str]) -> None:
+        self.inner.check_integrity(req_ids)
+
     def can_propose_early(self, rows, num_block_columns: int) -> bool:
         return self.inner.can_propose_early(rows, num_block_columns)
 

@@ -36,7 +36,7 @@ def speculation(spec: SpeculativeConfig) -> str:
     if not spec.is_enabled:
         return "speculative off"
     method = f"ngram {spec.ngram_min}-{spec.ngram_max}" if spec.speculative == "ngram" else \
-        f"draft {spec.draft_model}"
+        f"{spec.speculative} {spec.draft_model}"
     rule = "dynamic" if spec.speculative_dynamic else "always"
     return f"speculative {method}, k={spec.num_speculative_tokens}, up to batch {spec.speculative_max_batch} ({rule})"
 

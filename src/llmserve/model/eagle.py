@@ -27,7 +27,6 @@ from llmserve.model.linear import Linear
 from llmserve.model.llama import DecoderLayer, DecoderParts
 from llmserve.model.weight_names import map_hf_name
 
-EAGLE_METHODS = ("eagle", "eagle3")
 _SKIPPED = ("t2d",)  # EAGLE-3's target -> draft mask: the proposer needs only d2t
 
 

@@ -12,7 +12,8 @@ from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import cpu_decode_stack, quant
 from llmserve.model.attention import select_attention_backend
-from llmserve.model.eagle import EAGLE_METHODS, load_eagle
+from llmserve.config_speculative import EAGLE_METHODS
+from llmserve.model.eagle import load_eagle
 from llmserve.model.lora_layers import LoRAContext
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
 from llmserve.model.parallel import TensorParallel
