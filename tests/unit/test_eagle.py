@@ -148,3 +148,24 @@ def test_the_head_is_required_and_speculative_config_names_the_methods():
                               speculative=None, draft_model=None, num_speculative_tokens=4)
     take_speculative_config(args)
     assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("eagle3", "h", 5)
+
+
+def test_eagle3_features_come_through_the_decode_graph_buffers(target, heads, hf_target):
+    """The Triton backend's graph buffers, run eagerly on CPU (CUDA replays the same tensors): verification steps
+    padded to the captured size hand the head the kept layers' inputs of their real tokens only."""
+    pytest.importorskip("triton")
+    from llmserve.worker.cuda_graphs import DecodeGraphs
+    llm = _llm(target, heads["eagle3"], "eagle3", attention_backend="triton", enforce_eager=True,
+               enable_prefix_caching=False)
+    runner, runs = llm.engine.runner, []
+    for queries, name in ((1, "graphs"), (4, "verify_graphs")):
+        graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
+                              device=torch.device("cpu"), use_graphs=False, queries_per_row=queries)
+        graphs.run = lambda inputs, run=graphs.run, queries=queries: runs.append(queries) or run(inputs)
+        setattr(runner, name, graphs)
+    calls = record_rows(llm)
+    llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert 4 in runs  # 3 rows of k + 1 tokens padded to 4 rows
+    for tokens, drafts in calls:
+        assert drafts == reference_drafts("eagle3", heads["eagle3"], hf_target, tokens, 3), f"after {len(tokens)}"
+    llm.engine.check_integrity()

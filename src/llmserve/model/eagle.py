@@ -210,7 +210,7 @@ def load_eagle(path: str, method: str, target: nn.Module, dtype: torch.dtype, de
         draft.load_weights(iter_safetensors(path))
     draft.share(target)
     target.aux_layers = shape.aux_layers
-    pack_linears(draft)
+    pack_linears(draft.requires_grad_(False))  # weights, not parameters to train: the CPU path packs them
     return draft.eval()
 
 

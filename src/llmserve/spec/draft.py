@@ -162,7 +162,9 @@ def sample_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[ProposerRow
                   drafts: list[list[int]]) -> tuple[list[int], torch.Tensor | None]:
     """logits [A, V] -> a draft per row and q [A, V], the distribution the random rows drew from.
     q is processed like the target's p (penalties, temperature, top-k/p, min-p): the closer q is to
-    p, the more drafts are accepted."""
+    p, the more drafts are accepted. Plain greedy rows only: the argmax, nothing else to apply."""
+    if all(r.is_plain_greedy for r in rows):
+        return ops.argmax_rows(logits).tolist(), None
     positions = [PositionRow(r.params, r.prompt_token_ids, r.output_token_ids + d, None,
                              r.stop_token_ids_for_min_tokens) for r, d in zip(rows, drafts)]
     for position in positions:

@@ -15,6 +15,9 @@ With LoRA adapters (`lora`, the wrapped projections' context) the graph holds a 
 token's slot in a buffer (-1: the base model's, padding included) that the Triton LoRA kernels read, filled
 from the runner's step before each replay.
 
+A target that keeps some layers' inputs for an EAGLE-3 head (model.aux_layers) keeps them in the graph's memory
+too: after a replay the model's `aux_hidden` is set to views of the captured tensors, as the output is.
+
 `use_graphs=False` keeps the same buffers and padding but calls the model eagerly: that path runs
 on CPU (with the Triton backend under TRITON_INTERPRET) so the tests check the padding logic
 without a GPU.
@@ -78,6 +81,7 @@ class DecodeGraphs:
         self.lora_slots = torch.full((n * self.q,), -1, dtype=torch.int64, device=device)  # [n * Q] -1: base model
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [size * Q, hidden]
+        self.aux: dict[int, dict[int, torch.Tensor]] = {}  # per size: the kept layer inputs {layer: [size * Q, hidden]}
 
     def _metadata(self, size: int):
         """The backend's metadata over the buffers; with groups [L] each layer's group's."""
@@ -115,6 +119,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.hidden[size] = self._forward(size)
+            self.aux[size] = dict(getattr(self.model, "aux_hidden", {}))
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for batches %s of %d quer%s a row", self.sizes, self.q,
@@ -168,9 +173,13 @@ class DecodeGraphs:
         if self.lora is not None:
             self._copy_lora_slots()
         if not self.use_graphs:
-            return self._forward(size)[:num_tokens]
-        self.graphs[size].replay()
-        return self.hidden[size][:num_tokens]
+            hidden, aux = self._forward(size), getattr(self.model, "aux_hidden", {})
+        else:
+            self.graphs[size].replay()
+            hidden, aux = self.hidden[size], self.aux[size]
+        if aux:
+            self.model.aux_hidden = {layer: t[:num_tokens] for layer, t in aux.items()}
+        return hidden[:num_tokens]
 
     def _copy_lora_slots(self) -> None:
         """The runner's step (adapter tokens only, or None: all base) as every token's slot, -1 elsewhere."""

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.config_speculative import EAGLE_METHODS
 from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import cpu_decode_stack, quant
 from llmserve.model.attention import select_attention_backend
-from llmserve.config_speculative import EAGLE_METHODS
 from llmserve.model.eagle import load_eagle
 from llmserve.model.lora_layers import LoRAContext
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
@@ -77,16 +77,15 @@ class Worker:
         max_graph_batch = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH, config.scheduler.max_num_seqs)
         layer_groups = self.kv_layout.layer_groups if self.kv_layout.is_hybrid else None
         lora_context = None if lora is None else lora.context
-        graphs = None if model.aux_layers else \
-            self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups,
-                                lora_context=lora_context)  # EAGLE-3's feature layers are not kept in graphs yet
+        graphs = self._decode_graphs(model, attn_backend, kv_caches, max_graph_batch, layer_groups=layer_groups,
+                                     lora_context=lora_context)
         self.runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size, model_info.vocab_size,
                                   device, config.model.seed, speculator, graphs, config.scheduler.max_num_seqs,
                                   model_info.max_model_len, tp,
                                   None if model_info.pooler is None else Pooler(model_info.pooler), self.kv_layout,
                                   lora)
         spec = config.speculative
-        if graphs is not None and speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:
+        if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
                 model, attn_backend, kv_caches, min(spec.speculative_max_batch, config.scheduler.max_num_seqs),
                 queries_per_row=spec.num_speculative_tokens + 1, layer_groups=layer_groups, lora_context=lora_context)
