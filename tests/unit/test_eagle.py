@@ -169,3 +169,25 @@ def test_eagle3_features_come_through_the_decode_graph_buffers(target, heads, hf
     for tokens, drafts in calls:
         assert drafts == reference_drafts("eagle3", heads["eagle3"], hf_target, tokens, 3), f"after {len(tokens)}"
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_the_heads_later_forwards_through_its_graph_buffers_draft_the_reference(target, heads, hf_target, method):
+    """Plain greedy rows chain the head's k - 1 later forwards on the device (spec/eagle_chain.py): its decode-graph
+    buffers, run eagerly on CPU, padded from 3 rows to 4."""
+    pytest.importorskip("triton")
+    from llmserve.spec.eagle_chain import EagleChain, HeadStep
+    from llmserve.worker.cuda_graphs import DecodeGraphs
+    llm = _llm(target, heads[method], method, attention_backend="triton", enforce_eager=True,
+               enable_prefix_caching=False)
+    proposer = llm.engine.runner.speculator.proposer
+    step = HeadStep(proposer.head, 4)
+    graphs = DecodeGraphs(step, proposer.attn_backend, proposer.kv_caches, max_batch=4, max_blocks=16,
+                          device=torch.device("cpu"), use_graphs=False)
+    proposer.chain = EagleChain(proposer.head, step, graphs, proposer.block_size, torch.device("cpu"))
+    calls = record_rows(llm)
+    llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert proposer.num_chained >= 3
+    for tokens, drafts in calls:
+        assert drafts == reference_drafts(method, heads[method], hf_target, tokens, 3), f"after {len(tokens)}"
+    llm.engine.check_integrity()

@@ -151,6 +151,13 @@ class EagleDraft(nn.Module):
         full[:, self.target_ids()] = kept
         return full
 
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [A, H] -> [A] int64: the greedy draft, a target id."""
+        if not self.is_eagle3:
+            return self.target_logits(hidden).argmax(dim=-1)
+        best = self.lm_head(hidden).float().argmax(dim=-1)  # [A] draft ids
+        return best if self.d2t is None else best + self.d2t[best]
+
     def target_ids(self) -> torch.Tensor:
         """[Vd] int64: the target id of each of EAGLE-3's draft ids."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t

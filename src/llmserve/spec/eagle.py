@@ -21,7 +21,8 @@ import torch
 from llmserve.model.attention import AttentionBackend
 from llmserve.sample.sampler import Sampler
 from llmserve.spec.draft import sample_drafts
-from llmserve.spec.draft_inputs import DraftRow, prepare_inputs
+from llmserve.spec.draft_inputs import DraftInputs, DraftRow, prepare_inputs
+from llmserve.spec.eagle_chain import EagleChain
 from llmserve.spec.proposer import ProposerRow
 
 
@@ -57,7 +58,7 @@ class EagleProposer:
 
     def __init__(self, head: torch.nn.Module, attn_backend: AttentionBackend, kv_caches: list[torch.Tensor],
                  block_size: int, num_speculative_tokens: int, max_model_len: int, device: torch.device,
-                 seed: int = 0, num_kv_groups: int = 1) -> None:
+                 seed: int = 0, num_kv_groups: int = 1, chain: EagleChain | None = None) -> None:
         self.head = head  # model.eagle.EagleDraft
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches  # per head layer [2, num_blocks, block_size, Hkv, D]
@@ -70,6 +71,8 @@ class EagleProposer:
         self.features: dict[str, _Features] = {}
         self.max_catch_up = 0
         self.num_skipped = 0  # rows a proposal gave no drafts for want of their features
+        self.chain = chain  # the later forwards of plain greedy rows on the device (CUDA graphs), if captured
+        self.num_chained = 0  # proposals whose later forwards ran there
 
     def take_features(self, rows: list[ProposerRow], starts: np.ndarray, counts: np.ndarray,
                       features: torch.Tensor) -> None:
@@ -85,7 +88,7 @@ class EagleProposer:
             kept.append(start, chunk.clone())
 
     def can_propose_early(self, rows: list[ProposerRow], num_block_columns: int) -> bool:
-        return False  # the head's chain runs on the host's inputs (no graphs yet)
+        return False  # not behind the verification yet: the catch-up runs on the host's inputs
 
     def propose_early(self, rows: list[ProposerRow], step) -> None:
         raise AssertionError("can_propose_early is always False")
@@ -121,33 +124,53 @@ class EagleProposer:
         self.max_catch_up = max(counts, default=0)
         if not live:
             return drafts, [None] * len(rows)
-        feature = self._step(rows, live, inputs, counts, torch.cat(features), True, drafts, probs)
+        hidden, feature, step = self._forward(inputs, counts, torch.cat(features), True)
+        if self._can_chain([rows[j] for j in live], step.attn.block_table.shape[1]):
+            starts = np.asarray([len(rows[j].token_ids) - 1 for j in live])
+            chained = self.chain.run(self.head.argmax(hidden), feature, starts, step.attn.block_table, self.k)
+            self.num_chained += 1
+            for j, row_drafts in zip(live, chained.tolist()):
+                drafts[j] = row_drafts
+            return drafts, [None] * len(rows)
+        self._sample(rows, live, hidden, drafts, probs)
         for i in range(1, self.k):
             active = [a for a, j in enumerate(live) if len(rows[j].token_ids) + i < self.max_model_len]
             if not active:
                 break
             live, feature = [live[a] for a in active], feature[active]
             inputs = [DraftRow([*rows[j].token_ids[1:].tolist(), *drafts[j]], len(rows[j].token_ids) + i - 2,
-                                  self._blocks(rows[j])) for j in live]
-            feature = self._step(rows, live, inputs, [1] * len(live), feature, False, drafts, probs)
+                               self._blocks(rows[j])) for j in live]
+            hidden, feature, _ = self._forward(inputs, [1] * len(live), feature, False)
+            self._sample(rows, live, hidden, drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
 
-    def _step(self, rows: list[ProposerRow], live: list[int], inputs: list[DraftRow], counts: list[int],
-              features: torch.Tensor, is_target: bool, drafts: list[list[int]],
-              probs: list[list[torch.Tensor]]) -> torch.Tensor:
-        """One head forward over the `live` rows (features [T, F or H]); appends a draft (and the random rows' q)
-        to each, and returns the head's output features [A, H] at each row's last token."""
+    def _can_chain(self, rows: list[ProposerRow], num_block_columns: int) -> bool:
+        """Every row plain greedy, none reaching max_model_len within k drafts, and a captured size fits."""
+        if self.chain is None or self.k < 2 or not all(r.is_plain_greedy for r in rows):
+            return False
+        if any(len(r.token_ids) + self.k - 1 >= self.max_model_len for r in rows):
+            return False
+        return self.chain.fits(len(rows), num_block_columns)
+
+    def _forward(self, inputs: list[DraftRow], counts: list[int], features: torch.Tensor,
+                 is_target: bool) -> tuple[torch.Tensor, torch.Tensor, DraftInputs]:
+        """One head forward (features [T, F or H]) -> the head's hidden state and output feature [A, H] at each
+        row's last token, and the forward's inputs."""
         step = prepare_inputs(inputs, counts, self.block_size, self.device)
         metadata = self.attn_backend.build_metadata(step.attn)
         hidden, out = self.head(step.input_ids, step.positions, features, is_target, self.kv_caches, metadata,
                                 self.attn_backend)  # [T, H] each
-        logits = self.head.logits(hidden[step.logits_indices])  # [A, V]
-        tokens, q = sample_drafts(self.sampler, logits, [rows[j] for j in live], [drafts[j] for j in live])
+        return hidden[step.logits_indices], out[step.logits_indices], step
+
+    def _sample(self, rows: list[ProposerRow], live: list[int], hidden: torch.Tensor, drafts: list[list[int]],
+                probs: list[list[torch.Tensor]]) -> None:
+        """A draft for each `live` row from its hidden state [A, H] (and the random rows' q)."""
+        tokens, q = sample_drafts(self.sampler, self.head.logits(hidden), [rows[j] for j in live],
+                                  [drafts[j] for j in live])
         for a, j in enumerate(live):
             drafts[j].append(tokens[a])
             if q is not None and rows[j].params.temperature != 0.0:
                 probs[j].append(q[a])
-        return out[step.logits_indices]
 
     def _blocks(self, row: ProposerRow) -> list[int]:
         """The row's block ids of the first KV cache group: the head's."""

@@ -21,6 +21,7 @@ from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.draft_chain import DraftChain
 from llmserve.spec.draft_head import DraftHead, read_token_map
 from llmserve.spec.eagle import EagleProposer
+from llmserve.spec.eagle_chain import EagleChain, HeadStep
 from llmserve.spec.ngram import NgramProposer
 from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
@@ -135,11 +136,15 @@ class Worker:
         info, block_size = self.draft_info, self.config.cache.block_size
         kv_caches = allocate_kv_caches(draft_model.kv_cache_shape(self.num_blocks, block_size),
                                        draft_model.num_layers, self.kv_dtype, self.device)
+        max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
         if spec.speculative in EAGLE_METHODS:
+            step = HeadStep(draft_model, max_batch)
+            graphs = self._decode_graphs(step, attn_backend, kv_caches, max_batch)
             return EagleProposer(draft_model, attn_backend, kv_caches, block_size, spec.num_speculative_tokens,
                                  self.model_info.max_model_len, self.device, self.config.model.seed,
-                                 self.kv_layout.num_groups)
-        max_batch = min(spec.speculative_max_batch, self.config.scheduler.max_num_seqs)
+                                 self.kv_layout.num_groups,
+                                 None if graphs is None else EagleChain(draft_model, step, graphs, block_size,
+                                                                        self.device))
         graphs = self._decode_graphs(draft_model, attn_backend, kv_caches, max_batch)
         token_map = None if spec.draft_token_map is None else read_token_map(spec.draft_token_map, info.vocab_size)
         head = DraftHead(draft_model, spec.draft_vocab_size, token_map)
