@@ -141,7 +141,7 @@ class EagleDraft(nn.Module):
         return self.norm(layer.mlp(x), residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [A, H] -> float32 logits [A, V] over the target's vocabulary (-inf where EAGLE-3's head has no row)."""
+        """hidden [A, H] -> float32 logits [A, V] over the target's vocabulary (-inf where EAGLE-3's head has none)."""
         if not self.is_eagle3:
             return self.target_logits(hidden)
         kept = self.lm_head(hidden).float()  # [A, Vd]
@@ -175,7 +175,8 @@ class EagleDraft(nn.Module):
                 self.d2t = tensor.to(device=self.fc.weight.device, dtype=torch.int64)
                 continue
             if name == "embed_tokens.weight":
-                self.embed_tokens = nn.Embedding(*tensor.shape, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+                weight = self.fc.weight
+                self.embed_tokens = nn.Embedding(*tensor.shape, device=weight.device, dtype=weight.dtype)
                 params[name] = self.embed_tokens.weight
             name, shard = map_hf_name(name, skips_head=not self.is_eagle3)
             if name not in params:
@@ -196,8 +197,8 @@ class EagleDraft(nn.Module):
     def _shard_view(self, param: torch.Tensor, shard: str) -> torch.Tensor:
         attn = self.layers[0].self_attn
         half = param.shape[0] // 2
-        ranges = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size), "v": (attn.q_size + attn.kv_size, attn.kv_size),
-                  "gate": (0, half), "up": (half, half)}
+        ranges = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size),
+                  "v": (attn.q_size + attn.kv_size, attn.kv_size), "gate": (0, half), "up": (half, half)}
         return param.narrow(0, *ranges[shard])
 
 

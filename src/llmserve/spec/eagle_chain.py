@@ -52,8 +52,8 @@ class EagleChain:
     def run(self, first: torch.Tensor, feature: torch.Tensor, start: np.ndarray, table: torch.Tensor,
             k: int) -> torch.Tensor:
         """first [B] int64 and feature [B, H] on the device: each row's first draft and the head's output where it
-        was drawn; start [B] on the host: the position the first draft is fed at (the row's length - 1); table [B, W] int32 on the device covering
-        positions up to start + k - 2. Returns the drafts [B, k] on the device."""
+        was drawn; start [B] on the host: the position the first draft is fed at (the row's length - 1); table
+        [B, W] int32 on the device, covering positions up to start + k - 2. Returns the drafts [B, k] there."""
         num_rows, hidden_size = len(start), feature.shape[1]
         positions = torch.from_numpy(start.astype(np.int64)).to(self.device, non_blocking=True)  # [B]
         rows = torch.arange(num_rows, device=self.device)  # [B]
