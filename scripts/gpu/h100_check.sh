@@ -9,7 +9,7 @@
 #   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,stepprof,fp8,fp8serve,specprof,spec,specdyn
 #   (default: all but fp8probe, fp8sweep, stepprof, fp8serve, specprof and specdyn, in that order); TESTS: the test
 #   paths (default below); SPEC_ARGS: extra `bench spec` arguments, SPEC_CONFIGS / SPEC_CONCURRENCY its
-#   configurations and batch sizes
+#   configurations and batch sizes, SPEC_LIMIT its time limit (default 110 s)
 #   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the
 #   same KV bytes) at once, their start-up block counts and one `bench serve --compare` at c=256 (issue 20's targets)
 #   WEIGHTS: copying (default: make-model --copying, an induction circuit in layers 0-1 that continues
@@ -160,7 +160,7 @@ if want specprof; then  # where a speculative step's time goes (oracle=0.8 besid
 fi
 if want spec; then
     # shellcheck disable=SC2086
-    run spec 110 "${L[@]}" bench spec --model "$MODEL" --configs ${SPEC_CONFIGS:-none,oracle=0.8,ngram} \
+    run spec ${SPEC_LIMIT:-110} "${L[@]}" bench spec --model "$MODEL" --configs ${SPEC_CONFIGS:-none,oracle=0.8,ngram} \
         --concurrency ${SPEC_CONCURRENCY:-1,8} --rounds 1 ${SPEC_ARGS:-} --out "$RES/spec.json"
 fi
 if want specdyn; then  # the dynamic rule where speculating would cost throughput (issue 18: none below 0.97x)
