@@ -103,13 +103,13 @@ def test_bf16_gemv_matches_a_float64_reference(num_out, num_in):
 def test_bf16_decode_rows_take_the_gemv_and_larger_batches_onednn(monkeypatch):
     w = torch.randn(40, 64).to(BF16)
     with torch.inference_mode():
-        assert linear_mod.uses_bf16_gemv(torch.randn(4, 64).to(BF16), w)
-        assert not linear_mod.uses_bf16_gemv(torch.randn(5, 64).to(BF16), w)
+        assert linear_mod.uses_bf16_gemv(torch.randn(8, 64).to(BF16), w)
+        assert not linear_mod.uses_bf16_gemv(torch.randn(9, 64).to(BF16), w)
         assert not linear_mod.uses_bf16_gemv(torch.randn(2, 64), w.float())
         monkeypatch.setenv("LLMSERVE_CPU_LINEAR", "onednn")
         assert not linear_mod.uses_bf16_gemv(torch.randn(1, 64).to(BF16), w)
-    with pytest.raises(RuntimeError, match="M <= 4"):
-        cpu_kernels.bf16_gemv(torch.randn(5, 64).to(BF16), w)
+    with pytest.raises(RuntimeError, match="M <= 8"):
+        cpu_kernels.bf16_gemv(torch.randn(9, 64).to(BF16), w)
 
 
 @needs_gemv

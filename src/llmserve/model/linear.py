@@ -102,7 +102,7 @@ def gemv_takes(weight: torch.Tensor) -> bool:
 
 
 def _is_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [M <= 4, in] contiguous on CPU, outside autograd (the rows' half of `uses_bf16_gemv`, but x's dtype)."""
+    """x [M <= 8, in] contiguous on CPU, outside autograd (the rows' half of `uses_bf16_gemv`, but x's dtype)."""
     return (x.dim() == 2 and x.shape[0] <= cpu_kernels.bf16_gemv_max_rows() and x.device.type == "cpu"
             and x.is_contiguous() and not (torch.is_grad_enabled() and weight.requires_grad))
 

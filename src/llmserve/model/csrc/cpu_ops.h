@@ -8,7 +8,7 @@
 
 namespace llmserve_cpu {
 
-constexpr int64_t kBf16GemvMaxRows = 4;  // rows of x bf16_gemv takes (decode batches of one user or a few)
+constexpr int64_t kBf16GemvMaxRows = 8;  // rows of x bf16_gemv takes (a few decode rows, or a verification's k + 1)
 
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);

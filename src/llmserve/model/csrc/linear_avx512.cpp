@@ -5,7 +5,7 @@
 //                         [P, K, 16]: the same schedule (panel_gemm.h), one zmm a row of a panel, up to 6 rows a
 //                         register block. Every output element is one FMA chain over k in order, as in the AVX2
 //                         kernel: results do not depend on the number of rows, nor on which of the two runs.
-//   bf16_gemv             out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), bfloat16 in and out, M <= 4 (decode
+//   bf16_gemv             out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), bfloat16 in and out, M <= 8 (decode
 //                         rows), float32 sums through AVX512-BF16's dot products (vdpbf16ps), on the plain
 //                         row-major weight: threads take contiguous runs of output rows and stream those rows
 //                         of w once, one after the other; a row's partial sums are added at the end (from 3 rows
@@ -128,7 +128,11 @@ void run_gemv(const Gemv& g) {
     case 1: run_gemv_rows<1>(g); break;
     case 2: run_gemv_rows<2>(g); break;
     case 3: run_gemv_rows<3>(g); break;
-    default: run_gemv_rows<4>(g); break;
+    case 4: run_gemv_rows<4>(g); break;
+    case 5: run_gemv_rows<5>(g); break;
+    case 6: run_gemv_rows<6>(g); break;
+    case 7: run_gemv_rows<7>(g); break;
+    default: run_gemv_rows<8>(g); break;  // 16 accumulators and the two weight vectors: 18 of the 32 zmm
   }
 }
 
