@@ -88,7 +88,7 @@ def bucket_rows(num_rows: int) -> int:
 
 
 def uses_bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` goes through our AVX512-BF16 GEMV: bfloat16 decode rows (at most 4) on a CPU
+    """Whether `linear(x, weight)` goes through our AVX512-BF16 GEMV: bfloat16 decode rows (at most 8) on a CPU
     with bf16 dot products, the weight as loaded (no packing: larger batches keep oneDNN on the same tensor);
     LLMSERVE_CPU_LINEAR=onednn keeps oneDNN for every row count."""
     return x.dtype == torch.bfloat16 and _is_gemv_rows(x, weight) and gemv_takes(weight)
