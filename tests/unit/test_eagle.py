@@ -57,17 +57,48 @@ def test_drafts_are_the_reference_heads_after_prompts_in_chunks_and_rejections(t
     llm.engine.check_integrity()
 
 
-def test_features_of_plain_steps_and_windows_reach_the_head(target, heads, hf_target):
-    """More rows than --speculative-max-batch: plain steps (multi-step windows on CPU) until rows finish, then
-    proposals, which must still equal the reference (the head caught up on every feature of the plain steps)."""
-    llm = _llm(target, heads["eagle"], "eagle", speculative_max_batch=1, num_scheduler_steps=4)
-    calls = record_rows(llm)
-    prompts = repeating_prompts(3, seed=6)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 30)]
-    llm.generate(prompts, params)
-    assert calls and max(len(tokens) for tokens, _ in calls) > len(prompts[2]) + 12  # after the others finished
+def test_features_of_plain_windows_reach_the_head(target, heads, hf_target):
+    """Proposals that find no drafts make the engine back off into multi-step windows (core/spec_stats.py); the
+    windows' forwards hand their features over too, so later proposals still equal the reference."""
+    llm = _llm(target, heads["eagle"], "eagle", num_scheduler_steps=4)
+    proposer, runner = llm.engine.runner.speculator.proposer, llm.engine.runner
+    calls, num_empty, num_window_forwards = record_rows(llm), [4], [0]
+    recorded = proposer.propose
+
+    def propose(rows):  # the first few proposals find nothing (and the head catches up later)
+        if num_empty[0] > 0:
+            num_empty[0] -= 1
+            return [[] for _ in rows], [None] * len(rows)
+        return recorded(rows)
+
+    def decode_forward(*args, forward=runner.decode_forward):
+        num_window_forwards[0] += 1
+        return forward(*args)
+
+    proposer.propose, runner.decode_forward = propose, decode_forward
+    prompts = repeating_prompts(2, seed=6)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert num_window_forwards[0] > 0 and calls
+    assert min(len(tokens) for tokens, _ in calls) > min(len(p) for p in prompts) + 4  # after the windows
     for tokens, drafts in calls:
         assert drafts == reference_drafts("eagle", heads["eagle"], hf_target, tokens, 3), f"after {len(tokens)}"
+    llm.engine.check_integrity()
+
+
+def test_a_step_of_more_rows_than_may_speculate_keeps_no_features(target, heads, plain):
+    """Past --speculative-max-batch no row proposes, so none keeps features (no copies, no memory); once rows
+    finish, the others speculate again with heads that missed those positions: outputs stay exact."""
+    llm = _llm(target, heads["eagle"], "eagle", speculative_max_batch=2)
+    proposer = llm.engine.runner.speculator.proposer
+    sizes = []
+    take = proposer.take_features
+    proposer.take_features = lambda rows, *args: sizes.append(len(rows)) or take(rows, *args)
+    prompts = repeating_prompts(4, seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 6, 30, 30)]
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    assert got == [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
+    assert sizes and max(sizes) <= 2  # the steps of 3 and 4 rows handed nothing over
+    assert proposer.num_skipped == 0 and llm.engine.runner.speculator.rule.max_batch == 2
     llm.engine.check_integrity()
 
 

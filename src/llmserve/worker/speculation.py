@@ -26,7 +26,7 @@ def hand_features(speculator: Speculator, model: torch.nn.Module, states: list[C
     inputs of the target's feature layers (model.aux_hidden); starts, counts [B]: each row's first position and
     its tokens."""
     features = torch.cat([model.aux_hidden[i] for i in model.aux_layers], dim=-1) if model.aux_layers else hidden
-    speculator.proposer.take_features(states, starts, counts, features)
+    speculator.take_features(states, starts, counts, features)
 
 
 def propose_drafts(speculator: Speculator, states: dict[str, CachedRequestState], handle: StepHandle) -> list[list[int]]:
