@@ -222,3 +222,31 @@ def test_the_heads_later_forwards_through_its_graph_buffers_draft_the_reference(
     for tokens, drafts in calls:
         assert drafts == reference_drafts(method, heads[method], hf_target, tokens, 3), f"after {len(tokens)}"
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eagle3_reads_its_layer_inputs_out_of_the_cpus_decoder_stack(target, heads, hf_target, monkeypatch, dtype):
+    """The target's CPU steps in the C++ decoder stack (model/cpu_decode_stack.py) keep the three layers' inputs;
+    float32: the same drafts as the reference; bfloat16 (the GEMV, where the CPU has it): greedy outputs exact."""
+    from llmserve.model import cpu_kernels, cpu_isa, linear
+    if not cpu_kernels.available() or cpu_isa.linear_path() == "onednn":
+        pytest.skip("no C++ decoder stack here")
+    if dtype == "bfloat16" and not cpu_kernels.has_bf16_gemv():
+        pytest.skip("no AVX512-BF16 GEMV")
+    monkeypatch.setattr(linear, "MIN_ONEDNN_WEIGHT", 1)  # the demo shape's small linears packed: the stack takes it
+    llm = LLM(target, dtype=dtype, max_model_len=256, num_kv_blocks=400, speculative="eagle3",
+              draft_model=heads["eagle3"], num_speculative_tokens=3, speculative_dynamic=False,
+              enable_prefix_caching=False)
+    stack = llm.engine.runner.model.decode_stack
+    assert stack is not None and stack.kept_layers == (2, 2, 1)
+    calls = record_rows(llm)
+    prompts = repeating_prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    if dtype == "float32":
+        for tokens, drafts in calls:
+            assert drafts == reference_drafts("eagle3", heads["eagle3"], hf_target, tokens, 3), f"{len(tokens)}"
+    else:
+        plain = LLM(target, dtype=dtype, max_model_len=256, num_kv_blocks=400)
+        assert got == [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
+    llm.engine.check_integrity()

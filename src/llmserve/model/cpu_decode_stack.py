@@ -45,6 +45,8 @@ class DecodeStack:
         self.dtype = dtype
         self.mlps = mlps
         self.has_head = has_head  # the embedding, rotary, final norm and logits too (`step`)
+        self.kept_layers: tuple[int, ...] = ()  # layers whose inputs a forward keeps (`keep_inputs`)
+        self.kept: dict[int, torch.Tensor] = {}  # with the MLPs in Python: the last forward's
 
     def takes(self, attn_metadata: object, kv_cache: torch.Tensor) -> bool:
         """Whether a step runs here: every row is the attention kernel's (no torch groups),
@@ -59,11 +61,25 @@ class DecodeStack:
         step = (attn_metadata.slot_mapping, kernel.block_table, kernel.seq_lens, kernel.query_start_loc, kernel.rows)
         if self.mlps is None:
             return self.stack.forward(x, cos_sin[0], cos_sin[1], kv_caches, *step)
-        residual = None
+        residual, self.kept = None, {}
         for index, (mlp, kv_cache) in enumerate(zip(self.mlps, kv_caches, strict=True)):
+            if index in self.kept_layers:  # a copy: the next call writes both in place
+                self.kept[index] = x.clone() if residual is None else x + residual
             x, residual = self.stack.attention(index, x, residual, cos_sin[0], cos_sin[1], kv_cache, *step)
             x = mlp(x)
         return x, residual
+
+    def keep_inputs(self, layers: tuple[int, ...]) -> None:
+        """From now on each forward keeps these layers' inputs (residual streams), for an EAGLE-3 head."""
+        self.kept_layers = layers
+        if self.mlps is None:
+            self.stack.keep_inputs(list(layers))
+
+    def kept_inputs(self) -> dict[int, torch.Tensor]:
+        """{layer: [T, hidden]} of the last forward (or step): the inputs `keep_inputs` named."""
+        if self.mlps is not None:
+            return self.kept
+        return dict(zip(self.kept_layers, self.stack.kept_inputs()))
 
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_metadata,
@@ -104,8 +120,11 @@ def build(model: nn.Module) -> DecodeStack | None:
             weight = linear.weight if kind == BF16_GEMV else linear.packed_weight
             stack.add_linear(weight, linear.bias, linear.out_features)
     if not has_mlps and not _adds_moe_layers(stack, layers, kind):
-        return DecodeStack(stack, dtype, [layer.mlp for layer in layers])
-    return DecodeStack(stack, dtype, has_head=cpu_decode_head.set_head(stack, model, kind == BF16_GEMV))
+        built = DecodeStack(stack, dtype, [layer.mlp for layer in layers])
+    else:
+        built = DecodeStack(stack, dtype, has_head=cpu_decode_head.set_head(stack, model, kind == BF16_GEMV))
+    built.keep_inputs(model.aux_layers)
+    return built
 
 
 def _adds_moe_layers(stack, layers: nn.ModuleList, kind: int) -> bool:

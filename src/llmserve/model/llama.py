@@ -278,8 +278,9 @@ class CausalLM(nn.Module):
             x = gemma3.scale_embeddings(x, self.parts.embed_scale)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}  # 2 x [T, 1, D/2]
         stack = self.decode_stack
-        if stack is not None and not self.aux_layers and stack.takes(attn_metadata, kv_caches[0]):
+        if stack is not None and stack.takes(attn_metadata, kv_caches[0]):
             x, residual = stack.forward(x, cos_sin["default"], kv_caches, attn_metadata)
+            self.aux_hidden = stack.kept_inputs() if self.aux_layers else {}
         else:
             x, residual = self._run_layers(x, cos_sin, kv_caches, attn_metadata, attn_backend)
         x, _ = self.model.norm(x, residual)
@@ -291,8 +292,10 @@ class CausalLM(nn.Module):
         """`forward`, then `compute_logits` of the rows logits_indices [N] picks -> (hidden [T, hidden], logits
         [N, vocab]); a CPU decode step the stack takes with its head is one C++ call (model/cpu_decode_head.py)."""
         stack = self.decode_stack
-        if stack is not None and stack.has_head and not self.aux_layers and stack.takes(attn_metadata, kv_caches[0]):
-            return stack.step(input_ids, positions, kv_caches, attn_metadata, logits_indices)
+        if stack is not None and stack.has_head and stack.takes(attn_metadata, kv_caches[0]):
+            hidden, logits = stack.step(input_ids, positions, kv_caches, attn_metadata, logits_indices)
+            self.aux_hidden = stack.kept_inputs() if self.aux_layers else {}
+            return hidden, logits
         hidden = self(input_ids, positions, kv_caches, attn_metadata, attn_backend)
         return hidden, self.compute_logits(hidden[logits_indices])
 

@@ -62,6 +62,8 @@ struct DecodeStack : torch::CustomClassHolder {
   size_t num_linears;  // 4: whole layers (forward); 2: their attention halves only (attention), the MLPs in Python
   std::vector<StackLayer> layers;
   std::optional<llmserve_cpu::DecodeHead> head;  // the step's embedding, rotary, final norm and logits (`step`)
+  std::vector<int64_t> kept_layers;  // layers whose input (the residual stream) a forward keeps: an EAGLE-3 head's
+  mutable std::vector<at::Tensor> kept;  // the last forward's, one a kept_layers entry
 
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kind,
               bool has_mlps)
@@ -195,10 +197,15 @@ struct DecodeStack : torch::CustomClassHolder {
     const at::Tensor act = at::empty({num_tokens, gate_up_size / 2}, options);
     const QkvViews qkv_views = views_of(qkv_out);
     at::Tensor residual = x, h = h_out;
+    kept.assign(kept_layers.size(), at::Tensor());
+    keep_input(0, residual);
     llmserve_cpu::rms_norm(h, x, first.input_norm, eps);
     for (size_t i = 0; i < layers.size(); ++i) {
       const StackLayer& layer = layers[i];
-      if (i > 0) llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
+      if (i > 0) {
+        llmserve_cpu::add_rms_norm(h, residual, layer.input_norm, eps);
+        keep_input(static_cast<int64_t>(i), residual);  // residual += h: now layer i's input
+      }
       const at::Tensor o = attend(layer, h, kv_caches[i], step, qkv_views, o_out, attn, attn_rows);
       llmserve_cpu::add_rms_norm(o, residual, layer.post_norm, eps);
       if (layer.moe) {
@@ -211,6 +218,23 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     return {h, residual};
   }
+
+  // A copy of the residual stream entering layer i, for each kept_layers entry that names it (updated in place later).
+  void keep_input(int64_t i, const at::Tensor& stream) const {
+    at::Tensor copy;
+    for (size_t j = 0; j < kept_layers.size(); ++j) {
+      if (kept_layers[j] != i) continue;
+      if (!copy.defined()) copy = stream.clone();
+      kept[j] = copy;
+    }
+  }
+
+  void keep_inputs(std::vector<int64_t> layer_ids) {
+    for (int64_t i : layer_ids) TORCH_CHECK(i >= 0 && i < num_layers(), "DecodeStack: kept layer out of range");
+    kept_layers = std::move(layer_ids);
+  }
+
+  std::vector<at::Tensor> kept_inputs() const { return kept; }
 
   // The step's prologue and epilogue (csrc/decode_head.h); head_weight in the linears' kind, vocab_size its rows;
   // cos_table, sin_table [P, D/2] in the embedding's dtype: the rotary's cos/sin of positions 0..P-1.
@@ -294,5 +318,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
       .def("set_head", &DecodeStack::set_head)  // the step's prologue and epilogue: csrc/decode_head.h
       .def("step", &DecodeStack::step)
       .def("forward", &DecodeStack::forward)
-      .def("attention", &DecodeStack::attention);
+      .def("attention", &DecodeStack::attention)
+      .def("keep_inputs", &DecodeStack::keep_inputs)  // an EAGLE-3 head's feature layers (model/eagle.py)
+      .def("kept_inputs", &DecodeStack::kept_inputs);
 }
