@@ -140,7 +140,7 @@ def test_a_speculative_config_json_is_the_flags_it_names(json_config, flags):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative-config", '{"method": "eagle3", "model": "/d"}'], "method 'eagle3' is not supported"),
+    (["--speculative-config", '{"method": "medusa", "model": "/d"}'], "method 'medusa' is not supported"),
     (["--speculative-config", '{"method": "ngram", "prompt_lookup_maxx": 3}'], "unsupported key 'prompt_lookup_maxx'"),
     (["--speculative-config", '{"method": "ngram"}', "--speculative", "draft"], "also given by its own flag"),
     (["--speculative-config", "[1]"], "must be a JSON object"),

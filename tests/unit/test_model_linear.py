@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmserve.model import cpu_kernels
 from llmserve.model import linear as linear_mod
 from llmserve.model.linear import Linear, linear, uses_onednn
 from llmserve.model.parallel import column_linear, row_linear
@@ -35,11 +36,12 @@ def test_row_buckets_bound_the_primitives_and_waste_little():
 
 
 def test_other_dtypes_ranks_and_autograd_keep_f_linear(monkeypatch):
-    """(bfloat16 rows past the GEMV's 4 included: test_cpu_bf16.py has the rows under it.)"""
+    """(bfloat16 rows past the GEMV's 8 included: test_cpu_bf16.py has the rows under it.)"""
+    cpu_kernels.available()  # loaded (and self-tested against F.linear) before F.linear is replaced
     calls = []
     monkeypatch.setattr(linear_mod.F, "linear", lambda *a: calls.append(a) or torch.zeros(()))
     w = torch.randn(512, 256)
-    for x, weight in [(torch.randn(8, 256, dtype=torch.bfloat16), w.bfloat16()), (torch.randn(3, 2, 256), w),
+    for x, weight in [(torch.randn(9, 256, dtype=torch.bfloat16), w.bfloat16()), (torch.randn(3, 2, 256), w),
                       (torch.randn(2, 256), w.clone().requires_grad_()), (torch.randn(2, 4), torch.randn(8, 4))]:
         assert not uses_onednn(x, weight)
         linear(x, weight)
