@@ -250,3 +250,28 @@ def test_eagle3_reads_its_layer_inputs_out_of_the_cpus_decoder_stack(target, hea
         plain = LLM(target, dtype=dtype, max_model_len=256, num_kv_blocks=400)
         assert got == [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
     llm.engine.check_integrity()
+
+
+def test_a_head_shipped_as_pytorch_model_bin_loads_as_its_safetensors(target, heads, tmp_path):
+    """Many published heads ship pytorch_model.bin: read with weights_only, the same tensors as the safetensors."""
+    import shutil
+    from safetensors.torch import load_file
+    from llmserve.model.eagle import head_weights
+    shutil.copytree(heads["eagle3"], tmp_path / "head")
+    tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
+    (tmp_path / "head" / "model.safetensors").unlink()
+    torch.save({f"model.{name}" if name == "fc.weight" else name: t for name, t in tensors.items()},
+               str(tmp_path / "head" / "pytorch_model.bin"))
+    loaded = head_weights(str(tmp_path / "head"))
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[n], tensors[n]) for n in tensors)
+    prompts, params = repeating_prompts(2, seed=1), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    drafts = []
+    for head in (heads["eagle3"], str(tmp_path / "head")):
+        llm = _llm(target, head, "eagle3", enable_prefix_caching=False)
+        calls = record_rows(llm)
+        llm.generate(prompts, params)
+        drafts.append([d for _, d in calls])
+    assert drafts[0] and drafts[0] == drafts[1]
+    (tmp_path / "head" / "pytorch_model.bin").unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors or pytorch_model\\*.bin weights"):
+        _llm(target, str(tmp_path / "head"), "eagle3")

@@ -15,6 +15,8 @@ The embedding (and EAGLE's lm_head) are the target's, shared, unless the checkpo
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +30,9 @@ from llmserve.model.llama import DecoderLayer, DecoderParts
 from llmserve.model.weight_names import map_hf_name
 
 _SKIPPED = ("t2d",)  # EAGLE-3's target -> draft mask: the proposer needs only d2t
+# what a head's hub id downloads: many published heads ship pytorch_model.bin (head_weights)
+HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                "pytorch_model.bin.index.json"]
 
 
 @dataclass(frozen=True)
@@ -207,28 +212,34 @@ def load_eagle(path: str, method: str, target: nn.Module, dtype: torch.dtype, de
     """The head of an HF directory of safetensors, sharing the target's embedding (and EAGLE's logits); EAGLE-3's
     target keeps its feature layers' inputs from now on (`aux_layers`)."""
     from llmserve.model.linear import pack_linears
-    from llmserve.model.loader import iter_safetensors, load_hf_config
+    from llmserve.model.loader import load_hf_config
 
     config = load_hf_config(path)
     shape = eagle_shape(method, config, target.config)
-    names = _tensor_names(path)
+    weights = head_weights(path)
     with torch.device(device):
-        draft = EagleDraft(config, shape, max_model_len, has_fc_bias="fc.bias" in names).to(dtype)
+        draft = EagleDraft(config, shape, max_model_len, has_fc_bias="fc.bias" in weights).to(dtype)
     with torch.no_grad():
-        draft.load_weights(iter_safetensors(path))
+        draft.load_weights(weights.items())
     draft.share(target)
     target.aux_layers = shape.aux_layers
     pack_linears(draft.requires_grad_(False))  # weights, not parameters to train: the CPU path packs them
     return draft.eval()
 
 
-def _tensor_names(path: str) -> set[str]:
-    """The names in a directory's safetensors files, without reading a tensor (`model.` dropped)."""
-    from safetensors import safe_open
+def head_weights(path: str) -> dict[str, torch.Tensor]:
+    """A head's tensors by name (`model.` dropped): its safetensors, else the `pytorch_model*.bin` files many
+    published heads ship (read with torch.load's weights_only: tensors only, no pickled code). A head is small
+    (one layer), so it is read whole."""
+    from llmserve.model.loader import iter_safetensors
 
-    from llmserve.model.loader import safetensors_files
-    names = set()
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            names.update(name.removeprefix("model.") for name in f.keys())
-    return names
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return {name.removeprefix("model."): tensor for name, tensor in iter_safetensors(path)}
+    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    if not files:
+        raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in the EAGLE head's directory {path!r}")
+    weights = {}
+    for file in files:
+        weights.update({name.removeprefix("model."): tensor
+                        for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items()})
+    return weights

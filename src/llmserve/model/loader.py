@@ -34,8 +34,9 @@ UNLIMITED_TOKENS = int(1e30)  # transformers' own value for a tokenizer without 
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "eos_token_id", "max_new_tokens")
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """A local directory as is; otherwise download the hub id's config, weights and tokenizer files.
+def resolve_model_path(model: str, revision: str | None = None, allow_patterns: list[str] | None = None) -> str:
+    """A local directory as is; otherwise download the hub id's config, weights and tokenizer files (or the files
+    `allow_patterns` names).
 
     ValueError (naming the id) when the directory is missing or the hub cannot provide the model.
     """
@@ -47,7 +48,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
     try:
-        return snapshot_download(model, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+        return snapshot_download(model, revision=revision, allow_patterns=allow_patterns or HUB_ALLOW_PATTERNS)
     except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OSError) as e:
         rev = f" at revision {revision!r}" if revision else ""
         raise ValueError(f"cannot get model {model!r}{rev} from the Hugging Face hub "

@@ -13,6 +13,7 @@ from llmserve.config_speculative import EAGLE_METHODS
 from llmserve.core.kv_cache_groups import kv_cache_layout
 from llmserve.model import cpu_decode_stack, quant
 from llmserve.model.attention import select_attention_backend
+from llmserve.model.eagle import HUB_PATTERNS as EAGLE_HUB_PATTERNS
 from llmserve.model.eagle import load_eagle
 from llmserve.model.lora_layers import LoRAContext
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
@@ -106,10 +107,11 @@ class Worker:
         spec = self.config.speculative
         if not spec.has_draft_cache:
             return None, None
-        path = resolve_model_path(spec.draft_model, None)
         if spec.speculative in EAGLE_METHODS:
+            path = resolve_model_path(spec.draft_model, None, EAGLE_HUB_PATTERNS)
             return None, load_eagle(path, spec.speculative, model, self.dtype, self.device,
                                     self.model_info.max_model_len)
+        path = resolve_model_path(spec.draft_model, None)
         info = load_model_info(spec.draft_model, path, self.dtype, self.model_info.max_model_len)
         if info.vocab_size != self.model_info.vocab_size:
             raise ValueError(f"draft model vocabulary ({info.vocab_size}) differs from the target's "
