@@ -26,7 +26,7 @@ from llmserve.sample.sampler import Sampler
 from llmserve.sample.seeds import position_seed
 from llmserve.spec.draft_chain import DraftChain, VerifiedStep
 from llmserve.spec.draft_head import DraftHead
-from llmserve.spec.draft_inputs import DraftInputs, DraftRow, prepare_inputs
+from llmserve.spec.draft_inputs import DraftInputs, DraftRow, first_group_blocks, prepare_inputs
 from llmserve.spec.proposer import ProposerRow
 
 _DRAFT_SEED_OFFSET = 1 << 40  # seeded requests draw their draft noise from positions of their own
@@ -118,8 +118,7 @@ class DraftModelProposer:
         return self.chain.fits(len(rows), max(len(self._blocks(r)) for r in rows))
 
     def _blocks(self, row: ProposerRow) -> list[int]:
-        """The row's block ids of the first KV cache group: the draft's."""
-        return row.block_ids if self.num_kv_groups == 1 else row.block_ids[::self.num_kv_groups]
+        return first_group_blocks(row.block_ids, self.num_kv_groups)
 
     def _propose_chained(self, rows: list[ProposerRow], inputs: list[DraftRow],
                          counts: list[int]) -> list[list[int]]:

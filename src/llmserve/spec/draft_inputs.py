@@ -31,6 +31,12 @@ class DraftInputs:
     logits_indices: torch.Tensor  # [N] int64: per sampling row its last k + 1 tokens (k drafts; usually 0)
 
 
+def first_group_blocks(block_ids: list[int], num_kv_groups: int) -> list[int]:
+    """A row's block ids of the first KV cache group (core/kv_cache_groups.py: a row's ids interleave the groups):
+    the blocks a draft model's or an EAGLE head's cache uses."""
+    return block_ids if num_kv_groups == 1 else block_ids[::num_kv_groups]
+
+
 def prepare_inputs(states: list, num_scheduled: list[int], block_size: int,
                    device: torch.device, drafts: list[list[int]] | None = None) -> DraftInputs:
     """Flatten the step's rows into token, position, slot and block-table tensors (numpy, no per-token loop).

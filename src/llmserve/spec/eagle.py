@@ -21,7 +21,7 @@ import torch
 from llmserve.model.attention import AttentionBackend
 from llmserve.sample.sampler import Sampler
 from llmserve.spec.draft import sample_drafts
-from llmserve.spec.draft_inputs import DraftInputs, DraftRow, prepare_inputs
+from llmserve.spec.draft_inputs import DraftInputs, DraftRow, first_group_blocks, prepare_inputs
 from llmserve.spec.eagle_chain import EagleChain
 from llmserve.spec.proposer import ProposerRow
 
@@ -173,5 +173,4 @@ class EagleProposer:
                 probs[j].append(q[a])
 
     def _blocks(self, row: ProposerRow) -> list[int]:
-        """The row's block ids of the first KV cache group: the head's."""
-        return row.block_ids if self.num_kv_groups == 1 else row.block_ids[::self.num_kv_groups]
+        return first_group_blocks(row.block_ids, self.num_kv_groups)
