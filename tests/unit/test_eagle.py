@@ -275,3 +275,21 @@ def test_a_head_shipped_as_pytorch_model_bin_loads_as_its_safetensors(target, he
     (tmp_path / "head" / "pytorch_model.bin").unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors or pytorch_model\\*.bin weights"):
         _llm(target, str(tmp_path / "head"), "eagle3")
+
+
+def test_make_model_writes_a_head_the_engine_serves(target, plain, tmp_path):
+    """`llmserve make-model --eagle-head-of TARGET`: a random head in the published layout, served exactly."""
+    import argparse
+    from llmserve.testing.maker_cli import add_make_model_parser
+    parser = argparse.ArgumentParser()
+    add_make_model_parser(parser.add_subparsers())
+    args = parser.parse_args(["make-model", "--eagle-head-of", target, "--eagle-method", "eagle3",
+                              "--draft-vocab-size", "512", "--out", str(tmp_path / "head")])
+    assert args.func(args) == 0
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "head" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("d2t").shape == (512,) and "midlayer.hidden_norm.weight" in f.keys()
+    llm = _llm(target, str(tmp_path / "head"), "eagle3")
+    prompts, params = repeating_prompts(2, seed=2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]

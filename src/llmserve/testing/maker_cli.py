@@ -31,6 +31,12 @@ def add_make_model_parser(subparsers) -> argparse.ArgumentParser:
     draft.add_argument("--draft-of", default=None, help="target checkpoint directory to derive the draft from")
     draft.add_argument("--draft-layers", type=int, default=None, help="keep the target's first N layers (default: all)")
     draft.add_argument("--noise", type=float, default=0.0, help="relative Gaussian noise added to every weight")
+    head = parser.add_argument_group("a random EAGLE head for a target (--speculative eagle | eagle3; then "
+                                     "--arch/--shape are unused)")
+    head.add_argument("--eagle-head-of", default=None, help="target checkpoint directory the head is for")
+    head.add_argument("--eagle-method", choices=["eagle", "eagle3"], default="eagle3")
+    head.add_argument("--draft-vocab-size", type=int, default=None,
+                      help="eagle3: the head's lm_head over this many random ids (default: the whole vocabulary)")
     parser.set_defaults(func=run_make_model)
     return parser
 
@@ -43,6 +49,13 @@ def run_make_model(args: argparse.Namespace) -> int:
 
         path = derive_draft(args.draft_of, args.out, args.draft_layers, args.noise, args.seed)
         print(f"wrote a draft of {args.draft_of} to {path}")
+        return 0
+    if args.eagle_head_of is not None:
+        from llmserve.testing.eagle_maker import make_eagle_head
+
+        path = make_eagle_head(args.eagle_head_of, args.out, args.eagle_method, args.seed,
+                               draft_vocab_size=args.draft_vocab_size)
+        print(f"wrote a random {args.eagle_method} head for {args.eagle_head_of} to {path}")
         return 0
     path = make_model(args.arch, args.shape, args.out, seed=args.seed, dtype=args.dtype,
                       quantization=args.quantization, is_peaked=args.peaked_logits, is_copying=args.copying,
