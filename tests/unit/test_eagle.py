@@ -1,5 +1,6 @@
 """EAGLE and EAGLE-3 draft heads (--speculative eagle | eagle3): the engine's drafts against a reference written
-from the method's definition over transformers' hidden states, exact greedy outputs, sampled drafts' q, refusals."""
+from the method's definition over transformers' hidden states, exact greedy outputs, sampled drafts' q, refusals.
+On the CPU even where a GPU is (exact draft equality; tests/gpu/test_gpu_eagle.py runs the heads on CUDA)."""
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def hf_target(target):
 
 def _llm(target: str, head: str, method: str, **kwargs) -> LLM:
     kwargs = {"num_kv_blocks": 400, **kwargs}
-    return LLM(target, dtype="float32", max_model_len=256, speculative=method, draft_model=head,
+    return LLM(target, device="cpu", dtype="float32", max_model_len=256, speculative=method, draft_model=head,
                num_speculative_tokens=3, speculative_dynamic=False, **kwargs)
 
 
@@ -104,7 +105,7 @@ def test_a_step_of_more_rows_than_may_speculate_keeps_no_features(target, heads,
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=400)
+    return LLM(target, device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=400)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -234,7 +235,7 @@ def test_eagle3_reads_its_layer_inputs_out_of_the_cpus_decoder_stack(target, hea
     if dtype == "bfloat16" and not cpu_kernels.has_bf16_gemv():
         pytest.skip("no AVX512-BF16 GEMV")
     monkeypatch.setattr(linear, "MIN_ONEDNN_WEIGHT", 1)  # the demo shape's small linears packed: the stack takes it
-    llm = LLM(target, dtype=dtype, max_model_len=256, num_kv_blocks=400, speculative="eagle3",
+    llm = LLM(target, device="cpu", dtype=dtype, max_model_len=256, num_kv_blocks=400, speculative="eagle3",
               draft_model=heads["eagle3"], num_speculative_tokens=3, speculative_dynamic=False,
               enable_prefix_caching=False)
     stack = llm.engine.runner.model.decode_stack
@@ -247,7 +248,7 @@ def test_eagle3_reads_its_layer_inputs_out_of_the_cpus_decoder_stack(target, hea
         for tokens, drafts in calls:
             assert drafts == reference_drafts("eagle3", heads["eagle3"], hf_target, tokens, 3), f"{len(tokens)}"
     else:
-        plain = LLM(target, dtype=dtype, max_model_len=256, num_kv_blocks=400)
+        plain = LLM(target, device="cpu", dtype=dtype, max_model_len=256, num_kv_blocks=400)
         assert got == [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
     llm.engine.check_integrity()
 
