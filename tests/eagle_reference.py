@@ -10,6 +10,8 @@ import torch
 
 from llmserve.model.eagle import eagle_shape
 
+TIE_GAP = 1e-4  # float32: logits closer than this may flip order when their sums run in another order
+
 
 def record_rows(llm) -> list[tuple[list[int], list[int]]]:
     """Every row of every proposal from now on: (its tokens then, its drafts)."""
@@ -78,29 +80,39 @@ def _reference_head(method, w, cfg, embed, tokens, h):
     return _rms(out, w["norm.weight"], eps), out
 
 
-def reference_drafts(method, head_dir, hf, tokens, k):
-    """The k greedy drafts after `tokens` (prompt and output so far): features of the target at each position but
-    the last, the head over (token at p + 1, feature at p), then k - 1 steps on its own output features."""
+def check_drafts(method, head_dir, hf, tokens, drafts, tie_gap: float = TIE_GAP) -> int:
+    """The engine's drafts after `tokens` (prompt and output so far) against the reference: features of the target at
+    each position but the last, the head over (token at p + 1, feature at p), then a step per draft on the head's own
+    output features, fed the engine's drafts. Each draft must be the reference's argmax, or within tie_gap of it (a
+    logit near-tie that float sums in another order may flip: counted and returned); AssertionError otherwise."""
     from safetensors.torch import load_file
     w = load_file(f"{head_dir}/model.safetensors")
     with open(f"{head_dir}/config.json") as f:
         cfg = json.load(f)
-    embed = hf.model.embed_tokens.weight
+    embed = hf.model.embed_tokens.weight.cpu()
+    num_ties = 0
     with torch.no_grad():
-        states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states  # [L + 1] x [1, T, H]
+        ids = torch.tensor([tokens[:-1]], device=hf.device)
+        states = [h.cpu() for h in hf(ids, output_hidden_states=True).hidden_states]  # [L + 1] x [1, T, H]
         if method == "eagle":
             features = states[-1][0]  # after the final norm
         else:
             shape = eagle_shape("eagle3", type("C", (), {**cfg, "eagle_config": cfg.get("eagle_config")})(), hf.config)
             features = torch.cat([states[i][0] for i in shape.aux_layers], -1) @ w["fc.weight"].T  # layer i's input
-        seq, drafts = list(tokens[1:]), []
-        for _ in range(k):
+        seq = list(tokens[1:])
+        for step, draft in enumerate(drafts):
             logits_in, out = _reference_head(method, w, cfg, embed, torch.tensor(seq), features)
-            logits = hf.lm_head(logits_in[-1]) if method == "eagle" else _eagle3_logits(w, logits_in[-1], len(embed))
-            drafts.append(int(logits.argmax()))
-            seq.append(drafts[-1])
+            logits = logits_in[-1] @ hf.lm_head.weight.cpu().T if method == "eagle" else \
+                _eagle3_logits(w, logits_in[-1], len(embed))
+            best = int(logits.argmax())
+            if draft != best:
+                gap = float(logits[best] - logits[draft])
+                assert gap < tie_gap, f"draft {step} after {len(tokens)} tokens: {draft}, the reference {best} " \
+                                      f"(logit gap {gap:.2e})"
+                num_ties += 1
+            seq.append(draft)
             features = torch.cat([features, out[-1:]])
-    return drafts
+    return num_ties
 
 
 def _eagle3_logits(w, hidden, vocab_size):

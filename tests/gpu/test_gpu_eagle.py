@@ -13,7 +13,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.testing.eagle_maker import make_eagle_head
 from llmserve.testing.maker import make_model
 
-from eagle_reference import record_rows, reference_drafts
+from eagle_reference import check_drafts, record_rows
 from greedy_check import check_greedy_against_hf
 from spec_cases import repeating_prompts
 
@@ -41,8 +41,10 @@ def test_eagle_drafts_and_greedy_outputs_on_cuda(target, method, tmp_path):
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, PARAMS)]
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    same = sum(drafts == reference_drafts(method, head, hf, tokens, 3) for tokens, drafts in calls)
-    assert calls and same >= 0.95 * len(calls), f"{same} of {len(calls)} proposals are the reference's"
+    assert calls
+    num_ties = sum(check_drafts(method, head, hf, tokens, drafts, tie_gap=1e-3) for tokens, drafts in calls)
+    if num_ties:
+        warnings.warn(f"{num_ties} drafts differ from the reference's at a logit near-tie")
     for prompt, a, b in zip(prompts, got, want):
         if a != b:
             note = check_greedy_against_hf(hf, prompt, a, tie_gap=1e-4)  # raises beyond a near-tie

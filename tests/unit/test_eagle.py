@@ -11,7 +11,7 @@ from llmserve.model.eagle import eagle_shape
 from llmserve.testing.eagle_maker import make_eagle_head
 from llmserve.testing.maker import make_model
 
-from eagle_reference import record_rows, reference_drafts
+from eagle_reference import check_drafts, record_rows
 from spec_cases import repeating_prompts
 
 
@@ -53,7 +53,7 @@ def test_drafts_are_the_reference_heads_after_prompts_in_chunks_and_rejections(t
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert len(calls) >= 3 * 5 and all(len(drafts) == 3 for _, drafts in calls)
     for tokens, drafts in calls:
-        assert drafts == reference_drafts(method, heads[head], hf_target, tokens, 3), f"after {len(tokens)} tokens"
+        check_drafts(method, heads[head], hf_target, tokens, drafts)
     assert llm.engine.runner.speculator.proposer.num_skipped == 0
     llm.engine.check_integrity()
 
@@ -82,7 +82,7 @@ def test_features_of_plain_windows_reach_the_head(target, heads, hf_target):
     assert num_window_forwards[0] > 0 and calls
     assert min(len(tokens) for tokens, _ in calls) > min(len(p) for p in prompts) + 4  # after the windows
     for tokens, drafts in calls:
-        assert drafts == reference_drafts("eagle", heads["eagle"], hf_target, tokens, 3), f"after {len(tokens)}"
+        check_drafts("eagle", heads["eagle"], hf_target, tokens, drafts)
     llm.engine.check_integrity()
 
 
@@ -199,7 +199,7 @@ def test_eagle3_features_come_through_the_decode_graph_buffers(target, heads, hf
     llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert 4 in runs  # 3 rows of k + 1 tokens padded to 4 rows
     for tokens, drafts in calls:
-        assert drafts == reference_drafts("eagle3", heads["eagle3"], hf_target, tokens, 3), f"after {len(tokens)}"
+        check_drafts("eagle3", heads["eagle3"], hf_target, tokens, drafts)
     llm.engine.check_integrity()
 
 
@@ -221,7 +221,7 @@ def test_the_heads_later_forwards_through_its_graph_buffers_draft_the_reference(
     llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert proposer.num_chained >= 3
     for tokens, drafts in calls:
-        assert drafts == reference_drafts(method, heads[method], hf_target, tokens, 3), f"after {len(tokens)}"
+        check_drafts(method, heads[method], hf_target, tokens, drafts)
     llm.engine.check_integrity()
 
 
@@ -246,7 +246,7 @@ def test_eagle3_reads_its_layer_inputs_out_of_the_cpus_decoder_stack(target, hea
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     if dtype == "float32":
         for tokens, drafts in calls:
-            assert drafts == reference_drafts("eagle3", heads["eagle3"], hf_target, tokens, 3), f"{len(tokens)}"
+            check_drafts("eagle3", heads["eagle3"], hf_target, tokens, drafts)
     else:
         plain = LLM(target, device="cpu", dtype=dtype, max_model_len=256, num_kv_blocks=400)
         assert got == [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
