@@ -49,6 +49,9 @@ class OracleDraft:
     def take_features(self, rows, starts, counts, features) -> None:
         self.inner.take_features(rows, starts, counts, features)  # an EAGLE head's, for its cost
 
+    def drop_features(self, rows) -> None:
+        self.inner.drop_features(rows)
+
     def check_integrity(self, req_ids: set[str]) -> None:
         self.inner.check_integrity(req_ids)
 

@@ -25,8 +25,9 @@ from torch import nn
 
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import RMSNorm, RotaryEmbedding, rope_params_from_config
-from llmserve.model.linear import Linear
+from llmserve.model.linear import Linear, pack_linears
 from llmserve.model.llama import DecoderLayer, DecoderParts
+from llmserve.model.loader import iter_safetensors, load_hf_config
 from llmserve.model.weight_names import map_hf_name
 
 _SKIPPED = ("t2d",)  # EAGLE-3's target -> draft mask: the proposer needs only d2t
@@ -211,9 +212,6 @@ def load_eagle(path: str, method: str, target: nn.Module, dtype: torch.dtype, de
                max_model_len: int) -> EagleDraft:
     """The head of an HF directory of safetensors, sharing the target's embedding (and EAGLE's logits); EAGLE-3's
     target keeps its feature layers' inputs from now on (`aux_layers`)."""
-    from llmserve.model.linear import pack_linears
-    from llmserve.model.loader import load_hf_config
-
     config = load_hf_config(path)
     shape = eagle_shape(method, config, target.config)
     weights = head_weights(path)
@@ -231,8 +229,6 @@ def head_weights(path: str) -> dict[str, torch.Tensor]:
     """A head's tensors by name (`model.` dropped): its safetensors, else the `pytorch_model*.bin` files many
     published heads ship (read with torch.load's weights_only: tensors only, no pickled code). A head is small
     (one layer), so it is read whole."""
-    from llmserve.model.loader import iter_safetensors
-
     if glob.glob(os.path.join(path, "*.safetensors")):
         return {name.removeprefix("model."): tensor for name, tensor in iter_safetensors(path)}
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))

@@ -78,7 +78,7 @@ def load_hf_config(path: str):
     return config
 
 
-def safetensors_files(path: str) -> list[str]:
+def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r} (other weight formats are not supported; "
@@ -97,7 +97,7 @@ def iter_safetensors(path: str, shard_of: ShardOf | None = None,
     rank's share, model/parallel.py); None: the whole tensor. is_wanted(name) False: not read at all
     (another rank's experts)."""
     from safetensors import safe_open
-    for file in safetensors_files(path):
+    for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if is_wanted is not None and not is_wanted(name):

@@ -97,6 +97,11 @@ class EagleProposer:
         for req_id in req_ids:
             self.features.pop(req_id, None)
 
+    def drop_features(self, rows: list[ProposerRow]) -> None:
+        """A step that hands none over (Speculator.wants_features): its rows' kept features are stale from now."""
+        if self.features:
+            self.forget([row.req_id for row in rows])
+
     def check_integrity(self, req_ids: set[str]) -> None:
         """Features only of the runner's requests (`req_ids`), each row's chunks covering [start, end)."""
         assert set(self.features) <= req_ids, "features of a request the runner dropped"

@@ -50,6 +50,10 @@ class Proposer(Protocol):
         where needs_target_features)."""
         ...
 
+    def drop_features(self, rows: list[ProposerRow]) -> None:
+        """These rows' step handed no features over: drop what is kept of theirs (only where needs_target_features)."""
+        ...
+
     def forget(self, req_ids) -> None:
         """The requests finished or were preempted: drop what is kept for them."""
         ...

@@ -132,15 +132,16 @@ class Speculator:
         """A plain multi-step window ran (worker/decode_window.py): plain decoding's cost a forward there."""
         self.rule.observe_window(num_rows, num_forwards, seconds)
 
-    def take_features(self, rows: list[ProposerRow], starts, counts, features: torch.Tensor) -> None:
-        """A target forward's features to a proposer that reads them (EAGLE: spec/eagle.py), unless the step has
-        more rows than may speculate: those rows' kept features are dropped instead, and their heads miss these
-        positions (the head's KV there stays stale: acceptance after a busy spell, never correctness). So a large
-        batch pays no per-row copies, and no memory holds features that no proposal would read."""
-        if len(rows) > self.rule.max_batch:
-            self.proposer.forget([row.req_id for row in rows])
-            return
-        self.proposer.take_features(rows, starts, counts, features)
+    def wants_features(self, rows: list[ProposerRow]) -> bool:
+        """Whether a target forward over these rows hands its features to the proposer (EAGLE: spec/eagle.py). Not
+        when the step has more rows than may speculate: those rows' kept features are dropped instead, and their
+        heads miss these positions (the head's KV there stays stale: acceptance after a busy spell, never
+        correctness). So a large batch builds no features, pays no per-row copies, and no memory holds features
+        that no proposal would read."""
+        if len(rows) <= self.rule.max_batch:
+            return True
+        self.proposer.drop_features(rows)
+        return False
 
     def forget(self, req_ids) -> None:
         self.rule.forget(req_ids)

@@ -25,8 +25,10 @@ def hand_features(speculator: Speculator, model: torch.nn.Module, states: list[C
     """The forward's features to an EAGLE head: hidden [T, H] (after the final norm), or EAGLE-3's [T, 3H], the
     inputs of the target's feature layers (model.aux_hidden); starts, counts [B]: each row's first position and
     its tokens."""
+    if not speculator.wants_features(states):
+        return
     features = torch.cat([model.aux_hidden[i] for i in model.aux_layers], dim=-1) if model.aux_layers else hidden
-    speculator.take_features(states, starts, counts, features)
+    speculator.proposer.take_features(states, starts, counts, features)
 
 
 def propose_drafts(speculator: Speculator, states: dict[str, CachedRequestState], handle: StepHandle) -> list[list[int]]:
