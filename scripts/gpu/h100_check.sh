@@ -16,7 +16,8 @@
 #   repeated spans with clear argmaxes, so that n-gram lookup finds drafts and the oracle keeps its nominal A
 #   in bf16; the same cost), peaked (--peaked-logits), random, or dummy (no checkpoint: --load-format dummy,
 #   ~100 s less a lease; speed stages only)
-#   STEPPROF_AB=1: stepprof also with LLMSERVE_FUSED_ELEMENTWISE=off, first
+#   STEPPROF_AB=1: stepprof also with LLMSERVE_FUSED_ELEMENTWISE=off, first; STEPPROF_SCHEMA=FILE: each batch
+#   size also with that JSON schema on every request; STEPPROF_LIMIT: its seconds (150)
 #   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
@@ -105,7 +106,7 @@ if want stepprof; then  # where a served decode step's time goes (c=64, c=256), 
             ${STEPPROF_BATCHES:-64,256} "$RES/step_profile_unfused.txt"
         grep -E '^batch|decode:|device busy' "$RES/step_profile_unfused.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
     fi
-    run stepprof 150 "$PY" scripts/gpu/step_profile.py "$MODEL" ${STEPPROF_BATCHES:-64,256} "$RES/step_profile.txt"
+    run stepprof ${STEPPROF_LIMIT:-150} "$PY" scripts/gpu/step_profile.py "$MODEL" ${STEPPROF_BATCHES:-64,256} "$RES/step_profile.txt"
     grep -E '^batch|decode:|synchronised|device busy|mixed|prompt phase' "$RES/step_profile.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
 fi
 if want serve; then

@@ -7,7 +7,9 @@ defaults and with greedy sampling. For each batch size:
 - the runner's synchronised split (prepare / forward with logits / sample / finish) of a decode window;
 - a torch-profiler window of decode steps: device-busy ms per step split into GEMMs, attention, sampling,
   norms and other elementwise kernels, against the step's wall time (the rest is the device waiting);
-- a mixed step: `--mix` new prompts arriving into the running batch (one step's chunk of prompt tokens).
+- a mixed step: `--mix` new prompts arriving into the running batch (one step's chunk of prompt tokens);
+- with STEPPROF_SCHEMA=FILE, each batch size once more with that JSON schema on every request (the grammar's
+  bitmask and its application in the profile).
 
     python scripts/gpu/step_profile.py MODEL [batch sizes, default 64,256] [out file]
 """
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.model.loader import load_hf_config
 
 PROMPT_LEN, OUTPUT_LEN, STEADY_STEPS, PROFILED_STEPS = 200, 180, 24, 8
@@ -158,8 +161,9 @@ def run_level(llm: LLM, level: int, params: SamplingParams, label: str, mix: int
     _until_decoding(llm, log, level, out)
     walls = _steps(llm, STEADY_STEPS)
     wall_ms = float(np.median(walls)) * 1e3
+    rows = [r for _, r in log.steps[-STEADY_STEPS:]]  # fewer than the level where requests finished early
     print(f"  decode: {wall_ms:.2f} ms/step median ({level / wall_ms * 1e3:.0f} tok/s), p90 "
-          f"{np.percentile(walls, 90) * 1e3:.2f}", file=out)
+          f"{np.percentile(walls, 90) * 1e3:.2f}; rows {min(rows)}-{max(rows)}", file=out)
     _split(llm, 12, out)
     if deep:
         _profile_steps(llm, PROFILED_STEPS, out)
@@ -189,10 +193,18 @@ def main() -> None:
     defaults = llm.get_default_sampling_params()
     sampled = msgspec.structs.replace(defaults, max_tokens=OUTPUT_LEN, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    schema_file = os.environ.get("STEPPROF_SCHEMA")
+    constrained = None
+    if schema_file:
+        with open(schema_file) as f:
+            constrained = msgspec.structs.replace(
+                sampled, structured_outputs=StructuredOutputsParams.from_json_schema(f.read()))
     print(f"defaults: {sampled}", file=out)
     for level in levels:
         run_level(llm, level, sampled, "defaults", 40, out, deep=True)
         run_level(llm, level, greedy, "greedy", 0, out, deep=False)
+        if constrained is not None:
+            run_level(llm, level, constrained, "schema", 0, out, deep=True)
 
 
 if __name__ == "__main__":

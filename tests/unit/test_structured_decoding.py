@@ -97,8 +97,7 @@ def _reference_allowed(grammar: RequestGrammar, vocab_size: int) -> torch.Tensor
     for token_id in range(vocab_size):
         if grammar.matcher.accept_token(token_id):
             allowed[token_id] = True
-            if not grammar.matcher.is_terminated() or True:
-                grammar.matcher.rollback(1)
+            grammar.matcher.rollback(1)
     return allowed
 
 
@@ -131,16 +130,21 @@ def test_bitmask_equals_a_per_token_reference_on_random_logits(compiler, llm):
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_drafts_the_grammar_forbids_are_rejected(tiny, llm, kind):
+    """Constrained requests between unconstrained ones with drafts: their bitmask rows sit after the
+    others' draft rows."""
     extra = {"draft_model": tiny} if kind == "draft" else {}  # the target as its own draft: proposes freely
     spec = LLM(tiny, dtype="float32", max_model_len=512, speculative=kind, num_speculative_tokens=3,
                speculative_dynamic=False, num_kv_blocks=1024, **extra)
-    prompts = _prompts(6)
-    params = [SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=CONSTRAINTS[i % 5]) for i in range(6)]
+    prompts = _prompts(12)
+    free = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    params = [p for i in range(6)
+              for p in (SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=CONSTRAINTS[i % 5]), free)]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     got = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == plain
-    for i, out in enumerate(got):
-        _check(out.outputs[0].text, CONSTRAINTS[i % 5])
+    for out, p in zip(got, params):
+        if p.structured_outputs is not None:
+            _check(out.outputs[0].text, p.structured_outputs)
     spec.engine.check_integrity()
     assert spec.engine.num_free_blocks() == spec.engine.scheduler.kv.pool.num_usable_blocks
 
@@ -211,6 +215,23 @@ def test_a_request_waits_aside_while_its_grammar_compiles():
     assert [(o.request_id, int(o.finish_reason)) for o in step(sched)[1].outputs if o.request_id == "f"] == [("f", 2)]
     sched.check_integrity()
     assert sched.num_structured == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_idle_engine_waits_for_a_compile_instead_of_spinning(tiny, monkeypatch, async_scheduling):
+    llm = LLM(tiny, dtype="float32", max_model_len=512, num_kv_blocks=256, async_scheduling=async_scheduling)
+    pending = Future()
+    monkeypatch.setattr(llm.engine.grammars, "submit", lambda constraint: pending)
+    waits = []
+    monkeypatch.setattr(llm.engine.scheduler.compiling, "wait", waits.append)
+    for request in llm.processor.process("s", [4, 5, 6], SamplingParams(max_tokens=4, structured_outputs=CONSTRAINTS[2])):
+        llm.engine.add_request(request)
+    for _ in range(3):
+        llm.engine.step()
+    assert len(waits) == 3 and llm.engine.has_unfinished_requests()
+    llm.engine.abort_requests(["s"])
+    llm.engine.step()
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_min_tokens_and_bad_constraints_are_refused(llm):

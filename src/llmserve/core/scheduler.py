@@ -239,9 +239,8 @@ class Scheduler:
             if end >= len(request.all_token_ids) + request.num_placeholders:
                 request.num_placeholders += 1  # this step samples its next token
                 if request.grammar is not None:  # its grammar masks the logits (the runner fills it)
-                    out.grammar = out.grammar or StepGrammar()
-                    out.grammar.add(request.request_id, request.grammar,
-                                    out.scheduled_spec_tokens.get(request.request_id))
+                    out.grammar = out.grammar or StepGrammar(drafts=out.scheduled_spec_tokens)
+                    out.grammar.add(request.request_id, request.grammar)
         self.num_step_prompt_tokens += num_prompt
 
     def _prefill_budget(self, budget: int) -> int:

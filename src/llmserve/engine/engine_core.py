@@ -283,6 +283,8 @@ class EngineCore:
         if sched_out.is_empty:
             self.executor.drop_finished(sched_out.finished_req_ids)
             if self.in_flight is None:
+                if len(self.scheduler.compiling):
+                    self.scheduler.compiling.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar compiles
                 return self.scheduler.update_from_output(sched_out, ModelRunnerOutput([], []))
             return self._finish_in_flight()
         previous, self.in_flight = self.in_flight, None

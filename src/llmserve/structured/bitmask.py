@@ -6,48 +6,120 @@ requests are left out of the apply (`indices`), so they sample exactly as they w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from llmserve.model.paged_indices import on_device
+from llmserve.structured.compiler import num_xgrammar_threads
 from llmserve.structured.matcher import RequestGrammar
+
+# (matchers, bitmask [N, W], rows): fill row rows[i] from matchers[i]
+BatchFill = Callable[[list, torch.Tensor, list[int]], None]
 
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def fill_one_by_one(matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+    for matcher, row in zip(matchers, rows):
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+
 @dataclass
 class StepGrammar:
-    """The structured requests that sample in a step (by request id), with the drafts scheduled for each."""
+    """The structured requests that sample in a step (by request id), and the drafts scheduled for every
+    request of the step (the scheduler output's own dict: an unconstrained request's drafts take logits
+    rows too, so the constrained rows after them move down)."""
 
     grammars: dict[str, RequestGrammar] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, req_id: str, grammar: RequestGrammar, drafts: list[int] | None) -> None:
+    def add(self, req_id: str, grammar: RequestGrammar) -> None:
         self.grammars[req_id] = grammar
-        if drafts:
-            self.drafts[req_id] = drafts
 
-    def fill(self, sampling_req_ids: list[str], vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+    def num_rows(self, sampling_req_ids: list[str]) -> int:
+        """Logits rows of the step: one per sampling request plus one per draft."""
+        return len(sampling_req_ids) + sum(len(self.drafts.get(r, ())) for r in sampling_req_ids)
+
+    def fill(self, sampling_req_ids: list[str], vocab_size: int, bitmask: torch.Tensor | None = None,
+             batch_fill: BatchFill = fill_one_by_one) -> tuple[torch.Tensor, list[int]]:
         """The bitmask [N, W] int32 over the step's N logits rows (one per sampling request plus one per
-        draft, in that order) and the rows that are constrained; the others are left unfilled."""
-        positions = []  # (request grammar, first logits row, drafts)
-        num_rows = 0
+        draft, in that order; into `bitmask[:N]` when given) and the rows that are constrained; the others
+        are left unfilled. Rows that follow plain decoding go to `batch_fill` together."""
+        num_rows = self.num_rows(sampling_req_ids)
+        if bitmask is None:
+            bitmask = torch.empty(num_rows, bitmask_words(vocab_size), dtype=torch.int32)
+        bitmask = bitmask[:num_rows]  # [N, W]
+        indices: list[int] = []
+        batch_matchers, batch_rows = [], []
+        row = 0
         for req_id in sampling_req_ids:
             drafts = self.drafts.get(req_id, [])
             grammar = self.grammars.get(req_id)
             if grammar is not None:
-                positions.append((grammar, num_rows, drafts))
-            num_rows += len(drafts) + 1
-        bitmask = torch.empty(num_rows, bitmask_words(vocab_size), dtype=torch.int32)  # [N, W]
-        indices: list[int] = []
-        for grammar, first, drafts in positions:
-            grammar.fill_bitmask(bitmask, first, drafts)
-            indices.extend(range(first, first + len(drafts) + 1))
+                if not drafts and grammar.can_fill_in_batch:
+                    batch_matchers.append(grammar.matcher)
+                    batch_rows.append(row)
+                else:
+                    grammar.fill_bitmask(bitmask, row, drafts)
+                indices.extend(range(row, row + len(drafts) + 1))
+            row += len(drafts) + 1
+        if batch_matchers:
+            batch_fill(batch_matchers, bitmask, batch_rows)
         return bitmask, indices
+
+
+class BitmaskFiller:
+    """The runner's bitmask buffers and fill threads.
+
+    Rows that follow plain decoding fill in one xgrammar batch call over several threads (a row inside a
+    bounded-length string costs ~0.4 ms on a core: a 1,024-row step on one thread would stall the device for
+    that long); drafts and thinking rows fill row by row. On CUDA the bitmask lands in one
+    of two reused pinned buffers, copied to the device without the host waiting: a buffer is filled again
+    two steps later, once its copy is known done (an event), so no step allocates or pins its bitmask.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, num_threads: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.num_threads = num_threads or num_xgrammar_threads()
+        self.is_pinned = device.type == "cuda"
+        self.buffers: list[torch.Tensor] = [torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)] * 2
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
+        self.slot = 1  # the buffer of the last fill
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made at the first fill
+
+    def fill(self, grammar: StepGrammar, sampling_req_ids: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """The step's bitmask [N, W] (a view of a reused buffer) and its constrained rows."""
+        slot = self.slot = 1 - self.slot
+        if self.copied[slot] is not None:
+            self.copied[slot].synchronize()  # the copy of two steps ago: long done
+            self.copied[slot] = None
+        num_rows = grammar.num_rows(sampling_req_ids)
+        if self.buffers[slot].shape[0] < num_rows:
+            self.buffers[slot] = torch.empty(max(num_rows, 2 * self.buffers[slot].shape[0]),
+                                             bitmask_words(self.vocab_size), dtype=torch.int32,
+                                             pin_memory=self.is_pinned)
+        return grammar.fill(sampling_req_ids, self.vocab_size, self.buffers[slot], self._batch_fill)
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
+        """apply_bitmask, the buffer's copy to the device noted (fill waits for it two steps later)."""
+        apply_bitmask(logits, bitmask, indices)
+        if self.is_pinned and indices:
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[self.slot] = event
+
+    def _batch_fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(self.num_threads)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
@@ -61,8 +133,17 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)  # its CPU kernel is faster than ours
         return
     # through pinned memory on CUDA: a pageable copy would wait for the forward queued before it
-    rows = on_device(np.asarray(indices, np.int64), logits.device)  # [P]
-    allowed = unpack_bitmask(on_device(bitmask.numpy(), logits.device)[rows], logits.shape[-1])  # [P, V]
+    device_bitmask = bitmask.to(logits.device, non_blocking=True) if bitmask.is_pinned() else \
+        on_device(bitmask.numpy(), logits.device)  # [N, W]
+    rows = on_device(np.asarray(indices, np.int32 if logits.is_cuda else np.int64), logits.device)  # [P]
+    if logits.is_cuda:
+        import xgrammar as xgr
+
+        # xgrammar's Triton kernel: one pass over the rows (the unpacked [P, V] mask below is 4 bytes a logit)
+        xgr.apply_token_bitmask_inplace(logits, device_bitmask, indices=rows, vocab_size=logits.shape[-1],
+                                        backend="triton")
+        return
+    allowed = unpack_bitmask(device_bitmask[rows], logits.shape[-1])  # [P, V]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 

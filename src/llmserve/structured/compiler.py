@@ -8,6 +8,7 @@ queue (core.scheduler) while the steps of the others go on. Compiled grammars ar
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -18,6 +19,13 @@ from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured.grammar import build_grammar
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each a few MB at most for a large vocabulary)
+MAX_XGRAMMAR_THREADS = 8  # xgrammar's compile and batch fill split their work over this many threads at most
+
+
+def num_xgrammar_threads() -> int:
+    """Threads for xgrammar's parallel work: the cores this process may run on, up to MAX_XGRAMMAR_THREADS (a
+    compile or a step's fill is short; past that the hand-offs cost more than the split saves)."""
+    return min(MAX_XGRAMMAR_THREADS, len(os.sched_getaffinity(0)))
 
 
 class GrammarCompiler:
@@ -76,5 +84,5 @@ class GrammarCompiler:
 
             info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
-            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=num_xgrammar_threads(), cache_enabled=False)
         return self._xgr_compiler

@@ -42,6 +42,12 @@ class RequestGrammar:
         """The grammar is complete and its stop token accepted: nothing more may follow."""
         return not self.is_thinking and self.matcher.is_terminated()
 
+    @property
+    def can_fill_in_batch(self) -> bool:
+        """Its next row comes from the matcher alone (past any thinking, not terminated): with the other
+        such rows of a step in one batch call (structured.bitmask)."""
+        return not self.is_thinking and not self.matcher.is_terminated()
+
     def accept(self, token_id: int) -> bool:
         """Advance over one kept token; False (and no change) when the grammar forbids it."""
         if self.is_thinking:

@@ -32,7 +32,7 @@ from llmserve.model.quant.token_kinds import step_kinds_of
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.speculator import Speculator
-from llmserve.structured.bitmask import apply_bitmask
+from llmserve.structured.bitmask import BitmaskFiller
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.decode_window import WindowEnds, run_window
 from llmserve.worker.input_batch import CachedRequestState
@@ -74,6 +74,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.sampling = SamplingInputs(vocab_size, device)
+        self.bitmasks = BitmaskFiller(vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.speculator = speculator
         # an EAGLE head reads the target's hidden states of every forward (spec/eagle.py)
@@ -137,8 +138,8 @@ class ModelRunner:
             if catch_up is not None:
                 self.in_flight = None  # this step's inputs have marked its rows' samples as the pending ones
                 catch_up()
-            bitmask, indices = sched_out.grammar.fill([req_ids[i] for i in inputs.sample_rows], logits.shape[-1])
-            apply_bitmask(logits, bitmask, indices)
+            bitmask, indices = self.bitmasks.fill(sched_out.grammar, [req_ids[i] for i in inputs.sample_rows])
+            self.bitmasks.apply(logits, bitmask, indices)
         t2 = mark(self.device, self.sync_timing)
         rows = states if len(inputs.sample_rows) == len(states) else [states[i] for i in inputs.sample_rows]
         scored = score_prompt(self.model, hidden, prompt_plan) if prompt_plan else {}
