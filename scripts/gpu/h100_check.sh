@@ -18,7 +18,9 @@
 #   ~100 s less a lease; speed stages only)
 #   STEPPROF_AB=1: stepprof also with LLMSERVE_FUSED_ELEMENTWISE=off, first; STEPPROF_SCHEMA=FILE: each batch
 #   size also with that JSON schema on every request; STEPPROF_LIMIT: its seconds (150)
-#   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema)
+#   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema);
+#   SERVE_ARGS: more `serve` flags (e.g. --max-cudagraph-capture-size 1024); STEPPROF_ARGS: LLM keyword arguments
+#   for stepprof as JSON (e.g. '{"max_graph_batch": 1024}')
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -110,7 +112,9 @@ if want stepprof; then  # where a served decode step's time goes (c=64, c=256), 
     grep -E '^batch|decode:|synchronised|device busy|mixed|prompt phase' "$RES/step_profile.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
 fi
 if want serve; then
-    "${L[@]}" serve --model "$MODEL" "${LOAD[@]}" --max-model-len ${MAXLEN:-4096} --port 8000 >"$RES/server.log" 2>&1 &
+    # shellcheck disable=SC2086
+    "${L[@]}" serve --model "$MODEL" "${LOAD[@]}" --max-model-len ${MAXLEN:-4096} --port 8000 ${SERVE_ARGS:-} \
+        >"$RES/server.log" 2>&1 &
     SERVER=$!
     wait_up 8000 $SERVER 150
     note "server up after $(elapsed)s: $(grep -iE 'blocks|graph' "$RES/server.log" | tail -1 | cut -c1-160)"

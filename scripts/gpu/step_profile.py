@@ -9,7 +9,7 @@ defaults and with greedy sampling. For each batch size:
   norms and other elementwise kernels, against the step's wall time (the rest is the device waiting);
 - a mixed step: `--mix` new prompts arriving into the running batch (one step's chunk of prompt tokens);
 - with STEPPROF_SCHEMA=FILE, each batch size once more with that JSON schema on every request (the grammar's
-  bitmask and its application in the profile).
+  bitmask and its application in the profile); STEPPROF_ARGS: the LLM's keyword arguments as JSON.
 
     python scripts/gpu/step_profile.py MODEL [batch sizes, default 64,256] [out file]
 """
@@ -188,8 +188,9 @@ def main() -> None:
     model = sys.argv[1]
     levels = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "64,256").split(",")]
     out = open(sys.argv[3], "w") if len(sys.argv) > 3 else sys.stdout
+    extra = msgspec.json.decode(os.environ.get("STEPPROF_ARGS", "{}"))  # e.g. {"max_graph_batch": 1024}
     llm = LLM(model, max_model_len=min(4096, load_hf_config(model).max_position_embeddings),
-              load_format=os.environ.get("LOAD_FORMAT", "auto"))  # dummy: random weights, no checkpoint
+              load_format=os.environ.get("LOAD_FORMAT", "auto"), **extra)  # dummy: random weights, no checkpoint
     defaults = llm.get_default_sampling_params()
     sampled = msgspec.structs.replace(defaults, max_tokens=OUTPUT_LEN, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
