@@ -120,6 +120,27 @@ def test_type_list_keeps_each_types_keywords():
     assert not _accepts(schema, '"a\nb"'.replace("\\n", "\n"))
 
 
+def _accepts_bytes(schema, data: bytes) -> bool:
+    return _is_grammar_accept_string(build_grammar(StructuredOutputsParams.from_json_schema(schema)), data)
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 3}, {"minLength": 1}, {"minLength": 1, "maxLength": 3}])
+def test_length_bounded_strings_hold_only_json_characters(bounds):
+    """xgrammar writes such a string's characters as a class that lets raw control characters through (invalid
+    JSON); ours takes what JSON takes unescaped, as whole UTF-8 characters, counted as characters."""
+    schema = {"type": "string", **bounds}
+    assert _accepts(schema, '"ab"') and _accepts(schema, '"é😀"') and _accepts(schema, '"\x7f"')
+    for control in ("\t", "\x01", "\x1f", "\n", "\r"):
+        assert not _accepts(schema, f'"a{control}"'), repr(control)
+    for raw in (b'"\xed\xa0\x80"', b'"\x80"', b'"\xc0\xaf"'):  # a surrogate, a lone continuation, overlong
+        assert not _accepts_bytes(schema, raw), raw
+    assert not _accepts(schema, '"a\\"b"') and not _accepts(schema, '"a\\\\"')  # no escapes (as xgrammar's)
+    if "maxLength" in bounds:
+        assert _accepts(schema, '"😀😀😀"') and not _accepts(schema, '"😀😀😀😀"')
+    else:
+        assert not _accepts(schema, '""')
+
+
 def test_numbers_bounded():
     assert _accepts({"type": "integer"}, str(INT64_MAX)) and not _accepts({"type": "integer"}, "1" * 20)
     assert not _accepts({"type": "number"}, "1" * 17) and not _accepts({"type": "number"}, "1.5e300")
