@@ -20,7 +20,7 @@
 #   size also with that JSON schema on every request; STEPPROF_LIMIT: its seconds (150)
 #   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema);
 #   SERVE_ARGS: more `serve` flags (e.g. --max-cudagraph-capture-size 1024); STEPPROF_ARGS: LLM keyword arguments
-#   for stepprof as JSON (e.g. '{"max_graph_batch": 1024}')
+#   for stepprof as JSON (e.g. '{"max_graph_batch": 1024}'), STEPPROF_PARAMS its sampling over the defaults
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}

@@ -9,7 +9,9 @@ defaults and with greedy sampling. For each batch size:
   norms and other elementwise kernels, against the step's wall time (the rest is the device waiting);
 - a mixed step: `--mix` new prompts arriving into the running batch (one step's chunk of prompt tokens);
 - with STEPPROF_SCHEMA=FILE, each batch size once more with that JSON schema on every request (the grammar's
-  bitmask and its application in the profile); STEPPROF_ARGS: the LLM's keyword arguments as JSON.
+  bitmask and its application in the profile); STEPPROF_ARGS: the LLM's keyword arguments as JSON;
+  STEPPROF_PARAMS: sampling parameters over the checkpoint's defaults as JSON (e.g. '{"top_k": 0, "top_p": 0.9,
+  "temperature": 0.6, "repetition_penalty": 1.0}', Llama 3.1's: the GPU's full-vocabulary sort).
 
     python scripts/gpu/step_profile.py MODEL [batch sizes, default 64,256] [out file]
 """
@@ -192,7 +194,8 @@ def main() -> None:
     llm = LLM(model, max_model_len=min(4096, load_hf_config(model).max_position_embeddings),
               load_format=os.environ.get("LOAD_FORMAT", "auto"), **extra)  # dummy: random weights, no checkpoint
     defaults = llm.get_default_sampling_params()
-    sampled = msgspec.structs.replace(defaults, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    override = msgspec.json.decode(os.environ.get("STEPPROF_PARAMS", "{}"))  # e.g. Llama 3.1's top_p only
+    sampled = msgspec.structs.replace(defaults, max_tokens=OUTPUT_LEN, ignore_eos=True, **override)
     greedy = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     schema_file = os.environ.get("STEPPROF_SCHEMA")
     constrained = None
