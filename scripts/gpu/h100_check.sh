@@ -6,7 +6,7 @@
 # (every log and results JSON).
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
-#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,stepprof,fp8,fp8serve,specprof,spec,specdyn
+#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,stepprof,arrivals,fp8,fp8serve,specprof,spec,specdyn
 #   (default: all but fp8probe, fp8sweep, stepprof, fp8serve, specprof and specdyn, in that order); TESTS: the test
 #   paths (default below); SPEC_ARGS: extra `bench spec` arguments, SPEC_CONFIGS / SPEC_CONCURRENCY its
 #   configurations and batch sizes, SPEC_LIMIT its time limit (default 110 s)
@@ -110,6 +110,10 @@ if want stepprof; then  # where a served decode step's time goes (c=64, c=256), 
     fi
     run stepprof ${STEPPROF_LIMIT:-150} "$PY" scripts/gpu/step_profile.py "$MODEL" ${STEPPROF_BATCHES:-64,256} "$RES/step_profile.txt"
     grep -E '^batch|decode:|synchronised|device busy|mixed|prompt phase' "$RES/step_profile.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+fi
+if want arrivals; then  # what a new request's arrival costs the running streams, without and with a schema
+    run arrivals ${ARRIVALS_LIMIT:-120} "$PY" scripts/gpu/arrival_profile.py "$MODEL" ${ARRIVALS_RUNNING:-16} "$RES/arrivals.txt"
+    grep -E 'running:|steady|arrival' "$RES/arrivals.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
 fi
 if want serve; then
     # shellcheck disable=SC2086
