@@ -44,7 +44,7 @@ def test_batch_fill_equals_the_one_by_one_fill_across_steps(setup):
     tokenizer, vocab_size, compiled = setup
     filler = BitmaskFiller(vocab_size, torch.device("cpu"), num_threads=2)
     num_terminated = 0
-    for step, num_requests in enumerate([3, 9, 2, 14, 5]):  # the buffers grow and are reused
+    for step, num_requests in enumerate([3, 9, 2, 90, 5]):  # the buffers grow and are reused; 90: 2 threads
         step_grammar, ids = StepGrammar(), []
         for i in range(num_requests):
             ids.append(f"r{i}")

@@ -18,6 +18,9 @@ from llmserve.structured.matcher import RequestGrammar
 
 # (matchers, bitmask [N, W], rows): fill row rows[i] from matchers[i]
 BatchFill = Callable[[list, torch.Tensor, list[int]], None]
+# Rows a fill thread takes at least: waking the threads cost ~0.5 ms a call on an H200's host, what 17 rows'
+# fills cost on one thread there.
+MIN_ROWS_PER_THREAD = 16
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -76,9 +79,9 @@ class StepGrammar:
 class BitmaskFiller:
     """The runner's bitmask buffers and fill threads.
 
-    Rows that follow plain decoding fill in one xgrammar batch call over several threads (a row inside a
-    `pattern` string costs 0.25-0.45 ms on a core: a 1,024-row step on one thread would stall the device for
-    that long); drafts and thinking rows fill row by row. On CUDA the bitmask lands in one
+    Rows that follow plain decoding fill in one xgrammar batch call over up to `num_threads` threads, at least
+    MIN_ROWS_PER_THREAD rows each (a row inside a `pattern` string costs 0.25-0.45 ms on a core: a 1,024-row
+    step on one thread would stall the device for that long); drafts and thinking rows fill row by row. On CUDA the bitmask lands in one
     of two reused pinned buffers, copied to the device without the host waiting: a buffer is filled again
     two steps later, once its copy is known done (an event), so no step allocates or pins its bitmask.
     """
@@ -93,7 +96,7 @@ class BitmaskFiller:
         self.buffers: list[torch.Tensor] = [torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)] * 2
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
         self.slot = 1  # the buffer of the last fill
-        self._batch = None  # xgrammar's BatchGrammarMatcher, made at the first fill
+        self._batches: dict[int, object] = {}  # xgrammar's BatchGrammarMatcher by thread count, made when first used
 
     def fill(self, grammar: StepGrammar, sampling_req_ids: list[str]) -> tuple[torch.Tensor, list[int]]:
         """The step's bitmask [N, W] (a view of a reused buffer) and its constrained rows."""
@@ -117,11 +120,15 @@ class BitmaskFiller:
             self.copied[self.slot] = event
 
     def _batch_fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
-        if self._batch is None:
+        num_threads = min(self.num_threads, len(rows) // MIN_ROWS_PER_THREAD)
+        if num_threads <= 1:
+            fill_one_by_one(matchers, bitmask, rows)
+            return
+        if num_threads not in self._batches:
             import xgrammar as xgr
 
-            self._batch = xgr.BatchGrammarMatcher(self.num_threads)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            self._batches[num_threads] = xgr.BatchGrammarMatcher(num_threads)
+        self._batches[num_threads].batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
