@@ -224,7 +224,8 @@ def test_an_idle_engine_waits_for_a_compile_instead_of_spinning(tiny, monkeypatc
     monkeypatch.setattr(llm.engine.grammars, "submit", lambda constraint: pending)
     waits = []
     monkeypatch.setattr(llm.engine.scheduler.compiling, "wait", waits.append)
-    for request in llm.processor.process("s", [4, 5, 6], SamplingParams(max_tokens=4, structured_outputs=CONSTRAINTS[2])):
+    params = SamplingParams(max_tokens=4, structured_outputs=CONSTRAINTS[2])
+    for request in llm.processor.process("s", [4, 5, 6], params):
         llm.engine.add_request(request)
     for _ in range(3):
         llm.engine.step()

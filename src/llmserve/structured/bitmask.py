@@ -81,9 +81,10 @@ class BitmaskFiller:
 
     Rows that follow plain decoding fill in one xgrammar batch call over up to `num_threads` threads, at least
     MIN_ROWS_PER_THREAD rows each (a row inside a `pattern` string costs 0.25-0.45 ms on a core: a 1,024-row
-    step on one thread would stall the device for that long); drafts and thinking rows fill row by row. On CUDA the bitmask lands in one
-    of two reused pinned buffers, copied to the device without the host waiting: a buffer is filled again
-    two steps later, once its copy is known done (an event), so no step allocates or pins its bitmask.
+    step on one thread would stall the device for that long); drafts and thinking rows fill row by row. On
+    CUDA the bitmask lands in one of two reused pinned buffers, copied to the device without the host
+    waiting: a buffer is filled again two steps later, once its copy is known done (an event), so no step
+    allocates or pins its bitmask.
     """
 
     def __init__(self, vocab_size: int, device: torch.device, num_threads: int | None = None) -> None:
