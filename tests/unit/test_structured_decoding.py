@@ -182,6 +182,20 @@ def test_steps_with_grammars_overlap_and_end_where_the_in_order_engine_ends(tiny
             _check(out.outputs[0].text, p.structured_outputs)
 
 
+def test_the_fast_lane_takes_a_token_only_where_the_grammar_stays_open(compiler, llm):
+    tokenizer = llm.tokenizer
+    grammar = RequestGrammar(compiler.submit(Constraint(choice=["yes", "no"])))
+    grammar.compiled.result()
+    grammar.start()
+    eos = llm.engine.model_info.eos_token_ids[0]
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert not grammar.accept_if_open(tokenizer.encode("x", add_special_tokens=False)[0])  # forbidden: unchanged
+    for token_id in yes:
+        assert grammar.accept_if_open(token_id)
+    assert not grammar.accept_if_open(eos) and not grammar.is_terminated  # it would close the grammar: unchanged
+    assert grammar.accept(eos) and grammar.is_terminated
+
+
 def test_compiles_are_cached_by_constraint(compiler):
     compiler.take_stats()
     first = compiler.submit(Constraint(regex="[0-9]{4}"))

@@ -96,8 +96,9 @@ def _is_plain_decode(scheduler: Scheduler, sched_out: SchedulerOutput, runner_ou
 
 def _update_plain(scheduler: Scheduler, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput],
                   now: float) -> int:
-    """A plain step (`_is_plain_decode`): a row that samples one token and stops on nothing takes it in a
-    tight loop; the others go through `append_tokens`. Returns the number of tokens generated."""
+    """A plain step (`_is_plain_decode`): a row that samples one token and stops on nothing (its grammar, if
+    any, takes the token and stays open) takes it in a tight loop; the others go through `append_tokens`.
+    Returns the number of tokens generated."""
     num_generated = 0
     requests = scheduler.requests
     for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids):
@@ -108,8 +109,8 @@ def _update_plain(scheduler: Scheduler, runner_out: ModelRunnerOutput, outputs: 
         num_generated += len(token_ids)
         num_tokens = len(request.all_token_ids) + 1
         if (len(token_ids) == 1 and token_ids[0] not in request.any_stop_token_ids
-                and num_tokens < request.max_num_tokens
-                and request.grammar is None and request.first_token_time is not None):
+                and num_tokens < request.max_num_tokens and request.first_token_time is not None
+                and (request.grammar is None or request.grammar.accept_if_open(token_ids[0]))):  # last: it advances
             request.all_token_ids.append(token_ids[0])
             if not request.is_final_only:
                 outputs.append(EngineCoreOutput(req_id, token_ids,

@@ -48,6 +48,17 @@ class RequestGrammar:
         such rows of a step in one batch call (structured.bitmask)."""
         return not self.is_thinking and not self.matcher.is_terminated()
 
+    def accept_if_open(self, token_id: int) -> bool:
+        """Advance over a kept token when the grammar allows it and stays open after it (a step's common case,
+        taken in the scheduler's fast lane); otherwise change nothing and return False (the caller takes the
+        token through `accept`)."""
+        if self.is_thinking or not self.matcher.accept_token(token_id):
+            return False
+        if self.matcher.is_terminated():
+            self.matcher.rollback(1)
+            return False
+        return True
+
     def accept(self, token_id: int) -> bool:
         """Advance over one kept token; False (and no change) when the grammar forbids it."""
         if self.is_thinking:
