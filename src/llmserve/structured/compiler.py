@@ -25,7 +25,8 @@ MAX_XGRAMMAR_THREADS = 8  # xgrammar's compile and batch fill split their work o
 def num_xgrammar_threads() -> int:
     """Threads for xgrammar's parallel work: the cores this process may run on, up to MAX_XGRAMMAR_THREADS (a
     compile or a step's fill is short; past that the hand-offs cost more than the split saves)."""
-    return min(MAX_XGRAMMAR_THREADS, len(os.sched_getaffinity(0)))
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_XGRAMMAR_THREADS, num_cores)
 
 
 class GrammarCompiler:
