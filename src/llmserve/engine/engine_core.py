@@ -232,8 +232,6 @@ class EngineCore:
             outputs = self._finish_in_flight()  # leaving overlap: the step in flight first
         else:
             sched_out = self._schedule()
-            if sched_out.is_empty and len(self.scheduler.compiling):
-                self.scheduler.compiling.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar compiles
             outputs = self.scheduler.update_from_output(sched_out, self._execute(sched_out))
         if self.kv_sender is not None:
             self.kv_sender.on_outputs(outputs)  # before the next schedule can evict the blocks it sends
@@ -248,8 +246,11 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step; then the KV tiers' loads and saves it started run in the background
-        (core/kv_loading.py, core/kv_saving.py)."""
+        (core/kv_loading.py, core/kv_saving.py). A step with nothing to run waits briefly for what would give it
+        some (a grammar's compile, an adapter's read, a KV load or save) instead of spinning."""
         sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.in_flight is None and len(self.scheduler.compiling):
+            self.scheduler.compiling.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar compiles
         if sched_out.is_empty and self.in_flight is None and self.runner.lora is not None:
             self.runner.lora.reader.wait(LORA_READ_POLL_S)  # nothing to run until an adapter's read ends
         if self.kv_connector is not None:  # also lets go of blocks matched but not loaded
@@ -283,8 +284,6 @@ class EngineCore:
         if sched_out.is_empty:
             self.executor.drop_finished(sched_out.finished_req_ids)
             if self.in_flight is None:
-                if len(self.scheduler.compiling):
-                    self.scheduler.compiling.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar compiles
                 return self.scheduler.update_from_output(sched_out, ModelRunnerOutput([], []))
             return self._finish_in_flight()
         previous, self.in_flight = self.in_flight, None

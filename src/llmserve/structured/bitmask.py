@@ -51,12 +51,10 @@ class StepGrammar:
     def fill(self, sampling_req_ids: list[str], vocab_size: int, bitmask: torch.Tensor | None = None,
              batch_fill: BatchFill = fill_one_by_one) -> tuple[torch.Tensor, list[int]]:
         """The bitmask [N, W] int32 over the step's N logits rows (one per sampling request plus one per
-        draft, in that order; into `bitmask[:N]` when given) and the rows that are constrained; the others
-        are left unfilled. Rows that follow plain decoding go to `batch_fill` together."""
-        num_rows = self.num_rows(sampling_req_ids)
+        draft, in that order; into `bitmask`, [N, W], when given) and the rows that are constrained; the
+        others are left unfilled. Rows that follow plain decoding go to `batch_fill` together."""
         if bitmask is None:
-            bitmask = torch.empty(num_rows, bitmask_words(vocab_size), dtype=torch.int32)
-        bitmask = bitmask[:num_rows]  # [N, W]
+            bitmask = torch.empty(self.num_rows(sampling_req_ids), bitmask_words(vocab_size), dtype=torch.int32)
         indices: list[int] = []
         batch_matchers, batch_rows = [], []
         row = 0
@@ -110,7 +108,7 @@ class BitmaskFiller:
             self.buffers[slot] = torch.empty(max(num_rows, 2 * self.buffers[slot].shape[0]),
                                              bitmask_words(self.vocab_size), dtype=torch.int32,
                                              pin_memory=self.is_pinned)
-        return grammar.fill(sampling_req_ids, self.vocab_size, self.buffers[slot], self._batch_fill)
+        return grammar.fill(sampling_req_ids, self.vocab_size, self.buffers[slot][:num_rows], self._batch_fill)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
         """apply_bitmask, the buffer's copy to the device noted (fill waits for it two steps later)."""
@@ -134,7 +132,8 @@ class BitmaskFiller:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
     """Set the disallowed tokens of logits rows `indices` to -inf, in place. logits [N, V] float,
-    bitmask [N, W] int32 on the host (rows outside `indices` are not read)."""
+    bitmask [N, W] int32 on the host, pinned on CUDA (BitmaskFiller's buffers; rows outside `indices` are not
+    read)."""
     if not indices:
         return
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
@@ -142,9 +141,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int
 
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)  # its CPU kernel is faster than ours
         return
-    # through pinned memory on CUDA: a pageable copy would wait for the forward queued before it
-    device_bitmask = bitmask.to(logits.device, non_blocking=True) if bitmask.is_pinned() else \
-        on_device(bitmask.numpy(), logits.device)  # [N, W]
+    device_bitmask = bitmask.to(logits.device, non_blocking=True)  # [N, W]; pinned: the host does not wait
     rows = on_device(np.asarray(indices, np.int32 if logits.is_cuda else np.int64), logits.device)  # [P]
     if logits.is_cuda:
         import xgrammar as xgr
