@@ -1,6 +1,8 @@
 """What a new request's arrival costs the streams already running: the engine core as the server runs it, N
 requests decoding, then one more request at a time; each arrival's next steps timed one by one, with a host
-profile of them. Once without and once with a JSON schema on every request (STEPPROF_SCHEMA, as step_profile.py).
+profile of them. Once without and once with a JSON schema on every request (STEPPROF_SCHEMA, as step_profile.py);
+STEPPROF_ARGS: the LLM's keyword arguments as JSON (e.g. {"cudagraph_mode": "FULL_DECODE_ONLY"}: the A/B of mixed-step
+graphs).
 
     python scripts/gpu/arrival_profile.py MODEL [running, default 16] [out file]
 """
@@ -71,8 +73,10 @@ def main() -> None:
     model = sys.argv[1]
     num_running = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     out = open(sys.argv[3], "w") if len(sys.argv) > 3 else sys.stdout
+    extra = msgspec.json.decode(os.environ.get("STEPPROF_ARGS", "{}"))
     llm = LLM(model, max_model_len=min(4096, load_hf_config(model).max_position_embeddings),
-              load_format=os.environ.get("LOAD_FORMAT", "auto"))
+              load_format=os.environ.get("LOAD_FORMAT", "auto"), **extra)
+    print(f"engine arguments {extra}; mixed-step graphs: {llm.engine.runner.mixed_graphs is not None}", file=out)
     llm._step_log = StepLog(llm)
     sampled = msgspec.structs.replace(llm.get_default_sampling_params(), max_tokens=OUTPUT_LEN, ignore_eos=True)
     run_mode(llm, sampled, "none", num_running, out)

@@ -20,7 +20,8 @@
 #   size also with that JSON schema on every request; STEPPROF_LIMIT: its seconds (150)
 #   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema);
 #   SERVE_ARGS: more `serve` flags (e.g. --max-cudagraph-capture-size 1024); STEPPROF_ARGS: LLM keyword arguments
-#   for stepprof as JSON (e.g. '{"max_graph_batch": 1024}'), STEPPROF_PARAMS its sampling over the defaults
+#   for stepprof and arrivals as JSON (e.g. '{"max_graph_batch": 1024}'), STEPPROF_PARAMS its sampling over the
+#   defaults; ARRIVALS_AB=1: arrivals also with decode graphs only (mixed steps eager), second
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -113,7 +114,12 @@ if want stepprof; then  # where a served decode step's time goes (c=64, c=256), 
 fi
 if want arrivals; then  # what a new request's arrival costs the running streams, without and with a schema
     run arrivals ${ARRIVALS_LIMIT:-120} "$PY" scripts/gpu/arrival_profile.py "$MODEL" ${ARRIVALS_RUNNING:-16} "$RES/arrivals.txt"
-    grep -E 'running:|steady|arrival' "$RES/arrivals.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+    grep -E 'engine arguments|running:|steady|arrival' "$RES/arrivals.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+    if [ -n "${ARRIVALS_AB:-}" ]; then  # the same with decode graphs only: mixed steps eager
+        run arrivals_decode_only ${ARRIVALS_LIMIT:-120} env STEPPROF_ARGS='{"cudagraph_mode": "FULL_DECODE_ONLY"}' \
+            "$PY" scripts/gpu/arrival_profile.py "$MODEL" ${ARRIVALS_RUNNING:-16} "$RES/arrivals_decode_only.txt"
+        grep -E 'engine arguments|running:|steady|arrival' "$RES/arrivals_decode_only.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+    fi
 fi
 if want serve; then
     # shellcheck disable=SC2086

@@ -34,8 +34,14 @@ class ModelConfig:
                                          "no-op without windows)"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (CUDA only; CPU is always eager)"})
     max_graph_batch: int | None = field(default=None, metadata={
-        "help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512)",
+        "help": "largest decode batch captured in a CUDA graph (default: max_num_seqs, at most 512), and largest mixed "
+                "step in tokens (default: the token budget, at most 512)",
         "flag": "max-cudagraph-capture-size", "aliases": ["max-graph-batch"]})
+    cudagraph_mode: str = field(default="FULL", metadata={
+        "help": "FULL: CUDA graphs of decode steps and of mixed steps (prompt chunks beside decode rows, prompts "
+                "alone) of up to --max-cudagraph-capture-size tokens | FULL_DECODE_ONLY: of decode steps only "
+                "(vLLM's compilation-config cudagraph_mode names; --enforce-eager: none)",
+        "choices": ["FULL", "FULL_DECODE_ONLY"]})
     quantization: str | None = field(default=None, metadata={"help": "int8 (W8A8 dynamic per token, CPU and CUDA) | fp8 (float8 e4m3 weights and activations; CUDA compute capability >= 8.9, CPU runs a reference path) | none (default: the checkpoint's own: fp8 for an FP8 checkpoint, else none)", "choices": ["int8", "fp8", "none"]})
     load_format: str = field(default="auto", metadata={"help": "auto (the checkpoint's safetensors) | dummy (random "
                              "weights made on the device, for benchmarks: of the model only config.json and the "

@@ -4,7 +4,8 @@ Tolerance policy. float32: every greedy token is transformers' argmax (float32, 
 at a near-tie (top-2 logits within 1e-4), where the check stops. bfloat16: the same check against
 transformers in float32, with near-ties widened to BF16_TIE_GAP: bf16 weights and activations move
 logits by about 1e-2 on these random models, so a first divergence within that gap is rounding, one
-beyond it is a bug. CUDA graphs and eager give identical tokens in either dtype (the same kernels).
+beyond it is a bug. CUDA graphs and eager give identical tokens in either dtype (the same kernels; mixed steps
+run padded to a multiple of 32 tokens in graphs).
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def test_cuda_graphs_equal_eager(checkpoint, dtype):
     graphed = _tokens(LLM(checkpoint, dtype=dtype, **ENGINE), prompts)
     eager = _tokens(LLM(checkpoint, dtype=dtype, enforce_eager=True, **ENGINE), prompts)
     assert graphed == eager
+
+
+def test_mixed_steps_replay_their_graphs(checkpoint):
+    """Prompt chunks beside decode rows replay the mixed-step graphs (ENGINE's 128-token budget: 32..128 tokens):
+    the tokens of decode graphs alone (--cudagraph-mode FULL_DECODE_ONLY)."""
+    llm = LLM(checkpoint, dtype="float32", **ENGINE)
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.sizes == [32, 64, 96, 128] and mixed.graphs
+    replays, replay = [], mixed._replay
+    mixed._replay = lambda size, num_tokens: replays.append((num_tokens, size)) or replay(size, num_tokens)
+    prompts = _prompts(40, seed=3)
+    tokens = _tokens(llm, prompts)
+    assert len({size for _, size in replays}) > 1 and any(n < size for n, size in replays)
+    decode_only = LLM(checkpoint, dtype="float32", cudagraph_mode="FULL_DECODE_ONLY", **ENGINE)
+    assert decode_only.engine.runner.mixed_graphs is None and decode_only.engine.runner.graphs is not None
+    assert tokens == _tokens(decode_only, prompts)
+    llm.engine.check_integrity()
 
 
 def test_kv_cache_sized_from_gpu_memory(checkpoint):

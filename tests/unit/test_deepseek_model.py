@@ -114,28 +114,29 @@ def test_the_torch_groups_path_equals_transformers(checkpoint, monkeypatch):
     llm.engine.check_integrity()
 
 
-def test_the_triton_backend_and_the_decode_graph_buffers_equal_transformers(checkpoint):
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_the_triton_backend_and_the_graph_buffers_equal_transformers(checkpoint, kind):
     """The latent cache read by the Triton kernel (on CPU through Triton's interpreter): a mixed batch of chunked
-    prompts, then decode steps through the graph buffers (run eagerly here; tests/gpu captures them)."""
+    prompts, then decode steps, through the graph buffers (run eagerly here; tests/gpu captures them). Decode:
+    the decode steps; mixed: every step, padded to 16 tokens (the tiles past a step's on the empty row)."""
     pytest.importorskip("triton")
-    from llmserve.worker.cuda_graphs import DecodeGraphs
+    import graph_buffers
 
     path, hf = checkpoint
     llm = LLM(path, dtype="float32", max_model_len=64, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
               attention_backend="triton", enforce_eager=True)
     runner = llm.engine.runner
     assert runner.attn_backend.name == "triton"
-    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
-                          device=torch.device("cpu"), use_graphs=False)
-    runs, original_run = [], graphs.run
-    graphs.run = lambda inputs: runs.append(inputs.input_ids.shape[0]) or original_run(inputs)
-    runner.graphs = graphs
+    runs = graph_buffers.attach(runner, kind, max_blocks=16, max_tokens=16, max_rows=3)
     prompts = [prompt(n, 60 + i) for i, n in enumerate((3, 21, 1))]
     # 4 tokens, not NUM_OUT: each decode step runs 16 flash-decoding splits a layer in Triton's interpreter
     num_out = 4
     outs = hf_parity.engine_greedy(llm, prompts, num_out)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, num_out) for p in prompts]
-    assert runs and set(runs) <= {1, 2, 3}  # decode steps went through the buffers
+    if kind == "decode":
+        assert runs and {tokens for tokens, _ in runs} <= {1, 2, 3}  # decode steps went through the buffers
+    else:
+        assert (16, 16) in runs and any(tokens < 16 for tokens, _ in runs)
     llm.engine.check_integrity()
 
 

@@ -11,6 +11,7 @@ from llmserve.model.eagle import eagle_shape
 from llmserve.testing.eagle_maker import make_eagle_head
 from llmserve.testing.maker import make_model
 
+import graph_buffers
 from eagle_reference import check_drafts, record_rows
 from spec_cases import repeating_prompts
 
@@ -182,9 +183,10 @@ def test_the_head_is_required_and_speculative_config_names_the_methods():
     assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("eagle3", "h", 5)
 
 
-def test_eagle3_features_come_through_the_decode_graph_buffers(target, heads, hf_target):
+def test_eagle3_features_come_through_the_graph_buffers(target, heads, hf_target):
     """The Triton backend's graph buffers, run eagerly on CPU (CUDA replays the same tensors): verification steps
-    padded to the captured size hand the head the kept layers' inputs of their real tokens only."""
+    padded to the captured size, and prompts in the mixed-step buffers, hand the head the kept layers' inputs of
+    their real tokens only."""
     pytest.importorskip("triton")
     from llmserve.worker.cuda_graphs import DecodeGraphs
     llm = _llm(target, heads["eagle3"], "eagle3", attention_backend="triton", enforce_eager=True,
@@ -195,9 +197,11 @@ def test_eagle3_features_come_through_the_decode_graph_buffers(target, heads, hf
                               device=torch.device("cpu"), use_graphs=False, queries_per_row=queries)
         graphs.run = lambda inputs, run=graphs.run, queries=queries: runs.append(queries) or run(inputs)
         setattr(runner, name, graphs)
+    mixed_runs = graph_buffers.attach(runner, "mixed", max_blocks=16, max_tokens=256, max_rows=4)
     calls = record_rows(llm)
     llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert 4 in runs  # 3 rows of k + 1 tokens padded to 4 rows
+    assert mixed_runs  # the prompts padded to a multiple of 32 tokens
     for tokens, drafts in calls:
         check_drafts("eagle3", heads["eagle3"], hf_target, tokens, drafts)
     llm.engine.check_integrity()

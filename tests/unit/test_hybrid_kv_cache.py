@@ -286,35 +286,33 @@ def test_a_draft_model_is_refused_without_a_full_group():
         checked_kv_cache_layout(config, (4, W))  # two windows, no full layer
 
 
-def test_decode_graph_buffers_hold_a_table_per_group(tmp_path):
-    """Decode steps through the CUDA-graph buffers (run eagerly off CUDA) of the Triton kernel (its interpreter):
-    one block table and slot buffer a group, each layer given its group's; three rows padded to four."""
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_graph_buffers_hold_a_table_per_group(tmp_path, kind):
+    """Steps through the CUDA-graph buffers (run eagerly off CUDA) of the Triton kernel (its interpreter): one
+    block table and slot buffer a group, each layer given its group's. Decode: three rows padded to four;
+    mixed: prompt chunks beside decode rows, and decode steps, padded to 16 tokens (the padding row: null block)."""
     pytest.importorskip("triton")
     import torch
     from transformers import AutoModelForCausalLM
 
+    import graph_buffers
     import hf_parity
     import test_gemma3_model as gemma3
     from llmserve import LLM
-    from llmserve.worker.cuda_graphs import DecodeGraphs
 
     path = gemma3.write_checkpoint(str(tmp_path / "gemma3"), seed=1)  # sliding, sliding, full, sliding
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
-              attention_backend="triton", device=device, enforce_eager=True)
+              attention_backend="triton", device=device, enforce_eager=True, num_scheduler_steps=1)
     runner = llm.engine.runner
     assert runner.kv_layout.group_windows == (0, gemma3.WINDOW, gemma3.WINDOW, gemma3.WINDOW)
-    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
-                          device=torch.device(device), use_graphs=False, layer_groups=runner.kv_layout.layer_groups)
-    runs = []
-    original_run = graphs.run
-    graphs.run = lambda inputs: runs.append(inputs.input_ids.shape[0]) or original_run(inputs)
-    runner.graphs = graphs
+    runs = graph_buffers.attach(runner, kind, max_blocks=16, max_tokens=16, max_rows=3,
+                                layer_groups=runner.kv_layout.layer_groups)
     prompts = [hf_parity.random_prompt(n, seed, gemma3.VOCAB) for n, seed in ((21, 5), (13, 6), (17, 7))]
     outs = hf_parity.engine_greedy(llm, prompts, num_out=8)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
-    assert 3 in runs
+    assert (3, 4) in runs if kind == "decode" else (16, 16) in runs and (3, 16) in runs
     llm.engine.check_integrity()
 
 

@@ -47,16 +47,17 @@ def test_a_padded_step_skips_the_base_models_tokens_and_equals_the_grouped_one()
     assert (padded[torch.from_numpy(slots >= 0).to(DEVICE)] != 1).any()
 
 
-def test_decode_steps_through_the_graph_buffers_give_peft_tokens(tmp_path):
-    """An engine's decode steps run the padded LoRA step inside the decode-graph buffers (eagerly here; on
-    CUDA replayed), rows of two adapters and the base model in one batch padded to 4: transformers + peft's
-    greedy tokens."""
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_steps_through_the_graph_buffers_give_peft_tokens(tmp_path, kind):
+    """An engine's steps run the padded LoRA step inside the graph buffers (eagerly here; on CUDA replayed), rows
+    of two adapters and the base model in one batch: decode steps padded to 4 rows; mixed: prompts and decode
+    steps padded to 32 or 64 tokens. transformers + peft's greedy tokens."""
     from hf_parity import random_prompt
     from lora_helpers import make_adapter, peft_greedy
 
+    import graph_buffers
     from llmserve import LLM, LoRARequest, SamplingParams
     from llmserve.testing.maker import make_model
-    from llmserve.worker.cuda_graphs import DecodeGraphs
 
     base = make_model("llama", "tiny", str(tmp_path / "base"), seed=1)
     loras = [LoRARequest(f"a{i}", i + 1, make_adapter(base, str(tmp_path / f"a{i}"), seed=50 + i, rank=8))
@@ -67,14 +68,10 @@ def test_decode_steps_through_the_graph_buffers_give_peft_tokens(tmp_path):
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, attention_backend="triton",
               enforce_eager=True, device=DEVICE, max_model_len=64, num_kv_blocks=64)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=8,
-                          device=torch.device(DEVICE), use_graphs=False, lora=runner.lora.context)
-    padded_sizes = []
-    forward = graphs._forward
-    graphs._forward = lambda size: padded_sizes.append(size) or forward(size)
-    runner.graphs = graphs
+    runs = graph_buffers.attach(runner, kind, max_blocks=8, max_tokens=64, max_rows=3, lora=runner.lora.context)
     outs = llm.generate(prompts, params, lora_request=requests)
-    assert padded_sizes and set(padded_sizes) <= {1, 2, 4}
+    padded_sizes = {size for _, size in runs}
+    assert padded_sizes and padded_sizes <= ({1, 2, 4} if kind == "decode" else {32, 64})
     expected = [peft_greedy(base, None if lora is None else lora.lora_path, prompt, 5)
                 for prompt, lora in zip(prompts, requests)]
     assert [list(o.outputs[0].token_ids) for o in outs] == expected

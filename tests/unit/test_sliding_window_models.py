@@ -169,26 +169,22 @@ def test_greedy_equals_transformers_through_preemption_and_an_abort(checkpoint):
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
-def test_decode_graph_buffers_through_given_back_blocks(checkpoint):
-    """Decode steps through the CUDA-graph buffers (run eagerly off CUDA) of the Triton backend, with the
-    blocks before the window given back: the captured block table holds stale or null ids there, never read.
-    Here the mixed model's layers in one KV cache group (a table per group: tests/unit/test_hybrid_kv_cache.py)."""
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_graph_buffers_through_given_back_blocks(checkpoint, kind):
+    """Decode steps (kind "decode"), or every step padded to 16 tokens ("mixed"), through the CUDA-graph buffers
+    (run eagerly off CUDA) of the Triton backend, with the blocks before the window given back: the captured
+    block table holds stale or null ids there, never read. Here the mixed model's layers in one KV cache group
+    (a table per group: tests/unit/test_hybrid_kv_cache.py)."""
     pytest.importorskip("triton")
-    from llmserve.worker.cuda_graphs import DecodeGraphs
+    import graph_buffers
 
     path, _, hf = checkpoint
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16,
               attention_backend="triton", device=device, enforce_eager=True, disable_hybrid_kv_cache_manager=True)
-    runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=16,
-                          device=torch.device(device), use_graphs=False)
-    runs = []
-    original_run = graphs.run
-    graphs.run = lambda inputs: runs.append(inputs.input_ids.shape[0]) or original_run(inputs)
-    runner.graphs = graphs
+    runs = graph_buffers.attach(llm.engine.runner, kind, max_blocks=16, max_tokens=16, max_rows=4)
     prompts = [prompt(21, 5)]
     outs = greedy(llm, prompts)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
-    assert runs
+    assert runs and (kind == "decode" or (16, 16) in runs)
     llm.engine.check_integrity()

@@ -14,7 +14,8 @@ from attention_cases import check_against_reference, make_case, random_rows, run
 
 from llmserve.model import triton_kernels  # noqa: E402
 from llmserve.model.attn_torch import TorchAttentionBackend  # noqa: E402
-from llmserve.model.attn_triton import TritonAttentionBackend, query_tiles  # noqa: E402
+from llmserve.model.attn_triton import TritonAttentionBackend  # noqa: E402
+from llmserve.model.paged_indices import query_tiles  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MIXED_ROWS = [(40, 1), (0, 70), (7, 3), (0, 5), (100, 30), (299, 1), (0, 1), (33, 16), (5, 17), (15, 1)]

@@ -1,11 +1,12 @@
-"""The engine on the Triton attention backend and through the decode-graph buffers: the same greedy
-tokens as the torch backend (on CPU the kernel runs under Triton's interpreter, the graph buffers
+"""The engine on the Triton attention backend and through the decode-graph and mixed-step-graph buffers: the
+same greedy tokens as the torch backend (on CPU the kernel runs under Triton's interpreter, the graph buffers
 eagerly; tests/gpu runs both for real)."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,9 @@ pytest.importorskip("triton")
 from llmserve import LLM, SamplingParams  # noqa: E402
 from llmserve.testing.maker import make_model  # noqa: E402
 from llmserve.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
+from llmserve.worker.mixed_graphs import MixedGraphs, max_tiles, mixed_graph_sizes  # noqa: E402
+
+import graph_buffers  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=48, device=DEVICE)
@@ -68,4 +72,53 @@ def test_decode_graph_buffers_match_torch(tiny, reference):
     runs.clear()
     assert _tokens(llm, _prompts(6, 2)) == reference[2]
     assert all(n <= 4 for n in runs)  # 6 decode rows ran eagerly; only the tail (<= 4 left) used the buffers
+    llm.engine.check_integrity()
+
+
+def test_mixed_graph_sizes():
+    assert mixed_graph_sizes(16) == [16]
+    assert mixed_graph_sizes(48) == [32, 48]
+    assert mixed_graph_sizes(512)[:3] == [32, 64, 96] and mixed_graph_sizes(512)[-1] == 512
+    assert mixed_graph_sizes(100)[-2:] == [96, 100]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_mixed_steps_rows_and_tiles(seed):
+    """The rows' metadata of a step of random rows padded to its size: the step's rows, the padding row with the
+    rest of the tokens, tiles within the graph's grid and in order, the tiles past them on the empty row."""
+    rng = random.Random(seed)
+    graphs = MixedGraphs(None, None, [], max_tokens=96, max_rows=8, max_blocks=4, block_size=16,
+                         device=torch.device("cpu"), use_graphs=False)
+    num_rows = rng.randint(1, 8)
+    query_lens = [rng.choice([1, 1, rng.randint(1, 40)]) for _ in range(num_rows)]
+    while sum(query_lens) > 96:
+        query_lens[rng.randrange(num_rows)] = 1
+    seq_lens = [q + rng.randint(0, 30) for q in query_lens]
+    size = next(s for s in graphs.sizes if s >= sum(query_lens))
+    meta = graphs._row_meta(query_lens, seq_lens, size)
+    rows = len(graphs.seq_lens)  # the step's most, the padding row, the empty row
+    keys, starts, tiles = meta[:rows], meta[rows:2 * rows + 1], meta[2 * rows + 1:]
+    tile_rows, tile_starts = tiles[:len(tiles) // 2], tiles[len(tiles) // 2:]
+    num_pad = size - sum(query_lens)
+    assert list(keys[:num_rows]) == seq_lens and keys[num_rows] == num_pad and not keys[num_rows + 1:].any()
+    assert list(starts[1:num_rows + 1]) == list(np.cumsum(query_lens)) and (starts[num_rows + 1:] == size).all()
+    covered = [(r, s) for r, s in zip(tile_rows, tile_starts) if r != graphs.empty_row]
+    expected = [(r, s) for r, q in enumerate(query_lens + [num_pad]) for s in range(0, q, 16)]
+    assert covered == expected
+    assert len(covered) <= graphs.num_tiles[size] == max_tiles(size, 8)
+    assert (tile_rows[len(covered):] == graphs.empty_row).all()
+
+
+def test_mixed_graph_buffers_match_torch(tiny, reference):
+    """Every step of up to 48 tokens (prompt chunks beside decode rows, decode steps: no decode graphs here)
+    runs padded to 32 or 48 tokens through the mixed-step buffers."""
+    llm = LLM(tiny, attention_backend="triton", enforce_eager=True, num_scheduler_steps=1, **ENGINE)
+    runner = llm.engine.runner
+    runs = graph_buffers.attach(runner, "mixed", max_blocks=8, max_tokens=48, max_rows=6)
+    mixes, run = [], runner.mixed_graphs.run
+    runner.mixed_graphs.run = lambda inputs: mixes.append(sorted(set(inputs.attn.query_lens_cpu))) or run(inputs)
+    assert _tokens(llm, _prompts(6, 2)) == reference[2]
+    assert {size for _, size in runs} == {32, 48} and all(tokens <= size for tokens, size in runs)
+    assert any(tokens < size for tokens, size in runs)  # padded
+    assert any(len(mix) > 1 and mix[0] == 1 for mix in mixes)  # a prompt chunk beside decode rows
     llm.engine.check_integrity()

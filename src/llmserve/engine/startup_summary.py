@@ -81,6 +81,8 @@ def startup_line(core) -> str:
     config, info, runner = core.config, core.model_info, core.runner
     sched = config.scheduler
     graphs = "CUDA graphs off" if runner.graphs is None else f"CUDA graphs up to batch {runner.graphs.sizes[-1]}"
+    if runner.mixed_graphs is not None:
+        graphs += f", mixed steps up to {runner.mixed_graphs.sizes[-1]} tokens"
     parts = [f"engine ready: {info.name} on {core.device}, {info.dtype}", runner_kind(info.pooler),
              f"linears {linear_kernel(runner.model, core.device, core.dtype, info.quantization)}",
              kv_cache(runner.kv_caches, core.num_blocks, config.cache.block_size, core.scheduler.kv.num_groups),

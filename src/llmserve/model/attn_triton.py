@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from llmserve.model import triton_kernels
 from llmserve.model.attention import K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
+from llmserve.model.paged_indices import query_tiles
 
 
 @dataclass
@@ -30,16 +30,6 @@ class TritonAttentionMetadata:
     tile_rows: torch.Tensor  # [tiles] int32: the row of each query tile
     tile_starts: torch.Tensor  # [tiles] int32: its first query, counted within the row
     block_q: int  # query tokens per tile
-
-
-def query_tiles(query_lens: list[int], block_q: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows' queries cut into tiles of block_q -> (tile_rows, tile_starts), both [tiles] int32."""
-    lens = np.asarray(query_lens, dtype=np.int64)  # [B]
-    num_tiles = -(-lens // block_q)  # [B]
-    tile_rows = np.repeat(np.arange(len(lens)), num_tiles)  # [tiles]
-    first_tile = np.cumsum(num_tiles) - num_tiles  # [B]
-    tile_starts = (np.arange(int(num_tiles.sum())) - first_tile[tile_rows]) * block_q  # [tiles]
-    return tile_rows.astype(np.int32), tile_starts.astype(np.int32)
 
 
 class TritonAttentionBackend(AttentionBackend):

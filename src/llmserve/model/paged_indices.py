@@ -1,6 +1,6 @@
 """Index arithmetic of a forward over the paged KV cache, for the runner (worker/step_inputs.py) and the draft
-model (spec/draft_inputs.py): flat token positions, cache slots, the sampling rows' logits indices, and the
-host-to-device copy of these arrays."""
+model (spec/draft_inputs.py): flat token positions, cache slots, the sampling rows' logits indices, the Triton
+kernel's query tiles, and the host-to-device copy of these arrays."""
 
 from __future__ import annotations
 
@@ -45,3 +45,13 @@ def slot_mapping(block_table: np.ndarray, row_of_token: np.ndarray, positions: n
     block_ids = block_table[row_of_token, positions // block_size]
     block_ids = block_ids.long() if isinstance(block_ids, torch.Tensor) else block_ids.astype(np.int64)
     return block_ids * block_size + positions % block_size
+
+
+def query_tiles(query_lens: list[int], block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows' queries cut into tiles of block_q -> (tile_rows, tile_starts), both [tiles] int32."""
+    lens = np.asarray(query_lens, dtype=np.int64)  # [B]
+    num_tiles = -(-lens // block_q)  # [B]
+    tile_rows = np.repeat(np.arange(len(lens)), num_tiles)  # [tiles]
+    first_tile = np.cumsum(num_tiles) - num_tiles  # [B]
+    tile_starts = (np.arange(int(num_tiles.sum())) - first_tile[tile_rows]) * block_q  # [tiles]
+    return tile_rows.astype(np.int32), tile_starts.astype(np.int32)

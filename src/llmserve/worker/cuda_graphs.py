@@ -20,7 +20,7 @@ too: after a replay the model's `aux_hidden` is set to views of the captured ten
 
 `use_graphs=False` keeps the same buffers and padding but calls the model eagerly: that path runs
 on CPU (with the Triton backend under TRITON_INTERPRET) so the tests check the padding logic
-without a GPU.
+without a GPU. `StepGraphs` is what these graphs share with those of mixed steps (worker/mixed_graphs.py).
 """
 
 from __future__ import annotations
@@ -48,63 +48,63 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
+class StepGraphs:
+    """A forward captured per padded size over persistent input buffers: the buffers (tokens, rows, query
+    tiles, KV cache groups, LoRA slots), the capture of every size into one memory pool, and the replay, or
+    with use_graphs=False an eager call over the same buffers. Subclasses say what a size holds."""
+
     def __init__(self, model: torch.nn.Module, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
-                 max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True,
-                 queries_per_row: int = 1, layer_groups: tuple[int, ...] | None = None,
-                 lora: LoRAContext | None = None) -> None:
-        """layer_groups: each layer's KV cache group (None: one group, one block table for every layer).
-        lora: the context of the model's LoRA projections (None: no adapters)."""
-        self.model = model
-        self.lora = lora
+                 sizes: list[int], max_tokens: int, max_rows: int, max_tiles: int, max_blocks: int,
+                 device: torch.device, use_graphs: bool, layer_groups: tuple[int, ...] | None,
+                 lora: LoRAContext | None) -> None:
+        self.model, self.backend, self.kv_caches, self.lora = model, backend, kv_caches, lora
         self.layer_groups = layer_groups
         num_groups = 1 if layer_groups is None else max(layer_groups) + 1
-        self.step_kinds = step_kinds_of(model)
-        self.backend = backend
-        self.kv_caches = kv_caches
-        self.sizes = graph_batch_sizes(max_batch)
-        self.max_blocks = max_blocks
-        self.use_graphs = use_graphs
-        self.q = queries_per_row  # Q; at most one attention tile (16 queries)
-        n = self.sizes[-1]
+        self.sizes, self.max_blocks, self.use_graphs = sizes, max_blocks, use_graphs
         int32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
-        self.positions = torch.zeros(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
-        self.slot_mappings = torch.zeros(num_groups, n * self.q, dtype=torch.int64, device=device)  # [G, n * Q]
-        self.block_tables = torch.zeros(num_groups, n, max_blocks, **int32)  # [G, n, W]
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T]
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T]
+        self.slot_mappings = torch.zeros(num_groups, max_tokens, dtype=torch.int64, device=device)  # [G, T]
+        self.block_tables = torch.zeros(num_groups, max_rows, max_blocks, **int32)  # [G, R, W]
         self.slot_mapping, self.block_table = self.slot_mappings[0], self.block_tables[0]  # the first group's
-        self.seq_lens = torch.full((n,), self.q, **int32)  # [n]
-        self.query_start_loc = torch.arange(n + 1, **int32) * self.q  # [n + 1]: Q queries a row
-        self.tile_rows = torch.arange(n, **int32)  # [n]: one tile per row
-        self.tile_starts = torch.zeros(n, **int32)  # [n]
-        self.lora_tokens = torch.arange(n * self.q, dtype=torch.int64, device=device)  # [n * Q]
-        self.lora_slots = torch.full((n * self.q,), -1, dtype=torch.int64, device=device)  # [n * Q] -1: base model
+        # the rows' and tiles' int32 metadata in one buffer (one copy a step where it changes)
+        self.row_meta = torch.zeros(2 * max_rows + 1 + 2 * max_tiles, **int32)
+        self.seq_lens = self.row_meta[:max_rows]  # [R]
+        self.query_start_loc = self.row_meta[max_rows:2 * max_rows + 1]  # [R + 1]
+        self.tile_rows = self.row_meta[2 * max_rows + 1:2 * max_rows + 1 + max_tiles]  # [tiles]
+        self.tile_starts = self.row_meta[2 * max_rows + 1 + max_tiles:]  # [tiles]
+        self.lora_tokens = torch.arange(max_tokens, dtype=torch.int64, device=device)  # [T]
+        self.lora_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)  # [T] -1: base model
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [size * Q, hidden]
-        self.aux: dict[int, dict[int, torch.Tensor]] = {}  # per size: the kept layer inputs {layer: [size * Q, hidden]}
+        self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [tokens, hidden]
+        self.aux: dict[int, dict[int, torch.Tensor]] = {}  # per size: the kept layer inputs {layer: [tokens, hidden]}
+
+    def num_tokens_of(self, size: int) -> int:
+        raise NotImplementedError
 
     def _metadata(self, size: int):
-        """The backend's metadata over the buffers; with groups [L] each layer's group's."""
-        groups = [self.backend.graph_metadata(slots[:size * self.q], table[:size], self.seq_lens[:size],
-                                              self.query_start_loc[:size + 1], self.tile_rows[:size],
-                                              self.tile_starts[:size], self.q)
-                  for slots, table in zip(self.slot_mappings, self.block_tables)]
-        return groups[0] if self.layer_groups is None else [groups[g] for g in self.layer_groups]
+        """The backend's metadata over the buffers for a size; with groups [L] each layer's group's."""
+        raise NotImplementedError
+
+    def _step_kinds(self):
+        """The context the forward runs in (FP8 layers' token kinds)."""
+        return nullcontext()
 
     def _forward(self, size: int) -> torch.Tensor:
-        """Every token a decode token (FP8 layers: their decode kernel; model/quant/token_kinds.py)."""
-        with nullcontext() if self.step_kinds is None else self.step_kinds.using(ALL_DECODE):
+        with self._step_kinds():
             if self.lora is None:
                 return self._model_forward(size)
+            num_tokens = self.num_tokens_of(size)
             runner_step, self.lora.step = self.lora.step, LoRAStep(
-                self.lora_tokens[:size * self.q], self.lora_slots[:size * self.q], [], is_padded=True)
+                self.lora_tokens[:num_tokens], self.lora_slots[:num_tokens], [], is_padded=True)
             try:
                 return self._model_forward(size)
             finally:
                 self.lora.step = runner_step
 
     def _model_forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size * self.q], self.positions[:size * self.q], self.kv_caches,
+        num_tokens = self.num_tokens_of(size)
+        return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches,
                           self._metadata(size), self.backend)
 
     @torch.inference_mode()
@@ -122,8 +122,83 @@ class DecodeGraphs:
             self.aux[size] = dict(getattr(self.model, "aux_hidden", {}))
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for batches %s of %d quer%s a row", self.sizes, self.q,
-                    "y" if self.q == 1 else "ies")
+        logger.info("captured CUDA graphs of %s", self.describe())
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def _copy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mappings: list[torch.Tensor],
+                     num_tokens: int) -> None:
+        """A step's tokens [num_tokens] (and each KV cache group's slots) into the buffers' first entries."""
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        for group, slots in enumerate(slot_mappings):
+            self.slot_mappings[group, :num_tokens].copy_(slots, non_blocking=True)
+
+    def _copy_block_tables(self, block_tables: list[torch.Tensor]) -> tuple[int, int]:
+        """Each group's [B, W] table into the first B rows (columns past W zeroed) -> (B, W)."""
+        num_rows, width = block_tables[0].shape
+        for group, table in enumerate(block_tables):
+            self.block_tables[group, :num_rows, :width].copy_(table, non_blocking=True)
+        self.block_tables[:, :num_rows, width:].zero_()
+        return num_rows, width
+
+    def _replay(self, size: int, num_tokens: int) -> torch.Tensor:
+        """The captured forward of `size` over the buffers -> hidden states [num_tokens, hidden] (a view of the
+        graph's output: read it before the next run); the model's kept layer inputs likewise."""
+        if self.lora is not None:
+            self._copy_lora_slots()
+        if not self.use_graphs:
+            hidden, aux = self._forward(size), getattr(self.model, "aux_hidden", {})
+        else:
+            self.graphs[size].replay()
+            hidden, aux = self.hidden[size], self.aux[size]
+        if aux:
+            self.model.aux_hidden = {layer: t[:num_tokens] for layer, t in aux.items()}
+        return hidden[:num_tokens]
+
+    def _copy_lora_slots(self) -> None:
+        """The runner's step (adapter tokens only, or None: all base) as every token's slot, -1 elsewhere."""
+        self.lora_slots.fill_(-1)
+        step = self.lora.step
+        if step is not None:
+            self.lora_slots.index_copy_(0, step.token_indices, step.token_slots)
+
+
+class DecodeGraphs(StepGraphs):
+    def __init__(self, model: torch.nn.Module, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
+                 max_batch: int, max_blocks: int, device: torch.device, use_graphs: bool = True,
+                 queries_per_row: int = 1, layer_groups: tuple[int, ...] | None = None,
+                 lora: LoRAContext | None = None) -> None:
+        """layer_groups: each layer's KV cache group (None: one group, one block table for every layer).
+        lora: the context of the model's LoRA projections (None: no adapters)."""
+        sizes = graph_batch_sizes(max_batch)
+        n = sizes[-1]
+        self.q = queries_per_row  # Q; at most one attention tile (16 queries)
+        super().__init__(model, backend, kv_caches, sizes, n * self.q, n, n, max_blocks, device, use_graphs,
+                         layer_groups, lora)
+        self.step_kinds = step_kinds_of(model)
+        self.seq_lens.fill_(self.q)  # [n]
+        self.query_start_loc.copy_(torch.arange(n + 1, dtype=torch.int32) * self.q)  # [n + 1]: Q queries a row
+        self.tile_rows.copy_(torch.arange(n, dtype=torch.int32))  # [n]: one tile per row
+        self.tile_starts.zero_()  # [n]
+
+    def num_tokens_of(self, size: int) -> int:
+        return size * self.q
+
+    def _metadata(self, size: int):
+        groups = [self.backend.graph_metadata(slots[:size * self.q], table[:size], self.seq_lens[:size],
+                                              self.query_start_loc[:size + 1], self.tile_rows[:size],
+                                              self.tile_starts[:size], self.q)
+                  for slots, table in zip(self.slot_mappings, self.block_tables)]
+        return groups[0] if self.layer_groups is None else [groups[g] for g in self.layer_groups]
+
+    def _step_kinds(self):
+        """Every token a decode token (FP8 layers: their decode kernel; model/quant/token_kinds.py)."""
+        return nullcontext() if self.step_kinds is None else self.step_kinds.using(ALL_DECODE)
+
+    def describe(self) -> str:
+        return f"decode batches {self.sizes} of {self.q} quer{'y' if self.q == 1 else 'ies'} a row"
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
         """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts),
@@ -160,33 +235,12 @@ class DecodeGraphs:
         next run). With KV cache groups slot_mapping and block_table are lists, one a group."""
         slot_mappings = slot_mapping if isinstance(slot_mapping, list) else [slot_mapping]
         block_tables = block_table if isinstance(block_table, list) else [block_table]
-        num_rows, width = block_tables[0].shape
+        num_rows, _ = self._copy_block_tables(block_tables)
         size, num_tokens = self._padded_size(num_rows), num_rows * self.q
-        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self._copy_tokens(input_ids, positions, slot_mappings, num_tokens)
         self.seq_lens[:num_rows].copy_(seq_lens, non_blocking=True)
-        for group, (slots, table) in enumerate(zip(slot_mappings, block_tables, strict=True)):
-            self.slot_mappings[group, :num_tokens].copy_(slots, non_blocking=True)
-            self.block_tables[group, :num_rows, :width].copy_(table, non_blocking=True)
-        self.block_tables[:, :num_rows, width:].zero_()
         self._reset_padding(num_rows, size)
-        if self.lora is not None:
-            self._copy_lora_slots()
-        if not self.use_graphs:
-            hidden, aux = self._forward(size), getattr(self.model, "aux_hidden", {})
-        else:
-            self.graphs[size].replay()
-            hidden, aux = self.hidden[size], self.aux[size]
-        if aux:
-            self.model.aux_hidden = {layer: t[:num_tokens] for layer, t in aux.items()}
-        return hidden[:num_tokens]
-
-    def _copy_lora_slots(self) -> None:
-        """The runner's step (adapter tokens only, or None: all base) as every token's slot, -1 elsewhere."""
-        self.lora_slots.fill_(-1)
-        step = self.lora.step
-        if step is not None:
-            self.lora_slots.index_copy_(0, step.token_indices, step.token_slots)
+        return self._replay(size, num_tokens)
 
     def _reset_padding(self, num_rows: int, size: int) -> None:
         """Rows num_rows..size-1 back to the null row (a previous, larger batch may have used them)."""

@@ -34,6 +34,7 @@ from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import BitmaskFiller
 from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.mixed_graphs import MixedGraphs
 from llmserve.worker.decode_window import WindowEnds, run_window
 from llmserve.worker.input_batch import CachedRequestState
 from llmserve.worker.lora_manager import LoRAManager
@@ -81,6 +82,7 @@ class ModelRunner:
         self.has_feature_reader = speculator is not None and speculator.proposer.needs_target_features
         self.graphs = graphs  # CUDA graphs of decode steps (CUDA + Triton backend only)
         self.verify_graphs: DecodeGraphs | None = None  # of verification steps (speculation; set by the Worker)
+        self.mixed_graphs: MixedGraphs | None = None  # of mixed steps: prompts beside decode rows (set by the Worker)
         self.states: dict[str, CachedRequestState] = {}
         self.num_not_plain_greedy = 0  # states whose sampling needs per-row inputs (SamplingInputs)
         self.prompt_scorers: set[str] = set()  # states that ask for prompt logprobs
@@ -301,7 +303,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, has_drafts: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] and the sampling rows' logits [N, V]."""
         graphs = self.verify_graphs if has_drafts else self.graphs
-        if graphs is None and self.step_kinds is None and inputs.attn_groups is None:  # CPU: maybe one C++ call
+        if graphs is None and self.mixed_graphs is None and self.step_kinds is None and inputs.attn_groups is None:
+            # CPU: maybe one C++ call
             self.times.num_tokens += len(inputs.input_ids)
             return self.model.forward_logits(inputs.input_ids, inputs.positions, self.kv_caches,
                                               self.attn_metadata(inputs), self.attn_backend, inputs.logits_indices)
@@ -316,6 +319,8 @@ class ModelRunner:
         assert self.step_kinds is None or kinds is not None, "FP8 layers need the step's token kinds"
         if graphs is not None and graphs.can_run(inputs, has_drafts):
             hidden = graphs.run(inputs)  # [T, hidden]; captured with every token a decode token
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs, has_drafts):
+            hidden = self.mixed_graphs.run(inputs)  # [T, hidden]
         else:
             metadata = self.attn_metadata(inputs)
             with nullcontext() if self.step_kinds is None else self.step_kinds.using(kinds):

@@ -18,6 +18,7 @@ from llmserve.model.eagle import load_eagle
 from llmserve.model.lora_layers import LoRAContext
 from llmserve.model.loader import ModelInfo, load_model, load_model_info, resolve_model_path
 from llmserve.model.parallel import TensorParallel
+from llmserve.model.quant.token_kinds import step_kinds_of
 from llmserve.spec.draft import DraftModelProposer
 from llmserve.spec.draft_chain import DraftChain
 from llmserve.spec.draft_head import DraftHead, read_token_map
@@ -28,6 +29,7 @@ from llmserve.spec.policy import SpeculationRule
 from llmserve.spec.speculator import Speculator
 from llmserve.worker.cpu_threads import apply_num_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.mixed_graphs import MixedGraphs
 from llmserve.worker.pooler import Pooler
 from llmserve.worker.gpu_profile import kv_budget_from_profile, profile_forward
 from llmserve.worker.kv_cache import (allocate_kv_caches, cache_bytes_per_block, layer_kv_caches, needs_gpu_profile,
@@ -86,6 +88,7 @@ class Worker:
                                   model_info.max_model_len, tp,
                                   None if model_info.pooler is None else Pooler(model_info.pooler), self.kv_layout,
                                   lora)
+        self.runner.mixed_graphs = self._mixed_graphs(model, attn_backend, kv_caches, layer_groups, lora_context)
         spec = config.speculative
         if speculator is not None and spec.num_speculative_tokens < MAX_GRAPH_QUERIES:  # verification steps
             self.runner.verify_graphs = self._decode_graphs(
@@ -186,6 +189,16 @@ class Worker:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp.group)  # every rank holds every block
         return int(agreed.item())
 
+    def _can_capture(self, model: torch.nn.Module, attn_backend) -> bool:
+        """CUDA with the Triton backend, unless --enforce-eager, for a model whose forward a graph can hold."""
+        if self.device.type != "cuda" or self.config.model.enforce_eager or attn_backend.name != "triton":
+            return False
+        if self.model_info.pooler is not None:
+            return False  # a pooling engine runs prompts only: no decode step to capture
+        if self.tp is not None:
+            return False  # the all-reduces are not captured yet (untested without 2 GPUs): eager
+        return not getattr(model, "has_host_syncs", lambda: False)()  # MoE layers that read expert counts on the host
+
     def _decode_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
                        max_batch: int, queries_per_row: int = 1,
                        layer_groups: tuple[int, ...] | None = None,
@@ -194,17 +207,31 @@ class Worker:
         (CUDA with the Triton backend, unless --enforce-eager): the target's decode and verification
         steps (with KV cache groups, `layer_groups`: each layer's; with LoRA, `lora_context`: the adapters'
         Triton kernels inside), and a draft model's later forwards."""
-        cfg = self.config.model
-        if self.device.type != "cuda" or cfg.enforce_eager or attn_backend.name != "triton":
+        if not self._can_capture(model, attn_backend):
             return None
-        if self.model_info.pooler is not None:
-            return None  # a pooling engine runs prompts only: no decode step to capture
-        if self.tp is not None:
-            return None  # the all-reduces are not captured yet (untested without 2 GPUs): eager
-        if getattr(model, "has_host_syncs", lambda: False)():
-            return None  # MoE layers that read their expert counts on the host, which a graph cannot
-        max_blocks = -(-self.model_info.max_model_len // self.config.cache.block_size)
-        graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, max_blocks, self.device,
+        graphs = DecodeGraphs(model, attn_backend, kv_caches, max_batch, self._max_blocks(), self.device,
                               queries_per_row=queries_per_row, layer_groups=layer_groups, lora=lora_context)
         graphs.capture()
         return graphs
+
+    def _mixed_graphs(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
+                      layer_groups: tuple[int, ...] | None, lora_context: LoRAContext | None) -> MixedGraphs | None:
+        """CUDA graphs of the target's mixed steps (--cudagraph-mode FULL) of up to --max-cudagraph-capture-size
+        tokens (default 512, at most the token budget), captured now; none for FP8 layers that route tokens by
+        kind on the host."""
+        config = self.config
+        if config.model.cudagraph_mode != "FULL" or not self._can_capture(model, attn_backend):
+            return None
+        if step_kinds_of(model) is not None:
+            return None
+        max_tokens = min(config.model.max_graph_batch or MAX_DEFAULT_GRAPH_BATCH,
+                         config.scheduler.max_num_batched_tokens)
+        graphs = MixedGraphs(model, attn_backend, kv_caches, max_tokens, config.scheduler.max_num_seqs,
+                             self._max_blocks(), config.cache.block_size, self.device, layer_groups=layer_groups,
+                             lora=lora_context)
+        graphs.capture()
+        return graphs
+
+    def _max_blocks(self) -> int:
+        """Block-table columns of the longest sequence."""
+        return -(-self.model_info.max_model_len // self.config.cache.block_size)
