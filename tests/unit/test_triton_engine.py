@@ -80,6 +80,8 @@ def test_mixed_graph_sizes():
     assert mixed_graph_sizes(48) == [32, 48]
     assert mixed_graph_sizes(512)[:3] == [32, 64, 96] and mixed_graph_sizes(512)[-1] == 512
     assert mixed_graph_sizes(100)[-2:] == [96, 100]
+    assert mixed_graph_sizes(1024)[15:18] == [512, 576, 640] and len(mixed_graph_sizes(1024)) == 24
+    assert mixed_graph_sizes(600)[-2:] == [576, 600]
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -1,7 +1,7 @@
 """CUDA graphs of mixed steps: prompt chunks beside decode rows, or prompts alone, of up to a few hundred
-tokens, captured per padded token count (32, 64, 96, ...). Eagerly such a step launches every kernel of every
-layer from Python (a step of 16 decode rows and one 216-token prompt took ~26 ms on an H200 against a 5.3 ms
-decode replay, docs/benchmarks.md); replayed, its launches cost what a decode step's do.
+tokens, captured per padded token count (32, 64, ... 512, then every 64). Eagerly such a step launches every
+kernel of every layer from Python (a step of 16 decode rows and one 216-token prompt took ~26 ms on an H200
+against a 5.3 ms decode replay, docs/benchmarks.md); replayed, its launches cost what a decode step's do.
 
 The attention kernel is inside the graph. Its grid, the step's number of query tiles, depends on the rows'
 mix, so a graph fixes it at the most a step of its token count can have: ceil(T / 16) for the tokens plus one
@@ -25,12 +25,13 @@ from llmserve.worker.cuda_graphs import StepGraphs
 from llmserve.worker.step_inputs import StepInputs
 
 PROMPT_TILE = 16  # queries a tile of the Triton kernel when any row has more than one (triton_kernels.block_q_for)
-TOKEN_STEP = 32  # sizes are multiples of this
+TOKEN_STEP = 32  # sizes are multiples of this up to 512 tokens, then of 64 (at most 1/16 of a step padding)
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    """32, 64, ... up to max_tokens (max_tokens itself last when it is no multiple of 32)."""
-    sizes = list(range(TOKEN_STEP, max_tokens + 1, TOKEN_STEP))
+    """32, 64, ... 512, 576, 640, ... up to max_tokens (max_tokens itself last when it falls between)."""
+    sizes = list(range(TOKEN_STEP, min(max_tokens, 512) + 1, TOKEN_STEP))
+    sizes += list(range(512 + 2 * TOKEN_STEP, max_tokens + 1, 2 * TOKEN_STEP))
     return sizes if sizes and sizes[-1] == max_tokens else sizes + [max_tokens]
 
 
