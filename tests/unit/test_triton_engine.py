@@ -18,6 +18,7 @@ from llmserve.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa:
 from llmserve.worker.mixed_graphs import MixedGraphs, max_tiles, mixed_graph_sizes  # noqa: E402
 
 import graph_buffers  # noqa: E402
+from spec_cases import repeating_prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=48, device=DEVICE)
@@ -123,4 +124,24 @@ def test_mixed_graph_buffers_match_torch(tiny, reference):
     assert {size for _, size in runs} == {32, 48} and all(tokens <= size for tokens, size in runs)
     assert any(tokens < size for tokens, size in runs)  # padded
     assert any(len(mix) > 1 and mix[0] == 1 for mix in mixes)  # a prompt chunk beside decode rows
+    llm.engine.check_integrity()
+
+
+def test_verification_steps_beside_prompts_through_the_mixed_buffers(tiny):
+    """n-gram drafts verified in steps that also carry prompt chunks (no verification graphs here): the mixed-step
+    buffers take them, and greedy outputs stay the plain engine's."""
+    prompts = repeating_prompts(6, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = dict(ENGINE, max_num_batched_tokens=32)
+    plain = LLM(tiny, attention_backend="torch", **engine)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(tiny, attention_backend="triton", enforce_eager=True, speculative="ngram", num_speculative_tokens=3,
+              speculative_dynamic=False, **engine)
+    runner = llm.engine.runner
+    graph_buffers.attach(runner, "mixed", max_blocks=8, max_tokens=32, max_rows=6)
+    steps, run = [], runner.mixed_graphs.run
+    runner.mixed_graphs.run = lambda inputs: steps.append(
+        (len(inputs.logits_indices) > len(inputs.sample_rows), max(inputs.attn.query_lens_cpu))) or run(inputs)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert any(has_drafts for has_drafts, _ in steps)
     llm.engine.check_integrity()

@@ -10,8 +10,10 @@ come first, then a padding row that takes the padded tokens (positions 0.., slot
 over keys it writes itself), then an empty row (no queries, no keys): the tiles past the step's point at it,
 and their programs store nothing.
 
-A step runs here when it has no drafts, no FP8 token kinds (those layers pick kernels per token kind on the
-host), at most max_rows rows and the largest size's tokens; pure decode steps take the decode graphs first.
+A step runs here when it has no FP8 token kinds (those layers pick kernels per token kind on the host), at most
+max_rows rows and the largest size's tokens, and the decode or verification graphs cannot take it (they come
+first): prompts, prompt chunks beside decode or verification rows (drafts are queries like any other), and
+verification steps past the verification graphs' batch.
 """
 
 from __future__ import annotations
@@ -71,9 +73,9 @@ class MixedGraphs(StepGraphs):
         return f"mixed steps of {self.sizes[0]}..{self.sizes[-1]} tokens in {len(self.sizes)} sizes"
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
-        """No drafts, no FP8 token kinds, as many KV cache groups as captured, and a captured size's fit."""
+        """No FP8 token kinds, as many KV cache groups as captured, and a captured size's fit (drafts or not)."""
         attn = inputs.attn
-        return (not has_drafts and inputs.token_kinds is None
+        return (inputs.token_kinds is None
                 and (inputs.attn_groups is None) == (self.layer_groups is None)
                 and inputs.input_ids.shape[0] <= self.sizes[-1] and len(attn.query_lens_cpu) <= self.max_rows
                 and attn.block_table.shape[1] <= self.max_blocks)
