@@ -11,6 +11,8 @@ from llmserve.json_flags import parse_json_object_flag
 
 
 EAGLE_METHODS = ("eagle", "eagle3")  # draft heads over the target's hidden states (model/eagle.py)
+CUDA_MAX_BATCH = 8  # the default cap on CUDA
+CPU_VERIFY_ROWS_F32, CPU_VERIFY_ROWS_16BIT = 10, 8  # CPU: a verification's rows (requests x (k + 1)) that still pay
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,10 @@ class SpeculativeConfig:
     draft_model: str | None = field(default=None, metadata={"help": "HF directory or hub id of the draft model (--speculative draft; same tokenizer as the target) or of the EAGLE head (eagle, eagle3)"})
     ngram_max: int = field(default=4, metadata={"help": "ngram: longest suffix matched against the prompt and output so far"})
     ngram_min: int = field(default=1, metadata={"help": "ngram: shortest suffix matched"})
-    speculative_max_batch: int = field(default=8, metadata={"help": "switch speculation off for a step when more requests than this run (measured: docs/benchmarks.md)"})
+    speculative_max_batch: int | None = field(default=None, metadata={"help": "switch speculation off for a step "
+                                              "when more requests than this run (default: 8 on CUDA; on CPU as many "
+                                              "requests as verify within 10 rows in float32, 8 in 16-bit types, "
+                                              "k + 1 rows a request, at least 1: measured, docs/speculative.md)"})
     speculative_dynamic: bool = field(default=False, metadata={"help": "speculate, per step and request, only where the measured cost of drafting and verifying buys more tokens per second than plain decoding, from each request's running acceptance (docs/speculative.md; experimental: on CPU it matches the cap alone at batch 1-8 within noise and beats always speculating above it, docs/benchmarks.md); off: every request speculates up to --speculative-max-batch"})
     draft_vocab_size: int | None = field(default=None, metadata={"help": "--speculative draft: the draft's "
                                          "head keeps only the first N token ids (the most frequent in BPE and "
@@ -32,6 +37,17 @@ class SpeculativeConfig:
                                         "draft's head keeps these (the first --draft-vocab-size of them when "
                                         "given) instead of the first ids"})
     speculative_queue_drafts: bool = field(default=False, metadata={"help": "draft model on CUDA with graphs: queue the next step's proposal on the device behind each verification whose rows all carried k drafts, so the host waits once for both (experimental: measured slower on an H100, docs/benchmarks.md)"})
+
+    def for_device(self, device_type: str, is_float32: bool) -> SpeculativeConfig:
+        """This config with the device's default cap filled in. On CPU a verification of R rows streams the weights
+        about as fast as one row while R stays within what the one-row kernels take at once (the bf16 GEMV: 8
+        rows); past that it costs more than the tokens it buys (docs/benchmarks.md, speculation on CPU)."""
+        if self.speculative_max_batch is not None:
+            return self
+        if device_type == "cuda":
+            return dataclasses.replace(self, speculative_max_batch=CUDA_MAX_BATCH)
+        max_rows = CPU_VERIFY_ROWS_F32 if is_float32 else CPU_VERIFY_ROWS_16BIT
+        return dataclasses.replace(self, speculative_max_batch=max(1, max_rows // (self.num_speculative_tokens + 1)))
 
     @property
     def is_enabled(self) -> bool:

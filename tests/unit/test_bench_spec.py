@@ -10,8 +10,10 @@ from llmserve.testing.maker import make_model
 
 def spec_config(model: str | None = None, dtype: str = "auto", quantization: str | None = None,
                 **bench) -> SpecBenchConfig:
-    """The benchmark's config with the engine flags it takes as `serve` does (model, dtype, quantization)."""
-    return SpecBenchConfig(engine=build_engine_config(model=model, dtype=dtype, quantization=quantization), **bench)
+    """The benchmark's config with the engine flags it takes as `serve` does (model, dtype, quantization), and
+    speculation at every level the tests run (the CPU's default cap is 1 in bf16 at k = 4)."""
+    return SpecBenchConfig(engine=build_engine_config(model=model, dtype=dtype, quantization=quantization,
+                                                      speculative_max_batch=8), **bench)
 
 
 @pytest.fixture(scope="module")

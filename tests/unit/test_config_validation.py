@@ -150,3 +150,16 @@ def test_the_server_launcher_checks_the_engine_config_before_starting_the_engine
     monkeypatch.setattr(AsyncLLM, "from_config", must_not_start)
     with pytest.raises(ValueError, match=flag_error("block-size")):
         asyncio.run(serve(EngineConfig(cache=CacheConfig(block_size=0)), ServerConfig(port=0)))
+
+
+def test_the_speculation_cap_defaults_by_device_and_dtype():
+    """8 on CUDA; on CPU the requests whose verification (k + 1 rows each) stays within 10 rows in float32 and 8
+    in 16-bit types, at least one; a cap given is kept."""
+    def cap(device: str, is_float32: bool, **kwargs) -> int:
+        return SpeculativeConfig(speculative="ngram", **kwargs).for_device(device, is_float32).speculative_max_batch
+
+    assert cap("cuda", False) == cap("cuda", True) == 8
+    assert (cap("cpu", True), cap("cpu", False)) == (2, 1)  # k = 4
+    assert (cap("cpu", True, num_speculative_tokens=1), cap("cpu", False, num_speculative_tokens=1)) == (5, 4)
+    assert cap("cpu", False, num_speculative_tokens=9) == 1
+    assert cap("cpu", True, speculative_max_batch=6) == 6

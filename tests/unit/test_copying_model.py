@@ -57,7 +57,8 @@ def test_transformers_runs_the_same_circuit(copying_model):
 
 def test_ngram_speculation_accepts_the_copied_spans_and_equals_plain(copying_model):
     prompts = _repeating_prompts(2048)
-    llm = LLM(copying_model, max_model_len=256, num_kv_blocks=256, speculative="ngram", num_speculative_tokens=4)
+    llm = LLM(copying_model, max_model_len=256, num_kv_blocks=256, speculative="ngram", num_speculative_tokens=4,
+              speculative_max_batch=8)
     counts = SpecCounter(llm)
     assert _greedy(llm, prompts) == [_continuation(p) for p in prompts]
     assert counts.num_draft_tokens > 0 and counts.num_accepted / counts.num_draft_tokens > 0.9
@@ -69,7 +70,7 @@ def test_a_draft_of_its_first_two_layers_copies_too(copying_model, tmp_path):
     draft = derive_draft(copying_model, str(tmp_path / "draft"), num_layers=2)
     prompts = _repeating_prompts(2048)
     llm = LLM(copying_model, max_model_len=256, num_kv_blocks=256, speculative="draft", draft_model=draft,
-              num_speculative_tokens=4)
+              num_speculative_tokens=4, speculative_max_batch=8)
     counts = SpecCounter(llm)
     assert _greedy(llm, prompts) == [_continuation(p) for p in prompts]
     assert counts.num_draft_tokens > 0 and counts.num_accepted / counts.num_draft_tokens > 0.9

@@ -38,7 +38,7 @@ def hf_target(target):
 
 
 def _llm(target: str, head: str, method: str, **kwargs) -> LLM:
-    kwargs = {"num_kv_blocks": 400, **kwargs}
+    kwargs = {"num_kv_blocks": 400, "speculative_max_batch": 8, **kwargs}  # every request speculates
     return LLM(target, device="cpu", dtype="float32", max_model_len=256, speculative=method, draft_model=head,
                num_speculative_tokens=3, speculative_dynamic=False, **kwargs)
 

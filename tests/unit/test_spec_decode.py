@@ -16,7 +16,8 @@ from spec_cases import draft, record_proposals, repeating_prompts, target  # noq
 
 def _spec_llm(target: str, draft: str, kind: str, **kwargs) -> LLM:
     extra = {"draft_model": draft} if kind == "draft" else {}
-    kwargs = {"num_kv_blocks": 1024, **kwargs}  # the default cache (a share of free memory) takes seconds
+    # the default cache (a share of free memory) takes seconds; every request speculates (the CPU's cap is 2)
+    kwargs = {"num_kv_blocks": 1024, "speculative_max_batch": 8, **kwargs}
     return LLM(target, dtype="float32", max_model_len=256, speculative=kind, num_speculative_tokens=3,
                speculative_dynamic=False, **extra, **kwargs)  # every step speculates: the mechanism under test
 

@@ -103,7 +103,7 @@ def test_preemption_drops_drafts_and_draft_lookahead_slots_are_reserved():
 def test_a_preempted_victim_scheduled_earlier_in_the_step_loses_its_drafts_too():
     """4 usable blocks of 4 tokens: `low` (scheduled first) takes the last block for its drafts, then
     `high` needs one; `low` is preempted and its scheduling in this step, drafts included, undone."""
-    spec = SpeculativeConfig(speculative="ngram", num_speculative_tokens=2)
+    spec = SpeculativeConfig(speculative="ngram", num_speculative_tokens=2, speculative_max_batch=8)
     sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=64, policy="priority"),
                       CacheConfig(block_size=4, enable_prefix_caching=False), 5, 256, spec)
     sched.add_request(make_request("low", [1, 2, 3, 4], max_tokens=20, priority=5, arrival=0))

@@ -58,6 +58,8 @@ class Scheduler:
         lora_memory: the runner's adapters in memory; a request starts once its adapter is there."""
         assert None not in (config.max_num_batched_tokens, config.max_num_seqs), \
             "resolve the device's defaults first (SchedulerConfig.for_device)"
+        assert not spec_config.is_enabled or spec_config.speculative_max_batch is not None, \
+            "resolve the device's speculation cap first (SpeculativeConfig.for_device)"
         self.config = config
         self.spec_config = spec_config
         self.num_lookahead = spec_config.num_lookahead_tokens

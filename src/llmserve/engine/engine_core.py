@@ -112,8 +112,10 @@ class EngineCore:
         self.device = resolve_device(config.model.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.for_device(self.device.type,
                                                                                    device_memory(self.device)))
-        self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        config = dataclasses.replace(config, speculative=config.speculative.for_device(
+            self.device.type, self.dtype == torch.float32))
+        self.config = config
         self.model_info: ModelInfo = load_model_info(name, path, self.dtype, config.model.max_model_len,
                                                      config.model.quantization, config.model.disable_sliding_window,
                                                      config.model.is_pooling, config.model.pooler_config)
