@@ -26,6 +26,7 @@ without a GPU. `StepGraphs` is what these graphs share with those of mixed steps
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,7 @@ class StepGraphs:
         """Capture every size, largest first, into one memory pool (CUDA only)."""
         if not self.use_graphs:
             return
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self._forward(size)  # warm-up: compiles the kernels, settles lazy state
@@ -122,7 +124,8 @@ class StepGraphs:
             self.aux[size] = dict(getattr(self.model, "aux_hidden", {}))
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs of %s", self.describe())
+        logger.info("captured CUDA graphs of %s in %.1f s (%d MiB more reserved)", self.describe(),
+                    time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) >> 20)
 
     def describe(self) -> str:
         raise NotImplementedError
