@@ -21,7 +21,8 @@
 #   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema);
 #   SERVE_ARGS: more `serve` flags (e.g. --max-cudagraph-capture-size 1024); STEPPROF_ARGS: LLM keyword arguments
 #   for stepprof and arrivals as JSON (e.g. '{"max_graph_batch": 1024}'), STEPPROF_PARAMS its sampling over the
-#   defaults; ARRIVALS_AB=1: arrivals also with decode graphs only (mixed steps eager), second
+#   defaults; ARRIVALS_AB=1: arrivals also with decode graphs only (mixed steps eager), second;
+#   ROOFLINE_LONG=N: roofline also at an N-token prompt, with the decode keys split and whole (an A/B)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -96,6 +97,12 @@ wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 
 if want roofline; then
     run roofline_bf16 70 "${L[@]}" bench roofline --model "$MODEL" "${LOAD[@]}" --prompt-len 128 --output-len 256 --repeats 2 --out "$RES/roof_bf16.json"
+    if [ -n "${ROOFLINE_LONG:-}" ]; then  # batch 1 at a long context, its keys split (flash decoding) and not
+        run roofline_long_split 90 "${L[@]}" bench roofline --model "$MODEL" "${LOAD[@]}" --prompt-len "$ROOFLINE_LONG" \
+            --output-len 128 --repeats 2 --out "$RES/roof_long_split.json"
+        run roofline_long_whole 90 env LLMSERVE_SPLIT_MIN_KEYS=1000000000 "${L[@]}" bench roofline --model "$MODEL" \
+            "${LOAD[@]}" --prompt-len "$ROOFLINE_LONG" --output-len 128 --repeats 2 --out "$RES/roof_long_whole.json"
+    fi
 fi
 if want offline; then
     run offline_8b 80 "${L[@]}" bench offline --model "$MODEL" "${LOAD[@]}" --no-split-steps --out "$RES/offline_8b.json"

@@ -79,13 +79,30 @@ def test_mixed_steps_replay_their_graphs(checkpoint):
     mixed = llm.engine.runner.mixed_graphs
     assert mixed is not None and mixed.sizes == [32, 64, 96, 128] and mixed.graphs
     replays, replay = [], mixed._replay
-    mixed._replay = lambda size, num_tokens: replays.append((num_tokens, size)) or replay(size, num_tokens)
+    mixed._replay = lambda key, num_tokens: replays.append((num_tokens, key[0])) or replay(key, num_tokens)
     prompts = _prompts(40, seed=3)
     tokens = _tokens(llm, prompts)
     assert len({size for _, size in replays}) > 1 and any(n < size for n, size in replays)
     decode_only = LLM(checkpoint, dtype="float32", cudagraph_mode="FULL_DECODE_ONLY", **ENGINE)
     assert decode_only.engine.runner.mixed_graphs is None and decode_only.engine.runner.graphs is not None
     assert tokens == _tokens(decode_only, prompts)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_long_rows_split_their_keys(checkpoint, enforce_eager):
+    """Decode rows past SPLIT_MIN_KEYS (1,024) split their keys (flash decoding), in the graphs that do and
+    eagerly: float32 greedy tokens are transformers'."""
+    llm = LLM(checkpoint, dtype="float32", device="cuda", max_model_len=1400, num_kv_blocks=256,
+              max_num_batched_tokens=512, enforce_eager=enforce_eager)
+    assert enforce_eager or llm.engine.runner.graphs.split_sizes
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1100, 1030)]
+    hf = _hf(checkpoint)
+    for prompt, out in zip(prompts, _tokens(llm, prompts)):
+        note = check_greedy_against_hf(hf, prompt, out, tie_gap=1e-4)
+        if note:
+            warnings.warn(note)
     llm.engine.check_integrity()
 
 

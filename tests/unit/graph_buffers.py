@@ -24,5 +24,5 @@ def attach(runner, kind: str, max_blocks: int, max_batch: int = 4, max_tokens: i
                              runner.block_size, device, use_graphs=False, layer_groups=layer_groups, lora=lora)
         runner.mixed_graphs = graphs
     runs, replay = [], graphs._replay
-    graphs._replay = lambda size, num_tokens: runs.append((num_tokens, size)) or replay(size, num_tokens)
+    graphs._replay = lambda key, num_tokens: runs.append((num_tokens, key[0])) or replay(key, num_tokens)
     return runs

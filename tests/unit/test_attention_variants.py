@@ -150,3 +150,23 @@ def test_triton_kernel(window, has_sinks, rows):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     check_backend(TritonAttentionBackend(), window, has_sinks, is_poisoned=window > 0, device=device, rows=rows)
+
+
+@pytest.mark.parametrize("window,has_sinks", [(0, True), (24, True), (5, False)])
+def test_triton_kernel_splitting_the_keys(window, has_sinks, monkeypatch):
+    """Decode rows whose keys the kernel splits into 4 parts merged afterwards (flash decoding): the same
+    reference, windows and sinks included, no block before a window read."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from llmserve.model import triton_kernels
+    from llmserve.model.attn_triton import TritonAttentionBackend
+
+    class SplittingBackend(TritonAttentionBackend):
+        def build_metadata(self, inputs):
+            return dataclasses.replace(super().build_metadata(inputs), split_keys=True)
+
+    monkeypatch.setattr(triton_kernels, "num_splits_for", lambda *args: 4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_backend(SplittingBackend(), window, has_sinks, is_poisoned=window > 0, device=device,
+                  rows=[(40, 1), (0, 1), (9, 1), (130, 1), (299, 1)])

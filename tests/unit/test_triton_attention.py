@@ -4,6 +4,8 @@ dims that are not a power of 2. On CUDA it runs compiled; elsewhere through Trit
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ pytest.importorskip("triton")  # without CUDA, conftest.py set TRITON_INTERPRET=
 
 from attention_cases import check_against_reference, make_case, random_rows, run_backend  # noqa: E402
 
-from llmserve.model import triton_kernels  # noqa: E402
+from llmserve.model import split_keys, triton_kernels  # noqa: E402
 from llmserve.model.attn_torch import TorchAttentionBackend  # noqa: E402
 from llmserve.model.attn_triton import TritonAttentionBackend  # noqa: E402
 from llmserve.model.paged_indices import query_tiles  # noqa: E402
@@ -49,6 +51,35 @@ def test_decode_like_rows(block_size, group, seed):
     out, metadata = run_backend(TritonAttentionBackend(), q, k, v, kv_cache, inputs)
     assert metadata.tile_rows.numel() == len(full)  # every row here fits one tile
     check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_rows_with_their_keys_split(num_splits, group, monkeypatch):
+    """Flash decoding: each row's keys in num_splits parts (some of them empty for short rows), merged."""
+    rows = [(40, 1), (0, 1), (299, 1), (17, 1), (130, 1)]
+    q, k, v, kv_cache, inputs, full = on_device(make_case(rows, 16, group, seed=num_splits, num_blocks=256))
+    monkeypatch.setattr(triton_kernels, "num_splits_for", lambda *args: num_splits)
+    backend = TritonAttentionBackend()
+    metadata = dataclasses.replace(backend.build_metadata(inputs), split_keys=True)
+    out = backend.forward(q, k, v, kv_cache.clone(), metadata, q.shape[-1] ** -0.5)
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,splits", [([(1100, 1), (3, 1)], True), ([(900, 1), (3, 1)], False),
+                                         ([(1100, 2), (3, 1)], False)])
+def test_only_decode_steps_with_a_long_row_split_their_keys(rows, splits):
+    """SPLIT_MIN_KEYS (1,024 keys) in the step's longest row, and every row one query."""
+    inputs = make_case(rows, 16, 1, seed=1, num_blocks=128)[4]
+    assert TritonAttentionBackend().build_metadata(inputs).split_keys == splits
+
+
+def test_split_counts_follow_the_steps_shape():
+    assert split_keys.num_splits_for(1, 8, 1) == 16  # one row of 8 kv heads: 8 programs -> 128
+    assert split_keys.num_splits_for(16, 8, 1) == 4
+    assert split_keys.num_splits_for(3, 8, 1) == 16 and split_keys.num_splits_for(12, 8, 1) == 8
+    assert split_keys.num_splits_for(64, 8, 1) == 1
+    assert split_keys.num_splits_for(1, 8, 16) == 1  # tiles of 16 queries (prompts, chunks) never split
 
 
 @pytest.mark.parametrize("block_size", [16, 4])

@@ -145,3 +145,24 @@ def test_verification_steps_beside_prompts_through_the_mixed_buffers(tiny):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert any(has_drafts for has_drafts, _ in steps)
     llm.engine.check_integrity()
+
+
+def test_decode_graph_buffers_split_long_rows_keys(tiny, reference, monkeypatch):
+    """Decode steps whose longest row reaches SPLIT_MIN_KEYS (lowered to 8 here) replay their size's graph whose
+    attention splits the rows' keys (into 4 parts here): the torch backend's greedy tokens."""
+    from llmserve.model import triton_kernels
+    from llmserve.worker import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "SPLIT_MIN_KEYS", 8)
+    monkeypatch.setattr(triton_kernels, "num_splits_for", lambda *args: 4)
+    llm = LLM(tiny, attention_backend="triton", enforce_eager=True, num_scheduler_steps=1, **ENGINE)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=8,
+                          device=torch.device(DEVICE), use_graphs=False)
+    assert graphs.split_sizes == [1, 2, 4] and (4, True) in graphs.keys  # a 2-kv-head model: few programs
+    keys, replay = [], graphs._replay
+    graphs._replay = lambda key, num_tokens: keys.append(key) or replay(key, num_tokens)
+    runner.graphs = graphs
+    assert _tokens(llm, _prompts(3, 1)) == reference[1]
+    assert any(is_split for _, is_split in keys)
+    llm.engine.check_integrity()

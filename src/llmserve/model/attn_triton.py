@@ -19,6 +19,7 @@ import torch
 from llmserve.model import triton_kernels
 from llmserve.model.attention import K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
 from llmserve.model.paged_indices import query_tiles
+from llmserve.model.split_keys import SPLIT_MIN_KEYS
 
 
 @dataclass
@@ -30,6 +31,7 @@ class TritonAttentionMetadata:
     tile_rows: torch.Tensor  # [tiles] int32: the row of each query tile
     tile_starts: torch.Tensor  # [tiles] int32: its first query, counted within the row
     block_q: int  # query tokens per tile
+    split_keys: bool = False  # a decode step may split its rows' keys (flash decoding: model/triton_splits.py)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -45,16 +47,18 @@ class TritonAttentionBackend(AttentionBackend):
             slot_mapping=inputs.slot_mapping.long(), block_table=as_int32(inputs.block_table),
             seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),
             tile_rows=torch.from_numpy(tile_rows).to(device, non_blocking=True),
-            tile_starts=torch.from_numpy(tile_starts).to(device, non_blocking=True), block_q=block_q)
+            tile_starts=torch.from_numpy(tile_starts).to(device, non_blocking=True), block_q=block_q,
+            split_keys=block_q == 1 and max(inputs.seq_lens_cpu) >= SPLIT_MIN_KEYS)
 
     def graph_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                       query_start_loc: torch.Tensor, tile_rows: torch.Tensor,
-                       tile_starts: torch.Tensor, queries_per_row: int = 1) -> TritonAttentionMetadata:
-        """Metadata over persistent buffers (every row `queries_per_row` queries, one tile) for CUDA graphs."""
+                       query_start_loc: torch.Tensor, tile_rows: torch.Tensor, tile_starts: torch.Tensor,
+                       queries_per_row: int = 1, split_keys: bool = False) -> TritonAttentionMetadata:
+        """Metadata over persistent buffers (every row `queries_per_row` queries, one tile) for CUDA graphs.
+        split_keys: a graph whose decode attention splits rows' keys (long rows, few programs)."""
         block_q = triton_kernels.block_q_for(queries_per_row)
         assert queries_per_row <= block_q, "a captured row's queries must fit one tile"
         return TritonAttentionMetadata(slot_mapping, block_table, seq_lens, query_start_loc, tile_rows,
-                                       tile_starts, block_q)
+                                       tile_starts, block_q, split_keys)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata, scale: float, window: int = 0,
@@ -67,5 +71,6 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view: the kernel takes it
         triton_kernels.paged_attention(out, q, kv_cache, metadata.block_table, metadata.seq_lens,
                                        metadata.query_start_loc, metadata.tile_rows, metadata.tile_starts,
-                                       metadata.block_q, scale, K_SCALE, V_SCALE, window, sinks)
+                                       metadata.block_q, scale, K_SCALE, V_SCALE, window, sinks,
+                                       metadata.split_keys)
         return out

@@ -15,8 +15,8 @@ the rows of one matrix (16 of them: tl.dot's least): BLOCK_H = 16 heads of one q
 16 queries of one head otherwise. It walks the row's entries BLOCK_N at a time through the block table, loading
 each block of entries once for both dots (scores and output), with an online softmax in float32. A decode step
 with few programs (few rows: V3's 128 heads make 8 programs a row) also splits each row's entries into up to 16
-parts (flash decoding; a third grid axis), each part's softmax kept apart, and a second kernel merges them; the
-number of parts follows the step's shape only, so a captured graph keeps it.
+parts (flash decoding, model/triton_splits.py, which merges them); the number of parts follows the step's shape
+only, so a captured graph keeps it.
 
 Fresh prompt rows take this absorbed form too (more work per token than the torch backend's expanded form for
 long prompts, the same result). Tested on CPU through Triton's interpreter against a float64 reference.
@@ -27,6 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from llmserve.model.split_keys import num_splits_for
+from llmserve.model.triton_splits import combine_splits, partial_buffer
 
 _ROWS = 16  # query rows of a program: BLOCK_Q * BLOCK_H
 
@@ -104,39 +107,6 @@ def _latent_attention_kernel(
         tl.store(partial_ptr + base + L_PAD + 1, l_i, mask=is_row)
 
 
-@triton.jit
-def _combine_splits_kernel(out_ptr, partial_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, LATENT_DIM: tl.constexpr, L_PAD: tl.constexpr):
-    """One (token, head): the splits' partial softmaxes merged (each rescaled to the common max)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_l = tl.arange(0, L_PAD)
-    base = ((token * NUM_HEADS + head) * NUM_SPLITS + offs_s) * (L_PAD + 2)  # [S]
-    m = tl.load(partial_ptr + base + L_PAD)  # [S] (log2 units, scaled)
-    l_s = tl.load(partial_ptr + base + L_PAD + 1)  # [S]
-    m_max = tl.max(m, 0)
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # [S]; an empty split: 0
-    acc = tl.load(partial_ptr + base[:, None] + offs_l[None, :])  # [S, L]
-    total = tl.sum(l_s * weight, 0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)  # [L]
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_l, out.to(out_ptr.dtype.element_ty),
-             mask=offs_l < LATENT_DIM)
-
-
-_MAX_SPLITS = 16
-_TARGET_PROGRAMS = 512  # enough programs to fill a large GPU's SMs a few times over
-
-
-def num_splits_for(num_tiles: int, num_head_blocks: int, block_q: int) -> int:
-    """Splits of each row's entries: decode steps (block_q 1) with few programs split their rows' entries so
-    that about _TARGET_PROGRAMS run (flash decoding); from the step's shape only, so a captured graph keeps it."""
-    if block_q != 1:
-        return 1
-    wanted = -(-_TARGET_PROGRAMS // max(1, num_tiles * num_head_blocks))
-    return min(_MAX_SPLITS, triton.next_power_of_2(wanted)) if wanted > 1 else 1
-
-
 def paged_latent_attention(out: torch.Tensor, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            tile_rows: torch.Tensor, tile_starts: torch.Tensor, block_q: int, scale: float,
@@ -161,8 +131,7 @@ def paged_latent_attention(out: torch.Tensor, q_latent: torch.Tensor, q_rope: to
     l_pad = max(16, triton.next_power_of_2(latent_dim))
     partial = out  # unread with one split
     if num_splits > 1:  # [T, H, S, L_PAD + 2] float32: each split's sum, max and denominator
-        partial = torch.empty(q_latent.shape[0], num_heads, num_splits, l_pad + 2, dtype=torch.float32,
-                              device=q_latent.device)
+        partial = partial_buffer(q_latent.shape[0], num_heads, num_splits, l_pad, q_latent.device)
     grid = (tile_rows.shape[0], num_head_blocks, num_splits)
     _latent_attention_kernel[grid](
         out, partial, q_latent, q_rope, kv_cache, block_table, seq_lens, query_start_loc, tile_rows, tile_starts,
@@ -175,6 +144,4 @@ def paged_latent_attention(out: torch.Tensor, q_latent: torch.Tensor, q_rope: to
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else None,  # None: the default for 16-bit inputs
         NUM_SPLITS=num_splits)
     if num_splits > 1:
-        _combine_splits_kernel[(q_latent.shape[0], num_heads)](
-            out, partial, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-            LATENT_DIM=latent_dim, L_PAD=l_pad)
+        combine_splits(out, partial, latent_dim)

@@ -34,12 +34,22 @@ import torch
 
 from llmserve.model.lora_layers import LoRAContext, LoRAStep
 from llmserve.model.quant.token_kinds import ALL_DECODE, step_kinds_of
+from llmserve.model.split_keys import SPLIT_MIN_KEYS, num_splits_for
 from llmserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:  # triton is imported only where the Triton backend is used
     from llmserve.model.attn_triton import TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
+
+
+def split_key_sizes(sizes: list[int], kv_caches: list[torch.Tensor]) -> list[int]:
+    """The decode sizes whose attention would split rows' keys (few programs: model/triton_splits.py), for a model
+    of K/V caches [2, N, bs, Hkv, D]; none for other caches (a latent cache's kernel splits by itself)."""
+    if not kv_caches or any(c.dim() != 5 or c.shape[0] != 2 for c in kv_caches):
+        return []
+    min_kv_heads = min(c.shape[3] for c in kv_caches)
+    return [size for size in sizes if num_splits_for(size, min_kv_heads, 1) > 1]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -52,7 +62,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class StepGraphs:
     """A forward captured per padded size over persistent input buffers: the buffers (tokens, rows, query
     tiles, KV cache groups, LoRA slots), the capture of every size into one memory pool, and the replay, or
-    with use_graphs=False an eager call over the same buffers. Subclasses say what a size holds."""
+    with use_graphs=False an eager call over the same buffers. Subclasses say what a size holds. A graph's key
+    is (size, split_keys): decode sizes may have a second graph whose attention splits long rows' keys."""
 
     def __init__(self, model: torch.nn.Module, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
                  sizes: list[int], max_tokens: int, max_rows: int, max_tiles: int, max_blocks: int,
@@ -62,6 +73,7 @@ class StepGraphs:
         self.layer_groups = layer_groups
         num_groups = 1 if layer_groups is None else max(layer_groups) + 1
         self.sizes, self.max_blocks, self.use_graphs = sizes, max_blocks, use_graphs
+        self.keys: list[tuple[int, bool]] = [(size, False) for size in sizes]  # the graphs captured
         int32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T]
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T]
@@ -76,14 +88,14 @@ class StepGraphs:
         self.tile_starts = self.row_meta[2 * max_rows + 1 + max_tiles:]  # [tiles]
         self.lora_tokens = torch.arange(max_tokens, dtype=torch.int64, device=device)  # [T]
         self.lora_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)  # [T] -1: base model
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}  # per size: the captured forward's output [tokens, hidden]
-        self.aux: dict[int, dict[int, torch.Tensor]] = {}  # per size: the kept layer inputs {layer: [tokens, hidden]}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[tuple[int, bool], torch.Tensor] = {}  # per key: the forward's output [tokens, hidden]
+        self.aux: dict[tuple[int, bool], dict[int, torch.Tensor]] = {}  # per key: kept layer inputs {layer: [tokens, hidden]}
 
     def num_tokens_of(self, size: int) -> int:
         raise NotImplementedError
 
-    def _metadata(self, size: int):
+    def _metadata(self, size: int, split_keys: bool):
         """The backend's metadata over the buffers for a size; with groups [L] each layer's group's."""
         raise NotImplementedError
 
@@ -91,38 +103,38 @@ class StepGraphs:
         """The context the forward runs in (FP8 layers' token kinds)."""
         return nullcontext()
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
         with self._step_kinds():
             if self.lora is None:
-                return self._model_forward(size)
-            num_tokens = self.num_tokens_of(size)
+                return self._model_forward(key)
+            num_tokens = self.num_tokens_of(key[0])
             runner_step, self.lora.step = self.lora.step, LoRAStep(
                 self.lora_tokens[:num_tokens], self.lora_slots[:num_tokens], [], is_padded=True)
             try:
-                return self._model_forward(size)
+                return self._model_forward(key)
             finally:
                 self.lora.step = runner_step
 
-    def _model_forward(self, size: int) -> torch.Tensor:
-        num_tokens = self.num_tokens_of(size)
+    def _model_forward(self, key: tuple[int, bool]) -> torch.Tensor:
+        num_tokens = self.num_tokens_of(key[0])
         return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches,
-                          self._metadata(size), self.backend)
+                          self._metadata(*key), self.backend)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool (CUDA only)."""
+        """Capture every key, largest size first, into one memory pool (CUDA only)."""
         if not self.use_graphs:
             return
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: compiles the kernels, settles lazy state
+        for key in sorted(self.keys, reverse=True):
+            self._forward(key)  # warm-up: compiles the kernels, settles lazy state
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.hidden[size] = self._forward(size)
-            self.aux[size] = dict(getattr(self.model, "aux_hidden", {}))
-            self.graphs[size] = graph
+                self.hidden[key] = self._forward(key)
+            self.aux[key] = dict(getattr(self.model, "aux_hidden", {}))
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs of %s in %.1f s (%d MiB more reserved)", self.describe(),
                     time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) >> 20)
@@ -146,16 +158,16 @@ class StepGraphs:
         self.block_tables[:, :num_rows, width:].zero_()
         return num_rows, width
 
-    def _replay(self, size: int, num_tokens: int) -> torch.Tensor:
-        """The captured forward of `size` over the buffers -> hidden states [num_tokens, hidden] (a view of the
+    def _replay(self, key: tuple[int, bool], num_tokens: int) -> torch.Tensor:
+        """The captured forward of `key` over the buffers -> hidden states [num_tokens, hidden] (a view of the
         graph's output: read it before the next run); the model's kept layer inputs likewise."""
         if self.lora is not None:
             self._copy_lora_slots()
         if not self.use_graphs:
-            hidden, aux = self._forward(size), getattr(self.model, "aux_hidden", {})
+            hidden, aux = self._forward(key), getattr(self.model, "aux_hidden", {})
         else:
-            self.graphs[size].replay()
-            hidden, aux = self.hidden[size], self.aux[size]
+            self.graphs[key].replay()
+            hidden, aux = self.hidden[key], self.aux[key]
         if aux:
             self.model.aux_hidden = {layer: t[:num_tokens] for layer, t in aux.items()}
         return hidden[:num_tokens]
@@ -181,6 +193,8 @@ class DecodeGraphs(StepGraphs):
         super().__init__(model, backend, kv_caches, sizes, n * self.q, n, n, max_blocks, device, use_graphs,
                          layer_groups, lora)
         self.step_kinds = step_kinds_of(model)
+        self.split_sizes = split_key_sizes(sizes, kv_caches) if self.q == 1 else []
+        self.keys += [(size, True) for size in self.split_sizes]
         self.seq_lens.fill_(self.q)  # [n]
         self.query_start_loc.copy_(torch.arange(n + 1, dtype=torch.int32) * self.q)  # [n + 1]: Q queries a row
         self.tile_rows.copy_(torch.arange(n, dtype=torch.int32))  # [n]: one tile per row
@@ -189,10 +203,10 @@ class DecodeGraphs(StepGraphs):
     def num_tokens_of(self, size: int) -> int:
         return size * self.q
 
-    def _metadata(self, size: int):
+    def _metadata(self, size: int, split_keys: bool):
         groups = [self.backend.graph_metadata(slots[:size * self.q], table[:size], self.seq_lens[:size],
                                               self.query_start_loc[:size + 1], self.tile_rows[:size],
-                                              self.tile_starts[:size], self.q)
+                                              self.tile_starts[:size], self.q, split_keys)
                   for slots, table in zip(self.slot_mappings, self.block_tables)]
         return groups[0] if self.layer_groups is None else [groups[g] for g in self.layer_groups]
 
@@ -201,7 +215,8 @@ class DecodeGraphs(StepGraphs):
         return nullcontext() if self.step_kinds is None else self.step_kinds.using(ALL_DECODE)
 
     def describe(self) -> str:
-        return f"decode batches {self.sizes} of {self.q} quer{'y' if self.q == 1 else 'ies'} a row"
+        split = f" (split keys up to {self.split_sizes[-1]})" if self.split_sizes else ""
+        return f"decode batches {self.sizes}{split} of {self.q} quer{'y' if self.q == 1 else 'ies'} a row"
 
     def can_run(self, inputs: StepInputs, has_drafts: bool) -> bool:
         """Every row has Q queries (decode: one token, no drafts; verification: its token and Q - 1 drafts),
@@ -225,17 +240,20 @@ class DecodeGraphs(StepGraphs):
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """A step's hidden states [B * Q, hidden] through the smallest captured size >= B."""
+        """A step's hidden states [B * Q, hidden] through the smallest captured size >= B (its graph that splits
+        the rows' keys when one is as long as SPLIT_MIN_KEYS)."""
         groups = inputs.attn_groups or [inputs.attn]
+        split_keys = bool(self.split_sizes) and max(inputs.attn.seq_lens_cpu) >= SPLIT_MIN_KEYS
         return self.run_rows(inputs.input_ids, inputs.positions, [a.slot_mapping for a in groups],
-                             inputs.attn.seq_lens, [a.block_table for a in groups])
+                             inputs.attn.seq_lens, [a.block_table for a in groups], split_keys)
 
     @torch.inference_mode()
     def run_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor | list,
-                 seq_lens: torch.Tensor, block_table: torch.Tensor | list) -> torch.Tensor:
+                 seq_lens: torch.Tensor, block_table: torch.Tensor | list, split_keys: bool = False) -> torch.Tensor:
         """input_ids, positions, slot_mapping [B * Q] int64, seq_lens [B] int32, block_table [B, W] int32,
         all on the device -> hidden states [B * Q, hidden] (a view of the graph's output: read it before the
-        next run). With KV cache groups slot_mapping and block_table are lists, one a group."""
+        next run). With KV cache groups slot_mapping and block_table are lists, one a group. split_keys: the
+        size's graph that splits long rows' keys, where it has one."""
         slot_mappings = slot_mapping if isinstance(slot_mapping, list) else [slot_mapping]
         block_tables = block_table if isinstance(block_table, list) else [block_table]
         num_rows, _ = self._copy_block_tables(block_tables)
@@ -243,7 +261,7 @@ class DecodeGraphs(StepGraphs):
         self._copy_tokens(input_ids, positions, slot_mappings, num_tokens)
         self.seq_lens[:num_rows].copy_(seq_lens, non_blocking=True)
         self._reset_padding(num_rows, size)
-        return self._replay(size, num_tokens)
+        return self._replay((size, split_keys and size in self.split_sizes), num_tokens)
 
     def _reset_padding(self, num_rows: int, size: int) -> None:
         """Rows num_rows..size-1 back to the null row (a previous, larger batch may have used them)."""

@@ -62,7 +62,7 @@ class MixedGraphs(StepGraphs):
     def num_tokens_of(self, size: int) -> int:
         return size
 
-    def _metadata(self, size: int):
+    def _metadata(self, size: int, split_keys: bool):
         tiles = slice(0, self.num_tiles[size])
         groups = [self.backend.graph_metadata(slots[:size], table, self.seq_lens, self.query_start_loc,
                                               self.tile_rows[tiles], self.tile_starts[tiles], PROMPT_TILE)
@@ -92,7 +92,7 @@ class MixedGraphs(StepGraphs):
         self._pad(num_tokens, num_rows, size)
         self.row_meta.copy_(on_device(self._row_meta(inputs.attn.query_lens_cpu, inputs.attn.seq_lens_cpu, size),
                                       self.row_meta.device), non_blocking=True)
-        return self._replay(size, num_tokens)
+        return self._replay((size, False), num_tokens)
 
     def _pad(self, num_tokens: int, num_rows: int, size: int) -> None:
         """Tokens num_tokens..size-1 to the padding row: token 0 at positions 0.., slots in the null block,
