@@ -18,7 +18,8 @@ def test_the_ready_line_lists_the_features_and_their_sizes(tmp_path, caplog):
     assert len(lines) == 1
     line = lines[0]
     for words in ("on cpu, float32", "runner generate", "linears ", "KV cache float32, 20 blocks of 16 tokens (320 tokens, ",
-                  "prefix caching off", "speculative ngram 1-4, k=3, up to batch 2 (always)",  # CPU, float32: 10 rows // (k + 1)
+                  "prefix caching off",
+                  "speculative ngram 1-4, k=3, up to batch 2 (always)",  # CPU, float32: 10 rows // (k + 1)
                   "async scheduling off", "CUDA graphs off", "threads 1 (--num-threads)", "max_model_len 64"):
         assert words in line, (words, line)
     assert "KV tiers" not in line

@@ -90,7 +90,8 @@ class StepGraphs:
         self.lora_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)  # [T] -1: base model
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, bool], torch.Tensor] = {}  # per key: the forward's output [tokens, hidden]
-        self.aux: dict[tuple[int, bool], dict[int, torch.Tensor]] = {}  # per key: kept layer inputs {layer: [tokens, hidden]}
+        # per key: the kept layer inputs {layer: [tokens, hidden]}
+        self.aux: dict[tuple[int, bool], dict[int, torch.Tensor]] = {}
 
     def num_tokens_of(self, size: int) -> int:
         raise NotImplementedError
