@@ -4,8 +4,8 @@ Tolerance policy. float32: every greedy token is transformers' argmax (float32, 
 at a near-tie (top-2 logits within 1e-4), where the check stops. bfloat16: the same check against
 transformers in float32, with near-ties widened to BF16_TIE_GAP: bf16 weights and activations move
 logits by about 1e-2 on these random models, so a first divergence within that gap is rounding, one
-beyond it is a bug. CUDA graphs and eager give identical tokens in either dtype (the same kernels; mixed steps
-run padded to a multiple of 32 tokens in graphs).
+beyond it is a bug. CUDA graphs and eager give identical tokens in float32, and in bfloat16 with decode graphs
+(the same kernels); bfloat16 mixed steps, padded to a multiple of 32 tokens in graphs, keep the tie gap.
 """
 
 from __future__ import annotations
@@ -64,12 +64,23 @@ def test_greedy_equals_transformers(checkpoint, dtype, enforce_eager):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_equal_eager(checkpoint, dtype):
-    prompts = _prompts(40, seed=2)  # decode batches of many sizes: padded buckets 1..64
-    graphed = _tokens(LLM(checkpoint, dtype=dtype, **ENGINE), prompts)
-    eager = _tokens(LLM(checkpoint, dtype=dtype, enforce_eager=True, **ENGINE), prompts)
-    assert graphed == eager
+@pytest.mark.parametrize("dtype, mode", [("float32", "FULL"), ("bfloat16", "FULL"), ("bfloat16", "FULL_DECODE_ONLY")])
+def test_cuda_graphs_equal_eager(checkpoint, dtype, mode):
+    """Decode batches of many sizes (padded buckets 1..64) and, with FULL, mixed steps padded to 32..128 tokens:
+    float32 tokens equal eager's. In bfloat16 a padded mixed step's GEMMs may take other cuBLAS kernels than the
+    eager step's, which moves logits by rounding: FULL is checked against transformers with the tie gap there,
+    decode graphs alone (the same shapes as eager) for equality."""
+    prompts = _prompts(40, seed=2)
+    llm = LLM(checkpoint, dtype=dtype, cudagraph_mode=mode, **ENGINE)
+    graphed = _tokens(llm, prompts)
+    if dtype == "bfloat16" and mode == "FULL":
+        hf = _hf(checkpoint)
+        for prompt, out in zip(prompts, graphed):
+            note = check_greedy_against_hf(hf, prompt, out, tie_gap=BF16_TIE_GAP)
+            if note:
+                warnings.warn(note)
+        return
+    assert graphed == _tokens(LLM(checkpoint, dtype=dtype, enforce_eager=True, **ENGINE), prompts)
 
 
 def test_mixed_steps_replay_their_graphs(checkpoint):
