@@ -241,7 +241,7 @@ def test_eagle3_reads_its_layer_inputs_out_of_the_cpus_decoder_stack(target, hea
     monkeypatch.setattr(linear, "MIN_ONEDNN_WEIGHT", 1)  # the demo shape's small linears packed: the stack takes it
     llm = LLM(target, device="cpu", dtype=dtype, max_model_len=256, num_kv_blocks=400, speculative="eagle3",
               draft_model=heads["eagle3"], num_speculative_tokens=3, speculative_dynamic=False,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, speculative_max_batch=8)
     stack = llm.engine.runner.model.decode_stack
     assert stack is not None and stack.kept_layers == (2, 2, 1)
     calls = record_rows(llm)

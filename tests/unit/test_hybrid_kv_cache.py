@@ -260,7 +260,7 @@ def test_a_draft_model_keeps_its_cache_in_the_full_group(tmp_path):
     prompts = [[(7 * i + 3 * j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 30, 41))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, params)]
-    llm = LLM(path, speculative="draft", draft_model=path, num_speculative_tokens=3, **engine)
+    llm = LLM(path, speculative="draft", draft_model=path, num_speculative_tokens=3, speculative_max_batch=8, **engine)
     assert llm.engine.runner.kv_layout.num_groups == 2
     counts = SpecCounter(llm)
     proposer, seen = llm.engine.runner.speculator.proposer, {}

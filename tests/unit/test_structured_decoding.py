@@ -134,7 +134,7 @@ def test_drafts_the_grammar_forbids_are_rejected(tiny, llm, kind):
     others' draft rows."""
     extra = {"draft_model": tiny} if kind == "draft" else {}  # the target as its own draft: proposes freely
     spec = LLM(tiny, dtype="float32", max_model_len=512, speculative=kind, num_speculative_tokens=3,
-               speculative_dynamic=False, num_kv_blocks=1024, **extra)
+               speculative_dynamic=False, num_kv_blocks=1024, speculative_max_batch=8, **extra)
     prompts = _prompts(12)
     free = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     params = [p for i in range(6)
