@@ -150,10 +150,9 @@ def test_verification_steps_beside_prompts_through_the_mixed_buffers(tiny):
 def test_decode_graph_buffers_split_long_rows_keys(tiny, reference, monkeypatch):
     """Decode steps whose longest row reaches SPLIT_MIN_KEYS (lowered to 8 here) replay their size's graph whose
     attention splits the rows' keys (into 4 parts here): the torch backend's greedy tokens."""
-    from llmserve.model import triton_kernels
-    from llmserve.worker import cuda_graphs
+    from llmserve.model import split_keys, triton_kernels
 
-    monkeypatch.setattr(cuda_graphs, "SPLIT_MIN_KEYS", 8)
+    monkeypatch.setattr(split_keys, "SPLIT_MIN_KEYS", 8)
     monkeypatch.setattr(triton_kernels, "num_splits_for", lambda *args: 4)
     llm = LLM(tiny, attention_backend="triton", enforce_eager=True, num_scheduler_steps=1, **ENGINE)
     runner = llm.engine.runner

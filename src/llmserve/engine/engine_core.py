@@ -35,6 +35,7 @@ from llmserve.model.parallel import check_tensor_parallel
 from llmserve.model.pooler_config import is_embedding_checkpoint, is_sentence_transformers
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import RequestGrammar
+from llmserve.worker.cpu_threads import xgrammar_threads
 from llmserve.worker.decode_window import WindowEnds
 from llmserve.worker.step_handle import StepHandle
 from llmserve.worker.worker import Worker, device_memory, resolve_device
@@ -146,7 +147,7 @@ class EngineCore:
         self.is_async = bool(config.scheduler.async_scheduling)
         tokenizer_path = resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else path
         self.grammars = GrammarCompiler(lambda: load_tokenizer(tokenizer_path), self.model_info.vocab_size,
-                                        self.model_info.eos_token_ids)
+                                        self.model_info.eos_token_ids, num_threads=xgrammar_threads())
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not finished
         logger.info("%s", startup_line(self))
         freeze_startup_heap()

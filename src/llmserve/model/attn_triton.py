@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.model import triton_kernels
+from llmserve.model import split_keys, triton_kernels
 from llmserve.model.attention import K_SCALE, V_SCALE, AttentionBackend, AttentionInputs, as_int32, write_kv
 from llmserve.model.paged_indices import query_tiles
-from llmserve.model.split_keys import SPLIT_MIN_KEYS
 
 
 @dataclass
@@ -48,7 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
             seq_lens=as_int32(inputs.seq_lens), query_start_loc=as_int32(inputs.query_start_loc),
             tile_rows=torch.from_numpy(tile_rows).to(device, non_blocking=True),
             tile_starts=torch.from_numpy(tile_starts).to(device, non_blocking=True), block_q=block_q,
-            split_keys=block_q == 1 and max(inputs.seq_lens_cpu) >= SPLIT_MIN_KEYS)
+            split_keys=split_keys.is_long_decode(max(inputs.query_lens_cpu), inputs.seq_lens_cpu))
 
     def graph_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, tile_rows: torch.Tensor, tile_starts: torch.Tensor,

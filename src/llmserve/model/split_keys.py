@@ -13,6 +13,12 @@ TARGET_PROGRAMS = 512  # enough programs to fill a large GPU's SMs a few times o
 SPLIT_MIN_KEYS = int(os.environ.get("LLMSERVE_SPLIT_MIN_KEYS", "1024"))
 
 
+def is_long_decode(max_query_len: int, seq_lens: list[int]) -> bool:
+    """Whether a step's decode attention may split its rows' keys: every row one query, the longest row as long
+    as SPLIT_MIN_KEYS (read at call time, so that a test can lower it)."""
+    return max_query_len == 1 and max(seq_lens) >= SPLIT_MIN_KEYS
+
+
 def num_splits_for(num_tiles: int, num_head_blocks: int, block_q: int) -> int:
     """Splits of each row's keys: decode steps (block_q 1) with few programs split their rows' keys so that about
     TARGET_PROGRAMS run (a power of 2, at most MAX_SPLITS); prompts and chunks (tiles of many queries) never do."""

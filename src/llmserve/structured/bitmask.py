@@ -13,13 +13,12 @@ import numpy as np
 import torch
 
 from llmserve.model.paged_indices import on_device
-from llmserve.structured.compiler import num_xgrammar_threads
 from llmserve.structured.matcher import RequestGrammar
 
 # (matchers, bitmask [N, W], rows): fill row rows[i] from matchers[i]
 BatchFill = Callable[[list, torch.Tensor, list[int]], None]
-# Rows a fill thread takes at least: waking the threads cost ~0.5 ms a call on an H200's host, what 17 rows'
-# fills cost on one thread there.
+# Rows a fill thread takes at least: waking the threads costs about what this many rows' fills do on one
+# (docs/benchmarks.md, H200 eighth run).
 MIN_ROWS_PER_THREAD = 16
 
 
@@ -77,20 +76,21 @@ class StepGrammar:
 class BitmaskFiller:
     """The runner's bitmask buffers and fill threads.
 
-    Rows that follow plain decoding fill in one xgrammar batch call over up to `num_threads` threads, at least
-    MIN_ROWS_PER_THREAD rows each (a row inside a `pattern` string costs 0.25-0.45 ms on a core: a 1,024-row
-    step on one thread would stall the device for that long); drafts and thinking rows fill row by row. On
+    Rows that follow plain decoding fill in one xgrammar batch call over up to `num_threads` threads on CUDA, at
+    least MIN_ROWS_PER_THREAD rows each (a row inside a `pattern` string costs hundreds of microseconds: a
+    1,024-row step on one thread would stall the device); drafts and thinking rows fill row by row. On
     CUDA the bitmask lands in one of two reused pinned buffers, copied to the device without the host
     waiting: a buffer is filled again two steps later, once its copy is known done (an event), so no step
     allocates or pins its bitmask.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device, num_threads: int | None = None) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, num_threads: int = 1) -> None:
+        """num_threads: xgrammar's fill threads (the runner's: worker/cpu_threads.xgrammar_threads), used on CUDA.
+        On CPU the forward's OpenMP threads hold the cores (spinning between regions): a hand-off to other threads
+        cost more than it saved at serving batch sizes (docs/benchmarks.md), so one fills there."""
         self.vocab_size = vocab_size
         self.device = device
-        # On CPU the forward's OpenMP threads hold the cores (spinning between regions): handing rows to other
-        # threads cost more than it saved at serving batch sizes (2 cores, 16 rows: p90 step 4.0 vs 1.9 ms).
-        self.num_threads = num_threads or (num_xgrammar_threads() if device.type == "cuda" else 1)
+        self.num_threads = num_threads if device.type == "cuda" else 1
         self.is_pinned = device.type == "cuda"
         self.buffers: list[torch.Tensor] = [torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)] * 2
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device

@@ -8,7 +8,6 @@ queue (core.scheduler) while the steps of the others go on. Compiled grammars ar
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -19,14 +18,6 @@ from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured.grammar import build_grammar
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each a few MB at most for a large vocabulary)
-MAX_XGRAMMAR_THREADS = 8  # xgrammar's compile and batch fill split their work over this many threads at most
-
-
-def num_xgrammar_threads() -> int:
-    """Threads for xgrammar's parallel work: the cores this process may run on, up to MAX_XGRAMMAR_THREADS (a
-    compile or a step's fill is short; past that the hand-offs cost more than the split saves)."""
-    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(MAX_XGRAMMAR_THREADS, num_cores)
 
 
 class GrammarCompiler:
@@ -34,8 +25,10 @@ class GrammarCompiler:
     compile, so engines that never see a structured request never build the tokenizer's tables."""
 
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: list[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, num_threads: int = 1) -> None:
+        """num_threads: xgrammar's threads for one compile (the engine's: worker/cpu_threads.xgrammar_threads)."""
         self.load_tokenizer = load_tokenizer
+        self.num_threads = num_threads
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
@@ -85,5 +78,5 @@ class GrammarCompiler:
 
             info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
-            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=num_xgrammar_threads(), cache_enabled=False)
+            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=self.num_threads, cache_enabled=False)
         return self._xgr_compiler

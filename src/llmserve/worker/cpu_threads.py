@@ -31,6 +31,7 @@ import torch
 
 SMALL_MODEL_PARAMS = 10_000_000
 SAMPLE_WINDOW_S = 0.25  # long enough for a few scheduler ticks on every CPU (HZ >= 100)
+MAX_XGRAMMAR_THREADS = 8  # xgrammar's compile and batch fill split their work over this many threads at most
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,12 @@ def available_cpus() -> int:
     num = len(allowed_cpu_ids())
     quota = cgroup_cpu_quota()
     return max(1, min(num, math.ceil(quota))) if quota else num
+
+
+def xgrammar_threads() -> int:
+    """Threads for xgrammar's compiles and batch fills: the CPUs this process may use, at most
+    MAX_XGRAMMAR_THREADS (a compile or a step's fill is short; past that the hand-offs cost more than they save)."""
+    return min(MAX_XGRAMMAR_THREADS, available_cpus())
 
 
 def read_cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:

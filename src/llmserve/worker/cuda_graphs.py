@@ -34,7 +34,7 @@ import torch
 
 from llmserve.model.lora_layers import LoRAContext, LoRAStep
 from llmserve.model.quant.token_kinds import ALL_DECODE, step_kinds_of
-from llmserve.model.split_keys import SPLIT_MIN_KEYS, num_splits_for
+from llmserve.model.split_keys import is_long_decode, num_splits_for
 from llmserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:  # triton is imported only where the Triton backend is used
@@ -151,13 +151,13 @@ class StepGraphs:
         for group, slots in enumerate(slot_mappings):
             self.slot_mappings[group, :num_tokens].copy_(slots, non_blocking=True)
 
-    def _copy_block_tables(self, block_tables: list[torch.Tensor]) -> tuple[int, int]:
-        """Each group's [B, W] table into the first B rows (columns past W zeroed) -> (B, W)."""
+    def _copy_block_tables(self, block_tables: list[torch.Tensor]) -> int:
+        """Each group's [B, W] table into the first B rows (columns past W zeroed) -> B."""
         num_rows, width = block_tables[0].shape
         for group, table in enumerate(block_tables):
             self.block_tables[group, :num_rows, :width].copy_(table, non_blocking=True)
         self.block_tables[:, :num_rows, width:].zero_()
-        return num_rows, width
+        return num_rows
 
     def _replay(self, key: tuple[int, bool], num_tokens: int) -> torch.Tensor:
         """The captured forward of `key` over the buffers -> hidden states [num_tokens, hidden] (a view of the
@@ -242,9 +242,9 @@ class DecodeGraphs(StepGraphs):
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """A step's hidden states [B * Q, hidden] through the smallest captured size >= B (its graph that splits
-        the rows' keys when one is as long as SPLIT_MIN_KEYS)."""
+        the rows' keys when one is long: model/split_keys.py)."""
         groups = inputs.attn_groups or [inputs.attn]
-        split_keys = bool(self.split_sizes) and max(inputs.attn.seq_lens_cpu) >= SPLIT_MIN_KEYS
+        split_keys = bool(self.split_sizes) and is_long_decode(self.q, inputs.attn.seq_lens_cpu)
         return self.run_rows(inputs.input_ids, inputs.positions, [a.slot_mapping for a in groups],
                              inputs.attn.seq_lens, [a.block_table for a in groups], split_keys)
 
@@ -257,7 +257,7 @@ class DecodeGraphs(StepGraphs):
         size's graph that splits long rows' keys, where it has one."""
         slot_mappings = slot_mapping if isinstance(slot_mapping, list) else [slot_mapping]
         block_tables = block_table if isinstance(block_table, list) else [block_table]
-        num_rows, _ = self._copy_block_tables(block_tables)
+        num_rows = self._copy_block_tables(block_tables)
         size, num_tokens = self._padded_size(num_rows), num_rows * self.q
         self._copy_tokens(input_ids, positions, slot_mappings, num_tokens)
         self.seq_lens[:num_rows].copy_(seq_lens, non_blocking=True)

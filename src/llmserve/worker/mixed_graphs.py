@@ -1,7 +1,7 @@
 """CUDA graphs of mixed steps: prompt chunks beside decode rows, or prompts alone, of up to a few hundred
 tokens, captured per padded token count (32, 64, ... 512, then every 64). Eagerly such a step launches every
-kernel of every layer from Python (a step of 16 decode rows and one 216-token prompt took ~26 ms on an H200
-against a 5.3 ms decode replay, docs/benchmarks.md); replayed, its launches cost what a decode step's do.
+kernel of every layer from Python, several times a decode replay's time (docs/benchmarks.md, H200 eighth run);
+replayed, its launches cost what a decode step's do.
 
 The attention kernel is inside the graph. Its grid, the step's number of query tiles, depends on the rows'
 mix, so a graph fixes it at the most a step of its token count can have: ceil(T / 16) for the tokens plus one
@@ -88,7 +88,7 @@ class MixedGraphs(StepGraphs):
         num_tokens = inputs.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num_tokens)
         self._copy_tokens(inputs.input_ids, inputs.positions, [a.slot_mapping for a in groups], num_tokens)
-        num_rows, _ = self._copy_block_tables([a.block_table for a in groups])
+        num_rows = self._copy_block_tables([a.block_table for a in groups])
         self._pad(num_tokens, num_rows, size)
         self.row_meta.copy_(on_device(self._row_meta(inputs.attn.query_lens_cpu, inputs.attn.seq_lens_cpu, size),
                                       self.row_meta.device), non_blocking=True)
@@ -114,7 +114,7 @@ class MixedGraphs(StepGraphs):
         keys[:num_rows] = seq_lens
         starts = np.zeros(max_rows + 1, np.int32)  # [R + 1]
         np.cumsum(lens, out=starts[1:])
-        tile_rows, tile_starts = query_tiles(lens[:num_rows + 1].tolist(), PROMPT_TILE)  # [k] each
+        tile_rows, tile_starts = query_tiles(lens[:num_rows + 1], PROMPT_TILE)  # [k] each
         num_tiles = len(self.tile_rows)
         assert len(tile_rows) <= self.num_tiles[size], "a step cut into more tiles than its graph's grid"
         rows = np.full(num_tiles, self.empty_row, np.int32)  # [tiles] past the step's: the empty row

@@ -33,6 +33,7 @@ from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec.draft_chain import VerifiedStep
 from llmserve.spec.speculator import Speculator
 from llmserve.structured.bitmask import BitmaskFiller
+from llmserve.worker.cpu_threads import xgrammar_threads
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.mixed_graphs import MixedGraphs
 from llmserve.worker.decode_window import WindowEnds, run_window
@@ -75,7 +76,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.sampling = SamplingInputs(vocab_size, device)
-        self.bitmasks = BitmaskFiller(vocab_size, device)
+        self.bitmasks = BitmaskFiller(vocab_size, device, xgrammar_threads())
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.speculator = speculator
         # an EAGLE head reads the target's hidden states of every forward (spec/eagle.py)
