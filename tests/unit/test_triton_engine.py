@@ -165,3 +165,27 @@ def test_decode_graph_buffers_split_long_rows_keys(tiny, reference, monkeypatch)
     assert _tokens(llm, _prompts(3, 1)) == reference[1]
     assert any(is_split for _, is_split in keys)
     llm.engine.check_integrity()
+
+
+def test_mixed_graph_buffers_through_prefix_hits_and_preemption(tiny):
+    """Prompts sharing a cached prefix, in a KV cache small enough to preempt, every step through the mixed-step
+    buffers: transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_parity
+
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 500) for _ in range(16)]
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(n)] for n in (5, 9, 3, 7)]
+    llm = LLM(tiny, attention_backend="triton", enforce_eager=True, num_scheduler_steps=1, dtype="float32",
+              max_model_len=48, block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, device=DEVICE)
+    runs = graph_buffers.attach(llm.engine.runner, "mixed", max_blocks=16, max_tokens=32, max_rows=4)
+    outs = llm.generate(prompts[:1], PARAMS) + llm.generate(prompts[1:], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))
+    assert llm.num_preemptions > 0, "the small cache was meant to preempt"
+    assert all(o.num_cached_tokens >= 16 for o in outs[1:])  # the first prompt's prefix, cached
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    want = [hf_parity.hf_greedy(hf, p, n) for p, n in zip(prompts, (5, 12, 12, 12))]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert any(tokens < size for tokens, size in runs)
+    llm.engine.check_integrity()
