@@ -114,11 +114,10 @@ def test_the_torch_groups_path_equals_transformers(checkpoint, monkeypatch):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_the_triton_backend_and_the_graph_buffers_equal_transformers(checkpoint, kind):
-    """The latent cache read by the Triton kernel (on CPU through Triton's interpreter): a mixed batch of chunked
-    prompts, then decode steps, through the graph buffers (run eagerly here; tests/gpu captures them). Decode:
-    the decode steps; mixed: every step, padded to 16 tokens (the tiles past a step's on the empty row)."""
+def test_the_triton_backend_and_the_graph_buffers_equal_transformers(checkpoint):
+    """The latent cache read by the Triton kernel (on CPU through Triton's interpreter): chunked prompts beside
+    decode rows through the mixed-step buffers (padded to 16 tokens, the tiles past a step's on the empty row),
+    then decode steps through the decode buffers (run eagerly here; tests/gpu captures them)."""
     pytest.importorskip("triton")
     import graph_buffers
 
@@ -127,16 +126,15 @@ def test_the_triton_backend_and_the_graph_buffers_equal_transformers(checkpoint,
               attention_backend="triton", enforce_eager=True)
     runner = llm.engine.runner
     assert runner.attn_backend.name == "triton"
-    runs = graph_buffers.attach(runner, kind, max_blocks=16, max_tokens=16, max_rows=3)
+    decode_runs = graph_buffers.attach(runner, "decode", max_blocks=16)
+    mixed_runs = graph_buffers.attach(runner, "mixed", max_blocks=16, max_tokens=16, max_rows=3)
     prompts = [prompt(n, 60 + i) for i, n in enumerate((3, 21, 1))]
     # 4 tokens, not NUM_OUT: each decode step runs 16 flash-decoding splits a layer in Triton's interpreter
     num_out = 4
     outs = hf_parity.engine_greedy(llm, prompts, num_out)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, num_out) for p in prompts]
-    if kind == "decode":
-        assert runs and {tokens for tokens, _ in runs} <= {1, 2, 3}  # decode steps went through the buffers
-    else:
-        assert (16, 16) in runs and any(tokens < 16 for tokens, _ in runs)
+    assert decode_runs and {tokens for tokens, _ in decode_runs} <= {1, 2, 3}  # decode steps through the buffers
+    assert (16, 16) in mixed_runs and any(tokens < 16 for tokens, _ in mixed_runs)
     llm.engine.check_integrity()
 
 

@@ -286,11 +286,10 @@ def test_a_draft_model_is_refused_without_a_full_group():
         checked_kv_cache_layout(config, (4, W))  # two windows, no full layer
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_graph_buffers_hold_a_table_per_group(tmp_path, kind):
+def test_graph_buffers_hold_a_table_per_group(tmp_path):
     """Steps through the CUDA-graph buffers (run eagerly off CUDA) of the Triton kernel (its interpreter): one
-    block table and slot buffer a group, each layer given its group's. Decode: three rows padded to four;
-    mixed: prompt chunks beside decode rows, and decode steps, padded to 16 tokens (the padding row: null block)."""
+    block table and slot buffer a group, each layer given its group's. Decode steps: three rows padded to four;
+    prompt chunks beside decode rows: the mixed-step buffers, 16 tokens (the padding row: null block)."""
     pytest.importorskip("triton")
     import torch
     from transformers import AutoModelForCausalLM
@@ -307,12 +306,13 @@ def test_graph_buffers_hold_a_table_per_group(tmp_path, kind):
               attention_backend="triton", device=device, enforce_eager=True, num_scheduler_steps=1)
     runner = llm.engine.runner
     assert runner.kv_layout.group_windows == (0, gemma3.WINDOW, gemma3.WINDOW, gemma3.WINDOW)
-    runs = graph_buffers.attach(runner, kind, max_blocks=16, max_tokens=16, max_rows=3,
-                                layer_groups=runner.kv_layout.layer_groups)
+    decode_runs = graph_buffers.attach(runner, "decode", max_blocks=16, layer_groups=runner.kv_layout.layer_groups)
+    mixed_runs = graph_buffers.attach(runner, "mixed", max_blocks=16, max_tokens=16, max_rows=3,
+                                      layer_groups=runner.kv_layout.layer_groups)
     prompts = [hf_parity.random_prompt(n, seed, gemma3.VOCAB) for n, seed in ((21, 5), (13, 6), (17, 7))]
     outs = hf_parity.engine_greedy(llm, prompts, num_out=8)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_parity.hf_greedy(hf, p, 8) for p in prompts]
-    assert (3, 4) in runs if kind == "decode" else (16, 16) in runs and (3, 16) in runs
+    assert (3, 4) in decode_runs and (16, 16) in mixed_runs
     llm.engine.check_integrity()
 
 

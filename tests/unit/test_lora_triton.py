@@ -47,11 +47,10 @@ def test_a_padded_step_skips_the_base_models_tokens_and_equals_the_grouped_one()
     assert (padded[torch.from_numpy(slots >= 0).to(DEVICE)] != 1).any()
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_steps_through_the_graph_buffers_give_peft_tokens(tmp_path, kind):
+def test_steps_through_the_graph_buffers_give_peft_tokens(tmp_path):
     """An engine's steps run the padded LoRA step inside the graph buffers (eagerly here; on CUDA replayed), rows
-    of two adapters and the base model in one batch: decode steps padded to 4 rows; mixed: prompt chunks and decode
-    steps padded to 16 tokens. transformers + peft's greedy tokens."""
+    of two adapters and the base model in one batch: decode steps padded to 4 rows, prompt chunks through the
+    mixed-step buffers padded to 16 tokens. transformers + peft's greedy tokens."""
     from hf_parity import random_prompt
     from lora_helpers import make_adapter, peft_greedy
 
@@ -66,14 +65,15 @@ def test_steps_through_the_graph_buffers_give_peft_tokens(tmp_path, kind):
     prompts = [random_prompt(9 + 3 * i, seed=60 + i, vocab_size=512) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, attention_backend="triton",
-              enforce_eager=True, device=DEVICE, max_model_len=64, num_kv_blocks=64,
-              max_num_batched_tokens=16 if kind == "mixed" else None)
+              enforce_eager=True, device=DEVICE, max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16)
     runner = llm.engine.runner
-    runs = graph_buffers.attach(runner, kind, max_blocks=8, max_tokens=16, max_rows=3, lora=runner.lora.context)
+    decode_runs = graph_buffers.attach(runner, "decode", max_blocks=8, lora=runner.lora.context)
+    mixed_runs = graph_buffers.attach(runner, "mixed", max_blocks=8, max_tokens=16, max_rows=3,
+                                      lora=runner.lora.context)
     outs = llm.generate(prompts, params, lora_request=requests)
-    padded_sizes = {size for _, size in runs}
-    assert padded_sizes and padded_sizes <= ({1, 2, 4} if kind == "decode" else {16})
-    assert kind == "decode" or (16, 16) in runs  # prompt chunks through the mixed buffers
+    padded_sizes = {size for _, size in decode_runs}
+    assert padded_sizes and padded_sizes <= {1, 2, 4}
+    assert (16, 16) in mixed_runs  # prompt chunks through the mixed buffers
     expected = [peft_greedy(base, None if lora is None else lora.lora_path, prompt, 5)
                 for prompt, lora in zip(prompts, requests)]
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
