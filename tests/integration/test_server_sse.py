@@ -137,7 +137,7 @@ def test_stream_interval_groups_tokens_into_fewer_events(tmp_path):
     finally:
         assert server.stop() == 0
     *chunks, usage = parse(events)
-    assert 2 <= len(chunks) <= 4  # tokens 1, 2-5, 6-9, 10 (fewer if the client fell behind)
+    assert 1 <= len(chunks) <= 4  # tokens 1, 2-5, 6-9, 10 (merged into fewer if the client fell behind)
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert usage["usage"]["completion_tokens"] == 10

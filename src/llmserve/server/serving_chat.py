@@ -143,10 +143,14 @@ class ChatServer:
         parser = self.ctx.config.reasoning_parser
         thoughts = [None if parser is None else reasoning_stream(parser) for _ in range(params.n)]
         prompt_ids = list(prompt.token_ids) if req.return_token_ids else None
-        for i in range(params.n):
-            yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")), prompt_ids if i == 0 else None)
         async with aclosing(gen):
+            is_first = True
             async for output in gen:
+                if is_first:  # with the first output (as vLLM): a client that saw it has a request in the engine
+                    is_first = False
+                    for i in range(params.n):
+                        yield chunk(ChatStreamChoice(i, DeltaMessage(role="assistant", content="")),
+                                    prompt_ids if i == 0 else None)
                 num_cached = output.num_cached_tokens
                 for out in output.outputs:
                     num_completion += len(out.token_ids)
