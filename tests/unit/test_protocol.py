@@ -186,6 +186,9 @@ def test_collector_merges_while_reader_is_slow():
 
 def test_sse_framing_and_error_event(caplog):
     assert sse_event({"a": 1}) == b'data: {"a":1}\n\n'
+    text = "x\u2028y\x85z\u2029\u00e9\u20ac"  # str.splitlines (httpx's aiter_lines) breaks at the first three
+    line = sse_event({"text": text}).decode()
+    assert len(line.strip().splitlines()) == 1 and json.loads(line[len("data: "):]) == {"text": text}
 
     async def failing():
         yield b"data: 1\n\n"

@@ -67,6 +67,15 @@ def test_sse_renamer_holds_a_partial_event_and_flushes_a_last_one_without_blank_
     assert renamer.feed(b": keep-alive comment\n\n") == b": keep-alive comment\n\n"
 
 
+def test_a_renamed_event_escapes_the_line_breaks_json_leaves_raw():
+    """A replica's text with U+2028 / U+0085 (escaped by the replica) stays one line once re-encoded."""
+    text = "a\u2028b\x85c\u2029d"
+    event = b"data: " + json.dumps({"model": "served-name", "text": text}).encode()
+    out = SseRenamer(RENAME).feed(event + b"\n\n")
+    assert len(out.decode().strip().splitlines()) == 1
+    assert json.loads(out[len(b"data: "):]) == {"model": "pool", "text": text}
+
+
 def test_choose_card():
     cards = [{"id": "a"}, {"id": "pool"}]
     assert choose_card("pool", None, cards) == ({"id": "pool"}, "")  # the pool's own name first

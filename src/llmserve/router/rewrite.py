@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from llmserve.http.sse import line_safe
+
 _MODEL_KEYS = ("model", "model_id")  # OpenAI's answers and chunks; TGI's GET /info
 _EVENT_END = b"\n\n"
 _DATA = b"data:"
@@ -61,7 +63,7 @@ def _data_line(line: bytes, rename: ModelRename) -> bytes:
     if not payload.startswith(b"{"):  # [DONE]
         return line
     renamed = json_body(payload, rename)
-    return line if renamed is payload else b"data: " + renamed
+    return line if renamed is payload else b"data: " + line_safe(renamed)
 
 
 def sse_event(event: bytes, rename: ModelRename) -> bytes:
