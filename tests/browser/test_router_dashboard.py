@@ -73,7 +73,7 @@ def test_router_dashboard_has_a_row_per_replica(router, replicas, dead_url, page
         wait_for(page, "Number(document.querySelector('[data-chart=in_flight]')?.dataset.max) > 0")
         wait_for(page, "Number(document.querySelector('#pools tbody tr[data-key=tiny] td[data-column=\"In flight\"]')"
                    "?.textContent) > 0")
-        wait_for(page, "Number(document.querySelector('[data-chart=requests_per_s]')?.dataset.points) >= 12")
+        wait_for(page, "Number(document.querySelector('[data-chart=requests_per_s]')?.dataset.points) >= 4")
         page.set_viewport_size({"width": 1280, "height": 400})  # full_page: as tall as the content
         page.screenshot(path=str(artifacts_dir / "router-dashboard.png"), full_page=True)
     assert load.num_chunks > 0 and not load.errors

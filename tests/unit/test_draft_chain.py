@@ -18,6 +18,7 @@ from spec_cases import draft, repeating_prompts, target  # noqa: E402, F401 (fix
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ENGINE = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, attention_backend="triton", device=DEVICE)
+PLAIN = {**ENGINE, "attention_backend": "auto"}  # the references: the device's default backend (CPU: no interpreter)
 K = 3
 
 
@@ -59,7 +60,7 @@ def _record_both_paths(proposer) -> list[tuple[list[list[int]], list[list[int]]]
 def test_chained_drafts_are_the_host_paths(target, draft):
     llm = _chained_llm(target, draft)
     calls = _record_both_paths(llm.engine.runner.speculator.proposer)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.generate(repeating_prompts(3, seed=5), params)
     assert calls and llm.engine.runner.speculator.proposer.num_chained >= len(calls)
     assert {len(row) for host, _ in calls for row in host} == {K}
@@ -81,8 +82,8 @@ def test_a_reduced_draft_head_chains_as_the_host_path_drafts(target, draft):
 
 def test_greedy_speculation_through_the_chain_equals_plain(target, draft):
     prompts = repeating_prompts(3, seed=7)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    plain = LLM(target, enforce_eager=True, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(target, enforce_eager=True, **PLAIN)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = _chained_llm(target, draft)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -100,8 +101,8 @@ def test_sampled_rows_take_the_host_path(target, draft):
 def test_verification_steps_through_graph_buffers_equal_plain(target, draft):
     """Rows of 1 + K queries (token and drafts) run padded through the verification buffers; mixed steps eagerly."""
     prompts = repeating_prompts(3, seed=11)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(target, enforce_eager=True, **ENGINE).generate(prompts, params)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(target, enforce_eager=True, **PLAIN).generate(prompts, params)]
     llm = _chained_llm(target, draft)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, max_batch=4, max_blocks=8,
@@ -142,8 +143,8 @@ def _record_early_and_chained(proposer) -> list[tuple[list[list[int]], list[list
 
 def test_queued_drafts_are_the_chains_and_greedy_speculation_equals_plain(target, draft):
     prompts = repeating_prompts(3, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(target, enforce_eager=True, **ENGINE).generate(prompts, params)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(target, enforce_eager=True, **PLAIN).generate(prompts, params)]
     llm = _chained_llm(target, draft, after_verify=True)
     proposer = llm.engine.runner.speculator.proposer
     calls = _record_early_and_chained(proposer)
@@ -159,7 +160,7 @@ def test_queued_drafts_are_the_chains_and_greedy_speculation_equals_plain(target
 def test_stops_inside_accepted_drafts_equal_plain_with_queued_proposals(target, draft):
     """Rows that stop partway through a step's accepted drafts end where plain decoding ends them."""
     prompts = repeating_prompts(2, seed=13)
-    plain = LLM(target, enforce_eager=True, **ENGINE)
+    plain = LLM(target, enforce_eager=True, **PLAIN)
     first = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     stops = [o.outputs[0].token_ids[7] for o in first]
     params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]) for stop in stops]

@@ -199,7 +199,7 @@ def test_eagle3_features_come_through_the_graph_buffers(target, heads, hf_target
         setattr(runner, name, graphs)
     mixed_runs = graph_buffers.attach(runner, "mixed", max_blocks=16, max_tokens=256, max_rows=4)
     calls = record_rows(llm)
-    llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert 4 in runs  # 3 rows of k + 1 tokens padded to 4 rows
     assert mixed_runs  # the prompts padded to a multiple of 32 tokens
     for tokens, drafts in calls:
@@ -222,7 +222,7 @@ def test_the_heads_later_forwards_through_its_graph_buffers_draft_the_reference(
                           device=torch.device("cpu"), use_graphs=False)
     proposer.chain = EagleChain(proposer.head, step, graphs, proposer.block_size, torch.device("cpu"))
     calls = record_rows(llm)
-    llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    llm.generate(repeating_prompts(3, seed=4), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert proposer.num_chained >= 3
     for tokens, drafts in calls:
         check_drafts(method, heads[method], hf_target, tokens, drafts)
