@@ -16,9 +16,9 @@ from fastapi.responses import Response
 
 from llmserve import __version__
 from llmserve.engine.async_llm import TokensPrompt
+from llmserve.http.sse import line_safe
 from llmserve.outputs import CompletionOutput, TokenLogprob
 from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, ParamError, SamplingParams
-from llmserve.http.sse import line_safe
 from llmserve.server.errors import to_api_error
 from llmserve.server.protocol import (NULL, NULL_OR_FALSE, NumLogprobs, Penalty, PositiveInt, RepetitionPenalty,
                                       StopStrings, Temperature, TopK, TopP, decode_json, encode_json, refused_unless)
