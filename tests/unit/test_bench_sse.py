@@ -32,6 +32,13 @@ def test_utf8_split_and_unterminated_last_event():
     assert _feed_all(SSEDecoder(), [raw[:cut], raw[cut:]]) == ['{"text": "héllo"}']
 
 
+def test_unicode_line_separators_inside_the_json_are_not_line_ends():
+    """JSON may carry U+2028, U+2029 and U+0085 raw (vLLM sends them so); only CR and LF end SSE lines."""
+    raw = 'data: {"text": "a\u2028b\u2029c\x85d"}'.encode()
+    assert _feed_all(SSEDecoder(), [raw + b"\n\n"]) == [raw[len(b"data: "):].decode()]
+    assert _feed_all(SSEDecoder(), [raw]) == [raw[len(b"data: "):].decode()]  # the last event, unterminated
+
+
 def test_completions_chunk():
     chunk = parse_chunk(json.dumps({"object": "text_completion",
                                     "choices": [{"index": 0, "text": " the", "finish_reason": None}]}))

@@ -14,6 +14,12 @@ class ProtocolError(Exception):
     """The server's answer is not what the OpenAI API specifies."""
 
 
+def _split_lines(text: str) -> list[str]:
+    """SSE's lines: ends at LF, CRLF or CR only (not at U+2028 and the others str.splitlines takes, which a
+    server may leave raw inside JSON strings)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
 class SSEDecoder:
     """text/event-stream bytes in (split anywhere), the `data` of each complete event out.
 
@@ -35,7 +41,7 @@ class SSEDecoder:
         """The last event, where the stream ended without a blank line."""
         rest = self._buffer + self._utf8.decode(b"", final=True)
         self._buffer = ""
-        events = [e for line in rest.splitlines() if (e := self._on_line(line)) is not None]
+        events = [e for line in _split_lines(rest) if (e := self._on_line(line)) is not None]
         final = self._on_line("")
         return events + ([final] if final is not None else [])
 
@@ -46,7 +52,7 @@ class SSEDecoder:
         if cut < 0:
             return []
         complete, self._buffer = self._buffer[: cut + 1], self._buffer[cut + 1:]
-        return complete.replace("\r\n", "\n").replace("\r", "\n").split("\n")[:-1]
+        return _split_lines(complete)[:-1]
 
     def _on_line(self, line: str) -> str | None:
         if not line:
