@@ -21,6 +21,11 @@ def line_safe(data: bytes) -> bytes:
     return data
 
 
+def data_event(payload: bytes, field: bytes = b"data: ") -> bytes:
+    """One SSE event carrying encoded JSON (TGI writes its field as `data:`), line-safe."""
+    return field + line_safe(payload) + b"\n\n"
+
+
 def sse_error(exc: BaseException, classify: Classify = to_api_error) -> bytes:
     """`exc` as an SSE event in OpenAI's error shape (how a stream ends that cannot answer with a status)."""
-    return b"data: " + line_safe(error_payload(exc, classify)) + b"\n\n"
+    return data_event(error_payload(exc, classify))

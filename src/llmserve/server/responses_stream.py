@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 
-from llmserve.http.sse import line_safe
+from llmserve.http.sse import data_event
 from llmserve.server.protocol import DeltaMessage, encode_json
 from llmserve.server.protocol_responses import (FunctionCallItem, OutputItem, OutputMessage, OutputText,
                                                 ReasoningItem, ReasoningText, StreamEvent)
@@ -27,7 +27,7 @@ def new_item_id(prefix: str) -> str:
 
 def sse_typed_event(event: StreamEvent) -> bytes:
     """OpenAI's Responses streams name each event's type on its own `event:` line too."""
-    return b"event: " + event.type.encode() + b"\ndata: " + line_safe(encode_json(event)) + b"\n\n"
+    return b"event: " + event.type.encode() + b"\n" + data_event(encode_json(event))
 
 
 class EventCounter:

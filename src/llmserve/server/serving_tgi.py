@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from llmserve import __version__
 from llmserve.engine.async_llm import TokensPrompt
-from llmserve.http.sse import line_safe
+from llmserve.http.sse import data_event
 from llmserve.outputs import CompletionOutput, TokenLogprob
 from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, ParamError, SamplingParams
 from llmserve.server.errors import to_api_error
@@ -243,11 +243,11 @@ class TGIServer:
                     events = self._events(p, out, index, text, len(prompt.token_ids))
                     index += len(events)
                     for event in events:
-                        yield b"data:" + line_safe(encode_json(event)) + b"\n\n"
+                        yield data_event(encode_json(event), b"data:")
         except Exception as e:  # noqa: BLE001 - TGI's in-stream error shape
             err = to_api_error(e)
             log_error_event(request_id, err.message)
-            yield b"data:" + line_safe(encode_json(TGIStreamError(err.message, err.info().type))) + b"\n\n"
+            yield data_event(encode_json(TGIStreamError(err.message, err.info().type)), b"data:")
 
     def _events(self, p: TGIParameters, out: CompletionOutput, index: int, text: str,
                 num_prompt_tokens: int) -> list[TGIStreamEvent]:

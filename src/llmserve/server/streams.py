@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from llmserve.http import sse
-from llmserve.http.sse import SSE_DONE, line_safe
+from llmserve.http.sse import SSE_DONE, data_event
 from llmserve.server.errors import to_api_error
 from llmserve.server.protocol import encode_json
 
@@ -31,7 +31,7 @@ class ClientDisconnected(Exception):
 
 
 def sse_event(obj: Any) -> bytes:
-    return b"data: " + line_safe(encode_json(obj)) + b"\n\n"
+    return data_event(encode_json(obj))
 
 
 def sse_error(exc: BaseException) -> bytes:
