@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -372,8 +373,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     items = work_items(p, rows.numel(), num_tiles, max_tile > 1);
   }
   const int max_m = max_tile * p.group * p.heads_per_item;
-  std::vector<float> partials(splits.empty() ? 0 : static_cast<size_t>(items.size()) * max_m * (head_dim + 2));
-  p.partials = partials.data();
+  // every slot a merge reads is written by its split first (stash_split), so the buffer is not zeroed
+  const size_t num_partial_floats = splits.empty() ? 0 : static_cast<size_t>(items.size()) * max_m * (head_dim + 2);
+  const std::unique_ptr<float[]> partials(num_partial_floats > 0 ? new float[num_partial_floats] : nullptr);
+  p.partials = partials.get();
   p.partial_stride = max_m * (head_dim + 2);
   p.items = items.data();
   p.num_items = static_cast<int>(items.size());
