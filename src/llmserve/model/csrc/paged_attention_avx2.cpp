@@ -138,7 +138,6 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     const int block = is_pow2 ? t >> shift : t / p.block_size, slot = t - block * p.block_size;
     return static_cast<int64_t>(it.table[block]) * block_stride + slot * token_stride + static_cast<int64_t>(it.kvh0) * hs;
   };
-  load_queries<Q>(p, it, w, d);
   const int m_count = it.q_len * it.hg;
   const KV* kp[kChunk];
   const KV* vp[kChunk];
@@ -157,6 +156,12 @@ void attend_item(const Params& p, int item_index, Scratch& w) {
     }
   };
   const int tokens_per_slice = (kPrefetchAhead + 2 * m_count - 1) / (2 * m_count);  // 2 * m_count slices a chunk
+  // The first chunk's K/V all at once, before the queries load: no chunk before it hides them, and read on demand
+  // they came in at the memory's latency (a decode step's KV is cold after the weights' stream).
+  next_t = it.first_key;
+  next_end = std::min(it.key_end, it.first_key + kChunk);
+  prefetch_tokens(kChunk);
+  load_queries<Q>(p, it, w, d);
   for (int c0 = it.first_key; c0 < it.key_end; c0 += kChunk) {  // keys outside: out of every window, or a split's
     const int cn = std::min(kChunk, it.key_end - c0);
     for (int c = 0; c < cn; ++c) {
