@@ -214,6 +214,20 @@ def test_kernel_half_dtypes(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [128, 96, 40])
+@pytest.mark.parametrize("group", [1, 3])
+def test_bfloat16_head_dims(head_dim, group):
+    """bfloat16 through the kernel at Llama's 128, at 96 and at 40 (the AVX2 path's unrolled and generic dims), one
+    query head a kv head and a run of three: each matches the reference."""
+    rows = random_rows(head_dim + group)
+    q, k, v, kv_cache, inputs, full = make_case(rows, 16, group, seed=head_dim, dtype=torch.bfloat16,
+                                                head_dim=head_dim)
+    out, metadata = run_backend(TorchAttentionBackend(), q, k, v, kv_cache, inputs)
+    assert metadata.kernel is not None and metadata.groups == []
+    check_against_reference(out, q, inputs.query_start_loc.tolist(), full, atol=2e-2)
+
+
+@needs_kernel
 def test_unsupported_dtype_uses_torch_groups():
     rows = random_rows(3)
     q, k, v, kv_cache, inputs, full = make_case(rows, 4, 3, seed=3, dtype=torch.float64)
