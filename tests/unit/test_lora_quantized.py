@@ -1,6 +1,8 @@
 """Adapters on a quantized base (--quantization int8: W8A8; fp8: e4m3, CPU's reference path): the adapter's
 product is added to the quantized projection's output, as transformers + peft do over the same quantized
-layers (ours, swapped into the HF model under peft's LoRA layers); greedy tokens equal."""
+layers (ours, swapped into the HF model under peft's LoRA layers); greedy tokens equal, up to a quantizer's
+near-tie (an activation on a rounding boundary of the format goes the other way when the sums before it add up
+in another order)."""
 
 from __future__ import annotations
 
@@ -16,15 +18,18 @@ from llmserve.testing.maker import make_model
 NUM_OUT = 8
 
 
-def peft_over_quantized_greedy(base: str, adapter_dir: str | None, prompt: list[int], method: str) -> list[int]:
+# Logprob gap below which peft's greedy token and ours may differ: an e4m3 activation rounded the other way moved
+# one step's logprobs by 0.015 on the AVX2-only kind (where peft's top two were 0.046 apart), while the adapters
+# move them by 0.8-1.1 on average.
+NEAR_TIE = 0.1
+
+
+def peft_over_quantized(base: str, adapter_dir: str | None, method: str):
     """transformers + peft with every base nn.Linear replaced by our quantized layer (lm_head only for int8,
     as quantize_model does); the adapters' A and B stay float32."""
     from peft import PeftModel
 
-    from transformers import GenerationConfig
-
     model = hf_base(base)
-    model.generation_config = GenerationConfig(do_sample=False, pad_token_id=0)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).eval()
     linears = [(name, mod) for name, mod in model.named_modules()
@@ -33,7 +38,19 @@ def peft_over_quantized_greedy(base: str, adapter_dir: str | None, prompt: list[
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, quantized_linear(linear.weight, linear.bias, method))
-    return hf_greedy(model, prompt, NUM_OUT)
+    return model
+
+
+def assert_same_up_to_a_near_tie(model, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """got == want, or they part where peft's logprob of its token and of ours differ by less than NEAR_TIE."""
+    step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if step is None:
+        assert len(got) == len(want)
+        return
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt + want[:step]])).logits[0, -1].float(), -1)
+    gap = float(logprobs[want[step]] - logprobs[got[step]])
+    assert gap < NEAR_TIE, f"step {step}: ours {got[step]}, peft's {want[step]} by {gap:.4f}: {got} != {want}"
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +70,9 @@ def test_adapters_on_a_quantized_base_match_peft_over_the_same_layers(setup, met
               block_size=4)
     params = SamplingParams(temperature=0, max_tokens=NUM_OUT, ignore_eos=True)
     outs = llm.generate(prompts, params, lora_request=[*loras, None])
-    expected = [peft_over_quantized_greedy(base, lora.lora_path if lora else None, prompt, method)
-                for lora, prompt in zip([*loras, None], prompts)]
-    assert expected[0] != peft_over_quantized_greedy(base, None, prompts[0], method)  # the adapter counts
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    models = [peft_over_quantized(base, lora.lora_path if lora else None, method) for lora in [*loras, None]]
+    expected = [hf_greedy(model, prompt, NUM_OUT) for model, prompt in zip(models, prompts)]
+    assert expected[0] != hf_greedy(models[-1], prompts[0], NUM_OUT)  # the adapter counts (models[-1]: the base)
+    for model, prompt, out, want in zip(models, prompts, outs, expected):
+        assert_same_up_to_a_near_tie(model, prompt, list(out.outputs[0].token_ids), want)
     llm.engine.check_integrity()
