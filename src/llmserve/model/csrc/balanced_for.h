@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <new>
+#include <memory>
 
 namespace llmserve_cpu {
 
@@ -54,14 +54,9 @@ void balanced_parallel_for(int64_t n, int64_t chunk, const Fn& fn) {
     fn(0, n);
     return;
   }
-  // Storage for the most threads, but only the threads' own stretches constructed: an array of Stretch would zero
-  // all kMaxBalancedThreads of them (16 KB) at every call.
-  alignas(Stretch) unsigned char storage[kMaxBalancedThreads * sizeof(Stretch)];
-  Stretch* stretches = reinterpret_cast<Stretch*>(storage);
-  for (int64_t t = 0; t < num_threads; ++t) {
-    new (&stretches[t]) Stretch();
-    stretches[t].reset(n * t / num_threads, n * (t + 1) / num_threads);
-  }
+  // The threads' stretches only: an array of kMaxBalancedThreads would zero all of them (16 KB) at every call.
+  const std::unique_ptr<Stretch[]> stretches(new Stretch[num_threads]);
+  for (int64_t t = 0; t < num_threads; ++t) stretches[t].reset(n * t / num_threads, n * (t + 1) / num_threads);
   at::parallel_for(0, num_threads, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {  // one stretch a thread (all of them when ATen runs this serially)
       int64_t begin = 0, end = 0;
