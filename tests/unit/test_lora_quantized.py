@@ -6,8 +6,11 @@ in another order)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from greedy_check import check_greedy_against_hf
 from hf_parity import hf_greedy, random_prompt
 from lora_helpers import hf_base, make_adapter
 
@@ -18,9 +21,9 @@ from llmserve.testing.maker import make_model
 NUM_OUT = 8
 
 
-# Logprob gap below which peft's greedy token and ours may differ: an e4m3 activation rounded the other way moved
-# one step's logprobs by 0.015 on the AVX2-only kind (where peft's top two were 0.046 apart), while the adapters
-# move them by 0.8-1.1 on average.
+# Logit gap below which peft's greedy token and ours may differ (check_greedy_against_hf's tie_gap): an e4m3
+# activation rounded the other way moved one step's logprobs by 0.015 on the AVX2-only kind (where peft's top two
+# were 0.046 apart), while the adapters move them by 0.8-1.1 on average.
 NEAR_TIE = 0.1
 
 
@@ -39,18 +42,6 @@ def peft_over_quantized(base: str, adapter_dir: str | None, method: str):
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, quantized_linear(linear.weight, linear.bias, method))
     return model
-
-
-def assert_same_up_to_a_near_tie(model, prompt: list[int], got: list[int], want: list[int]) -> None:
-    """got == want, or they part where peft's logprob of its token and of ours differ by less than NEAR_TIE."""
-    step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if step is None:
-        assert len(got) == len(want)
-        return
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([prompt + want[:step]])).logits[0, -1].float(), -1)
-    gap = float(logprobs[want[step]] - logprobs[got[step]])
-    assert gap < NEAR_TIE, f"step {step}: ours {got[step]}, peft's {want[step]} by {gap:.4f}: {got} != {want}"
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +64,8 @@ def test_adapters_on_a_quantized_base_match_peft_over_the_same_layers(setup, met
     models = [peft_over_quantized(base, lora.lora_path if lora else None, method) for lora in [*loras, None]]
     expected = [hf_greedy(model, prompt, NUM_OUT) for model, prompt in zip(models, prompts)]
     assert expected[0] != hf_greedy(models[-1], prompts[0], NUM_OUT)  # the adapter counts (models[-1]: the base)
-    for model, prompt, out, want in zip(models, prompts, outs, expected):
-        assert_same_up_to_a_near_tie(model, prompt, list(out.outputs[0].token_ids), want)
+    for model, prompt, out in zip(models, prompts, outs):
+        tie = check_greedy_against_hf(model, prompt, list(out.outputs[0].token_ids), tie_gap=NEAR_TIE)
+        if tie is not None:
+            warnings.warn(f"ours and peft's part at a quantizer's {tie}")
     llm.engine.check_integrity()
