@@ -21,7 +21,7 @@
 #   SERVE_RUNS: the serve stage's runs (default c64,c256,c1024,c1,c64greedy; json: c=16,64 with and without a schema);
 #   SERVE_ARGS: more `serve` flags (e.g. --max-cudagraph-capture-size 1024); STEPPROF_ARGS: LLM keyword arguments
 #   for stepprof and arrivals as JSON (e.g. '{"max_graph_batch": 1024}'), STEPPROF_PARAMS its sampling over the
-#   defaults; ARRIVALS_AB=1: arrivals also with decode graphs only (mixed steps eager), second;
+#   defaults, STEPPROF_PARAMS_B other sampling for a second stepprof (an A/B); ARRIVALS_AB=1: arrivals also with decode graphs only (mixed steps eager), second;
 #   ROOFLINE_LONG=N: roofline also at an N-token prompt, with the decode keys split and whole (an A/B)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
@@ -118,6 +118,11 @@ if want stepprof; then  # where a served decode step's time goes (c=64, c=256), 
     fi
     run stepprof ${STEPPROF_LIMIT:-150} "$PY" scripts/gpu/step_profile.py "$MODEL" ${STEPPROF_BATCHES:-64,256} "$RES/step_profile.txt"
     grep -E '^batch|decode:|synchronised|device busy|mixed|prompt phase' "$RES/step_profile.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+    if [ -n "${STEPPROF_PARAMS_B:-}" ]; then  # the same with other sampling over the defaults, second (an A/B)
+        run stepprof_b ${STEPPROF_LIMIT:-150} env STEPPROF_PARAMS="$STEPPROF_PARAMS_B" "$PY" scripts/gpu/step_profile.py \
+            "$MODEL" ${STEPPROF_BATCHES:-64,256} "$RES/step_profile_b.txt"
+        grep -E '^defaults|^batch|decode:|device busy' "$RES/step_profile_b.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+    fi
 fi
 if want arrivals; then  # what a new request's arrival costs the running streams, without and with a schema
     run arrivals ${ARRIVALS_LIMIT:-120} "$PY" scripts/gpu/arrival_profile.py "$MODEL" ${ARRIVALS_RUNNING:-16} "$RES/arrivals.txt"

@@ -198,7 +198,7 @@ def exponential_race(
     # E = -log(U), U ~ Uniform[tiny, 1); keep log(U) < 0: argmax probs/E == argmin probs/log(U).
     # (Faster than exponential_() on CPU. U >= tiny keeps log(U) finite and nonzero, so every
     # token with probs > 0 scores strictly below the filtered ones, which score -0.0.)
-    log_u = _uniform_noise(probs.shape, probs.device, generators, generator).log_()  # [B, V]
+    log_u = uniform_noise(probs.shape, probs.device, generators, generator).log_()  # [B, V]
     return probs.div_(log_u).argmin(dim=-1)
 
 
@@ -222,7 +222,7 @@ def candidate_noise(cand_ids: torch.Tensor, vocab_size: int, generators: dict[in
     return noise
 
 
-def _uniform_noise(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator],
+def uniform_noise(shape: tuple[int, int], device: torch.device, generators: dict[int, torch.Generator],
                    generator: torch.Generator | None) -> torch.Tensor:
     """U ~ Uniform[tiny, 1) [B, V]: seeded rows from their own generator, the others from one batched draw."""
     noise = torch.empty(shape, dtype=torch.float32, device=device)

@@ -1,7 +1,8 @@
 """The sampler: processed logits -> one token per row, plus logprobs of the raw distribution.
 
 Order: logit_bias and min_tokens masking, penalties; greedy rows take the argmax of those
-processed logits; random rows apply temperature, top-k / top-p / min-p, then the exponential race.
+processed logits; random rows apply temperature, top-k / top-p / min-p, then the exponential race. On CUDA,
+top-p without top-k races inside each row's nucleus without sorting the vocabulary (sample/triton_nucleus.py).
 Logprobs come from log_softmax of the unprocessed logits (vLLM's default).
 """
 
@@ -41,11 +42,14 @@ MAX_CANDIDATES = 1024  # rows' top-k up to this: sampling works on the candidate
 class Sampler:
     """Samples a batch in a few batched ops; only rows with their own generator loop (one draw each).
 
-    `generator` serves the unseeded rows (None: torch's default generator).
+    `generator` serves the unseeded rows (None: torch's default generator). `nucleus_kernel`: top-p alone
+    through the sort-free Triton kernel (None: on CUDA where it compiles; True elsewhere runs Triton's
+    interpreter, for tests).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, nucleus_kernel: bool | None = None) -> None:
         self.generator = generator
+        self.nucleus_kernel = nucleus_kernel
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, keep_probs: bool = False) -> SamplerOutput:
         """logits [B, V] float32 are scratch: they are modified in place. `keep_probs` also returns
@@ -67,6 +71,8 @@ class Sampler:
             return greedy, None
         if not keep_probs and meta.is_top_k_everywhere and meta.max_top_k <= MAX_CANDIDATES:
             sampled, kept = self._sample_candidates(logits, meta), None  # [B]
+        elif not keep_probs and meta.no_top_k and not meta.no_top_p and self._has_nucleus_kernel(logits):
+            sampled, kept = self._sample_nucleus(logits, meta), None  # [B]
         else:
             probs = self.probs(logits, meta)  # [B, V]
             kept = probs.clone() if keep_probs else None
@@ -97,6 +103,24 @@ class Sampler:
             ops.apply_min_p(cand_logits, meta.min_p)
         probs = cand_logits.softmax(dim=-1)  # [B, K]
         return ops.exponential_race_on_candidates(probs, cand_ids, noise)
+
+    def _has_nucleus_kernel(self, logits: torch.Tensor) -> bool:
+        if self.nucleus_kernel is None and logits.device.type != "cuda":
+            self.nucleus_kernel = False
+        elif self.nucleus_kernel is None:
+            from llmserve.sample import triton_nucleus  # Triton only where this path runs
+
+            self.nucleus_kernel = triton_nucleus.compiles_on(logits.device)
+        return self.nucleus_kernel
+
+    def _sample_nucleus(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The same draw as `probs` + `exponential_race` with top-p alone (the same noise, so the same tokens but
+        for ties at a nucleus' edge), without sorting the vocabulary."""
+        from llmserve.sample.triton_nucleus import nucleus_race  # Triton only where this path runs
+
+        logits.div_(meta.temperature.unsqueeze(1))
+        noise = ops.uniform_noise(logits.shape, logits.device, meta.generators, self.generator)  # [B, V]
+        return nucleus_race(logits, noise, meta.top_p, meta.min_p)
 
     @staticmethod
     def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
