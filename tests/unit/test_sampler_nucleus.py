@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")  # without CUDA, conftest.py set TRITON_INTERPRET=1 before anything imported it
 
-from llmserve.sample import Sampler, build_sampling_metadata  # noqa: E402
+from llmserve.sample import Sampler, build_sampling_metadata, ops  # noqa: E402
 from llmserve.sample.metadata import PositionRow as Row  # noqa: E402
 from llmserve.sample.triton_nucleus import nucleus_race  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
@@ -24,13 +24,26 @@ ROWS = [Row(SamplingParams(temperature=0.6, top_p=0.9)),
         Row(SamplingParams(temperature=0.8, top_p=0.8, min_p=0.1), generator=torch.Generator())]
 
 
-def _draw(logits: torch.Tensor, rows: list[Row], seed: int, nucleus_kernel: bool) -> list[int]:
+def _seed(rows: list[Row], seed: int) -> None:
     for i, row in enumerate(rows):
         if row.generator is not None:
             row.generator = torch.Generator(DEVICE).manual_seed(seed + i)
+
+
+def _kernel_draw(logits: torch.Tensor, rows: list[Row], seed: int) -> list[int]:
+    _seed(rows, seed)
     meta = build_sampling_metadata(rows, logits.shape[1], DEVICE)
-    sampler = Sampler(torch.Generator(DEVICE).manual_seed(seed), nucleus_kernel=nucleus_kernel)
+    sampler = Sampler(torch.Generator(DEVICE).manual_seed(seed), nucleus_kernel=True)
     return sampler(logits.clone(), meta).sampled_token_ids.tolist()
+
+
+def _sorted_draw(logits: torch.Tensor, rows: list[Row], seed: int) -> list[int]:
+    """The top-p mask and the race over the whole vocabulary, in torch, from the same generator states."""
+    _seed(rows, seed)
+    meta = build_sampling_metadata(rows, logits.shape[1], DEVICE)
+    probs = Sampler.probs(logits.clone(), meta)
+    sampled = ops.exponential_race(probs, meta.generators, torch.Generator(DEVICE).manual_seed(seed))
+    return torch.where(meta.is_greedy, logits.argmax(dim=-1), sampled).tolist()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -39,7 +52,7 @@ def test_the_kernel_draws_the_sorted_paths_tokens_from_the_same_noise(seed):
     rows = ROWS * 3
     logits = (torch.randn(len(rows), 3000, generator=gen) * 3).to(DEVICE)
     logits[0, :1500] = float("-inf")  # a logit_bias or grammar mask
-    kernel, sorted_path = _draw(logits, rows, seed, True), _draw(logits, rows, seed, False)
+    kernel, sorted_path = _kernel_draw(logits, rows, seed), _sorted_draw(logits, rows, seed)
     assert kernel == sorted_path
     assert kernel[2] == int(logits[2].argmax())
 

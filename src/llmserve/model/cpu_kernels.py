@@ -47,7 +47,7 @@ _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention.cpp", "paged
                                                       "linear_avx2.cpp", "int8_linear_avx2.cpp", "linear_avx512.cpp",
                                                       "fused_ops_bf16.cpp", "paged_attention_split.cpp",
                                                       "decode_stack.cpp", "moe_experts.cpp", "moe_layer.cpp",
-                                                      "sampling_ops.cpp")]
+                                                      "sampling_ops.cpp", "sampling_rows.cpp")]
 _HEADERS = [os.path.join(_CSRC, name) for name in ("paged_attention.h", "avx2_math.h", "panel_gemm.h",
                                                                      "panel_blocks.h", "fused_ops_bf16.h", "cpu_ops.h",
                                                                      "decode_head.h", "moe_layer.h", "balanced_for.h",
@@ -391,3 +391,12 @@ def sample_candidates(cand_logits: torch.Tensor, cand_ids: torch.Tensor, noise: 
     """Each row's draw [B] int64 from its candidates [B, K] (descending logits, their ids, their noise U [B, K]):
     the sampler's candidates path after its top-k in one op."""
     return _ops().sample_candidates(cand_logits, cand_ids, noise, temperature, top_k, top_p, min_p)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                uniforms: torch.Tensor, race_noise: torch.Tensor | None, is_race: torch.Tensor | None,
+                is_greedy: torch.Tensor | None) -> torch.Tensor:
+    """Each random row's draw [B] int64 over its whole row of logits [B, V] (scratch): temperature, top-p without a
+    sort, min-p, then inverse CDF on uniforms [B, R] or, where is_race, the exponential race on race_noise [B, V]
+    (csrc/sampling_rows.cpp). Greedy rows get 0."""
+    return _ops().sample_rows(logits, temperature, top_p, min_p, uniforms, race_noise, is_race, is_greedy)

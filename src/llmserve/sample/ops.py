@@ -231,3 +231,17 @@ def uniform_noise(shape: tuple[int, int], device: torch.device, generators: dict
     for row, row_generator in generators.items():
         noise[row].uniform_(_TINY, 1.0, generator=row_generator)
     return noise
+
+
+def seeded_noise(shape: tuple[int, int], device: torch.device,
+                 generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """U ~ Uniform[tiny, 1) [B, V] for the seeded rows alone (each from its own generator, as `uniform_noise` draws
+    it; the other rows unset), and which rows those are [B] bool; (None, None) when no row is seeded."""
+    if not generators:
+        return None, None
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    is_seeded = torch.zeros(shape[0], dtype=torch.bool, device=device)
+    for row, row_generator in generators.items():
+        noise[row].uniform_(_TINY, 1.0, generator=row_generator)
+        is_seeded[row] = True
+    return noise, is_seeded

@@ -37,6 +37,7 @@ class SamplerOutput:
 
 
 MAX_CANDIDATES = 1024  # rows' top-k up to this: sampling works on the candidates only
+NUM_ROUNDS = 64  # the CPU rows path's draws a row at most (top-p redraws above a token outside the nucleus)
 
 
 class Sampler:
@@ -73,6 +74,8 @@ class Sampler:
             sampled, kept = self._sample_candidates(logits, meta), None  # [B]
         elif not keep_probs and meta.no_top_k and not meta.no_top_p and self._has_nucleus_kernel(logits):
             sampled, kept = self._sample_nucleus(logits, meta), None  # [B]
+        elif not keep_probs and cpu_kernels.samples_on_cpu(logits):
+            sampled, kept = self._sample_rows_on_cpu(logits, meta), None  # [B]
         else:
             probs = self.probs(logits, meta)  # [B, V]
             kept = probs.clone() if keep_probs else None
@@ -121,6 +124,17 @@ class Sampler:
         logits.div_(meta.temperature.unsqueeze(1))
         noise = ops.uniform_noise(logits.shape, logits.device, meta.generators, self.generator)  # [B, V]
         return nucleus_race(logits, noise, meta.top_p, meta.min_p)
+
+    def _sample_rows_on_cpu(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution of `probs` + `exponential_race` in one C++ op over whole rows (csrc/sampling_rows.cpp):
+        top-p without a sort, and unseeded rows drawn by inverse CDF, with no noise over the vocabulary. Seeded rows
+        race on their generator's noise as the other paths do, so their tokens do not depend on their batch."""
+        if meta.top_k is not None:  # some random rows have no top-k (else the candidates path ran)
+            ops.apply_top_k_only(logits, meta.top_k, meta.max_top_k)  # before the temperature: the same tokens
+        uniforms = torch.empty(logits.shape[0], NUM_ROUNDS).uniform_(generator=self.generator)  # [B, R]
+        race_noise, is_race = ops.seeded_noise(logits.shape, logits.device, meta.generators)  # [B, V], [B]
+        return cpu_kernels.sample_rows(logits, meta.temperature, meta.top_p, meta.min_p, uniforms, race_noise,
+                                       is_race, meta.is_greedy)
 
     @staticmethod
     def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

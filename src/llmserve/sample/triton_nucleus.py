@@ -23,7 +23,7 @@ from triton.compiler.errors import CompilationError
 
 logger = logging.getLogger(__name__)
 
-MAX_ROUNDS = 64  # a round raises the pivot; this only bounds a row whose logits hold NaN
+MAX_ROUNDS = 64  # a row that fails them all (or holds NaN) takes its best token, in every nucleus
 
 
 @triton.jit
@@ -37,7 +37,9 @@ def _nucleus_race_kernel(out_ptr, logits_ptr, noise_ptr, top_p_ptr, floor_ptr, v
     pivot = tl.full((), neg_inf, tl.float32)  # the race runs over the tokens whose logit is above it
     floor = tl.load(floor_ptr + row) if HAS_FLOOR else neg_inf  # min-p: the race's tokens are at least this
     winner = tl.full((), 0, tl.int32)
+    best = tl.full((), 0, tl.int32)  # the row's first most likely token
     is_running = tl.full((), 1, tl.int32)
+    mass_above = tl.full((), 0.0, tl.float32)
     num_rounds = 0
     while is_running != 0:
         # The race over the tokens above the pivot: argmax of p / E, E = -log(U), as log p - log E (+ const);
@@ -52,7 +54,10 @@ def _nucleus_race_kernel(out_ptr, logits_ptr, noise_ptr, top_p_ptr, floor_ptr, v
             is_col = offs < vocab
             logits = tl.load(logits_row + offs, mask=is_col, other=neg_inf)  # [BLOCK]
             noise = tl.load(noise_row + offs, mask=is_col, other=0.5)  # [BLOCK]
-            new_max = tl.maximum(row_max, tl.max(logits, axis=0))
+            block_max = tl.max(logits, axis=0)
+            if block_max > row_max:
+                best = start + tl.argmax(logits, axis=0)
+            new_max = tl.maximum(row_max, block_max)
             shift = tl.where(new_max == neg_inf, 0.0, new_max)  # no -inf - -inf while every token so far is -inf
             row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift), axis=0)
             row_max = new_max
@@ -73,6 +78,7 @@ def _nucleus_race_kernel(out_ptr, logits_ptr, noise_ptr, top_p_ptr, floor_ptr, v
         num_rounds += 1
         is_running = ((mass_above >= top_p) & (num_rounds < MAX_ROUNDS)).to(tl.int32)
         pivot = best_logit
+    winner = tl.where(mass_above < top_p, winner, best)
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
