@@ -23,9 +23,11 @@ take_bench_lock() {  # hold /tmp/llmserve-bench.lock (fd 9) until the script exi
 }
 
 compare_anchor() {  # compare_anchor PORT_A PORT_B LABELS C [N]: the anchor workload (N requests, 128 by default) on
-  # both, A B, B A
+  # both, A B, B A; BENCH_EXTRA_BODY (JSON) goes into every request, e.g. '{"top_k": -1, "top_p": 0.9}'
   # a level with failed requests exits non-zero: its table says so, and the next level still runs
-  "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$1" \
+  local -a extra=()
+  [[ -n ${BENCH_EXTRA_BODY:-} ]] && extra=(--extra-body "$BENCH_EXTRA_BODY")
+  "$PYTHON" -m llmserve.cli bench serve --url "http://127.0.0.1:$1" "${extra[@]}" \
     --compare "http://127.0.0.1:$2" --labels "$3" --tokenizer "$MODEL" --dataset random \
     --input-len 288 --output-len 144 --range-ratio 0.7778 --num-requests "${5:-128}" --concurrency "$4" \
     --ignore-eos --stream --seed 20 --timeout 1800 --out "$OUT/results-c$4.json" | tee "$OUT/table-c$4.txt" \

@@ -228,20 +228,23 @@ def uniform_noise(shape: tuple[int, int], device: torch.device, generators: dict
     noise = torch.empty(shape, dtype=torch.float32, device=device)
     if len(generators) < shape[0]:
         noise.uniform_(_TINY, 1.0, generator=generator)
-    for row, row_generator in generators.items():
-        noise[row].uniform_(_TINY, 1.0, generator=row_generator)
+    _fill_seeded_rows(noise, generators)
     return noise
 
 
 def seeded_noise(shape: tuple[int, int], device: torch.device,
                  generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """U ~ Uniform[tiny, 1) [B, V] for the seeded rows alone (each from its own generator, as `uniform_noise` draws
-    it; the other rows unset), and which rows those are [B] bool; (None, None) when no row is seeded."""
+    """U ~ Uniform[tiny, 1) [B, V] for the seeded rows alone (as `uniform_noise` draws them; the other rows unset),
+    and which rows those are [B] bool; (None, None) when no row is seeded."""
     if not generators:
         return None, None
     noise = torch.empty(shape, dtype=torch.float32, device=device)
+    _fill_seeded_rows(noise, generators)
     is_seeded = torch.zeros(shape[0], dtype=torch.bool, device=device)
+    is_seeded[list(generators)] = True
+    return noise, is_seeded
+
+
+def _fill_seeded_rows(noise: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
     for row, row_generator in generators.items():
         noise[row].uniform_(_TINY, 1.0, generator=row_generator)
-        is_seeded[row] = True
-    return noise, is_seeded

@@ -1,8 +1,10 @@
 """The sampler: processed logits -> one token per row, plus logprobs of the raw distribution.
 
 Order: logit_bias and min_tokens masking, penalties; greedy rows take the argmax of those
-processed logits; random rows apply temperature, top-k / top-p / min-p, then the exponential race. On CUDA,
-top-p without top-k races inside each row's nucleus without sorting the vocabulary (sample/triton_nucleus.py).
+processed logits; random rows apply temperature, top-k / top-p / min-p, then the exponential race. Rows all with
+a top-k draw from their candidates alone; on CUDA, top-p without top-k races inside each row's nucleus without
+sorting the vocabulary (sample/triton_nucleus.py); on CPU the other rows draw in one op over the whole row
+(csrc/sampling_rows.cpp).
 Logprobs come from log_softmax of the unprocessed logits (vLLM's default).
 """
 

@@ -6,7 +6,7 @@ tokens above a pivot, then the probability mass above that winner. The nucleus i
 top_p of mass above them: an upper set in probability order, so if the winner of the whole race lies in it, it
 is also the winner of the race inside it (the same token as masking first, with the same noise). If it does
 not, neither does any token as likely or less, so the pivot rises to the winner's logit and the race runs
-again over the tokens above it. A round fails with probability at most 1 - top_p, so a row takes ~2 passes.
+again over the tokens above it. A round fails with probability at most 1 - top_p (two passes a round).
 Ties at the nucleus' edge are all kept (the sorted path keeps the ones its sort put first). Off CUDA the kernel
 runs through Triton's interpreter (tests only).
 """
