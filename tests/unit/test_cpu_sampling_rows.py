@@ -4,6 +4,7 @@ and min-p applied after the nucleus of the whole distribution."""
 
 import pytest
 import torch
+from sampler_stats import chi2
 
 from llmserve.model import cpu_kernels
 from llmserve.sample import Sampler, build_sampling_metadata, ops
@@ -70,14 +71,6 @@ def test_greedy_rows_are_left_to_the_argmax_and_a_masked_row_draws_token_0():
     assert drawn[0] == 0 and drawn[2] == 0
 
 
-def _chi2(tokens: torch.Tensor, expected: torch.Tensor) -> float:
-    counts = torch.bincount(tokens, minlength=len(expected)).float()
-    assert counts[expected == 0].sum() == 0, "a filtered token was drawn"
-    kept = expected > 0
-    want = expected[kept] / expected.sum() * len(tokens)
-    return float(((counts[kept] - want) ** 2 / want).sum())
-
-
 @pytest.mark.parametrize(("params", "expected"), [
     (SamplingParams(top_p=0.5), [0.3, 0.25, 0, 0, 0]),
     (SamplingParams(top_p=0.7, temperature=2.0), None),
@@ -96,4 +89,4 @@ def test_a_batch_through_the_sampler_follows_the_filtered_distribution(params, e
     meta = build_sampling_metadata(rows, 5, "cpu")
     tokens = Sampler(torch.Generator().manual_seed(3))(logits, meta).sampled_token_ids
     assert tokens[-2:].tolist() == [0, 0]
-    assert _chi2(tokens[:num_rows], torch.as_tensor(expected, dtype=torch.float32)) < CHI2_BOUND
+    assert chi2(torch.bincount(tokens[:num_rows], minlength=5), torch.as_tensor(expected)) < CHI2_BOUND

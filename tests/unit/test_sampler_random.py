@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from sampler_stats import chi2
 
 from llmserve.sample.metadata import PositionRow as Row
 from llmserve.sampling_params import SamplingParams
@@ -14,13 +15,6 @@ CHI2_BOUND = 20.0  # 3 degrees of freedom: exceeded with probability ~2e-4 by a 
 def draw(logits: torch.Tensor, rows: list[Row], sampler: Sampler) -> torch.Tensor:
     meta = build_sampling_metadata(rows, logits.shape[1], "cpu")
     return sampler(logits.clone(), meta).sampled_token_ids
-
-
-def chi2(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    expected = expected_probs / expected_probs.sum() * counts.sum()
-    is_kept = expected > 0
-    assert counts[~is_kept].sum() == 0, "a filtered token was drawn"
-    return float(((counts[is_kept] - expected[is_kept]) ** 2 / expected[is_kept]).sum())
 
 
 @pytest.mark.parametrize(("params", "expected"), [

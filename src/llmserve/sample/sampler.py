@@ -110,12 +110,8 @@ class Sampler:
         return ops.exponential_race_on_candidates(probs, cand_ids, noise)
 
     def _has_nucleus_kernel(self, logits: torch.Tensor) -> bool:
-        if self.nucleus_kernel is None and logits.device.type != "cuda":
-            self.nucleus_kernel = False
-        elif self.nucleus_kernel is None:
-            from llmserve.sample import triton_nucleus  # Triton only where this path runs
-
-            self.nucleus_kernel = triton_nucleus.compiles_on(logits.device)
+        if self.nucleus_kernel is None:
+            self.nucleus_kernel = logits.device.type == "cuda" and _nucleus_kernel_compiles(logits.device)
         return self.nucleus_kernel
 
     def _sample_nucleus(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -147,6 +143,12 @@ class Sampler:
         if meta.min_p is not None:
             ops.apply_min_p(logits, meta.min_p)
         return logits.softmax(dim=-1)
+
+
+def _nucleus_kernel_compiles(device: torch.device) -> bool:
+    from llmserve.sample import triton_nucleus  # Triton only where this path runs
+
+    return triton_nucleus.compiles_on(device)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:

@@ -80,6 +80,9 @@ int64_t heaviest(const float* w, int64_t n) {
   return best;
 }
 
+// A token the draw can take: heavier than the pivot `above`, at least min-p's `floor`, not masked.
+inline bool is_drawable(float w, float above, float floor) { return w > above && w >= floor && w > 0.f; }
+
 // The weight of the tokens strictly heavier than `above` and at least `floor`.
 float mass_above(const float* w, int64_t n, float above, float floor) {
   float sum = 0.f;
@@ -108,7 +111,7 @@ int64_t draw_inverse_cdf(const float* w, int64_t n, float above, float floor, fl
   float cum = 0.f;
   int64_t last = -1;
   for (int64_t j = 0; j < n; ++j) {
-    if (w[j] > above && w[j] >= floor && w[j] > 0.f) {
+    if (is_drawable(w[j], above, floor)) {
       cum += w[j];
       last = j;
       if (cum > target) return j;
@@ -122,7 +125,7 @@ int64_t draw_race(const float* w, int64_t n, float above, float floor, const flo
   int64_t best = -1;
   float best_score = std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    if (!(w[j] > above && w[j] >= floor && w[j] > 0.f)) continue;
+    if (!is_drawable(w[j], above, floor)) continue;
     const float score = w[j] / std::log(noise[j]);
     if (score < best_score) {
       best_score = score;
