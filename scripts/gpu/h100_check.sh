@@ -6,8 +6,8 @@
 # (every log and results JSON).
 #
 #   usage (device tool, .whl carried): bash scripts/gpu/h100_check.sh [budget_s] [stages]
-#   stages: comma list of tests,fp8probe,fp8sweep,roofline,offline,serve,stepprof,arrivals,fp8,fp8serve,specprof,spec,specdyn
-#   (default: all but fp8probe, fp8sweep, stepprof, fp8serve, specprof and specdyn, in that order); TESTS: the test
+#   stages: comma list of tests,fp8probe,fp8sweep,gemvprobe,roofline,offline,serve,stepprof,arrivals,fp8,fp8serve,specprof,spec,specdyn
+#   (default: all but fp8probe, fp8sweep, gemvprobe, stepprof, fp8serve, specprof and specdyn, in that order); TESTS: the test
 #   paths (default below); SPEC_ARGS: extra `bench spec` arguments, SPEC_CONFIGS / SPEC_CONCURRENCY its
 #   configurations and batch sizes, SPEC_LIMIT its time limit (default 110 s)
 #   fp8serve: a bf16 server and an fp8 one (--quantization fp8 --kv-cache-dtype $FP8_KV, default fp8; the
@@ -23,6 +23,8 @@
 #   for stepprof and arrivals as JSON (e.g. '{"max_graph_batch": 1024}'), STEPPROF_PARAMS its sampling over the
 #   defaults, STEPPROF_PARAMS_B other sampling for a second stepprof (an A/B); ARRIVALS_AB=1: arrivals also with decode graphs only (mixed steps eager), second;
 #   ROOFLINE_LONG=N: roofline also at an N-token prompt, with the decode keys split and whole (an A/B)
+#   GEMV_AB=1: roofline also with LLMSERVE_CUDA_GEMV_ROWS=16 (the Triton GEMV for a few rows, second);
+#   gemvprobe: scripts/gpu/gemv_probe.py (each linear at 1-16 rows, cuBLAS vs the Triton GEMV; GEMV_SWEEP=1 ranks tilings)
 #   SHAPE=tiny DEVICE=cpu bash scripts/gpu/h100_check.sh 300   # a dry run of the commands on CPU
 set -u
 BUDGET=${1:-560}
@@ -93,10 +95,18 @@ fi
 if want fp8sweep; then  # the FP8 decode kernel's tilings (the five fastest at 1, 8, 64, 256 rows, and over all)
     run fp8sweep 300 "$PY" scripts/gpu/fp8_probe.py --sweep
 fi
+if want gemvprobe; then  # the linears of a batch-1 step against the copy bandwidth, cuBLAS vs the Triton GEMV
+    run gemvprobe ${GEMV_LIMIT:-120} "$PY" scripts/gpu/gemv_probe.py --shape "$SHAPE" ${GEMV_SWEEP:+--sweep}
+    grep -E 'copy bandwidth|step.s linears|^sweep' "$RES/gemvprobe.log" | cut -c1-220 | tee -a "$OUT/summary.txt"
+fi
 wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 
 if want roofline; then
     run roofline_bf16 70 "${L[@]}" bench roofline --model "$MODEL" "${LOAD[@]}" --prompt-len 128 --output-len 256 --repeats 2 --out "$RES/roof_bf16.json"
+    if [ -n "${GEMV_AB:-}" ]; then  # the same through the Triton GEMV for up to 16 rows (model/triton_gemv.py)
+        run roofline_bf16_gemv 70 env LLMSERVE_CUDA_GEMV_ROWS=16 "${L[@]}" bench roofline --model "$MODEL" "${LOAD[@]}" \
+            --prompt-len 128 --output-len 256 --repeats 2 --out "$RES/roof_bf16_gemv.json"
+    fi
     if [ -n "${ROOFLINE_LONG:-}" ]; then  # batch 1 at a long context, its keys split (flash decoding) and not
         run roofline_long_split 90 "${L[@]}" bench roofline --model "$MODEL" "${LOAD[@]}" --prompt-len "$ROOFLINE_LONG" \
             --output-len 128 --repeats 2 --out "$RES/roof_long_split.json"

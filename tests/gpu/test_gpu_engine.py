@@ -101,6 +101,31 @@ def test_mixed_steps_replay_their_graphs(checkpoint):
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
+def test_the_triton_gemv_for_few_rows_keeps_greedy_tokens(checkpoint, monkeypatch, enforce_eager):
+    """LLMSERVE_CUDA_GEMV_ROWS=16: bf16 linears of up to 16 rows through model/triton_gemv.py, in the decode
+    graphs and eagerly; the tokens are transformers' within the bf16 tie gap."""
+    from llmserve.model import fused_cuda, triton_gemv
+
+    monkeypatch.setenv("LLMSERVE_CUDA_GEMV_ROWS", "16")
+    fused_cuda.cuda_gemv_rows.cache_clear()
+    calls, gemv = [], triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda x, *args: calls.append(x.shape[0]) or gemv(x, *args))
+    try:
+        llm = LLM(checkpoint, dtype="bfloat16", enforce_eager=enforce_eager, **ENGINE)
+        prompts = _prompts(6, seed=4)
+        tokens = _tokens(llm, prompts)
+    finally:
+        fused_cuda.cuda_gemv_rows.cache_clear()
+    assert calls and max(calls) <= 16
+    hf = _hf(checkpoint)
+    for prompt, out in zip(prompts, tokens):
+        note = check_greedy_against_hf(hf, prompt, out, tie_gap=BF16_TIE_GAP)
+        if note:
+            warnings.warn(note)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
 def test_long_rows_split_their_keys(checkpoint, enforce_eager):
     """Decode rows past SPLIT_MIN_KEYS (1,024) split their keys (flash decoding), in the graphs that do and
     eagerly: float32 greedy tokens are transformers'."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.config import KVTransferConfig, SpeculativeConfig
-from llmserve.model import cpu_isa, cpu_kernels
+from llmserve.model import cpu_isa, cpu_kernels, fused_cuda
 from llmserve.pooling import PoolerConfig
 from llmserve.worker.kv_cache import kv_bytes_per_token
 
@@ -23,7 +23,8 @@ def linear_kernel(model: torch.nn.Module, device: torch.device, dtype: torch.dty
     if quantization == "fp8":
         return "fp8 (Triton kernels)" if device.type == "cuda" else "fp8 (torch reference path)"
     if device.type == "cuda":
-        return "cuBLAS"
+        rows = fused_cuda.cuda_gemv_rows() if dtype in (torch.bfloat16, torch.float16) else 0
+        return f"cuBLAS, the Triton GEMV up to {rows} rows" if rows else "cuBLAS"
     if dtype == torch.float32 and cpu_kernels.packs_linears():
         return f"llmserve's {cpu_kernels.panel_isa()} panels"
     if dtype == torch.bfloat16 and cpu_kernels.has_bf16_gemv() and cpu_isa.has_fast_bf16() \

@@ -1,5 +1,6 @@
-"""Which elementwise path a CUDA tensor takes: the fused Triton kernels (model/triton_elementwise.py) or
-torch's op chains. Triton is imported only when a CUDA tensor asks."""
+"""Which path a CUDA tensor takes: the fused Triton elementwise kernels (model/triton_elementwise.py) or torch's
+op chains, and the Triton GEMV (model/triton_gemv.py) or cuBLAS for a linear layer's few rows. Triton is
+imported only when a CUDA tensor asks."""
 
 from __future__ import annotations
 
@@ -37,3 +38,28 @@ def cuda_rotary(x: torch.Tensor, cos: torch.Tensor):
     from llmserve.model import triton_elementwise
 
     return triton_elementwise if triton_elementwise.can_rotate(x, cos) else None
+
+
+GEMV_MAX_ROWS = 16  # the Triton GEMV's one tensor-core row tile
+
+
+@functools.cache
+def cuda_gemv_rows() -> int:
+    """LLMSERVE_CUDA_GEMV_ROWS: linears of at most this many rows take the Triton GEMV on CUDA (0, the default:
+    none, cuBLAS for every row count; at most GEMV_MAX_ROWS); read once a process."""
+    value = os.environ.get("LLMSERVE_CUDA_GEMV_ROWS", "0")
+    if not value.isdigit() or int(value) > GEMV_MAX_ROWS:
+        raise ValueError(f"LLMSERVE_CUDA_GEMV_ROWS={value!r}: a row count from 0 to {GEMV_MAX_ROWS}")
+    return int(value) if importlib.util.find_spec("triton") is not None else 0
+
+
+def cuda_gemv(x: torch.Tensor, weight: torch.Tensor):
+    """The Triton GEMV module when it takes `linear(x, weight)` on CUDA: x [M, K] of at most cuda_gemv_rows()
+    rows, features contiguous, a 16-bit weight of x's dtype, outside autograd; else None (F.linear)."""
+    if not (x.dim() == 2 and x.shape[0] <= cuda_gemv_rows() and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1
+            and not (torch.is_grad_enabled() and weight.requires_grad)):
+        return None
+    from llmserve.model import triton_gemv
+
+    return triton_gemv

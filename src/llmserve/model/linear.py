@@ -9,7 +9,9 @@ weights packed at load, our AVX2 kernel.
 - Without AVX-512 weights are packed for our AVX2 kernel instead (csrc/linear_avx2.cpp: 16-column panels
   streamed with prefetches), whose outputs do not depend on the batch; LLMSERVE_CPU_LINEAR forces either path
   (docs/cpu.md). The two layouts tell themselves apart by rank: ours is [P, K, 16], oneDNN's [N, K].
-- Only plain inference on float32 2-D inputs takes these paths; other dtypes and devices keep F.linear.
+- Only plain inference on float32 2-D inputs takes these paths; other dtypes keep F.linear.
+- On CUDA a few 16-bit rows may take a Triton GEMV instead of cuBLAS (LLMSERVE_CUDA_GEMV_ROWS, model/fused_cuda.py;
+  off until measured on a device).
 
 The measurements behind each choice: docs/benchmarks.md ("Which int8 GEMM", "Packed oneDNN weights", "Our own
 AVX2 GEMM for float32 linears", "oneDNN row buckets").
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model import cpu_isa, cpu_kernels
+from llmserve.model import cpu_isa, cpu_kernels, fused_cuda
 
 
 @functools.cache
@@ -109,6 +111,9 @@ def _is_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in], weight [out, in], bias [out] or None -> [T, out], like F.linear."""
+    if x.is_cuda:
+        gemv = fused_cuda.cuda_gemv(x, weight)
+        return F.linear(x, weight, bias) if gemv is None else gemv.gemv(x, weight, bias)
     if uses_bf16_gemv(x, weight):
         return cpu_kernels.bf16_gemv(x, weight, bias)
     if not uses_onednn(x, weight):

@@ -1,0 +1,116 @@
+"""A Triton GEMV for a few rows through 16-bit weights on CUDA: batch-1 decoding (and a handful of rows: a few
+users, a verification of drafts), where a step's time is reading the weights once.
+
+At one row an 8B model's decode step should take its weights' bytes over the copy bandwidth; ours took 70% of
+that on an H200 (docs/benchmarks.md, "H200, fifth run"), the linears through cuBLAS. This kernel is the
+candidate beside cuBLAS, chosen by LLMSERVE_CUDA_GEMV_ROWS (rows up to that count come here; 0, the default,
+keeps cuBLAS for every row count until a device has measured both: scripts/gpu/gemv_probe.py per layer shape,
+`bench roofline` for the step; docs/gpu.md "Status").
+
+One program an output tile of BLOCK_N channels and a part of K: a 16-row tensor-core dot a step (rows past M
+read as zeros: free where the weight's bytes bound the step), the weight tile read once for all rows. A layer
+of few output tiles splits K (`GemvTiling.split_k`) so that enough programs keep loads in flight on every SM;
+the parts are added in order by a second launch, with the bias. Runs through Triton's interpreter on CPU
+(tests/unit/test_triton_gemv.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.model.fused_cuda import GEMV_MAX_ROWS
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    """BLOCK_N output channels and BLOCK_K of K a step per program; K split until the output tiles times the
+    parts reach `min_programs` (several programs an SM: an H100 or H200 has 132), each part at least two
+    BLOCK_K. scripts/gpu/gemv_probe.py --sweep ranks other values on a device."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    min_programs: int = 528
+
+    def split_k(self, n: int, k: int) -> int:
+        """Parts K is split in for an [n, k] weight (a power of two)."""
+        split = 1
+        while triton.cdiv(n, self.block_n) * split < self.min_programs and k >= 4 * split * self.block_k:
+            split *= 2
+        return split
+
+
+GEMV_TILING = GemvTiling()
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_PART, stride_x, stride_w, stride_o,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """Program (output tile, K part): acc[r, n] = sum over its K part of x[r, k] w[n, k], r < 16."""
+    rows = tl.arange(0, 16)  # [16]
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k_lo = tl.program_id(1) * K_PART
+    k_hi = tl.minimum(k_lo + K_PART, K)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                    mask=(rows[:, None] < M) & (offs_k[None, :] < k_hi), other=0.0)  # [16, BK]
+        w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
+                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_hi), other=0.0)  # [BK, BN]
+        acc = tl.dot(x.to(w.dtype), w, acc)
+    mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+    if IS_SPLIT:  # float32 parts [split, M, N], added by _add_parts_kernel
+        part_ptr = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+        tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_parts_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_o, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """out[m, n] = part[0, m, n] + part[1, m, n] + ... (+ bias[n]), the parts in order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat m * N + n
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m, n = offs // N, offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         tiling: GemvTiling = GEMV_TILING) -> torch.Tensor:
+    """x [M <= 16, K] -> [M, N] in x's dtype, F.linear's result for weight [N, K] (K contiguous) and bias [N]
+    or None; sums in float32."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    assert rows <= GEMV_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if not rows:
+        return out
+    split = tiling.split_k(n, k)
+    k_part = triton.cdiv(triton.cdiv(k, split), tiling.block_k) * tiling.block_k
+    parts = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    has_bias = bias is not None
+    _gemv_kernel[(triton.cdiv(n, tiling.block_n), split)](
+        x, weight, bias if has_bias else weight, parts, rows, n, k, k_part, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, HAS_BIAS=has_bias, IS_SPLIT=split > 1,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    if split > 1:
+        block = 1024
+        _add_parts_kernel[(triton.cdiv(rows * n, block),)](parts, bias if has_bias else weight, out, rows, n,
+                                                            out.stride(0), SPLIT=split, HAS_BIAS=has_bias,
+                                                            BLOCK=block, num_warps=4)
+    return out
+
