@@ -77,7 +77,8 @@ def dry_run(dtype: torch.dtype) -> None:
     for name, (n, k) in layer_shapes(SHAPES["tiny"]).items():
         x, w = torch.randn(3, k, dtype=dtype), torch.randn(n, k, dtype=dtype) * k ** -0.5
         torch.testing.assert_close(gemv(x, w), F.linear(x.float(), w.float()).to(dtype), rtol=2e-2, atol=2e-2)
-        print(f"{name} [{n}, {k}]: the Triton GEMV through the interpreter equals F.linear (CPU: a dry run, no timings)")
+        print(f"{name} [{n}, {k}]: the Triton GEMV through the interpreter equals F.linear (CPU: a dry run, "
+              "no timings)")
 
 
 def main() -> None:
@@ -107,7 +108,8 @@ def main() -> None:
             print(f"rows {rows:2d} {name:8s} [{n:6d}, {k:5d}]: cuBLAS {cublas * 1e6:7.1f} us "
                   f"({100 * gb / cublas / (bandwidth / 1e9):5.1f}% of copy bandwidth), Triton {triton_s * 1e6:7.1f} us "
                   f"({100 * gb / triton_s / (bandwidth / 1e9):5.1f}%): {cublas / triton_s:.2f}x")
-        print(f"rows {rows:2d} a step's linears: cuBLAS {step['cuBLAS'] * 1e3:.2f} ms, Triton {step['Triton'] * 1e3:.2f} ms")
+        print(f"rows {rows:2d} a step's linears: cuBLAS {step['cuBLAS'] * 1e3:.2f} ms, "
+              f"Triton {step['Triton'] * 1e3:.2f} ms")
     if args.sweep:
         for name, (n, k) in layers.items():
             _, times = measure(n, k, 1, dtype, SWEEP)

@@ -1,9 +1,9 @@
-"""Compile the FP8 Triton kernels for an H100 (sm_90) on a machine without one, and check what the GPU would run:
-the MMA instruction each decode tiling gets, whether its loads are pipelined (cp.async into shared memory over
-`num_stages` buffers), that wgmma's FP8 sums are promoted to float32 as K goes, and that its shared memory
-fits the SM (227 KiB). Triton compiles ahead of time with the ptxas its wheel ships; the arguments are
-specialised as the JIT does on the device (pointers and the weight's sizes and strides divisible by 16). Run
-without TRITON_INTERPRET.
+"""Compile the FP8 Triton kernels and the bf16 GEMV (model/triton_gemv.py) for an H100 (sm_90) on a machine without
+one, and check what the GPU would run: the MMA instruction each decode tiling gets, whether its loads are
+pipelined (cp.async into shared memory over `num_stages` buffers), that wgmma's FP8 sums are promoted to float32
+as K goes, and that its shared memory fits the SM (227 KiB). Triton compiles ahead of time with the ptxas its
+wheel ships; the arguments are specialised as the JIT does on the device (pointers and the weight's sizes and
+strides divisible by 16). Run without TRITON_INTERPRET.
 
     python scripts/gpu/sm90_compile.py [--sweep]     # the default and wide tilings, or every fp8_probe one
 
@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from llmserve.model import triton_gemv
 from llmserve.model.quant import fp8_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -66,15 +67,34 @@ def compile_decode(tiling: fp8_triton.DecodeTiling, row_tiles: int, is_split: bo
                     is_promoted)
 
 
+def compile_gemv(tiling: triton_gemv.GemvTiling, is_split: bool, has_bias: bool) -> Compiled:
+    """The bf16 GEMV `triton_gemv.gemv` launches for `tiling`."""
+    constexprs = {"BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k, "HAS_BIAS": has_bias, "IS_SPLIT": is_split}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*fp32" if is_split else "*bf16"}
+    signature = {**pointers, **SIZES, **{name: "constexpr" for name in constexprs}}
+    names = list(signature)
+    divisible = [*pointers, "N", "K", "K_PART", "stride_x", "stride_w", "stride_o"]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    kernel = triton.compile(ASTSource(fn=triton_gemv._gemv_kernel, signature=signature, constexprs=constexprs,
+                                      attrs=attrs),
+                            target=TARGET, options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
+    ptx = kernel.asm["ptx"]
+    mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx)))
+    return Compiled(f"gemv {tiling} split={is_split} bias={has_bias}", ",".join(mma),
+                    len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared, True)
+
+
 def compile_helpers() -> None:
-    """The two kernels around the decode matmul: the per-row quantization and the split-K reduction
-    (raises where one does not compile)."""
+    """The kernels around the decode matmuls: the per-row quantization and the split-K sums (FP8: scaled; the
+    GEMV: with a bias) (raises where one does not compile)."""
     quantize = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "K": "i32", "stride_x": "i32",
                 "stride_q": "i32", "BLOCK_K": "constexpr"}
-    reduce = {"part_ptr": "*fp32", "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
-              "N": "i32", "stride_o": "i32", "SPLIT": "constexpr", "BLOCK": "constexpr"}
+    add = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "out_ptr": "*bf16",
+           "M": "i32", "N": "i32", "stride_o": "i32", "SPLIT": "constexpr", "HAS_BIAS": "constexpr",
+           "HAS_SCALES": "constexpr", "BLOCK": "constexpr"}
     cases = [(fp8_triton._quantize_rows_kernel, quantize, {"BLOCK_K": 1024})]
-    cases += [(fp8_triton._reduce_parts_kernel, reduce, {"SPLIT": split, "BLOCK": 1024}) for split in (2, 4, 8)]
+    cases += [(triton_gemv._add_parts_kernel, add, {"SPLIT": split, "HAS_BIAS": not is_fp8, "HAS_SCALES": is_fp8,
+                                                    "BLOCK": 1024}) for split in (2, 4, 8) for is_fp8 in (True, False)]
     for fn, signature, constexprs in cases:
         triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
                        options={"num_warps": 4})
@@ -104,7 +124,11 @@ def main() -> None:
     else:
         tilings = [fp8_triton.DECODE_TILING, fp8_triton.WIDE_TILING]
     compile_helpers()
-    failed = [c.name for c in check(tilings) if c.problems]
+    gemvs = [compile_gemv(triton_gemv.GEMV_TILING, is_split, has_bias) for is_split, has_bias in
+             [(False, False), (False, True), (True, False)]]  # the bias is added with the parts where K is split
+    for c in gemvs:
+        print(f"{c.name}: {c.mma}, {c.num_async_copies} cp.async, shared {c.shared_bytes} B", *c.problems, flush=True)
+    failed = [c.name for c in check(tilings) + gemvs if c.problems]
     print(f"{len(failed)} failed" + "".join(f"\n  {name}" for name in failed))
     sys.exit(1 if failed else 0)
 

@@ -10,8 +10,8 @@ keeps cuBLAS for every row count until a device has measured both: scripts/gpu/g
 One program an output tile of BLOCK_N channels and a part of K: a 16-row tensor-core dot a step (rows past M
 read as zeros: free where the weight's bytes bound the step), the weight tile read once for all rows. A layer
 of few output tiles splits K (`GemvTiling.split_k`) so that enough programs keep loads in flight on every SM;
-the parts are added in order by a second launch, with the bias. Runs through Triton's interpreter on CPU
-(tests/unit/test_triton_gemv.py).
+the parts are added in order by a second launch (`add_parts`), with the bias. Runs through Triton's interpreter
+on CPU (tests/unit/test_triton_gemv.py); scripts/gpu/sm90_compile.py compiles it for sm_90 (mma.sync, cp.async).
 """
 
 from __future__ import annotations
@@ -38,11 +38,17 @@ class GemvTiling:
     min_programs: int = 528
 
     def split_k(self, n: int, k: int) -> int:
-        """Parts K is split in for an [n, k] weight (a power of two)."""
-        split = 1
-        while triton.cdiv(n, self.block_n) * split < self.min_programs and k >= 4 * split * self.block_k:
-            split *= 2
-        return split
+        """Parts K is split in for an [n, k] weight."""
+        return split_k_parts(triton.cdiv(n, self.block_n), k, self.block_k, self.min_programs)
+
+
+def split_k_parts(num_tiles: int, k: int, block_k: int, min_programs: int) -> int:
+    """Parts a K of `k` is split in so that num_tiles output tiles times the parts reach min_programs: a power of
+    two, each part at least two block_k (the FP8 decode kernel's rule too)."""
+    split = 1
+    while num_tiles * split < min_programs and k >= 4 * split * block_k:
+        split *= 2
+    return split
 
 
 GEMV_TILING = GemvTiling()
@@ -75,18 +81,33 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_PART, stride_x, str
 
 
 @triton.jit
-def _add_parts_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_o, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """out[m, n] = part[0, m, n] + part[1, m, n] + ... (+ bias[n]), the parts in order."""
+def _add_parts_kernel(part_ptr, bias_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, stride_o, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = (part[0, m, n] + part[1, m, n] + ...) (* x_scale[m] * w_scale[n]) (+ bias[n]), the parts in
+    order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat m * N + n
     mask = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
     m, n = offs // N, offs % N
+    if HAS_SCALES:
+        acc *= tl.load(x_scale_ptr + m, mask=mask, other=0.0) * tl.load(w_scale_ptr + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_parts(parts: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+              x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> None:
+    """out [M, N] (rows of any stride) = the sum of parts [S, M, N] float32 in order, times x_scale [M] and
+    w_scale [N] when given (FP8), plus bias [N] when given: the second launch of a split-K product."""
+    split, rows, n = parts.shape
+    block = 1024
+    _add_parts_kernel[(triton.cdiv(rows * n, block),)](
+        parts, parts if bias is None else bias, parts if x_scale is None else x_scale,
+        parts if w_scale is None else w_scale, out, rows, n, out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
+        HAS_SCALES=x_scale is not None, BLOCK=block, num_warps=4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -108,9 +129,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         out.stride(0), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, HAS_BIAS=has_bias, IS_SPLIT=split > 1,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if split > 1:
-        block = 1024
-        _add_parts_kernel[(triton.cdiv(rows * n, block),)](parts, bias if has_bias else weight, out, rows, n,
-                                                            out.stride(0), SPLIT=split, HAS_BIAS=has_bias,
-                                                            BLOCK=block, num_warps=4)
+        add_parts(parts, out, bias)
     return out
 

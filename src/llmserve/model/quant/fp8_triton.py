@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.model.triton_gemv import add_parts, split_k_parts
+
+
 @triton.jit
 def _row_scale(x_ptr, row, stride_x, K, BLOCK_K: tl.constexpr):
     """max |x[row, :]| / 448 (at least MIN_SCALE), in float32."""
@@ -87,10 +90,7 @@ class DecodeTiling:
 
     def split_k(self, n: int, k: int) -> int:
         """Parts K is split in for an [n, k] weight: a power of two, each part at least two BLOCK_K."""
-        split = 1
-        while triton.cdiv(n, self.block_n) * split < self.min_programs and k >= 4 * split * self.block_k:
-            split *= 2
-        return split
+        return split_k_parts(triton.cdiv(n, self.block_n), k, self.block_k, self.min_programs)
 
 
 DECODE_TILING = DecodeTiling()
@@ -158,20 +158,6 @@ def _decode_matmul_wide_kernel(xq_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr,
     _store_tile(acc, rows[:, None], offs_n[None, :], M, N, out_ptr, x_scale_ptr, w_scale_ptr, stride_o, IS_SPLIT)
 
 
-@triton.jit
-def _reduce_parts_kernel(part_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, stride_o, SPLIT: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """out[m, n] = (part[0, m, n] + part[1, m, n] + ...) * x_scale[m] * w_scale[n], the parts in order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat m * N + n
-    mask = offs < M * N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    m, n = offs // N, offs % N
-    out = acc * tl.load(x_scale_ptr + m, mask=mask, other=0.0) * tl.load(w_scale_ptr + n, mask=mask, other=0.0)
-    tl.store(out_ptr + m * stride_o + n, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def fp8_decode_matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                       tiling: DecodeTiling = DECODE_TILING, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype (into `out` [M, N], rows of any stride, when given), Fp8Linear's
@@ -202,7 +188,5 @@ def fp8_decode_matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tens
         grid = (triton.cdiv(rows, tiling.row_tile), triton.cdiv(n, tiling.block_n), split)
         _decode_matmul_wide_kernel[grid](*args, BLOCK_M=tiling.row_tile, **opts)
     if split > 1:
-        block = 1024
-        _reduce_parts_kernel[(triton.cdiv(rows * n, block),)](parts, x_scale, w_scale, out, rows, n, out.stride(0),
-                                                               SPLIT=split, BLOCK=block, num_warps=4)
+        add_parts(parts, out, x_scale=x_scale.reshape(-1), w_scale=w_scale)
     return out
