@@ -4,7 +4,8 @@ bytes beside the device's copy bandwidth measured in the same run. NEVER RUN IN 
 
 Each figure replays a CUDA graph of CALLS calls over as many distinct copies of the weight as hold more bytes
 than the L2 cache (every call reads its weight from HBM, as a decode step does) and takes the median of REPEATS
-replays: no launch cost, no warm cache. The last lines sum one step's linears (the layers times the model's
+replays: no launch cost, no warm cache. The down projection is also timed with its SiLU-and-mul: two launches
+(silu_mul, cuBLAS) against the gated GEMV's one. The last lines sum one step's linears (the layers times the model's
 layer count, and the head) per kernel: against `bench roofline`'s step time that says what the step spends
 outside its linears. --sweep also ranks other tilings of the Triton kernel per layer at one row.
 
@@ -24,11 +25,12 @@ import torch.nn.functional as F
 
 from llmserve.bench.roofline import copy_bandwidth
 from llmserve.model.shapes import SHAPES, Shape
+from llmserve.model import triton_elementwise
 from llmserve.model.triton_gemv import GEMV_TILING, GemvTiling, gemv
 
 CALLS, REPEATS, L2_MARGIN_BYTES = 20, 15, 3 * 64 * 2**20  # more than an H100's or H200's 50 MiB L2
-SWEEP = [GemvTiling(block_n=n, block_k=k, num_warps=w, num_stages=s)
-         for n in (16, 32, 64) for k in (128, 256, 512) for w in (4, 8) for s in (3, 4)]
+SWEEP = [GemvTiling(block_n=n, block_k=k, num_stages=s, min_programs=p)
+         for n in (16, 32, 64) for k in (256, 512) for s in (3, 4) for p in (256, 1024)]
 
 
 def layer_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
@@ -73,12 +75,26 @@ def measure(n: int, k: int, rows: int, dtype: torch.dtype, tilings: list[GemvTil
     return cublas, [graph_seconds(lambda i, t=t: gemv(x, weights[i], None, t), num_copies) for t in tilings]
 
 
+def measure_gated(n: int, k: int, rows: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Seconds for down(silu(gate) * up): silu_mul then cuBLAS (two launches), and the gated Triton GEMV (one)."""
+    num_copies = max(2, -(-L2_MARGIN_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(num_copies)]
+    gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)
+    two = graph_seconds(lambda i: F.linear(triton_elementwise.silu_mul(gate_up), weights[i]), num_copies)
+    return two, graph_seconds(lambda i: gemv(gate_up, weights[i], is_gated=True), num_copies)
+
+
 def dry_run(dtype: torch.dtype) -> None:
     for name, (n, k) in layer_shapes(SHAPES["tiny"]).items():
         x, w = torch.randn(3, k, dtype=dtype), torch.randn(n, k, dtype=dtype) * k ** -0.5
         torch.testing.assert_close(gemv(x, w), F.linear(x.float(), w.float()).to(dtype), rtol=2e-2, atol=2e-2)
         print(f"{name} [{n}, {k}]: the Triton GEMV through the interpreter equals F.linear (CPU: a dry run, "
               "no timings)")
+    n, k = layer_shapes(SHAPES["tiny"])["down"]
+    gate_up, w = torch.randn(3, 2 * k, dtype=dtype), torch.randn(n, k, dtype=dtype) * k ** -0.5
+    torch.testing.assert_close(gemv(gate_up, w, is_gated=True), F.linear(triton_elementwise.silu_mul(gate_up), w),
+                               rtol=2e-2, atol=2e-2)
+    print(f"down [{n}, {k}] gated: equals silu_mul then F.linear")
 
 
 def main() -> None:
@@ -108,6 +124,9 @@ def main() -> None:
             print(f"rows {rows:2d} {name:8s} [{n:6d}, {k:5d}]: cuBLAS {cublas * 1e6:7.1f} us "
                   f"({100 * gb / cublas / (bandwidth / 1e9):5.1f}% of copy bandwidth), Triton {triton_s * 1e6:7.1f} us "
                   f"({100 * gb / triton_s / (bandwidth / 1e9):5.1f}%): {cublas / triton_s:.2f}x")
+        two, gated = measure_gated(*layers["down"], rows, dtype)
+        print(f"rows {rows:2d} down(silu(gate) * up): silu_mul + cuBLAS {two * 1e6:.1f} us, the gated GEMV "
+              f"{gated * 1e6:.1f} us: {two / gated:.2f}x")
         print(f"rows {rows:2d} a step's linears: cuBLAS {step['cuBLAS'] * 1e3:.2f} ms, "
               f"Triton {step['Triton'] * 1e3:.2f} ms")
     if args.sweep:

@@ -97,7 +97,7 @@ if want fp8sweep; then  # the FP8 decode kernel's tilings (the five fastest at 1
 fi
 if want gemvprobe; then  # the linears of a batch-1 step against the copy bandwidth, cuBLAS vs the Triton GEMV
     run gemvprobe ${GEMV_LIMIT:-120} "$PY" scripts/gpu/gemv_probe.py --shape "$SHAPE" ${GEMV_SWEEP:+--sweep}
-    grep -E 'copy bandwidth|step.s linears|^sweep' "$RES/gemvprobe.log" | cut -c1-220 | tee -a "$OUT/summary.txt"
+    grep -E 'copy bandwidth|step.s linears|silu|^sweep' "$RES/gemvprobe.log" | cut -c1-220 | tee -a "$OUT/summary.txt"
 fi
 wait $MAKER; note "make-model: $(tail -1 "$RES/make_model.log")"
 

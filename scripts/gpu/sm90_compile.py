@@ -67,9 +67,10 @@ def compile_decode(tiling: fp8_triton.DecodeTiling, row_tiles: int, is_split: bo
                     is_promoted)
 
 
-def compile_gemv(tiling: triton_gemv.GemvTiling, is_split: bool, has_bias: bool) -> Compiled:
+def compile_gemv(tiling: triton_gemv.GemvTiling, is_split: bool, has_bias: bool, is_gated: bool) -> Compiled:
     """The bf16 GEMV `triton_gemv.gemv` launches for `tiling`."""
-    constexprs = {"BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k, "HAS_BIAS": has_bias, "IS_SPLIT": is_split}
+    constexprs = {"BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k, "HAS_BIAS": has_bias, "IS_SPLIT": is_split,
+                  "IS_GATED": is_gated}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*fp32" if is_split else "*bf16"}
     signature = {**pointers, **SIZES, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
@@ -80,7 +81,7 @@ def compile_gemv(tiling: triton_gemv.GemvTiling, is_split: bool, has_bias: bool)
                             target=TARGET, options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
     ptx = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx)))
-    return Compiled(f"gemv {tiling} split={is_split} bias={has_bias}", ",".join(mma),
+    return Compiled(f"gemv {tiling} split={is_split} bias={has_bias} gated={is_gated}", ",".join(mma),
                     len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared, True)
 
 
@@ -124,8 +125,9 @@ def main() -> None:
     else:
         tilings = [fp8_triton.DECODE_TILING, fp8_triton.WIDE_TILING]
     compile_helpers()
-    gemvs = [compile_gemv(triton_gemv.GEMV_TILING, is_split, has_bias) for is_split, has_bias in
-             [(False, False), (False, True), (True, False)]]  # the bias is added with the parts where K is split
+    # (split, bias, gated): a split K adds the bias with the parts
+    kinds = [(False, False, False), (False, True, False), (True, False, False), (False, False, True)]
+    gemvs = [compile_gemv(triton_gemv.GEMV_TILING, *kind) for kind in kinds]
     for c in gemvs:
         print(f"{c.name}: {c.mma}, {c.num_async_copies} cp.async, shared {c.shared_bytes} B", *c.problems, flush=True)
     failed = [c.name for c in check(tilings) + gemvs if c.problems]

@@ -102,14 +102,15 @@ def test_mixed_steps_replay_their_graphs(checkpoint):
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_the_triton_gemv_for_few_rows_keeps_greedy_tokens(checkpoint, monkeypatch, enforce_eager):
-    """LLMSERVE_CUDA_GEMV_ROWS=16: bf16 linears of up to 16 rows through model/triton_gemv.py, in the decode
-    graphs and eagerly; the tokens are transformers' within the bf16 tie gap."""
+    """LLMSERVE_CUDA_GEMV_ROWS=16: bf16 linears of up to 16 rows through model/triton_gemv.py (the down
+    projection's with SiLU-and-mul in its loads), in the decode graphs and eagerly; the tokens are transformers'
+    within the bf16 tie gap."""
     from llmserve.model import fused_cuda, triton_gemv
 
     monkeypatch.setenv("LLMSERVE_CUDA_GEMV_ROWS", "16")
     fused_cuda.cuda_gemv_rows.cache_clear()
     calls, gemv = [], triton_gemv.gemv
-    monkeypatch.setattr(triton_gemv, "gemv", lambda x, *args: calls.append(x.shape[0]) or gemv(x, *args))
+    monkeypatch.setattr(triton_gemv, "gemv", lambda x, *args, **kw: calls.append(x.shape[0]) or gemv(x, *args, **kw))
     try:
         llm = LLM(checkpoint, dtype="bfloat16", enforce_eager=enforce_eager, **ENGINE)
         prompts = _prompts(6, seed=4)

@@ -63,3 +63,14 @@ def cuda_gemv(x: torch.Tensor, weight: torch.Tensor):
     from llmserve.model import triton_gemv
 
     return triton_gemv
+
+
+def gated_down(gate_up: torch.Tensor, down: torch.nn.Module) -> torch.Tensor | None:
+    """down(silu(gate) * up) in one Triton GEMV launch where the GEMV takes down's rows (`cuda_gemv`) and down is
+    a plain `Linear` (not row-parallel, LoRA-wrapped or quantized: their forwards add to the product); else None
+    (triton_elementwise.silu_mul, then down)."""
+    from llmserve.model.linear import Linear
+
+    if type(down) is not Linear or down.weight is None or (gemv := cuda_gemv(gate_up, down.weight)) is None:
+        return None
+    return gemv.gemv(gate_up, down.weight, down.bias, is_gated=True)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model import cpu_kernels
-from llmserve.model.fused_cuda import cuda_fused, cuda_rotary
+from llmserve.model.fused_cuda import cuda_fused, cuda_rotary, gated_down
 from llmserve.model.parallel import TensorParallel, column_linear, row_linear
 
 
@@ -264,6 +264,7 @@ class GatedMLP(nn.Module):
         if gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_kernels.can_fuse(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         if (fused := cuda_fused(gate_up)) is not None:
-            return self.down_proj(fused.silu_mul(gate_up))
+            out = gated_down(gate_up, self.down_proj)  # the Triton GEMV's rows: SiLU-and-mul in its loads
+            return self.down_proj(fused.silu_mul(gate_up)) if out is None else out
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)

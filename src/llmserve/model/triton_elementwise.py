@@ -35,16 +35,22 @@ def _rms_norm_kernel(out_ptr, x_ptr, residual_ptr, weight_ptr, eps, hidden, stri
 
 
 @triton.jit
+def silu_times_up(gate, up):
+    """silu(gate) * up in gate's dtype, rounded where torch's chain rounds (F.silu to the input dtype, then the
+    product): the GEMV's gated load (model/triton_gemv.py) forms the same values."""
+    gate32 = gate.to(tl.float32)
+    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(out_ptr, gate_up_ptr, width, stride_g, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     is_col = offs < width
     gate = tl.load(gate_up_ptr + row * stride_g + offs, mask=is_col, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_g + width + offs, mask=is_col, other=0.0)
-    gate32 = gate.to(tl.float32)
-    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)  # F.silu rounds to the input dtype
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=is_col)
+    tl.store(out_ptr + row * stride_o + offs, silu_times_up(gate, up), mask=is_col)
 
 
 @triton.jit

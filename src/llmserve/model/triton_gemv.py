@@ -10,8 +10,10 @@ keeps cuBLAS for every row count until a device has measured both: scripts/gpu/g
 One program an output tile of BLOCK_N channels and a part of K: a 16-row tensor-core dot a step (rows past M
 read as zeros: free where the weight's bytes bound the step), the weight tile read once for all rows. A layer
 of few output tiles splits K (`GemvTiling.split_k`) so that enough programs keep loads in flight on every SM;
-the parts are added in order by a second launch (`add_parts`), with the bias. Runs through Triton's interpreter
-on CPU (tests/unit/test_triton_gemv.py); scripts/gpu/sm90_compile.py compiles it for sm_90 (mma.sync, cp.async).
+the parts are added in order by a second launch (`add_parts`), with the bias. A gated MLP's down projection
+takes gate_up itself and forms silu(gate) * up as it loads it (`is_gated`: the SiLU-and-mul launch saved).
+Runs through Triton's interpreter on CPU (tests/unit/test_triton_gemv.py); scripts/gpu/sm90_compile.py
+compiles it for sm_90 (mma.sync, cp.async).
 """
 
 from __future__ import annotations
@@ -23,19 +25,22 @@ import triton
 import triton.language as tl
 
 from llmserve.model.fused_cuda import GEMV_MAX_ROWS
+from llmserve.model.triton_elementwise import silu_times_up
 
 
 @dataclass(frozen=True)
 class GemvTiling:
-    """BLOCK_N output channels and BLOCK_K of K a step per program; K split until the output tiles times the
-    parts reach `min_programs` (several programs an SM: an H100 or H200 has 132), each part at least two
-    BLOCK_K. scripts/gpu/gemv_probe.py --sweep ranks other values on a device."""
+    """BLOCK_N output channels and BLOCK_K of K a step per program; K split only where the output tiles are fewer
+    than `min_programs` (two an SM of an H100's or H200's 132 keep ~2 x (num_stages - 1) weight tiles in flight
+    an SM, more than a read's latency needs), each part at least two BLOCK_K: a split costs a second launch,
+    and at one row a launch's gap costs about what a small layer's read does. No layer of the 8B shape splits.
+    scripts/gpu/gemv_probe.py --sweep ranks other values on a device."""
 
-    block_n: int = 32
-    block_k: int = 256
+    block_n: int = 16
+    block_k: int = 512
     num_warps: int = 4
-    num_stages: int = 4
-    min_programs: int = 528
+    num_stages: int = 3
+    min_programs: int = 256
 
     def split_k(self, n: int, k: int) -> int:
         """Parts K is split in for an [n, k] weight."""
@@ -56,8 +61,10 @@ GEMV_TILING = GemvTiling()
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_PART, stride_x, stride_w, stride_o,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr):
-    """Program (output tile, K part): acc[r, n] = sum over its K part of x[r, k] w[n, k], r < 16."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+                 IS_GATED: tl.constexpr):
+    """Program (output tile, K part): acc[r, n] = sum over its K part of x[r, k] w[n, k], r < 16; IS_GATED: x
+    is silu(gate) * up of gate_up [M, 2K] (gate columns first), formed as it is loaded."""
     rows = tl.arange(0, 16)  # [16]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k_lo = tl.program_id(1) * K_PART
@@ -65,8 +72,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_PART, stride_x, str
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-                    mask=(rows[:, None] < M) & (offs_k[None, :] < k_hi), other=0.0)  # [16, BK]
+        x_mask = (rows[:, None] < M) & (offs_k[None, :] < k_hi)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)  # [16, BK]
+        if IS_GATED:
+            up = tl.load(x_ptr + rows[:, None] * stride_x + K + offs_k[None, :], mask=x_mask, other=0.0)
+            x = silu_times_up(x, up)
         w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
                     mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_hi), other=0.0)  # [BK, BN]
         acc = tl.dot(x.to(w.dtype), w, acc)
@@ -111,12 +121,14 @@ def add_parts(parts: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         tiling: GemvTiling = GEMV_TILING) -> torch.Tensor:
+         tiling: GemvTiling = GEMV_TILING, is_gated: bool = False) -> torch.Tensor:
     """x [M <= 16, K] -> [M, N] in x's dtype, F.linear's result for weight [N, K] (K contiguous) and bias [N]
-    or None; sums in float32."""
-    rows, k = x.shape
+    or None; sums in float32. is_gated: x is gate_up [M, 2K] and the product is of silu(gate) * up, the values
+    triton_elementwise.silu_mul gives (one launch instead of two)."""
+    rows, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
-    assert rows <= GEMV_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    assert rows <= GEMV_MAX_ROWS and x.shape[1] == (2 * k if is_gated else k)
+    assert weight.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if not rows:
         return out
@@ -127,7 +139,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, tiling.block_n), split)](
         x, weight, bias if has_bias else weight, parts, rows, n, k, k_part, x.stride(0), weight.stride(0),
         out.stride(0), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, HAS_BIAS=has_bias, IS_SPLIT=split > 1,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        IS_GATED=is_gated, num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     if split > 1:
         add_parts(parts, out, bias)
     return out
