@@ -65,23 +65,27 @@ def graph_seconds(call, num_copies: int) -> float:
     return statistics.median(times)
 
 
+def weight_copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Distinct [n, k] weights, at least two, more bytes together than the L2 holds."""
+    num_copies = max(2, -(-L2_MARGIN_BYTES // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(num_copies)]
+
+
 def measure(n: int, k: int, rows: int, dtype: torch.dtype, tilings: list[GemvTiling]) -> tuple[float, list[float]]:
     """Seconds a call for cuBLAS and for each tiling of the Triton GEMV, x [rows, k] through weight [n, k]."""
-    num_copies = max(2, -(-L2_MARGIN_BYTES // (n * k * 2)))
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(num_copies)]
+    weights = weight_copies(n, k, dtype)
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     torch.testing.assert_close(gemv(x, weights[0], None, tilings[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
-    cublas = graph_seconds(lambda i: F.linear(x, weights[i]), num_copies)
-    return cublas, [graph_seconds(lambda i, t=t: gemv(x, weights[i], None, t), num_copies) for t in tilings]
+    cublas = graph_seconds(lambda i: F.linear(x, weights[i]), len(weights))
+    return cublas, [graph_seconds(lambda i, t=t: gemv(x, weights[i], None, t), len(weights)) for t in tilings]
 
 
 def measure_gated(n: int, k: int, rows: int, dtype: torch.dtype) -> tuple[float, float]:
     """Seconds for down(silu(gate) * up): silu_mul then cuBLAS (two launches), and the gated Triton GEMV (one)."""
-    num_copies = max(2, -(-L2_MARGIN_BYTES // (n * k * 2)))
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(num_copies)]
+    weights = weight_copies(n, k, dtype)
     gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)
-    two = graph_seconds(lambda i: F.linear(triton_elementwise.silu_mul(gate_up), weights[i]), num_copies)
-    return two, graph_seconds(lambda i: gemv(gate_up, weights[i], is_gated=True), num_copies)
+    two = graph_seconds(lambda i: F.linear(triton_elementwise.silu_mul(gate_up), weights[i]), len(weights))
+    return two, graph_seconds(lambda i: gemv(gate_up, weights[i], is_gated=True), len(weights))
 
 
 def dry_run(dtype: torch.dtype) -> None:

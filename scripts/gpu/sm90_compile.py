@@ -30,7 +30,7 @@ POINTERS = {"xq_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "
             "out_ptr": "*bf16"}
 SIZES = {"M": "i32", "N": "i32", "K": "i32", "K_PART": "i32", "stride_x": "i32", "stride_w": "i32",
          "stride_o": "i32"}
-DIVISIBLE = [*POINTERS, "N", "K", "K_PART", "stride_x", "stride_w", "stride_o"]  # M: the batch, any number
+DIVISIBLE_SIZES = ["N", "K", "K_PART", "stride_x", "stride_w", "stride_o"]  # and the pointers; M, the batch: any
 
 
 @dataclass(frozen=True)
@@ -54,17 +54,7 @@ def compile_decode(tiling: fp8_triton.DecodeTiling, row_tiles: int, is_split: bo
     fn = fp8_triton._decode_matmul_wide_kernel if is_wide else fp8_triton._decode_matmul_kernel
     rows = {"BLOCK_M": tiling.row_tile} if is_wide else {"ROW_TILES": row_tiles}
     constexprs = {**rows, "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k, "IS_SPLIT": is_split}
-    signature = {**POINTERS, **SIZES, **{name: "constexpr" for name in constexprs}}
-    names = list(signature)
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=TARGET, options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
-    ptx = kernel.asm["ptx"]
-    mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx)))
-    name = f"{tiling} row_tiles={row_tiles} split={is_split}"
-    is_promoted = "maxNumImpreciseAcc = 1073741824" not in kernel.asm["ttgir"]  # Triton's sm_90 default: never
-    return Compiled(name, ",".join(mma), len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared,
-                    is_promoted)
+    return _compile(fn, POINTERS, constexprs, tiling, f"{tiling} row_tiles={row_tiles} split={is_split}")
 
 
 def compile_gemv(tiling: triton_gemv.GemvTiling, is_split: bool, has_bias: bool, is_gated: bool) -> Compiled:
@@ -72,17 +62,23 @@ def compile_gemv(tiling: triton_gemv.GemvTiling, is_split: bool, has_bias: bool,
     constexprs = {"BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k, "HAS_BIAS": has_bias, "IS_SPLIT": is_split,
                   "IS_GATED": is_gated}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*fp32" if is_split else "*bf16"}
-    signature = {**pointers, **SIZES, **{name: "constexpr" for name in constexprs}}
+    return _compile(triton_gemv._gemv_kernel, pointers, constexprs, tiling,
+                    f"gemv {tiling} split={is_split} bias={has_bias} gated={is_gated}")
+
+
+def _compile(fn, pointers: dict[str, str], constexprs: dict, tiling, name: str) -> Compiled:
+    """A matmul kernel over `pointers` and SIZES compiled for sm_90, specialised as the JIT would be, and what its
+    PTX holds."""
+    signature = {**pointers, **SIZES, **{key: "constexpr" for key in constexprs}}
     names = list(signature)
-    divisible = [*pointers, "N", "K", "K_PART", "stride_x", "stride_w", "stride_o"]
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    kernel = triton.compile(ASTSource(fn=triton_gemv._gemv_kernel, signature=signature, constexprs=constexprs,
-                                      attrs=attrs),
+    attrs = {(names.index(key),): [["tt.divisibility", 16]] for key in [*pointers, *DIVISIBLE_SIZES]}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=TARGET, options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
     ptx = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx)))
-    return Compiled(f"gemv {tiling} split={is_split} bias={has_bias} gated={is_gated}", ",".join(mma),
-                    len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared, True)
+    is_promoted = "maxNumImpreciseAcc = 1073741824" not in kernel.asm["ttgir"]  # Triton's sm_90 default: never
+    return Compiled(name, ",".join(mma), len(re.findall(r"cp\.async\.c[ag]", ptx)), kernel.metadata.shared,
+                    is_promoted)
 
 
 def compile_helpers() -> None:

@@ -69,6 +69,8 @@ def gated_down(gate_up: torch.Tensor, down: torch.nn.Module) -> torch.Tensor | N
     """down(silu(gate) * up) in one Triton GEMV launch where the GEMV takes down's rows (`cuda_gemv`) and down is
     a plain `Linear` (not row-parallel, LoRA-wrapped or quantized: their forwards add to the product); else None
     (triton_elementwise.silu_mul, then down)."""
+    if gate_up.shape[0] > cuda_gemv_rows():  # every step's answer while the GEMV is off (the default)
+        return None
     from llmserve.model.linear import Linear
 
     if type(down) is not Linear or down.weight is None or (gemv := cuda_gemv(gate_up, down.weight)) is None:
