@@ -127,6 +127,33 @@ def test_the_triton_gemv_for_few_rows_keeps_greedy_tokens(checkpoint, monkeypatc
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
+def test_the_triton_gemv_through_prefix_hits_chunks_and_preemption(checkpoint, monkeypatch, enforce_eager):
+    """The same switch with prompts sharing a cached prefix, chunked by a 32-token budget, in a KV cache small
+    enough to preempt: transformers' greedy tokens within the bf16 tie gap."""
+    from llmserve.model import fused_cuda
+
+    monkeypatch.setenv("LLMSERVE_CUDA_GEMV_ROWS", "16")
+    fused_cuda.cuda_gemv_rows.cache_clear()
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 500) for _ in range(16)]
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(n)] for n in (5, 9, 3, 7)]
+    try:
+        llm = LLM(checkpoint, dtype="bfloat16", device="cuda", enforce_eager=enforce_eager, max_model_len=48,
+                  block_size=4, num_kv_blocks=16, max_num_batched_tokens=32)
+        outs = llm.generate(prompts[:1], PARAMS) + llm.generate(prompts[1:], PARAMS)
+    finally:
+        fused_cuda.cuda_gemv_rows.cache_clear()
+    assert llm.num_preemptions > 0, "the small cache was meant to preempt"
+    assert all(o.num_cached_tokens >= 16 for o in outs[1:])  # the first prompt's prefix, cached
+    hf = _hf(checkpoint)
+    for prompt, out in zip(prompts, outs):
+        note = check_greedy_against_hf(hf, prompt, out.outputs[0].token_ids, tie_gap=BF16_TIE_GAP)
+        if note:
+            warnings.warn(note)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
 def test_long_rows_split_their_keys(checkpoint, enforce_eager):
     """Decode rows past SPLIT_MIN_KEYS (1,024) split their keys (flash decoding), in the graphs that do and
     eagerly: float32 greedy tokens are transformers'."""
